@@ -1,0 +1,109 @@
+"""Configuration shared by the server, the client and the command line.
+
+``parse_size`` turns "4G", "500M", "64KiB" or a plain integer into bytes (powers of 1024:
+a memory pool is sized in binary units). ``MaruConfig`` holds the server's settings with
+the embedded defaults; every field is also a ``maru server`` flag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from maru.errors import ConfigError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
+DEFAULT_SERVER_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_POOL_SIZE = 1 << 30
+DEFAULT_ALIGNMENT = 4096
+DEFAULT_LEASE_TIMEOUT_S = 30.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+DEFAULT_REQUEST_TIMEOUT_S = 5.0
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1 << 40,
+    "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Return the number of bytes that ``value`` names.
+
+    Accepts an int (bytes) or a string such as ``"4G"``, ``"500M"``, ``"1.5GiB"``, ``"4096"``.
+    Units are binary (``1K == 1024``). Raises ``ConfigError`` naming the bad value.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number of bytes or a string like '4G', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must not be negative, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(
+            f"cannot parse size {value!r}: use a number with an optional unit "
+            "K, M, G or T (binary), for example '4G' or '512M'"
+        )
+    n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    return int(n)
+
+
+def format_size(n: int | float) -> str:
+    """Format a byte count the way ``parse_size`` reads it back, e.g. ``"4.0 GiB"``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def default_state_dir() -> Path:
+    """Where the server keeps its SQLite state when ``--state-dir`` is not given."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "maru"
+
+
+def default_pool_path(port: int = DEFAULT_PORT) -> str:
+    """The emulated pool file used when no device is given (one per server port)."""
+    return f"/dev/shm/maru-pool-{port}"
+
+
+@dataclass
+class MaruConfig:
+    """Settings of one ``maru server``. Defaults are the embedded single-machine setup."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    pool_path: str | None = None  # None: emulated pool under /dev/shm
+    pool_size: int = DEFAULT_POOL_SIZE
+    state_dir: Path = field(default_factory=default_state_dir)
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    alignment: int = DEFAULT_ALIGNMENT
+    max_object_size: int | None = None  # None: the whole usable pool
+    metrics_port: int | None = None
+    sysfs_root: str = "/sys"
+    log_level: str = "INFO"
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def resolved_pool_path(self) -> str:
+        return self.pool_path or default_pool_path(self.port)
