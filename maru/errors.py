@@ -61,3 +61,11 @@ class UnsupportedLayout(MaruError):
 
 class BackendUnavailable(MaruError):
     """A requested kernel backend (for example ``"triton"``) cannot run here."""
+
+
+class StaleAllocationError(MaruError):
+    """An object reserved with ``alloc`` can no longer be stored.
+
+    Its reservation was lost: the server restarted, or this client's lease expired, since
+    ``alloc``. Nothing was published under its key. Call ``alloc`` again and rewrite the bytes.
+    """

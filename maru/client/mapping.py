@@ -1,0 +1,115 @@
+"""The client's own mapping of the pool.
+
+Every object's bytes live in the pool; a client reads and writes them through one shared,
+writable mmap of the whole pool (file under /dev/shm or a DAX device). Offsets the server
+hands out are absolute offsets into that mapping, so a slice of it *is* the object: no copy.
+
+Invariant: a ``PoolMapping`` exists only for a pool whose header carries the UUID the server
+announced, so a client can never read or write a different pool that happens to sit at the
+same path (a re-created file, another host's device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import stat
+
+from maru.errors import PoolError
+from maru.pool.header import HEADER_BYTES, PoolHeader
+
+log = logging.getLogger("maru.client")
+
+
+class PoolMapping:
+    """A shared read/write mapping of one pool, checked against the server's pool UUID."""
+
+    def __init__(self, path: str, expected_uuid: str, pool_size: int, data_offset: int) -> None:
+        self.path = path
+        self.uuid = expected_uuid
+        self.size = pool_size
+        self.data_offset = data_offset
+        self._mmap = self._map(path, pool_size)
+        try:
+            self._check_header(expected_uuid)
+        except BaseException:
+            self._mmap.close()
+            raise
+        self._view: memoryview | None = memoryview(self._mmap)
+
+    @staticmethod
+    def _map(path: str, pool_size: int) -> mmap.mmap:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise PoolError(
+                f"pool {path} does not exist on this host; if the device has another path here, "
+                "pass MaruHandler(..., pool_path='/dev/daxX.Y')"
+            ) from None
+        except PermissionError:
+            raise PoolError(
+                f"no permission to open pool {path} read-write as uid {os.getuid()}; "
+                "run as the server's user or give this user rw access to the pool file/device"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size < pool_size:
+                raise PoolError(
+                    f"pool file {path} holds {st.st_size} bytes but the server says the pool has "
+                    f"{pool_size}; it is not the server's pool (was it re-created?)"
+                )
+            try:
+                return mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as e:
+                raise PoolError(f"cannot map pool {path} ({pool_size} bytes) read-write: {e}") from None
+        finally:
+            os.close(fd)
+
+    def _check_header(self, expected_uuid: str) -> None:
+        header = PoolHeader.unpack(bytes(self._mmap[:HEADER_BYTES]), self.path)
+        if header is None:
+            raise PoolError(
+                f"{self.path} carries no Maru pool header; it is not the pool the server serves "
+                "(pass the right pool_path=..., or check `maru doctor`)"
+            )
+        if header.uuid != expected_uuid:
+            raise PoolError(
+                f"pool {self.path} has UUID {header.uuid} but the server serves pool {expected_uuid}: "
+                "this path names another pool here; pass MaruHandler(..., pool_path=<this host's "
+                "path to the server's pool>)"
+            )
+
+    @property
+    def mmap(self) -> mmap.mmap:
+        """The raw mapping (for example to register the whole pool with CUDA)."""
+        return self._mmap
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the mapping's first byte in this process."""
+        # from_buffer exports the buffer only while the ctypes object lives: it dies right here.
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """A zero-copy slice ``[offset, offset + size)`` of the pool; refuses anything outside the data region."""
+        if self._view is None:
+            raise PoolError(f"mapping of pool {self.path} is closed")
+        if offset < self.data_offset or size < 0 or offset + size > self.size:
+            raise PoolError(
+                f"server placed an object at [{offset}, {offset + size}) outside the data region "
+                f"[{self.data_offset}, {self.size}) of pool {self.path}; client and server disagree on the pool"
+            )
+        return self._view[offset : offset + size]
+
+    def close(self) -> None:
+        """Unmap, unless views are still alive (then the OS unmaps when the last one goes)."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A caller still holds a view into the pool; unmapping now would make it fault.
+            log.debug("pool %s still has live views; it is unmapped when they are released", self.path)

@@ -1,0 +1,106 @@
+"""The two handles a client holds on pool memory: a reservation to fill, and a retrieved entry.
+
+``Allocation`` (from ``alloc``): space reserved for this client, not yet visible to anyone.
+Write ``buf`` completely, then ``store`` it under a key; or ``abort`` it. Once stored (or
+aborted) ``buf`` is released: the bytes of a published key never change.
+
+``Retrieved`` (from ``retrieve``): a committed entry's bytes, ``view`` a read-only slice of the
+pool. While it is pinned (the default) the server will not evict the entry. ``release()``
+unpins it and releases ``view``; using ``view`` (or a slice of it) after that is a bug, because
+the space may be evicted and reused for another object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _release_view(view: memoryview | None) -> None:
+    if view is None:
+        return
+    # A live export (numpy/torch array over the view) forbids release; the caller's own
+    # object then keeps the memory mapped, which is safe for the mapping, not for the data.
+    with contextlib.suppress(BufferError):
+        view.release()
+
+
+class AllocState(str, enum.Enum):
+    RESERVED = "reserved"
+    STORED = "stored"
+    PRESENT = "present"  # the key existed already; this reservation was freed
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Allocation:
+    """Space reserved in the pool for one object.
+
+    ``buf`` is a writable memoryview of exactly ``size`` bytes at ``offset`` in the pool.
+    ``session`` is the handler's session number at reservation time: a reservation belongs to
+    one server session and cannot be stored after the server restarted or the lease expired.
+    """
+
+    alloc_id: int
+    offset: int
+    size: int
+    session: int
+    buf: memoryview | None
+    state: AllocState = AllocState.RESERVED
+
+    @property
+    def reserved(self) -> bool:
+        return self.state is AllocState.RESERVED
+
+    def _finish(self, state: AllocState) -> None:
+        self.state = state
+        _release_view(self.buf)
+        self.buf = None
+
+    def __repr__(self) -> str:
+        return f"Allocation(id={self.alloc_id}, offset={self.offset}, size={self.size}, state={self.state.value})"
+
+
+@dataclass(eq=False)
+class Retrieved:
+    """A committed entry's bytes. ``view`` is a read-only memoryview into the pool.
+
+    Release it (``release()`` or ``with``) as soon as the bytes are copied out; ``release`` is
+    idempotent. After release ``view`` is None.
+    """
+
+    key: str
+    offset: int
+    size: int
+    view: memoryview | None
+    pinned: bool
+    _on_release: Callable[[Retrieved], None] | None = field(default=None, repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        """Unpin the entry (if pinned) and release ``view``. Safe to call twice."""
+        if self.released:
+            return
+        self.released = True
+        _release_view(self.view)
+        self.view = None
+        if self._on_release is not None:
+            cb, self._on_release = self._on_release, None
+            cb(self)
+
+    def tobytes(self) -> bytes:
+        """A copy of the entry's bytes (convenience; the zero-copy way is ``view``)."""
+        if self.view is None:
+            raise ValueError(f"retrieve handle of key {self.key!r} was released; retrieve the key again")
+        return self.view.tobytes()
+
+    def __enter__(self) -> Retrieved:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __len__(self) -> int:
+        return self.size

@@ -1,0 +1,125 @@
+"""The request/reply channel between a client and ``maru server``.
+
+One ZeroMQ DEALER socket, guarded by a lock: a request is sent and its reply awaited while
+the lock is held, so threads take turns and never read each other's replies. Replies are
+matched to requests by the request id in the frame header; a reply whose id does not match
+(the late answer to a request that already timed out) is dropped.
+
+Invariant: a request either gets its own reply or raises within ``timeout_s`` seconds
+(``NotConnectedError`` when no connection to the server exists, ``MaruTimeoutError`` when
+the request went out but no reply came back). After either failure the socket is replaced,
+so a request queued while the server was away is never delivered later by surprise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from maru import protocol
+from maru.errors import HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
+
+log = logging.getLogger("maru.client")
+
+
+def _start_hint() -> str:
+    return "is `maru server` running? start it with `maru server` (check with `maru doctor`)"
+
+
+class RpcChannel:
+    """A thread-safe request/reply channel to one server URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._closed = False
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            # LINGER 0: closing never blocks on unsent requests.
+            sock.setsockopt(zmq.LINGER, 0)
+            # IMMEDIATE: queue only on a live connection, so "server absent" shows up as
+            # "not writable" (NotConnectedError) instead of requests piling up for later.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            try:
+                sock.connect(self.url)
+            except zmq.ZMQError as e:
+                sock.close(0)
+                raise NotConnectedError(
+                    f"cannot connect to maru server at {self.url!r}: {e}; use a URL like tcp://127.0.0.1:5555"
+                ) from None
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def request(self, op: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one request and return its reply body (``ok`` may be False: the caller decides)."""
+        with self._lock:
+            if self._closed:
+                raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
+            sock = self._socket()
+            req_id = next(self._ids)
+            frame = protocol.encode(op, req_id, body)
+            deadline = time.monotonic() + timeout_s
+            try:
+                return self._exchange(sock, op, req_id, frame, deadline, timeout_s)
+            except (NotConnectedError, MaruTimeoutError):
+                self._drop_socket()
+                raise
+
+    def _exchange(
+        self, sock: zmq.Socket, op: int, req_id: int, frame: bytes, deadline: float, timeout_s: float
+    ) -> dict[str, Any]:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            # Not connected yet (or any more): wait for the connection up to the deadline.
+            if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
+                raise NotConnectedError(
+                    f"cannot reach maru server at {self.url} within {timeout_s:g} s: {_start_hint()}"
+                ) from None
+            sock.send(frame, zmq.NOBLOCK)
+        while True:
+            try:
+                reply = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLIN):
+                    raise MaruTimeoutError(
+                        f"no reply from maru server at {self.url} within {timeout_s:g} s "
+                        f"(op {protocol.Op(op).name}): {_start_hint()}"
+                    ) from None
+                continue
+            try:
+                _version, reply_op, reply_id = protocol.decode_header(reply)
+            except ProtocolError as e:
+                log.warning("dropping an unreadable frame from %s: %s", self.url, e)
+                continue
+            if reply_id != req_id:
+                continue  # the late reply of a request that timed out earlier
+            if reply_op != (op | protocol.REPLY_BIT):
+                raise ProtocolError(
+                    f"server at {self.url} answered request {req_id} ({protocol.Op(op).name}) "
+                    f"with op {reply_op:#x}; client and server disagree on the protocol"
+                )
+            return protocol.decode_body(reply)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop_socket()
