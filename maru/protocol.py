@@ -102,8 +102,8 @@ class CommitResult(str, enum.Enum):
     UNKNOWN_ALLOC = "unknown_alloc"
 
 
+# (unpackb takes no max_buffer_size: decode_body checks the frame length before unpacking.)
 _UNPACK_LIMITS = dict(
-    max_buffer_size=MAX_FRAME_BYTES,
     max_str_len=MAX_FRAME_BYTES,
     max_bin_len=MAX_FRAME_BYTES,
     max_array_len=MAX_BATCH * 4,
