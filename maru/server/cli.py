@@ -1,0 +1,131 @@
+"""``maru server`` / ``python -m maru.server``: flags and the entry point.
+
+``add_arguments(parser)`` adds the flags to any argparse parser (the ``maru`` command wires its
+``server`` subcommand to it); ``run(args)`` starts the server and returns the exit code:
+0 after a clean stop (SIGTERM/SIGINT), 2 for a configuration or pool error (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from maru.config import (
+    DEFAULT_HOST,
+    DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_POOL_SIZE,
+    DEFAULT_PORT,
+    MaruConfig,
+    default_pool_path,
+    default_state_dir,
+    format_size,
+    parse_size,
+)
+from maru.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``maru server`` flags to ``parser``."""
+    parser.add_argument(
+        "--pool-path",
+        metavar="PATH",
+        help=f"DAX device (/dev/daxX.Y) or pool file; default: an emulated pool {default_pool_path(0)[:-1]}<port>",
+    )
+    parser.add_argument(
+        "--pool-size",
+        metavar="SIZE",
+        help=f"size of a new pool file, e.g. 4G (default {format_size(DEFAULT_POOL_SIZE)}); an existing pool "
+        "keeps its size; a DAX device's size comes from sysfs",
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=f"where the SQLite state lives (default {default_state_dir()}/<port>)",
+    )
+    parser.add_argument(
+        "--lease-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        help=f"a client silent this long loses its reservations and pins (default {DEFAULT_LEASE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-object-size",
+        metavar="SIZE",
+        help="largest object a client may reserve (default: the whole pool)",
+    )
+    parser.add_argument(
+        "--alignment",
+        metavar="SIZE",
+        help="allocation unit of a new pool (power of two; default 4K for a file, the device align for DAX)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
+    )
+    parser.add_argument(
+        "--sysfs-root", default="/sys", help="where sysfs is mounted (default /sys; tests fake it)"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, int | None]:
+    """Build the config; returns ``(config, pool_size or None, alignment or None)``."""
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
+    if args.lease_timeout <= 0:
+        raise ConfigError(f"--lease-timeout {args.lease_timeout} must be positive")
+    pool_size = parse_size(args.pool_size) if args.pool_size is not None else None
+    alignment = parse_size(args.alignment) if args.alignment is not None else None
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / str(args.port)
+    cfg = MaruConfig(
+        host=args.host,
+        port=args.port,
+        pool_path=args.pool_path,
+        pool_size=pool_size or DEFAULT_POOL_SIZE,
+        state_dir=state_dir,
+        lease_timeout_s=args.lease_timeout,
+        max_object_size=parse_size(args.max_object_size) if args.max_object_size else None,
+        metrics_port=args.metrics_port,
+        sysfs_root=args.sysfs_root,
+        log_level=args.log_level,
+    )
+    if alignment is not None:
+        cfg.alignment = alignment
+    # A new emulated pool without --pool-size gets the default size; an existing one keeps its own.
+    import os
+
+    from maru.pool.backing import is_dax_path
+
+    path = cfg.resolved_pool_path()
+    if pool_size is None and not is_dax_path(path) and not os.path.exists(path):
+        pool_size = DEFAULT_POOL_SIZE
+    return cfg, pool_size, alignment
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``maru server`` with parsed ``args``; returns the process exit code."""
+    logging.basicConfig(
+        level=getattr(logging, args.log_level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from maru.server.server import run_server
+
+    try:
+        cfg, pool_size, alignment = config_from_args(args)
+    except ConfigError as e:
+        print(f"maru server: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return run_server(cfg, pool_size, alignment)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="maru server", description="Run the Maru metadata server.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,66 @@
+"""Client leases: who is alive, and who has been silent too long.
+
+A client holds a lease from its HANDSHAKE on; every request it sends (HEARTBEAT included)
+renews it. A client silent for more than ``timeout_s`` loses the lease: ``expired`` returns it
+once and forgets it, and the server then frees its reservations and releases its pins
+(``KeyRegistry.drop_client``). The clock is monotonic, so wall-clock jumps never expire anyone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+
+@dataclass
+class Lease:
+    client: Hashable
+    host: str
+    pid: int
+    since: float
+    last_seen: float
+
+
+class LeaseTable:
+    """Live clients and the time each was last heard from."""
+
+    def __init__(self, timeout_s: float, clock=time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._leases: dict[Hashable, Lease] = {}
+
+    def grant(self, client: Hashable, host: str = "", pid: int = 0) -> Lease:
+        now = self._clock()
+        lease = self._leases.get(client)
+        if lease is None:
+            lease = self._leases[client] = Lease(client, host, pid, now, now)
+        else:
+            lease.last_seen = now
+            lease.host, lease.pid = host or lease.host, pid or lease.pid
+        return lease
+
+    def renew(self, client: Hashable) -> bool:
+        """Renew the lease of ``client``; False if it has none (never shook hands, or expired)."""
+        lease = self._leases.get(client)
+        if lease is None:
+            return False
+        lease.last_seen = self._clock()
+        return True
+
+    def __contains__(self, client: Hashable) -> bool:
+        return client in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def expired(self) -> list[Lease]:
+        """Remove and return every lease silent past the timeout."""
+        deadline = self._clock() - self.timeout_s
+        gone = [lease for lease in self._leases.values() if lease.last_seen < deadline]
+        for lease in gone:
+            del self._leases[lease.client]
+        return gone
+
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())

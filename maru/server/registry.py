@@ -1,0 +1,341 @@
+"""The key registry: which key names which bytes of the pool, who is writing, who is reading.
+
+Invariants (each is a promise the tests try to break):
+
+1. **Write-once keys.** A key, once committed, names the same ``(offset, size)`` until it is
+   deleted or evicted. A second commit of a visible key does not replace it: the duplicate's
+   space is freed and the commit reports ``"present"``.
+2. **Visible only after commit.** A reservation (RESERVE) is private to the client that made it;
+   no LOOKUP or EXISTS sees its key until COMMIT. A visible key therefore means complete bytes.
+3. **Pins are per client and counted.** Each PIN (or pinning LOOKUP) adds one to the client's count
+   on that entry; UNPIN takes one away. An entry with any pin is never evicted and its space is
+   never freed.
+4. **LRU eviction of unpinned entries.** When a reservation does not fit, entries that are visible
+   and unpinned are evicted from least to most recently used until it fits or none are left (then
+   that reservation is None). LOOKUP, EXISTS and COMMIT count as use.
+5. **DELETE hides at once, frees last.** A deleted key is invisible immediately; its space is freed
+   when its last pin goes (at once when it has none).
+6. **Leases own reservations and pins, not keys.** ``drop_client`` (lease expiry) frees the client's
+   reservations and releases its pins; the keys it committed stay.
+
+The registry is single-threaded by design (the server's event loop is its only caller). Every
+change to the committed set is reported to a ``Journal`` so the server can persist it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from maru.pool.allocator import ExtentAllocator
+from maru.protocol import CommitResult
+
+ClientId = Hashable
+
+
+class Journal(Protocol):
+    """Where the registry reports changes to committed entries (the server persists them)."""
+
+    def put(self, key: str, offset: int, size: int, tick: int) -> None: ...
+
+    def remove(self, key: str) -> None: ...
+
+    def touch(self, key: str, tick: int) -> None: ...
+
+
+class NullJournal:
+    """A journal that forgets (unit tests, or a server without persistence)."""
+
+    def put(self, key: str, offset: int, size: int, tick: int) -> None:
+        pass
+
+    def remove(self, key: str) -> None:
+        pass
+
+    def touch(self, key: str, tick: int) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Entry:
+    """A committed object. Identity (not the key) names it: a deleted entry can outlive its key."""
+
+    key: str
+    offset: int
+    size: int
+    tick: int = 0
+    pins: dict[ClientId, int] = field(default_factory=dict)
+    visible: bool = True
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pins)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    alloc_id: int
+    client: ClientId
+    offset: int
+    size: int
+
+
+@dataclass
+class RegistryCounters:
+    stores: int = 0
+    duplicates: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    bytes_stored: int = 0
+
+
+class KeyRegistry:
+    """Keys, reservations and pins over one ``ExtentAllocator`` (see the module docstring)."""
+
+    def __init__(
+        self, allocator: ExtentAllocator, journal: Journal | None = None, first_alloc_id: int = 1
+    ) -> None:
+        self.alloc = allocator
+        self.journal: Journal = journal or NullJournal()
+        self.counters = RegistryCounters()
+        self._entries: dict[str, Entry] = {}  # visible entries only
+        self._lru: OrderedDict[str, Entry] = OrderedDict()  # visible AND unpinned, oldest first
+        self._lru_bytes = 0  # aligned bytes of entries in _lru (what eviction could free)
+        self._reservations: dict[int, Reservation] = {}
+        self._client_allocs: dict[ClientId, set[int]] = {}
+        self._client_pins: dict[ClientId, dict[str, list[Entry]]] = {}
+        self._pinned_entries = 0
+        self._reserved_bytes = 0
+        self._tick = 0
+        self._next_alloc_id = first_alloc_id
+
+    # -- loading (restart) --------------------------------------------------------------------
+
+    def load(self, rows: Iterable[tuple[str, int, int, int]]) -> None:
+        """Install committed entries ``(key, offset, size, tick)`` whose extents the allocator
+        already marks used (``ExtentAllocator.from_used``). LRU order follows the ticks."""
+        for key, offset, size, tick in sorted(rows, key=lambda r: r[3]):
+            e = Entry(key, offset, size, tick)
+            self._entries[key] = e
+            self._lru[key] = e
+            self._lru_bytes += self.alloc.round_up(size)
+            self._tick = max(self._tick, tick)
+
+    # -- writers ------------------------------------------------------------------------------
+
+    def reserve(self, client: ClientId, size: int) -> Reservation | None:
+        """Reserve ``size`` bytes for ``client``, evicting LRU unpinned entries if needed."""
+        offset = self.alloc.allocate(size)
+        if offset is None and self.alloc.round_up(size) <= self.alloc.free_bytes + self._lru_bytes:
+            # Only evict when eviction could possibly make room; otherwise we would empty the
+            # cache and still fail.
+            while offset is None and self._lru:
+                self._evict_one()
+                offset = self.alloc.allocate(size)
+        if offset is None:
+            return None
+        r = Reservation(self._next_alloc_id, client, offset, size)
+        self._next_alloc_id += 1
+        self._reservations[r.alloc_id] = r
+        self._client_allocs.setdefault(client, set()).add(r.alloc_id)
+        self._reserved_bytes += self.alloc.round_up(size)
+        return r
+
+    def commit(self, client: ClientId, key: str, alloc_id: int) -> CommitResult:
+        """Publish the reservation ``alloc_id`` under ``key`` (write-once; see invariant 1)."""
+        r = self._reservations.get(alloc_id)
+        if r is None or r.client != client:
+            return CommitResult.UNKNOWN_ALLOC
+        self._drop_reservation(r)
+        existing = self._entries.get(key)
+        if existing is not None:
+            self.alloc.free(r.offset)
+            self.counters.duplicates += 1
+            self._touch(existing)
+            return CommitResult.PRESENT
+        self._tick += 1
+        e = Entry(key, r.offset, r.size, self._tick)
+        self._entries[key] = e
+        self._lru[key] = e
+        self._lru_bytes += self.alloc.round_up(e.size)
+        self.counters.stores += 1
+        self.counters.bytes_stored += r.size
+        self.journal.put(key, e.offset, e.size, e.tick)
+        return CommitResult.STORED
+
+    def abort(self, client: ClientId, alloc_id: int) -> bool:
+        """Free a reservation of ``client``; False if it has no such reservation."""
+        r = self._reservations.get(alloc_id)
+        if r is None or r.client != client:
+            return False
+        self._drop_reservation(r)
+        self.alloc.free(r.offset)
+        return True
+
+    # -- readers ------------------------------------------------------------------------------
+
+    def lookup(self, key: str) -> Entry | None:
+        e = self._entries.get(key)
+        if e is not None:
+            self._touch(e)
+        return e
+
+    def exists(self, key: str) -> bool:
+        return self.lookup(key) is not None
+
+    def peek(self, key: str) -> Entry | None:
+        """The visible entry of ``key`` without counting as a use (no LRU change)."""
+        return self._entries.get(key)
+
+    def pin(self, client: ClientId, key: str) -> Entry | None:
+        """Add one pin of ``client`` on the visible entry of ``key``; None if there is none."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        self._touch(e)
+        if not e.pins:
+            self._lru.pop(key, None)
+            self._lru_bytes -= self.alloc.round_up(e.size)
+            self._pinned_entries += 1
+        e.pins[client] = e.pins.get(client, 0) + 1
+        held = self._client_pins.setdefault(client, {}).setdefault(key, [])
+        if e not in held:
+            held.append(e)
+        return e
+
+    def unpin(self, client: ClientId, key: str) -> bool:
+        """Take one pin of ``client`` off ``key`` (the visible entry first, else a deleted one)."""
+        held = self._client_pins.get(client, {}).get(key)
+        if not held:
+            return False
+        visible = self._entries.get(key)
+        e = visible if visible in held else held[-1]
+        self._release_pin(client, e, 1)
+        return True
+
+    def delete(self, key: str) -> bool:
+        """Hide ``key`` now; free its space now if unpinned, else when the last pin goes."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return False
+        e.visible = False
+        self.journal.remove(key)
+        if e.pins:
+            return True
+        self._lru.pop(key, None)
+        self._lru_bytes -= self.alloc.round_up(e.size)
+        self.alloc.free(e.offset)
+        return True
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def drop_client(self, client: ClientId) -> tuple[int, int]:
+        """Free every reservation and release every pin of ``client`` (its lease expired).
+
+        Returns ``(reservations_freed, pins_released)``; committed keys stay.
+        """
+        freed = 0
+        for alloc_id in list(self._client_allocs.get(client, ())):
+            if self.abort(client, alloc_id):
+                freed += 1
+        self._client_allocs.pop(client, None)
+        released = 0
+        for entries in list(self._client_pins.get(client, {}).values()):
+            for e in list(entries):
+                n = e.pins.get(client, 0)
+                released += n
+                self._release_pin(client, e, n)
+        self._client_pins.pop(client, None)
+        return freed, released
+
+    def client_has_state(self, client: ClientId) -> bool:
+        return bool(self._client_allocs.get(client)) or bool(self._client_pins.get(client))
+
+    # -- gauges -------------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pinned_entries(self) -> int:
+        """Entries (visible or deleted) with at least one pin."""
+        return self._pinned_entries
+
+    @property
+    def reservations(self) -> int:
+        return len(self._reservations)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.alloc.used_bytes - self._reserved_bytes
+
+    @property
+    def evictable_bytes(self) -> int:
+        return self._lru_bytes
+
+    def lru_keys(self) -> list[str]:
+        """Evictable keys, least recently used first (tests and debugging)."""
+        return list(self._lru)
+
+    def dirty_ticks(self) -> Iterable[tuple[str, int]]:
+        return ((k, e.tick) for k, e in self._entries.items())
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _touch(self, e: Entry) -> None:
+        self._tick += 1
+        e.tick = self._tick
+        if e.key in self._lru:
+            self._lru.move_to_end(e.key)
+        self.journal.touch(e.key, e.tick)
+
+    def _evict_one(self) -> None:
+        key, e = self._lru.popitem(last=False)
+        self._lru_bytes -= self.alloc.round_up(e.size)
+        del self._entries[key]
+        e.visible = False
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += e.size
+        self.alloc.free(e.offset)
+        self.journal.remove(key)
+
+    def _drop_reservation(self, r: Reservation) -> None:
+        del self._reservations[r.alloc_id]
+        allocs = self._client_allocs.get(r.client)
+        if allocs is not None:
+            allocs.discard(r.alloc_id)
+            if not allocs:
+                del self._client_allocs[r.client]
+        self._reserved_bytes -= self.alloc.round_up(r.size)
+
+    def _release_pin(self, client: ClientId, e: Entry, n: int) -> None:
+        left = e.pins.get(client, 0) - n
+        if left > 0:
+            e.pins[client] = left
+            return
+        e.pins.pop(client, None)
+        held = self._client_pins.get(client)
+        if held is not None:
+            lst = held.get(e.key)
+            if lst is not None and e in lst:
+                lst.remove(e)
+                if not lst:
+                    del held[e.key]
+            if not held:
+                del self._client_pins[client]
+        if e.pins:
+            return
+        self._pinned_entries -= 1
+        if e.visible:
+            # Back in the eviction order as most recently used: it was just read.
+            self._lru[e.key] = e
+            self._lru_bytes += self.alloc.round_up(e.size)
+        else:
+            self.alloc.free(e.offset)

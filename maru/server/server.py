@@ -1,0 +1,657 @@
+"""The Maru metadata server: one ZeroMQ ROUTER socket, one thread, one dispatch table.
+
+Everything that touches the registry, the leases and SQLite runs on the event loop's thread, so
+none of it needs a lock. Per request: decode header, decode body, validate, act, flush SQL if the
+committed set changed, reply. No request is answered before its changes are durable.
+
+Robustness promises (tested by the fuzz test):
+- every frame with a readable 16-byte header gets exactly one reply with its request id echoed;
+  a shorter frame (or a broken envelope) is dropped and counted in ``malformed_frames``;
+- a bad frame never raises out of the loop and never changes state: fields are validated before
+  anything is mutated;
+- nothing a client sends is kept beyond its request, except its lease, reservations and pins,
+  which are bounded by the pool and reaped when the lease expires.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from maru import protocol as P
+from maru.config import MaruConfig, format_size
+from maru.errors import ConfigError, MaruError, PoolError, ProtocolError
+from maru.pool.allocator import ExtentAllocator
+from maru.pool.backing import PoolInfo, open_pool
+from maru.protocol import ErrorCode, Op
+from maru.server.leases import LeaseTable
+from maru.server.registry import KeyRegistry
+from maru.server.state import TICK_FLUSH_S, StateStore
+from maru.server.stats import ServerStats, start_metrics_server
+
+log = logging.getLogger("maru.server")
+
+MAX_CLIENT_ID_LEN = 256
+MAX_HOST_LEN = 256
+# zmq closes a peer that sends a message larger than this (protects our memory). Frames between
+# MAX_FRAME_BYTES and this still arrive and get a "too_large" reply.
+ZMQ_MAXMSGSIZE = 2 * P.MAX_FRAME_BYTES
+_BURST = 512  # messages handled per poll wake-up before housekeeping gets a turn
+
+
+class Reject(Exception):
+    """A request that gets an error reply (carries the code and the human message)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- field validation (every check raises Reject, never anything else) ---------------------------
+
+
+def _field(body: dict[str, Any], name: str) -> Any:
+    try:
+        return body[name]
+    except KeyError:
+        raise Reject(ErrorCode.BAD_REQUEST, f"missing field {name!r}") from None
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if type(value) is not int:
+        raise Reject(ErrorCode.BAD_REQUEST, f"{name} must be an integer, got {type(value).__name__}")
+    if value < lo or value > hi:
+        code = ErrorCode.TOO_LARGE if value > hi else ErrorCode.BAD_REQUEST
+        raise Reject(code, f"{name} = {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _list(body: dict[str, Any], name: str) -> list[Any]:
+    value = _field(body, name)
+    if type(value) is not list:
+        raise Reject(ErrorCode.BAD_REQUEST, f"{name} must be a list, got {type(value).__name__}")
+    if len(value) > P.MAX_BATCH:
+        raise Reject(
+            ErrorCode.TOO_LARGE, f"{name} has {len(value)} items; the limit is {P.MAX_BATCH}: split it"
+        )
+    return value
+
+
+_MAX_FAST_KEY_CHARS = P.MAX_KEY_BYTES // 4  # a str this short is under the byte limit in any encoding
+
+
+def _keys(body: dict[str, Any]) -> list[str]:
+    keys = _list(body, "keys")
+    for k in keys:
+        if type(k) is not str:
+            raise Reject(ErrorCode.BAD_REQUEST, f"keys must be strings, got {type(k).__name__}")
+        if len(k) > _MAX_FAST_KEY_CHARS:
+            _check_long_key(k)
+    return keys
+
+
+def _check_long_key(k: str) -> None:
+    try:
+        n = len(k.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise Reject(ErrorCode.BAD_REQUEST, "key is not valid UTF-8 (lone surrogate)") from None
+    if n > P.MAX_KEY_BYTES:
+        raise Reject(ErrorCode.TOO_LARGE, f"key of {n} bytes is over the {P.MAX_KEY_BYTES}-byte limit")
+
+
+def _client_id(body: dict[str, Any]) -> Any:
+    cid = _field(body, "client_id")
+    t = type(cid)
+    if t is int:
+        return cid
+    if t is str or t is bytes:
+        if 0 < len(cid) <= MAX_CLIENT_ID_LEN:
+            return cid
+        raise Reject(ErrorCode.BAD_REQUEST, f"client_id must be 1..{MAX_CLIENT_ID_LEN} long")
+    raise Reject(ErrorCode.BAD_REQUEST, f"client_id must be a string, bytes or integer, got {t.__name__}")
+
+
+class _FileLock:
+    """An exclusive, non-blocking flock held for the server's lifetime (one server per pool/state)."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.fd = (
+            os.open(path, os.O_RDONLY | os.O_CREAT, 0o600) if what == "state" else os.open(path, os.O_RDONLY)
+        )
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self.fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise PoolError(
+                    f"{what} {path} is in use by another maru server; stop it, or give this one its own "
+                    f"--pool-path and --state-dir"
+                ) from None
+            if e.errno not in (errno.ENOTSUP, errno.EINVAL):
+                raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class MaruServer:
+    """One pool, one registry, one ROUTER socket. ``start()`` binds; ``serve_forever()`` runs."""
+
+    def __init__(self, cfg: MaruConfig, pool_size: int | None = None, alignment: int | None = None) -> None:
+        """``pool_size``/``alignment`` None: take them from an existing pool (or the defaults)."""
+        self.cfg = cfg
+        self._requested_size = pool_size
+        self._requested_alignment = alignment
+        self.server_id = secrets.token_hex(8)
+        self.stats = ServerStats()
+        self.leases = LeaseTable(cfg.lease_timeout_s)
+        self._stop = False
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._locks: list[_FileLock] = []
+        self._metrics: Any = None
+        self.pool: PoolInfo
+        self.state: StateStore
+        self.registry: KeyRegistry
+        self.max_object_size: int
+        self._dispatch: dict[int, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
+            Op.HANDSHAKE: self._handshake,
+            Op.RESERVE: self._reserve,
+            Op.COMMIT: self._commit,
+            Op.ABORT: self._abort,
+            Op.LOOKUP: self._lookup,
+            Op.EXISTS: self._exists,
+            Op.PIN: self._pin,
+            Op.UNPIN: self._unpin,
+            Op.DELETE: self._delete,
+            Op.HEARTBEAT: self._heartbeat,
+            Op.STATS: self._stats,
+            Op.USAGE: self._usage,
+        }
+        # Ops that act on a client's reservations or pins need a live lease.
+        self._needs_lease = {Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the socket, open the pool and the state, rebuild the registry. Raises MaruError."""
+        try:
+            self._bind()
+            self._open_pool_and_state()
+            if self.cfg.metrics_port:
+                try:
+                    self._metrics = start_metrics_server(self.cfg.metrics_port, self.snapshot)
+                except OSError as e:
+                    raise ConfigError(
+                        f"cannot serve metrics on 127.0.0.1:{self.cfg.metrics_port}: {e.strerror}; "
+                        "pick another --metrics-port"
+                    ) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _bind(self) -> None:
+        ctx = self._ctx = zmq.Context()
+        sock = self._sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not raise on reply
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAXMSGSIZE)
+        try:
+            sock.bind(self.cfg.url)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EADDRINUSE:
+                raise ConfigError(
+                    f"cannot listen on {self.cfg.url}: the address is already in use (another maru server?); "
+                    f"stop that process or pass another --port"
+                ) from None
+            raise ConfigError(f"cannot listen on {self.cfg.url}: {e}; check --host and --port") from None
+
+    def _open_pool_and_state(self) -> None:
+        cfg = self.cfg
+        path = cfg.resolved_pool_path()
+        self.pool = pool = open_pool(path, self._requested_size, self._requested_alignment, cfg.sysfs_root)
+        self._locks.append(_FileLock(pool.path, "pool"))
+        self.state = StateStore(cfg.state_dir)
+        self._locks.append(_FileLock(str(Path(cfg.state_dir) / "maru-state.lock"), "state"))
+        self.state.bind_pool(pool)
+        max_obj = cfg.max_object_size or pool.data_size
+        if max_obj <= 0 or max_obj > pool.data_size:
+            raise ConfigError(
+                f"--max-object-size {format_size(max_obj)} must be between 1 byte and the pool's data size "
+                f"({format_size(pool.data_size)})"
+            )
+        self.max_object_size = max_obj
+        rows = self.state.load_entries()
+        alloc, rejected = ExtentAllocator.from_used(
+            pool.data_offset, pool.pool_size, pool.alignment, [(o, s) for _, o, s, _ in rows]
+        )
+        if rejected:
+            bad = set(rejected)
+            dropped = [k for k, o, s, _ in rows if (o, s) in bad]
+            log.error(
+                "state %s had %d entries outside the pool or overlapping others; dropped them: %s",
+                self.state.path,
+                len(dropped),
+                dropped[:10],
+            )
+            self.state.drop_entries(dropped)
+            rows = [r for r in rows if (r[1], r[2]) not in bad]
+        # Alloc ids never repeat across restarts, so a commit of a pre-restart reservation can
+        # never hit a reservation made after the restart.
+        self.registry = KeyRegistry(alloc, self.state, first_alloc_id=secrets.randbits(40) << 20)
+        self.registry.load(rows)
+        log.info(
+            "loaded %d committed entries (%s) from %s",
+            len(rows),
+            format_size(alloc.used_bytes),
+            self.state.path,
+        )
+
+    def ready_line(self) -> str:
+        p = self.pool
+        return (
+            f"maru server ready on {self.cfg.url} pool={p.path} ({p.kind}) size={format_size(p.pool_size)} "
+            f"uuid={p.uuid} entries={self.registry.entries} state={self.state.dir}"
+        )
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve_forever(self, install_signals: bool = True) -> None:
+        """Run the event loop until SIGTERM/SIGINT (or ``request_stop``), then close cleanly."""
+        if install_signals:
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
+        sock = self._sock
+        assert sock is not None
+        housekeeping_s = max(0.05, min(1.0, self.cfg.lease_timeout_s / 4))
+        poll_ms = int(housekeeping_s * 1000)
+        next_reap = time.monotonic() + housekeeping_s
+        next_ticks = time.monotonic() + TICK_FLUSH_S
+        recv = sock.recv_multipart
+        try:
+            while not self._stop:
+                try:
+                    if sock.poll(poll_ms, zmq.POLLIN):
+                        for _ in range(_BURST):
+                            try:
+                                parts = recv(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._on_message(parts)
+                except zmq.ZMQError as e:
+                    if e.errno == errno.EINTR:
+                        continue
+                    raise
+                now = time.monotonic()
+                if now >= next_reap:
+                    self.reap()
+                    next_reap = now + housekeeping_s
+                if now >= next_ticks:
+                    self._flush_ticks()
+                    next_ticks = now + TICK_FLUSH_S
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the socket and checkpoint SQLite. Idempotent."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        state = getattr(self, "state", None)
+        if state is not None:
+            try:
+                state.close()
+            except Exception:
+                log.exception("closing the state database failed")
+            del self.state
+        if self._metrics is not None:
+            try:
+                server, thread = self._metrics
+                server.shutdown()
+            except Exception:
+                pass
+            self._metrics = None
+        for lock in self._locks:
+            lock.close()
+        self._locks.clear()
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Expire silent clients: their reservations return to the pool, their pins go."""
+        gone = self.leases.expired()
+        for lease in gone:
+            freed, released = self.registry.drop_client(lease.client)
+            self.stats.add("leases_expired")
+            self.stats.add("reclaimed_reservations", freed)
+            self.stats.add("released_pins", released)
+            log.info(
+                "lease of client %r (%s pid %s) expired after %.1f s of silence: freed %d reservations, "
+                "released %d pins",
+                lease.client,
+                lease.host,
+                lease.pid,
+                self.leases.timeout_s,
+                freed,
+                released,
+            )
+        if gone:
+            self._flush()
+
+    def _flush_ticks(self) -> None:
+        try:
+            self.state.flush_ticks()
+        except Exception:
+            log.exception("writing LRU ticks to %s failed", self.state.path)
+
+    def _flush(self) -> None:
+        if self.state.dirty:
+            self.state.flush()
+            self.stats.add("sql_transactions")
+
+    # -- one message --------------------------------------------------------------------------
+
+    def _on_message(self, parts: list[bytes]) -> None:
+        # ROUTER gives [identity, frame] from a DEALER, [identity, b"", frame] from a REQ-style peer.
+        if len(parts) < 2 or len(parts) > 3 or (len(parts) == 3 and parts[1]):
+            self.stats.add("malformed_frames")
+            return
+        reply = self.handle_frame(parts[-1])
+        if reply is None:
+            return
+        try:
+            self._sock.send_multipart([*parts[:-1], reply], zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.ZMQError:
+            pass  # the client is gone or not reading; its lease will expire
+
+    def handle_frame(self, frame: bytes) -> bytes | None:
+        """Answer one frame; None for a frame too short to carry a header (no id to echo)."""
+        if len(frame) < P.HEADER_SIZE:
+            self.stats.add("malformed_frames")
+            return None
+        magic, version, op, req_id = P.HEADER.unpack_from(frame)
+        reply_op = (op | P.REPLY_BIT) & 0xFFFF
+        try:
+            body = self._handle(magic, version, op, frame)
+        except Reject as r:
+            self.stats.errors[r.code.value] += 1
+            body = P.error(r.code, r.message)
+        except Exception as e:  # a bug must cost one request, never the server
+            log.exception("internal error handling op %s", op)
+            self.stats.errors[ErrorCode.INTERNAL.value] += 1
+            body = P.error(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}: {e}")
+        try:
+            return P.encode(reply_op, req_id, body)
+        except ProtocolError as e:
+            self.stats.errors[ErrorCode.TOO_LARGE.value] += 1
+            return P.encode(reply_op, req_id, P.error(ErrorCode.TOO_LARGE, f"reply too large: {e}"))
+
+    def _handle(self, magic: bytes, version: int, op: int, frame: bytes) -> dict[str, Any]:
+        if magic != P.MAGIC:
+            raise Reject(ErrorCode.MALFORMED, f"bad magic {magic!r}: not a Maru frame")
+        if version != P.PROTOCOL_VERSION:
+            raise Reject(
+                ErrorCode.VERSION,
+                f"protocol version {version} is not supported; this server speaks {P.PROTOCOL_VERSION}: "
+                "upgrade the older of client and server",
+            )
+        handler = self._dispatch.get(op)
+        if handler is None:
+            self.stats.requests["unknown"] += 1
+            raise Reject(ErrorCode.UNKNOWN_OP, f"unknown op {op}")
+        self.stats.requests[Op(op).name.lower()] += 1
+        if len(frame) > P.MAX_FRAME_BYTES:
+            raise Reject(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over {P.MAX_FRAME_BYTES}")
+        try:
+            body = P.decode_body(frame)
+        except ProtocolError as e:
+            raise Reject(ErrorCode.MALFORMED, str(e)) from None
+        client = _client_id(body)
+        if op in self._needs_lease or (op == Op.LOOKUP and body.get("pin") is True):
+            if not self.leases.renew(client):
+                raise Reject(
+                    ErrorCode.UNKNOWN_CLIENT,
+                    f"client {client!r} has no lease (no handshake, or silent past {self.leases.timeout_s:g} s, "
+                    "or the server restarted): handshake again",
+                )
+        elif op != Op.HEARTBEAT:
+            self.leases.renew(client)
+        reply = handler(client, body)
+        self._flush()  # durable before the client hears "stored"
+        return reply
+
+    # -- handlers (validate everything first, then act) ----------------------------------------
+
+    def _handshake(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        host = body.get("host", "")
+        pid = body.get("pid", 0)
+        if type(host) is not str or len(host) > MAX_HOST_LEN:
+            raise Reject(ErrorCode.BAD_REQUEST, f"host must be a string of at most {MAX_HOST_LEN} characters")
+        _int(pid, "pid", 0, 1 << 32)
+        self.leases.grant(client, host, pid)
+        p = self.pool
+        return P.ok(
+            server_id=self.server_id,
+            pool_path=p.path,
+            pool_uuid=p.uuid,
+            pool_kind=p.kind,
+            pool_size=p.pool_size,
+            data_offset=p.data_offset,
+            data_size=p.data_size,
+            alignment=p.alignment,
+            max_object_size=self.max_object_size,
+            lease_timeout_s=self.leases.timeout_s,
+            protocol_version=P.PROTOCOL_VERSION,
+            max_batch=P.MAX_BATCH,
+            max_key_bytes=P.MAX_KEY_BYTES,
+        )
+
+    def _reserve(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        sizes = _list(body, "sizes")
+        for s in sizes:
+            if type(s) is not int:
+                raise Reject(ErrorCode.BAD_REQUEST, f"sizes must be integers, got {type(s).__name__}")
+            if s <= 0:
+                raise Reject(ErrorCode.BAD_REQUEST, f"size {s} must be positive")
+            if s > self.max_object_size:
+                raise Reject(
+                    ErrorCode.TOO_LARGE,
+                    f"object of {s} bytes is over the server's max object size {self.max_object_size}",
+                )
+        reg = self.registry
+        before = reg.counters.evictions
+        allocs: list[list[int] | None] = []
+        for s in sizes:
+            r = reg.reserve(client, s)
+            allocs.append(None if r is None else [r.alloc_id, r.offset, r.size])
+        failures = allocs.count(None)
+        self.stats.add("reserves", len(sizes) - failures)
+        self.stats.add("reserve_failures", failures)
+        self._count_evictions(before)
+        return P.ok(allocs=allocs)
+
+    def _count_evictions(self, before: int) -> None:
+        n = self.registry.counters.evictions - before
+        if n:
+            self.stats.add("evictions", n)
+
+    def _commit(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        items = _list(body, "items")
+        for it in items:
+            if type(it) is not list or len(it) != 2 or type(it[0]) is not str or type(it[1]) is not int:
+                raise Reject(ErrorCode.BAD_REQUEST, "items must be [key: str, alloc_id: int] pairs")
+            if len(it[0]) > _MAX_FAST_KEY_CHARS:
+                _check_long_key(it[0])
+        reg = self.registry
+        results = []
+        add = self.stats.add
+        for key, alloc_id in items:
+            r = reg.commit(client, key, alloc_id)
+            results.append(r.value)
+            if r is P.CommitResult.STORED:
+                add("stores")
+                add("bytes_stored", reg.peek(key).size)  # type: ignore[union-attr]
+            elif r is P.CommitResult.PRESENT:
+                add("duplicates")
+            else:
+                add("unknown_allocs")
+        return P.ok(results=results)
+
+    def _abort(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        ids = _list(body, "alloc_ids")
+        for a in ids:
+            if type(a) is not int:
+                raise Reject(ErrorCode.BAD_REQUEST, "alloc_ids must be integers")
+        freed = sum(1 for a in ids if self.registry.abort(client, a))
+        self.stats.add("aborts", freed)
+        return P.ok(freed=freed)
+
+    def _lookup(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(body)
+        pin = body.get("pin", False)
+        if type(pin) is not bool:
+            raise Reject(ErrorCode.BAD_REQUEST, "pin must be true or false")
+        reg = self.registry
+        find = reg.pin if pin else None
+        entries: list[list[int] | None] = []
+        served = 0
+        for k in keys:
+            e = find(client, k) if find else reg.lookup(k)
+            if e is None:
+                entries.append(None)
+            else:
+                entries.append([e.offset, e.size])
+                served += e.size
+        hits = len(keys) - entries.count(None)
+        st = self.stats.counters
+        st["hits"] += hits
+        st["misses"] += len(keys) - hits
+        st["bytes_served"] += served
+        if pin:
+            st["pins"] += hits
+        return P.ok(entries=entries)
+
+    def _exists(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(body)
+        exists = self.registry.exists
+        present = [exists(k) for k in keys]
+        prefix = 0
+        for p in present:
+            if not p:
+                break
+            prefix += 1
+        hits = sum(present)
+        st = self.stats.counters
+        st["exists_hits"] += hits
+        st["exists_misses"] += len(keys) - hits
+        return P.ok(present=present, prefix=prefix)
+
+    def _pin(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(body)
+        pinned = [self.registry.pin(client, k) is not None for k in keys]
+        self.stats.add("pins", sum(pinned))
+        return P.ok(pinned=pinned)
+
+    def _unpin(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(body)
+        unpinned = [self.registry.unpin(client, k) for k in keys]
+        self.stats.add("unpins", sum(unpinned))
+        return P.ok(unpinned=unpinned)
+
+    def _delete(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(body)
+        deleted = [self.registry.delete(k) for k in keys]
+        self.stats.add("deletes", sum(deleted))
+        return P.ok(deleted=deleted)
+
+    def _heartbeat(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        return P.ok(server_id=self.server_id, known=self.leases.renew(client))
+
+    def _stats(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        return P.ok(**self.snapshot())
+
+    def _usage(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        return P.ok(**self.usage())
+
+    # -- views --------------------------------------------------------------------------------
+
+    def usage(self) -> dict[str, Any]:
+        reg, alloc, p = self.registry, self.registry.alloc, self.pool
+        return {
+            "pool_size": p.pool_size,
+            "data_size": p.data_size,
+            "used": alloc.used_bytes,
+            "free": alloc.free_bytes,
+            "largest_free": alloc.largest_free,
+            "reserved": reg.reserved_bytes,
+            "committed": reg.committed_bytes,
+            "evictable": reg.evictable_bytes,
+            "entries": reg.entries,
+            "pinned": reg.pinned_entries,
+            "reservations": reg.reservations,
+            "clients": len(self.leases),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """The STATS reply (also what the Prometheus collector reads)."""
+        snap = self.stats.snapshot()
+        u = self.usage()
+        snap["gauges"] = {
+            "pool_size_bytes": u["pool_size"],
+            "pool_data_bytes": u["data_size"],
+            "pool_used_bytes": u["used"],
+            "pool_free_bytes": u["free"],
+            "pool_largest_free_bytes": u["largest_free"],
+            "pool_reserved_bytes": u["reserved"],
+            "pool_committed_bytes": u["committed"],
+            "entries": u["entries"],
+            "pinned_entries": u["pinned"],
+            "reservations": u["reservations"],
+            "clients": u["clients"],
+        }
+        p = self.pool
+        snap.update(
+            server_id=self.server_id,
+            url=self.cfg.url,
+            pool_path=p.path,
+            pool_kind=p.kind,
+            pool_uuid=p.uuid,
+            pool_size=p.pool_size,
+            max_object_size=self.max_object_size,
+            lease_timeout_s=self.leases.timeout_s,
+            protocol_version=P.PROTOCOL_VERSION,
+            pid=os.getpid(),
+        )
+        return snap
+
+
+def run_server(cfg: MaruConfig, pool_size: int | None, alignment: int | None, ready_stream=sys.stderr) -> int:
+    """Start, announce readiness on ``ready_stream``, serve until a signal. Returns an exit code."""
+    server = MaruServer(cfg, pool_size, alignment)
+    try:
+        server.start()
+    except MaruError as e:
+        print(f"maru server: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(server.ready_line(), file=ready_stream, flush=True)
+    server.serve_forever()
+    log.info("maru server on %s stopped", cfg.url)
+    return 0
