@@ -29,7 +29,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+PIP=(pip_quiet install --quiet --disable-pip-version-check)
+# pip repeats a harmless warning for every package about this machine's local index
+# folders; keep the log readable.
+pip_quiet() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 "${PIP[@]}" --upgrade pip >/dev/null
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
