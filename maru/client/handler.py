@@ -98,20 +98,24 @@ def _chunks(items: Sequence[Any], n: int = MAX_BATCH) -> Iterable[Sequence[Any]]
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, after checking each is a str of at most MAX_KEY_BYTES UTF-8 bytes."""
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"pass a list of keys, not one key ({keys!r}): e.g. exists([{keys!r}])")
     out = list(keys)
-    for k in out:
-        _check_key(k)
+    # Fast path (this is on every call): a str of <= MAX_KEY_BYTES/4 chars fits in any encoding.
+    if out and (not all(type(k) is str for k in out) or max(map(len, out)) * 4 > MAX_KEY_BYTES):
+        for k in out:
+            _check_key(k)
     return out
 
 
 def _check_key(key: str) -> None:
     if not isinstance(key, str):
         raise TypeError(f"keys are str, got {type(key).__name__} {key!r}")
-    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode()) > MAX_KEY_BYTES:
+    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         raise ValueError(
-            f"key of {len(key.encode())} UTF-8 bytes is over the {MAX_KEY_BYTES}-byte limit; hash long keys"
+            f"key of {len(key.encode('utf-8', 'surrogatepass'))} UTF-8 bytes is over the "
+            f"{MAX_KEY_BYTES}-byte limit; hash long keys"
         )
 
 

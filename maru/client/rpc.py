@@ -40,6 +40,7 @@ class RpcChannel:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self._rcvtimeo_ms = -1
         self._closed = False
 
     def _socket(self) -> zmq.Socket:
@@ -60,6 +61,7 @@ class RpcChannel:
                     f"cannot connect to maru server at {self.url!r}: {e}; use a URL like tcp://127.0.0.1:5555"
                 ) from None
             self._sock = sock
+            self._rcvtimeo_ms = -1
         return self._sock
 
     def _drop_socket(self) -> None:
@@ -85,9 +87,13 @@ class RpcChannel:
     def _exchange(
         self, sock: zmq.Socket, op: int, req_id: int, frame: bytes, deadline: float, timeout_s: float
     ) -> dict[str, Any]:
+        # The first wait is the whole timeout (the same value every call, so RCVTIMEO is set
+        # once); only after a connect wait or a stale reply is the remaining time recomputed.
+        wait_ms = int(timeout_s * 1000)
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
+            wait_ms = -1
             # Not connected yet (or any more): wait for the connection up to the deadline.
             if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
                 raise NotConnectedError(
@@ -95,16 +101,21 @@ class RpcChannel:
                 ) from None
             sock.send(frame, zmq.NOBLOCK)
         while True:
+            remaining_ms = wait_ms if wait_ms >= 0 else int((deadline - time.monotonic()) * 1000)
+            wait_ms = -1
+            # A blocking recv with a timeout is measurably faster than poll() then recv().
+            if remaining_ms != self._rcvtimeo_ms:
+                sock.setsockopt(zmq.RCVTIMEO, max(1, remaining_ms))
+                self._rcvtimeo_ms = remaining_ms
             try:
-                reply = sock.recv(zmq.NOBLOCK)
+                if remaining_ms <= 0:
+                    raise zmq.Again()
+                reply = sock.recv()
             except zmq.Again:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLIN):
-                    raise MaruTimeoutError(
-                        f"no reply from maru server at {self.url} within {timeout_s:g} s "
-                        f"(op {protocol.Op(op).name}): {_start_hint()}"
-                    ) from None
-                continue
+                raise MaruTimeoutError(
+                    f"no reply from maru server at {self.url} within {timeout_s:g} s "
+                    f"(op {protocol.Op(op).name}): {_start_hint()}"
+                ) from None
             try:
                 _version, reply_op, reply_id = protocol.decode_header(reply)
             except ProtocolError as e:
