@@ -1,0 +1,150 @@
+"""The key registry's invariants (see maru/server/registry.py), tried one by one."""
+
+from __future__ import annotations
+
+from maru.pool.allocator import ExtentAllocator
+from maru.protocol import CommitResult
+from maru.server.registry import KeyRegistry
+
+A = 4096
+
+
+def make(units: int = 8) -> KeyRegistry:
+    return KeyRegistry(ExtentAllocator(A, A + units * A, A))
+
+
+def store(reg: KeyRegistry, key: str, size: int = A, client: str = "w") -> int:
+    r = reg.reserve(client, size)
+    assert r is not None, f"no room for {key}"
+    assert reg.commit(client, key, r.alloc_id) is CommitResult.STORED
+    return r.offset
+
+
+def test_a_reserved_key_is_invisible_until_commit() -> None:
+    reg = make()
+    r = reg.reserve("w", 100)
+    assert r is not None
+    assert not reg.exists("k") and reg.lookup("k") is None and reg.pin("r", "k") is None
+    assert reg.commit("w", "k", r.alloc_id) is CommitResult.STORED
+    e = reg.lookup("k")
+    assert e is not None and (e.offset, e.size) == (r.offset, 100)
+
+
+def test_second_commit_of_a_key_reports_present_and_frees_the_duplicate() -> None:
+    reg = make()
+    first = store(reg, "k")
+    used = reg.alloc.used_bytes
+    r = reg.reserve("w2", A)
+    assert reg.commit("w2", "k", r.alloc_id) is CommitResult.PRESENT
+    assert reg.lookup("k").offset == first  # the original stays
+    assert reg.alloc.used_bytes == used  # the duplicate's space went back
+    assert reg.counters.duplicates == 1
+
+
+def test_commit_of_another_clients_or_unknown_reservation_is_refused() -> None:
+    reg = make()
+    r = reg.reserve("a", A)
+    assert reg.commit("b", "k", r.alloc_id) is CommitResult.UNKNOWN_ALLOC
+    assert reg.commit("a", "k", r.alloc_id + 1) is CommitResult.UNKNOWN_ALLOC
+    assert not reg.exists("k")
+    assert reg.commit("a", "k", r.alloc_id) is CommitResult.STORED
+    assert reg.commit("a", "k2", r.alloc_id) is CommitResult.UNKNOWN_ALLOC  # used up
+
+
+def test_full_pool_evicts_least_recently_used_first() -> None:
+    reg = make(4)
+    for k in "abcd":
+        store(reg, k)
+    reg.lookup("a")  # a is now the most recently used; b is the oldest
+    reg.exists("c")
+    store(reg, "e")
+    assert not reg.exists("b")
+    assert all(reg.peek(k) for k in "acde")
+    assert reg.lru_keys() == ["d", "a", "c", "e"]
+
+
+def test_a_pinned_entry_is_never_evicted() -> None:
+    reg = make(4)
+    for k in "abcd":
+        store(reg, k)
+    reg.pin("reader", "a")  # oldest, but pinned
+    for i in range(10):
+        store(reg, f"x{i}")
+    assert reg.peek("a") is not None
+    assert reg.counters.evictions == 10
+
+
+def test_reserve_fails_without_evicting_when_only_pinned_entries_fill_the_pool() -> None:
+    reg = make(4)
+    for k in "abcd":
+        store(reg, k)
+        reg.pin("r", k)
+    assert reg.reserve("w", A) is None
+    assert reg.counters.evictions == 0 and reg.entries == 4
+    # A reservation that could never fit does not empty the cache either.
+    reg.unpin("r", "a")
+    assert reg.reserve("w", 3 * A) is None
+    assert reg.peek("a") is not None
+
+
+def test_pins_are_counted_per_client() -> None:
+    reg = make(2)
+    store(reg, "a")
+    store(reg, "b")
+    reg.pin("r1", "a")
+    reg.pin("r1", "a")
+    reg.pin("r2", "a")
+    assert reg.unpin("r1", "a") and reg.unpin("r2", "a")
+    assert not reg.unpin("r2", "a")  # r2 has no pin left
+    store(reg, "c")  # must evict: only b is unpinned
+    assert reg.peek("a") is not None and reg.peek("b") is None
+    assert reg.unpin("r1", "a")
+    assert reg.lru_keys() == ["c", "a"]  # a is evictable again, as the most recently used
+    store(reg, "d")
+    store(reg, "e")
+    assert reg.peek("a") is None and reg.peek("c") is None
+
+
+def test_delete_hides_a_pinned_key_at_once_and_frees_it_at_the_last_unpin() -> None:
+    reg = make(4)
+    off = store(reg, "k", 2 * A)
+    reg.pin("r", "k")
+    assert reg.delete("k")
+    assert not reg.exists("k") and reg.lookup("k") is None
+    assert reg.alloc.extent_size(off) == 2 * A  # the reader may still be reading
+    assert not reg.delete("k")
+    # A new commit of the same key is a new object; the reader's old pin stays on the old one.
+    new = store(reg, "k", A)
+    assert new != off
+    assert reg.unpin("r", "k")
+    assert reg.alloc.extent_size(off) is None  # freed with the last pin
+    assert reg.lookup("k").offset == new
+
+
+def test_dropping_a_client_frees_its_reservations_and_pins_but_keeps_its_keys() -> None:
+    reg = make(8)
+    store(reg, "mine", client="gone")
+    store(reg, "theirs", client="other")
+    reg.reserve("gone", A)
+    reg.reserve("gone", A)
+    reg.pin("gone", "theirs")
+    reg.pin("gone", "theirs")
+    reg.pin("gone", "mine")
+    reg.pin("other", "mine")
+    used = reg.alloc.used_bytes
+    assert reg.drop_client("gone") == (2, 3)
+    assert reg.alloc.used_bytes == used - 2 * A
+    assert reg.peek("mine") and reg.peek("theirs")
+    assert reg.peek("theirs").pins == {} and reg.peek("mine").pins == {"other": 1}
+    assert not reg.client_has_state("gone")
+    assert reg.lru_keys()[-1] == "theirs"  # evictable again
+
+
+def test_load_restores_entries_in_lru_order() -> None:
+    alloc, rejected = ExtentAllocator.from_used(A, 5 * A, A, [(A, 10), (2 * A, 10), (3 * A, 10)])
+    reg = KeyRegistry(alloc)
+    reg.load([("x", A, 10, 30), ("y", 2 * A, 10, 10), ("z", 3 * A, 10, 20)])
+    assert reg.lru_keys() == ["y", "z", "x"]
+    store(reg, "n")
+    store(reg, "m")  # the pool has 4 units: evicts y
+    assert reg.peek("y") is None and reg.peek("x") is not None
