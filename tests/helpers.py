@@ -197,3 +197,62 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+class RawClient:
+    """A bare DEALER socket speaking ``maru.protocol`` (no MaruHandler): for server tests.
+
+    ``call(op, **fields)`` sends one request (``client_id`` filled in) and returns the reply body;
+    it checks that the reply echoes the request id and carries ``op | REPLY_BIT``.
+    """
+
+    def __init__(self, url: str, client_id: str | None = None, timeout_s: float = 10.0) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+        self.client_id = client_id or uuid.uuid4().hex
+        self.timeout_ms = int(timeout_s * 1000)
+        self._req = 0
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def recv_raw(self, timeout_s: float | None = None) -> bytes | None:
+        ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        if not self.sock.poll(ms):
+            return None
+        return self.sock.recv()
+
+    def call(self, op: int, **fields: Any) -> dict[str, Any]:
+        from maru import protocol as P
+
+        fields.setdefault("client_id", self.client_id)
+        self._req += 1
+        self.sock.send(P.encode(op, self._req, fields))
+        frame = self.recv_raw()
+        if frame is None:
+            raise TimeoutError(f"no reply to op {op} within {self.timeout_ms} ms")
+        _, rop, rid = P.decode_header(frame)
+        assert rid == self._req and rop == op | P.REPLY_BIT, (rid, rop, self._req, op)
+        return P.decode_body(frame)
+
+    def handshake(self) -> dict[str, Any]:
+        from maru.protocol import Op
+
+        reply = self.call(Op.HANDSHAKE, host="test", pid=os.getpid())
+        assert reply["ok"], reply
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
