@@ -288,9 +288,14 @@ class MaruHandler:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         body["client_id"] = self.client_id
         if not self._lock.acquire(timeout=timeout):
+            if not self._connected:  # the heartbeat thread holds the lock while it tries to reconnect
+                raise NotConnectedError(
+                    f"cannot reach maru server at {self.url} (no reply for {timeout:g} s): is `maru server` "
+                    "running? start it with `maru server` (check with `maru doctor`)"
+                )
             raise MaruTimeoutError(
-                f"another thread held this MaruHandler's connection to {self.url} for {timeout:g} s; "
-                "the server is probably unreachable (check `maru doctor`)"
+                f"maru server at {self.url}: another thread held this handler's connection for {timeout:g} s "
+                "(a slow or unreachable server); check `maru doctor`"
             )
         try:
             if self._closed:
