@@ -1,0 +1,132 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key Maru reads starts with ``maru_``; keys without that prefix belong to someone else
+(vLLM passes the whole dict, and a user may share it with another connector) and are ignored.
+An unknown ``maru_*`` key is an error that names the valid ones, because a typo such as
+``maru_kv_chunk_token`` would otherwise silently run with the default.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from maru.config import DEFAULT_SERVER_URL
+from maru.errors import ConfigError
+
+logger = logging.getLogger("maru.vllm")
+
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if n < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {n}")
+    return n
+
+
+def _as_float(name: str, value: Any, minimum: float) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number > {minimum}, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number > {minimum}, got {value!r}") from None
+    if not x > minimum:
+        raise ConfigError(f"{name} must be a number > {minimum}, got {x}")
+    return x
+
+
+def _as_str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MaruConnectorConfig:
+    """Validated connector settings. Field ``x`` is read from extra-config key ``maru_x``.
+
+    Invariant: ``kv_chunk_tokens`` is a positive multiple of the block size once
+    ``aligned_to_block_size`` has been applied (the connector always applies it).
+    """
+
+    server_url: str = DEFAULT_SERVER_URL
+    kv_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    namespace: str = ""
+    model_id: str = ""
+    model_revision: str = ""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    enable_load: bool = True
+    enable_store: bool = True
+    store_partial_tail: bool = True
+    log_timing: bool = False
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return sorted("maru_" + f.name for f in fields(cls))
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> MaruConnectorConfig:
+        """Parse ``kv_connector_extra_config``. Raises ``ConfigError`` on an unknown or bad ``maru_*`` key."""
+        extra = dict(extra or {})
+        valid = set(cls.valid_keys())
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("maru_") and k not in valid)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
+                f"valid Maru keys are: {', '.join(sorted(valid))}"
+            )
+        kw: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key not in valid:
+                continue
+            name = key[len("maru_") :]
+            if name in ("server_url", "namespace", "model_id", "model_revision"):
+                kw[name] = _as_str(key, value)
+            elif name == "kv_chunk_tokens":
+                kw[name] = _as_int(key, value, 1)
+            elif name == "timeout_s":
+                kw[name] = _as_float(key, value, 0.0)
+            else:
+                kw[name] = _as_bool(key, value)
+        if "server_url" in kw and not kw["server_url"].strip():
+            raise ConfigError("maru_server_url must not be empty; for example tcp://127.0.0.1:5555")
+        return cls(**kw)
+
+    def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
+        """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).
+
+        Chunks are stored and loaded whole blocks at a time, so a chunk that ended inside a
+        block could never be offered to vLLM; rounding it is announced once.
+        """
+        ct = self.kv_chunk_tokens
+        aligned = max(block_size, (ct // block_size) * block_size)
+        if aligned == ct:
+            return self
+        logger.warning(
+            "Maru: maru_kv_chunk_tokens=%d is not a multiple of vLLM's block size %d; using %d. "
+            "Set maru_kv_chunk_tokens to a multiple of the block size to silence this.",
+            ct,
+            block_size,
+            aligned,
+        )
+        return MaruConnectorConfig(**{**self.__dict__, "kv_chunk_tokens": aligned})

@@ -1,0 +1,229 @@
+"""``MaruKVConnector``: vLLM's KV-connector interface, a thin facade over two small classes.
+
+vLLM builds one instance per role: the SCHEDULER instance delegates to
+``MaruSchedulerConnector`` (what to load and store), each WORKER instance to
+``MaruWorkerConnector`` (moving the bytes through ``KVTransferEngine``). They share nothing
+but the per-step ``MaruConnectorMetadata`` and the key scheme (``KeySpace``), which both
+roles derive from the same vLLM config, so they agree without talking.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"MaruKVConnector","kv_connector_module_path":"maru.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"maru_server_url":"tcp://127.0.0.1:5555"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.scheduler import MaruSchedulerConnector
+from maru.vllm.worker import MaruWorkerConnector
+
+try:  # vLLM >= 0.32 labels where external hits come from
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # pragma: no cover
+    _HIT_SOURCE = None
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("maru.vllm")
+
+
+def _ensure_logging() -> None:
+    """Give Maru's logger a stderr handler when nobody configured one.
+
+    vLLM configures only its own ``vllm`` logger; without this, Maru's INFO lines (the
+    ``maru_log_timing`` output, the layout it detected) would be dropped.
+    """
+    root = logging.getLogger("maru")
+    if root.handlers:
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [maru] %(message)s", "%m-%d %H:%M:%S"))
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
+    """The key namespace of this engine: everything that makes its KV bytes differ."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    kv_dtype = str(mc.dtype) if cache_dtype == "auto" else cache_dtype
+    return KeySpace(
+        model=cfg.model_id or str(mc.model),
+        revision=cfg.model_revision or str(getattr(mc, "revision", None) or ""),
+        kv_dtype=kv_dtype,
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        chunk_tokens=cfg.kv_chunk_tokens,
+        tp_rank=0,  # ranks are told apart by a per-rank key suffix (see scheduler.rank_keys)
+        tp_size=int(pc.tensor_parallel_size),
+        tenant=cfg.namespace,
+    )
+
+
+class MaruKVConnector(KVConnectorBase_V1):
+    """Shares KV-cache prefixes between vLLM instances through a Maru pool. See docs/vllm.md."""
+
+    if _HIT_SOURCE is not None:
+        _cache_hit_source = _HIT_SOURCE
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _ensure_logging()
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        block_size = int(vllm_config.cache_config.block_size)
+        self.maru_config = MaruConnectorConfig.from_extra_config(extra).aligned_to_block_size(block_size)
+        cfg = self.maru_config
+        self.key_space = key_space(vllm_config, cfg)
+        pc = vllm_config.parallel_config
+        self._scheduler: MaruSchedulerConnector | None = None
+        self._worker: MaruWorkerConnector | None = None
+        if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+            logger.warning(
+                "Maru: pipeline parallelism (pipeline_parallel_size=%d) is not supported; the connector "
+                "stays off and vLLM computes every prompt itself",
+                pc.pipeline_parallel_size,
+            )
+            cfg = MaruConnectorConfig(**{**cfg.__dict__, "enable_load": False, "enable_store": False})
+            self.maru_config = cfg
+
+        def client_factory() -> Any:
+            from maru.client import MaruHandler
+
+            return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s)
+
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = MaruSchedulerConnector(
+                cfg,
+                ChunkKeyer(self.key_space),
+                block_size,
+                tp_size=self.key_space.tp_size,
+                client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
+            )
+            logger.info(
+                "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
+                cfg.server_url,
+                cfg.kv_chunk_tokens,
+                block_size,
+                self.key_space.prefix(),
+                cfg.enable_load,
+                cfg.enable_store,
+            )
+        else:
+            tp_rank = 0
+            if self.key_space.tp_size > 1:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                tp_rank = int(get_tensor_model_parallel_rank())
+            static_ctx = vllm_config.compilation_config.static_forward_context
+
+            def backend_name_of(layer_name: str) -> str | None:
+                layer = static_ctx.get(layer_name)
+                backend = getattr(layer, "attn_backend", None)
+                return backend.get_name() if backend is not None else None
+
+            self._worker = MaruWorkerConnector(
+                cfg,
+                block_size=block_size,
+                num_kv_heads=self.key_space.num_kv_heads,
+                head_size=self.key_space.head_size,
+                tp_rank=tp_rank,
+                tp_size=self.key_space.tp_size,
+                client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
+                backend_name_of=backend_name_of,
+            )
+
+    # ------------------------------------------------------------------ introspection
+    def maru_stats(self) -> dict[str, Any]:
+        """This instance's counters (scheduler or worker side)."""
+        if self._scheduler is not None:
+            return dict(self._scheduler.stats.__dict__)
+        assert self._worker is not None
+        return self._worker.stats.as_dict()
+
+    @property
+    def maru_worker(self) -> MaruWorkerConnector | None:
+        return self._worker
+
+    @property
+    def maru_scheduler(self) -> MaruSchedulerConnector | None:
+        return self._scheduler
+
+    def _meta(self) -> MaruConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, MaruConnectorMetadata) else None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        except Exception:  # never take the engine down for Maru
+            self._worker.disabled_reason = "registration failed"
+            logger.exception("Maru: registering the KV caches failed; the connector stays off")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: complete before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores happen once per step in wait_for_save, all layers at a time
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            if self.maru_config.log_timing:
+                logger.info("Maru: worker stats %s", self._worker.stats.as_dict())
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request, block_ids)

@@ -1,0 +1,135 @@
+"""Chunk keys: which bytes in the pool belong to which token prefix.
+
+A key names the KV of one *prefix* of a prompt, not of a chunk's tokens alone, because a
+token's K and V depend on every token before it. Keys are chained:
+
+    h[-1] = sha256(namespace)                       (32 bytes; see ``KeySpace``)
+    h[i]  = blake2b(b"C" + h[i-1] + tokens of chunk i as int64 LE, 16 bytes)
+    tail  = blake2b(b"T" + h[i-1] + the first n tokens of chunk i,  16 bytes)
+
+so computing every key of a prompt is linear in its length, and two prompts share the key of
+chunk i exactly when they share every token up to the end of chunk i. A *tail* key names a
+partial chunk (the block-aligned end of one prompt, ``n < chunk_tokens`` tokens); the domain
+bytes ``C``/``T`` keep a tail of ``chunk_tokens`` tokens from ever equalling a full chunk key.
+
+Hashing uses hashlib only, never Python's ``hash()``: keys are identical across processes,
+hosts and ``PYTHONHASHSEED`` values.
+
+The namespace covers everything that makes the stored bytes differ for the same tokens:
+model id and revision, KV dtype, number of layers, KV heads, head size, chunk tokens,
+tensor-parallel rank and size (each rank stores its own head shard), the stored format's
+version and an optional tenant namespace. Block size and the attention backend's layout are
+deliberately *not* in it: stored bytes are canonical (``[L, 2, T, NH*HS]``, token-major), so
+instances with different block sizes or backends of the same model share one cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Bump when the stored object's byte layout changes (kv_ops' canonical [L, 2, T, NH*HS]).
+FORMAT_VERSION = "maru-kv-L2TD-v1"
+_DIGEST_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """What must match for two instances to share KV bytes. Its digest seeds every chain."""
+
+    model: str
+    revision: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    chunk_tokens: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = ""
+    format_version: str = FORMAT_VERSION
+
+    def digest(self) -> bytes:
+        """sha256 of the fields as canonical JSON (sorted keys): stable across processes and hosts."""
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).digest()
+
+    def prefix(self) -> str:
+        """The readable start of every key of this space, e.g. ``"kv1/3fa2.../"`` (tenant first if set)."""
+        tenant = f"{self.tenant}/" if self.tenant else ""
+        return f"{tenant}kv1/{self.digest().hex()[:16]}/"
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """The keys of one prompt: one per full chunk, and the chain digests they come from.
+
+    ``chain[i]`` is ``h[i]``; ``parent(i)`` is ``h[i-1]`` (the namespace digest for i == 0).
+    """
+
+    full: list[str]
+    chain: list[bytes]
+    root: bytes
+
+    def parent(self, chunk_index: int) -> bytes:
+        return self.root if chunk_index == 0 else self.chain[chunk_index - 1]
+
+
+class ChunkKeyer:
+    """Computes chunk and tail keys for one ``KeySpace``. Stateless apart from the space."""
+
+    def __init__(self, space: KeySpace) -> None:
+        self.space = space
+        self.chunk_tokens = space.chunk_tokens
+        self._root = space.digest()
+        self._prefix = space.prefix()
+
+    def prompt_keys(self, token_ids: Sequence[int], num_chunks: int | None = None) -> PromptKeys:
+        """Keys of the first ``num_chunks`` full chunks (default: every full chunk of ``token_ids``)."""
+        ct = self.chunk_tokens
+        n = len(token_ids) // ct if num_chunks is None else num_chunks
+        if n * ct > len(token_ids):
+            raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
+        data = _token_bytes(token_ids[: n * ct])
+        step = ct * 8
+        chain: list[bytes] = []
+        prev = self._root
+        for i in range(n):
+            prev = hashlib.blake2b(b"C" + prev + data[i * step : (i + 1) * step], digest_size=_DIGEST_SIZE).digest()
+            chain.append(prev)
+        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
+
+    def tail_key(self, parent: bytes, tail_token_ids: Sequence[int]) -> str:
+        """Key of a partial chunk: the tokens after the chunk boundary whose chain digest is ``parent``."""
+        n = len(tail_token_ids)
+        if not 0 < n < self.chunk_tokens:
+            raise ValueError(f"a tail has 1..{self.chunk_tokens - 1} tokens, got {n}")
+        h = hashlib.blake2b(b"T" + parent + _token_bytes(tail_token_ids), digest_size=_DIGEST_SIZE).digest()
+        return f"{self._prefix}{h.hex()}.t{n}"
+
+    def tail_candidates(self, parent: bytes, tokens_after: Sequence[int], step: int) -> list[tuple[int, str]]:
+        """Tail keys of length ``step, 2*step, ...`` up to ``len(tokens_after)`` (below one chunk).
+
+        Computed incrementally (one pass over the tokens), so probing every block-aligned tail
+        of a chunk costs about as much as hashing the chunk once.
+        """
+        limit = min(len(tokens_after), self.chunk_tokens - 1)
+        out: list[tuple[int, str]] = []
+        if limit < step:
+            return out
+        data = _token_bytes(tokens_after[:limit])
+        h = hashlib.blake2b(b"T" + parent, digest_size=_DIGEST_SIZE)
+        done = 0
+        for n in range(step, limit + 1, step):
+            h.update(data[done * 8 : n * 8])
+            done = n
+            out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))
+        return out

@@ -1,0 +1,31 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+Plain data (picklable: in vLLM's multi-process mode it crosses a process boundary). The
+scheduler decides *what* moves; the worker only executes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from maru.vllm.transfer import RequestTransfer
+
+
+@dataclass
+class MaruConnectorMetadata(KVConnectorMetadata):
+    """One step's work.
+
+    ``loads``: requests whose leading tokens come from Maru this step; the worker places them
+    before the forward and reports every placed block of a request that fails (all or nothing).
+    ``stores``: chunks whose last token is computed in this step; the worker gathers them after
+    the forward and publishes them in one batch. A store of a request whose load failed in the
+    same step is dropped (its KV was computed on top of missing context).
+    """
+
+    loads: list[RequestTransfer] = field(default_factory=list)
+    stores: list[RequestTransfer] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.stores

@@ -1,0 +1,381 @@
+"""Scheduler side of the connector: decides what each step loads from and stores to Maru.
+
+It talks to the server only to ask which keys exist (one ``exists`` round trip per request,
+covering every chunk key of the prompt and the block-aligned partial-chunk candidates); the
+bytes move on the worker side.
+
+Offer rule (``get_num_new_matched_tokens``): the leading run of present full chunks, extended
+by the longest present *tail* (a partial chunk stored where another prompt with the same
+tokens ended), capped at ``align_down(prompt_len - 1, block_size)`` so vLLM always computes at
+least the last prompt token, minus what vLLM already has locally.
+
+Store rule (``build_connector_meta``): a full chunk is stored in the step that computes its
+last token; a request's own tail (``[F*C, align_down(P-1, BS))`` with ``F = P // C``) in the
+step that computes that tail's last token. Each is planned at most once per request, skipped
+when the probe found it already present (loaded or stored by someone else), and re-planned
+only if the worker reports that the step computing it also failed a load (its KV is then
+recomputed). Tails are stored only where a prompt ends, so they cost at most one partial chunk
+per distinct prompt, and a longer prompt that extends a stored one reuses the stored tail only
+when its tokens there are exactly the same (the key says so); nothing else is ever assumed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru.errors import MaruError
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, PromptKeys
+from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.transfer import ChunkRef, RequestTransfer
+
+logger = logging.getLogger("maru.vllm")
+
+# Probing every block-aligned tail at every chunk boundary costs one key per block. Above this
+# many keys a request probes only the tails at its own last chunk (the same-prompt case).
+_MAX_PROBE_KEYS = 4096
+_RECONNECT_S = 10.0
+
+
+def rank_keys(key: str, tp_size: int) -> list[str]:
+    """The per-rank keys of one chunk: with tensor parallelism each rank stores its own head shard."""
+    return [key] if tp_size == 1 else [f"{key}@{r}" for r in range(tp_size)]
+
+
+@dataclass
+class _Request:
+    """What the scheduler side knows about one live request."""
+
+    req_id: str
+    prompt: list[int]
+    keys: PromptKeys
+    present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
+    tail_hits: dict[int, tuple[int, str]] = field(default_factory=dict)  # chunk index -> longest present tail
+    own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
+    own_tail_present: bool = False
+    local_computed: int = 0
+    match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
+    pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
+    block_ids: list[int] = field(default_factory=list)
+    planned: set[int] = field(default_factory=set)
+    tail_planned: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    requests_probed: int = 0
+    requests_hit: int = 0
+    tokens_offered: int = 0
+    chunks_planned: int = 0
+    tails_planned: int = 0
+    probe_failures: int = 0
+    load_failures_reported: int = 0
+
+
+class MaruSchedulerConnector:
+    """Scheduler-side state and decisions. Owns no bytes; one instance per engine."""
+
+    def __init__(
+        self,
+        cfg: MaruConnectorConfig,
+        keyer: ChunkKeyer,
+        block_size: int,
+        tp_size: int = 1,
+        client_factory: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.keyer = keyer
+        self.block_size = block_size
+        self.chunk = cfg.kv_chunk_tokens
+        self.tp_size = tp_size
+        self._client_factory = client_factory
+        self._client: Any = None
+        self._next_connect = 0.0
+        self._warned_unreachable = False
+        self._warned_skip: set[str] = set()
+        self._reqs: dict[str, _Request] = {}
+        # Stores and loads of the last steps, to un-plan stores when their step's load failed.
+        self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(maxlen=4)
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ server
+    def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now < self._next_connect or self._client_factory is None:
+            return None
+        try:
+            self._client = self._client_factory()
+            if self._warned_unreachable:
+                logger.warning("Maru: scheduler reconnected to maru server at %s", self.cfg.server_url)
+            self._warned_unreachable = False
+        except Exception as e:  # never raise into vLLM's scheduler
+            self._next_connect = now + _RECONNECT_S
+            if not self._warned_unreachable:
+                self._warned_unreachable = True
+                logger.warning(
+                    "Maru: cannot reach maru server at %s (%s: %s); vLLM computes every prompt itself "
+                    "until it is reachable (retrying every %.0f s). Start it with `maru server` or fix "
+                    "maru_server_url.",
+                    self.cfg.server_url,
+                    type(e).__name__,
+                    e,
+                    _RECONNECT_S,
+                )
+        return self._client
+
+    def _drop_client(self, why: Exception) -> None:
+        client, self._client = self._client, None
+        self._next_connect = time.monotonic() + _RECONNECT_S
+        if not self._warned_unreachable:
+            self._warned_unreachable = True
+            logger.warning(
+                "Maru: lost maru server at %s (%s: %s); computing prompts locally until it is back",
+                self.cfg.server_url,
+                type(why).__name__,
+                why,
+            )
+        try:
+            client.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ requests
+    def _eligible(self, request: Any) -> bool:
+        reason = None
+        if getattr(request, "prompt_token_ids", None) is None:
+            reason = "prompts given as embeddings"
+        elif getattr(request, "lora_request", None) is not None:
+            reason = "LoRA requests (the adapter is not part of the key)"
+        elif getattr(request, "mm_features", None):
+            reason = "multimodal requests (image hashes are not part of the key)"
+        if reason is None:
+            return True
+        if reason not in self._warned_skip:
+            self._warned_skip.add(reason)
+            logger.warning("Maru: skipping %s; vLLM computes them itself", reason)
+        return False
+
+    def _state(self, request: Any) -> _Request | None:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        if not self._eligible(request):
+            return None
+        prompt = list(request.prompt_token_ids)
+        st = _Request(req_id=request.request_id, prompt=prompt, keys=self.keyer.prompt_keys(prompt))
+        usable = self._usable(len(prompt))
+        n_full = len(st.keys.full)
+        own = usable - n_full * self.chunk
+        if self.cfg.store_partial_tail and own > 0:
+            tail = prompt[n_full * self.chunk : n_full * self.chunk + own]
+            st.own_tail = (own, self.keyer.tail_key(st.keys.parent(n_full), tail))
+        self._reqs[request.request_id] = st
+        return st
+
+    def _usable(self, prompt_len: int) -> int:
+        """Prompt tokens vLLM may take from outside: all but the last, whole blocks only."""
+        return max(0, (prompt_len - 1) // self.block_size * self.block_size)
+
+    def _probe(self, st: _Request) -> None:
+        """One ``exists`` round trip: every full chunk key and the block-aligned tail candidates."""
+        n_full = len(st.keys.full)
+        usable = self._usable(len(st.prompt))
+        tails: list[tuple[int, int, str]] = []  # (chunk index, tokens, key)
+        n_keys = n_full + (n_full + 1) * (self.chunk // self.block_size)
+        first_tail_chunk = 0 if n_keys * self.tp_size <= _MAX_PROBE_KEYS else n_full
+        for i in range(first_tail_chunk, n_full + 1):
+            begin = i * self.chunk
+            end = min(begin + self.chunk - 1, usable)
+            if end - begin < self.block_size:
+                continue
+            for n, key in self.keyer.tail_candidates(st.keys.parent(i), st.prompt[begin:end], self.block_size):
+                tails.append((i, n, key))
+        base = st.keys.full + [k for _, _, k in tails]
+        client = self._get_client()
+        self.stats.requests_probed += 1
+        present: list[bool] | None = None
+        if client is not None:
+            try:
+                flat = client.exists([rk for k in base for rk in rank_keys(k, self.tp_size)])
+                r = self.tp_size
+                present = [all(flat[j * r : (j + 1) * r]) for j in range(len(base))]
+            except MaruError as e:
+                self.stats.probe_failures += 1
+                self._drop_client(e)
+        if present is None:
+            # Unknown: offer nothing, and let the worker try to store (the server answers
+            # "present" for chunks that were there after all).
+            st.present = [False] * n_full
+            st.tail_hits = {}
+            st.own_tail_present = False
+            return
+        st.present = present[:n_full]
+        st.tail_hits = {}
+        for (i, n, key), hit in zip(tails, present[n_full:]):
+            if hit and n > st.tail_hits.get(i, (0, ""))[0]:
+                st.tail_hits[i] = (n, key)
+        st.own_tail_present = st.own_tail is not None and st.tail_hits.get(n_full, (0, ""))[0] >= st.own_tail[0]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` vLLM can take from Maru (block-aligned), synchronously."""
+        try:
+            st = self._state(request)
+            if st is None or not (self.cfg.enable_load or self.cfg.enable_store):
+                return 0, False
+            if st.present is None:
+                self._probe(st)
+            st.local_computed = num_computed_tokens
+            if not self.cfg.enable_load:
+                return 0, False
+            assert st.present is not None
+            hits = 0
+            while hits < len(st.present) and st.present[hits]:
+                hits += 1
+            tail = st.tail_hits.get(hits)
+            end = hits * self.chunk + (tail[0] if tail else 0)
+            end = min(end, self._usable(len(st.prompt)), self._usable(request.num_tokens))
+            end -= end % self.block_size
+            st.match = (hits, tail)
+            n = end - num_computed_tokens
+            return (n, False) if n > 0 else (0, False)
+        except Exception:  # a bug here must not take the engine down: compute instead
+            logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        try:
+            st.block_ids = list(blocks.get_block_ids()[0])
+        except Exception:
+            pass
+        if num_external_tokens > 0:
+            st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
+            self.stats.requests_hit += 1
+            self.stats.tokens_offered += num_external_tokens
+
+    def _load_transfer(self, st: _Request) -> RequestTransfer | None:
+        assert st.pending_load is not None
+        begin, end = st.pending_load
+        st.pending_load = None
+        hits, tail = st.match
+        C = self.chunk
+        chunks: list[ChunkRef] = []
+        for i in range(begin // C, min(hits, (end + C - 1) // C)):
+            s = i * C
+            chunks.append(ChunkRef(st.keys.full[i], s, C, max(0, begin - s), min(C, end - s)))
+        if end > hits * C:
+            if tail is None:  # cannot happen: the offer never exceeds the match
+                logger.error("Maru: request %s load plan exceeds its match; not loading", st.req_id)
+                return None
+            s = hits * C
+            chunks.append(ChunkRef(tail[1], s, tail[0], max(0, begin - s), min(tail[0], end - s)))
+        return RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks))
+
+    def _plan_stores(self, st: _Request, computed: int, scheduled: int) -> tuple[list[ChunkRef], list[int], bool]:
+        if not self.cfg.enable_store or st.present is None:
+            return [], [], False
+        C = self.chunk
+        end = min(computed + scheduled, len(st.prompt))
+        chunks: list[ChunkRef] = []
+        planned: list[int] = []
+        for i in range(computed // C, end // C):
+            if (i + 1) * C <= computed or st.present[i] or i in st.planned:
+                continue
+            chunks.append(ChunkRef(st.keys.full[i], i * C, C))
+            st.planned.add(i)
+            planned.append(i)
+        tail_now = False
+        if st.own_tail is not None and not st.own_tail_present and not st.tail_planned:
+            s = len(st.keys.full) * C
+            if computed < s + st.own_tail[0] <= end:
+                chunks.append(ChunkRef(st.own_tail[1], s, st.own_tail[0]))
+                st.tail_planned = tail_now = True
+        self.stats.chunks_planned += len(planned)
+        self.stats.tails_planned += int(tail_now)
+        return chunks, planned, tail_now
+
+    def build_connector_meta(self, so: Any) -> MaruConnectorMetadata:
+        meta = MaruConnectorMetadata()
+        record: list[tuple[str, set[int], list[int], bool]] = []
+        try:
+            steps: list[tuple[_Request, int]] = []
+            for new in so.scheduled_new_reqs:
+                st = self._reqs.get(new.req_id)
+                if st is None:
+                    continue
+                st.block_ids = list(new.block_ids[0])
+                steps.append((st, new.num_computed_tokens))
+            cached = so.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                st = self._reqs.get(req_id)
+                if st is None:
+                    continue
+                nb = cached.new_block_ids[i]
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = list(nb[0]) if nb is not None else []
+                elif nb is not None:
+                    st.block_ids.extend(nb[0])
+                steps.append((st, cached.num_computed_tokens[i]))
+            for st, computed in steps:
+                load_blocks: set[int] = set()
+                if st.pending_load is not None:
+                    lt = self._load_transfer(st)
+                    if lt is not None and lt.chunks:
+                        meta.loads.append(lt)
+                        load_blocks = lt.placed_block_ids(self.block_size)
+                scheduled = so.num_scheduled_tokens.get(st.req_id, 0)
+                chunks, planned, tail_now = self._plan_stores(st, computed, scheduled)
+                if chunks:
+                    meta.stores.append(RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks)))
+                if chunks or load_blocks:
+                    blocks = load_blocks | set(st.block_ids[: (computed + scheduled) // self.block_size + 1])
+                    record.append((st.req_id, blocks, planned, tail_now))
+            for req_id in so.preempted_req_ids or ():
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    # Its blocks are gone; on resume it is matched again (what we stored since
+                    # is now loadable) and its block table starts over.
+                    st.present = None
+                    st.pending_load = None
+                    st.block_ids = []
+        except Exception:  # never raise into vLLM's scheduler; a lost plan is a cache miss
+            logger.exception("Maru: planning this step's loads and stores failed; skipping them")
+            meta = MaruConnectorMetadata()
+            record = []
+        self._recent.append(record)
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        """Un-plan the stores of steps whose load failed: those chunks are computed again."""
+        invalid = getattr(output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        self.stats.load_failures_reported += 1
+        for record in self._recent:
+            for req_id, blocks, planned, tail_now in record:
+                st = self._reqs.get(req_id)
+                if st is None or not (blocks & invalid):
+                    continue
+                st.planned.difference_update(planned)
+                if tail_now:
+                    st.tail_planned = False
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass

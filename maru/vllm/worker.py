@@ -1,0 +1,325 @@
+"""Worker side of the connector: executes the scheduler's plan against the paged KV cache.
+
+``register_kv_caches`` detects the cache layout (``maru.kv_ops``) and connects to the server;
+``start_load_kv`` places this step's loads before the forward; ``wait_for_save`` stores the
+chunks this step completed after the forward (every layer's KV of the step is written by
+then), with one multi-layer gather per chunk straight into pool memory and one commit.
+
+Failure policy: nothing Maru-side ever raises into vLLM. An unsupported layout disables the
+connector for good (one warning naming the layout and what to do); an unreachable server
+disables it until a reconnect succeeds (one warning, retried at most every few seconds). A
+load that cannot be done completely is reported through ``get_block_ids_with_load_errors``
+and vLLM recomputes those blocks; the stores of any request touching those blocks in the
+same step are dropped, because their KV was computed on top of the missing context.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from maru import kv_ops
+from maru.errors import UnsupportedLayout
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.scheduler import rank_keys
+from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
+
+logger = logging.getLogger("maru.vllm")
+
+_RECONNECT_S = 10.0
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class WorkerStats:
+    """Cumulative counters of one worker (``MaruKVConnector.maru_stats()``)."""
+
+    loads: int = 0
+    tokens_loaded: int = 0
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_errors: int = 0
+    load_seconds: float = 0.0
+    chunks_stored: int = 0
+    chunks_present: int = 0
+    tokens_stored: int = 0
+    bytes_stored: int = 0
+    store_failures: int = 0
+    stores_dropped: int = 0
+    store_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[str]:
+    """Layer names in model order (by the ``layers.<i>.`` index in the name; else as given)."""
+    names = list(kv_caches)
+    idx = [_LAYER_RE.search(n + ".") for n in names]
+    if all(m is not None for m in idx):
+        return [n for _, n in sorted(zip((int(m.group(1)) for m in idx if m), names))]
+    return names
+
+
+class MaruWorkerConnector:
+    """Worker-side execution. One per worker process (one per tensor-parallel rank)."""
+
+    def __init__(
+        self,
+        cfg: MaruConnectorConfig,
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        client_factory: Any = None,
+        backend_name_of: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._client_factory = client_factory
+        self._backend_name_of = backend_name_of
+        self.engine: KVTransferEngine | None = None
+        self.layout: Any = None
+        self.caches: list[torch.Tensor] = []
+        self.disabled_reason: str | None = None
+        self._client: Any = None
+        self._next_connect = 0.0
+        self._warned_unreachable = False
+        self._load_errors: set[int] = set()
+        self._failed_blocks_step: set[int] = set()
+        self._next_store_warning = 0.0
+        self.stats = WorkerStats()
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = order_layers(kv_caches)
+        self.caches = [kv_caches[n] for n in names]
+        backend = None
+        if self._backend_name_of is not None:
+            try:
+                backend = self._backend_name_of(names[0])
+            except Exception:
+                backend = None
+        try:
+            self.layout = kv_ops.detect_layout(
+                self.caches[0],
+                block_size=self.block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                attn_backend=backend,
+            )
+        except UnsupportedLayout as e:
+            self.disabled_reason = f"unsupported KV-cache layout ({e})"
+            logger.warning(
+                "Maru: connector disabled for this engine: %s. vLLM computes every prompt itself. "
+                "Report the layout (shape, strides, attention backend %s) to the Maru project.",
+                self.disabled_reason,
+                backend,
+            )
+            return
+        logger.info(
+            "Maru: KV cache %s (%d layers, backend %s, kv_ops %s); server %s",
+            self.layout.describe(),
+            len(self.caches),
+            backend,
+            _kv_ops_backend(),
+            self.cfg.server_url,
+        )
+        self._connect()
+
+    def _connect(self) -> bool:
+        if self.engine is not None:
+            return True
+        if self.disabled_reason is not None or self.layout is None or self._client_factory is None:
+            return False
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        try:
+            self._client = self._client_factory()
+        except Exception as e:
+            self._next_connect = now + _RECONNECT_S
+            if not self._warned_unreachable:
+                self._warned_unreachable = True
+                logger.warning(
+                    "Maru: cannot reach maru server at %s (%s: %s); this worker neither loads nor stores "
+                    "KV until it is reachable (retrying every %.0f s), vLLM computes prompts itself. "
+                    "Start it with `maru server` or fix maru_server_url.",
+                    self.cfg.server_url,
+                    type(e).__name__,
+                    e,
+                    _RECONNECT_S,
+                )
+            return False
+        if self._warned_unreachable:
+            logger.warning("Maru: worker reconnected to maru server at %s", self.cfg.server_url)
+            self._warned_unreachable = False
+        self.engine = KVTransferEngine(self.caches, self.layout, self._client, num_layers=len(self.caches))
+        return True
+
+    def _lost(self, why: str) -> None:
+        """The server went away mid-step: drop the connection, retry later, say so once."""
+        client, self._client, self.engine = self._client, None, None
+        self._next_connect = time.monotonic() + _RECONNECT_S
+        if not self._warned_unreachable:
+            self._warned_unreachable = True
+            logger.warning(
+                "Maru: lost maru server at %s (%s); computing prompts locally until it is back",
+                self.cfg.server_url,
+                why,
+            )
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def _rank(self, rt: RequestTransfer) -> RequestTransfer:
+        if self.tp_size == 1:
+            return rt
+        chunks = tuple(
+            ChunkRef(rank_keys(c.key, self.tp_size)[self.tp_rank], c.start, c.num_tokens, c.place_begin, c.place_end)
+            for c in rt.chunks
+        )
+        return RequestTransfer(rt.req_id, rt.block_ids, chunks)
+
+    # ------------------------------------------------------------------ load
+    def start_load_kv(self, meta: MaruConnectorMetadata | None) -> None:
+        self._failed_blocks_step = set()
+        if meta is None or not meta.loads:
+            return
+        try:
+            self._load(meta)
+        except Exception as e:  # never raise into the forward; recompute instead
+            logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
+            for rt in meta.loads:
+                self._fail(rt, f"{type(e).__name__}: {e}")
+
+    def _fail(self, rt: RequestTransfer, why: str) -> None:
+        blocks = rt.placed_block_ids(self.block_size)
+        self._load_errors |= blocks
+        self._failed_blocks_step |= blocks
+        self.stats.load_errors += 1
+        logger.warning(
+            "Maru: load of request %s failed (%s); vLLM recomputes its %d tokens",
+            rt.req_id,
+            why,
+            rt.num_placed_tokens(),
+        )
+
+    def _load(self, meta: MaruConnectorMetadata) -> None:
+        if not self.cfg.enable_load:
+            # The scheduler never offers with loads disabled; defensive: recompute.
+            for rt in meta.loads:
+                self._fail(rt, "maru_enable_load is false")
+            return
+        if not self._connect() or self.engine is None:
+            why = self.disabled_reason or "maru server not reachable"
+            for rt in meta.loads:
+                self._fail(rt, why)
+            return
+        reqs = [self._rank(rt) for rt in meta.loads]
+        rep = self.engine.load(reqs)
+        by_id = {rt.req_id: rt for rt in meta.loads}
+        for req_id, why in rep.failed.items():
+            self._fail(by_id[req_id], why)
+        if rep.server_lost:
+            self._lost(next(iter(rep.failed.values())))
+        self.stats.loads += len(rep.loaded_req_ids)
+        self.stats.tokens_loaded += rep.tokens
+        self.stats.chunks_loaded += rep.chunks
+        self.stats.bytes_loaded += rep.bytes
+        self.stats.load_seconds += rep.seconds
+        if self.cfg.log_timing:
+            logger.info(
+                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s",
+                len(rep.loaded_req_ids),
+                rep.tokens,
+                rep.chunks,
+                rep.bytes / 2**20,
+                rep.seconds * 1e3,
+                rep.bytes / max(rep.seconds, 1e-9) / 1e9,
+                f", {len(rep.failed)} failed" if rep.failed else "",
+            )
+
+    # ------------------------------------------------------------------ store
+    def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:
+        if meta is None or not meta.stores or not self.cfg.enable_store:
+            return
+        try:
+            self._store(meta)
+        except Exception:  # never raise into vLLM; a lost store is a future cache miss
+            self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
+            logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
+
+    def _store(self, meta: MaruConnectorMetadata) -> None:
+        stores = []
+        for rt in meta.stores:
+            top = max(c.end for c in rt.chunks)
+            if self._failed_blocks_step and rt.block_ids_of(0, top, self.block_size) & self._failed_blocks_step:
+                self.stats.stores_dropped += len(rt.chunks)
+                continue
+            stores.append(self._rank(rt))
+        if not stores or not self._connect() or self.engine is None:
+            return
+        rep = self.engine.store(stores)
+        self.stats.chunks_stored += rep.stored
+        self.stats.chunks_present += rep.present
+        self.stats.tokens_stored += rep.tokens
+        self.stats.bytes_stored += rep.bytes
+        self.stats.store_seconds += rep.seconds
+        if rep.failed:
+            self.stats.store_failures += rep.failed
+            if rep.server_lost:
+                self._lost(rep.error or "store failed")
+            elif time.monotonic() >= self._next_store_warning:
+                # Rate-limited: a full pool would otherwise warn every step.
+                self._next_store_warning = time.monotonic() + 60.0
+                logger.warning(
+                    "Maru: %d chunks not stored: %s (%d store failures so far; next warning in 60 s at most)",
+                    rep.failed,
+                    rep.error,
+                    self.stats.store_failures,
+                )
+        if self.cfg.log_timing:
+            logger.info(
+                "Maru timing: store %d chunks (%d new, %d present) %d tokens %.1f MiB in %.2f ms",
+                rep.stored + rep.present,
+                rep.stored,
+                rep.present,
+                rep.tokens,
+                rep.bytes / 2**20,
+                rep.seconds * 1e3,
+            )
+
+    # ------------------------------------------------------------------ results
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        client, self._client, self.engine = self._client, None, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+
+def _kv_ops_backend() -> str:
+    try:
+        return str(kv_ops.backend())
+    except Exception:
+        return "unknown"
