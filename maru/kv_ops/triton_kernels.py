@@ -1,0 +1,235 @@
+"""Triton placement kernels: one kernel, specialised at compile time into the three operations.
+
+* multi-layer: grid (token tiles, layers); each layer's base is ``cache_ptr + layer_offs[layer]``
+  (an int64 table of element offsets from layer 0, so per-layer tensors anywhere in memory and the
+  cross-layer tensor are the same code);
+* single-layer (``USE_TABLE=False``): grid (token tiles, 1), no table load: the layer-overlap path;
+* block-granular (``BLOCKWISE=True``): the index array holds block ids; token ``t`` of the object is
+  offset ``t % BS`` of block ``ids[t // BS]``.
+
+Every address is computed from the ``KVLayout`` strides in physical memory (block, token, head, dim
+strides per K/V plane), never from the shape's axis order, so NHD, HND, padded, packed and the CPU
+backend's transposed K are all stride arithmetic. Elements are moved as same-width integers
+(bit-exact, whatever the float format). Masks are block-shaped tensors (the interpreter rejects a
+scalar-and-vector mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from maru.kv_ops.layout import KVLayout
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _place_kernel(
+    obj_ptr,
+    cache_ptr,
+    layer_offs_ptr,
+    idx_ptr,
+    num_tokens,
+    skip,
+    obj_s_layer,
+    obj_s_kv,
+    obj_s_tok,
+    s_block,
+    s_head,
+    kv_stride,
+    k_s_tok,
+    v_s_tok,
+    K_S_DIM: tl.constexpr,
+    V_S_DIM: tl.constexpr,
+    BS: tl.constexpr,
+    HS: tl.constexpr,
+    ROW: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCKWISE: tl.constexpr,
+    USE_TABLE: tl.constexpr,
+    LAYER_ALIGN: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    layer = tl.program_id(1)
+    if USE_TABLE:
+        layer_off = tl.load(layer_offs_ptr + layer)
+        # Python checked the alignment; the hint lets the compiler keep 16-byte accesses.
+        layer_off = tl.multiple_of(layer_off, LAYER_ALIGN)
+        base = cache_ptr + layer_off
+    else:
+        base = cache_ptr
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = (t < num_tokens) & (t >= skip)
+    if BLOCKWISE:
+        blk = tl.load(idx_ptr + t // BS, mask=tmask, other=-1).to(tl.int64)
+        off_in_block = (t % BS).to(tl.int64)
+        valid = tmask & (blk >= 0)
+    else:
+        slot = tl.load(idx_ptr + t, mask=tmask, other=-1).to(tl.int64)
+        valid = tmask & (slot >= 0)
+        slot = tl.where(valid, slot, 0)
+        blk = slot // BS
+        off_in_block = slot % BS
+    tok_base = blk * s_block
+    obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + t.to(tl.int64) * obj_s_tok
+    for kv in tl.static_range(NUM_KV):
+        if kv == 0:
+            cache_row = base + tok_base + off_in_block * k_s_tok
+        else:
+            cache_row = base + kv_stride + tok_base + off_in_block * v_s_tok
+        obj_plane = obj_row + kv * obj_s_kv
+        for r0 in range(0, ROW, BLOCK_R):
+            c = r0 + tl.arange(0, BLOCK_R)
+            head = c // HS
+            dim = c % HS
+            if kv == 0:
+                c_off = head * s_head + dim * K_S_DIM
+            else:
+                c_off = head * s_head + dim * V_S_DIM
+            m = valid[:, None] & (c < ROW)[None, :]
+            cache_p = cache_row[:, None] + c_off[None, :]
+            obj_p = obj_plane[:, None] + c[None, :]
+            if GATHER:
+                tl.store(obj_p, tl.load(cache_p, mask=m), mask=m)
+            else:
+                tl.store(cache_p, tl.load(obj_p, mask=m), mask=m)
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width (copies become bit-exact for any float format)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+class TuneParams:
+    """Tile sizes for a row width: defaults chosen on an H200 (see bench/kv_ops.py)."""
+
+    block_t: int = 8
+    max_block_r: int = 1024
+    num_warps: int = 4
+
+
+def _tiles(layout: KVLayout, num_tokens: int) -> tuple[int, int, int]:
+    row = layout.row_size
+    block_r = min(triton.next_power_of_2(row), TuneParams.max_block_r)
+    # Keep a tile at about 8K elements: enough bytes in flight per program, few registers.
+    block_t = max(1, min(TuneParams.block_t * max(1, 1024 // block_r), 64))
+    block_t = min(block_t, triton.next_power_of_2(max(1, num_tokens)))
+    return block_t, block_r, TuneParams.num_warps
+
+
+def _align_of(value: int) -> int:
+    """Largest power of two (at most 16) dividing ``value`` (0 divides by anything)."""
+    if value == 0:
+        return 16
+    align = 1
+    while align < 16 and value % (align * 2) == 0:
+        align *= 2
+    return align
+
+
+class LayerTable:
+    """Device-resident int64 table of per-layer element offsets from layer 0, cached by addresses.
+
+    Building it costs a host-to-device copy; the caches of a serving process never move, so one
+    table per set of caches is built once and reused.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+    def get(self, ptrs: tuple[int, ...], esize: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        key = (ptrs, esize, str(device))
+        hit = self._tables.get(key)
+        if hit is not None:
+            return hit
+        base = ptrs[0]
+        offs = []
+        for p in ptrs:
+            delta = p - base
+            if delta % esize:
+                raise ValueError(
+                    f"layer caches are not element-aligned relative to each other ({delta} bytes)"
+                )
+            offs.append(delta // esize)
+        align = 16
+        for o in offs:
+            align = min(align, _align_of(o))
+        table = torch.tensor(offs, dtype=torch.int64).to(device)
+        if len(self._tables) > 64:
+            self._tables.clear()
+        self._tables[key] = (table, align)
+        return table, align
+
+
+_TABLES = LayerTable()
+
+
+def _base_view(ref: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, base = ref
+    return torch.as_strided(tensor, (1,), (1,), base)
+
+
+def place(
+    refs: list[tuple[torch.Tensor, int]],
+    layout: KVLayout,
+    index: torch.Tensor,
+    obj: torch.Tensor,
+    *,
+    gather: bool,
+    blockwise: bool = False,
+    skip: int = 0,
+    single_layer: bool = False,
+) -> None:
+    """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
+
+    ``refs`` are (bits tensor over the cache storage, absolute element offset of the layer base);
+    ``obj`` is already reinterpreted as integers of the cache's element width.
+    """
+    num_layers, num_kv, num_tokens, row = obj.shape
+    if num_tokens == 0 or num_layers == 0:
+        return
+    cache0 = _base_view(refs[0])
+    if single_layer or num_layers == 1:
+        table, align, use_table = index, 16, False
+    else:
+        ptrs = tuple(t.data_ptr() + (b - t.storage_offset()) * t.element_size() for t, b in refs)
+        table, align = _TABLES.get(ptrs, cache0.element_size(), cache0.device)
+        use_table = True
+    block_t, block_r, num_warps = _tiles(layout, num_tokens)
+    grid = (triton.cdiv(num_tokens, block_t), num_layers)
+    _place_kernel[grid](
+        obj,
+        cache0,
+        table,
+        index,
+        num_tokens,
+        skip,
+        obj.stride(0),
+        obj.stride(1),
+        obj.stride(2),
+        layout.block_stride,
+        layout.head_stride,
+        layout.kv_stride,
+        layout.k_token_stride,
+        layout.v_token_stride,
+        K_S_DIM=layout.k_dim_stride,
+        V_S_DIM=layout.v_dim_stride,
+        BS=layout.block_size,
+        HS=layout.head_size,
+        ROW=row,
+        NUM_KV=num_kv,
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        GATHER=gather,
+        BLOCKWISE=blockwise,
+        USE_TABLE=use_table,
+        LAYER_ALIGN=align,
+        num_warps=num_warps,
+    )
