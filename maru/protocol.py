@@ -24,7 +24,9 @@ op           request fields                                reply fields
 HANDSHAKE    client_id, host, pid                          server_id, pool_path, pool_uuid,
                                                            pool_size, data_offset, data_size,
                                                            alignment, max_object_size,
-                                                           lease_timeout_s, protocol_version
+                                                           lease_timeout_s, protocol_version,
+                                                           pool_kind ("file" | "dax"), max_batch,
+                                                           max_key_bytes
 RESERVE      client_id, sizes: [int]                       allocs: [[alloc_id, offset, size] | None]
                                                            (None: does not fit even after eviction)
 COMMIT       client_id, items: [[key, alloc_id]]           results: ["stored" | "present" |
@@ -39,11 +41,25 @@ DELETE       client_id, keys: [key]                        deleted: [bool]
 HEARTBEAT    client_id                                     server_id, known: bool (False: the lease
                                                            expired or the server restarted;
                                                            handshake again)
-STATS        client_id                                     counters and gauges (see server.stats)
+STATS        client_id                                     counters: {name: int}, requests: {op: int},
+                                                           errors: {code: int}, gauges: {name: int},
+                                                           uptime_s, server_id, url, pool_path,
+                                                           pool_kind, pool_uuid, pool_size,
+                                                           max_object_size, lease_timeout_s,
+                                                           protocol_version, pid
+                                                           (names: maru/server/stats.py, docs/server.md)
 USAGE        client_id                                     pool_size, data_size, used, free,
                                                            largest_free, reserved, committed,
-                                                           entries, pinned, clients
+                                                           entries, pinned, clients,
+                                                           evictable, reservations
 ===========  ============================================  =======================================
+
+Leases: RESERVE, COMMIT, ABORT, PIN, UNPIN and LOOKUP with ``pin: true`` need a live lease
+(a HANDSHAKE not followed by ``lease_timeout_s`` of silence); without one they get
+``unknown_client``. Every request of a known client renews its lease. EXISTS, LOOKUP without pin,
+DELETE, STATS and USAGE work without a handshake. ``client_id`` is a str (or bytes/int), at most
+256 long. Sizes in USAGE are bytes of the pool (rounded up to ``alignment``); sizes in RESERVE and
+LOOKUP replies are the object sizes the client asked for.
 
 Offsets are absolute byte offsets into the pool (the file or device the client maps).
 Keys are strings of at most ``MAX_KEY_BYTES`` UTF-8 bytes.
