@@ -148,6 +148,66 @@ class LayerLoad(Transfer):
 
 Placer = Callable[..., None]
 
+_CUDA_MEMCPY_H2D = 1  # cudaMemcpyHostToDevice
+
+
+class _RawCopier:
+    """``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` straight through the process's libcudart.
+
+    The layer-overlap load issues one or two copies per layer; through ``Tensor.copy_`` each costs
+    several microseconds of Python and dispatcher work, through ctypes about one. Only used between
+    contiguous host and device ranges whose addresses the engine computed itself. ``None`` when the
+    library cannot be found (then ``Tensor.copy_`` is used: same bytes, more issue time).
+    """
+
+    def __init__(self, lib: Any) -> None:
+        import ctypes
+
+        self._memcpy = lib.cudaMemcpyAsync
+        self._memcpy.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._memcpy.restype = ctypes.c_int
+        self._memcpy2d = lib.cudaMemcpy2DAsync
+        self._memcpy2d.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+        ]  # fmt: skip
+        self._memcpy2d.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls) -> _RawCopier | None:
+        import ctypes
+
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = [line.split()[-1] for line in maps if "libcudart" in line]
+            if not paths:
+                return None
+            return cls(ctypes.CDLL(paths[0]))
+        except (OSError, AttributeError):
+            return None
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        err = self._memcpy(dst, src, nbytes, _CUDA_MEMCPY_H2D, stream)
+        if err:
+            raise RuntimeError(
+                f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} bytes) failed: cudaError {err}"
+            )
+
+    def copy2d(
+        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
+    ) -> None:
+        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_H2D, stream)
+        if err:
+            raise RuntimeError(
+                f"cudaMemcpy2DAsync({dst:#x} <- {src:#x}, {height} x {width} bytes) failed: cudaError {err}"
+            )
+
 
 class TransferEngine:
     """Stores and loads chunk objects between host memory and one set of paged caches.
@@ -165,6 +225,7 @@ class TransferEngine:
         unit_bytes: int = DEFAULT_UNIT_BYTES,
         ring_slots: int = DEFAULT_RING_SLOTS,
         backend: str | None = None,
+        raw_copy: bool = True,
     ) -> None:
         if isinstance(caches, dict):
             caches = list(caches.values())
@@ -177,6 +238,7 @@ class TransferEngine:
         self.device = first.device
         self.num_layers = int(layout.num_layers) if self.cross_layer else len(self.caches)
         self.backend = backend
+        self.raw_copy = raw_copy  # False: the layer path issues copies with Tensor.copy_ (bench comparison)
         self.esize = first.element_size()
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
         self.unit_bytes = max(int(unit_bytes), 1)
@@ -194,6 +256,16 @@ class TransferEngine:
             self._layer_staging: torch.Tensor | None = None
             self._layer_staging_free: Any = None  # event: last placement out of the layer staging
             self._checked_pinned = False
+            self._copied_events: list[Any] = []
+            self._raw = _RawCopier.load()
+            if self._raw is None:
+                self.raw_copy = False
+                _announce_once(
+                    "raw-copier",
+                    logging.INFO,
+                    "maru.kv_ops: libcudart not found in this process; the layer-overlap load issues its copies "
+                    "with Tensor.copy_ (same bytes, a few microseconds more issue time per layer)",
+                )
         else:
             _announce_once(
                 "cpu-direct",
@@ -494,6 +566,12 @@ class TransferEngine:
         handle.issue_s = time.perf_counter() - t0
         return handle
 
+    def _events(self, n: int) -> list[Any]:
+        # Copy-done events are reused across calls: a stream wait binds to the record made before it.
+        while len(self._copied_events) < n:
+            self._copied_events.append(torch.cuda.Event())
+        return self._copied_events
+
     def _layer_buffer(self, numel: int) -> torch.Tensor:
         if self._layer_staging is None or self._layer_staging.numel() < numel:
             if self._layer_staging_free is not None:
@@ -526,27 +604,38 @@ class TransferEngine:
         place.wait_event(start)
         if self._layer_staging_free is not None:
             copy.wait_event(self._layer_staging_free)  # the previous call's placements read this buffer
-        events = []
-        single = len(objs) == 1
-        for i in range(self.num_layers):
-            with torch.cuda.stream(copy):
-                if single:
-                    staging[i].copy_(objs[0][i], non_blocking=True)
-                else:
+        copied_events = self._events(self.num_layers)
+        events = [torch.cuda.Event() for _ in range(self.num_layers)]
+        raw = self._raw if self.raw_copy else None
+        es = self.esize
+        obj_ptrs = [(o.data_ptr(), o.shape[2]) for o in objs]
+        st_ptr, st_layer, st_plane = staging.data_ptr(), staging.stride(0) * es, staging.stride(1) * es
+        copy_handle = copy.cuda_stream
+        with torch.cuda.stream(place):  # placement kernels launch on the current stream
+            for i in range(self.num_layers):
+                if raw is not None:
                     token0 = 0
-                    for obj in objs:
-                        t = obj.shape[2]
-                        for p in range(kv):  # each plane slice is contiguous on both sides
-                            staging[i, p, token0 : token0 + t].copy_(obj[i, p], non_blocking=True)
+                    for ptr, t in obj_ptrs:
+                        plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
+                        src = ptr + i * kv * plane
+                        dst = st_ptr + i * st_layer + token0 * row * es
+                        if len(obj_ptrs) == 1:
+                            raw.copy(dst, src, kv * plane, copy_handle)
+                        else:  # K and V planes land T_total rows apart: one pitched copy
+                            raw.copy2d(dst, st_plane, src, plane, plane, kv, copy_handle)
                         token0 += t
-                copied = torch.cuda.Event()
-                copied.record(copy)
-            place.wait_event(copied)
-            with torch.cuda.stream(place):
+                else:
+                    with torch.cuda.stream(copy):
+                        token0 = 0
+                        for obj in objs:
+                            t = obj.shape[2]
+                            for p in range(kv):  # each plane slice is contiguous on both sides
+                                staging[i, p, token0 : token0 + t].copy_(obj[i, p], non_blocking=True)
+                            token0 += t
+                copied_events[i].record(copy)
+                place.wait_event(copied_events[i])
                 self._place_layer(staging[i], i, slots, placer)
-                placed = torch.cuda.Event()
-                placed.record(place)
-            events.append(placed)
+                events[i].record(place)
         self._layer_staging_free = events[-1]
         handle = LayerLoad(nbytes, events, [objs, slots])
         handle.issue_s = time.perf_counter() - t0
