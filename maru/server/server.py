@@ -47,7 +47,6 @@ MAX_HOST_LEN = 256
 # zmq closes a peer that sends a message larger than this (protects our memory). Frames between
 # MAX_FRAME_BYTES and this still arrive and get a "too_large" reply.
 ZMQ_MAXMSGSIZE = 2 * P.MAX_FRAME_BYTES
-_BURST = 512  # messages handled per poll wake-up before housekeeping gets a turn
 
 
 class Reject(Exception):
@@ -94,11 +93,17 @@ _MAX_FAST_KEY_CHARS = P.MAX_KEY_BYTES // 4  # a str this short is under the byte
 
 def _keys(body: dict[str, Any]) -> list[str]:
     keys = _list(body, "keys")
-    for k in keys:
-        if type(k) is not str:
-            raise Reject(ErrorCode.BAD_REQUEST, f"keys must be strings, got {type(k).__name__}")
-        if len(k) > _MAX_FAST_KEY_CHARS:
-            _check_long_key(k)
+    if not keys:
+        return keys
+    # map/set/max run in C: this check costs ~1 us for 64 keys instead of ~15 us in a loop.
+    types = set(map(type, keys))
+    if types != {str}:
+        bad = next(t for t in types if t is not str)
+        raise Reject(ErrorCode.BAD_REQUEST, f"keys must be strings, got {bad.__name__}")
+    if max(map(len, keys)) > _MAX_FAST_KEY_CHARS:
+        for k in keys:
+            if len(k) > _MAX_FAST_KEY_CHARS:
+                _check_long_key(k)
     return keys
 
 
@@ -282,22 +287,22 @@ class MaruServer:
         poll_ms = int(housekeeping_s * 1000)
         next_reap = time.monotonic() + housekeeping_s
         next_ticks = time.monotonic() + TICK_FLUSH_S
+        # A blocking receive with a timeout instead of poll()+recv: one wake-up per request, and
+        # the timeout still gives housekeeping a turn when the socket is idle.
+        sock.setsockopt(zmq.RCVTIMEO, poll_ms)
         recv = sock.recv_multipart
+        on_message = self._on_message
+        monotonic = time.monotonic
         try:
             while not self._stop:
                 try:
-                    if sock.poll(poll_ms, zmq.POLLIN):
-                        for _ in range(_BURST):
-                            try:
-                                parts = recv(zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
-                            self._on_message(parts)
+                    on_message(recv())
+                except zmq.Again:
+                    pass
                 except zmq.ZMQError as e:
-                    if e.errno == errno.EINTR:
-                        continue
-                    raise
-                now = time.monotonic()
+                    if e.errno != errno.EINTR:
+                        raise
+                now = monotonic()
                 if now >= next_reap:
                     self.reap()
                     next_reap = now + housekeeping_s
@@ -318,6 +323,8 @@ class MaruServer:
         state = getattr(self, "state", None)
         if state is not None:
             try:
+                if hasattr(self, "registry"):
+                    state.write_ticks(self.registry.take_touched())
                 state.close()
             except Exception:
                 log.exception("closing the state database failed")
@@ -358,7 +365,7 @@ class MaruServer:
 
     def _flush_ticks(self) -> None:
         try:
-            self.state.flush_ticks()
+            self.state.write_ticks(self.registry.take_touched())
         except Exception:
             log.exception("writing LRU ticks to %s failed", self.state.path)
 
@@ -530,11 +537,10 @@ class MaruServer:
         if type(pin) is not bool:
             raise Reject(ErrorCode.BAD_REQUEST, "pin must be true or false")
         reg = self.registry
-        find = reg.pin if pin else None
+        found = [reg.pin(client, k) for k in keys] if pin else reg.lookup_many(keys)
         entries: list[list[int] | None] = []
         served = 0
-        for k in keys:
-            e = find(client, k) if find else reg.lookup(k)
+        for e in found:
             if e is None:
                 entries.append(None)
             else:
@@ -551,13 +557,11 @@ class MaruServer:
 
     def _exists(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(body)
-        exists = self.registry.exists
-        present = [exists(k) for k in keys]
-        prefix = 0
-        for p in present:
-            if not p:
-                break
-            prefix += 1
+        present = [e is not None for e in self.registry.lookup_many(keys)]
+        try:
+            prefix = present.index(False)
+        except ValueError:
+            prefix = len(present)
         hits = sum(present)
         st = self.stats.counters
         st["exists_hits"] += hits

@@ -56,7 +56,6 @@ class StateStore:
             ) from None
         self._puts: dict[str, tuple[int, int, int]] = {}
         self._removes: set[str] = set()
-        self._ticks: dict[str, int] = {}
         self.transactions = 0
 
     # -- pool identity ------------------------------------------------------------------------
@@ -128,15 +127,10 @@ class StateStore:
     def put(self, key: str, offset: int, size: int, tick: int) -> None:
         self._removes.discard(key)
         self._puts[key] = (offset, size, tick)
-        self._ticks.pop(key, None)
 
     def remove(self, key: str) -> None:
         self._puts.pop(key, None)
-        self._ticks.pop(key, None)
         self._removes.add(key)
-
-    def touch(self, key: str, tick: int) -> None:
-        self._ticks[key] = tick
 
     @property
     def dirty(self) -> bool:
@@ -165,21 +159,17 @@ class StateStore:
         self._removes.clear()
         self.transactions += 1
 
-    def flush_ticks(self) -> None:
-        """Write buffered LRU ticks (cheap to lose: only the eviction order depends on them)."""
-        if not self._ticks:
+    def write_ticks(self, ticks: list[tuple[str, int]]) -> None:
+        """Write LRU ticks ``(key, tick)`` (cheap to lose: only the eviction order depends on them)."""
+        if not ticks:
             return
         self.db.execute("BEGIN")
-        self.db.executemany(
-            "UPDATE entries SET tick = ? WHERE key = ?", [(t, k) for k, t in self._ticks.items()]
-        )
+        self.db.executemany("UPDATE entries SET tick = ? WHERE key = ?", [(t, k) for k, t in ticks])
         self.db.execute("COMMIT")
-        self._ticks.clear()
 
     def close(self) -> None:
         try:
             self.flush()
-            self.flush_ticks()
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             self.db.close()
