@@ -26,7 +26,16 @@ def _as_bool(name: str, value: Any) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if isinstance(value, str) and value.strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
         return value.strip().lower() in ("1", "true", "yes", "on")
     raise ConfigError(f"{name} must be true or false, got {value!r}")
 

@@ -103,7 +103,9 @@ class ChunkKeyer:
         chain: list[bytes] = []
         prev = self._root
         for i in range(n):
-            prev = hashlib.blake2b(b"C" + prev + data[i * step : (i + 1) * step], digest_size=_DIGEST_SIZE).digest()
+            prev = hashlib.blake2b(
+                b"C" + prev + data[i * step : (i + 1) * step], digest_size=_DIGEST_SIZE
+            ).digest()
             chain.append(prev)
         return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
 

@@ -99,7 +99,9 @@ class MaruSchedulerConnector:
         self._warned_skip: set[str] = set()
         self._reqs: dict[str, _Request] = {}
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
-        self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(maxlen=4)
+        self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
+            maxlen=4
+        )
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ server
@@ -194,7 +196,9 @@ class MaruSchedulerConnector:
             end = min(begin + self.chunk - 1, usable)
             if end - begin < self.block_size:
                 continue
-            for n, key in self.keyer.tail_candidates(st.keys.parent(i), st.prompt[begin:end], self.block_size):
+            for n, key in self.keyer.tail_candidates(
+                st.keys.parent(i), st.prompt[begin:end], self.block_size
+            ):
                 tails.append((i, n, key))
         base = st.keys.full + [k for _, _, k in tails]
         client = self._get_client()
@@ -217,10 +221,12 @@ class MaruSchedulerConnector:
             return
         st.present = present[:n_full]
         st.tail_hits = {}
-        for (i, n, key), hit in zip(tails, present[n_full:]):
+        for (i, n, key), hit in zip(tails, present[n_full:], strict=True):
             if hit and n > st.tail_hits.get(i, (0, ""))[0]:
                 st.tail_hits[i] = (n, key)
-        st.own_tail_present = st.own_tail is not None and st.tail_hits.get(n_full, (0, ""))[0] >= st.own_tail[0]
+        st.own_tail_present = (
+            st.own_tail is not None and st.tail_hits.get(n_full, (0, ""))[0] >= st.own_tail[0]
+        )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` vLLM can take from Maru (block-aligned), synchronously."""
@@ -279,7 +285,9 @@ class MaruSchedulerConnector:
             chunks.append(ChunkRef(tail[1], s, tail[0], max(0, begin - s), min(tail[0], end - s)))
         return RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks))
 
-    def _plan_stores(self, st: _Request, computed: int, scheduled: int) -> tuple[list[ChunkRef], list[int], bool]:
+    def _plan_stores(
+        self, st: _Request, computed: int, scheduled: int
+    ) -> tuple[list[ChunkRef], list[int], bool]:
         if not self.cfg.enable_store or st.present is None:
             return [], [], False
         C = self.chunk

@@ -133,7 +133,9 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--bench", action="store_true", help="the bench model (8 layers, hidden 1024, 8 KV heads of 64)")
+    ap.add_argument(
+        "--bench", action="store_true", help="the bench model (8 layers, hidden 1024, 8 KV heads of 64)"
+    )
     d = TinyModelSpec()
     ap.add_argument("--layers", type=int, default=d.num_layers)
     ap.add_argument("--hidden", type=int, default=d.hidden)
@@ -145,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_SPEC
         if a.bench
         else TinyModelSpec(
-            num_layers=a.layers, hidden=a.hidden, intermediate=2 * a.hidden, heads=a.heads, kv_heads=a.kv_heads, seed=a.seed
+            num_layers=a.layers,
+            hidden=a.hidden,
+            intermediate=2 * a.hidden,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            seed=a.seed,
         )
     )
     print(build_tiny_model(a.out_dir, spec))

@@ -113,7 +113,11 @@ class LoadReport:
 
 
 def slot_mapping(
-    block_ids: Sequence[int], block_size: int, start: int, num_tokens: int, place: tuple[int, int] | None = None
+    block_ids: Sequence[int],
+    block_size: int,
+    start: int,
+    num_tokens: int,
+    place: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Slots of request tokens ``[start, start+num_tokens)`` (int64); -1 outside ``place`` (object offsets).
 
@@ -150,7 +154,6 @@ class KVTransferEngine:
         layout: Any,
         client: Any,
         *,
-        num_layers: int | None = None,
         backend: str | None = None,
     ) -> None:
         if not caches:
@@ -161,7 +164,8 @@ class KVTransferEngine:
         self.backend = backend
         self.block_size = int(layout.block_size)
         self.dtype = self.caches[0].dtype
-        self.num_layers = int(num_layers or layout.num_layers or len(self.caches))
+        # A cross-layer cache is one tensor holding every layer.
+        self.num_layers = int(layout.num_layers) if layout.is_cross_layer else len(self.caches)
         self.num_kv = int(layout.num_kv)
         self.row = int(layout.row_size)
         self.elem = torch.empty((), dtype=self.dtype).element_size()
@@ -209,7 +213,7 @@ class KVTransferEngine:
         ready: list[Any] = []
         bad: list[Any] = []
         ready_bytes = 0
-        for (req, c), obj in zip(todo, objs):
+        for (req, c), obj in zip(todo, objs, strict=True):
             try:
                 slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
                 out = self._tensor_over(obj.buf, c.num_tokens)
@@ -287,7 +291,9 @@ class KVTransferEngine:
             try:
                 self.client.batch_release(handles)
             except MaruError as e:
-                logger.warning("Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(keys), e)
+                logger.warning(
+                    "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(keys), e
+                )
         rep.seconds = time.perf_counter() - t0
         return rep
 
@@ -298,10 +304,14 @@ class KVTransferEngine:
                 return f"chunk {c.key} is gone from the pool (evicted or deleted)"
             want = self.object_nbytes(c.num_tokens)
             if h.size != want:
-                return f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
+                return (
+                    f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
+                )
         return None
 
-    def _place(self, req: RequestTransfer, handles: list[Any], index: dict[str, int], rep: LoadReport) -> str | None:
+    def _place(
+        self, req: RequestTransfer, handles: list[Any], index: dict[str, int], rep: LoadReport
+    ) -> str | None:
         for c in req.chunks:
             h = handles[index[c.key]]
             try:

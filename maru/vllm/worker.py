@@ -63,7 +63,7 @@ def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[str]:
     names = list(kv_caches)
     idx = [_LAYER_RE.search(n + ".") for n in names]
     if all(m is not None for m in idx):
-        return [n for _, n in sorted(zip((int(m.group(1)) for m in idx if m), names))]
+        return [n for _, n in sorted(zip((int(m.group(1)) for m in idx if m), names, strict=True))]
     return names
 
 
@@ -113,8 +113,8 @@ class MaruWorkerConnector:
             except Exception:
                 backend = None
         try:
-            self.layout = kv_ops.detect_layout(
-                self.caches[0],
+            self.layout = kv_ops.detect_layouts(
+                self.caches,
                 block_size=self.block_size,
                 num_kv_heads=self.num_kv_heads,
                 head_size=self.head_size,
@@ -166,7 +166,7 @@ class MaruWorkerConnector:
         if self._warned_unreachable:
             logger.warning("Maru: worker reconnected to maru server at %s", self.cfg.server_url)
             self._warned_unreachable = False
-        self.engine = KVTransferEngine(self.caches, self.layout, self._client, num_layers=len(self.caches))
+        self.engine = KVTransferEngine(self.caches, self.layout, self._client)
         return True
 
     def _lost(self, why: str) -> None:
@@ -190,7 +190,13 @@ class MaruWorkerConnector:
         if self.tp_size == 1:
             return rt
         chunks = tuple(
-            ChunkRef(rank_keys(c.key, self.tp_size)[self.tp_rank], c.start, c.num_tokens, c.place_begin, c.place_end)
+            ChunkRef(
+                rank_keys(c.key, self.tp_size)[self.tp_rank],
+                c.start,
+                c.num_tokens,
+                c.place_begin,
+                c.place_end,
+            )
             for c in rt.chunks
         )
         return RequestTransfer(rt.req_id, rt.block_ids, chunks)
@@ -268,7 +274,10 @@ class MaruWorkerConnector:
         stores = []
         for rt in meta.stores:
             top = max(c.end for c in rt.chunks)
-            if self._failed_blocks_step and rt.block_ids_of(0, top, self.block_size) & self._failed_blocks_step:
+            if (
+                self._failed_blocks_step
+                and rt.block_ids_of(0, top, self.block_size) & self._failed_blocks_step
+            ):
                 self.stats.stores_dropped += len(rt.chunks)
                 continue
             stores.append(self._rank(rt))

@@ -1,0 +1,266 @@
+"""One vLLM engine in its own process, driven by JSON lines: used by the demo, the tests and the bench.
+
+    python -m maru.vllm.runner '<engine json>'
+
+starts ``vllm.LLM`` with the engine settings (model, block size, the Maru connector's extra
+config or none, ...), prints ``MARU-RUNNER {"ready": ...}`` and then answers one command per
+stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging goes around it):
+
+- ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8}`` ->
+  ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``
+- ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
+  ``{"seconds": ..., "cached": n, "token": id}``
+- ``{"op": "reset_prefix_cache"}``, ``{"op": "stats"}`` (the connector's counters, both sides),
+  ``{"op": "quit"}``.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so one engine per
+runner process: vLLM's in-process mode changes process-wide state (threads, seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+MARK = "MARU-RUNNER "
+
+
+def _env() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = dict(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        block_size=int(spec.get("block_size", 32)),
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=bool(spec.get("enable_prefix_caching", True)),
+        kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 256 << 20)),
+    )
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+        kw["enable_chunked_prefill"] = True
+    if spec.get("max_num_seqs"):
+        kw["max_num_seqs"] = int(spec["max_num_seqs"])
+    conn = spec.get("connector")
+    if conn is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=conn.get("name", "MaruKVConnector"),
+            kv_connector_module_path=conn.get("module", "maru.vllm"),
+            kv_role="kv_both",
+            kv_connector_extra_config=conn.get("extra", {}),
+        )
+    return LLM(**kw)
+
+
+def connector_stats(llm: Any) -> dict[str, Any]:
+    """Counters of both connector instances (both live in this process in in-process mode)."""
+    out: dict[str, Any] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            w = get_kv_transfer_group()
+            if hasattr(w, "maru_stats"):
+                out["worker"] = w.maru_stats()
+    except Exception as e:  # stats are diagnostics; never fail the run for them
+        out["worker_error"] = repr(e)
+    try:
+        core = llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)
+        sched = core.scheduler.connector
+        if sched is not None and hasattr(sched, "maru_stats"):
+            out["scheduler"] = sched.maru_stats()
+    except Exception as e:
+        out["scheduler_error"] = repr(e)
+    return out
+
+
+def serve(spec: dict[str, Any]) -> None:
+    _env()
+    t0 = time.perf_counter()
+    llm = build_llm(spec)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "generate":
+                sp = SamplingParams(
+                    temperature=0.0, max_tokens=int(cmd.get("max_tokens", 8)), ignore_eos=True
+                )
+                prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+                t = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                dt = time.perf_counter() - t
+                reply(
+                    {
+                        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+                        "seconds": dt,
+                    }
+                )
+            elif op == "ttft":
+                sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+                t = time.perf_counter()
+                outs = llm.generate([TokensPrompt(prompt_token_ids=list(cmd["prompt"]))], sp, use_tqdm=False)
+                dt = time.perf_counter() - t
+                reply(
+                    {
+                        "seconds": dt,
+                        "cached": int(outs[0].num_cached_tokens or 0),
+                        "token": outs[0].outputs[0].token_ids[0],
+                    }
+                )
+            elif op == "reset_prefix_cache":
+                reply({"ok": bool(llm.reset_prefix_cache())})
+            elif op == "stats":
+                reply(connector_stats(llm))
+            elif op == "quit":
+                reply({"bye": True})
+                break
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as e:
+            reply({"error": f"{type(e).__name__}: {e}"})
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow interpreter-exit cleanup; nothing is left to flush
+
+
+class EngineProcess:
+    """The parent's handle on one runner process: ``start()``, ``call(cmd)``, ``close()``.
+
+    Lines of the child's stdout without the marker (vLLM's logging) and its stderr go to
+    ``log_path`` (or are dropped), so a failing test can show them.
+    """
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.env = env
+        self.log_path = log_path
+        self.cwd = cwd
+        self.proc: Any = None
+        self.ready: dict[str, Any] = {}
+        self._lines: Any = None
+        self._log: Any = None
+
+    def start(self, timeout: float = 300.0) -> EngineProcess:
+        import queue
+        import subprocess
+        import threading
+
+        env = dict(os.environ)
+        env.update(self.env or {})
+        self._log = open(self.log_path, "a") if self.log_path else open(os.devnull, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maru.vllm.runner", json.dumps(self.spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            cwd=self.cwd,
+            text=True,
+            bufsize=1,
+        )
+        self._lines = queue.Queue()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith(MARK):
+                    self._lines.put(json.loads(line[len(MARK) :]))
+                else:
+                    self._log.write(line)
+            self._lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        self.ready = self._next(timeout)
+        return self
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        import queue
+
+        try:
+            msg = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"vLLM runner gave no answer in {timeout:.0f} s (log: {self.log_path})"
+            ) from None
+        if msg is None:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"vLLM runner exited with code {code} (log: {self.log_path})")
+        return msg
+
+    def call(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._next(timeout)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.call({"op": "quit"}, timeout=30)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m maru.vllm.runner '<engine json>'", file=sys.stderr)
+        return 2
+    serve(json.loads(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
