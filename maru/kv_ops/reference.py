@@ -8,6 +8,8 @@ one vectorised index op:
   elements (one run of NH*HS for tight NHD, NH runs of HS for HND, packed and the CPU backend's V),
   the storage is viewed as ``[rows, run]`` and ``index_select`` / ``index_copy_`` move whole runs
   (memcpy speed on the CPU);
+* the whole-block path: when the valid tokens are whole blocks in offset order (a chunk load, the
+  block-granular API), one ``index_select``/``index_copy_`` over the plane view's block axis;
 * the generic path (the CPU backend's transposed K, unusual strides): advanced indexing on the
   ``[NB, BS, NH, HS]`` plane view, element by element but still one C++ loop.
 
@@ -88,6 +90,22 @@ class _SlotSplit:
         self.blocks = torch.div(chosen, layout.block_size, rounding_mode="floor")
         self.offsets = chosen - self.blocks * layout.block_size
         self._plans: dict[int, _RowPlan | None] = {}
+        self.whole_blocks = self._whole_blocks(layout.block_size)
+
+    def _whole_blocks(self, block_size: int) -> torch.Tensor | None:
+        """Block ids when the valid tokens are whole blocks, each in offset order (a chunk load), else None.
+
+        Then one ``index_select``/``index_copy_`` over the plane's block axis moves everything, with
+        the layout's own (possibly transposed) inner order handled inside that one C++ copy.
+        """
+        if self.count == 0 or self.count % block_size:
+            return None
+        groups = self.blocks.view(-1, block_size)
+        offs = self.offsets.view(-1, block_size)
+        expected = torch.arange(block_size, device=offs.device, dtype=offs.dtype)
+        if bool((groups == groups[:, :1]).all()) and bool((offs == expected).all()):
+            return groups[:, 0].contiguous()
+        return None
 
     def plan(self, layout: KVLayout, kv: int) -> _RowPlan | None:
         key = kv if layout.plane_strides(0) != layout.plane_strides(1) else 0
@@ -100,6 +118,18 @@ class _SlotSplit:
 def gather_plane(ref: LayerRef, layout: KVLayout, kv: int, split: _SlotSplit, out: torch.Tensor) -> None:
     """Copy the valid slots' plane-``kv`` rows of one layer into ``out`` ([T, NH*HS], rows contiguous)."""
     if split.count == 0:
+        return
+    if split.whole_blocks is not None:
+        view = plane_view(ref, layout, kv)
+        if split.positions is None and out.is_contiguous():
+            shape = (split.whole_blocks.numel(), layout.block_size, layout.num_kv_heads, layout.head_size)
+            torch.index_select(view, 0, split.whole_blocks, out=out.view(shape))
+            return
+        picked = view.index_select(0, split.whole_blocks).reshape(split.count, -1)
+        if split.positions is None:
+            out.copy_(picked)
+        else:
+            out.index_copy_(0, split.positions, picked)
         return
     plan = split.plan(layout, kv)
     if plan is not None:
@@ -121,6 +151,10 @@ def scatter_plane(ref: LayerRef, layout: KVLayout, kv: int, split: _SlotSplit, s
     if split.count == 0:
         return
     values = src if split.positions is None else src.index_select(0, split.positions)
+    if split.whole_blocks is not None:
+        shape = (split.whole_blocks.numel(), layout.block_size, layout.num_kv_heads, layout.head_size)
+        plane_view(ref, layout, kv).index_copy_(0, split.whole_blocks, values.reshape(shape))
+        return
     plan = split.plan(layout, kv)
     if plan is not None:
         rows = plan.rows(ref, layout, kv)
