@@ -221,3 +221,26 @@ def test_asking_for_triton_on_cpu_tensors_raises_backend_unavailable() -> None:
         gather(case.caches, layout, torch.tensor([0]), backend="triton")
     with pytest.raises(BackendUnavailable, match="unknown"):
         gather(case.caches, layout, torch.tensor([0]), backend="cuda-magic")
+
+
+@pytest.mark.parametrize("physical", PHYSICAL)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_whole_block_loads_match_the_naive_oracle(fmt: str, physical: str) -> None:
+    """Chunk loads (whole blocks in offset order) take a faster path; it must write the same bytes."""
+    for pad in (0, 7):
+        seed = hash((fmt, physical, pad, "blocks")) % 1000
+        got_case, layout, gen = case_of(fmt, physical, torch.float16, seed, pad)
+        want_case, _, _ = case_of(fmt, physical, torch.float16, seed, pad)
+        blocks = torch.randperm(layout.num_blocks, generator=gen)[:3]
+        slots = (blocks[:, None] * layout.block_size + torch.arange(layout.block_size)).reshape(-1)
+        expected = naive_gather(
+            got_case,
+            slots.tolist(),
+            torch.zeros(2, layout.num_kv, len(slots), layout.row_size, dtype=torch.float16),
+        )
+        assert same_bits(gather(got_case.caches, layout, slots, backend="reference"), expected)
+        obj = random_bits_(torch.empty_like(expected), gen)
+        scatter(obj, got_case.caches, layout, slots, backend="reference")
+        naive_scatter(want_case, slots.tolist(), obj)
+        for got, want in zip(got_case.storages(), want_case.storages(), strict=True):
+            assert same_bits(got, want), f"{fmt} {physical} pad={pad}"
