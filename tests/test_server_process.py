@@ -287,3 +287,18 @@ def test_bad_flags_are_refused_with_exit_code_2(tmp_path: Path, size: str) -> No
         ]
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr and "error" in res.stderr
+
+
+def test_the_lru_order_survives_a_restart(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path, pool_size=5 * 4096) as srv, RawClient(srv.url) as c:
+        c.handshake()
+        pool = map_pool(srv.pool_path)
+        put(c, pool, {k: k.encode() * 4096 for k in "abcd"})
+        c.call(Op.LOOKUP, keys=["a"])  # a becomes the most recently used
+        pool.close()
+        assert srv.stop() == 0
+        srv.start()
+        c.handshake()
+        r = c.call(Op.RESERVE, sizes=[4096])
+        assert r["allocs"][0] is not None
+        assert c.call(Op.EXISTS, keys=list("abcd"))["present"] == [True, False, True, True]
