@@ -1,0 +1,279 @@
+"""The GPU data path on a real GPU: a CUDA-registered shared-memory pool and the transfer engine.
+
+Real shapes (32 layers, 8 KV heads, head size 128, bf16, block size 16; MLA ``[NB, 64, 576]``),
+FlashAttention ``[2, NB, BS, NH, HS]`` and FlashInfer ``[NB, 2, BS, NH, HS]`` orders, each NHD and
+HND (HND allocated physically and permuted back, as vLLM does, so it shows only in the strides).
+Random slots, poisoned pool pages and caches, and every comparison is on the raw bits of the whole
+cache storage against the kv_ops reference placement (itself checked against a per-token oracle).
+Skipped where no CUDA device is visible (CI).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+from maru import kv_ops  # noqa: E402
+from maru.client import cuda_host  # noqa: E402
+from maru.kv_ops import pipeline as pl  # noqa: E402
+
+L, NH, HS, BS, NB = 32, 8, 128, 16, 512
+# The engine's placement backend (None: kv_ops's best, triton on a GPU); MARU_TEST_BACKEND=reference
+# separates an engine bug from a kernel bug.
+BACKEND = os.environ.get("MARU_TEST_BACKEND") or None
+CHUNK = 256
+
+# (name, logical axes, physical axes); "c" is MLA's latent width
+FORMATS = {
+    "flash_attn_NHD": (["kv", "nb", "bs", "nh", "hs"], ["kv", "nb", "bs", "nh", "hs"]),
+    "flash_attn_HND": (["kv", "nb", "bs", "nh", "hs"], ["kv", "nb", "nh", "bs", "hs"]),
+    "flashinfer_NHD": (["nb", "kv", "bs", "nh", "hs"], ["nb", "kv", "bs", "nh", "hs"]),
+    "flashinfer_HND": (["nb", "kv", "bs", "nh", "hs"], ["nb", "kv", "nh", "bs", "hs"]),
+    "mla": (["nb", "bs", "hs"], ["nb", "bs", "hs"]),
+}
+
+
+@dataclass
+class Caches:
+    """Per-layer caches as views of one physical buffer, plus the model facts detection needs."""
+
+    name: str
+    buffer: torch.Tensor  # the whole physical storage (all layers)
+    layers: list[torch.Tensor]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+    def layout(self) -> kv_ops.KVLayout:
+        return kv_ops.detect_layouts(
+            self.layers, block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size
+        )
+
+    def bits(self) -> torch.Tensor:
+        return self.buffer.view(torch.int16)
+
+    def clone(self) -> Caches:
+        return _views(self.name, self.buffer.clone(), self.block_size, self.num_kv_heads, self.head_size)
+
+
+def _sizes(name: str) -> dict[str, int]:
+    if name == "mla":
+        return {"nb": NB // 4, "bs": 64, "hs": 576}
+    return {"kv": 2, "nb": NB, "bs": BS, "nh": NH, "hs": HS}
+
+
+def _views(name: str, buffer: torch.Tensor, bs: int, nh: int, hs: int) -> Caches:
+    logical, physical = FORMATS[name]
+    sizes = _sizes(name)
+    phys = buffer.view(L, *[sizes[a] for a in physical])
+    perm = [physical.index(a) for a in logical]
+    layers = [phys[i].permute(*perm) for i in range(L)]
+    return Caches(name, buffer, layers, bs, nh, hs)
+
+
+def make_caches(name: str, seed: int) -> Caches:
+    sizes = _sizes(name)
+    numel = L
+    for v in sizes.values():
+        numel *= v
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buffer = torch.randint(-(2**15), 2**15 - 1, (numel,), dtype=torch.int16, device="cuda", generator=g)
+    buffer = buffer.view(torch.bfloat16)
+    if name == "mla":
+        return _views(name, buffer, 64, 1, 576)
+    return _views(name, buffer, BS, NH, HS)
+
+
+class RegisteredPool:
+    """A pool file under /dev/shm, mmapped and registered with CUDA, like a client's pool mapping."""
+
+    def __init__(self, size: int) -> None:
+        self.path = f"/dev/shm/maru-gpu-test-{uuid.uuid4().hex[:12]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.registry = cuda_host.CudaHostRegistry()
+        self.record = cuda_host.register_host_mapping(
+            self.mm, name=f"pool {self.path}", registry=self.registry
+        )
+        self.next = 0
+
+    def alloc(self, engine: pl.TransferEngine, tokens: int) -> torch.Tensor:
+        offset = self.next
+        self.next += (engine.object_bytes(tokens) + 4095) // 4096 * 4096
+        obj = engine.host_object(self.mm, tokens, offset)
+        obj.view(torch.uint8).fill_(0xA5)  # poison
+        return obj
+
+    def close(self) -> None:
+        self.registry.close()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        os.unlink(self.path)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RegisteredPool]:
+    p = RegisteredPool(1 << 30)
+    yield p
+    p.close()
+
+
+@pytest.fixture(autouse=True)
+def _rewind(pool: RegisteredPool) -> None:
+    pool.next = 0
+
+
+def _slots(caches: Caches, count: int, seed: int, negatives: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(caches.layout().num_slots, generator=g)[:count]
+    if negatives:
+        slots[torch.randperm(count, generator=g)[:negatives]] = -1
+    return slots
+
+
+def _reference_gather(caches: Caches, slots: torch.Tensor) -> torch.Tensor:
+    return kv_ops.gather(caches.layers, caches.layout(), slots.cuda(), backend="reference")
+
+
+def test_pool_mapping_registers_and_its_pages_are_pinned_for_torch(pool: RegisteredPool) -> None:
+    assert pool.record.registered, pool.record.describe()
+    assert pool.record.registered_bytes == 1 << 30 and pool.record.seconds > 0
+    obj = torch.frombuffer(pool.mm, dtype=torch.uint8, count=4096, offset=12345 * 4096)
+    assert obj.is_pinned()  # torch asks CUDA: the copy engine will DMA from it
+    again = cuda_host.register_host_mapping(pool.mm, registry=pool.registry)
+    assert again is pool.record  # idempotent: registered once
+
+
+def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> None:
+    """The oracle the other tests lean on reads HND caches by their logical indexing."""
+    caches = make_caches("flashinfer_HND", 11)
+    slots = _slots(caches, 64, 1)
+    obj = _reference_gather(caches, slots)
+    for t in (0, 17, 63):
+        b, o = divmod(int(slots[t]), BS)
+        for layer in (0, 31):
+            assert torch.equal(obj[layer, 0, t], caches.layers[layer][b, 0, o].reshape(-1))
+            assert torch.equal(obj[layer, 1, t], caches.layers[layer][b, 1, o].reshape(-1))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("path", ["sync", "pipelined", "layers"])
+def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
+    pool: RegisteredPool, name: str, path: str
+) -> None:
+    src = make_caches(name, 1)
+    layout = src.layout()
+    engine = pl.TransferEngine(
+        src.layers, layout, unit_bytes=4 << 20, ring_slots=2, backend=BACKEND
+    )  # many units, ring wraps
+    chunk = CHUNK if name != "mla" else 64 * 4
+    sizes = [chunk, chunk, chunk, 100]  # a short last chunk
+    slots = _slots(src, sum(sizes), 2, negatives=5)
+    objs = [pool.alloc(engine, t) for t in sizes]
+
+    store = engine.store(objs, slots, pipelined=path != "sync")
+    store.wait()
+    expected_obj = _reference_gather(src, slots).cpu()
+    token0 = 0
+    for obj, t in zip(objs, sizes, strict=True):
+        valid = (slots[token0 : token0 + t] >= 0).nonzero().reshape(-1)  # rows of skipped slots: unspecified
+        got = obj.view(torch.int16)[:, :, valid]
+        assert torch.equal(got, expected_obj[:, :, token0 : token0 + t].view(torch.int16)[:, :, valid])
+        token0 += t
+
+    fresh = make_caches(name, 3)
+    expected = fresh.clone()
+    kv_ops.scatter(expected_obj.cuda(), expected.layers, layout, slots.cuda(), backend="reference")
+    loader = pl.TransferEngine(
+        fresh.layers, fresh.layout(), unit_bytes=4 << 20, ring_slots=2, backend=BACKEND
+    )
+    if path == "layers":
+        handle = loader.load_layers(objs, slots)
+        for i in range(L):
+            handle.wait_for_layer(i)
+    else:
+        handle = loader.load(objs, slots, pipelined=path == "pipelined")
+        handle.wait_on()
+    torch.cuda.current_stream().synchronize()
+    assert handle.done()
+    assert torch.equal(fresh.bits(), expected.bits())
+    assert not torch.equal(fresh.bits(), make_caches(name, 3).bits())  # the load wrote something
+
+
+def test_single_chunk_layer_load_and_skip_tokens(pool: RegisteredPool) -> None:
+    src = make_caches("flash_attn_HND", 4)
+    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    slots = _slots(src, CHUNK, 5)
+    obj = pool.alloc(engine, CHUNK)
+    engine.store([obj], slots).wait()
+    fresh = make_caches("flash_attn_HND", 6)
+    expected = fresh.clone()
+    kv_ops.scatter(
+        obj.cuda(), expected.layers, fresh.layout(), slots.cuda(), backend="reference", skip_tokens=40
+    )
+    pl.TransferEngine(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(
+        [obj], slots, skip_tokens=40
+    ).wait()
+    assert torch.equal(fresh.bits(), expected.bits())
+
+
+def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool: RegisteredPool) -> None:
+    src = make_caches("flashinfer_HND", 7)
+    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    slots = _slots(src, 4 * CHUNK, 8)
+    objs = [pool.alloc(engine, CHUNK) for _ in range(4)]
+    engine.store(objs, slots).wait()
+    fresh = make_caches("flashinfer_HND", 9)
+    handle = pl.TransferEngine(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(objs, slots)
+    reader = torch.cuda.Stream()
+    seen = []
+    for i in (0, 13, 31):
+        handle.wait_for_layer(i, reader)
+        with torch.cuda.stream(reader):
+            seen.append(
+                kv_ops.gather_layer(fresh.layers[i], fresh.layout(), slots.cuda(), backend="reference")
+            )
+    reader.synchronize()
+    want = _reference_gather(src, slots)
+    for got, i in zip(seen, (0, 13, 31), strict=True):
+        assert torch.equal(got.view(torch.int16), want[i].view(torch.int16))
+
+
+def test_an_hnd_cache_read_in_its_logical_order_would_be_caught(pool: RegisteredPool) -> None:
+    """The seed issue's trap: treating an HND cache as if its shape were its memory order writes other
+    bytes. A loader given such a view must fail the comparison the tests above make."""
+    src = make_caches("flash_attn_HND", 12)
+    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    slots = _slots(src, CHUNK, 13)
+    obj = pool.alloc(engine, CHUNK)
+    engine.store([obj], slots).wait()
+    fresh = make_caches("flash_attn_HND", 14)
+    expected = fresh.clone()
+    kv_ops.scatter(obj.cuda(), expected.layers, fresh.layout(), slots.cuda(), backend="reference")
+    # The wrong view: logical shape [2, NB, BS, NH, HS] laid contiguously over the HND memory.
+    wrong = [
+        torch.as_strided(t, t.shape, torch.empty(t.shape, device="meta").stride(), t.storage_offset())
+        for t in fresh.layers
+    ]
+    wrong_layout = kv_ops.detect_layouts(wrong, block_size=BS, num_kv_heads=NH, head_size=HS)
+    assert wrong_layout.physical == "NHD" and fresh.layout().physical == "HND"
+    pl.TransferEngine(wrong, wrong_layout, backend=BACKEND).load([obj], slots).wait()
+    assert not torch.equal(fresh.bits(), expected.bits())
