@@ -52,9 +52,11 @@ class ServerProcess:
         self.pool_size = pool_size
         self.lease_timeout = lease_timeout
         self.port = port or free_port()
+        self._auto_port = port is None
         self.extra_args = list(extra_args)
         self.pool_path = pool_path or f"/dev/shm/maru-test-{uuid.uuid4().hex[:12]}"
         self._own_pool = pool_path is None
+        self._auto_state = state_dir is None
         self.state_dir = Path(state_dir) if state_dir else self.tmp_path / f"state-{self.port}"
         self.log_level = log_level
         self.proc: subprocess.Popen[bytes] | None = None
@@ -105,7 +107,25 @@ class ServerProcess:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
-        """Spawn the server and wait for its ready line; raise RuntimeError with its stderr if it fails."""
+        """Spawn the server and wait for its ready line; raise RuntimeError with its stderr if it fails.
+
+        On the first start with an automatically picked port, a port that got taken in the
+        meantime (another test's process) is replaced by a fresh one, up to three times.
+        """
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError as e:
+                if not (self._auto_port and self._starts == 1 and "already in use" in str(e)) or attempt == 2:
+                    raise
+                self._starts = 0
+                self.port = free_port()
+                if self._auto_state:
+                    self.state_dir = self.tmp_path / f"state-{self.port}"
+                self._log_path = self.tmp_path / f"server-{self.port}.log"
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         assert self.proc is None or self.proc.poll() is not None, "server already running"
         self.tmp_path.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
