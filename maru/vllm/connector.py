@@ -80,6 +80,30 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
     )
 
 
+def _recompute_on_load_failure(vllm_config: VllmConfig) -> None:
+    """Make vLLM recompute blocks whose load failed instead of failing the request.
+
+    vLLM's default policy ("fail") suits a disaggregated prefill, where nobody else could
+    compute the KV; for a cache, a chunk evicted between the check and the load is an
+    ordinary miss. The scheduler reads the policy right after creating this connector.
+    """
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info(
+            "Maru: kv_load_failure_policy set to 'recompute' (a chunk gone from the pool is recomputed)"
+        )
+    except Exception as e:
+        logger.warning(
+            "Maru: could not set kv_load_failure_policy to 'recompute' (%s); a chunk evicted between the "
+            "check and the load will fail its request. Pass kv_load_failure_policy='recompute' in "
+            "--kv-transfer-config.",
+            e,
+        )
+
+
 class MaruKVConnector(KVConnectorBase_V1):
     """Shares KV-cache prefixes between vLLM instances through a Maru pool. See docs/vllm.md."""
 
@@ -112,6 +136,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s)
 
         if role == KVConnectorRole.SCHEDULER:
+            _recompute_on_load_failure(vllm_config)
             self._scheduler = MaruSchedulerConnector(
                 cfg,
                 ChunkKeyer(self.key_space),
@@ -151,6 +176,11 @@ class MaruKVConnector(KVConnectorBase_V1):
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
                 backend_name_of=backend_name_of,
             )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # Maru is a best-effort cache: a store lost to preemption is a future miss, not an error.
+        return False
 
     # ------------------------------------------------------------------ introspection
     def maru_stats(self) -> dict[str, Any]:

@@ -1,0 +1,158 @@
+"""Chunk keys (maru.vllm.keys) and the connector's config parsing (maru.vllm.config). No vLLM needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from maru.errors import ConfigError
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, KeySpace
+
+SPACE = KeySpace(
+    model="m",
+    revision="r1",
+    kv_dtype="torch.float32",
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=32,
+    chunk_tokens=64,
+)
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 50000) for _ in range(n)]
+
+
+def test_keys_are_identical_across_processes_and_hash_seeds() -> None:
+    toks = _tokens(300)
+    mine = ChunkKeyer(SPACE).prompt_keys(toks).full
+    code = (
+        "import json,sys; from maru.vllm.keys import ChunkKeyer, KeySpace; "
+        "s=KeySpace(**json.loads(sys.argv[1])); print(json.dumps(ChunkKeyer(s).prompt_keys(json.loads(sys.argv[2])).full))"
+    )
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(dataclasses.asdict(SPACE)), json.dumps(toks)],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(out.stdout) == mine
+
+
+def test_prompts_share_keys_exactly_up_to_the_chunk_where_they_diverge() -> None:
+    a = _tokens(320)
+    b = list(a)
+    b[150] += 1  # inside chunk 2 (tokens 128..191)
+    ka, kb = ChunkKeyer(SPACE).prompt_keys(a).full, ChunkKeyer(SPACE).prompt_keys(b).full
+    assert len(ka) == len(kb) == 5
+    assert ka[:2] == kb[:2]
+    assert all(x != y for x, y in zip(ka[2:], kb[2:], strict=True))
+
+
+def test_only_full_chunks_get_chunk_keys() -> None:
+    assert len(ChunkKeyer(SPACE).prompt_keys(_tokens(63)).full) == 0
+    assert len(ChunkKeyer(SPACE).prompt_keys(_tokens(64)).full) == 1
+    assert len(ChunkKeyer(SPACE).prompt_keys(_tokens(127)).full) == 1
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "other"),
+        ("revision", "r2"),
+        ("kv_dtype", "torch.bfloat16"),
+        ("num_layers", 3),
+        ("num_kv_heads", 4),
+        ("head_size", 64),
+        ("tp_rank", 1),
+        ("tp_size", 2),
+        ("tenant", "team-a"),
+        ("format_version", "maru-kv-L2TD-v2"),
+    ],
+)
+def test_every_namespace_field_changes_every_key(field: str, value: object) -> None:
+    toks = _tokens(200)
+    other = dataclasses.replace(SPACE, **{field: value})
+    ka, kb = ChunkKeyer(SPACE).prompt_keys(toks).full, ChunkKeyer(other).prompt_keys(toks).full
+    assert not set(ka) & set(kb)
+
+
+def test_chunk_size_changes_every_key() -> None:
+    toks = _tokens(256)
+    k64 = ChunkKeyer(SPACE).prompt_keys(toks).full
+    k128 = ChunkKeyer(dataclasses.replace(SPACE, chunk_tokens=128)).prompt_keys(toks).full
+    assert not set(k64) & set(k128)
+
+
+def test_tail_keys_depend_on_the_prefix_and_never_equal_a_chunk_key() -> None:
+    k = ChunkKeyer(SPACE)
+    toks = _tokens(200)
+    pk = k.prompt_keys(toks)
+    tail = k.tail_key(pk.parent(3), toks[192:200])
+    assert tail.endswith(".t8")
+    other = list(toks)
+    other[0] += 1
+    assert k.tail_key(k.prompt_keys(other).parent(3), other[192:200]) != tail
+    # A 63-token tail of chunk 0 and the chunk-0 key hash the same bytes but different domains.
+    assert k.tail_key(pk.root, toks[:63]) not in pk.full
+
+
+def test_incremental_tail_candidates_equal_directly_computed_tail_keys() -> None:
+    k = ChunkKeyer(SPACE)
+    toks = _tokens(128)
+    pk = k.prompt_keys(toks)
+    cands = k.tail_candidates(pk.parent(1), toks[64:127], 16)
+    assert [n for n, _ in cands] == [16, 32, 48]
+    for n, key in cands:
+        assert key == k.tail_key(pk.parent(1), toks[64 : 64 + n])
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_unknown_maru_key_is_an_error_naming_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        MaruConnectorConfig.from_extra_config({"maru_kv_chunk_token": 128})
+    msg = str(e.value)
+    assert "maru_kv_chunk_token" in msg and "maru_kv_chunk_tokens" in msg and "maru_server_url" in msg
+
+
+def test_keys_without_the_maru_prefix_are_ignored() -> None:
+    cfg = MaruConnectorConfig.from_extra_config({"shared_storage_path": "/x", "maru_kv_chunk_tokens": "512"})
+    assert cfg.kv_chunk_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"maru_kv_chunk_tokens": 0},
+        {"maru_timeout_s": -1},
+        {"maru_log_timing": "maybe"},
+        {"maru_server_url": ""},
+    ],
+)
+def test_bad_values_are_errors(extra: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        MaruConnectorConfig.from_extra_config(extra)
+
+
+def test_chunk_tokens_are_aligned_down_to_the_block_size_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = MaruConnectorConfig.from_extra_config({"maru_kv_chunk_tokens": 100})
+    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+        assert cfg.aligned_to_block_size(32).kv_chunk_tokens == 96
+        assert cfg.aligned_to_block_size(128).kv_chunk_tokens == 128  # at least one block
+    assert sum("not a multiple" in r.getMessage() for r in caplog.records) == 2
+    assert MaruConnectorConfig().aligned_to_block_size(32).kv_chunk_tokens == 256

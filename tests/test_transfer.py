@@ -1,0 +1,217 @@
+"""The transfer engine (maru.vllm.transfer) on synthetic caches of every layout, against a real server.
+
+No vLLM: caches are built the way vLLM builds them (physical order, viewed back), with block
+size != number of heads so a swapped axis cannot hide. Each test stores a request's chunks from
+one cache and loads them into a *different*, poisoned cache under a different block table, then
+checks every placed token through the naive per-format oracle and every other byte untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from maru import kv_ops
+from maru.client import MaruHandler
+from maru.kv_ops.testing import CacheCase, make_cache, naive_token
+from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer, slot_mapping
+from tests.helpers import ServerProcess
+
+BS = 4  # block size; heads = 3
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("transfer"), pool_size="64M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[MaruHandler]:
+    h = MaruHandler(server.url, timeout_s=5)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+CASES = [
+    ("kv_first", "NHD"),
+    ("kv_first", "HND"),
+    ("blocks_first", "NHD"),
+    ("blocks_first", "HND"),
+    ("packed", "HND"),
+    ("cpu_attn", "NHD"),
+    ("mla", "NHD"),
+    ("cross_layer", "NHD"),
+    ("cross_layer", "HND"),
+]
+
+
+def _case(fmt: str, physical: str, seed: int, dtype: torch.dtype = torch.float32) -> CacheCase:
+    g = torch.Generator().manual_seed(seed)
+    return make_cache(
+        fmt,
+        physical,
+        num_blocks=16,
+        block_size=BS,
+        num_kv_heads=3,
+        head_size=8,
+        num_layers=3,
+        dtype=dtype,
+        generator=g,
+    )
+
+
+def _engine(case: CacheCase, client: MaruHandler) -> KVTransferEngine:
+    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    caches = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
+    return KVTransferEngine(caches, layout, client)
+
+
+def _request(tag: str, blocks: list[int], n_tokens: int) -> RequestTransfer:
+    chunks = [ChunkRef(f"test/{tag}/c{i}", i * CHUNK, CHUNK) for i in range(n_tokens // CHUNK)]
+    if n_tokens % CHUNK:
+        s = n_tokens // CHUNK * CHUNK
+        chunks.append(ChunkRef(f"test/{tag}/tail{n_tokens - s}", s, n_tokens - s))
+    return RequestTransfer("r-" + tag, tuple(blocks), tuple(chunks))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from maru.kv_ops.testing import bits
+
+    return torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("fmt,physical", CASES)
+def test_store_then_load_into_another_cache_places_every_token_byte_exact(
+    fmt: str, physical: str, client: MaruHandler
+) -> None:
+    src, dst = _case(fmt, physical, 1), _case(fmt, physical, 2)
+    n_tokens = 3 * CHUNK + BS  # three full chunks and a one-block tail
+    src_blocks = [9, 3, 14, 0, 7, 11, 5]
+    dst_blocks = [2, 15, 6, 10, 1, 13, 8]
+    tag = f"{fmt}-{physical}"
+    rep = _engine(src, client).store([_request(tag, src_blocks, n_tokens)])
+    assert (rep.stored, rep.failed) == (4, 0)
+
+    before = dst.snapshot()
+    # Load everything but the first block (as if vLLM had it locally) and up to the tail's end.
+    base = _request(tag, dst_blocks, n_tokens)
+    chunks = list(base.chunks)
+    chunks[0] = ChunkRef(chunks[0].key, 0, CHUNK, place_begin=BS)
+    lrep = _engine(dst, client).load([RequestTransfer(base.req_id, base.block_ids, tuple(chunks))])
+    assert lrep.loaded_req_ids == [base.req_id] and not lrep.failed
+    assert lrep.tokens == n_tokens - BS
+
+    n_kv = 1 if fmt == "mla" else 2
+    touched = set()
+    for t in range(BS, n_tokens):
+        s_src = src_blocks[t // BS] * BS + t % BS
+        s_dst = dst_blocks[t // BS] * BS + t % BS
+        touched.add(s_dst)
+        for layer in range(3):
+            for kv in range(n_kv):
+                assert _bits_equal(naive_token(dst, layer, kv, s_dst), naive_token(src, layer, kv, s_src)), (
+                    t,
+                    layer,
+                    kv,
+                )
+    # Every other slot (including the first block, which was not to be placed) is untouched.
+    after_case = _case(fmt, physical, 2)
+    for s in range(16 * BS):
+        if s in touched:
+            continue
+        for layer in range(3):
+            for kv in range(n_kv):
+                assert _bits_equal(naive_token(dst, layer, kv, s), naive_token(after_case, layer, kv, s))
+    assert len(before) == len(dst.snapshot())
+
+
+def test_stored_object_is_the_canonical_layer_major_gather(client: MaruHandler) -> None:
+    src = _case("cpu_attn", "NHD", 3)
+    blocks = [4, 1, 12, 7]
+    req = _request("canon", blocks, 2 * CHUNK)
+    eng = _engine(src, client)
+    eng.store([req])
+    h = client.retrieve(req.chunks[1].key)
+    assert h is not None
+    try:
+        obj = torch.frombuffer(bytearray(h.tobytes()), dtype=torch.float32).view(3, 2, CHUNK, 24)
+    finally:
+        h.release()
+    for t in range(CHUNK):
+        slot = blocks[(CHUNK + t) // BS] * BS + (CHUNK + t) % BS
+        for layer in range(3):
+            for kv in range(2):
+                assert _bits_equal(obj[layer, kv, t], naive_token(src, layer, kv, slot))
+
+
+def test_load_is_all_or_nothing_per_request_when_a_chunk_was_evicted(client: MaruHandler) -> None:
+    src, dst = _case("blocks_first", "HND", 4), _case("blocks_first", "HND", 5)
+    eng_src, eng_dst = _engine(src, client), _engine(dst, client)
+    a = _request("evict-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    b = _request("evict-b", [6, 7, 8, 9], 2 * CHUNK)
+    eng_src.store([a, b])
+    assert client.delete([a.chunks[2].key]) == [True]
+    rep = eng_dst.load([a, b])
+    assert rep.loaded_req_ids == [b.req_id]
+    assert a.req_id in rep.failed and "gone" in rep.failed[a.req_id]
+    # Every pin was released: the remaining keys of a can be deleted (pinned keys cannot).
+    assert client.delete([a.chunks[0].key, a.chunks[1].key]) == [True, True]
+
+
+def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
+    src = _case("kv_first", "NHD", 6)
+    a = _request("shared", [0, 1, 2, 3], 2 * CHUNK)
+    b = RequestTransfer("r-other", (0, 1, 5, 6), (a.chunks[0],))
+    rep = _engine(src, client).store([a, b])
+    assert (rep.stored, rep.present, rep.failed) == (2, 0, 0)
+    rep2 = _engine(src, client).store([a])
+    assert (rep2.stored, rep2.present) == (0, 2)
+
+
+def test_bfloat16_round_trip_is_byte_exact(client: MaruHandler) -> None:
+    src, dst = _case("packed", "HND", 7, torch.bfloat16), _case("packed", "HND", 8, torch.bfloat16)
+    req = _request("bf16", [3, 2, 1, 0], 2 * CHUNK)
+    _engine(src, client).store([req])
+    dst_req = RequestTransfer(req.req_id, (8, 9, 10, 11), req.chunks)
+    assert _engine(dst, client).load([dst_req]).loaded_req_ids == [req.req_id]
+    for t in range(2 * CHUNK):
+        s1, s2 = req.block_ids[t // BS] * BS + t % BS, dst_req.block_ids[t // BS] * BS + t % BS
+        for layer in range(3):
+            for kv in range(2):
+                assert _bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1))
+
+
+def test_slot_mapping_marks_unplaced_tokens_and_needs_blocks_only_for_placed_ones() -> None:
+    s = slot_mapping([5, 2], 4, 4, 8, (1, 3))
+    assert s.tolist() == [-1, 9, 10, -1, -1, -1, -1, -1]
+    with pytest.raises(ValueError):
+        slot_mapping([5], 4, 0, 8)
+
+
+def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, pool_size="16M")
+    srv.start()
+    h = MaruHandler(srv.url, timeout_s=0.5)
+    try:
+        case = _case("kv_first", "NHD", 9)
+        eng = _engine(case, h)
+        req = _request("dead", [0, 1, 2, 3], 2 * CHUNK)
+        srv.kill()
+        rep = eng.store([req])
+        assert rep.failed == 2 and rep.server_lost
+        lrep = eng.load([req])
+        assert req.req_id in lrep.failed and lrep.server_lost
+    finally:
+        h.close()
+        srv.cleanup()
