@@ -1,0 +1,136 @@
+"""``maru stats``: a live view of one server's counters, pool use and rates.
+
+Reads the STATS reply (no pool mapping needed, so it works from any host that reaches the
+server). Rates are the counter deltas between two refreshes divided by the time between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from typing import Any
+
+from maru import protocol
+from maru.config import DEFAULT_SERVER_URL, format_size
+from maru.errors import MaruError
+
+# (label, counter, is_bytes): the rows of the counter table, in display order.
+COUNTER_ROWS = [
+    ("lookup hits", "hits", False),
+    ("lookup misses", "misses", False),
+    ("exists hits", "exists_hits", False),
+    ("exists misses", "exists_misses", False),
+    ("stores", "stores", False),
+    ("duplicates (already present)", "duplicates", False),
+    ("evictions", "evictions", False),
+    ("bytes stored", "bytes_stored", True),
+    ("bytes served", "bytes_served", True),
+    ("reservations that did not fit", "reserve_failures", False),
+    ("leases expired", "leases_expired", False),
+]
+
+
+def fetch(url: str, timeout_s: float) -> dict[str, Any]:
+    """One STATS reply from the server at ``url`` (raises a MaruError that says what to do)."""
+    from maru.client.handler import error_from_reply
+    from maru.client.rpc import RpcChannel
+
+    ch = RpcChannel(url)
+    try:
+        reply = ch.request(protocol.Op.STATS, {"client_id": f"stats-{uuid.uuid4().hex[:12]}"}, timeout_s)
+    finally:
+        ch.close()
+    if not reply.get("ok"):
+        raise error_from_reply(protocol.Op.STATS, reply, url)
+    return reply
+
+
+def _hit_rate(hits: int, misses: int) -> str:
+    return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+
+
+def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) -> Any:
+    """A rich renderable of one snapshot (with per-second rates when ``prev`` is given)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    c, g = snap["counters"], snap["gauges"]
+    pc = prev["counters"] if prev else None
+    counters = Table(title="counters (since server start)", title_justify="left")
+    counters.add_column("counter")
+    counters.add_column("total", justify="right")
+    counters.add_column("per second", justify="right")
+    for label, name, is_bytes in COUNTER_ROWS:
+        total = int(c.get(name, 0))
+        rate = "-"
+        if pc is not None and dt:
+            r = (total - int(pc.get(name, 0))) / dt
+            rate = f"{format_size(r)}/s" if is_bytes else f"{r:,.1f}"
+        counters.add_row(label, format_size(total) if is_bytes else f"{total:,}", rate)
+    hits, misses = int(c.get("hits", 0)), int(c.get("misses", 0))
+    recent = "-"
+    if pc is not None:
+        recent = _hit_rate(hits - int(pc.get("hits", 0)), misses - int(pc.get("misses", 0)))
+    counters.add_row("hit rate (lookups)", _hit_rate(hits, misses), recent)
+
+    data = max(1, int(g["pool_data_bytes"]))
+    pool = Table(title="pool", title_justify="left")
+    pool.add_column("gauge")
+    pool.add_column("value", justify="right")
+    used = int(g["pool_used_bytes"])
+    pool.add_row("used", f"{format_size(used)} ({100 * used / data:.1f}%)")
+    pool.add_row("free", format_size(int(g["pool_free_bytes"])))
+    pool.add_row("largest free extent", format_size(int(g["pool_largest_free_bytes"])))
+    pool.add_row("reserved (not yet stored)", format_size(int(g["pool_reserved_bytes"])))
+    pool.add_row("entries", f"{int(g['entries']):,}")
+    pool.add_row("pinned entries", f"{int(g['pinned_entries']):,}")
+    pool.add_row("clients", f"{int(g['clients']):,}")
+    header = (
+        f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "
+        f"{format_size(int(snap.get('pool_size', 0)))})  uptime {float(snap.get('uptime_s', 0)):.0f} s"
+    )
+    return Group(header, counters, pool)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default=DEFAULT_SERVER_URL, help=f"server URL (default {DEFAULT_SERVER_URL})"
+    )
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default 3)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.live import Live
+
+    from maru.cli.console import make_console
+
+    console = make_console()
+    if args.interval <= 0:
+        console.print(f"[red]--interval must be > 0, got {args.interval}[/]")
+        return 2
+    try:
+        snap = fetch(args.url, args.timeout)
+    except MaruError as e:
+        console.print(f"[bold red]maru stats: {e}[/]")
+        return 1
+    if args.once:
+        console.print(render(snap, None, None))
+        return 0
+    prev, t_prev = snap, time.monotonic()
+    try:
+        with Live(render(snap, None, None), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.interval)
+                try:
+                    snap = fetch(args.url, args.timeout)
+                except MaruError as e:
+                    live.update(f"[bold red]{e}[/] (retrying every {args.interval:g} s; Ctrl-C to quit)")
+                    continue
+                now = time.monotonic()
+                live.update(render(snap, prev, now - t_prev))
+                prev, t_prev = snap, now
+    except KeyboardInterrupt:
+        return 0

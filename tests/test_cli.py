@@ -1,0 +1,115 @@
+"""The ``maru`` command, run as a real process against a real server (``maru server`` child)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maru import MaruHandler
+from maru.cli import doctor
+from tests.helpers import REPO_ROOT, ServerProcess, free_port
+
+
+def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "maru.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def flat(out: str) -> str:
+    """Table output as one line of words (cells wrap at spaces; the other cells of a wrapped row are empty)."""
+    return " ".join(re.sub(r"[│┃]", " ", out).split())
+
+
+def test_doctor_against_a_running_server_passes_and_shows_the_pool(maru_server: ServerProcess) -> None:
+    p = maru("doctor", "--url", maru_server.url, "--quick")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert maru_server.pool_path in p.stdout
+    assert "mapped read-write, header UUID matches" in flat(p.stdout)
+    assert "all required checks passed" in p.stdout
+
+
+def test_doctor_without_a_server_fails_and_says_how_to_fix_it() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    p = maru("doctor", "--url", url, "--quick", "--timeout", "0.5")
+    assert p.returncode != 0
+    assert "FAIL" in p.stdout and "fix: start the server: `maru server`" in flat(p.stdout)
+
+
+def test_doctor_refuses_a_pool_path_that_holds_another_pool(
+    maru_server: ServerProcess, tmp_path: Path
+) -> None:
+    other = ServerProcess(tmp_path / "other", pool_size="64M")  # same size: only the UUID differs
+    with other:
+        p = maru("doctor", "--url", maru_server.url, "--quick", "--pool-path", other.pool_path)
+    assert p.returncode != 0
+    assert "this path names another pool here" in flat(p.stdout)
+
+
+def test_doctor_optional_checks_report_kv_ops_backend_and_vllm_version() -> None:
+    ctx = doctor.DoctorContext(quick=False)
+    kv = doctor.check_kv_ops(ctx)
+    assert kv.status in (doctor.OK, doctor.WARN) and kv.detail
+    ctx.quick = True  # the connector import (vLLM) takes tens of seconds; the version is enough here
+    v = doctor.check_vllm(ctx)
+    found = doctor._vllm_version()
+    if found is None:
+        assert v.status == doctor.WARN and "not installed" in v.detail
+    else:
+        assert found[1] in v.detail
+
+
+def test_stats_once_shows_counters_that_moved(maru_server: ServerProcess) -> None:
+    with MaruHandler(maru_server.url) as h:
+        for i in range(3):
+            obj = h.alloc(5000)
+            obj.buf[:] = bytes([i]) * 5000
+            h.store(f"s{i}", obj)
+        hits = h.batch_retrieve(["s0", "s1", "nope"])
+        h.batch_release(hits)
+    p = maru("stats", "--once", "--url", maru_server.url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+
+    def row(label: str) -> str:
+        m = re.search(rf"{re.escape(label)}\s*│\s*([^│]+?)\s*│", out)
+        assert m, f"no row {label!r} in:\n{out}"
+        return m.group(1)
+
+    assert row("stores") == "3"
+    assert row("lookup hits") == "2"
+    assert row("lookup misses") == "1"
+    assert row("hit rate (lookups)") == "66.7%"
+    assert row("entries") == "3"
+
+
+def test_stats_without_a_server_exits_non_zero_with_the_fix() -> None:
+    p = maru("stats", "--once", "--url", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
+    assert p.returncode != 0
+    assert "maru server" in p.stdout
+
+
+def test_demo_objects_shares_objects_between_two_processes_and_cleans_up() -> None:
+    before = set(os.listdir("/dev/shm"))
+    p = maru("demo", "objects", "--objects", "64", "--port", str(free_port()))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all 64 objects read back identical by another process" in p.stdout
+    assert "all match" in p.stdout
+    leftover = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("maru-embedded-")}
+    assert not leftover
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["server", "--help"], ["demo", "--help"]])
+def test_help_of_every_entry_point_works(argv: list[str]) -> None:
+    p = maru(*argv)
+    assert p.returncode == 0 and "usage: maru" in p.stdout
