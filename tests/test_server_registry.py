@@ -148,3 +148,78 @@ def test_load_restores_entries_in_lru_order() -> None:
     store(reg, "n")
     store(reg, "m")  # the pool has 4 units: evicts y
     assert reg.peek("y") is None and reg.peek("x") is not None
+
+
+def test_random_operations_keep_every_invariant() -> None:
+    """A random mix of every operation, checked against a simple model after each step."""
+    import random
+
+    rng = random.Random(11)
+    reg = make(64)
+    clients = ["c0", "c1", "c2"]
+    reservations: dict[int, tuple[str, int]] = {}  # alloc_id -> (client, size)
+    pins: dict[tuple[str, str], int] = {}  # (client, key) -> count, on the visible entry only
+    deleted_pinned = 0
+    for step in range(5000):
+        op = rng.choice(["reserve", "commit", "abort", "pin", "unpin", "delete", "lookup", "drop"])
+        c = rng.choice(clients)
+        key = f"k{rng.randrange(40)}"
+        if op == "reserve":
+            r = reg.reserve(c, rng.choice([100, 4096, 3 * 4096, 9000]))
+            if r is not None:
+                reservations[r.alloc_id] = (c, r.size)
+        elif op == "commit" and reservations:
+            alloc_id = rng.choice(list(reservations))
+            owner, _ = reservations[alloc_id]
+            result = reg.commit(c, key, alloc_id)
+            if owner != c:
+                assert result is CommitResult.UNKNOWN_ALLOC
+                continue
+            del reservations[alloc_id]
+            assert result in (CommitResult.STORED, CommitResult.PRESENT)
+        elif op == "abort" and reservations:
+            alloc_id = rng.choice(list(reservations))
+            if reg.abort(c, alloc_id):
+                assert reservations.pop(alloc_id)[0] == c
+        elif op == "pin":
+            if reg.pin(c, key) is not None:
+                pins[(c, key)] = pins.get((c, key), 0) + 1
+        elif op == "unpin":
+            had = pins.get((c, key), 0)  # pins of c on the visible entry (unpin takes those first)
+            assert reg.unpin(c, key) or not had
+            if had > 1:
+                pins[(c, key)] = had - 1
+            elif had == 1:
+                del pins[(c, key)]
+        elif op == "delete":
+            e = reg.peek(key)
+            assert reg.delete(key) == (e is not None)
+            if e is not None and e.pins:
+                deleted_pinned += 1
+            for ck in [ck for ck in pins if ck[1] == key]:
+                del pins[ck]
+        elif op == "lookup":
+            reg.lookup(key)
+        elif op == "drop":
+            reg.drop_client(c)
+            reservations = {a: v for a, v in reservations.items() if v[0] != c}
+            pins = {ck: n for ck, n in pins.items() if ck[0] != c}
+        # Invariants after every step.
+        reg.alloc.check()
+        for (pc, pk), n in pins.items():
+            e = reg.peek(pk)
+            assert e is not None, f"step {step}: pinned key {pk} vanished"
+            assert e.pins.get(pc) == n
+        assert reg.reservations == len(reservations)
+        assert reg.reserved_bytes == sum(reg.alloc.round_up(s) for _, s in reservations.values())
+        visible = [reg.peek(f"k{i}") for i in range(40)]
+        visible_bytes = sum(reg.alloc.round_up(e.size) for e in visible if e is not None)
+        assert reg.committed_bytes >= visible_bytes  # the rest: deleted entries still pinned
+        assert set(reg.lru_keys()) == {e.key for e in visible if e is not None and not e.pins}
+    for c in clients:
+        reg.drop_client(c)
+    for i in range(40):
+        reg.delete(f"k{i}")
+    reg.alloc.check()
+    assert reg.alloc.used_bytes == 0 and reg.alloc.largest_free == reg.alloc.capacity
+    assert deleted_pinned > 0 and reg.counters.evictions > 0  # it exercised delete-while-pinned and eviction
