@@ -155,7 +155,7 @@ def test_random_operations_keep_every_invariant() -> None:
     import random
 
     rng = random.Random(11)
-    reg = make(64)
+    reg = make(24)  # smaller than 40 keys need: reservations must evict
     clients = ["c0", "c1", "c2"]
     reservations: dict[int, tuple[str, int]] = {}  # alloc_id -> (client, size)
     pins: dict[tuple[str, str], int] = {}  # (client, key) -> count, on the visible entry only
