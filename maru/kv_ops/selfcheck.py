@@ -1,0 +1,219 @@
+"""Triton kernels against the PyTorch reference, byte for byte, on every layout: ``python -m maru.kv_ops.selfcheck``.
+
+Runs on CUDA tensors (``--device cuda``), or on CPU tensors under Triton's interpreter (set
+``TRITON_INTERPRET=1`` before anything imports triton; the CPU test suite runs this module in a
+subprocess for that reason). Every output is poisoned with random bits first, so an element the
+kernel failed to write cannot match. Prints one line per failure and a summary; exit status 0 when
+everything matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from maru.kv_ops import (
+    detect_layouts,
+    gather,
+    gather_blocks,
+    gather_layer,
+    scatter,
+    scatter_blocks,
+    scatter_layer,
+)
+from maru.kv_ops.testing import FORMATS, CacheCase, bits, make_cache, random_bits_, random_slots
+
+
+def _dtypes() -> list[torch.dtype]:
+    out = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
+    if hasattr(torch, "float8_e4m3fn"):
+        out.append(torch.float8_e4m3fn)
+    return out
+
+
+@dataclasses.dataclass
+class Params:
+    fmt: str
+    physical: str
+    dtype: torch.dtype
+    block_pad: int
+    num_blocks: int = 6
+    block_size: int = 4
+    num_kv_heads: int = 3
+    head_size: int = 8
+    num_layers: int = 3
+
+    def __str__(self) -> str:
+        return (
+            f"{self.fmt}/{self.physical}/{str(self.dtype).removeprefix('torch.')}/pad{self.block_pad}"
+            f"/BS{self.block_size}xNH{self.num_kv_heads}xHS{self.head_size}"
+        )
+
+
+def cases(quick: bool) -> Iterator[Params]:
+    for fmt in FORMATS:
+        for physical in ("NHD", "HND"):
+            if fmt in ("mla", "cpu_attn") and physical == "HND":
+                continue  # one physical order only
+            dts = _dtypes() if not quick else [torch.bfloat16, torch.uint8]
+            for i, dtype in enumerate(dts):
+                pad = (0, 7, 16)[i % 3]
+                yield Params(fmt, physical, dtype, pad)
+    # Larger rows (several column tiles, 16-byte vectors) and block size > heads the other way round.
+    yield Params(
+        "kv_first", "HND", torch.bfloat16, 0, num_blocks=5, block_size=16, num_kv_heads=2, head_size=64
+    )
+    yield Params("packed", "NHD", torch.float16, 32, num_blocks=5, block_size=2, num_kv_heads=4, head_size=16)
+
+
+class Checker:
+    """Runs one comparison after another and records failures as text."""
+
+    def __init__(self, device: str, seed: int) -> None:
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed)
+        self.failures: list[str] = []
+        self.count = 0
+
+    def _make(self, p: Params, seed: int) -> CacheCase:
+        gen = torch.Generator().manual_seed(seed)
+        case = make_cache(
+            p.fmt, p.physical, num_blocks=p.num_blocks, block_size=p.block_size, num_kv_heads=p.num_kv_heads,
+            head_size=p.head_size, num_layers=p.num_layers, dtype=p.dtype, block_pad=p.block_pad, generator=gen,
+        )  # fmt: skip
+        if self.device != "cpu":
+            moved = [c.to(self.device) for c in case.storages()]
+            src = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
+            views = [
+                torch.as_strided(m, c.shape, c.stride(), c.storage_offset())
+                for m, c in zip(moved, src, strict=True)
+            ]
+            case.caches = views[0] if isinstance(case.caches, torch.Tensor) else views
+        return case
+
+    def expect(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok:
+            self.failures.append(what)
+            print(f"FAIL {what}", flush=True)
+
+    def poison(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return random_bits_(torch.empty(shape, dtype=dtype), self.gen).to(self.device)
+
+    def same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(bits(a).cpu(), bits(b).cpu())
+
+    def check(self, p: Params) -> None:
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=self.gen))
+        case = self._make(p, seed)
+        layout = detect_layouts(case.caches, **case.detect_kwargs())
+        dev = self.device
+        n = 2 * p.block_size + 3
+        slots = torch.tensor(random_slots(layout.num_slots, n, negatives=3, generator=self.gen), device=dev)
+        shape = (p.num_layers, layout.num_kv, n, layout.row_size)
+        # gather, into poisoned outputs (rows of negative slots must keep the poison)
+        poison = self.poison(shape, p.dtype)
+        ref = gather(case.caches, layout, slots, backend="reference", out=poison.clone())
+        tri = gather(case.caches, layout, slots, backend="triton", out=poison.clone())
+        self.expect(self.same(ref, tri), f"gather {p}")
+        # scatter with skip into two identical poisoned caches; whole storages must agree
+        obj = self.poison(shape, p.dtype)
+        a, b = self._make(p, seed + 1), self._make(p, seed + 1)
+        scatter(obj, a.caches, layout, slots, backend="reference", skip_tokens=2)
+        scatter(obj, b.caches, layout, slots, backend="triton", skip_tokens=2)
+        self.expect(
+            all(self.same(x, y) for x, y in zip(a.storages(), b.storages(), strict=True)), f"scatter {p}"
+        )
+        # gather -> scatter round trip into a fresh poisoned cache reproduces the touched slots
+        c = self._make(p, seed + 2)
+        back = gather(case.caches, layout, slots, backend="triton")
+        scatter(back, c.caches, layout, slots, backend="triton")
+        again = gather(c.caches, layout, slots, backend="reference")
+        self.expect(self.same(again, back), f"roundtrip {p}")
+        # single layer
+        layer = p.num_layers - 1
+        cache_l = case.caches if layout.is_cross_layer else case.caches[layer]
+        lk = {"layer": layer} if layout.is_cross_layer else {}
+        pl = self.poison(shape[1:], p.dtype)
+        r1 = gather_layer(cache_l, layout, slots, backend="reference", out=pl.clone(), **lk)
+        t1 = gather_layer(cache_l, layout, slots, backend="triton", out=pl.clone(), **lk)
+        self.expect(self.same(r1, t1), f"gather_layer {p}")
+        d, e = self._make(p, seed + 3), self._make(p, seed + 3)
+        dl = d.caches if layout.is_cross_layer else d.caches[layer]
+        el = e.caches if layout.is_cross_layer else e.caches[layer]
+        scatter_layer(obj[layer], dl, layout, slots, backend="reference", skip_tokens=1, **lk)
+        scatter_layer(obj[layer], el, layout, slots, backend="triton", skip_tokens=1, **lk)
+        self.expect(
+            all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
+            f"scatter_layer {p}",
+        )
+        # block-granular
+        blocks = torch.tensor([p.num_blocks - 1, 0, -1, 2], device=dev)
+        bshape = (p.num_layers, layout.num_kv, 4 * p.block_size, layout.row_size)
+        pb = self.poison(bshape, p.dtype)
+        rb = gather_blocks(case.caches, layout, blocks, backend="reference", out=pb.clone())
+        tb = gather_blocks(case.caches, layout, blocks, backend="triton", out=pb.clone())
+        self.expect(self.same(rb, tb), f"gather_blocks {p}")
+        f, g = self._make(p, seed + 4), self._make(p, seed + 4)
+        objb = self.poison(bshape, p.dtype)
+        scatter_blocks(objb, f.caches, layout, blocks, backend="reference", skip_blocks=1)
+        scatter_blocks(objb, g.caches, layout, blocks, backend="triton", skip_blocks=1)
+        self.expect(
+            all(self.same(x, y) for x, y in zip(f.storages(), g.storages(), strict=True)),
+            f"scatter_blocks {p}",
+        )
+
+    def check_axis_swap_is_caught(self) -> None:
+        """The seed's bug, on the kernel: fed the token-major (logical) strides of an HND cache, the
+        kernel must produce different bytes than the reference, or the comparisons above prove nothing."""
+        p = Params("blocks_first", "HND", torch.float16, 0)
+        case = self._make(p, 7)
+        layout = detect_layouts(case.caches, **case.detect_kwargs())
+        logical = dataclasses.replace(
+            layout,
+            physical="NHD",
+            k_token_stride=layout.row_size,
+            v_token_stride=layout.row_size,
+            head_stride=layout.head_size,
+        )
+        slots = torch.tensor(random_slots(layout.num_slots, 8, generator=self.gen), device=self.device)
+        ref = gather(case.caches, layout, slots, backend="reference")
+        wrong = gather(case.caches, logical, slots, backend="triton")
+        right = gather(case.caches, layout, slots, backend="triton")
+        self.expect(
+            not self.same(ref, wrong), "axis swap NOT caught: logical strides on an HND cache matched"
+        )
+        self.expect(self.same(ref, right), "physical strides on an HND cache did not match")
+
+
+def run(device: str = "cpu", quick: bool = False, seed: int = 0) -> list[str]:
+    """Run every check; return the failures (empty when all matched)."""
+    checker = Checker(device, seed)
+    for p in cases(quick):
+        try:
+            checker.check(p)
+        except Exception as exc:  # report and keep going: one broken layout must not hide the others
+            checker.expect(False, f"error {p}: {type(exc).__name__}: {exc}")
+    checker.check_axis_swap_is_caught()
+    print(
+        f"selfcheck: {checker.count - len(checker.failures)}/{checker.count} comparisons matched on {device}",
+        flush=True,
+    )
+    return checker.failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="two dtypes instead of all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    return 1 if run(args.device, args.quick, args.seed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
