@@ -1,0 +1,285 @@
+"""The connector's scheduler side (offers and store plans), step by step, against a real server.
+
+vLLM's scheduler is replaced by the minimal objects it hands the connector (requests with token
+ids, block lists, per-step scheduled/computed counts), so each rule can be driven exactly: the
+end-to-end tests with real vLLM are in test_vllm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.scheduler import MaruSchedulerConnector
+from tests.helpers import ServerProcess
+
+BS, C = 32, 64
+
+
+class CountingClient:
+    """A real MaruHandler that counts exists round trips."""
+
+    def __init__(self, url: str) -> None:
+        self.h = MaruHandler(url, timeout_s=2)
+        self.exists_calls = 0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.exists_calls += 1
+        return self.h.exists(keys)
+
+    def close(self) -> None:
+        self.h.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("sched"), pool_size="16M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+_space_counter = 0
+
+
+@pytest.fixture
+def keyer() -> ChunkKeyer:
+    # A fresh namespace per test, so tests never see each other's keys on the shared server.
+    global _space_counter
+    _space_counter += 1
+    return ChunkKeyer(KeySpace(f"model-{_space_counter}", "", "float32", 2, 2, 32, C))
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[CountingClient]:
+    c = CountingClient(server.url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def make_sched(server: ServerProcess, keyer: ChunkKeyer, client: Any, **cfg: Any) -> MaruSchedulerConnector:
+    conf = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=C, **cfg)
+    return MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: client)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def req(rid: str, toks: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=toks, num_tokens=len(toks), lora_request=None, mm_features=[]
+    )
+
+
+def publish(server: ServerProcess, keys: list[str]) -> None:
+    with MaruHandler(server.url, timeout_s=2) as h:
+        objs = h.batch_alloc([8] * len(keys))
+        for o in objs:
+            o.buf[:] = b"\0" * 8
+        h.batch_store(keys, objs)
+
+
+def stored_keys_of(sched: MaruSchedulerConnector, toks: list[int]) -> tuple[list[str], str | None]:
+    st = sched._state(req("probe", toks))
+    full, tail = st.keys.full, (st.own_tail[1] if st.own_tail else None)
+    sched._reqs.pop("probe")
+    return full, tail
+
+
+def new_out(rid: str, blocks: list[int], computed: int, scheduled: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        preempted_req_ids=set(),
+    )
+
+
+def cached_out(
+    rid: str,
+    new_blocks: list[int] | None,
+    computed: int,
+    scheduled: int,
+    resumed: bool = False,
+    preempted: set[str] | None = None,
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid],
+            resumed_req_ids={rid} if resumed else set(),
+            new_block_ids=[(new_blocks,) if new_blocks is not None else None],
+            num_computed_tokens=[computed],
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        preempted_req_ids=preempted or set(),
+    )
+
+
+def blocks_obj(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def test_nothing_stored_offers_nothing_with_one_exists_round_trip(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    r = req("a", tokens(300))
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: no new round trip
+    assert client.exists_calls == 1
+
+
+def test_offers_full_chunks_plus_the_stored_tail_and_never_the_last_token(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300)
+    full, tail = stored_keys_of(s, toks)
+    assert len(full) == 4 and tail is not None and tail.endswith(".t32")  # 4*64 + 32 = 288 = align(299)
+    publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, False)
+    # vLLM already has the first two blocks: offer the rest only.
+    assert s.get_num_new_matched_tokens(req("b", toks), 64) == (224, False)
+
+
+def test_prompt_of_whole_chunks_offers_all_but_the_last_block(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(256, seed=1)
+    full, tail = stored_keys_of(s, toks)
+    assert tail is None  # the last full chunk covers everything vLLM may take
+    publish(server, full)
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (224, False)  # align_down(255, 32)
+    s.update_state_after_alloc(r, blocks_obj(list(range(8))), 224)
+    meta = s.build_connector_meta(new_out("a", list(range(8)), 224, 32))
+    (load,) = meta.loads
+    assert [c.key for c in load.chunks] == full
+    assert load.chunks[-1].placed() == (0, 32)  # the last chunk is loaded, only its first block placed
+    assert load.num_placed_tokens() == 224
+    assert not meta.stores  # every chunk is in Maru already
+
+
+def test_partial_prefix_offers_exactly_the_shared_chunks(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    a = tokens(300, seed=2)
+    full, tail = stored_keys_of(s, a)
+    publish(server, full + [tail])
+    b = a[: 2 * C] + tokens(172, seed=3)
+    assert s.get_num_new_matched_tokens(req("b", b), 0) == (2 * C, False)
+
+
+def test_a_prompt_extending_a_stored_one_reuses_its_tail_only_if_the_tokens_match(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client)
+    a = tokens(300, seed=4)
+    full, tail = stored_keys_of(s, a)
+    publish(server, full + [tail])
+    longer = a + tokens(200, seed=5)  # a's tail tokens 256..287 are also tokens 256..287 of longer
+    assert s.get_num_new_matched_tokens(req("l", longer), 0) == (288, False)
+    different = a[:280] + tokens(220, seed=6)  # diverges inside the tail
+    assert s.get_num_new_matched_tokens(req("d", different), 0) == (256, False)
+
+
+def test_chunked_prefill_plans_every_full_chunk_exactly_once_and_the_tail_at_the_end(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=7)
+    full, tail = stored_keys_of(s, toks)
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, blocks_obj([0, 1, 2, 3]), 0)
+    planned: list[list[str]] = []
+    meta = s.build_connector_meta(new_out("a", [0, 1, 2, 3], 0, 100))
+    planned.append([c.key for rt in meta.stores for c in rt.chunks])
+    for computed, new_blocks, n in [
+        (100, [4, 5, 6], 100),
+        (200, [7, 8, 9], 100),
+        (300, [], 1),
+        (301, None, 1),
+    ]:
+        meta = s.build_connector_meta(cached_out("a", new_blocks, computed, n))
+        planned.append([c.key for rt in meta.stores for c in rt.chunks])
+        for rt in meta.stores:
+            assert list(rt.block_ids) == list(range(10))[: len(rt.block_ids)]
+    assert planned == [[full[0]], [full[1], full[2]], [full[3], tail], [], []]
+
+
+def test_preempted_request_is_probed_again_and_does_not_store_twice(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=8)
+    full, _ = stored_keys_of(s, toks)
+    r = req("a", toks)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, blocks_obj([0, 1, 2, 3]), 0)
+    meta = s.build_connector_meta(new_out("a", [0, 1, 2, 3], 0, 128))
+    assert [c.key for rt in meta.stores for c in rt.chunks] == full[:2]
+    publish(server, full[:2])  # what the worker did in that step
+    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"a"}))
+    # Resumed: matched again (one more exists), loads the two stored chunks, stores only what is new.
+    assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    assert client.exists_calls == 2
+    s.update_state_after_alloc(r, blocks_obj([7, 6, 5, 4, 3, 2, 1, 0, 8, 9]), 128)
+    meta = s.build_connector_meta(cached_out("a", [7, 6, 5, 4, 3, 2, 1, 0, 8, 9], 128, 172, resumed=True))
+    assert [c.key for c in meta.loads[0].chunks] == full[:2]
+    assert meta.loads[0].block_ids[:4] == (7, 6, 5, 4)
+    assert [c.key for rt in meta.stores for c in rt.chunks][:2] == full[2:]
+
+
+def test_a_failed_load_replans_the_stores_of_that_step(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=9)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full[:2])
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    blocks = list(range(10))
+    s.update_state_after_alloc(r, blocks_obj(blocks), 128)
+    meta = s.build_connector_meta(new_out("a", blocks, 128, 172))
+    assert [c.key for rt in meta.stores for c in rt.chunks] == [full[2], full[3], tail]
+    # The worker reports the loaded blocks as failed; vLLM rolls back to 0 and recomputes.
+    s.update_connector_output(SimpleNamespace(invalid_block_ids={0, 1, 2, 3}))
+    meta = s.build_connector_meta(cached_out("a", None, 0, 300))
+    assert not meta.loads
+    assert [c.key for rt in meta.stores for c in rt.chunks] == [full[2], full[3], tail]
+
+
+def test_load_disabled_offers_nothing_but_still_stores(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client, enable_load=False)
+    toks = tokens(200, seed=10)
+    full, _ = stored_keys_of(s, toks)
+    publish(server, full[:1])
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, blocks_obj(list(range(7))), 0)
+    meta = s.build_connector_meta(new_out("a", list(range(7)), 0, 200))
+    assert [c.key for rt in meta.stores for c in rt.chunks][:2] == full[1:3]
+
+
+def test_unreachable_server_offers_nothing_and_warns_once(keyer, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse() -> Any:
+        return MaruHandler("tcp://127.0.0.1:9", timeout_s=0.3)
+
+    conf = MaruConnectorConfig(server_url="tcp://127.0.0.1:9", kv_chunk_tokens=C)
+    s = MaruSchedulerConnector(conf, keyer, BS, client_factory=refuse)
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+        for i in range(3):
+            assert s.get_num_new_matched_tokens(req(f"r{i}", tokens(300, seed=i)), 0) == (0, False)
+    warnings = [r for r in caplog.records if "cannot reach maru server" in r.getMessage()]
+    assert len(warnings) == 1 and "maru server" in warnings[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
