@@ -89,6 +89,10 @@ def _worker_main(url: str, conn: Connection) -> None:
                         o.buf[:] = b"\xab" * o.size
                     held.extend(objs)
                     conn.send(("ok", sum(o.size for o in objs)))
+                elif cmd == "store_held":  # arg: [key]; store what reserve_and_fill holds
+                    objs = [o for o in held if not hasattr(o, "view")]
+                    held.clear()
+                    conn.send(("ok", [r.value for r in h.batch_store(arg, objs)]))
                 elif cmd == "pin":  # arg: key; keep it pinned until exit
                     r = h.retrieve(arg)
                     held.append(r)
@@ -118,9 +122,12 @@ class Worker:
             raise AssertionError(f"worker {self.proc.pid} did not answer within {timeout_s} s")
         return self.conn.recv()
 
-    def call(self, cmd: str, arg: Any = None, timeout_s: float = 60.0) -> Any:
+    def call_raw(self, cmd: str, arg: Any = None, timeout_s: float = 60.0) -> tuple[str, Any]:
         self.conn.send((cmd, arg))
-        status, value = self._recv(timeout_s)
+        return self._recv(timeout_s)
+
+    def call(self, cmd: str, arg: Any = None, timeout_s: float = 60.0) -> Any:
+        status, value = self.call_raw(cmd, arg, timeout_s)
         if status != "ok":
             raise AssertionError(f"worker command {cmd} failed: {value}")
         return value
@@ -265,6 +272,25 @@ def test_server_killed_and_restarted_serves_every_committed_key_and_connected_cl
             r.release()
         finally:
             h.close()
+
+
+def test_a_client_paused_past_its_lease_recovers_and_cannot_store_its_lost_reservations(
+    tmp_path: Path, workers: Any
+) -> None:
+    with ServerProcess(tmp_path, pool_size="16M", lease_timeout=1.0) as server, MaruHandler(server.url) as h:
+        w = workers(server.url)
+        w.call("reserve_and_fill", [4096, 8192])
+        os.kill(w.pid, signal.SIGSTOP)  # silent: no heartbeats (like a long GC pause or a debugger)
+        try:
+            wait_until(lambda: h.usage()["reservations"] == 0, 20.0, "the paused client's lease to expire")
+        finally:
+            os.kill(w.pid, signal.SIGCONT)
+        status, err = w.call_raw("store_held", ["lost-1", "lost-2"])
+        assert status == "error" and err.startswith("StaleAllocationError")
+        assert h.exists(["lost-1", "lost-2"]) == [False, False]
+        # The same process, not restarted, works on in a new session.
+        assert w.call("store_derived", ["after-pause"]) == ["stored"]
+        assert w.call("read", ["after-pause"]) == {"after-pause": sha(content("after-pause"))}
 
 
 def test_calls_to_a_dead_server_raise_a_clear_error_within_the_timeout(tmp_path: Path) -> None:

@@ -522,7 +522,11 @@ class MaruHandler:
         return results
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
-        """Remove keys; per key True if it was removed (False: absent, or pinned by a reader)."""
+        """Remove keys; per key True if it was removed (False: absent).
+
+        A removed key is invisible at once; if readers still hold it pinned, its space is freed
+        when the last of them releases it (their views stay valid until then).
+        """
         keys = _check_keys(keys)
         out: list[bool] = []
         for chunk in _chunks(keys):

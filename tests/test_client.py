@@ -1,0 +1,215 @@
+"""``MaruHandler``'s API promises, against a real ``maru server`` in its own process."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from maru import MaruHandler
+from maru.client import Allocation, CommitResult
+from maru.errors import HandlerClosedError, PoolError, PoolFullError
+from maru.protocol import MAX_BATCH, MAX_KEY_BYTES
+from tests.helpers import ServerProcess
+
+
+@pytest.fixture
+def h(maru_server: ServerProcess):
+    with MaruHandler(maru_server.url) as handler:
+        yield handler
+
+
+def put(h: MaruHandler, key: str, data: bytes) -> CommitResult:
+    obj = h.alloc(len(data))
+    obj.buf[:] = data
+    return h.store(key, obj)
+
+
+def test_the_readme_example_round_trips_bytes(h: MaruHandler) -> None:
+    data = os.urandom(12345)
+    obj = h.alloc(len(data))
+    obj.buf[:] = data
+    assert h.store("key", obj) == CommitResult.STORED
+    r = h.retrieve("key")
+    assert r is not None and r.view == data and len(r) == len(data)
+    r.release()
+    assert h.exists(["key", "other"]) == [True, False]
+
+
+def test_a_key_is_invisible_until_store_and_its_bytes_are_frozen_after(h: MaruHandler) -> None:
+    obj = h.alloc(100)
+    obj.buf[:] = b"x" * 100
+    assert h.exists(["k"]) == [False]
+    assert h.retrieve("k") is None
+    h.store("k", obj)
+    assert obj.buf is None  # released: a published object cannot be written through the handle
+    r = h.retrieve("k")
+    assert r is not None and r.view.readonly
+    with pytest.raises(TypeError):
+        r.view[0] = 0  # type: ignore[index]
+    r.release()
+
+
+def test_a_second_store_of_a_key_reports_present_keeps_the_first_bytes_and_frees_its_space(
+    h: MaruHandler,
+) -> None:
+    assert put(h, "dup", b"first" * 1000) == CommitResult.STORED
+    used = h.usage()["used"]
+    assert put(h, "dup", b"other" * 1000) == CommitResult.PRESENT
+    assert h.usage()["used"] == used
+    with h.retrieve("dup") as r:
+        assert r.view == b"first" * 1000
+
+
+def test_release_unpins_is_idempotent_and_drops_the_view(h: MaruHandler) -> None:
+    put(h, "p", b"abc")
+    r = h.retrieve("p")
+    assert r is not None and h.usage()["pinned"] == 1
+    r.release()
+    r.release()
+    assert r.view is None and r.released
+    assert h.usage()["pinned"] == 0
+    with pytest.raises(ValueError, match="released"):
+        r.tobytes()
+    with h.retrieve("p") as r2:
+        assert h.usage()["pinned"] == 1
+    assert h.usage()["pinned"] == 0 and r2.view is None
+    unpinned = h.retrieve("p", pin=False)
+    assert unpinned is not None and h.usage()["pinned"] == 0 and unpinned.tobytes() == b"abc"
+
+
+def test_batch_calls_match_keys_to_results_in_order(h: MaruHandler) -> None:
+    rng = random.Random(3)
+    datas = {f"b{i}": rng.randbytes(rng.choice([1, 4096, 9000])) for i in range(50)}
+    objs = h.batch_alloc([len(d) for d in datas.values()])
+    for o, d in zip(objs, datas.values(), strict=True):
+        o.buf[:] = d
+    assert h.batch_store(list(datas), objs) == [CommitResult.STORED] * 50
+    keys = ["b3", "missing", "b49", "b0"]
+    rs = h.batch_retrieve(keys)
+    assert [None if r is None else r.tobytes() for r in rs] == [datas["b3"], None, datas["b49"], datas["b0"]]
+    h.batch_release(rs)
+    assert h.usage()["pinned"] == 0
+    assert h.exists_prefix(["b0", "b1", "missing", "b2"]) == 2
+    assert h.exists_prefix(["missing", "b0"]) == 0
+
+
+def test_batches_over_the_protocol_limit_are_split_transparently(h: MaruHandler) -> None:
+    put(h, "last", b"z")
+    keys = [f"absent-{i}" for i in range(MAX_BATCH + 5)] + ["last"]
+    assert h.exists(keys) == [False] * (MAX_BATCH + 5) + [True]
+    assert h.exists_prefix(["last"] * (MAX_BATCH + 3)) == MAX_BATCH + 3
+    rs = h.batch_retrieve(keys, pin=False)
+    assert rs[:-1] == [None] * (MAX_BATCH + 5) and rs[-1] is not None
+
+
+def test_delete_hides_a_key_at_once_but_a_pinned_reader_keeps_its_bytes(h: MaruHandler) -> None:
+    put(h, "d", b"keep me" * 100)
+    r = h.retrieve("d")
+    assert h.delete(["d", "never"]) == [True, False]
+    assert h.exists(["d"]) == [False] and h.retrieve("d") is None
+    assert r is not None and r.view == b"keep me" * 100
+    used = h.usage()["used"]
+    r.release()
+    assert h.usage()["used"] < used  # the space went back when the last reader let go
+
+
+def test_abort_gives_the_reservation_back(h: MaruHandler) -> None:
+    free = h.usage()["free"]
+    objs = h.batch_alloc([1 << 20, 1 << 20])
+    assert h.usage()["free"] == free - 2 * (1 << 20)
+    assert h.abort(objs) == 2
+    assert h.usage()["free"] == free and all(o.buf is None for o in objs)
+    with pytest.raises(ValueError, match="already aborted"):
+        h.store("aborted", objs[0])
+    assert h.exists(["aborted"]) == [False]
+
+
+def test_batch_alloc_that_cannot_fit_reserves_nothing(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path, pool_size="8M") as server, MaruHandler(server.url) as h:
+        with pytest.raises(PoolFullError, match="pool .* is full"):
+            h.batch_alloc([3 << 20, 3 << 20, 3 << 20])
+        u = h.usage()
+        assert u["reservations"] == 0 and u["reserved"] == 0
+
+
+def test_bad_input_gets_a_clear_error(h: MaruHandler) -> None:
+    with pytest.raises(TypeError, match="list of keys"):
+        h.exists("key")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="byte limit"):
+        h.exists(["k" * (MAX_KEY_BYTES + 1)])
+    with pytest.raises(ValueError, match="max object size"):
+        h.alloc(h.server_info.max_object_size + 1)
+    with pytest.raises(ValueError, match="positive"):
+        h.alloc(0)
+    with pytest.raises(ValueError, match="2 keys but 1 objects"):
+        h.batch_store(["a", "b"], [h.alloc(1)])
+    with pytest.raises(TypeError, match="Allocation"):
+        h.store("a", b"bytes")  # type: ignore[arg-type]
+    obj = h.alloc(1)
+    obj.buf[:] = b"1"
+    h.store("once", obj)
+    with pytest.raises(ValueError, match="already stored"):
+        h.store("twice", obj)
+
+
+def test_a_pool_path_that_holds_another_pool_is_refused(maru_server: ServerProcess, tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "other", pool_size="64M") as other:
+        with pytest.raises(PoolError, match="has UUID .* but the server serves pool"):
+            MaruHandler(maru_server.url, pool_path=other.pool_path)
+
+
+def test_the_whole_pool_mapping_is_exposed_for_device_registration(h: MaruHandler) -> None:
+    info = h.server_info
+    assert len(h.pool_buffer) == info.pool_size
+    assert h.pool_address != 0
+    obj = h.alloc(64)
+    obj.buf[:] = bytes(range(64))
+    # buf is a view of that very mapping: the bytes are there at obj.offset.
+    assert h.pool_buffer[obj.offset : obj.offset + 64] == bytes(range(64))
+    h.abort(obj)
+
+
+def test_threads_sharing_one_handler_each_read_back_their_own_bytes(h: MaruHandler) -> None:
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        rng = random.Random(t)
+        for i in range(60):
+            key, data = f"t{t}/{i}", rng.randbytes(rng.randint(1, 20000))
+            put(h, key, data)
+            with h.retrieve(key) as r:
+                if r.tobytes() != data:
+                    errors.append(key)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert h.exists_prefix([f"t{t}/{i}" for t in range(4) for i in range(60)]) == 240
+    assert h.usage()["pinned"] == 0
+
+
+def test_a_closed_handler_refuses_calls_and_close_is_idempotent(maru_server: ServerProcess) -> None:
+    h = MaruHandler(maru_server.url)
+    obj = h.alloc(4096)
+    h.close()
+    h.close()
+    assert obj.buf is None  # its reservation was given back
+    with pytest.raises(HandlerClosedError):
+        h.exists(["a"])
+    with MaruHandler(maru_server.url) as h2:
+        assert h2.usage()["reservations"] == 0
+
+
+def test_allocation_reports_its_state(h: MaruHandler) -> None:
+    obj = h.alloc(10)
+    assert isinstance(obj, Allocation) and obj.reserved and "reserved" in repr(obj)
+    obj.buf[:] = b"0123456789"
+    h.store("state", obj)
+    assert not obj.reserved and "stored" in repr(obj)
