@@ -302,6 +302,8 @@ class MaruServer:
                 except zmq.ZMQError as e:
                     if e.errno != errno.EINTR:
                         raise
+                except Exception:  # handle_frame catches everything; this is the last line of defence
+                    log.exception("unexpected error in the event loop; the server keeps serving")
                 now = monotonic()
                 if now >= next_reap:
                     self.reap()

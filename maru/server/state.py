@@ -48,7 +48,7 @@ class StateStore:
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, offset INTEGER NOT NULL, "
-                "size INTEGER NOT NULL, tick INTEGER NOT NULL)"
+                "size INTEGER NOT NULL, tick INTEGER NOT NULL) WITHOUT ROWID"
             )
         except sqlite3.Error as e:
             raise PoolError(
