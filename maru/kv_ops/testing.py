@@ -90,7 +90,9 @@ def random_bits_(t: torch.Tensor, generator: torch.Generator | None = None) -> t
     """Fill with random bit patterns (every byte random; NaN payloads included for float types)."""
     b = bits(t)
     info = torch.iinfo(b.dtype)
-    b.copy_(torch.randint(info.min, info.max, b.shape, dtype=b.dtype, generator=generator))
+    # Draw where the generator lives (a CPU generator for reproducible tests; on-device otherwise).
+    where = generator.device if generator is not None else b.device
+    b.copy_(torch.randint(info.min, info.max, b.shape, dtype=b.dtype, generator=generator, device=where))
     return t
 
 

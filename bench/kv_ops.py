@@ -1,0 +1,232 @@
+"""Benchmark: paged-KV placement on a GPU (payload GB/s) against the PyTorch reference and the copy ceiling.
+
+Geometry (the ANCHORS.md one): 32 layers, 8 KV heads, head size 128, bf16, block size 16, 8192 blocks
+per layer, random slot order, for 256, 2048 and 16384 tokens. "Payload" counts the KV bytes moved
+once (a placement reads and writes them, so memory traffic is twice that); the ceiling is half the
+measured device-to-device copy bandwidth. Prints a short table last.
+
+    python bench/kv_ops.py [--quick] [--layout kv_first/NHD] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from maru import kv_ops  # noqa: E402
+from maru.kv_ops import triton_kernels  # noqa: E402
+from maru.kv_ops.ops import layer_refs  # noqa: E402
+from maru.kv_ops.testing import make_cache  # noqa: E402
+
+L, NH, HS, BS, NB = 32, 8, 128, 16, 8192
+DTYPE = torch.bfloat16
+
+
+def payload_bytes(tokens: int) -> int:
+    return L * 2 * tokens * NH * HS * 2
+
+
+def time_events(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of one ``fn()`` by CUDA events (each rep timed alone)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, inner: int = 10, reps: int = 10) -> float:
+    """Seconds per ``fn()`` when ``inner`` calls are captured in one CUDA graph and replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return time_events(graph.replay, reps=reps, warmup=1) / inner
+
+
+def ceiling() -> float:
+    """Payload ceiling in bytes/s: half the device-to-device copy traffic (read + write)."""
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_events(lambda: dst.copy_(src), reps=10)
+    return (2 * n / t) / 2
+
+
+def fmt_bw(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:8.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--layout", default="kv_first/NHD")
+    parser.add_argument("--sweep", action="store_true", help="try tile sizes and warps first, keep the best")
+    args = parser.parse_args()
+    fmt, physical = args.layout.split("/")
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    print(f"# kv_ops bench on {dev}, torch {torch.__version__}, layout {fmt} {physical}", flush=True)
+    ceil = ceiling()
+    print(
+        f"device-to-device copy: {2 * ceil / 1e9:.0f} GB/s traffic -> payload ceiling {ceil / 1e9:.0f} GB/s",
+        flush=True,
+    )
+
+    case = make_cache(
+        fmt,
+        physical,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=NH,
+        head_size=HS,
+        num_layers=L,
+        dtype=DTYPE,
+        device="cuda",
+    )
+    caches = case.caches
+    layout = kv_ops.detect_layouts(caches, **case.detect_kwargs())
+    refs = layer_refs(caches, layout)
+    token_counts = [256, 2048] if args.quick else [256, 2048, 16384]
+    objs = {t: torch.randn(L, 2, t, NH * HS, device="cuda").to(DTYPE) for t in token_counts}
+    slots = {t: torch.randperm(NB * BS, device="cuda")[:t].contiguous() for t in token_counts}
+
+    def kernel(t: int, gather: bool):
+        obj = triton_kernels.as_bits(objs[t])
+        return lambda: triton_kernels.place(refs, layout, slots[t], obj, gather=gather)
+
+    if args.sweep:
+        print("\n## tile sweep (graph-replayed multi-layer scatter, payload GB/s)", flush=True)
+        best = None
+        for block_t in (2, 4, 8, 16):
+            for warps in (4, 8):
+                triton_kernels.TuneParams.block_t, triton_kernels.TuneParams.num_warps = block_t, warps
+                row = []
+                for t in (256, 2048):
+                    row.append(payload_bytes(t) / time_graph(kernel(t, False)))
+                score = min(row[0] / 1.3e12, row[1] / 1.9e12)
+                print(
+                    f"BLOCK_T={block_t:3d} warps={warps}: 256 tok {row[0] / 1e9:7.1f}  2048 tok {row[1] / 1e9:7.1f}",
+                    flush=True,
+                )
+                if best is None or score > best[0]:
+                    best = (score, block_t, warps)
+        assert best is not None
+        triton_kernels.TuneParams.block_t, triton_kernels.TuneParams.num_warps = best[1], best[2]
+        print(f"chosen: BLOCK_T={best[1]} num_warps={best[2]}", flush=True)
+
+    rows = []
+    for t in token_counts:
+        nbytes = payload_bytes(t)
+        placer = kv_ops.GraphedPlacer(caches, layout)
+        placer.staging(t).copy_(objs[t])
+        placer.set_slots(slots[t])
+        placer.warm(t)
+        res = {
+            "load_eager": time_events(lambda t=t: kv_ops.scatter(objs[t], caches, layout, slots[t])),
+            "store_eager": time_events(lambda t=t: kv_ops.gather(caches, layout, slots[t], out=objs[t])),
+            "load_graph": time_events(lambda p=placer, t=t: p.scatter(t)),
+            "store_graph": time_events(lambda p=placer, t=t: p.gather(t)),
+            "load_kernel": time_graph(kernel(t, False)),
+            "store_kernel": time_graph(kernel(t, True)),
+            "load_ref": time_events(
+                lambda t=t: kv_ops.scatter(objs[t], caches, layout, slots[t], backend="reference"), reps=5
+            ),
+            "store_ref": time_events(
+                lambda t=t: kv_ops.gather(caches, layout, slots[t], backend="reference", out=objs[t]), reps=5
+            ),
+        }
+        rows.append((t, nbytes, res))
+        print(
+            f"{t} tokens: " + ", ".join(f"{k} {fmt_bw(nbytes, v).strip()} GB/s" for k, v in res.items()),
+            flush=True,
+        )
+        del placer
+
+    # Per-layer issue cost (the layer-overlap load): host time to issue 32 single-layer placements.
+    t = 256
+    obj_bits = triton_kernels.as_bits(objs[t])
+    placer = kv_ops.GraphedPlacer(caches, layout)
+    placer.staging(t).copy_(objs[t])
+    placer.set_slots(slots[t])
+    placer.warm(t, per_layer=True)
+
+    def api_layers():
+        for layer in range(L):
+            kv_ops.scatter_layer(objs[t][layer], caches[layer], layout, slots[t])
+
+    def direct_layers():
+        for layer in range(L):
+            triton_kernels.place(
+                [refs[layer]], layout, slots[t], obj_bits[layer : layer + 1], gather=False, single_layer=True
+            )
+
+    def graph_layers():
+        for layer in range(L):
+            placer.scatter_layer(layer, t)
+
+    issue = {}
+    for name, fn in (
+        ("scatter_layer API", api_layers),
+        ("kernel launch", direct_layers),
+        ("graph replay", graph_layers),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - s)
+        torch.cuda.synchronize()
+        dev_t = time_events(fn, reps=10)
+        issue[name] = (statistics.median(host) / L, dev_t)
+
+    print("\n## kv_ops on " + dev + f" ({fmt} {physical}; payload ceiling {ceil / 1e9:.0f} GB/s)")
+    print(
+        "| tokens | MB | load graph | load eager | load kernel-only | store graph | store eager | store kernel-only | reference load / store |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for t, nbytes, r in rows:
+        print(
+            f"| {t} | {nbytes / 1e6:.1f} | {fmt_bw(nbytes, r['load_graph'])} | {fmt_bw(nbytes, r['load_eager'])} | "
+            f"{fmt_bw(nbytes, r['load_kernel'])} | {fmt_bw(nbytes, r['store_graph'])} | {fmt_bw(nbytes, r['store_eager'])} | "
+            f"{fmt_bw(nbytes, r['store_kernel'])} | {fmt_bw(nbytes, r['load_ref']).strip()} / {fmt_bw(nbytes, r['store_ref']).strip()} |"
+        )
+    print(
+        "(GB/s of payload; 'graph' = GraphedPlacer replay timed alone, 'eager' = kv_ops.scatter/gather from Python,"
+    )
+    print(" 'kernel-only' = 10 launches captured in one graph, per launch)")
+    print(
+        f"\n| single-layer path, {t} tokens x {L} layers | host issue per layer (us) | 32 layers on the GPU (ms) | payload GB/s |"
+    )
+    print("| --- | --- | --- | --- |")
+    for name, (host, dev_t) in issue.items():
+        print(f"| {name} | {host * 1e6:.1f} | {dev_t * 1e3:.3f} | {payload_bytes(t) / dev_t / 1e9:.0f} |")
+    print(
+        f"tiles: BLOCK_T={triton_kernels.TuneParams.block_t} num_warps={triton_kernels.TuneParams.num_warps}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
