@@ -302,3 +302,44 @@ def test_the_lru_order_survives_a_restart(tmp_path: Path) -> None:
         r = c.call(Op.RESERVE, sizes=[4096])
         assert r["allocs"][0] is not None
         assert c.call(Op.EXISTS, keys=list("abcd"))["present"] == [True, False, True, True]
+
+
+def test_req_style_envelopes_are_answered_and_broken_envelopes_are_dropped(
+    maru_server: ServerProcess,
+) -> None:
+    with RawClient(maru_server.url) as c:
+        frame = P.encode(Op.EXISTS, 5, {"client_id": "x", "keys": ["a"]})
+        c.sock.send_multipart([b"", frame])  # what a REQ socket sends: empty delimiter first
+        assert c.sock.poll(10_000)
+        parts = c.sock.recv_multipart()
+        assert len(parts) == 2 and parts[0] == b"" and P.decode_body(parts[1])["present"] == [False]
+        c.sock.send_multipart([b"not-empty", frame])  # not an envelope the server understands
+        c.sock.send_multipart([b"", b"", b"", frame])
+        assert c.recv_raw(timeout_s=0.3) is None
+        assert c.call(Op.STATS)["counters"]["malformed_frames"] == 2
+
+
+def test_state_rows_that_overlap_or_leave_the_pool_are_dropped_loudly_on_restart(tmp_path: Path) -> None:
+    import sqlite3
+
+    with ServerProcess(tmp_path) as srv, RawClient(srv.url) as c:
+        c.handshake()
+        pool = map_pool(srv.pool_path)
+        placed = put(c, pool, {"good": b"g" * 5000})
+        pool.close()
+        srv.stop()
+        db = sqlite3.connect(str(srv.state_dir / "maru-state.sqlite"))
+        off = placed["good"][0]
+        db.executemany(
+            "INSERT INTO entries (key, offset, size, tick) VALUES (?, ?, ?, ?)",
+            [("overlap", off + 4096, 100, 9), ("outside", 1 << 40, 100, 9)],
+        )
+        db.commit()
+        db.close()
+        srv.start()
+        assert c.call(Op.LOOKUP, keys=["good", "overlap", "outside"])["entries"] == [
+            placed["good"],
+            None,
+            None,
+        ]
+        assert "dropped them" in srv.log() and "'overlap'" in srv.log()

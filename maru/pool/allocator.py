@@ -16,7 +16,7 @@ Invariants (checked by ``check``):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from maru.errors import PoolError
 
@@ -105,23 +105,24 @@ class ExtentAllocator:
 
     @classmethod
     def from_used(
-        cls, base: int, end: int, alignment: int, used: Iterable[tuple[int, int]]
-    ) -> tuple[ExtentAllocator, list[tuple[int, int]]]:
+        cls, base: int, end: int, alignment: int, used: Sequence[tuple[int, int]]
+    ) -> tuple[ExtentAllocator, list[int]]:
         """Rebuild an allocator in which ``used`` extents ``(offset, size)`` are taken.
 
-        Returns the allocator and the extents it rejected (out of range, unaligned, or
-        overlapping an earlier one), so the caller can say what it dropped.
+        Returns the allocator and the indices (into ``used``) of the extents it rejected: out of
+        range, unaligned, or overlapping one at a lower offset, so the caller can say what it dropped.
         """
         alloc = cls(base, end, alignment)
         alloc._free_by_start.clear()
         alloc._free_by_end.clear()
         alloc._by_size.clear()
-        rejected: list[tuple[int, int]] = []
+        rejected: list[int] = []
         cursor = base
-        for offset, size in sorted(used):
+        for i in sorted(range(len(used)), key=lambda j: used[j]):
+            offset, size = used[i]
             length = alloc.round_up(size) if size > 0 else 0
             if length == 0 or offset % alignment or offset < cursor or offset + length > end:
-                rejected.append((offset, size))
+                rejected.append(i)
                 continue
             if offset > cursor:
                 alloc._add_free(cursor, offset - cursor)
@@ -130,7 +131,7 @@ class ExtentAllocator:
             cursor = offset + length
         if cursor < end:
             alloc._add_free(cursor, end - cursor)
-        return alloc, rejected
+        return alloc, sorted(rejected)
 
     def check(self) -> None:
         """Assert every invariant (tests call it; O(n log n))."""

@@ -245,8 +245,7 @@ class MaruServer:
             pool.data_offset, pool.pool_size, pool.alignment, [(o, s) for _, o, s, _ in rows]
         )
         if rejected:
-            bad = set(rejected)
-            dropped = [k for k, o, s, _ in rows if (o, s) in bad]
+            dropped = [rows[i][0] for i in rejected]
             log.error(
                 "state %s had %d entries outside the pool or overlapping others; dropped them: %s",
                 self.state.path,
@@ -254,7 +253,8 @@ class MaruServer:
                 dropped[:10],
             )
             self.state.drop_entries(dropped)
-            rows = [r for r in rows if (r[1], r[2]) not in bad]
+            bad = set(rejected)
+            rows = [r for i, r in enumerate(rows) if i not in bad]
         # Alloc ids never repeat across restarts, so a commit of a pre-restart reservation can
         # never hit a reservation made after the restart.
         self.registry = KeyRegistry(alloc, self.state, first_alloc_id=secrets.randbits(40) << 20)
