@@ -343,3 +343,21 @@ def test_state_rows_that_overlap_or_leave_the_pool_are_dropped_loudly_on_restart
             None,
         ]
         assert "dropped them" in srv.log() and "'overlap'" in srv.log()
+
+
+def test_an_evicted_key_stays_gone_after_sigkill_and_restart(tmp_path: Path) -> None:
+    # If an eviction were not durable, the old key would come back naming bytes that now belong
+    # to the object stored in its place.
+    with ServerProcess(tmp_path, pool_size=5 * 4096) as srv, RawClient(srv.url) as c:
+        c.handshake()
+        pool = map_pool(srv.pool_path)
+        put(c, pool, {k: k.encode() * 4096 for k in "abcd"})
+        placed = put(c, pool, {"new": b"n" * 4096})  # evicts a
+        pool.close()
+        srv.kill()
+        srv.start()
+        look = c.call(Op.LOOKUP, keys=["a", "b", "new"])["entries"]
+        assert look[0] is None and look[1] is not None and look[2] == placed["new"]
+        pool = map_pool(srv.pool_path)
+        assert pool[look[2][0] : look[2][0] + 4096] == b"n" * 4096
+        pool.close()
