@@ -192,16 +192,10 @@ def main() -> None:
     torch.cuda.synchronize()
     results["layer_breakdown_us"] = {"scatter_layer_call": place_us, "event_record_and_wait": event_us}
 
-    # -- unit size sweep (load and store, 2048 tokens): the pipeline's one tuning knob.
-    sweep = {}
-    for unit_mib in (4, 8, 16, 32):
-        e = pl.TransferEngine(caches, layout, unit_bytes=unit_mib << 20, backend=args.backend)
-        nbytes = e.object_bytes(t)
-        sweep[unit_mib] = (
-            nbytes / timed(lambda e=e: e.load(objs, slots).wait(), 5) / GB,
-            nbytes / timed(lambda e=e: e.store(objs, slots).wait(), 5) / GB,
-        )
-    results["unit_sweep_2048"] = {str(k): {"load_GBps": v[0], "store_GBps": v[1]} for k, v in sweep.items()}
+    # -- what graphs and raw CUDA calls buy, at 256 and 2048 tokens.
+    for t in (256, 2048):
+        objs, slots = objects(t), request_slots(t, NB, gen)
+        results[f"variants_{t}"] = variants(caches, layout, objs, slots, args.backend)
 
     # -- a copy that straddles two separately registered slices (does slicing keep DMA speed?).
     try:
@@ -223,26 +217,32 @@ def main() -> None:
         f"unregistered pool, 2048 tokens: H2D copy {u['h2d_copy_GBps']:.1f} GB/s, load {u['load_GBps']:.1f}, "
         f"store {u['store_GBps']:.1f} GB/s"
     )
-    hdr = "| tokens | MB | pinned H2D | pinned D2H | load pipelined | (% H2D) | store pipelined | (% D2H) | load sync | store sync | load layers | issue us/layer (raw / copy_) |"
+    hdr = (
+        "| tokens | MB | pinned H2D | pinned D2H | load pipelined | (% H2D) | store pipelined | (% D2H) "
+        "| load sync | store sync | load layers | layer issue us/layer | load/store issue ms |"
+    )
     print(hdr)
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     for row in rows:
         print(
             f"| {row['tokens']} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['pinned_d2h_GBps']:.1f} | "
             f"{row['load_pipelined_GBps']:.1f} | {100 * row['load_pipelined_GBps'] / row['pinned_h2d_GBps']:.1f}% | "
             f"{row['store_pipelined_GBps']:.1f} | {100 * row['store_pipelined_GBps'] / row['pinned_d2h_GBps']:.1f}% | "
             f"{row['load_sync_GBps']:.1f} | {row['store_sync_GBps']:.1f} | {row['load_layers_GBps']:.1f} | "
-            f"{row['layer_issue_us']:.1f} / {row['layer_issue_torch_copy_us']:.1f} |"
+            f"{row['layer_issue_us']:.1f} | {row['load_issue_ms']:.2f} / {row['store_issue_ms']:.2f} |"
         )
     b = results["layer_breakdown_us"]
     print(
         f"per-layer host cost breakdown: scatter_layer call {b['scatter_layer_call']:.1f} us, "
         f"event record + stream wait {b['event_record_and_wait']:.1f} us"
     )
-    print(
-        "unit size sweep, 2048 tokens (MiB: load/store GB/s): "
-        + ", ".join(f"{k}: {v[0]:.1f}/{v[1]:.1f}" for k, v in sweep.items())
-    )
+    for t in (256, 2048):
+        print(f"variants at {t} tokens (layer path GB/s, issue us/layer; pipelined load/store GB/s):")
+        for name, v in results[f"variants_{t}"].items():
+            print(
+                f"  {name}: layers {v['layers_GBps']:.1f} GB/s, {v['layer_issue_us']:.1f} us/layer; "
+                f"pipelined {v['load_pipelined_GBps']:.1f} / {v['store_pipelined_GBps']:.1f} GB/s"
+            )
     print(f"copy across two separately registered slices: {straddle}")
     pool.close()
 
@@ -255,37 +255,72 @@ def measure_size(
     nbytes = engine.object_bytes(t)
     pinned = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
     dbuf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    row = {
+    row: dict[str, float] = {
         "tokens": t,
         "MB": nbytes / 1e6,
         "pinned_h2d_GBps": copy_gbps(dbuf, pinned, r),
         "pinned_d2h_GBps": copy_gbps(pinned, dbuf, r),
     }
     del pinned, dbuf
-    row["load_pipelined_GBps"] = transfer_gbps(lambda: engine.load(objs, slots), nbytes, r)
-    row["store_pipelined_GBps"] = transfer_gbps(lambda: engine.store(objs, slots), nbytes, r)
-    row["load_sync_GBps"] = transfer_gbps(lambda: engine.load(objs, slots, pipelined=False), nbytes, r)
-    row["store_sync_GBps"] = transfer_gbps(lambda: engine.store(objs, slots, pipelined=False), nbytes, r)
-
-    # The layer-overlap load: GPU throughput, and host time to issue it (per layer).
     issue: list[float] = []
 
-    def layers() -> pl.Transfer:
-        h = engine.load_layers(objs, slots)
-        issue.append(h.issue_s)
-        return h
+    def tracked(fn: Callable[[], pl.Transfer]) -> Callable[[], pl.Transfer]:
+        def run() -> pl.Transfer:
+            h = fn()
+            issue.append(h.issue_s)
+            return h
 
-    row["load_layers_GBps"] = transfer_gbps(layers, nbytes, r)
-    row["layer_issue_us"] = statistics.median(issue[2:]) / L * 1e6
-    engine.raw_copy = False
-    issue.clear()
-    transfer_gbps(layers, nbytes, max(3, r // 2))
-    row["layer_issue_torch_copy_us"] = statistics.median(issue[2:]) / L * 1e6
-    engine.raw_copy = engine._raw is not None
+        return run
+
+    def issue_median() -> float:
+        value = statistics.median(issue[2:])  # the first two are warm-ups
+        issue.clear()
+        return value
+
+    row["load_pipelined_GBps"] = transfer_gbps(tracked(lambda: engine.load(objs, slots)), nbytes, r)
+    row["load_issue_ms"] = issue_median() * 1e3
+    row["store_pipelined_GBps"] = transfer_gbps(tracked(lambda: engine.store(objs, slots)), nbytes, r)
+    row["store_issue_ms"] = issue_median() * 1e3
+    row["load_sync_GBps"] = transfer_gbps(lambda: engine.load(objs, slots, pipelined=False), nbytes, r)
+    row["store_sync_GBps"] = transfer_gbps(lambda: engine.store(objs, slots, pipelined=False), nbytes, r)
+    # The layer-overlap load: throughput, and host time to issue it (per layer).
+    row["load_layers_GBps"] = transfer_gbps(tracked(lambda: engine.load_layers(objs, slots)), nbytes, r)
+    row["layer_issue_us"] = issue_median() / L * 1e6
     return row
 
 
-def straddle_check(dev: torch.device) -> dict[str, float]:
+def variants(
+    caches: list[torch.Tensor], layout: Any, objs: list[torch.Tensor], slots: torch.Tensor, backend: Any
+) -> dict:
+    """At one size: what graphs and raw CUDA calls buy (pipelined GB/s and issue, layer issue cost)."""
+    out: dict[str, Any] = {}
+    t = sum(o.shape[2] for o in objs)
+    for graphs in (True, False):
+        for raw in (True, False):
+            e = pl.TransferEngine(caches, layout, backend=backend, use_graphs=graphs, raw_cuda=raw)
+            nbytes = e.object_bytes(t)
+            issue: list[float] = []
+
+            def layers(e: pl.TransferEngine = e, issue: list[float] = issue) -> pl.Transfer:
+                h = e.load_layers(objs, slots)
+                issue.append(h.issue_s)
+                return h
+
+            gbps = transfer_gbps(layers, nbytes, 8)
+            name = f"graphs={'on' if e.graphs else 'off'},raw={'on' if e._sync.raw else 'off'}"
+            out[name] = {
+                "layers_GBps": gbps,
+                "layer_issue_us": statistics.median(issue[2:]) / L * 1e6,
+                "load_pipelined_GBps": transfer_gbps(lambda e=e: e.load(objs, slots), nbytes, 5),
+                "store_pipelined_GBps": transfer_gbps(lambda e=e: e.store(objs, slots), nbytes, 5),
+            }
+            del e
+    return out
+
+
+def straddle_check(dev: torch.device) -> dict[str, Any]:
+    """Register a 64 MiB mapping as two slices; copy inside one slice and across the boundary.
+    Also: how long registering 2 GiB of never-touched shared memory takes."""
     size = 64 << 20
     mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
     host = torch.frombuffer(mm, dtype=torch.uint8)
@@ -294,17 +329,29 @@ def straddle_check(dev: torch.device) -> dict[str, float]:
     address, _ = cuda_host.buffer_address(mm)
     rec = reg.register(address, size, name="straddle test", slice_bytes=size // 2, progress=lambda *a: None)
     dbuf = torch.empty(size // 2, dtype=torch.uint8, device=dev)
-    out = {
-        "registered": float(rec.registered),
-        "inside_one_slice_GBps": copy_gbps(dbuf, host[: size // 2], 10),
-        "across_slices_GBps": copy_gbps(dbuf, host[size // 4 : size // 4 + size // 2], 10),
-    }
+    out: dict[str, Any] = {"registered": rec.state}
+    for name, src in (
+        ("inside_one_slice", host[: size // 2]),
+        ("across_slices", host[size // 4 : size // 4 + size // 2]),
+    ):
+        try:
+            out[name + "_GBps"] = copy_gbps(dbuf, src, 10)
+        except Exception as exc:  # noqa: BLE001 - the finding is the error
+            out[name + "_GBps"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            torch.cuda.synchronize()
     reg.close()
-    del host
+    del host, src
     try:
         mm.close()
     except BufferError:
         pass
+    big = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_SHARED)
+    address, n = cuda_host.buffer_address(big)
+    reg = cuda_host.CudaHostRegistry()
+    rec = reg.register(address, n, name="untouched 2 GiB", progress=lambda *a: None)
+    out["register_untouched_2GiB_s"] = rec.seconds if rec.registered else rec.reason
+    reg.close()
+    big.close()
     return out
 
 

@@ -2,43 +2,49 @@
 
 Independent of vLLM: it takes the per-layer caches and their ``KVLayout`` once, then stores and
 loads *chunk objects* ``[L, KV, T, NH*HS]`` (see ``maru.kv_ops.ops``) that live in host memory,
-normally tensors over the pool mapping (``host_object``).
+normally tensors over the CUDA-registered pool mapping (``host_object``).
 
-On a GPU every transfer is split into *units*: a contiguous slice of one chunk object (a run of
-whole layers of it, at most ``unit_bytes``). A bounded ring of GPU staging slots carries them:
+On a GPU a bounded ring of staging slots (one chunk object each) carries the chunks:
 
-* LOAD: the copy engine brings unit k from the pool into slot ``k % R`` (``copy_`` with
-  ``non_blocking`` on the copy stream), while the placement kernel scatters unit k-1 out of its slot
-  on the placement stream. Events order the two: the placement of unit k waits for its copy; the copy
-  into a slot waits until the previous placement out of that slot finished.
-* STORE mirrors it: the gather kernel fills slot ``k % R`` on the placement stream; the copy engine
-  moves it into the pool page on the copy stream. The caller commits (registers keys) only after
-  ``Transfer.wait()``: a visible key means complete bytes.
-* LAYERS (``load_layers``, the layer-overlap load): layer i's slice of every chunk is copied into a
-  per-call staging buffer and placed with the single-layer kernel; one event per layer, so
+* LOAD: the copy engine brings chunk i from the pool into slot ``i % R`` (an async copy on the copy
+  stream) while the placement kernel scatters chunk i-1 out of its slot on the placement stream.
+  Events order them: the placement of chunk i waits for its copy; the copy into a slot waits until
+  the previous placement out of that slot finished.
+* STORE mirrors it: the gather kernel fills slot ``i % R`` on the placement stream, the copy engine
+  moves it into the pool page on the copy stream. The caller commits (publishes keys) only after
+  ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
+* LAYERS (``load_layers``, the layer-overlap load): layer i of every chunk is copied into a staging
+  buffer and placed with the single-layer kernel; one event per layer, so
   ``LayerLoad.wait_for_layer(i)`` makes the compute stream wait for layer i only.
+
+Placement uses kv_ops's ``GraphedPlacer`` (CUDA-graph replays: a few microseconds of host time per
+launch) when the Triton backend runs, else the eager ``kv_ops`` operations. Copies and events of the
+layer path go straight to libcudart through ctypes (about a microsecond each), because the per-layer
+issue budget is 10 us.
 
 Invariants:
 
 * Every operation starts after the work already queued on the caller's current stream (an event is
-  recorded there at issue), so a load never races the computation that last wrote those blocks, and a
-  store reads the KV the forward pass just wrote.
-* Nothing blocks the host during issue; ``Transfer.wait()`` / ``done()`` / ``wait_on(stream)`` observe
-  completion. The host objects stay referenced by the handle until it completed.
-* Kernels receive the caches as detected (``KVLayout`` carries physical strides), so an HND cache is
-  placed by its physical axis order whatever its shape shows.
-* On CPU caches there is nothing to pipeline: each call degrades to direct ``kv_ops`` calls straight
-  between the pool and the cache (announced once, at info level: the normal CPU path).
+  recorded there at issue): a load never races the computation that last used those blocks, a store
+  reads the KV the forward pass just wrote.
+* Issue never blocks the host on the GPU (except once, when a graph is first captured). The host
+  objects stay referenced by the handle until it has completed.
+* Kernels receive the caches as detected (``KVLayout`` carries the physical strides), so an HND cache
+  is placed in its physical axis order, whatever its shape shows.
+* A skipped token (negative slot, or within ``skip_tokens``) is never written into the cache. In a
+  stored object, the rows of negative slots are unspecified.
+* On CPU caches there is nothing to pipeline: each call degrades to direct ``kv_ops`` calls between
+  the pool and the cache (announced once, at info level: the normal CPU path).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,8 +54,6 @@ from maru.kv_ops.layout import KVLayout
 
 log = logging.getLogger("maru.kv_ops")
 
-MiB = 1 << 20
-DEFAULT_UNIT_BYTES = 16 * MiB  # a copy of this size runs at ~98% of the bus; the kernel takes ~10 us
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
 _announced: set[str] = set()
@@ -79,31 +83,130 @@ def host_object(buffer: Any, shape: Sequence[int], dtype: torch.dtype, offset: i
     return flat.view(*shape)
 
 
-@dataclass(frozen=True)
-class _Unit:
-    """One contiguous slice of one chunk object: layers ``[a, b)`` of chunk ``chunk``."""
+# ---------------------------------------------------------------------- CUDA synchronisation
 
-    chunk: int
-    a: int
-    b: int
-    token0: int  # the chunk's first token in the call's slot mapping
-    tokens: int
+
+class _TorchSync:
+    """Events and copies through torch (always available)."""
+
+    raw = False
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream: torch.cuda.Stream, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+
+_H2D = 1  # cudaMemcpyHostToDevice
+_EVENT_DISABLE_TIMING = 2
+_NOT_READY = 600  # cudaErrorNotReady
+
+
+class _RawSync(_TorchSync):
+    """The same operations straight through the process's libcudart (ctypes: ~1 us a call, against
+    3-6 us through torch). Events are raw ``cudaEvent_t`` handles owned by the engine."""
+
+    raw = True
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        self._lib = lib
+        self._memcpy = self._fn("cudaMemcpyAsync", [vp, vp, sz, i, vp])
+        self._memcpy2d = self._fn("cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
+        self._record = self._fn("cudaEventRecord", [vp, vp])
+        self._wait = self._fn("cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
+        self._query = self._fn("cudaEventQuery", [vp])
+        self._sync = self._fn("cudaEventSynchronize", [vp])
+        self._create = self._fn("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
+
+    def _fn(self, name: str, argtypes: list[Any]) -> Any:
+        f = getattr(self._lib, name)
+        f.argtypes = argtypes
+        f.restype = ctypes.c_int
+        return f
+
+    @classmethod
+    def load(cls) -> _RawSync | None:
+        """The libcudart torch already loaded (the same runtime and context), or None."""
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = [line.split()[-1] for line in maps if "libcudart" in line]
+            return cls(ctypes.CDLL(paths[0])) if paths else None
+        except (OSError, AttributeError):
+            return None
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"{what} failed: cudaError {err}")
+
+    def event(self) -> int:
+        handle = ctypes.c_void_p()
+        self._check(self._create(ctypes.byref(handle), _EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags")
+        return int(handle.value or 0)
+
+    def record(self, event: int, stream: torch.cuda.Stream) -> None:
+        self._check(self._record(event, stream.cuda_stream), "cudaEventRecord")
+
+    def wait(self, stream: torch.cuda.Stream, event: int) -> None:
+        self._check(self._wait(stream.cuda_stream, event, 0), "cudaStreamWaitEvent")
+
+    def query(self, event: int) -> bool:
+        err = self._query(event)
+        if err == _NOT_READY:
+            return False
+        self._check(err, "cudaEventQuery")
+        return True
+
+    def synchronize(self, event: int) -> None:
+        self._check(self._sync(event), "cudaEventSynchronize")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self._memcpy(dst, src, nbytes, _H2D, stream), f"cudaMemcpyAsync({nbytes} bytes)")
+
+    def copy2d(
+        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
+    ) -> None:
+        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _H2D, stream)
+        self._check(err, f"cudaMemcpy2DAsync({height} x {width} bytes)")
+
+
+# ---------------------------------------------------------------------- handles
 
 
 class Transfer:
     """Handle of one issued store or load. ``wait()`` before committing keys or unpinning entries."""
 
-    def __init__(self, kind: str, path: str, nbytes: int, done_event: Any, keepalive: list[Any]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        path: str,
+        nbytes: int,
+        done_event: Any = None,
+        sync: Any = None,
+        keepalive: Any = None,
+    ) -> None:
         self.kind = kind  # "load" | "store"
         self.path = path  # "pipelined" | "sync" | "cpu-direct" | "layers"
         self.nbytes = nbytes
-        self.issue_s = 0.0  # host seconds spent issuing (the per-layer path's issue cost)
-        self._event = done_event  # torch.cuda.Event, or None when already complete (CPU)
-        self._keepalive: list[Any] | None = keepalive
+        self.issue_s = 0.0  # host seconds spent issuing
+        self._event = done_event  # None when complete at return (CPU, sync)
+        self._sync = sync
+        self._keepalive = keepalive
 
     def done(self) -> bool:
         """True once every copy and kernel of this transfer finished (never blocks)."""
-        if self._event is None or self._event.query():
+        if self._event is None or self._sync.query(self._event):
             self._keepalive = None
             return True
         return False
@@ -111,110 +214,107 @@ class Transfer:
     def wait(self) -> None:
         """Block the calling thread until the transfer completed."""
         if self._event is not None:
-            self._event.synchronize()
+            self._sync.synchronize(self._event)
         self._keepalive = None
 
     def wait_on(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for this transfer, without blocking the host."""
+        """Make ``stream`` (default: the current stream) wait for this transfer; the host does not block."""
         if self._event is not None:
-            (stream or torch.cuda.current_stream(self._event_device())).wait_event(self._event)
-
-    def _event_device(self) -> Any:
-        return None
+            self._sync.wait(stream or torch.cuda.current_stream(), self._event)
 
 
 class LayerLoad(Transfer):
-    """A load issued layer by layer: ``wait_for_layer(i)`` waits for layer i alone."""
+    """A load issued layer by layer: ``wait_for_layer(i)`` waits for layer i alone.
 
-    def __init__(self, nbytes: int, layer_events: list[Any] | None, keepalive: list[Any]) -> None:
+    Layer events are recycled after a few later calls; waiting on a recycled event waits for a
+    *later* load of the same layer, which is later in stream order: never too early, at worst late.
+    """
+
+    def __init__(self, nbytes: int, layer_events: list[Any] | None, sync: Any, keepalive: Any) -> None:
         done = layer_events[-1] if layer_events else None
-        super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, keepalive)
+        super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, sync, keepalive)
         self._layer_events = layer_events
-        self.num_layers = len(layer_events) if layer_events else 0
+        self.graphed = False  # placements replayed from CUDA graphs
 
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block."""
-        if self._layer_events is None:
-            return
-        (stream or torch.cuda.current_stream()).wait_event(self._layer_events[layer])
+        if self._layer_events is not None:
+            self._sync.wait(stream or torch.cuda.current_stream(), self._layer_events[layer])
 
     def layer_done(self, layer: int) -> bool:
-        return self._layer_events is None or self._layer_events[layer].query()
-
-    def done(self) -> bool:
-        # Layers are placed in order on one stream: the last layer's event covers all of them.
-        return super().done()
+        return self._layer_events is None or self._sync.query(self._layer_events[layer])
 
 
-Placer = Callable[..., None]
-
-_CUDA_MEMCPY_H2D = 1  # cudaMemcpyHostToDevice
+Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
-class _RawCopier:
-    """``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` straight through the process's libcudart.
+# ---------------------------------------------------------------------- staging slots
 
-    The layer-overlap load issues one or two copies per layer; through ``Tensor.copy_`` each costs
-    several microseconds of Python and dispatcher work, through ctypes about one. Only used between
-    contiguous host and device ranges whose addresses the engine computed itself. ``None`` when the
-    library cannot be found (then ``Tensor.copy_`` is used: same bytes, more issue time).
+
+class _Slot:
+    """One staging slot of the ring: a chunk-sized GPU buffer plus the means to place it.
+
+    With a ``GraphedPlacer`` the buffer is the placer's static staging for T tokens and placement is
+    a graph replay; otherwise the buffer is a plain tensor and placement an eager kv_ops call.
+    ``free`` is recorded when the slot's last user (copy or kernel) finished with it.
     """
 
-    def __init__(self, lib: Any) -> None:
-        import ctypes
+    def __init__(self, engine: TransferEngine, placer: Any) -> None:
+        self.engine = engine
+        self.placer = placer
+        self.own: torch.Tensor | None = None
+        self.free = engine._sync.event()
+        self.ready = engine._sync.event()
+        self.used = False
 
-        self._memcpy = lib.cudaMemcpyAsync
-        self._memcpy.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        self._memcpy.restype = ctypes.c_int
-        self._memcpy2d = lib.cudaMemcpy2DAsync
-        self._memcpy2d.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-        ]  # fmt: skip
-        self._memcpy2d.restype = ctypes.c_int
+    def buffer(self, tokens: int) -> tuple[torch.Tensor, bool]:
+        """``[L, KV, T, ROW]`` staging for ``tokens`` tokens, and whether it is graph-backed."""
+        if self.placer is not None:
+            try:
+                return self.placer.staging(tokens), True
+            except ValueError:
+                _announce_once(
+                    "placer-full",
+                    logging.INFO,
+                    "maru.kv_ops: chunk of %d tokens has no graph bucket left; placing it with an eager launch",
+                    tokens,
+                )
+        e = self.engine
+        numel = e.num_layers * e.layout.num_kv * tokens * e.layout.row_size
+        if self.own is None or self.own.numel() < numel:
+            if self.used:
+                e._sync.synchronize(self.free)  # the old buffer may still be read by a queued copy
+            self.own = torch.empty(numel, dtype=e.dtype, device=e.device)
+        return self.own[:numel].view(e.object_shape(tokens)), False
 
-    @classmethod
-    def load(cls) -> _RawCopier | None:
-        import ctypes
+    def place(self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool) -> None:
+        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream."""
+        e = self.engine
+        if graphed:
+            t = self.placer.set_slots(slots)
+            if load:
+                self.placer.scatter(t)
+            else:
+                self.placer.gather(t)
+        elif load:
+            ops.scatter(stage, e.caches, e.layout, slots, backend=e.backend)
+        else:
+            ops.gather(e.caches, e.layout, slots, backend=e.backend, out=stage)
 
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = [line.split()[-1] for line in maps if "libcudart" in line]
-            if not paths:
-                return None
-            return cls(ctypes.CDLL(paths[0]))
-        except (OSError, AttributeError):
-            return None
 
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        err = self._memcpy(dst, src, nbytes, _CUDA_MEMCPY_H2D, stream)
-        if err:
-            raise RuntimeError(
-                f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} bytes) failed: cudaError {err}"
-            )
-
-    def copy2d(
-        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
-    ) -> None:
-        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_H2D, stream)
-        if err:
-            raise RuntimeError(
-                f"cudaMemcpy2DAsync({dst:#x} <- {src:#x}, {height} x {width} bytes) failed: cudaError {err}"
-            )
+# ---------------------------------------------------------------------- the engine
 
 
 class TransferEngine:
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
-    ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the engine allocated
-    them; ``layout``: ``kv_ops.detect_layouts`` of them. GPU state (streams, the staging ring) is
-    allocated once here; the engine is safe to call from several threads (issue is serialized).
+    ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
+    allocated them (they never move); ``layout``: ``kv_ops.detect_layouts`` of them. GPU state
+    (streams, events, the staging ring, graphs) is made once here or on first use. Thread-safe: issue
+    is serialized by a lock; handles may be waited on from any thread.
+
+    ``use_graphs``: replay placements from CUDA graphs (kv_ops's ``GraphedPlacer``) when Triton runs;
+    ``raw_cuda``: issue the layer path's copies and events through libcudart directly.
     """
 
     def __init__(
@@ -222,63 +322,98 @@ class TransferEngine:
         caches: Any,
         layout: KVLayout,
         *,
-        unit_bytes: int = DEFAULT_UNIT_BYTES,
         ring_slots: int = DEFAULT_RING_SLOTS,
         backend: str | None = None,
-        raw_copy: bool = True,
+        use_graphs: bool = True,
+        raw_cuda: bool = True,
     ) -> None:
         if isinstance(caches, dict):
             caches = list(caches.values())
         self.layout = layout
         self.cross_layer = layout.is_cross_layer
-        self.caches: list[torch.Tensor] | torch.Tensor = caches if self.cross_layer else list(caches)
+        self.caches: Any = caches if self.cross_layer else list(caches)
         first = caches if isinstance(caches, torch.Tensor) else self.caches[0]
-        assert isinstance(first, torch.Tensor)
         self.dtype = first.dtype
         self.device = first.device
         self.num_layers = int(layout.num_layers) if self.cross_layer else len(self.caches)
         self.backend = backend
-        self.raw_copy = raw_copy  # False: the layer path issues copies with Tensor.copy_ (bench comparison)
         self.esize = first.element_size()
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
-        self.unit_bytes = max(int(unit_bytes), 1)
         self.ring_slots = max(int(ring_slots), 1)
         self._lock = threading.Lock()
         self.on_gpu = self.device.type == "cuda"
-        if self.on_gpu:
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._place_stream = torch.cuda.Stream(self.device)
-            self._ring: list[torch.Tensor] = []  # grown on demand to the largest unit seen
-            self._ring_ready = [torch.cuda.Event() for _ in range(self.ring_slots)]
-            self._ring_free = [torch.cuda.Event() for _ in range(self.ring_slots)]
-            self._ring_used = [False] * self.ring_slots
-            self._next_slot = 0
-            self._layer_staging: torch.Tensor | None = None
-            self._layer_staging_free: Any = None  # event: last placement out of the layer staging
-            self._checked_pinned = False
-            self._copied_events: list[Any] = []
-            self._raw = _RawCopier.load()
-            if self._raw is None:
-                self.raw_copy = False
-                _announce_once(
-                    "raw-copier",
-                    logging.INFO,
-                    "maru.kv_ops: libcudart not found in this process; the layer-overlap load issues its copies "
-                    "with Tensor.copy_ (same bytes, a few microseconds more issue time per layer)",
-                )
-        else:
+        self.graphs = False
+        if not self.on_gpu:
             _announce_once(
                 "cpu-direct",
                 logging.INFO,
                 "maru.kv_ops: no CUDA: direct CPU placement (caches on %s; pool <-> cache with kv_ops, no staging)",
                 self.device,
             )
+            return
+        raw = _RawSync.load() if raw_cuda else None
+        if raw_cuda and raw is None:
+            _announce_once(
+                "raw-cuda",
+                logging.INFO,
+                "maru.kv_ops: libcudart not found in this process; the layer-overlap load issues copies and "
+                "events through torch (same bytes, a few microseconds more issue time per layer)",
+            )
+        self._sync: Any = raw or _TorchSync()
+        self._copy_stream = torch.cuda.Stream(self.device)
+        self._place_stream = torch.cuda.Stream(self.device)
+        self.graphs = use_graphs and self._graphs_usable()
+        self._ring = [_Slot(self, self._new_placer()) for _ in range(self.ring_slots)]
+        self._next_slot = 0
+        self._layer_placer = self._new_placer()
+        self._layer_own: torch.Tensor | None = None
+        self._layer_free: Any = None  # event: last placement out of the layer staging
+        self._event_sets: list[tuple[list[Any], list[Any]]] = []
+        self._event_set_next = 0
+        self._checked_pinned = False
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _graphs_usable(self) -> bool:
+        from maru.kv_ops.selection import choose
+
+        if self.backend == "reference" or (self.backend is None and choose("cuda").name != "triton"):
+            return False
+        try:
+            from maru.kv_ops.placer import GraphedPlacer  # noqa: F401
+        except ImportError as exc:
+            _announce_once(
+                "no-placer",
+                logging.INFO,
+                "maru.kv_ops: no graph placer (%s); placements are eager launches (~30 us of host time each)",
+                exc,
+            )
+            return False
+        return True
+
+    def _new_placer(self) -> Any:
+        if not self.graphs:
+            return None
+        from maru.kv_ops.placer import GraphedPlacer
+
+        return GraphedPlacer(self.caches, self.layout)
+
+    def _layer_events(self) -> tuple[list[Any], list[Any]]:
+        """(copied, placed) event lists for one layer-path call, recycled over 4 calls."""
+        if len(self._event_sets) < 4:
+            s = self._sync
+            self._event_sets.append(
+                ([s.event() for _ in range(self.num_layers)], [s.event() for _ in range(self.num_layers)])
+            )
+            return self._event_sets[-1]
+        self._event_set_next = (self._event_set_next + 1) % 4
+        return self._event_sets[self._event_set_next]
 
     # ------------------------------------------------------------------ geometry
 
-    def object_shape(self, tokens: int, num_layers: int | None = None) -> tuple[int, int, int, int]:
+    def object_shape(self, tokens: int) -> tuple[int, int, int, int]:
         """Shape of a chunk object of ``tokens`` tokens: ``[L, KV, T, NH*HS]``."""
-        return (num_layers or self.num_layers, self.layout.num_kv, int(tokens), self.layout.row_size)
+        return (self.num_layers, self.layout.num_kv, int(tokens), self.layout.row_size)
 
     def object_bytes(self, tokens: int) -> int:
         return self.num_layers * self.layer_token_bytes * int(tokens)
@@ -303,23 +438,17 @@ class TransferEngine:
         engine's own prefix cache). Returns at once on a GPU; ``wait()``/``wait_on()`` the handle.
         """
         objs = self._objects(objects)
-        slots = self._slots(slot_mapping, objs, skip_tokens)
         nbytes = sum(o.numel() for o in objs) * self.esize
-        if not self.on_gpu:
-            with self._lock:
-                token0 = 0
-                for obj in objs:
-                    t = obj.shape[2]
-                    ops.scatter(
-                        obj, self.caches, self.layout, slots[token0 : token0 + t], backend=self.backend
-                    )
-                    token0 += t
-            return Transfer("load", "cpu-direct", nbytes, None, [])
-        self._check_pinned(objs)
         with self._lock:
+            slots = self._slots(slot_mapping, objs, skip_tokens)
+            if not self.on_gpu:
+                for obj, s in self._per_chunk(objs, slots):
+                    ops.scatter(obj, self.caches, self.layout, s, backend=self.backend)
+                return Transfer("load", "cpu-direct", nbytes)
+            self._check_pinned(objs)
             if pipelined:
                 return self._issue(objs, slots, nbytes, load=True)
-            return self._sync(objs, slots, nbytes, load=True)
+            return self._sync_path(objs, slots, nbytes, load=True)
 
     def store(
         self,
@@ -330,27 +459,21 @@ class TransferEngine:
     ) -> Transfer:
         """Gather the caches' KV at ``slot_mapping`` into chunk objects (host, e.g. pool pages).
 
-        The objects' bytes are complete only after ``wait()`` (or ``done()`` returned True): commit
+        The objects' bytes are complete only after ``wait()`` (or once ``done()`` is True): commit
         (publish the keys) after that, never before.
         """
         objs = self._objects(objects)
-        slots = self._slots(slot_mapping, objs, 0)
         nbytes = sum(o.numel() for o in objs) * self.esize
-        if not self.on_gpu:
-            with self._lock:
-                token0 = 0
-                for obj in objs:
-                    t = obj.shape[2]
-                    ops.gather(
-                        self.caches, self.layout, slots[token0 : token0 + t], backend=self.backend, out=obj
-                    )
-                    token0 += t
-            return Transfer("store", "cpu-direct", nbytes, None, [])
-        self._check_pinned(objs)
         with self._lock:
+            slots = self._slots(slot_mapping, objs, 0)
+            if not self.on_gpu:
+                for obj, s in self._per_chunk(objs, slots):
+                    ops.gather(self.caches, self.layout, s, backend=self.backend, out=obj)
+                return Transfer("store", "cpu-direct", nbytes)
+            self._check_pinned(objs)
             if pipelined:
                 return self._issue(objs, slots, nbytes, load=False)
-            return self._sync(objs, slots, nbytes, load=False)
+            return self._sync_path(objs, slots, nbytes, load=False)
 
     def load_layers(
         self,
@@ -363,26 +486,27 @@ class TransferEngine:
         """Issue a load layer by layer (the layer-overlap load); returns at once.
 
         For each layer i: the copy engine brings layer i of every chunk into a staging buffer, the
-        single-layer kernel places it, and an event is recorded. The forward pass calls
-        ``wait_for_layer(i)`` before attention of layer i: it waits on layer i's event only.
-        ``placer(obj_layer [KV, T, ROW], layer, slots)`` replaces the default
-        ``kv_ops.scatter_layer`` call (for example a graph-replaying launcher).
+        single-layer kernel places it, an event is recorded. The forward pass calls
+        ``wait_for_layer(i)`` before attention of layer i and waits on layer i's event only.
+        ``placer(obj_layer [KV, T, ROW], layer, slots)`` replaces the built-in placement.
         """
         objs = self._objects(objects)
-        slots = self._slots(slot_mapping, objs, skip_tokens)
         nbytes = sum(o.numel() for o in objs) * self.esize
-        if not self.on_gpu:
-            with self._lock:
-                for i in range(self.num_layers):
-                    token0 = 0
-                    for obj in objs:
-                        t = obj.shape[2]
-                        self._place_layer(obj[i], i, slots[token0 : token0 + t], placer)
-                        token0 += t
-            return LayerLoad(nbytes, None, [])
-        self._check_pinned(objs)
         with self._lock:
+            slots = self._slots(slot_mapping, objs, skip_tokens)
+            if not self.on_gpu:
+                for i in range(self.num_layers):
+                    for obj, s in self._per_chunk(objs, slots):
+                        self._eager_layer(obj[i], i, s, placer)
+                return LayerLoad(nbytes, None, None, None)
+            self._check_pinned(objs)
             return self._issue_layers(objs, slots, nbytes, placer)
+
+    def synchronize(self) -> None:
+        """Wait for everything this engine issued (tests, shutdown)."""
+        if self.on_gpu:
+            self._copy_stream.synchronize()
+            self._place_stream.synchronize()
 
     # ------------------------------------------------------------------ validation
 
@@ -390,12 +514,13 @@ class TransferEngine:
         objs = [objects] if isinstance(objects, torch.Tensor) else list(objects)
         if not objs:
             raise ValueError("no chunk objects given")
+        per_token = self.num_layers * self.layout.num_kv * self.layout.row_size
         out = []
         for c, obj in enumerate(objs):
             if obj.device.type != "cpu":
                 raise ValueError(
-                    f"chunk object {c} is on {obj.device}; the engine moves host objects (pool pages) "
-                    f"to and from the caches, pass a tensor over the pool mapping (host_object)"
+                    f"chunk object {c} is on {obj.device}; the engine moves host objects (pool pages) to and "
+                    f"from the caches: pass a tensor over the pool mapping (host_object)"
                 )
             if obj.dtype != self.dtype:
                 raise ValueError(f"chunk object {c} is {obj.dtype}, the caches are {self.dtype}")
@@ -403,15 +528,15 @@ class TransferEngine:
                 raise ValueError(
                     f"chunk object {c} must be contiguous (one pool page), got strides {obj.stride()}"
                 )
-            per_token = self.num_layers * self.layout.num_kv * self.layout.row_size
             if obj.dim() != 4:
                 if obj.numel() % per_token:
                     raise ValueError(
                         f"chunk object {c} has {obj.numel()} elements, not a whole number of tokens of "
-                        f"{per_token} elements ([L={self.num_layers}, KV={self.layout.num_kv}, T, {self.layout.row_size}])"
+                        f"{per_token} elements ([L={self.num_layers}, KV={self.layout.num_kv}, T, "
+                        f"{self.layout.row_size}])"
                     )
                 obj = obj.view(self.object_shape(obj.numel() // per_token))
-            elif tuple(obj.shape[:2]) + (obj.shape[3],) != (
+            elif (obj.shape[0], obj.shape[1], obj.shape[3]) != (
                 self.num_layers,
                 self.layout.num_kv,
                 self.layout.row_size,
@@ -423,7 +548,8 @@ class TransferEngine:
             out.append(obj)
         return out
 
-    def _slots(self, slot_mapping: torch.Tensor, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
+    def _slots(self, slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
+        """The slot mapping as int64 on the caches' device (moved on the placement stream)."""
         total = sum(o.shape[2] for o in objs)
         if not isinstance(slot_mapping, torch.Tensor):
             slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.int64)
@@ -434,21 +560,33 @@ class TransferEngine:
             )
         if skip_tokens < 0 or skip_tokens > total:
             raise ValueError(f"skip_tokens={skip_tokens} must be in [0, {total}]")
-        if skip_tokens:
-            # A negative slot is never written: skipping is masking, for every backend and path.
-            slot_mapping = slot_mapping.clone()
-            slot_mapping[:skip_tokens] = -1
-        if self.on_gpu and slot_mapping.device != self.device:
-            slot_mapping = slot_mapping.to(torch.int64)
-            if not slot_mapping.is_pinned():
-                slot_mapping = slot_mapping.pin_memory()
+        if self.on_gpu:
+            caller = torch.cuda.current_stream(self.device)
+            if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
+                # From pageable memory an async copy first syncs the stream: pin (cached) to stay async.
+                slot_mapping = slot_mapping.to(torch.int64).pin_memory()
             with torch.cuda.stream(self._place_stream):
-                dev = slot_mapping.to(self.device, non_blocking=True)
-            # The pinned source must live until the copy ran; the placement stream orders the rest.
-            dev.record_stream(self._place_stream)
-            self._slot_src_keepalive = slot_mapping
-            return dev
-        return slot_mapping
+                # Wait for whatever produced a device mapping on the caller's stream.
+                self._place_stream.wait_stream(caller)
+                slots = slot_mapping.to(self.device, torch.int64, non_blocking=True)
+                if skip_tokens:  # a negative slot is never written: skipping is masking
+                    slots = slots.clone() if slots is slot_mapping else slots
+                    slots[:skip_tokens] = -1
+            return slots
+        slots = slot_mapping.to(torch.int64)
+        if skip_tokens:
+            slots = slots.clone() if slots is slot_mapping else slots
+            slots[:skip_tokens] = -1
+        return slots
+
+    @staticmethod
+    def _per_chunk(objs: list[torch.Tensor], slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out, token0 = [], 0
+        for obj in objs:
+            t = obj.shape[2]
+            out.append((obj, slots[token0 : token0 + t]))
+            token0 += t
+        return out
 
     def _check_pinned(self, objs: list[torch.Tensor]) -> None:
         if self._checked_pinned:
@@ -466,120 +604,75 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ GPU paths
 
-    def _units(self, objs: list[torch.Tensor]) -> list[_Unit]:
-        units = []
-        token0 = 0
-        for c, obj in enumerate(objs):
-            t = obj.shape[2]
-            layer_bytes = t * self.layer_token_bytes
-            if self.cross_layer:
-                per = self.num_layers  # kv_ops places a cross-layer cache all layers at once
-            else:
-                per = max(1, min(self.num_layers, self.unit_bytes // max(layer_bytes, 1)))
-            for a in range(0, self.num_layers, per):
-                units.append(_Unit(c, a, min(a + per, self.num_layers), token0, t))
-            token0 += t
-        return units
-
-    def _slot_tensor(self, s: int, numel: int) -> torch.Tensor:
-        while len(self._ring) <= s:
-            self._ring.append(torch.empty(0, dtype=self.dtype, device=self.device))
-        if self._ring[s].numel() < numel:
-            # Growing a slot: wait until its last use finished before the old memory is released.
-            if self._ring_used[s]:
-                self._ring_free[s].synchronize()
-            self._ring[s] = torch.empty(numel, dtype=self.dtype, device=self.device)
-        return self._ring[s]
-
-    def _caches_for(self, u: _Unit) -> Any:
-        return self.caches if self.cross_layer else self.caches[u.a : u.b]
-
-    def _start_event(self) -> Any:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+    def _start(self) -> None:
+        """Both engine streams start after the work queued so far on the caller's stream."""
+        caller = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(caller)
+        self._place_stream.wait_stream(caller)
 
     def _issue(self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool) -> Transfer:
         t0 = time.perf_counter()
-        start = self._start_event()
-        copy, place = self._copy_stream, self._place_stream
-        copy.wait_event(start)
-        place.wait_event(start)
-        for u in self._units(objs):
-            s = self._next_slot
-            self._next_slot = (s + 1) % self.ring_slots
-            host = objs[u.chunk][u.a : u.b]
-            stage = self._slot_tensor(s, host.numel())[: host.numel()].view(host.shape)
-            unit_slots = slots[u.token0 : u.token0 + u.tokens]
-            if load:
-                if self._ring_used[s]:
-                    copy.wait_event(self._ring_free[s])
-                with torch.cuda.stream(copy):
-                    stage.copy_(host, non_blocking=True)
-                    self._ring_ready[s].record(copy)
-                place.wait_event(self._ring_ready[s])
-                with torch.cuda.stream(place):
-                    ops.scatter(stage, self._caches_for(u), self.layout, unit_slots, backend=self.backend)
-                    self._ring_free[s].record(place)
-            else:
-                if self._ring_used[s]:
-                    place.wait_event(self._ring_free[s])
-                with torch.cuda.stream(place):
-                    ops.gather(self._caches_for(u), self.layout, unit_slots, backend=self.backend, out=stage)
-                    self._ring_ready[s].record(place)
-                copy.wait_event(self._ring_ready[s])
-                with torch.cuda.stream(copy):
-                    host.copy_(stage, non_blocking=True)
-                    self._ring_free[s].record(copy)
-            self._ring_used[s] = True
-        done = torch.cuda.Event()
-        if load:
-            done.record(place)
-        else:
-            done.record(copy)
-        handle = Transfer("load" if load else "store", "pipelined", nbytes, done, [objs, slots])
+        self._start()
+        sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        with torch.cuda.stream(place):  # placements launch on the current stream
+            for host, chunk_slots in self._per_chunk(objs, slots):
+                slot = self._ring[self._next_slot]
+                self._next_slot = (self._next_slot + 1) % self.ring_slots
+                stage, graphed = slot.buffer(host.shape[2])
+                if load:
+                    if slot.used:
+                        sync.wait(copy, slot.free)
+                    with torch.cuda.stream(copy):
+                        stage.copy_(host, non_blocking=True)
+                    sync.record(slot.ready, copy)
+                    sync.wait(place, slot.ready)
+                    slot.place(stage, graphed, chunk_slots, load=True)
+                    sync.record(slot.free, place)
+                else:
+                    if slot.used:
+                        sync.wait(place, slot.free)
+                    slot.place(stage, graphed, chunk_slots, load=False)
+                    sync.record(slot.ready, place)
+                    sync.wait(copy, slot.ready)
+                    with torch.cuda.stream(copy):
+                        host.copy_(stage, non_blocking=True)
+                    sync.record(slot.free, copy)
+                slot.used = True
+        done = sync.event() if not sync.raw else self._done_event()
+        sync.record(done, place if load else copy)
+        handle = Transfer("load" if load else "store", "pipelined", nbytes, done, sync, (objs, slots))
         handle.issue_s = time.perf_counter() - t0
         return handle
 
-    def _sync(self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool) -> Transfer:
-        """The unpipelined baseline: per chunk, the whole copy, then the whole kernel, one stream."""
+    def _done_event(self) -> Any:
+        # Raw events are engine-owned; done events of the pipelined path are recycled over 64 calls
+        # (a handle kept longer waits, at worst, for a later transfer: never too early).
+        if not hasattr(self, "_done_events"):
+            self._done_events = [self._sync.event() for _ in range(64)]
+            self._done_next = 0
+        self._done_next = (self._done_next + 1) % len(self._done_events)
+        return self._done_events[self._done_next]
+
+    def _sync_path(
+        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool
+    ) -> Transfer:
+        """The unpipelined baseline: per chunk the whole copy, then the whole kernel, one stream, then wait."""
         t0 = time.perf_counter()
         stream = torch.cuda.current_stream(self.device)
-        # slots were moved on the placement stream; make the caller's stream see them.
-        stream.wait_stream(self._place_stream)
-        token0 = 0
-        for obj in objs:
-            t = obj.shape[2]
-            s = slots[token0 : token0 + t]
+        stream.wait_stream(self._place_stream)  # the slot mapping was moved there
+        for obj, s in self._per_chunk(objs, slots):
             if load:
                 ops.scatter(
                     obj.to(self.device, non_blocking=True), self.caches, self.layout, s, backend=self.backend
                 )
             else:
-                dev = ops.gather(self.caches, self.layout, s, backend=self.backend)
-                obj.copy_(dev, non_blocking=True)
-            token0 += t
-        done = torch.cuda.Event()
-        done.record(stream)
-        done.synchronize()
-        handle = Transfer("load" if load else "store", "sync", nbytes, None, [])
+                obj.copy_(ops.gather(self.caches, self.layout, s, backend=self.backend), non_blocking=True)
+        stream.synchronize()
+        handle = Transfer("load" if load else "store", "sync", nbytes)
         handle.issue_s = time.perf_counter() - t0
         return handle
 
-    def _events(self, n: int) -> list[Any]:
-        # Copy-done events are reused across calls: a stream wait binds to the record made before it.
-        while len(self._copied_events) < n:
-            self._copied_events.append(torch.cuda.Event())
-        return self._copied_events
-
-    def _layer_buffer(self, numel: int) -> torch.Tensor:
-        if self._layer_staging is None or self._layer_staging.numel() < numel:
-            if self._layer_staging_free is not None:
-                self._layer_staging_free.synchronize()
-            self._layer_staging = torch.empty(numel, dtype=self.dtype, device=self.device)
-        return self._layer_staging
-
-    def _place_layer(
+    def _eager_layer(
         self, obj_layer: torch.Tensor, layer: int, slots: torch.Tensor, placer: Placer | None
     ) -> None:
         if placer is not None:
@@ -589,60 +682,82 @@ class TransferEngine:
         else:
             ops.scatter_layer(obj_layer, self.caches[layer], self.layout, slots, backend=self.backend)
 
+    def _layer_staging(self, tokens: int, placer: Placer | None) -> tuple[torch.Tensor, int, bool]:
+        """(staging [L, KV, Tb, ROW], Tb, graph-backed) for a call of ``tokens`` tokens.
+
+        With graphs, Tb is ``tokens`` rounded up to a power of two (at least 16), so a handful of
+        static buffers and graphs serve every request size; pad slots are -1 (never written).
+        """
+        if placer is None and self._layer_placer is not None:
+            tb = 16
+            while tb < tokens:
+                tb *= 2
+            try:
+                return self._layer_placer.staging(tb), tb, True
+            except ValueError:
+                _announce_once(
+                    "layer-placer-full",
+                    logging.INFO,
+                    "maru.kv_ops: layer-overlap load of %d tokens has no graph bucket left; eager launches",
+                    tokens,
+                )
+        numel = self.num_layers * self.layout.num_kv * tokens * self.layout.row_size
+        if self._layer_own is None or self._layer_own.numel() < numel:
+            if self._layer_free is not None:
+                self._sync.synchronize(self._layer_free)
+            self._layer_own = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return self._layer_own[:numel].view(self.object_shape(tokens)), tokens, False
+
     def _issue_layers(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, placer: Placer | None
     ) -> LayerLoad:
         t0 = time.perf_counter()
         total = slots.numel()
-        kv, row = self.layout.num_kv, self.layout.row_size
-        # [L, KV, T_total, ROW]: layer i is one contiguous [KV, T, ROW] object for one kernel launch.
-        staging = self._layer_buffer(self.num_layers * kv * total * row)[: self.num_layers * kv * total * row]
-        staging = staging.view(self.num_layers, kv, total, row)
-        start = self._start_event()
-        copy, place = self._copy_stream, self._place_stream
-        copy.wait_event(start)
-        place.wait_event(start)
-        if self._layer_staging_free is not None:
-            copy.wait_event(self._layer_staging_free)  # the previous call's placements read this buffer
-        copied_events = self._events(self.num_layers)
-        events = [torch.cuda.Event() for _ in range(self.num_layers)]
-        raw = self._raw if self.raw_copy else None
-        es = self.esize
-        obj_ptrs = [(o.data_ptr(), o.shape[2]) for o in objs]
+        kv, row, es = self.layout.num_kv, self.layout.row_size, self.esize
+        staging, tb, graphed = self._layer_staging(total, placer)
+        copied, placed = self._layer_events()
+        sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        self._start()
+        if self._layer_free is not None:
+            sync.wait(copy, self._layer_free)  # the previous call's placements read this staging
+        raw = sync.raw
         st_ptr, st_layer, st_plane = staging.data_ptr(), staging.stride(0) * es, staging.stride(1) * es
+        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
         copy_handle = copy.cuda_stream
-        with torch.cuda.stream(place):  # placement kernels launch on the current stream
+        with torch.cuda.stream(place):  # placements launch on the current stream
+            if graphed:
+                if tb != total:
+                    padded = torch.full((tb,), -1, dtype=torch.int64, device=self.device)
+                    padded[:total] = slots
+                    slots = padded
+                self._layer_placer.set_slots(slots)
             for i in range(self.num_layers):
-                if raw is not None:
+                if raw:
                     token0 = 0
-                    for ptr, t in obj_ptrs:
+                    for ptr, t in chunks:
                         plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
-                        src = ptr + i * kv * plane
                         dst = st_ptr + i * st_layer + token0 * row * es
-                        if len(obj_ptrs) == 1:
-                            raw.copy(dst, src, kv * plane, copy_handle)
-                        else:  # K and V planes land T_total rows apart: one pitched copy
-                            raw.copy2d(dst, st_plane, src, plane, plane, kv, copy_handle)
+                        if len(chunks) == 1 and tb == t:
+                            sync.copy(dst, ptr + i * kv * plane, kv * plane, copy_handle)
+                        else:  # planes land Tb rows apart in the staging: one pitched copy
+                            sync.copy2d(dst, st_plane, ptr + i * kv * plane, plane, plane, kv, copy_handle)
                         token0 += t
                 else:
                     with torch.cuda.stream(copy):
                         token0 = 0
                         for obj in objs:
                             t = obj.shape[2]
-                            for p in range(kv):  # each plane slice is contiguous on both sides
-                                staging[i, p, token0 : token0 + t].copy_(obj[i, p], non_blocking=True)
+                            staging[i, :, token0 : token0 + t].copy_(obj[i], non_blocking=True)
                             token0 += t
-                copied_events[i].record(copy)
-                place.wait_event(copied_events[i])
-                self._place_layer(staging[i], i, slots, placer)
-                events[i].record(place)
-        self._layer_staging_free = events[-1]
-        handle = LayerLoad(nbytes, events, [objs, slots])
+                sync.record(copied[i], copy)
+                sync.wait(place, copied[i])
+                if graphed:
+                    self._layer_placer.scatter_layer(i, tb)
+                else:
+                    self._eager_layer(staging[i], i, slots, placer)
+                sync.record(placed[i], place)
+        self._layer_free = placed[-1]
+        handle = LayerLoad(nbytes, placed, sync, (objs, slots))
+        handle.graphed = graphed
         handle.issue_s = time.perf_counter() - t0
         return handle
-
-    def synchronize(self) -> None:
-        """Wait for everything this engine issued (tests, shutdown)."""
-        if self.on_gpu:
-            self._copy_stream.synchronize()
-            self._place_stream.synchronize()
