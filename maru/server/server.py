@@ -212,8 +212,10 @@ class MaruServer:
         sock = self._sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not raise on reply
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # Per peer: a request/reply client has a few requests in flight, so 1000 queued messages
+        # is plenty, and it bounds what one flooding peer can make us buffer.
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, 10_000)  # replies are small; a slow reader must not lose them
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAXMSGSIZE)
         try:
             sock.bind(self.cfg.url)
