@@ -372,6 +372,7 @@ def test_eight_processes_storing_and_retrieving_concurrently_never_see_wrong_byt
             for k, v in counts.items():
                 total[k] = total.get(k, 0) + v
         assert all(p.exitcode == 0 for p in procs)
+        print(f"8 processes, 20 s: {total}")  # shown with -s: how much the run exercised
         assert total["wrong"] == 0
         assert total["stores"] > 0 and total["hits"] > 0 and total["misses"] > 0
         with MaruHandler(server.url) as h:
