@@ -108,6 +108,7 @@ class _TorchSync:
 
 
 _H2D = 1  # cudaMemcpyHostToDevice
+_D2H = 2  # cudaMemcpyDeviceToHost
 _EVENT_DISABLE_TIMING = 2
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -171,8 +172,10 @@ class _RawSync(_TorchSync):
     def synchronize(self, event: int) -> None:
         self._check(self._sync(event), "cudaEventSynchronize")
 
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._check(self._memcpy(dst, src, nbytes, _H2D, stream), f"cudaMemcpyAsync({nbytes} bytes)")
+    def copy(self, dst: int, src: int, nbytes: int, stream: int, kind: int = _H2D) -> None:
+        self._check(
+            self._memcpy(dst, src, nbytes, kind, stream), f"cudaMemcpyAsync({nbytes} bytes, kind {kind})"
+        )
 
     def copy2d(
         self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
@@ -235,6 +238,8 @@ class LayerLoad(Transfer):
         super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, sync, keepalive)
         self._layer_events = layer_events
         self.graphed = False  # placements replayed from CUDA graphs
+        self.copy_issue_s = 0.0  # host time to queue every layer's copies (and the call's setup)
+        self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
 
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block."""
@@ -271,7 +276,8 @@ class _Slot:
         """``[L, KV, T, ROW]`` staging for ``tokens`` tokens, and whether it is graph-backed."""
         if self.placer is not None:
             try:
-                return self.placer.staging(tokens), True
+                # The placer's buffers hold the cache's bits (an integer dtype of the same width).
+                return self.placer.staging(tokens).view(self.engine.dtype), True
             except ValueError:
                 _announce_once(
                     "placer-full",
@@ -440,14 +446,15 @@ class TransferEngine:
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
         with self._lock:
+            if self.on_gpu and pipelined:
+                self._check_pinned(objs)
+                return self._issue_load(objs, slot_mapping, skip_tokens, nbytes)
             slots = self._slots(slot_mapping, objs, skip_tokens)
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.scatter(obj, self.caches, self.layout, s, backend=self.backend)
                 return Transfer("load", "cpu-direct", nbytes)
             self._check_pinned(objs)
-            if pipelined:
-                return self._issue(objs, slots, nbytes, load=True)
             return self._sync_path(objs, slots, nbytes, load=True)
 
     def store(
@@ -472,7 +479,7 @@ class TransferEngine:
                 return Transfer("store", "cpu-direct", nbytes)
             self._check_pinned(objs)
             if pipelined:
-                return self._issue(objs, slots, nbytes, load=False)
+                return self._issue_store(objs, slots, nbytes)
             return self._sync_path(objs, slots, nbytes, load=False)
 
     def load_layers(
@@ -610,43 +617,93 @@ class TransferEngine:
         self._copy_stream.wait_stream(caller)
         self._place_stream.wait_stream(caller)
 
-    def _issue(self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool) -> Transfer:
+    def _h2d(self, stage: torch.Tensor, host: torch.Tensor) -> None:
+        """Queue ``stage <- host`` on the copy stream (raw cudaMemcpyAsync when available)."""
+        if self._sync.raw:
+            self._sync.copy(
+                stage.data_ptr(), host.data_ptr(), host.numel() * self.esize, self._copy_stream.cuda_stream
+            )
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                stage.copy_(host, non_blocking=True)
+
+    def _d2h(self, host: torch.Tensor, stage: torch.Tensor) -> None:
+        if self._sync.raw:
+            n = host.numel() * self.esize
+            self._sync.copy(host.data_ptr(), stage.data_ptr(), n, self._copy_stream.cuda_stream, _D2H)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(stage, non_blocking=True)
+
+    def _take_slot(self) -> _Slot:
+        slot = self._ring[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % self.ring_slots
+        return slot
+
+    def _issue_load(
+        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
+    ) -> Transfer:
+        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else."""
         t0 = time.perf_counter()
-        self._start()
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        self._start()
+        staged: list[tuple[_Slot, torch.Tensor, bool]] = []
+
+        def issue_copy(k: int) -> None:
+            slot = self._take_slot()
+            stage, graphed = slot.buffer(objs[k].shape[2])
+            if slot.used:
+                sync.wait(copy, slot.free)  # its previous placement must have read it
+            self._h2d(stage, objs[k])
+            sync.record(slot.ready, copy)
+            slot.used = True
+            staged.append((slot, stage, graphed))
+
+        n, ahead = len(objs), min(self.ring_slots, len(objs))
+        for k in range(ahead):
+            issue_copy(k)
+        slots = self._slots(slot_mapping, objs, skip_tokens)  # validated and moved while the bus is busy
+        with torch.cuda.stream(place):  # placements launch on the current stream
+            for k, (_obj, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
+                slot, stage, graphed = staged[k]
+                sync.wait(place, slot.ready)
+                slot.place(stage, graphed, chunk_slots, load=True)
+                sync.record(slot.free, place)
+                if k + ahead < n:
+                    issue_copy(k + ahead)
+        done = self._done_event()
+        sync.record(done, place)
+        handle = Transfer("load", "pipelined", nbytes, done, sync, (objs, slots))
+        handle.issue_s = time.perf_counter() - t0
+        return handle
+
+    def _issue_store(self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int) -> Transfer:
+        t0 = time.perf_counter()
+        sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        self._start()
         with torch.cuda.stream(place):  # placements launch on the current stream
             for host, chunk_slots in self._per_chunk(objs, slots):
-                slot = self._ring[self._next_slot]
-                self._next_slot = (self._next_slot + 1) % self.ring_slots
+                slot = self._take_slot()
                 stage, graphed = slot.buffer(host.shape[2])
-                if load:
-                    if slot.used:
-                        sync.wait(copy, slot.free)
-                    with torch.cuda.stream(copy):
-                        stage.copy_(host, non_blocking=True)
-                    sync.record(slot.ready, copy)
-                    sync.wait(place, slot.ready)
-                    slot.place(stage, graphed, chunk_slots, load=True)
-                    sync.record(slot.free, place)
-                else:
-                    if slot.used:
-                        sync.wait(place, slot.free)
-                    slot.place(stage, graphed, chunk_slots, load=False)
-                    sync.record(slot.ready, place)
-                    sync.wait(copy, slot.ready)
-                    with torch.cuda.stream(copy):
-                        host.copy_(stage, non_blocking=True)
-                    sync.record(slot.free, copy)
+                if slot.used:
+                    sync.wait(place, slot.free)  # its previous copy to the pool must have read it
+                slot.place(stage, graphed, chunk_slots, load=False)
+                sync.record(slot.ready, place)
+                sync.wait(copy, slot.ready)
+                self._d2h(host, stage)
+                sync.record(slot.free, copy)
                 slot.used = True
-        done = sync.event() if not sync.raw else self._done_event()
-        sync.record(done, place if load else copy)
-        handle = Transfer("load" if load else "store", "pipelined", nbytes, done, sync, (objs, slots))
+        done = self._done_event()
+        sync.record(done, copy)
+        handle = Transfer("store", "pipelined", nbytes, done, sync, (objs, slots))
         handle.issue_s = time.perf_counter() - t0
         return handle
 
     def _done_event(self) -> Any:
         # Raw events are engine-owned; done events of the pipelined path are recycled over 64 calls
         # (a handle kept longer waits, at worst, for a later transfer: never too early).
+        if not self._sync.raw:
+            return self._sync.event()
         if not hasattr(self, "_done_events"):
             self._done_events = [self._sync.event() for _ in range(64)]
             self._done_next = 0
@@ -693,7 +750,7 @@ class TransferEngine:
             while tb < tokens:
                 tb *= 2
             try:
-                return self._layer_placer.staging(tb), tb, True
+                return self._layer_placer.staging(tb).view(self.dtype), tb, True
             except ValueError:
                 _announce_once(
                     "layer-placer-full",
@@ -724,6 +781,32 @@ class TransferEngine:
         st_ptr, st_layer, st_plane = staging.data_ptr(), staging.stride(0) * es, staging.stride(1) * es
         chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
         copy_handle = copy.cuda_stream
+        # Phase A: every layer's copies, layer-major (layer 0 lands first), one event per layer.
+        for i in range(self.num_layers):
+            if raw:
+                token0 = 0
+                for ptr, t in chunks:
+                    plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
+                    src = ptr + i * kv * plane
+                    dst = st_ptr + i * st_layer + token0 * row * es
+                    if (
+                        tb == t
+                    ):  # one chunk filling its bucket: the layer's planes are contiguous on both sides
+                        sync.copy(dst, src, kv * plane, copy_handle)
+                    else:  # planes land Tb rows apart in the staging: a copy per plane
+                        for p in range(kv):
+                            sync.copy(dst + p * st_plane, src + p * plane, plane, copy_handle)
+                    token0 += t
+            else:
+                with torch.cuda.stream(copy):
+                    token0 = 0
+                    for obj in objs:
+                        t = obj.shape[2]
+                        staging[i, :, token0 : token0 + t].copy_(obj[i], non_blocking=True)
+                        token0 += t
+            sync.record(copied[i], copy)
+        t_copies = time.perf_counter()
+        # Phase B: per layer, wait for its copy, place it (a graph replay), record its event.
         with torch.cuda.stream(place):  # placements launch on the current stream
             if graphed:
                 if tb != total:
@@ -731,33 +814,19 @@ class TransferEngine:
                     padded[:total] = slots
                     slots = padded
                 self._layer_placer.set_slots(slots)
+            t_place = time.perf_counter()
             for i in range(self.num_layers):
-                if raw:
-                    token0 = 0
-                    for ptr, t in chunks:
-                        plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
-                        dst = st_ptr + i * st_layer + token0 * row * es
-                        if len(chunks) == 1 and tb == t:
-                            sync.copy(dst, ptr + i * kv * plane, kv * plane, copy_handle)
-                        else:  # planes land Tb rows apart in the staging: one pitched copy
-                            sync.copy2d(dst, st_plane, ptr + i * kv * plane, plane, plane, kv, copy_handle)
-                        token0 += t
-                else:
-                    with torch.cuda.stream(copy):
-                        token0 = 0
-                        for obj in objs:
-                            t = obj.shape[2]
-                            staging[i, :, token0 : token0 + t].copy_(obj[i], non_blocking=True)
-                            token0 += t
-                sync.record(copied[i], copy)
                 sync.wait(place, copied[i])
                 if graphed:
                     self._layer_placer.scatter_layer(i, tb)
                 else:
                     self._eager_layer(staging[i], i, slots, placer)
                 sync.record(placed[i], place)
+        t_end = time.perf_counter()
         self._layer_free = placed[-1]
         handle = LayerLoad(nbytes, placed, sync, (objs, slots))
         handle.graphed = graphed
         handle.issue_s = time.perf_counter() - t0
+        handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
+        handle.place_issue_s = t_end - t_place  # the per-layer placements alone
         return handle

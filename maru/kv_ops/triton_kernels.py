@@ -53,9 +53,14 @@ def _place_kernel(
     BLOCKWISE: tl.constexpr,
     USE_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
+    ROW_CONTIG: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    layer = tl.program_id(1)
+    pid_lk = tl.program_id(1)
+    # One program per (token tile, layer, plane): twice the parallelism of a program doing K then V.
+    layer = pid_lk // NUM_KV
+    kv = pid_lk % NUM_KV
     if USE_TABLE:
         layer_off = tl.load(layer_offs_ptr + layer)
         # Python checked the alignment; the hint lets the compiler keep 16-byte accesses.
@@ -75,27 +80,32 @@ def _place_kernel(
         slot = tl.where(valid, slot, 0)
         blk = slot // BS
         off_in_block = slot % BS
-    tok_base = blk * s_block
-    obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + t.to(tl.int64) * obj_s_tok
-    for kv in tl.static_range(NUM_KV):
-        if kv == 0:
-            cache_row = base + tok_base + off_in_block * k_s_tok
+    s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
+    cache_row = base + kv * kv_stride + blk * s_block + off_in_block * s_tok
+    obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + kv * obj_s_kv + t.to(tl.int64) * obj_s_tok
+    for r0 in range(0, ROW, BLOCK_R):
+        c = r0 + tl.arange(0, BLOCK_R)
+        if ROW_CONTIG:
+            # A token's plane is one contiguous run (tight NHD, MLA): the compiler sees it whole.
+            c_off = c
+        elif K_S_DIM == V_S_DIM:
+            c_off = (c // HS) * s_head + (c % HS) * K_S_DIM
         else:
-            cache_row = base + kv_stride + tok_base + off_in_block * v_s_tok
-        obj_plane = obj_row + kv * obj_s_kv
-        for r0 in range(0, ROW, BLOCK_R):
-            c = r0 + tl.arange(0, BLOCK_R)
-            head = c // HS
-            dim = c % HS
-            if kv == 0:
-                c_off = head * s_head + dim * K_S_DIM
+            # The CPU backend's K is transposed: K and V planes step through a head differently.
+            c_off = (c // HS) * s_head + (c % HS) * tl.where(kv == 0, K_S_DIM, V_S_DIM)
+        m = valid[:, None] & (c < ROW)[None, :]
+        cache_p = cache_row[:, None] + c_off[None, :]
+        obj_p = obj_row[:, None] + c[None, :]
+        if GATHER:
+            if STREAM:
+                vals = tl.load(cache_p, mask=m, eviction_policy="evict_first")
+                tl.store(obj_p, vals, mask=m, eviction_policy="evict_first")
             else:
-                c_off = head * s_head + dim * V_S_DIM
-            m = valid[:, None] & (c < ROW)[None, :]
-            cache_p = cache_row[:, None] + c_off[None, :]
-            obj_p = obj_plane[:, None] + c[None, :]
-            if GATHER:
                 tl.store(obj_p, tl.load(cache_p, mask=m), mask=m)
+        else:
+            if STREAM:
+                vals = tl.load(obj_p, mask=m, eviction_policy="evict_first")
+                tl.store(cache_p, vals, mask=m, eviction_policy="evict_first")
             else:
                 tl.store(cache_p, tl.load(obj_p, mask=m), mask=m)
 
@@ -108,11 +118,12 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class TuneParams:
-    """Tile sizes for a row width: defaults chosen on an H200 (see bench/kv_ops.py)."""
+    """Tile sizes for a row width: defaults chosen on an H200 (see bench/kv_ops.py --sweep)."""
 
     block_t: int = 8
     max_block_r: int = 1024
     num_warps: int = 4
+    stream: bool = False
 
 
 def _tiles(layout: KVLayout, num_tokens: int) -> tuple[int, int, int]:
@@ -203,7 +214,13 @@ def place(
         table, align = _TABLES.get(ptrs, cache0.element_size(), cache0.device)
         use_table = True
     block_t, block_r, num_warps = _tiles(layout, num_tokens)
-    grid = (triton.cdiv(num_tokens, block_t), num_layers)
+    grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
+    hs = layout.head_size
+    row_contig = (
+        layout.k_dim_stride == 1
+        and layout.v_dim_stride == 1
+        and (layout.head_stride == hs or layout.num_kv_heads == 1)
+    )
     _place_kernel[grid](
         obj,
         cache0,
@@ -231,5 +248,7 @@ def place(
         BLOCKWISE=blockwise,
         USE_TABLE=use_table,
         LAYER_ALIGN=align,
+        ROW_CONTIG=row_contig,
+        STREAM=TuneParams.stream,
         num_warps=num_warps,
     )

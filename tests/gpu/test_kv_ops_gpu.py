@@ -70,6 +70,16 @@ def test_realistic_geometry_matches_reference(fmt: str, physical: str) -> None:
     assert all(_same(x, y) for x, y in zip(a.storages(), b.storages(), strict=True))
 
 
+def _diagnose(placer, a, b, obj, slots, layout, skip) -> str:
+    """Say how the graphed scatter differs: which layers, and whether an eager launch of the same
+    arguments fixes it (graph problem) or not (argument problem)."""
+    diffs = [int((bits(x) != bits(y)).sum()) for x, y in zip(a.storages(), b.storages(), strict=True)]
+    placer._launch(("scatter", slots.numel(), None))
+    torch.cuda.synchronize()
+    after_eager = [int((bits(x) != bits(y)).sum()) for x, y in zip(a.storages(), b.storages(), strict=True)]
+    return f"differing elements per storage {diffs}; after an eager launch with the placer's arguments {after_eager}"
+
+
 def test_graphed_placer_writes_what_the_reference_writes() -> None:
     gen = torch.Generator().manual_seed(7)
     geom = dict(
@@ -79,6 +89,7 @@ def test_graphed_placer_writes_what_the_reference_writes() -> None:
     b = _to_cuda(make_cache("kv_first", "HND", generator=torch.Generator().manual_seed(8), **geom))
     layout = kv_ops.detect_layouts(a.caches, **a.detect_kwargs())
     placer = kv_ops.GraphedPlacer(b.caches, layout)
+    problems: list[str] = []
     for round_ in range(3):  # replays with new data and new slots each time
         slots = torch.tensor(random_slots(layout.num_slots, 256, negatives=4, generator=gen), device="cuda")
         obj = random_bits_(torch.empty(4, 2, 256, layout.row_size, dtype=torch.bfloat16), gen).cuda()
@@ -91,8 +102,14 @@ def test_graphed_placer_writes_what_the_reference_writes() -> None:
             placer.scatter(256)
         kv_ops.scatter(obj, a.caches, layout, slots, backend="reference", skip_tokens=round_)
         torch.cuda.synchronize()
-        assert all(_same(x, y) for x, y in zip(a.storages(), b.storages(), strict=True)), f"round {round_}"
+        ok = all(_same(x, y) for x, y in zip(a.storages(), b.storages(), strict=True))
+        if not ok:
+            problems.append(f"round {round_}: " + _diagnose(placer, a, b, obj, slots, layout, round_))
+            for x, y in zip(a.storages(), b.storages(), strict=True):
+                y.copy_(x)  # resync so the next round is judged on its own
         placer.set_slots(slots)
         got = placer.gather(256).clone()
         want = kv_ops.gather(a.caches, layout, slots, backend="reference", out=got.clone())
-        assert _same(got, want)
+        if not _same(got, want):
+            problems.append(f"round {round_}: graphed gather differs in {int((bits(got) != bits(want)).sum())} elements")
+    assert not problems, "\n".join(problems)
