@@ -213,3 +213,23 @@ def test_allocation_reports_its_state(h: MaruHandler) -> None:
     obj.buf[:] = b"0123456789"
     h.store("state", obj)
     assert not obj.reserved and "stored" in repr(obj)
+
+
+def test_a_handler_inherited_through_fork_refuses_to_share_the_parents_socket(h: MaruHandler) -> None:
+    import multiprocessing as mp
+
+    q = mp.get_context("fork").Queue()
+
+    def child() -> None:
+        try:
+            h.exists(["a"])
+            q.put("no error")
+        except HandlerClosedError as e:
+            q.put(str(e))
+
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    msg = q.get(timeout=30)
+    p.join(30)
+    assert "create a new MaruHandler in the child" in msg
+    assert h.exists(["a"]) == [False]  # the parent's handler still works

@@ -173,6 +173,7 @@ class MaruHandler:
         self._pending_unpins: list[str] = []
         self._closed = False
         self._connected = False
+        self._pid = os.getpid()
         try:
             self._handshake()
         except BaseException:
@@ -300,6 +301,12 @@ class MaruHandler:
         try:
             if self._closed:
                 raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
+            if os.getpid() != self._pid:
+                # A forked child shares the parent's socket: replies would go to either process.
+                raise HandlerClosedError(
+                    f"this MaruHandler was created in process {self._pid}, not in this forked child "
+                    f"{os.getpid()}; create a new MaruHandler in the child (or use the 'spawn' start method)"
+                )
             for attempt in (0, 1):
                 session = self._session
                 try:
@@ -624,6 +631,9 @@ class MaruHandler:
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Give back open reservations and pins (best effort), stop heartbeats, unmap. Idempotent."""
+        if os.getpid() != self._pid:
+            self._closed = True  # a forked child: the socket and thread are the parent's; leave them be
+            return
         with self._lock:
             if self._closed:
                 return
