@@ -165,7 +165,8 @@ def main() -> None:
 
     rows = []
     for t in SIZES:
-        row = measure_size(engine, objects(t), request_slots(t, NB, gen), reps[t], dev)
+        region = torch.frombuffer(pool.mm, dtype=torch.bfloat16, count=engine.object_bytes(t) // 2)
+        row = measure_size(engine, objects(t), request_slots(t, NB, gen), reps[t], dev, region)
         rows.append(row)
         results["sizes"][str(t)] = row
         print(json.dumps(row))
@@ -191,6 +192,26 @@ def main() -> None:
     event_us = (time.perf_counter() - t0) / L * 1e6
     torch.cuda.synchronize()
     results["layer_breakdown_us"] = {"scatter_layer_call": place_us, "event_record_and_wait": event_us}
+
+    # -- host cost of one raw copy call: 1-D vs pitched (the layer path issues one per chunk and layer).
+    raw = engine._sync
+    if raw.raw:
+        dst = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+        src = objs[0].data_ptr()
+        cs = engine._copy_stream.cuda_stream
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            raw.copy(dst.data_ptr(), src, 512 << 10, cs)
+        one_d = (time.perf_counter() - t0) / 200 * 1e6
+        engine._copy_stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            raw.copy2d(dst.data_ptr(), 512 << 10, src, 256 << 10, 256 << 10, 2, cs)
+        two_d = (time.perf_counter() - t0) / 200 * 1e6
+        engine._copy_stream.synchronize()
+        results["copy_call_us"] = {"memcpy_1d_512KiB": one_d, "memcpy_2d_2x256KiB": two_d}
+        print(f"raw copy call host cost: 1-D {one_d:.1f} us, 2-D {two_d:.1f} us")
 
     # -- what graphs and raw CUDA calls buy, at 256 and 2048 tokens.
     for t in (256, 2048):
@@ -219,17 +240,19 @@ def main() -> None:
     )
     hdr = (
         "| tokens | MB | pinned H2D | pinned D2H | load pipelined | (% H2D) | store pipelined | (% D2H) "
-        "| load sync | store sync | load layers | layer issue us/layer | load/store issue ms |"
+        "| load sync | store sync | load layers | layer issue us/layer (copies + placement) | wait_for_layer us "
+        "| pool plain copy H2D/D2H |"
     )
     print(hdr)
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 14)
     for row in rows:
         print(
             f"| {row['tokens']} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['pinned_d2h_GBps']:.1f} | "
             f"{row['load_pipelined_GBps']:.1f} | {100 * row['load_pipelined_GBps'] / row['pinned_h2d_GBps']:.1f}% | "
             f"{row['store_pipelined_GBps']:.1f} | {100 * row['store_pipelined_GBps'] / row['pinned_d2h_GBps']:.1f}% | "
             f"{row['load_sync_GBps']:.1f} | {row['store_sync_GBps']:.1f} | {row['load_layers_GBps']:.1f} | "
-            f"{row['layer_issue_us']:.1f} | {row['load_issue_ms']:.2f} / {row['store_issue_ms']:.2f} |"
+            f"{row['layer_issue_us']:.1f} ({row['layer_copy_issue_us']:.1f} + {row['layer_place_issue_us']:.1f}) | "
+            f"{row['wait_for_layer_us']:.1f} | {row.get('pool_h2d_GBps', 0):.1f} / {row.get('pool_d2h_GBps', 0):.1f} |"
         )
     b = results["layer_breakdown_us"]
     print(
@@ -248,7 +271,12 @@ def main() -> None:
 
 
 def measure_size(
-    engine: pl.TransferEngine, objs: list[torch.Tensor], slots: torch.Tensor, r: int, dev: torch.device
+    engine: pl.TransferEngine,
+    objs: list[torch.Tensor],
+    slots: torch.Tensor,
+    r: int,
+    dev: torch.device,
+    region: torch.Tensor,
 ) -> dict[str, float]:
     """Every figure of one table row (one request size)."""
     t = sum(o.shape[2] for o in objs)
@@ -277,6 +305,11 @@ def measure_size(
         issue.clear()
         return value
 
+    # The same bytes as one plain copy to and from the registered pool (its own ceiling).
+    dbuf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    row["pool_h2d_GBps"] = copy_gbps(dbuf, region[: nbytes // 2], r)
+    row["pool_d2h_GBps"] = copy_gbps(region[: nbytes // 2], dbuf, r)
+    del dbuf
     row["load_pipelined_GBps"] = transfer_gbps(tracked(lambda: engine.load(objs, slots)), nbytes, r)
     row["load_issue_ms"] = issue_median() * 1e3
     row["store_pipelined_GBps"] = transfer_gbps(tracked(lambda: engine.store(objs, slots)), nbytes, r)
@@ -284,8 +317,26 @@ def measure_size(
     row["load_sync_GBps"] = transfer_gbps(lambda: engine.load(objs, slots, pipelined=False), nbytes, r)
     row["store_sync_GBps"] = transfer_gbps(lambda: engine.store(objs, slots, pipelined=False), nbytes, r)
     # The layer-overlap load: throughput, and host time to issue it (per layer).
-    row["load_layers_GBps"] = transfer_gbps(tracked(lambda: engine.load_layers(objs, slots)), nbytes, r)
-    row["layer_issue_us"] = issue_median() / L * 1e6
+    handles: list[pl.LayerLoad] = []
+
+    def layers() -> pl.LayerLoad:
+        h = engine.load_layers(objs, slots)
+        handles.append(h)
+        return h
+
+    row["load_layers_GBps"] = transfer_gbps(layers, nbytes, r)
+    hs = handles[2:]
+    row["layer_issue_us"] = statistics.median(h.issue_s for h in hs) / L * 1e6
+    row["layer_copy_issue_us"] = statistics.median(h.copy_issue_s for h in hs) / L * 1e6
+    row["layer_place_issue_us"] = statistics.median(h.place_issue_s for h in hs) / L * 1e6
+    # What the forward pass pays per layer: wait_for_layer (a stream wait on that layer's event).
+    h = engine.load_layers(objs, slots)
+    t0 = time.perf_counter()
+    for i in range(L):
+        h.wait_for_layer(i)
+    row["wait_for_layer_us"] = (time.perf_counter() - t0) / L * 1e6
+    h.wait()
+    torch.cuda.synchronize()
     return row
 
 
@@ -306,13 +357,13 @@ def variants(
                 issue.append(h.issue_s)
                 return h
 
-            gbps = transfer_gbps(layers, nbytes, 8)
+            gbps = transfer_gbps(layers, nbytes, 6)
             name = f"graphs={'on' if e.graphs else 'off'},raw={'on' if e._sync.raw else 'off'}"
             out[name] = {
                 "layers_GBps": gbps,
                 "layer_issue_us": statistics.median(issue[2:]) / L * 1e6,
-                "load_pipelined_GBps": transfer_gbps(lambda e=e: e.load(objs, slots), nbytes, 5),
-                "store_pipelined_GBps": transfer_gbps(lambda e=e: e.store(objs, slots), nbytes, 5),
+                "load_pipelined_GBps": transfer_gbps(lambda e=e: e.load(objs, slots), nbytes, 4),
+                "store_pipelined_GBps": transfer_gbps(lambda e=e: e.store(objs, slots), nbytes, 4),
             }
             del e
     return out

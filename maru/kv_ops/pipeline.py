@@ -555,8 +555,8 @@ class TransferEngine:
             out.append(obj)
         return out
 
-    def _slots(self, slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
-        """The slot mapping as int64 on the caches' device (moved on the placement stream)."""
+    @staticmethod
+    def _check_slots(slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
         total = sum(o.shape[2] for o in objs)
         if not isinstance(slot_mapping, torch.Tensor):
             slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.int64)
@@ -567,6 +567,11 @@ class TransferEngine:
             )
         if skip_tokens < 0 or skip_tokens > total:
             raise ValueError(f"skip_tokens={skip_tokens} must be in [0, {total}]")
+        return slot_mapping
+
+    def _slots(self, slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
+        """The slot mapping as int64 on the caches' device (moved on the placement stream)."""
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
         if self.on_gpu:
             caller = torch.cuda.current_stream(self.device)
             if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
@@ -645,6 +650,7 @@ class TransferEngine:
     ) -> Transfer:
         """Copies run up to R chunks ahead of placements; the first copies are queued before anything else."""
         t0 = time.perf_counter()
+        self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
         self._start()
         staged: list[tuple[_Slot, torch.Tensor, bool]] = []
@@ -789,9 +795,8 @@ class TransferEngine:
                     plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
                     src = ptr + i * kv * plane
                     dst = st_ptr + i * st_layer + token0 * row * es
-                    if (
-                        tb == t
-                    ):  # one chunk filling its bucket: the layer's planes are contiguous on both sides
+                    # One chunk filling its bucket: the layer's planes are contiguous on both sides.
+                    if tb == t:
                         sync.copy(dst, src, kv * plane, copy_handle)
                     else:  # planes land Tb rows apart in the staging: a copy per plane
                         for p in range(kv):

@@ -176,15 +176,20 @@ def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> No
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("path", ["sync", "pipelined", "layers", "pipelined_eager", "layers_eager"])
+@pytest.mark.parametrize(
+    "path",
+    ["sync", "pipelined", "layers", "pipelined_eager", "layers_eager", "pipelined_torch", "layers_torch"],
+)
 def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     pool: RegisteredPool, name: str, path: str
 ) -> None:
     src = make_caches(name, 1)
     layout = src.layout()
-    graphs = not path.endswith("_eager")
-    path = path.removesuffix("_eager")
-    engine = pl.TransferEngine(src.layers, layout, ring_slots=2, backend=BACKEND, use_graphs=graphs)
+    # _eager: kv_ops launches instead of graph replays; _torch: copies and events through torch, not ctypes
+    graphs, raw = not path.endswith("_eager"), not path.endswith("_torch")
+    path = path.split("_")[0]
+    kw = dict(ring_slots=2, backend=BACKEND, use_graphs=graphs, raw_cuda=raw)
+    engine = pl.TransferEngine(src.layers, layout, **kw)
     chunk = CHUNK if name != "mla" else 64 * 4
     sizes = [chunk, chunk, chunk, 100]  # a short last chunk
     slots = _slots(src, sum(sizes), 2, negatives=5)
@@ -203,7 +208,7 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     fresh = make_caches(name, 3)
     expected = fresh.clone()
     kv_ops.scatter(expected_obj.cuda(), expected.layers, layout, slots.cuda(), backend="reference")
-    loader = pl.TransferEngine(fresh.layers, fresh.layout(), ring_slots=2, backend=BACKEND, use_graphs=graphs)
+    loader = pl.TransferEngine(fresh.layers, fresh.layout(), **kw)
     if path == "layers":
         handle = loader.load_layers(objs, slots)
         assert handle.graphed == (graphs and BACKEND != "reference")
