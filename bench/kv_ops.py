@@ -107,62 +107,94 @@ def main() -> int:
     refs = layer_refs(caches, layout)
     token_counts = [256, 2048] if args.quick else [256, 2048, 16384]
     objs = {t: torch.randn(L, 2, t, NH * HS, device="cuda").to(DTYPE) for t in token_counts}
-    slots = {t: torch.randperm(NB * BS, device="cuda")[:t].contiguous() for t in token_counts}
+    # "random slots": a random permutation of all token slots (every token its own random place);
+    # "random blocks": random block ids, tokens in offset order inside a block (what vLLM's block
+    # allocator produces once its free list is shuffled). Both are reported.
+    patterns = {
+        "random slots": {t: torch.randperm(NB * BS, device="cuda")[:t].contiguous() for t in token_counts},
+        "random blocks": {
+            t: (
+                torch.randperm(NB, device="cuda")[: t // BS, None] * BS + torch.arange(BS, device="cuda")
+            ).reshape(-1)
+            for t in token_counts
+        },
+    }
+    slots = patterns["random slots"]
 
-    def kernel(t: int, gather: bool):
+    def kernel(t: int, gather: bool, sl: dict | None = None):
         obj = triton_kernels.as_bits(objs[t])
-        return lambda: triton_kernels.place(refs, layout, slots[t], obj, gather=gather)
+        idx = (sl or slots)[t]
+        return lambda: triton_kernels.place(refs, layout, idx, obj, gather=gather)
 
+    tp = triton_kernels.TuneParams
     if args.sweep:
-        print("\n## tile sweep (graph-replayed multi-layer scatter, payload GB/s)", flush=True)
-        best = None
-        for block_t in (2, 4, 8, 16):
-            for warps in (4, 8):
-                triton_kernels.TuneParams.block_t, triton_kernels.TuneParams.num_warps = block_t, warps
-                row = []
-                for t in (256, 2048):
-                    row.append(payload_bytes(t) / time_graph(kernel(t, False)))
-                score = min(row[0] / 1.3e12, row[1] / 1.9e12)
-                print(
-                    f"BLOCK_T={block_t:3d} warps={warps}: 256 tok {row[0] / 1e9:7.1f}  2048 tok {row[1] / 1e9:7.1f}",
-                    flush=True,
-                )
-                if best is None or score > best[0]:
-                    best = (score, block_t, warps)
-        assert best is not None
-        triton_kernels.TuneParams.block_t, triton_kernels.TuneParams.num_warps = best[1], best[2]
-        print(f"chosen: BLOCK_T={best[1]} num_warps={best[2]}", flush=True)
-
-    rows = []
-    for t in token_counts:
-        nbytes = payload_bytes(t)
-        placer = kv_ops.GraphedPlacer(caches, layout)
-        placer.staging(t).copy_(objs[t])
-        placer.set_slots(slots[t])
-        placer.warm(t)
-        res = {
-            "load_eager": time_events(lambda t=t: kv_ops.scatter(objs[t], caches, layout, slots[t])),
-            "store_eager": time_events(lambda t=t: kv_ops.gather(caches, layout, slots[t], out=objs[t])),
-            "load_graph": time_events(lambda p=placer, t=t: p.scatter(t)),
-            "store_graph": time_events(lambda p=placer, t=t: p.gather(t)),
-            "load_kernel": time_graph(kernel(t, False)),
-            "store_kernel": time_graph(kernel(t, True)),
-            "load_ref": time_events(
-                lambda t=t: kv_ops.scatter(objs[t], caches, layout, slots[t], backend="reference"), reps=5
-            ),
-            "store_ref": time_events(
-                lambda t=t: kv_ops.gather(caches, layout, slots[t], backend="reference", out=objs[t]), reps=5
-            ),
-        }
-        rows.append((t, nbytes, res))
         print(
-            f"{t} tokens: " + ", ".join(f"{k} {fmt_bw(nbytes, v).strip()} GB/s" for k, v in res.items()),
+            "\n## tile sweep (kernel-only, graph-replayed, random slots; payload GB/s load / store)",
             flush=True,
         )
-        del placer
+        best = None
+        configs = [
+            (b, w, st)
+            for st in (False, True)
+            for b, w in ((2, 4), (4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8))
+        ]
+        for block_t, warps, stream in configs:
+            tp.block_t, tp.num_warps, tp.stream = block_t, warps, stream
+            row = [payload_bytes(t) / time_graph(kernel(t, g)) for t in (256, 2048) for g in (False, True)]
+            score = min(row[0] / 1.3e12, row[1] / 1.3e12, row[2] / 1.9e12, row[3] / 1.9e12)
+            print(
+                f"BLOCK_T={block_t:3d} warps={warps} stream={stream!s:5}: 256 tok {row[0] / 1e9:7.1f} {row[1] / 1e9:7.1f}"
+                f"   2048 tok {row[2] / 1e9:7.1f} {row[3] / 1e9:7.1f}",
+                flush=True,
+            )
+            if best is None or score > best[0]:
+                best = (score, block_t, warps, stream)
+        assert best is not None
+        tp.block_t, tp.num_warps, tp.stream = best[1], best[2], best[3]
+        print(f"chosen: BLOCK_T={tp.block_t} num_warps={tp.num_warps} stream={tp.stream}", flush=True)
+
+    rows = []
+    for pattern, pslots in patterns.items():
+        for t in token_counts:
+            nbytes = payload_bytes(t)
+            placer = kv_ops.GraphedPlacer(caches, layout)
+            placer.staging(t).copy_(objs[t])
+            placer.set_slots(pslots[t])
+            placer.warm(t)
+            res = {
+                "load_eager": time_events(
+                    lambda t=t, s=pslots: kv_ops.scatter(objs[t], caches, layout, s[t])
+                ),
+                "store_eager": time_events(
+                    lambda t=t, s=pslots: kv_ops.gather(caches, layout, s[t], out=objs[t])
+                ),
+                "load_graph": time_events(lambda p=placer, t=t: p.scatter(t)),
+                "store_graph": time_events(lambda p=placer, t=t: p.gather(t)),
+                "load_kernel": time_graph(kernel(t, False, pslots)),
+                "store_kernel": time_graph(kernel(t, True, pslots)),
+            }
+            if pattern == "random slots" or not args.quick:
+                res["load_ref"] = time_events(
+                    lambda t=t, s=pslots: kv_ops.scatter(objs[t], caches, layout, s[t], backend="reference"),
+                    reps=5,
+                )
+                res["store_ref"] = time_events(
+                    lambda t=t, s=pslots: kv_ops.gather(
+                        caches, layout, s[t], backend="reference", out=objs[t]
+                    ),
+                    reps=5,
+                )
+            rows.append((pattern, t, nbytes, res))
+            print(
+                f"{pattern}, {t} tokens: "
+                + ", ".join(f"{k} {fmt_bw(nbytes, v).strip()}" for k, v in res.items()),
+                flush=True,
+            )
+            del placer
 
     # Per-layer issue cost (the layer-overlap load): host time to issue 32 single-layer placements.
     t = issue_tokens = 256
+    slots = patterns["random slots"]
     obj_bits = triton_kernels.as_bits(objs[t])
     placer = kv_ops.GraphedPlacer(caches, layout)
     placer.staging(t).copy_(objs[t])
@@ -203,30 +235,31 @@ def main() -> int:
 
     print("\n## kv_ops on " + dev + f" ({fmt} {physical}; payload ceiling {ceil / 1e9:.0f} GB/s)")
     print(
-        "| tokens | MB | load graph | load eager | load kernel-only | store graph | store eager | store kernel-only | reference load / store |"
+        "| slots | tokens | MB | load graph | load kernel | load eager | store graph | store kernel | store eager "
+        "| reference load / store |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for t, nbytes, r in rows:
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for pattern, t, nbytes, r in rows:
+        ref = "-"
+        if "load_ref" in r:
+            ref = f"{fmt_bw(nbytes, r['load_ref']).strip()} / {fmt_bw(nbytes, r['store_ref']).strip()}"
         print(
-            f"| {t} | {nbytes / 1e6:.1f} | {fmt_bw(nbytes, r['load_graph'])} | {fmt_bw(nbytes, r['load_eager'])} | "
-            f"{fmt_bw(nbytes, r['load_kernel'])} | {fmt_bw(nbytes, r['store_graph'])} | {fmt_bw(nbytes, r['store_eager'])} | "
-            f"{fmt_bw(nbytes, r['store_kernel'])} | {fmt_bw(nbytes, r['load_ref']).strip()} / {fmt_bw(nbytes, r['store_ref']).strip()} |"
+            f"| {pattern} | {t} | {nbytes / 1e6:.1f} | {fmt_bw(nbytes, r['load_graph'])} | "
+            f"{fmt_bw(nbytes, r['load_kernel'])} | {fmt_bw(nbytes, r['load_eager'])} | "
+            f"{fmt_bw(nbytes, r['store_graph'])} | {fmt_bw(nbytes, r['store_kernel'])} | "
+            f"{fmt_bw(nbytes, r['store_eager'])} | {ref} |"
         )
     print(
-        "(GB/s of payload; 'graph' = GraphedPlacer replay timed alone, 'eager' = kv_ops.scatter/gather from Python,"
+        "(GB/s of payload; 'graph' = one GraphedPlacer replay timed alone, 'kernel' = 10 launches captured in one"
     )
-    print(" 'kernel-only' = 10 launches captured in one graph, per launch)")
+    print(" graph, per launch, 'eager' = kv_ops.scatter/gather called from Python)")
     print(
-        f"\n| single-layer path, {t} tokens x {L} layers | host issue per layer (us) | 32 layers on the GPU (ms) | payload GB/s |"
+        f"\n| single-layer load, {issue_tokens} tokens x {L} layers | host issue per layer (us) | 32 layers, GPU time (ms) |"
     )
-    print("| --- | --- | --- | --- |")
+    print("| --- | --- | --- |")
     for name, (host, dev_t) in issue.items():
-        print(
-            f"| {name} | {host * 1e6:.1f} | {dev_t * 1e3:.3f} | {payload_bytes(issue_tokens) / dev_t / 1e9:.0f} |"
-        )
-    print(
-        f"tiles: BLOCK_T={triton_kernels.TuneParams.block_t} num_warps={triton_kernels.TuneParams.num_warps}"
-    )
+        print(f"| {name} | {host * 1e6:.1f} | {dev_t * 1e3:.3f} |")
+    print(f"tiles: BLOCK_T={tp.block_t} num_warps={tp.num_warps} stream={tp.stream}")
     return 0
 
 

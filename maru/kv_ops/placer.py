@@ -22,7 +22,7 @@ import torch
 
 from maru.kv_ops import triton_kernels
 from maru.kv_ops.layout import KVLayout
-from maru.kv_ops.ops import layer_refs
+from maru.kv_ops.ops import _first_tensor, layer_refs
 from maru.kv_ops.selection import resolve
 
 
@@ -36,8 +36,9 @@ class GraphedPlacer:
         if self.device.type != "cuda":
             raise ValueError("GraphedPlacer needs CUDA caches; use maru.kv_ops.gather/scatter elsewhere")
         resolve("triton", "cuda")  # raises BackendUnavailable with the reason when triton cannot run
-        first = self._refs[0][0]
-        self.dtype = first.dtype
+        # The refs are integer views (bit-exact copies); staging keeps the caches' own dtype so that a
+        # caller's ``staging(T).copy_(obj)`` moves bits, never converts values.
+        self.dtype = _first_tensor(caches).dtype
         self.num_layers = len(self._refs)
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}

@@ -111,5 +111,7 @@ def test_graphed_placer_writes_what_the_reference_writes() -> None:
         got = placer.gather(256).clone()
         want = kv_ops.gather(a.caches, layout, slots, backend="reference", out=got.clone())
         if not _same(got, want):
-            problems.append(f"round {round_}: graphed gather differs in {int((bits(got) != bits(want)).sum())} elements")
+            problems.append(
+                f"round {round_}: graphed gather differs in {int((bits(got) != bits(want)).sum())} elements"
+            )
     assert not problems, "\n".join(problems)
