@@ -581,16 +581,17 @@ class MaruHandler:
         with self._lock:
             for chunk in _chunks(keys):
                 reply = self._call(Op.LOOKUP, {"keys": list(chunk), "pin": bool(pin)})
-                mapping = self._mapped()
-                for k, e in zip(chunk, _reply_list(reply, "entries", len(chunk)), strict=True):
-                    if e is None:
+                entries = _reply_list(reply, "entries", len(chunk))
+                views = self._mapped().read_views(entries)
+                on_release = self._unpin_one if pin else None
+                pins = self._pins
+                for k, e, view in zip(chunk, entries, views, strict=True):
+                    if view is None:
                         out.append(None)
                         continue
-                    offset, size = int(e[0]), int(e[1])
-                    view = mapping.view(offset, size).toreadonly()
                     if pin:
-                        self._pins[k] += 1
-                    out.append(Retrieved(k, offset, size, view, pin, self._unpin_one if pin else None))
+                        pins[k] += 1
+                    out.append(Retrieved(k, e[0], view, pin, on_release))
         return out
 
     def batch_release(self, handles: Iterable[Retrieved | None]) -> None:

@@ -38,6 +38,7 @@ class PoolMapping:
             self._mmap.close()
             raise
         self._view: memoryview | None = memoryview(self._mmap)
+        self._ro_view: memoryview | None = self._view.toreadonly()
 
     @staticmethod
     def _map(path: str, pool_size: int) -> mmap.mmap:
@@ -103,11 +104,38 @@ class PoolMapping:
             )
         return self._view[offset : offset + size]
 
+    def read_views(self, entries: list[list[int] | None]) -> list[memoryview | None]:
+        """Read-only slices for ``[offset, size]`` entries (None stays None); the fast path of lookups."""
+        ro = self._ro_view
+        if ro is None:
+            raise PoolError(f"mapping of pool {self.path} is closed")
+        lo, hi = self.data_offset, self.size
+        out: list[memoryview | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            offset, size = e
+            if (
+                type(offset) is not int
+                or type(size) is not int
+                or offset < lo
+                or size < 0
+                or offset + size > hi
+            ):
+                raise PoolError(
+                    f"server placed an object at {e!r}, outside the data region [{lo}, {hi}) of pool "
+                    f"{self.path}; client and server disagree on the pool"
+                )
+            out.append(ro[offset : offset + size])
+        return out
+
     def close(self) -> None:
         """Unmap, unless views are still alive (then the OS unmaps when the last one goes)."""
-        if self._view is not None:
-            self._view.release()
-            self._view = None
+        for v in (self._ro_view, self._view):
+            if v is not None:
+                v.release()
+        self._view = self._ro_view = None
         try:
             self._mmap.close()
         except BufferError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def _release_view(view: memoryview | None) -> None:
@@ -63,21 +63,35 @@ class Allocation:
         return f"Allocation(id={self.alloc_id}, offset={self.offset}, size={self.size}, state={self.state.value})"
 
 
-@dataclass(eq=False)
 class Retrieved:
     """A committed entry's bytes. ``view`` is a read-only memoryview into the pool.
 
     Release it (``release()`` or ``with``) as soon as the bytes are copied out; ``release`` is
-    idempotent. After release ``view`` is None.
+    idempotent. After release ``view`` is None. (A plain class with slots: batch lookups make
+    thousands of these, so construction cost matters.)
     """
 
-    key: str
-    offset: int
-    size: int
-    view: memoryview | None
-    pinned: bool
-    _on_release: Callable[[Retrieved], None] | None = field(default=None, repr=False)
-    released: bool = False
+    __slots__ = ("key", "offset", "view", "size", "pinned", "released", "_on_release")
+
+    def __init__(
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        pinned: bool,
+        on_release: Callable[[Retrieved], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.offset = offset  # absolute offset in the pool: pool_address + offset is the first byte
+        self.view: memoryview | None = view
+        self.size = view.nbytes
+        self.pinned = pinned
+        self.released = False
+        self._on_release = on_release
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("pinned" if self.pinned else "unpinned")
+        return f"Retrieved(key={self.key!r}, offset={self.offset}, size={self.size}, {state})"
 
     def release(self) -> None:
         """Unpin the entry (if pinned) and release ``view``. Safe to call twice."""
