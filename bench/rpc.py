@@ -12,6 +12,9 @@ and times every call: p50/p99 latency of one call (one round trip) and calls/s, 
 * commit:  ``batch_store`` of freshly reserved 64-byte objects (only the COMMIT round trip is
   timed; the RESERVE before it is not).
 
+For scale, the first row is the floor: a bare ZeroMQ DEALER/ROUTER echo of the same 64-key
+EXISTS frame between two Python processes (no Maru code on either side).
+
 Prints a Markdown table (paste it into bench/RESULTS.md).
 """
 
@@ -52,6 +55,47 @@ def measure_commit(h: MaruHandler, batch: int, iterations: int, warmup: int, tag
         if i >= warmup:
             out.append(time.perf_counter() - t0)
     return out
+
+
+def _echo_server(port: int) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    while True:
+        sock.send_multipart(sock.recv_multipart())
+
+
+def measure_floor(iterations: int, warmup: int) -> list[float]:
+    """Round trips of a bare zmq echo (python on both ends) carrying a 64-key EXISTS frame."""
+    import multiprocessing as mp
+
+    import zmq
+
+    from maru import protocol
+    from maru.cli.embedded import free_port
+
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_echo_server, args=(port,), daemon=True)
+    proc.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    frame = protocol.encode(
+        protocol.Op.EXISTS, 1, {"client_id": "x" * 32, "keys": [f"k{i:06d}" for i in range(64)]}
+    )
+    try:
+
+        def once() -> None:
+            sock.send(frame)
+            sock.recv()
+
+        return measure(once, iterations, warmup)
+    finally:
+        sock.close(0)
+        proc.terminate()
+        proc.join(5)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -111,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         server = EmbeddedServer(pool_size="1G").start()
         url = server.url
     try:
-        rows = run(url, args.iterations, args.warmup, batches)
+        rows = [("zmq echo, no Maru (floor)", 64, measure_floor(args.iterations, args.warmup))]
+        rows += run(url, args.iterations, args.warmup, batches)
     finally:
         if server is not None:
             server.stop()
