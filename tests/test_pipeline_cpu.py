@@ -282,3 +282,9 @@ def test_without_cuda_a_real_mapping_reports_unavailable_at_info(pool: ShmPool, 
     assert rec.reason and ("CPU build" in rec.reason or "no CUDA device" in rec.reason)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert reg.registrations() == [rec]
+
+
+def test_warm_is_a_no_op_without_graphs() -> None:
+    engine = _engine(_case("kv_first", "NHD", 1))
+    engine.warm(8, layer_tokens=[16])  # CPU: nothing to capture, must not fail
+    assert not engine.graphs

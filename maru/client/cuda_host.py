@@ -3,7 +3,8 @@
 A pool is an ``mmap`` of a ``/dev/shm`` file or a DAX device. To CUDA that is *pageable* memory:
 a copy from it goes through a driver bounce buffer (measured on an H200: 4.9 GB/s host->GPU,
 against 55 GB/s once the same mapping is registered with ``cudaHostRegister``). Registration pins
-the pages, which takes time (8 GiB took 4.4 s), so it is done once per mapping and reported.
+the pages, which takes time (8 GiB took 4.4 s; 2 GiB of untouched shared memory 1.0 s, of already
+touched pages 0.1 s), so it is done once per mapping, with progress, and reported.
 
 Invariants:
 
@@ -185,10 +186,12 @@ class CudaHostRegistry:
     ) -> HostRegistration:
         """Register ``[address, address + size)`` once; return its record (existing one if any).
 
-        ``slice_bytes``: register in slices of that many bytes (page multiple) and report progress
-        between them; ``None`` registers the range in one call and reports progress from a ticker
-        while the call runs (one registration means any copy inside the range is pinned, whatever
-        object boundaries it crosses). ``progress(done, total, seconds)`` defaults to an info log.
+        ``slice_bytes=None`` (the default) registers the range in one call and reports progress from
+        a ticker while the call runs. ``slice_bytes=n`` registers n-byte slices and reports progress
+        between them, but measured on an H200 (2026-11-29, bench/gpu_datapath.py) a copy that spans
+        two separately registered slices *fails* (cudaErrorInvalidValue): use slices only where no
+        object can cross a slice boundary (slices aligned to the server's region size).
+        ``progress(done, total, seconds)`` defaults to an info log.
         """
         if size <= 0:
             raise ValueError(f"cannot register {size} bytes at {address:#x}: size must be positive")

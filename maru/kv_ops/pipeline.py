@@ -509,6 +509,28 @@ class TransferEngine:
             self._check_pinned(objs)
             return self._issue_layers(objs, slots, nbytes, placer)
 
+    def warm(self, chunk_tokens: int, layer_tokens: Sequence[int] = ()) -> None:
+        """Capture the CUDA graphs now (about a millisecond each, with a device sync), not on first use.
+
+        ``chunk_tokens``: the chunk size of the pipelined paths (every ring slot); ``layer_tokens``:
+        request sizes the layer-overlap load will see (rounded up to their power-of-two bucket).
+        The warm-up launches place nothing: the static slot buffers hold -1 until a call sets them.
+        No-op without graphs (CPU, reference backend).
+        """
+        if not self.graphs:
+            return
+        if any(slot.used for slot in self._ring) or self._layer_free is not None:
+            # A capture replays its op once eagerly; after a transfer the static slots hold real slots.
+            raise RuntimeError("TransferEngine.warm() must run before the engine's first transfer")
+        with self._lock, torch.cuda.stream(self._place_stream):
+            for slot in self._ring:
+                slot.placer.warm(int(chunk_tokens))
+            for tokens in layer_tokens:
+                tb = 16
+                while tb < tokens:
+                    tb *= 2
+                self._layer_placer.warm(tb, per_layer=True)
+
     def synchronize(self) -> None:
         """Wait for everything this engine issued (tests, shutdown)."""
         if self.on_gpu:
