@@ -113,3 +113,22 @@ def test_demo_objects_shares_objects_between_two_processes_and_cleans_up() -> No
 def test_help_of_every_entry_point_works(argv: list[str]) -> None:
     p = maru(*argv)
     assert p.returncode == 0 and "usage: maru" in p.stdout
+
+
+def test_stats_rates_are_counter_deltas_over_the_refresh_interval(maru_server: ServerProcess) -> None:
+    from rich.console import Console
+
+    from maru.cli import stats
+
+    before = stats.fetch(maru_server.url, 3.0)
+    with MaruHandler(maru_server.url) as h:
+        for i in range(10):
+            obj = h.alloc(1000)
+            obj.buf[:] = bytes(1000)
+            h.store(f"r{i}", obj)
+    after = stats.fetch(maru_server.url, 3.0)
+    console = Console(width=200, record=True)
+    console.print(stats.render(after, before, 2.0))  # as if 2 s passed between the refreshes
+    text = console.export_text()
+    assert re.search(r"│ stores\s*│\s*10 │\s*5\.0 │", text), text
+    assert re.search(r"│ bytes stored\s*│\s*9\.8 KiB │\s*4\.9 KiB/s │", text), text
