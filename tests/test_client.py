@@ -233,3 +233,28 @@ def test_a_handler_inherited_through_fork_refuses_to_share_the_parents_socket(h:
     p.join(30)
     assert "create a new MaruHandler in the child" in msg
     assert h.exists(["a"]) == [False]  # the parent's handler still works
+
+
+def test_heartbeats_keep_an_idle_clients_reservations_past_the_lease_timeout(tmp_path: Path) -> None:
+    import time
+
+    with ServerProcess(tmp_path, pool_size="16M", lease_timeout=1.0) as server:
+        # Asking for 10 s beats against a 1 s lease: the handler beats every 1/3 s instead.
+        with MaruHandler(server.url, heartbeat_interval_s=10.0) as h:
+            obj = h.alloc(4096)
+            obj.buf[:] = b"\x07" * 4096
+            time.sleep(3.0)  # three lease timeouts of silence from the caller
+            assert h.store("kept", obj) == CommitResult.STORED
+            assert h.stats()["counters"]["leases_expired"] == 0
+
+
+def test_pool_path_override_maps_the_same_pool_under_another_name(maru_server: ServerProcess) -> None:
+    alias = maru_server.pool_path + "-alias"
+    os.link(maru_server.pool_path, alias)  # another path to the same pool, like another host's /dev/daxX.Y
+    try:
+        with MaruHandler(maru_server.url) as writer, MaruHandler(maru_server.url, pool_path=alias) as reader:
+            put(writer, "via-alias", b"same bytes")
+            with reader.retrieve("via-alias") as r:
+                assert r.tobytes() == b"same bytes"
+    finally:
+        os.unlink(alias)
