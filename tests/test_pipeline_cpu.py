@@ -288,3 +288,10 @@ def test_warm_is_a_no_op_without_graphs() -> None:
     engine = _engine(_case("kv_first", "NHD", 1))
     engine.warm(8, layer_tokens=[16])  # CPU: nothing to capture, must not fail
     assert not engine.graphs
+
+
+def test_probe_registration_registers_then_releases_the_pool_file(pool: ShmPool) -> None:
+    rt = FakeRuntime()
+    rec = cuda_host.probe_registration(pool.path, registry=cuda_host.CudaHostRegistry(lambda: rt))
+    assert rec.registered and rec.size == 8 << 20 and rec.registered_bytes == 8 << 20
+    assert [c[0] for c in rt.calls] == ["register", "unregister"]  # pinned only for the probe
