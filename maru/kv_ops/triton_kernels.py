@@ -55,9 +55,15 @@ def _place_kernel(
     LAYER_ALIGN: tl.constexpr,
     ROW_CONTIG: tl.constexpr,
     STREAM: tl.constexpr,
+    LAYER_FAST: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_lk = tl.program_id(1)
+    if LAYER_FAST:
+        # Consecutive programs take other layers/planes of the same token tile.
+        pid_lk = tl.program_id(0)
+        pid_t = tl.program_id(1)
+    else:
+        pid_t = tl.program_id(0)
+        pid_lk = tl.program_id(1)
     # One program per (token tile, layer, plane): twice the parallelism of a program doing K then V.
     layer = pid_lk // NUM_KV
     kv = pid_lk % NUM_KV
@@ -118,12 +124,14 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class TuneParams:
-    """Tile sizes for a row width: defaults chosen on an H200 (see bench/kv_ops.py --sweep)."""
+    """Tile sizes for a row width: defaults chosen on an H200 (bench/kv_ops.py --sweep, 2026-11-29:
+    4 tokens a program and 4 warps led at 256 and 2048 tokens; evict-first hints did not help)."""
 
-    block_t: int = 8
+    block_t: int = 4
     max_block_r: int = 1024
     num_warps: int = 4
     stream: bool = False
+    layer_fast: bool = False
 
 
 def _tiles(layout: KVLayout, num_tokens: int) -> tuple[int, int, int]:
@@ -214,7 +222,9 @@ def place(
         table, align = _TABLES.get(ptrs, cache0.element_size(), cache0.device)
         use_table = True
     block_t, block_r, num_warps = _tiles(layout, num_tokens)
-    grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
+    tiles = triton.cdiv(num_tokens, block_t)
+    layer_fast = TuneParams.layer_fast and tiles <= 65535  # grid y is limited to 65535
+    grid = (num_layers * num_kv, tiles) if layer_fast else (tiles, num_layers * num_kv)
     hs = layout.head_size
     row_contig = (
         layout.k_dim_stride == 1
@@ -250,5 +260,6 @@ def place(
         LAYER_ALIGN=align,
         ROW_CONTIG=row_contig,
         STREAM=TuneParams.stream,
+        LAYER_FAST=layer_fast,
         num_warps=num_warps,
     )
