@@ -1,0 +1,162 @@
+"""End-to-end TTFT on vLLM's CPU build: cold vs warm from Maru (a second process) vs vLLM's own prefix cache.
+
+    .venv/bin/python bench/e2e_cpu.py [--lengths 1024 4096 8192] [--reps 2] [--model-dir DIR]
+
+Generates (or reuses) the bench model (8 layers, hidden 1024, 16 heads, 8 KV heads of 64,
+float32; random weights), starts a ``maru server`` on a free port, then three vLLM engines one
+after the other, each in its own process (in-process engine mode inside), all with the same
+settings (block size 32, enforce_eager, chunked prefill off up to the longest prompt):
+
+- ``none``: no connector. Per prompt: cold TTFT, then the same prompt again (vLLM's own
+  prefix-cache hit in the same process).
+- ``store``: Maru connector, cold TTFT while storing every chunk (instance A).
+- ``load``: Maru connector, a fresh process: TTFT of the same prompts loaded from Maru (B).
+
+TTFT is the wall time of ``generate(max_tokens=1)`` for one prompt. Each engine first serves a
+warm-up prompt. Every prompt is fresh random token ids, so no run sees another's cache except
+where intended. Prints a table (rich) and, with ``--markdown``, the RESULTS.md rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from maru.vllm.runner import EngineProcess  # noqa: E402
+from maru.vllm.tiny_model import BENCH_SPEC, build_tiny_model  # noqa: E402
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, BENCH_SPEC.vocab) for _ in range(n)]
+
+
+def _start_server(tmp: Path, pool: str) -> tuple[object, str]:
+    from tests.helpers import ServerProcess
+
+    srv = ServerProcess(tmp, pool_size=pool)
+    srv.start()
+    return srv, srv.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/maru/bench-model"))
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--log-dir", default=None)
+    a = ap.parse_args(argv)
+
+    model = str(build_tiny_model(a.model_dir, BENCH_SPEC))
+    tmp = Path(a.log_dir or tempfile.mkdtemp(prefix="maru-bench-e2e-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    max_len = max(a.lengths)
+    kv_bytes_per_token = BENCH_SPEC.num_layers * 2 * BENCH_SPEC.kv_heads * BENCH_SPEC.head_dim * 4
+    pool = f"{(sum(a.lengths) * a.reps * kv_bytes_per_token * 12 // 10) // 2**20 + 256}M"
+    srv, url = _start_server(tmp, pool)
+    base = dict(
+        model=model,
+        block_size=32,
+        max_model_len=max_len + 128,
+        max_num_batched_tokens=max_len + 128,
+        kv_cache_memory_bytes=max(1 << 30, 3 * (max_len + 128) * kv_bytes_per_token),
+    )
+    maru = {
+        "extra": {"maru_server_url": url, "maru_kv_chunk_tokens": a.chunk_tokens, "maru_log_timing": True}
+    }
+    prompts = {(n, r): _prompt(n, 1000 * r + n) for n in a.lengths for r in range(a.reps)}
+    warm = _prompt(512, 7)
+    res: dict[str, dict[int, list[float]]] = {
+        k: {n: [] for n in a.lengths} for k in ("cold", "hit", "store", "load")
+    }
+    cached: dict[int, list[int]] = {n: [] for n in a.lengths}
+    same: list[bool] = []
+    first_tok: dict[tuple[int, int], int] = {}
+    try:
+        with EngineProcess(base, log_path=tmp / "none.log") as e:
+            e.call({"op": "ttft", "prompt": warm})
+            for (n, r), p in prompts.items():
+                c = e.call({"op": "ttft", "prompt": p})
+                h = e.call({"op": "ttft", "prompt": p})
+                res["cold"][n].append(c["seconds"])
+                res["hit"][n].append(h["seconds"])
+                first_tok[(n, r)] = c["token"]
+                print(
+                    f"none   n={n} r={r}: cold {c['seconds']:.3f}s  prefix-hit {h['seconds']:.3f}s ({h['cached']} cached)"
+                )
+        with EngineProcess({**base, "connector": maru}, log_path=tmp / "store.log") as e:
+            e.call({"op": "ttft", "prompt": warm})
+            for (n, r), p in prompts.items():
+                c = e.call({"op": "ttft", "prompt": p})
+                res["store"][n].append(c["seconds"])
+                print(f"store  n={n} r={r}: cold+store {c['seconds']:.3f}s")
+        with EngineProcess({**base, "connector": maru}, log_path=tmp / "load.log") as e:
+            e.call({"op": "ttft", "prompt": warm})
+            for (n, r), p in prompts.items():
+                w = e.call({"op": "ttft", "prompt": p})
+                res["load"][n].append(w["seconds"])
+                cached[n].append(w["cached"])
+                same.append(w["token"] == first_tok[(n, r)])
+                print(f"load   n={n} r={r}: warm {w['seconds']:.3f}s ({w['cached']} tokens from Maru)")
+            stats = e.call({"op": "stats"})
+    finally:
+        srv.cleanup()  # type: ignore[attr-defined]
+
+    med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in res.items()}
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"TTFT, vLLM CPU (bench model, float32, block 32), median of {a.reps}")
+        for col in (
+            "prompt",
+            "cold (no connector)",
+            "cold + Maru store",
+            "store overhead",
+            "vLLM prefix hit",
+            "warm from Maru",
+            "Maru / prefix hit",
+            "tokens from Maru",
+        ):
+            t.add_column(col, justify="right")
+        for n in a.lengths:
+            t.add_row(
+                str(n),
+                f"{med['cold'][n]:.3f} s",
+                f"{med['store'][n]:.3f} s",
+                f"{(med['store'][n] / med['cold'][n] - 1) * 100:+.1f}%",
+                f"{med['hit'][n]:.3f} s",
+                f"{med['load'][n]:.3f} s",
+                f"{med['load'][n] / med['hit'][n]:.2f}x",
+                str(min(cached[n])),
+            )
+        Console().print(t)
+    except ImportError:  # pragma: no cover
+        print(med)
+    print("first tokens identical (warm vs cold):", all(same))
+    print("loader stats:", stats.get("worker"))
+    if a.markdown:
+        print(
+            "| prompt tokens | cold, no connector | cold, Maru storing | store overhead | vLLM prefix hit | warm from Maru | Maru / prefix hit | tokens loaded |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n in a.lengths:
+            print(
+                f"| {n} | {med['cold'][n]:.3f} s | {med['store'][n]:.3f} s | {(med['store'][n] / med['cold'][n] - 1) * 100:+.1f}% "
+                f"| {med['hit'][n]:.3f} s | {med['load'][n]:.3f} s | {med['load'][n] / med['hit'][n]:.2f}x | {min(cached[n])} |"
+            )
+    return 0 if all(same) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
