@@ -171,11 +171,19 @@ def run_objects(args: argparse.Namespace) -> int:
     return 1
 
 
-# Registered demos: name -> (help, runner). A later issue adds the vLLM demo here.
+def run_vllm(args: argparse.Namespace) -> int:
+    """Two vLLM instances share a long prompt's KV through Maru (maru.vllm.demo)."""
+    from maru.vllm.demo import main as vllm_demo
+
+    return vllm_demo(["--keep-logs"] if getattr(args, "keep_logs", False) else [])
+
+
+# Registered demos: name -> (help, runner).
 DEMOS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "vllm": ("two vLLM instances share a long prompt's KV cache through Maru", run_vllm),
     "objects": ("two processes share objects through maru server (no vLLM)", run_objects),
 }
-DEFAULT_DEMO = "objects"
+DEFAULT_DEMO = "vllm"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,9 +200,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the object sizes (default 0)")
     parser.add_argument("--port", type=int, help="server port (default 5555, or a free one if that is busy)")
+    parser.add_argument("--keep-logs", action="store_true", help="vllm demo: keep the engines' logs")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.which == "vllm":
+        return DEMOS["vllm"][1](args)
     if args.objects <= 0 or args.max_size < 4096:
         print("maru demo: --objects must be > 0 and --max-size >= 4096", file=sys.stderr)
         return 2
