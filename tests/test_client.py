@@ -11,7 +11,7 @@ import pytest
 
 from maru import MaruHandler
 from maru.client import Allocation, CommitResult
-from maru.errors import HandlerClosedError, PoolError, PoolFullError
+from maru.errors import HandlerClosedError, PoolError, PoolFullError, ServerError
 from maru.protocol import MAX_BATCH, MAX_KEY_BYTES
 from tests.helpers import ServerProcess
 
@@ -139,8 +139,11 @@ def test_batch_alloc_that_cannot_fit_reserves_nothing(tmp_path: Path) -> None:
 def test_bad_input_gets_a_clear_error(h: MaruHandler) -> None:
     with pytest.raises(TypeError, match="list of keys"):
         h.exists("key")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="byte limit"):
+    with pytest.raises(ServerError, match="over the 512-byte limit") as ei:
         h.exists(["k" * (MAX_KEY_BYTES + 1)])
+    assert ei.value.code == "too_large"
+    with pytest.raises(ServerError, match="keys must be strings"):
+        h.exists([b"bytes-key"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="max object size"):
         h.alloc(h.server_info.max_object_size + 1)
     with pytest.raises(ValueError, match="positive"):

@@ -51,7 +51,7 @@ from maru.errors import (
     ServerError,
     StaleAllocationError,
 )
-from maru.protocol import MAX_BATCH, MAX_KEY_BYTES, CommitResult, ErrorCode, Op
+from maru.protocol import MAX_BATCH, CommitResult, ErrorCode, Op
 
 log = logging.getLogger("maru.client")
 
@@ -92,31 +92,25 @@ class ServerInfo:
             ) from None
 
 
-def _chunks(items: Sequence[Any], n: int = MAX_BATCH) -> Iterable[Sequence[Any]]:
+def _chunks(items: list[Any], n: int = MAX_BATCH) -> Iterable[list[Any]]:
+    """``items`` in slices of at most ``n`` (the protocol's batch limit); one slice when it fits."""
+    if len(items) <= n:
+        yield items
+        return
     for i in range(0, len(items), n):
         yield items[i : i + n]
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
-    """``keys`` as a list, after checking each is a str of at most MAX_KEY_BYTES UTF-8 bytes."""
+    """``keys`` as a list. A bare string is refused (it would be read as one key per character).
+
+    Each key's type and length (str, at most MAX_KEY_BYTES UTF-8 bytes) is checked by the server,
+    which answers a clear ``ServerError``; checking it here too would cost more than the rest of an
+    ``exists`` call on the client.
+    """
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"pass a list of keys, not one key ({keys!r}): e.g. exists([{keys!r}])")
-    out = list(keys)
-    # Fast path (this is on every call): a str of <= MAX_KEY_BYTES/4 chars fits in any encoding.
-    if out and (not all(type(k) is str for k in out) or max(map(len, out)) * 4 > MAX_KEY_BYTES):
-        for k in out:
-            _check_key(k)
-    return out
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str):
-        raise TypeError(f"keys are str, got {type(key).__name__} {key!r}")
-    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
-        raise ValueError(
-            f"key of {len(key.encode('utf-8', 'surrogatepass'))} UTF-8 bytes is over the "
-            f"{MAX_KEY_BYTES}-byte limit; hash long keys"
-        )
+    return list(keys)
 
 
 def _reply_list(reply: dict[str, Any], name: str, n: int) -> list[Any]:
@@ -265,7 +259,7 @@ class MaruHandler:
             return
         lost: list[str] = []
         for chunk in _chunks(keys):
-            reply = self._call(Op.PIN, {"keys": list(chunk)}, retry=False)
+            reply = self._call(Op.PIN, {"keys": chunk}, retry=False)
             lost += [
                 k for k, ok in zip(chunk, _reply_list(reply, "pinned", len(chunk)), strict=True) if not ok
             ]
@@ -348,7 +342,7 @@ class MaruHandler:
             if self._pending_unpins:
                 keys, self._pending_unpins = self._pending_unpins, []
                 for chunk in _chunks(keys):
-                    self._call(Op.UNPIN, {"keys": list(chunk)}, retry=False)
+                    self._call(Op.UNPIN, {"keys": chunk}, retry=False)
 
     # ----------------------------------------------------------------- info
     @property
@@ -418,7 +412,7 @@ class MaruHandler:
         with self._lock:
             try:
                 for chunk in _chunks(sizes):
-                    reply = self._call(Op.RESERVE, {"sizes": list(chunk)})
+                    reply = self._call(Op.RESERVE, {"sizes": chunk})
                     mapping = self._mapped()
                     missing = 0
                     for want, a in zip(chunk, _reply_list(reply, "allocs", len(chunk)), strict=True):
@@ -538,8 +532,7 @@ class MaruHandler:
         out: list[bool] = []
         for chunk in _chunks(keys):
             out += [
-                bool(x)
-                for x in _reply_list(self._call(Op.DELETE, {"keys": list(chunk)}), "deleted", len(chunk))
+                bool(x) for x in _reply_list(self._call(Op.DELETE, {"keys": chunk}), "deleted", len(chunk))
             ]
         return out
 
@@ -549,10 +542,7 @@ class MaruHandler:
         keys = _check_keys(keys)
         out: list[bool] = []
         for chunk in _chunks(keys):
-            out += [
-                bool(x)
-                for x in _reply_list(self._call(Op.EXISTS, {"keys": list(chunk)}), "present", len(chunk))
-            ]
+            out += map(bool, _reply_list(self._call(Op.EXISTS, {"keys": chunk}), "present", len(chunk)))
         return out
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
@@ -560,7 +550,7 @@ class MaruHandler:
         keys = _check_keys(keys)
         total = 0
         for chunk in _chunks(keys):
-            n = int(self._call(Op.EXISTS, {"keys": list(chunk)})["prefix"])
+            n = int(self._call(Op.EXISTS, {"keys": chunk})["prefix"])
             total += n
             if n < len(chunk):
                 break
@@ -580,7 +570,7 @@ class MaruHandler:
         out: list[Retrieved | None] = []
         with self._lock:
             for chunk in _chunks(keys):
-                reply = self._call(Op.LOOKUP, {"keys": list(chunk), "pin": bool(pin)})
+                reply = self._call(Op.LOOKUP, {"keys": chunk, "pin": bool(pin)})
                 entries = _reply_list(reply, "entries", len(chunk))
                 views = self._mapped().read_views(entries)
                 on_release = self._unpin_one if pin else None
@@ -621,7 +611,7 @@ class MaruHandler:
                 return
             try:
                 for chunk in _chunks(keys):
-                    self._call(Op.UNPIN, {"keys": list(chunk)}, retry=False)
+                    self._call(Op.UNPIN, {"keys": chunk}, retry=False)
             except StaleAllocationError:
                 pass  # a new session: the old pins are gone already
             except MaruError as e:
@@ -643,10 +633,10 @@ class MaruHandler:
                 try:
                     ids = list(self._reserved)
                     for chunk in _chunks(ids):
-                        self._call(Op.ABORT, {"alloc_ids": list(chunk)}, retry=False, timeout_s=quick)
+                        self._call(Op.ABORT, {"alloc_ids": chunk}, retry=False, timeout_s=quick)
                     pins = list(self._pins.elements()) + self._pending_unpins
                     for chunk in _chunks(pins):
-                        self._call(Op.UNPIN, {"keys": list(chunk)}, retry=False, timeout_s=quick)
+                        self._call(Op.UNPIN, {"keys": chunk}, retry=False, timeout_s=quick)
                 except MaruError as e:
                     log.info(
                         "close: server did not take back reservations/pins (%s); the lease reclaims them", e
