@@ -241,12 +241,12 @@ def test_a_handler_inherited_through_fork_refuses_to_share_the_parents_socket(h:
 def test_heartbeats_keep_an_idle_clients_reservations_past_the_lease_timeout(tmp_path: Path) -> None:
     import time
 
-    with ServerProcess(tmp_path, pool_size="16M", lease_timeout=1.0) as server:
-        # Asking for 10 s beats against a 1 s lease: the handler beats every 1/3 s instead.
+    with ServerProcess(tmp_path, pool_size="16M", lease_timeout=2.0) as server:
+        # Asking for 10 s beats against a 2 s lease: the handler beats every 2/3 s instead.
         with MaruHandler(server.url, heartbeat_interval_s=10.0) as h:
             obj = h.alloc(4096)
             obj.buf[:] = b"\x07" * 4096
-            time.sleep(3.0)  # three lease timeouts of silence from the caller
+            time.sleep(5.0)  # two and a half lease timeouts of silence from the caller
             assert h.store("kept", obj) == CommitResult.STORED
             assert h.stats()["counters"]["leases_expired"] == 0
 
