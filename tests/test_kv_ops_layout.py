@@ -187,3 +187,22 @@ def test_detect_layouts_takes_the_cross_layer_tensor_alone() -> None:
     assert detect_layouts(cross, **GEOM).num_layers == 3
     with pytest.raises(UnsupportedLayout, match="per-layer layout"):
         detect_layouts(permuted((2, NB, BS, NH, HS), (0, 1, 2, 3, 4)), **GEOM)
+
+
+def test_detection_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from maru.kv_ops import detect_layout\n"
+        "class T:\n"
+        "    shape = (2, 7, 16, 4, 8)\n"
+        "    def stride(self):\n"
+        "        return (3584, 512, 32, 8, 1)\n"
+        "lay = detect_layout(T(), block_size=16, num_kv_heads=4, head_size=8)\n"
+        "assert lay.physical == 'NHD', lay\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

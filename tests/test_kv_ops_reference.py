@@ -244,3 +244,20 @@ def test_whole_block_loads_match_the_naive_oracle(fmt: str, physical: str) -> No
         naive_scatter(want_case, slots.tolist(), obj)
         for got, want in zip(got_case.storages(), want_case.storages(), strict=True):
             assert same_bits(got, want), f"{fmt} {physical} pad={pad}"
+
+
+def test_reference_on_a_gpu_without_triton_is_a_loud_warning_with_the_fix(monkeypatch, caplog) -> None:
+    from maru.kv_ops import selection
+
+    monkeypatch.setattr(selection, "triton_import_error", lambda: "ImportError: no module named 'triton'")
+    monkeypatch.setattr(selection, "_announced", set())
+    choice = selection.choose("cuda")
+    assert choice.name == "reference"
+    assert "triton not importable: ImportError" in choice.reason and "install triton" in choice.reason
+    with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
+        assert selection.resolve(None, "cuda") == "reference"
+        assert selection.resolve(None, "cuda") == "reference"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "SLOW PATH" in warnings[0].getMessage()
+    with pytest.raises(BackendUnavailable, match="not importable"):
+        selection.resolve("triton", "cuda")

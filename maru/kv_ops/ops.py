@@ -230,6 +230,8 @@ def scatter_layer(
     ref = _one_layer_ref(cache, layout, layer)
     slots = _check_index(slot_mapping, cache.device, layout.num_slots, "slot_mapping")
     _check_obj(obj, (layout.num_kv, slots.numel(), layout.row_size), cache, "obj")
+    if skip_tokens < 0:
+        raise ValueError(f"skip_tokens={skip_tokens} must be >= 0")
     if skip_tokens:
         slots, obj = slots[skip_tokens:], obj[:, skip_tokens:]
     _run([ref], layout, slots, obj.unsqueeze(0), gather=False, backend=backend, single_layer=True)
@@ -273,6 +275,8 @@ def scatter_blocks(
     _check_obj(
         obj, (len(refs), layout.num_kv, ids.numel() * layout.block_size, layout.row_size), first, "obj"
     )
+    if skip_blocks < 0:
+        raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
     if skip_blocks:
         ids, obj = ids[skip_blocks:], obj[:, :, skip_blocks * layout.block_size :]
     _run(refs, layout, ids, obj, gather=False, backend=backend, blockwise=True)
