@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -215,3 +216,83 @@ def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_p
     finally:
         h.close()
         srv.cleanup()
+
+
+# ---------------------------------------------------------------------------- the worker side
+
+
+def _worker(server: ServerProcess, case: CacheCase, names: list[str]) -> Any:
+    from maru.vllm.config import MaruConnectorConfig
+    from maru.vllm.worker import MaruWorkerConnector
+
+    cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK)
+    w = MaruWorkerConnector(
+        cfg,
+        block_size=BS,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        client_factory=lambda: MaruHandler(server.url, timeout_s=5),
+    )
+    assert isinstance(case.caches, list)
+    # vLLM's dict order is not guaranteed to be layer order: register them shuffled.
+    w.register_kv_caches({names[i]: case.caches[i] for i in (2, 0, 1)})
+    return w
+
+
+def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: ServerProcess) -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    src, dst = _case("blocks_first", "HND", 10), _case("blocks_first", "HND", 11)
+    ws, wd = _worker(server, src, names), _worker(server, dst, names)
+    try:
+        assert ws.engine is not None and ws.caches[0] is src.caches[0]
+        req = _request("worker", [5, 9, 1, 3], 2 * CHUNK)
+        ws.start_load_kv(MaruConnectorMetadata())
+        ws.wait_for_save(MaruConnectorMetadata(stores=[req]))
+        assert ws.stats.chunks_stored == 2
+        dreq = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
+        wd.start_load_kv(MaruConnectorMetadata(loads=[dreq]))
+        assert wd.get_block_ids_with_load_errors() == set()
+        for t in range(2 * CHUNK):
+            s1, s2 = req.block_ids[t // BS] * BS + t % BS, dreq.block_ids[t // BS] * BS + t % BS
+            for layer in range(3):
+                assert _bits_equal(naive_token(dst, layer, 1, s2), naive_token(src, layer, 1, s1))
+    finally:
+        ws.shutdown()
+        wd.shutdown()
+
+
+def test_worker_reports_failed_blocks_and_drops_stores_built_on_them(server: ServerProcess) -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    w = _worker(server, _case("kv_first", "NHD", 12), names)
+    try:
+        missing = _request("never-stored", [3, 4, 5, 6], 2 * CHUNK)
+        later = RequestTransfer(
+            "r-never-stored", (3, 4, 5, 6, 7, 8), (ChunkRef("test/never-stored/c2", 2 * CHUNK, CHUNK),)
+        )
+        meta = MaruConnectorMetadata(loads=[missing], stores=[later])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == {3, 4, 5, 6}
+        assert w.get_block_ids_with_load_errors() == set()  # reported once
+        assert (w.stats.load_errors, w.stats.stores_dropped, w.stats.chunks_stored) == (1, 1, 0)
+    finally:
+        w.shutdown()
+
+
+def test_worker_with_an_unsupported_layout_stays_off_and_fails_loads_cleanly(server: ServerProcess) -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata
+
+    case = _case("kv_first", "NHD", 13)
+    case.num_kv_heads = 5  # does not match the tensors: detection must refuse, not guess
+    w = _worker(server, case, [f"model.layers.{i}.self_attn.attn" for i in range(3)])
+    assert w.engine is None and w.disabled_reason and "unsupported" in w.disabled_reason
+    req = _request("off", [0, 1, 2, 3], 2 * CHUNK)
+    w.start_load_kv(MaruConnectorMetadata(loads=[req]))
+    assert w.get_block_ids_with_load_errors() == {0, 1, 2, 3}
