@@ -432,6 +432,12 @@ class MaruHandler:
                             "raise `maru server --pool-size`, store smaller objects, or release retrieved "
                             "handles sooner (pinned entries cannot be evicted)"
                         )
+                if any(o.session != self._session for o in out):
+                    # A new session began between two chunks: the earlier chunks' reservations died.
+                    raise StaleAllocationError(
+                        f"maru server at {self.url} restarted (or this client's lease expired) during "
+                        f"batch_alloc of {len(sizes)} objects; nothing is reserved: call it again"
+                    )
             except BaseException:
                 self._abort_quietly(out)
                 raise
@@ -499,11 +505,16 @@ class MaruHandler:
                     f"{self.url} restarted or this client's lease expired; nothing was stored: alloc again"
                 )
             for kchunk, ochunk in zip(_chunks(keys), _chunks(objs), strict=True):
-                reply = self._call(
-                    Op.COMMIT,
-                    {"items": [[k, o.alloc_id] for k, o in zip(kchunk, ochunk, strict=True)]},
-                    retry=False,
-                )
+                try:
+                    reply = self._call(
+                        Op.COMMIT,
+                        {"items": [[k, o.alloc_id] for k, o in zip(kchunk, ochunk, strict=True)]},
+                        retry=False,
+                    )
+                except StaleAllocationError as e:
+                    # The server forgot us before this chunk; earlier chunks (in ``results``) are stored.
+                    e.results = results  # type: ignore[attr-defined]
+                    raise
                 for k, o, r in zip(kchunk, ochunk, _reply_list(reply, "results", len(kchunk)), strict=True):
                     self._reserved.pop(o.alloc_id, None)
                     res = CommitResult(r)
