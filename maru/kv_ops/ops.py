@@ -14,6 +14,7 @@ there (vLLM's slot mappings are in range by construction).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,8 +47,52 @@ def _check_tensor(cache: Any, layout: KVLayout, what: str) -> torch.Tensor:
     return cache
 
 
+class _RefCache:
+    """Validated layer refs of recently used cache sets, so a hot loop does not re-check 32 layers'
+    shapes and strides on every call (that costs ~100 us of host time, more than a 256-token copy).
+
+    Keyed by the layout and the ids of the cache tensors; an entry holds the tensors themselves, so
+    an id cannot be reused by another tensor while its entry lives. (A tensor whose metadata is
+    changed in place with ``set_``/``as_strided_`` after a call would not be re-checked; vLLM never
+    does that to its caches.)
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple, tuple[Any, list[LayerRef]]] = OrderedDict()
+
+    def get(self, caches: Any, layout: KVLayout) -> list[LayerRef]:
+        if isinstance(caches, torch.Tensor):
+            key: tuple = (layout, id(caches))
+        elif isinstance(caches, dict):
+            key = (layout, *map(id, caches.values()))
+        else:
+            key = (layout, *map(id, caches))
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        refs = _layer_refs(caches, layout)
+        keep = (
+            caches
+            if isinstance(caches, torch.Tensor)
+            else tuple(caches.values() if isinstance(caches, dict) else caches)
+        )
+        self._entries[key] = (keep, refs)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return refs
+
+
+_REFS = _RefCache()
+
+
 def layer_refs(caches: Any, layout: KVLayout) -> list[LayerRef]:
     """(bits tensor over the storage, absolute element offset of the layer base) for every layer."""
+    return _REFS.get(caches, layout)
+
+
+def _layer_refs(caches: Any, layout: KVLayout) -> list[LayerRef]:
     if layout.is_cross_layer:
         if not isinstance(caches, torch.Tensor):
             if isinstance(caches, Sequence) and len(caches) == 1:
