@@ -3,8 +3,10 @@
     python bench/rpc.py                 # starts a throw-away server (emulated pool in /dev/shm)
     python bench/rpc.py --url tcp://127.0.0.1:5555
 
-For exists, lookup and commit at batch sizes 1, 16 and 64, one client calls the op in a loop
-and times every call: p50/p99 latency of one call (one round trip) and calls/s, keys/s.
+For exists, lookup and commit at batch sizes 1, 16 and 64, one client times every call:
+p50/p99 latency of one call (one round trip) and calls/s, keys/s. Each row is measured in
+four blocks of back-to-back calls, the rows' blocks taking turns, so a machine whose load
+drifts during the run (a shared 2-core box) skews all rows alike, not whichever ran last.
 
 * exists:  ``exists(keys)``, every key present.
 * lookup:  ``batch_retrieve(keys, pin=False)`` (LOOKUP; hits, views built, no pin).
@@ -32,29 +34,55 @@ from collections.abc import Callable
 from maru import MaruHandler
 
 
-def measure(fn: Callable[[], object], iterations: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+class CommitCase:
+    """One commit row: each call reserves ``batch`` 64-byte objects (untimed), then times the COMMIT."""
 
+    def __init__(self, h: MaruHandler, batch: int, tag: str) -> None:
+        self.h, self.batch, self.tag, self.n = h, batch, tag, 0
 
-def measure_commit(h: MaruHandler, batch: int, iterations: int, warmup: int, tag: str) -> list[float]:
-    out = []
-    for i in range(warmup + iterations):
-        objs = h.batch_alloc([64] * batch)
+    def __call__(self) -> float:
+        objs = self.h.batch_alloc([64] * self.batch)
         for o in objs:
             o.buf[:] = b"m" * 64
-        keys = [f"bench/{tag}/c{batch}/{i}/{j}" for j in range(batch)]
+        keys = [f"bench/{self.tag}/c{self.batch}/{self.n}/{j}" for j in range(self.batch)]
+        self.n += 1
         t0 = time.perf_counter()
-        h.batch_store(keys, objs)
-        if i >= warmup:
-            out.append(time.perf_counter() - t0)
+        self.h.batch_store(keys, objs)
+        return time.perf_counter() - t0
+
+    def keys(self) -> list[str]:
+        return [f"bench/{self.tag}/c{self.batch}/{i}/{j}" for i in range(self.n) for j in range(self.batch)]
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def once() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return once
+
+
+def measure_interleaved(
+    cases: dict[str, Callable[[], float]], iterations: int, warmup: int, rounds: int = 4
+) -> dict[str, list[float]]:
+    """Run each case in ``rounds`` blocks of back-to-back calls, the blocks of all cases taking turns.
+
+    Back-to-back calls measure an op warm (as a busy scheduler calls it); taking turns spreads
+    every row over the whole run, so load that drifts on a shared machine skews all rows alike.
+    """
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    per_round = max(1, iterations // rounds)
+    for r in range(rounds):
+        for name, case in cases.items():
+            for _ in range(warmup if r == 0 else min(warmup, 20)):
+                case()
+            out[name] += [case() for _ in range(per_round)]
     return out
+
+
+def measure(fn: Callable[[], object], iterations: int, warmup: int) -> list[float]:
+    return measure_interleaved({"": timed(fn)}, iterations, warmup)[""]
 
 
 def _echo_server(port: int) -> None:
@@ -66,36 +94,35 @@ def _echo_server(port: int) -> None:
         sock.send_multipart(sock.recv_multipart())
 
 
-def measure_floor(iterations: int, warmup: int) -> list[float]:
-    """Round trips of a bare zmq echo (python on both ends) carrying a 64-key EXISTS frame."""
-    import multiprocessing as mp
+class EchoFloor:
+    """A bare zmq echo (python on both ends) of a 64-key EXISTS frame: the round trip without Maru."""
 
-    import zmq
+    def __init__(self) -> None:
+        import multiprocessing as mp
 
-    from maru import protocol
-    from maru.cli.embedded import free_port
+        import zmq
 
-    port = free_port()
-    proc = mp.get_context("spawn").Process(target=_echo_server, args=(port,), daemon=True)
-    proc.start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    frame = protocol.encode(
-        protocol.Op.EXISTS, 1, {"client_id": "x" * 32, "keys": [f"k{i:06d}" for i in range(64)]}
-    )
-    try:
+        from maru import protocol
+        from maru.cli.embedded import free_port
 
-        def once() -> None:
-            sock.send(frame)
-            sock.recv()
+        port = free_port()
+        self.proc = mp.get_context("spawn").Process(target=_echo_server, args=(port,), daemon=True)
+        self.proc.start()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        keys = [f"k{i:06d}" for i in range(64)]
+        self.frame = protocol.encode(protocol.Op.EXISTS, 1, {"client_id": "x" * 32, "keys": keys})
 
-        return measure(once, iterations, warmup)
-    finally:
-        sock.close(0)
-        proc.terminate()
-        proc.join(5)
+    def once(self) -> None:
+        self.sock.send(self.frame)
+        self.sock.recv()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.proc.terminate()
+        self.proc.join(5)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -104,37 +131,36 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run(url: str, iterations: int, warmup: int, batches: list[int]) -> list[tuple[str, int, list[float]]]:
-    rows = []
     tag = uuid.uuid4().hex[:8]
+    floor = EchoFloor()
     with MaruHandler(url) as h:
         keys = [f"bench/{tag}/k{i}" for i in range(max(batches))]
         objs = h.batch_alloc([4096] * len(keys))
         for o in objs:
             o.buf[:] = os.urandom(4096)
         h.batch_store(keys, objs)
+        cases: dict[tuple[str, int], Callable[[], float]] = {
+            ("zmq echo, no Maru (floor)", 64): timed(floor.once)
+        }
+        commits = []
         for b in batches:
             ks = keys[:b]
-            rows.append(("exists", b, measure(lambda ks=ks: h.exists(ks), iterations, warmup)))
-        for b in batches:
-            ks = keys[:b]
-            rows.append(
-                ("lookup", b, measure(lambda ks=ks: h.batch_retrieve(ks, pin=False), iterations, warmup))
-            )
-        for b in batches:
-            ks = keys[:b]
-            rows.append(
-                (
-                    "lookup+pin+unpin",
-                    b,
-                    measure(lambda ks=ks: h.batch_release(h.batch_retrieve(ks)), iterations, warmup),
-                )
-            )
-        for b in batches:
-            rows.append(("commit", b, measure_commit(h, b, iterations, warmup, tag)))
+            cases[("exists", b)] = timed(lambda ks=ks: h.exists(ks))
+            cases[("lookup", b)] = timed(lambda ks=ks: h.batch_retrieve(ks, pin=False))
+            cases[("lookup+pin+unpin", b)] = timed(lambda ks=ks: h.batch_release(h.batch_retrieve(ks)))
+            commits.append(CommitCase(h, b, tag))
+            cases[("commit", b)] = commits[-1]
+        results = measure_interleaved(cases, iterations, warmup)  # type: ignore[arg-type]
+        floor.close()
+        order = ["zmq echo, no Maru (floor)", "exists", "lookup", "lookup+pin+unpin", "commit"]
+        rows = sorted(
+            ((k[0], k[1], xs) for k, xs in results.items()),  # type: ignore[misc]
+            key=lambda r: (order.index(r[0]), r[1]),
+        )
         # Leave an external server as we found it.
         h.delete(keys)
-        for b in batches:
-            h.delete([f"bench/{tag}/c{b}/{i}/{j}" for i in range(warmup + iterations) for j in range(b)])
+        for c in commits:
+            h.delete(c.keys())
     return rows
 
 
@@ -155,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         server = EmbeddedServer(pool_size="1G").start()
         url = server.url
     try:
-        rows = [("zmq echo, no Maru (floor)", 64, measure_floor(args.iterations, args.warmup))]
-        rows += run(url, args.iterations, args.warmup, batches)
+        rows = run(url, args.iterations, args.warmup, batches)
     finally:
         if server is not None:
             server.stop()
