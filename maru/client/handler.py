@@ -13,11 +13,12 @@ holds, and carries on. Reservations made in an earlier session cannot be stored 
 ``store`` raises ``StaleAllocationError`` and publishes nothing.
 
 Threading. A handler may be shared by threads: calls take turns on one socket (one lock);
-no call waits longer than ``timeout_s`` for the lock plus its reply.
+no call waits longer than ``timeout_s`` for the lock, nor longer than ``timeout_s`` for its reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -26,7 +27,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,22 +277,36 @@ class MaruHandler:
             if self._session == seen_session:  # nobody else did it meanwhile
                 self._handshake()
 
+    def _acquire(self, timeout: float) -> None:
+        """Take the connection lock within ``timeout`` (no call waits longer than its timeout)."""
+        if self._lock.acquire(timeout=timeout):
+            return
+        if not self._connected:  # the heartbeat thread holds the lock while it tries to reconnect
+            raise NotConnectedError(
+                f"cannot reach maru server at {self.url} (no reply for {timeout:g} s): is `maru server` "
+                "running? start it with `maru server` (check with `maru doctor`)"
+            )
+        raise MaruTimeoutError(
+            f"maru server at {self.url}: another thread held this handler's connection for {timeout:g} s "
+            "(a slow or unreachable server); check `maru doctor`"
+        )
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """``with self._held():`` is ``with self._lock:`` bounded by ``timeout_s``."""
+        self._acquire(self.timeout_s)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _call(
         self, op: int, body: dict[str, Any], *, retry: bool = True, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """One exchange; a forgotten client handshakes again and (if ``retry``) resends once."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         body["client_id"] = self.client_id
-        if not self._lock.acquire(timeout=timeout):
-            if not self._connected:  # the heartbeat thread holds the lock while it tries to reconnect
-                raise NotConnectedError(
-                    f"cannot reach maru server at {self.url} (no reply for {timeout:g} s): is `maru server` "
-                    "running? start it with `maru server` (check with `maru doctor`)"
-                )
-            raise MaruTimeoutError(
-                f"maru server at {self.url}: another thread held this handler's connection for {timeout:g} s "
-                "(a slow or unreachable server); check `maru doctor`"
-            )
+        self._acquire(timeout)
         try:
             if self._closed:
                 raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
@@ -326,7 +341,9 @@ class MaruHandler:
 
     def _beat(self) -> None:
         """One heartbeat (from the heartbeat thread): renew the lease, notice a lost session."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self._heartbeat_interval_s):
+            return  # another thread is talking to the server right now (any request renews the lease)
+        try:
             if self._closed:
                 raise HandlerClosedError("closed")
             assert self._info is not None
@@ -336,13 +353,14 @@ class MaruHandler:
             except StaleAllocationError:
                 return  # the server had forgotten us and _call has handshaken again
             if not reply.get("known", True) or reply.get("server_id") != self._info.server_id:
-                if self._connected:
-                    log.info("maru server at %s forgot this client (restart or expired lease)", self.url)
+                log.info("maru server at %s forgot this client (restart or expired lease)", self.url)
                 self._rehandshake(session)
             if self._pending_unpins:
-                keys, self._pending_unpins = self._pending_unpins, []
-                for chunk in _chunks(keys):
+                for chunk in _chunks(self._pending_unpins):
                     self._call(Op.UNPIN, {"keys": chunk}, retry=False)
+                self._pending_unpins = []  # only once sent: a failure leaves them for the next beat
+        finally:
+            self._lock.release()
 
     # ----------------------------------------------------------------- info
     @property
@@ -409,7 +427,7 @@ class MaruHandler:
                     f"{info.max_object_size} ({format_size(info.max_object_size)}); split it"
                 )
         out: list[Allocation] = []
-        with self._lock:
+        with self._held():
             try:
                 for chunk in _chunks(sizes):
                     reply = self._call(Op.RESERVE, {"sizes": chunk})
@@ -457,7 +475,7 @@ class MaruHandler:
         """Give back reservations that will not be stored. Returns how many the server freed."""
         items = [objs] if isinstance(objs, Allocation) else list(objs)
         live: list[Allocation] = []
-        with self._lock:
+        with self._held():
             for obj in items:
                 if not obj.reserved:
                     continue
@@ -490,7 +508,7 @@ class MaruHandler:
         if len(keys) != len(objs):
             raise ValueError(f"batch_store got {len(keys)} keys but {len(objs)} objects")
         results: list[CommitResult] = []
-        with self._lock:
+        with self._held():
             stale = []
             for k, obj in zip(keys, objs, strict=True):
                 if not isinstance(obj, Allocation):
@@ -579,7 +597,7 @@ class MaruHandler:
         """
         keys = _check_keys(keys)
         out: list[Retrieved | None] = []
-        with self._lock:
+        with self._held():
             for chunk in _chunks(keys):
                 reply = self._call(Op.LOOKUP, {"keys": chunk, "pin": bool(pin)})
                 entries = _reply_list(reply, "entries", len(chunk))
@@ -613,7 +631,7 @@ class MaruHandler:
     def _unpin(self, keys: list[str]) -> None:
         if not keys:
             return
-        with self._lock:
+        with self._held():
             for k in keys:
                 self._pins[k] -= 1
                 if self._pins[k] <= 0:
@@ -636,10 +654,12 @@ class MaruHandler:
         if os.getpid() != self._pid:
             self._closed = True  # a forked child: the socket and thread are the parent's; leave them be
             return
-        with self._lock:
+        # Bounded like every call: if another thread holds the connection that long, skip the courtesy.
+        got = self._lock.acquire(timeout=self.timeout_s)
+        try:
             if self._closed:
                 return
-            if self._connected:
+            if got and self._connected:
                 quick = min(self.timeout_s, 1.0)
                 try:
                     ids = list(self._reserved)
@@ -656,6 +676,9 @@ class MaruHandler:
                 obj._finish(AllocState.ABORTED)
             self._reserved.clear()
             self._closed = True
+        finally:
+            if got:
+                self._lock.release()
         self._stop.set()
         if self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.timeout_s)
