@@ -152,6 +152,10 @@ def test_bad_input_gets_a_clear_error(h: MaruHandler) -> None:
         h.batch_store(["a", "b"], [h.alloc(1)])
     with pytest.raises(TypeError, match="Allocation"):
         h.store("a", b"bytes")  # type: ignore[arg-type]
+    with MaruHandler(h.url) as other:
+        theirs = other.alloc(8)
+        with pytest.raises(ValueError, match="another MaruHandler"):
+            h.store("not-mine", theirs)
     obj = h.alloc(1)
     obj.buf[:] = b"1"
     h.store("once", obj)

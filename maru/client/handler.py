@@ -440,7 +440,14 @@ class MaruHandler:
                         alloc_id, offset, size = int(a[0]), int(a[1]), int(a[2])
                         if size < want:
                             raise ProtocolError(f"server reserved {size} bytes for a {want}-byte object")
-                        obj = Allocation(alloc_id, offset, want, self._session, mapping.view(offset, want))
+                        obj = Allocation(
+                            alloc_id,
+                            offset,
+                            want,
+                            self._session,
+                            mapping.view(offset, want),
+                            owner=self.client_id,
+                        )
                         self._reserved[alloc_id] = obj
                         out.append(obj)
                     if missing:
@@ -477,6 +484,8 @@ class MaruHandler:
         live: list[Allocation] = []
         with self._held():
             for obj in items:
+                if obj.owner != self.client_id:
+                    raise ValueError(f"{obj!r} was reserved by another MaruHandler; abort it with that one")
                 if not obj.reserved:
                     continue
                 if obj.session == self._session and self._reserved.get(obj.alloc_id) is obj:
@@ -513,6 +522,10 @@ class MaruHandler:
             for k, obj in zip(keys, objs, strict=True):
                 if not isinstance(obj, Allocation):
                     raise TypeError(f"store takes an Allocation from alloc(), got {type(obj).__name__}")
+                if obj.owner != self.client_id:
+                    raise ValueError(
+                        f"object for key {k!r} was reserved by another MaruHandler; store it with that one"
+                    )
                 if obj.state is not AllocState.RESERVED and obj.session == self._session:
                     raise ValueError(f"object for key {k!r} is already {obj.state.value}; alloc a new one")
                 if obj.session != self._session or self._reserved.get(obj.alloc_id) is not obj:

@@ -49,6 +49,7 @@ class Allocation:
     session: int
     buf: memoryview | None
     state: AllocState = AllocState.RESERVED
+    owner: str = ""  # client_id of the handler that reserved it (only that handler can store it)
 
     @property
     def reserved(self) -> bool:
