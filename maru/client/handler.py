@@ -486,6 +486,7 @@ class MaruHandler:
             for obj in items:
                 if obj.owner != self.client_id:
                     raise ValueError(f"{obj!r} was reserved by another MaruHandler; abort it with that one")
+            for obj in items:
                 if not obj.reserved:
                     continue
                 if obj.session == self._session and self._reserved.get(obj.alloc_id) is obj:
