@@ -69,6 +69,17 @@ def test_doctor_optional_checks_report_kv_ops_backend_and_vllm_version() -> None
         assert found[1] in v.detail
 
 
+def test_doctor_probes_cuda_registration_of_the_pool_or_says_why_not(maru_server: ServerProcess) -> None:
+    ctx = doctor.DoctorContext(url=maru_server.url)
+    assert doctor.check_cuda_registration(ctx).status == doctor.SKIP  # before the server check
+    assert doctor.check_server(ctx).status == doctor.OK
+    r = doctor.check_cuda_registration(ctx)
+    assert maru_server.pool_path in r.detail
+    assert r.status in (doctor.OK, doctor.SKIP, doctor.WARN)
+    if r.status == doctor.SKIP:  # no CUDA on this machine: the reason is named
+        assert "NOT registered" in r.detail and "unavailable" in r.detail
+
+
 def test_stats_once_shows_counters_that_moved(maru_server: ServerProcess) -> None:
     with MaruHandler(maru_server.url) as h:
         for i in range(3):

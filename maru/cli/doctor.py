@@ -229,6 +229,31 @@ def check_vllm(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, f"{dist} {version}; maru.vllm.MaruKVConnector imports")
 
 
+def check_cuda_registration(ctx: DoctorContext) -> CheckResult:
+    """Can this process pin the pool for the GPU (cudaHostRegister)? Probes: map, register, time, undo."""
+    name = "pool registered with CUDA"
+    if ctx.handshake is None:
+        return CheckResult(name, SKIP, "needs the server")
+    if ctx.quick:
+        return CheckResult(name, SKIP, "skipped (--quick)")
+    try:
+        from maru.client import cuda_host
+
+        path = ctx.pool_path or ctx.handshake["pool_path"]
+        rec = cuda_host.probe_registration(path, int(ctx.handshake["pool_size"]))
+    except (ImportError, AttributeError) as e:
+        return CheckResult(
+            name, WARN, f"cannot probe ({e})", "install maru's GPU extra: pip install 'maru[gpu]'"
+        )
+    except Exception as e:  # a failed probe reports itself; it must not hide the other checks
+        return CheckResult(name, WARN, f"probe failed: {type(e).__name__}: {e}", "see docs/gpu.md")
+    if rec.registered:
+        return CheckResult(name, OK, rec.describe())
+    if rec.state == "unavailable":  # no CUDA here: the CPU path, nothing to fix
+        return CheckResult(name, SKIP, rec.describe())
+    return CheckResult(name, WARN, rec.describe(), cuda_host.fix_for(rec))
+
+
 # Extension point: later issues append checks here (or call register_check).
 CHECKS: list[tuple[Check, bool]] = [
     (check_server, True),
@@ -236,6 +261,7 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_pool_mapping, True),
     (check_pool_usage, True),
     (check_kv_ops, False),
+    (check_cuda_registration, False),
     (check_vllm, False),
 ]
 
@@ -270,7 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default 3)")
     parser.add_argument("--pool-path", help="this host's path to the pool, if not the one the server names")
-    parser.add_argument("--quick", action="store_true", help="skip the slow optional checks (kv_ops, vLLM)")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the slow optional checks (kv_ops, CUDA registration, vLLM)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
