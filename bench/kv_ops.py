@@ -3,7 +3,9 @@
 Geometry (the ANCHORS.md one): 32 layers, 8 KV heads, head size 128, bf16, block size 16, 8192 blocks
 per layer, random slot order, for 256, 2048 and 16384 tokens. "Payload" counts the KV bytes moved
 once (a placement reads and writes them, so memory traffic is twice that); the ceiling is half the
-measured device-to-device copy bandwidth. Prints a short table last.
+measured device-to-device copy bandwidth. Also measures the destination-ordered kernel (slots sorted
+first; with and without the sort counted). ``--sweep`` first tries tile sizes and warps, then the
+scatter stores' cache operator, and keeps the best. Prints a short table last.
 
     python bench/kv_ops.py [--quick] [--layout kv_first/NHD] [--sweep]
 """
@@ -125,6 +127,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="time the reference on the CPU instead")
     parser.add_argument("--layout", default="kv_first/NHD")
     parser.add_argument("--sweep", action="store_true", help="try tile sizes and warps first, keep the best")
+    parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
     args = parser.parse_args()
     if args.cpu:
         return cpu_main()
@@ -167,63 +170,132 @@ def main() -> int:
         },
     }
     slots = patterns["random slots"]
+    # Destination order: each mapping sorted once (torch.sort's values and permutation).
+    sorted_pats = {name: {t: torch.sort(p[t]) for t in token_counts} for name, p in patterns.items()}
 
-    def kernel(t: int, gather: bool, sl: dict | None = None):
+    def kernel(t: int, gather: bool, sl: dict | None = None, ordered: str | None = None):
         obj = triton_kernels.as_bits(objs[t])
+        if ordered is not None:
+            srt, order = sorted_pats[ordered][t]
+            return lambda: triton_kernels.place(refs, layout, srt, obj, gather=gather, order=order)
         idx = (sl or slots)[t]
         return lambda: triton_kernels.place(refs, layout, idx, obj, gather=gather)
 
     tp = triton_kernels.TuneParams
+    # Cost of the sort that destination order needs (eager, events around one torch.sort).
+    sort_cost = {}
+    for t in token_counts:
+        vals = torch.empty(t, dtype=torch.int64, device="cuda")
+        perm = torch.empty(t, dtype=torch.int64, device="cuda")
+        sort_cost[t] = time_events(lambda t=t, v=vals, q=perm: torch.sort(slots[t], out=(v, q)))
+    print(
+        "torch.sort of the slot mapping (device time, us): "
+        + ", ".join(f"{t}: {v * 1e6:.1f}" for t, v in sort_cost.items()),
+        flush=True,
+    )
     if args.sweep:
         print(
-            "\n## tile sweep (kernel-only, graph-replayed; payload GB/s load / store at 256 and 2048 tokens)",
+            "\n## tile sweep (kernel-only, graph-replayed; payload GB/s load / store at "
+            + "/".join(map(str, token_counts))
+            + " tokens)",
             flush=True,
         )
+        # Tiles (2026-11-29, first pass: 8-16 tokens a program and the ordered kernel lost; not swept again).
         best = None
-        # Streaming eviction hints (tp.stream) measured no better on 2026-11-29; not swept again.
-        configs = ((2, 4), (4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))
-        for block_t, warps, layer_fast in [(b, w, lf) for lf in (False, True) for b, w in configs]:
-            tp.block_t, tp.num_warps, tp.layer_fast = block_t, warps, layer_fast
+        for block_t, warps in ((2, 4), (4, 4), (8, 8)):
+            tp.block_t, tp.num_warps = block_t, warps
             line, score = [], 9.0
             for pattern in ("random slots", "random blocks"):
                 row = [
                     payload_bytes(t) / time_graph(kernel(t, g, patterns[pattern]))
-                    for t in (256, 2048)
+                    for t in token_counts
                     for g in (False, True)
                 ]
                 line.append(f"{pattern}: " + " ".join(f"{x / 1e9:6.0f}" for x in row))
-                score = min(score, row[0] / 1.3e12, row[1] / 1.3e12, row[2] / 1.9e12, row[3] / 1.9e12)
+                # Score on loads and stores alike: 1.3 TB/s at 256 tokens, 1.9 at 2048 and above.
+                for x, t in zip(row, [t for t in token_counts for _ in (0, 1)], strict=True):
+                    score = min(score, x / (1.3e12 if t < 2048 else 1.9e12))
+            print(f"BLOCK_T={block_t:3d} warps={warps}: " + " | ".join(line), flush=True)
+            if best is None or score > best[0]:
+                best = (score, block_t, warps)
+        assert best is not None
+        tp.block_t, tp.num_warps = best[1], best[2]
+        print(f"chosen: BLOCK_T={tp.block_t} num_warps={tp.num_warps}", flush=True)
+        # The scattered stores' cache operator (loads only: it changes nothing else).
+        print("\n## scatter store cache operator (load GB/s at " + "/".join(map(str, token_counts)) + ")")
+        best_cm = None
+        for cm in ("", ".cs", ".cg", ".wt"):
+            tp.scatter_store_cache = cm
+            line, score = [], 9.0
+            for pattern in ("random slots", "random blocks"):
+                row = [
+                    payload_bytes(t) / time_graph(kernel(t, False, patterns[pattern])) for t in token_counts
+                ]
+                line.append(f"{pattern}: " + " ".join(f"{x / 1e9:6.0f}" for x in row))
+                for x, t in zip(row, token_counts, strict=True):
+                    score = min(score, x / (1.3e12 if t < 2048 else 1.9e12))
+            print(f"store cache operator {cm or 'default':8}: " + " | ".join(line), flush=True)
+            if best_cm is None or score > best_cm[0]:
+                best_cm = (score, cm)
+        assert best_cm is not None
+        tp.scatter_store_cache = best_cm[1]
+        print(f"chosen: scatter_store_cache={tp.scatter_store_cache!r}", flush=True)
+        # Locality probe: the same random-slot scatter confined to 1/16 of each layer's blocks.
+        t = 2048
+        near = torch.randperm(NB * BS // 16, device="cuda")[:t].contiguous()
+        near_sorted = torch.sort(near)
+        ob = triton_kernels.as_bits(objs[t])
+        for name, fn in (
+            ("plain", lambda: triton_kernels.place(refs, layout, near, ob, gather=False)),
+            (
+                "ordered",
+                lambda: triton_kernels.place(
+                    refs, layout, near_sorted[0], ob, gather=False, order=near_sorted[1]
+                ),
+            ),
+        ):
             print(
-                f"BLOCK_T={block_t:3d} warps={warps} layer_fast={layer_fast!s:5}: " + " | ".join(line),
+                f"locality probe, random slots in 1/16 of the cache, {t} tokens, load {name}: "
+                f"{payload_bytes(t) / time_graph(fn) / 1e9:.0f} GB/s",
                 flush=True,
             )
-            if best is None or score > best[0]:
-                best = (score, block_t, warps, layer_fast)
-        assert best is not None
-        tp.block_t, tp.num_warps, tp.layer_fast = best[1], best[2], best[3]
-        print(f"chosen: BLOCK_T={tp.block_t} num_warps={tp.num_warps} layer_fast={tp.layer_fast}", flush=True)
 
     rows = []
     for pattern, pslots in patterns.items():
         for t in token_counts:
             nbytes = payload_bytes(t)
+            res = {}
             placer = kv_ops.GraphedPlacer(caches, layout)
             placer.staging(t).copy_(objs[t])
             placer.set_slots(pslots[t])
             placer.warm(t)
-            res = {
-                "load_eager": time_events(
-                    lambda t=t, s=pslots: kv_ops.scatter(objs[t], caches, layout, s[t])
-                ),
-                "store_eager": time_events(
-                    lambda t=t, s=pslots: kv_ops.gather(caches, layout, s[t], out=objs[t])
-                ),
-                "load_graph": time_events(lambda p=placer, t=t: p.scatter(t)),
-                "store_graph": time_events(lambda p=placer, t=t: p.gather(t)),
-                "load_kernel": time_graph(kernel(t, False, pslots)),
-                "store_kernel": time_graph(kernel(t, True, pslots)),
-            }
-            if pattern == "random slots" or not args.quick:
+            res["load_graph"] = time_events(lambda p=placer, t=t: p.scatter(t))
+            res["store_graph"] = time_events(lambda p=placer, t=t: p.gather(t))
+            del placer
+            res["load_kernel"] = time_graph(kernel(t, False, pslots))
+            res["load_kernel_ord"] = time_graph(kernel(t, False, pslots, pattern))
+            # The sort and the ordered kernel captured together (the sort counted in the time).
+            vals = torch.empty(t, dtype=torch.int64, device="cuda")
+            perm = torch.empty(t, dtype=torch.int64, device="cuda")
+            ob = triton_kernels.as_bits(objs[t])
+
+            def sort_then_place(t=t, v=vals, q=perm, ob=ob, s=pslots):
+                torch.sort(s[t], out=(v, q))
+                triton_kernels.place(refs, layout, v, ob, gather=False, order=q)
+
+            try:
+                res["load_kernel_ord_sort"] = time_graph(sort_then_place)
+            except Exception as exc:  # a sort that cannot be captured must not end the run
+                print(f"sort + ordered kernel in one graph failed: {type(exc).__name__}: {exc}", flush=True)
+            res["store_kernel"] = time_graph(kernel(t, True, pslots))
+            res["store_kernel_ord"] = time_graph(kernel(t, True, pslots, pattern))
+            res["load_eager"] = time_events(
+                lambda t=t, s=pslots: kv_ops.scatter(objs[t], caches, layout, s[t])
+            )
+            res["store_eager"] = time_events(
+                lambda t=t, s=pslots: kv_ops.gather(caches, layout, s[t], out=objs[t])
+            )
+            if not args.no_reference and (pattern == "random slots" or not args.quick):
                 res["load_ref"] = time_events(
                     lambda t=t, s=pslots: kv_ops.scatter(objs[t], caches, layout, s[t], backend="reference"),
                     reps=5,
@@ -240,7 +312,6 @@ def main() -> int:
                 + ", ".join(f"{k} {fmt_bw(nbytes, v).strip()}" for k, v in res.items()),
                 flush=True,
             )
-            del placer
 
     # Per-layer issue cost (the layer-overlap load): host time to issue 32 single-layer placements.
     t = issue_tokens = 256
@@ -285,24 +356,28 @@ def main() -> int:
 
     print("\n## kv_ops on " + dev + f" ({fmt} {physical}; payload ceiling {ceil / 1e9:.0f} GB/s)")
     print(
-        "| slots | tokens | MB | load graph | load kernel | load eager | store graph | store kernel | store eager "
-        "| reference load / store |"
+        "| slots | tokens | load kernel | load graph | load eager | store kernel | store graph | store eager "
+        "| reference load / store | ordered kernel load / store | sort + ordered load |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+    def cell(r: dict, nb: int, *keys: str) -> str:
+        return " / ".join(fmt_bw(nb, r[k]).strip() if k in r else "-" for k in keys)
+
     for pattern, t, nbytes, r in rows:
-        ref = "-"
-        if "load_ref" in r:
-            ref = f"{fmt_bw(nbytes, r['load_ref']).strip()} / {fmt_bw(nbytes, r['store_ref']).strip()}"
         print(
-            f"| {pattern} | {t} | {nbytes / 1e6:.1f} | {fmt_bw(nbytes, r['load_graph'])} | "
-            f"{fmt_bw(nbytes, r['load_kernel'])} | {fmt_bw(nbytes, r['load_eager'])} | "
-            f"{fmt_bw(nbytes, r['store_graph'])} | {fmt_bw(nbytes, r['store_kernel'])} | "
-            f"{fmt_bw(nbytes, r['store_eager'])} | {ref} |"
+            f"| {pattern} | {t} | **{cell(r, nbytes, 'load_kernel')}** | {cell(r, nbytes, 'load_graph')} | {cell(r, nbytes, 'load_eager')} | "
+            f"**{cell(r, nbytes, 'store_kernel')}** | {cell(r, nbytes, 'store_graph')} | {cell(r, nbytes, 'store_eager')} | "
+            f"{cell(r, nbytes, 'load_ref', 'store_ref')} | {cell(r, nbytes, 'load_kernel_ord', 'store_kernel_ord')} | "
+            f"{cell(r, nbytes, 'load_kernel_ord_sort')} |"
         )
     print(
-        "(GB/s of payload; 'graph' = one GraphedPlacer replay timed alone, 'kernel' = 10 launches captured in one"
+        "(GB/s of payload; 'kernel' = 10 launches captured in one graph, per launch; 'graph' = one GraphedPlacer"
     )
-    print(" graph, per launch, 'eager' = kv_ops.scatter/gather called from Python)")
+    print(
+        " replay timed alone; 'eager' = kv_ops.scatter/gather from Python; 'ordered' = the destination-ordered"
+    )
+    print(" kernel on a pre-sorted mapping; 'sort + ordered' = torch.sort and that kernel in one graph)")
     print(
         f"\n| single-layer load, {issue_tokens} tokens x {L} layers | host issue per layer (us) | 32 layers, GPU time (ms) |"
     )
@@ -310,7 +385,8 @@ def main() -> int:
     for name, (host, dev_t) in issue.items():
         print(f"| {name} | {host * 1e6:.1f} | {dev_t * 1e3:.3f} |")
     print(
-        f"tiles: BLOCK_T={tp.block_t} num_warps={tp.num_warps} stream={tp.stream} layer_fast={tp.layer_fast}"
+        f"tiles: BLOCK_T={tp.block_t} num_warps={tp.num_warps} ordered BLOCK_T={tp.ordered_block_t} "
+        f"num_warps={tp.ordered_num_warps} scatter_store_cache={tp.scatter_store_cache!r}"
     )
     return 0
 

@@ -16,6 +16,7 @@ them once per process); build a new placer if they do.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -108,8 +109,19 @@ class GraphedPlacer:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._launch(key)
+            # No Python garbage collection during the capture: torch no longer collects before a
+            # capture, and a collection inside it that frees another placer's graphs (a dead reference
+            # cycle) calls cudaGraphExecDestroy, which invalidates this capture (seen on an H200,
+            # 2026-11-29: tests/gpu/test_pipeline_gpu.py, "operation failed due to a previous error
+            # during capture" after "operation not permitted when stream is capturing (function reset)").
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._launch(key)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[key] = graph

@@ -5,7 +5,13 @@
   cross-layer tensor are the same code);
 * single-layer (``USE_TABLE=False``): grid (token tiles, 1), no table load: the layer-overlap path;
 * block-granular (``BLOCKWISE=True``): the index array holds block ids; token ``t`` of the object is
-  offset ``t % BS`` of block ``ids[t // BS]``.
+  offset ``t % BS`` of block ``ids[t // BS]``;
+* destination-ordered (``ORDERED=True``, slots only): the index array holds the slots *sorted*
+  ascending and ``order[i]`` is the object token of ``sorted[i]`` (``torch.sort``'s two outputs), so
+  programs walk the cache in address order and a scatter's random side becomes its reads. Same bytes
+  moved. Measured on an H200 (bench/RESULTS.md, kv_ops): no faster than the plain kernel for
+  scattered slots, and the sort costs 30-100 us, so nothing uses it by default; ``bench/kv_ops.py``
+  keeps measuring it.
 
 Every address is computed from the ``KVLayout`` strides in physical memory (block, token, head, dim
 strides per K/V plane), never from the shape's axis order, so NHD, HND, padded, packed and the CPU
@@ -31,6 +37,7 @@ def _place_kernel(
     cache_ptr,
     layer_offs_ptr,
     idx_ptr,
+    order_ptr,
     num_tokens,
     skip,
     obj_s_layer,
@@ -56,6 +63,8 @@ def _place_kernel(
     ROW_CONTIG: tl.constexpr,
     STREAM: tl.constexpr,
     LAYER_FAST: tl.constexpr,
+    ORDERED: tl.constexpr,
+    SCATTER_STORE_CM: tl.constexpr,
 ):
     if LAYER_FAST:
         # Consecutive programs take other layers/planes of the same token tile.
@@ -74,14 +83,24 @@ def _place_kernel(
         base = cache_ptr + layer_off
     else:
         base = cache_ptr
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = (t < num_tokens) & (t >= skip)
+    pos = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if ORDERED:
+        # Position i of the sorted slots belongs to object token order[i] (a permutation of 0..T-1).
+        t = tl.load(order_ptr + pos, mask=pos < num_tokens, other=0)
+        tmask = (pos < num_tokens) & (t >= skip)
+    else:
+        t = pos
+        tmask = (t < num_tokens) & (t >= skip)
     if BLOCKWISE:
         blk = tl.load(idx_ptr + t // BS, mask=tmask, other=-1).to(tl.int64)
         off_in_block = (t % BS).to(tl.int64)
         valid = tmask & (blk >= 0)
     else:
-        slot = tl.load(idx_ptr + t, mask=tmask, other=-1).to(tl.int64)
+        if ORDERED:
+            # The sorted slots are read at their position (coalesced), not at the token.
+            slot = tl.load(idx_ptr + pos, mask=tmask, other=-1).to(tl.int64)
+        else:
+            slot = tl.load(idx_ptr + t, mask=tmask, other=-1).to(tl.int64)
         valid = tmask & (slot >= 0)
         slot = tl.where(valid, slot, 0)
         blk = slot // BS
@@ -113,7 +132,9 @@ def _place_kernel(
                 vals = tl.load(obj_p, mask=m, eviction_policy="evict_first")
                 tl.store(cache_p, vals, mask=m, eviction_policy="evict_first")
             else:
-                tl.store(cache_p, tl.load(obj_p, mask=m), mask=m)
+                # SCATTER_STORE_CM: the PTX cache operator of the scattered cache stores ("" = default
+                # write-back; ".cs" / ".cg" / ".wt" are what bench/kv_ops.py --sweep compares).
+                tl.store(cache_p, tl.load(obj_p, mask=m), mask=m, cache_modifier=SCATTER_STORE_CM)
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -130,17 +151,25 @@ class TuneParams:
     block_t: int = 4
     max_block_r: int = 1024
     num_warps: int = 4
+    # Destination-ordered launches (``order=``) have their own tiles: their random side is the read
+    # (2 tokens a program led the 2026-11-29 sweep).
+    ordered_block_t: int = 2
+    ordered_num_warps: int = 4
+    # PTX cache operator for a scatter's (random) cache stores: "" (write-back), ".cs", ".cg", ".wt".
+    scatter_store_cache: str = ""
     stream: bool = False
     layer_fast: bool = False
 
 
-def _tiles(layout: KVLayout, num_tokens: int) -> tuple[int, int, int]:
+def _tiles(layout: KVLayout, num_tokens: int, ordered: bool = False) -> tuple[int, int, int]:
     row = layout.row_size
     block_r = min(triton.next_power_of_2(row), TuneParams.max_block_r)
+    base_t = TuneParams.ordered_block_t if ordered else TuneParams.block_t
+    warps = TuneParams.ordered_num_warps if ordered else TuneParams.num_warps
     # Keep a tile at about 8K elements: enough bytes in flight per program, few registers.
-    block_t = max(1, min(TuneParams.block_t * max(1, 1024 // block_r), 64))
+    block_t = max(1, min(base_t * max(1, 1024 // block_r), 64))
     block_t = min(block_t, triton.next_power_of_2(max(1, num_tokens)))
-    return block_t, block_r, TuneParams.num_warps
+    return block_t, block_r, warps
 
 
 def _align_of(value: int) -> int:
@@ -205,15 +234,27 @@ def place(
     blockwise: bool = False,
     skip: int = 0,
     single_layer: bool = False,
+    order: torch.Tensor | None = None,
 ) -> None:
     """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
 
     ``refs`` are (bits tensor over the cache storage, absolute element offset of the layer base);
     ``obj`` is already reinterpreted as integers of the cache's element width.
+    ``order``: when given, ``index`` must be the slots sorted ascending and ``order`` the int64
+    permutation ``torch.sort`` returned with them (``sorted[i] == slots[order[i]]``); the kernel then
+    walks the cache in address order (see the module docstring). Slots only, not ``blockwise``.
     """
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
         return
+    if order is not None:
+        if blockwise:
+            raise ValueError("order= applies to slot mappings, not block ids")
+        if order.numel() != num_tokens or index.numel() != num_tokens:
+            raise ValueError(
+                f"order has {order.numel()} and the sorted slots {index.numel()} entries; both must equal "
+                f"the object's {num_tokens} tokens"
+            )
     cache0 = _base_view(refs[0])
     if single_layer or num_layers == 1:
         table, align, use_table = index, 16, False
@@ -221,7 +262,7 @@ def place(
         ptrs = tuple(t.data_ptr() + (b - t.storage_offset()) * t.element_size() for t, b in refs)
         table, align = _TABLES.get(ptrs, cache0.element_size(), cache0.device)
         use_table = True
-    block_t, block_r, num_warps = _tiles(layout, num_tokens)
+    block_t, block_r, num_warps = _tiles(layout, num_tokens, ordered=order is not None)
     tiles = triton.cdiv(num_tokens, block_t)
     layer_fast = TuneParams.layer_fast and tiles <= 65535  # grid y is limited to 65535
     grid = (num_layers * num_kv, tiles) if layer_fast else (tiles, num_layers * num_kv)
@@ -236,6 +277,7 @@ def place(
         cache0,
         table,
         index,
+        index if order is None else order,
         num_tokens,
         skip,
         obj.stride(0),
@@ -261,5 +303,7 @@ def place(
         ROW_CONTIG=row_contig,
         STREAM=TuneParams.stream,
         LAYER_FAST=layer_fast,
+        ORDERED=order is not None,
+        SCATTER_STORE_CM=TuneParams.scatter_store_cache,
         num_warps=num_warps,
     )
