@@ -10,11 +10,8 @@ settings (block size 32, enforce_eager, chunked prefill off up to the longest pr
 - ``none``: no connector. Per prompt: cold TTFT, then the same prompt again (vLLM's own
   prefix-cache hit in the same process).
 - ``store``: Maru connector, cold TTFT while storing every chunk (instance A).
-- ``load``: Maru connector, a fresh process: TTFT of the same prompts loaded from Maru (B),
-  with ``maru_prefault_kv_cache`` (the KV cache's pages touched at startup, as in an instance
-  that has been serving for a while);
-- ``load-fresh``: the same without prefaulting: the loads also pay the kernel's first-touch
-  page faults of a fresh process's KV cache.
+- ``load``: Maru connector, a fresh process: TTFT of the same prompts loaded from Maru (B);
+  before each sample vLLM's own prefix cache is reset, so every sample loads from Maru.
 
 TTFT is the wall time of ``generate(max_tokens=1)`` for one prompt. Each engine first serves a
 warm-up prompt. Every prompt is fresh random token ids, so no run sees another's cache except
@@ -82,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {(n, r): _prompt(n, 1000 * r + n) for n in a.lengths for r in range(a.reps)}
     warm = _prompt(512, 7)
     res: dict[str, dict[int, list[float]]] = {
-        k: {n: [] for n in a.lengths} for k in ("cold", "hit", "store", "load", "fresh")
+        k: {n: [] for n in a.lengths} for k in ("cold", "hit", "store", "load")
     }
     cached: dict[int, list[int]] = {n: [] for n in a.lengths}
     same: list[bool] = []
@@ -106,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 c = e.call({"op": "ttft", "prompt": p})
                 res["store"][n].append(c["seconds"])
                 print(f"store  n={n} r={r}: cold+store {c['seconds']:.3f}s")
-        prefault = {"extra": {**maru["extra"], "maru_prefault_kv_cache": True}}
-        for label, conn, key in (("load", prefault, "load"), ("load-fresh", maru, "fresh")):
+        for label, conn, key in (("load", maru, "load"),):
             with EngineProcess({**base, "connector": conn}, log_path=tmp / f"{label}.log") as e:
                 e.call({"op": "ttft", "prompt": warm})
                 for (n, r), p in prompts.items():
@@ -153,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{med['hit'][n]:.3f} s",
                 f"{med['load'][n]:.3f} s",
                 f"{med['load'][n] / med['hit'][n]:.2f}x",
-                f"{med['fresh'][n]:.3f} s",
                 str(min(cached[n])),
             )
         Console().print(t)
@@ -164,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown:
         print(
             "| prompt tokens | stat | cold, no connector | cold, Maru storing | store overhead | vLLM prefix hit "
-            "| warm from Maru | Maru / prefix hit | warm, fresh pages | tokens loaded |"
+            "| warm from Maru | Maru / prefix hit | tokens loaded |"
         )
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in a.lengths:
             for name, m in (("median", med), ("min", best)):
                 print(
                     f"| {n} | {name} | {m['cold'][n]:.3f} s | {m['store'][n]:.3f} s "
                     f"| {(m['store'][n] / m['cold'][n] - 1) * 100:+.1f}% | {m['hit'][n]:.3f} s "
-                    f"| {m['load'][n]:.3f} s | {m['load'][n] / m['hit'][n]:.2f}x | {m['fresh'][n]:.3f} s "
+                    f"| {m['load'][n]:.3f} s | {m['load'][n] / m['hit'][n]:.2f}x "
                     f"| {min(cached[n])} |"
                 )
     return 0 if all(same) else 1

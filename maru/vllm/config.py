@@ -87,7 +87,6 @@ class MaruConnectorConfig:
     enable_load: bool = True
     enable_store: bool = True
     store_partial_tail: bool = True
-    prefault_kv_cache: bool = False
     log_timing: bool = False
 
     @classmethod

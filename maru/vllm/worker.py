@@ -129,8 +129,6 @@ class MaruWorkerConnector:
                 backend,
             )
             return
-        if self.cfg.prefault_kv_cache:
-            prefault(self.caches)
         logger.info(
             "Maru: KV cache %s (%d layers, backend %s, kv_ops %s); server %s",
             self.layout.describe(),
@@ -318,34 +316,6 @@ class MaruWorkerConnector:
                 client.close()
             except Exception:
                 pass
-
-
-def prefault(caches: list[torch.Tensor]) -> None:
-    """Touch every page of the CPU caches' storage once, so loads into a fresh instance do not pay
-    the kernel's first-touch page faults (zero-filling) on the critical path.
-
-    Safe only at registration: it writes one byte per page, and the cache holds no KV yet.
-    """
-    t0 = time.perf_counter()
-    seen: set[int] = set()
-    total = 0
-    for c in caches:
-        if c.device.type != "cpu":
-            continue
-        st = c.untyped_storage()
-        if st.data_ptr() in seen:
-            continue
-        seen.add(st.data_ptr())
-        flat = torch.empty(0, dtype=torch.uint8)
-        flat.set_(st)
-        flat[::4096].zero_()
-        total += st.nbytes()
-    if total:
-        logger.info(
-            "Maru: prefaulted %.1f GiB of KV cache in %.2f s (maru_prefault_kv_cache)",
-            total / 2**30,
-            time.perf_counter() - t0,
-        )
 
 
 def _kv_ops_backend() -> str:
