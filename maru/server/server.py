@@ -42,6 +42,11 @@ from maru.server.stats import ServerStats, start_metrics_server
 
 log = logging.getLogger("maru.server")
 
+
+class _StopServing(Exception):
+    """Raised by the signal handler to break a blocked receive (see ``request_stop``)."""
+
+
 MAX_CLIENT_ID_LEN = 256
 MAX_HOST_LEN = 256
 # zmq closes a peer that sends a message larger than this (protects our memory). Frames between
@@ -163,6 +168,7 @@ class MaruServer:
         self.stats = ServerStats()
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self._stop = False
+        self._in_recv = False
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._locks: list[_FileLock] = []
@@ -277,6 +283,11 @@ class MaruServer:
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
+        # A signal that lands while the loop is blocked in recv() interrupts it at once (pyzmq
+        # lets a handler's exception out of an interrupted recv), so SIGTERM does not wait for
+        # the receive timeout. Never raised while a request is being handled.
+        if self._in_recv:
+            raise _StopServing
 
     def serve_forever(self, install_signals: bool = True) -> None:
         """Run the event loop until SIGTERM/SIGINT (or ``request_stop``), then close cleanly."""
@@ -298,7 +309,14 @@ class MaruServer:
         try:
             while not self._stop:
                 try:
-                    on_message(recv())
+                    self._in_recv = True
+                    try:
+                        frames = recv()
+                    finally:
+                        self._in_recv = False
+                    on_message(frames)
+                except _StopServing:
+                    break
                 except zmq.Again:
                     pass
                 except zmq.ZMQError as e:
