@@ -56,6 +56,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 P1 = _tokens(300, 1)  # 4 chunks of 64 and a 32-token tail (vLLM may take 288)
 P2 = P1[: 2 * C] + _tokens(172, 2)  # shares exactly two chunks with P1
 P3 = _tokens(300, 3)  # stored by A; one chunk evicted before B's load
+P4 = P1 + _tokens(100, 4)  # extends P1: P1's full chunks and P1's stored tail still apply
 
 
 def __getattr__(name: str) -> Any:
@@ -150,7 +151,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
 
     with _engine("N", tmp, model_dir, None) as n:
-        for name, p in (("p1", P1), ("p2", P2), ("p3", P3)):
+        for name, p in (("p1", P1), ("p2", P2), ("p3", P3), ("p4", P4)):
             res.n[name] = _gen(n, p)
 
     with _engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
@@ -171,6 +172,9 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         assert b.call({"op": "reset_prefix_cache"})["ok"]
         res.b["p2"] = _gen(b, P2)
         res.b["after_p2"] = b.call({"op": "stats"})
+        assert b.call({"op": "reset_prefix_cache"})["ok"]
+        res.b["p4"] = _gen(b, P4)
+        res.b["after_p4"] = b.call({"op": "stats"})
         flag.write_text("1")
         res.b["p3"] = _gen(b, P3)
         res.b["after_p3"] = b.call({"op": "stats"})
@@ -207,6 +211,15 @@ def test_partial_prefix_loads_exactly_the_shared_chunks(runs: Runs) -> None:
     assert runs.b["p2"]["out"] == runs.n["p2"]["out"]
 
 
+def test_a_prompt_extending_a_stored_one_loads_its_chunks_and_tail_and_stays_correct(runs: Runs) -> None:
+    # vLLM's example connector crashes here; Maru loads P1's 4 chunks plus P1's 32-token tail.
+    before, after = runs.b["after_p2"]["worker"], runs.b["after_p4"]["worker"]
+    assert after["tokens_loaded"] - before["tokens_loaded"] == 288
+    assert after["load_errors"] == before["load_errors"]
+    assert runs.b["p4"]["cached"] == 288
+    assert runs.b["p4"]["out"] == runs.n["p4"]["out"]
+
+
 def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
     runs: Runs, server: ServerProcess, model_dir: str
 ) -> None:
@@ -225,7 +238,7 @@ def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
 
 def test_a_chunk_evicted_before_the_load_is_recomputed_with_identical_output(runs: Runs) -> None:
     assert runs.b["flag_consumed"]
-    before, after = runs.b["after_p2"]["worker"], runs.b["after_p3"]["worker"]
+    before, after = runs.b["after_p4"]["worker"], runs.b["after_p3"]["worker"]
     assert after["load_errors"] - before["load_errors"] == 1
     assert after["tokens_loaded"] == before["tokens_loaded"]  # nothing of P3 counted as loaded
     assert runs.b["p3"]["out"] == runs.n["p3"]["out"] == runs.a["p3"]["out"]
