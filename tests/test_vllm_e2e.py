@@ -2,7 +2,7 @@
 
 Every engine runs in its own process (``maru.vllm.runner``, in-process engine mode inside it),
 one after the other, against one server; the scenarios of an engine run in that engine, so
-the whole module starts five engines:
+the whole module starts six engines:
 
 - N: no connector at all (the reference outputs);
 - A: Maru, chunked prefill (``max_num_batched_tokens`` < prompt): serves prompts cold, stores;
@@ -10,7 +10,8 @@ the whole module starts five engines:
   chunks), then a prompt whose chunk is evicted between the scheduler's check and the load
   (a test subclass of the connector deletes it at that moment);
 - D: Maru pointed at a server that is not running;
-- E: Maru, same model in bfloat16: must not hit float32 keys.
+- E: Maru, same model in bfloat16: must not hit float32 keys;
+- F: Maru, a KV cache too small for two growing requests: preemption, resume from Maru.
 
 The KV layout check runs transformers in this process on the same model and prompt and
 compares with what A stored.
@@ -57,6 +58,7 @@ P1 = _tokens(300, 1)  # 4 chunks of 64 and a 32-token tail (vLLM may take 288)
 P2 = P1[: 2 * C] + _tokens(172, 2)  # shares exactly two chunks with P1
 P3 = _tokens(300, 3)  # stored by A; one chunk evicted before B's load
 P4 = P1 + _tokens(100, 4)  # extends P1: P1's full chunks and P1's stored tail still apply
+P5, P6 = _tokens(300, 5), _tokens(300, 6)  # served together in a cache too small for both: preemption
 
 
 def __getattr__(name: str) -> Any:
@@ -126,13 +128,20 @@ class Runs:
         self.b: dict[str, Any] = {}
         self.d: dict[str, Any] = {}
         self.e: dict[str, Any] = {}
+        self.f: dict[str, Any] = {}
         self.logs: dict[str, str] = {}
 
 
 def _engine(
     name: str, tmp: Path, model_dir: str, connector: dict[str, Any] | None, **kw: Any
 ) -> EngineProcess:
-    spec = dict(model=model_dir, block_size=BS, max_model_len=1024, kv_cache_memory_bytes=32 << 20, **kw)
+    spec = {
+        "model": model_dir,
+        "block_size": BS,
+        "max_model_len": 1024,
+        "kv_cache_memory_bytes": 32 << 20,
+        **kw,
+    }
     if connector is not None:
         spec["connector"] = connector
     return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT))
@@ -189,7 +198,15 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.e["p1"] = _gen(e, P1)
         res.e["stats"] = e.call({"op": "stats"})
 
-    for name in "NABDE":
+    # F: a KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
+    small = dict(max_model_len=640, kv_cache_memory_bytes=24 * BS * 2 * 2 * 2 * 32 * 4)
+    with _engine("F", tmp, model_dir, {"extra": extra}, **small) as f:
+        r = f.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
+        assert "error" not in r, r
+        res.f["outputs"] = r["outputs"]
+        res.f["stats"] = f.call({"op": "stats"})
+
+    for name in "NABDEF":
         res.logs[name] = (tmp / f"{name}.log").read_text()
     return res
 
@@ -259,6 +276,16 @@ def test_another_dtype_of_the_same_model_never_hits_its_keys(runs: Runs) -> None
     assert runs.e["stats"]["worker"]["tokens_loaded"] == 0
     assert runs.e["stats"]["scheduler"]["tokens_offered"] == 0
     assert runs.e["stats"]["worker"]["chunks_stored"] == 5  # its own keys, next to A's
+
+
+def test_preempted_requests_resume_from_maru_and_nothing_is_stored_twice(runs: Runs) -> None:
+    sched, w = runs.f["stats"]["scheduler"], runs.f["stats"]["worker"]
+    assert sched["requests_preempted"] >= 1  # the scenario really preempted
+    assert [len(o) for o in runs.f["outputs"]] == [250, 250]
+    # Each prompt's 4 chunks and its tail, stored once. The resumed request took what vLLM's own
+    # prefix cache still held and loaded the rest of its stored prefix from Maru.
+    assert (w["chunks_stored"], w["chunks_present"], w["store_failures"]) == (10, 0, 0)
+    assert w["tokens_loaded"] > 0 and w["tokens_loaded"] % BS == 0 and w["load_errors"] == 0
 
 
 def test_stored_kv_matches_transformers_for_the_cpu_layout(

@@ -75,6 +75,7 @@ class SchedulerStats:
     tails_planned: int = 0
     probe_failures: int = 0
     load_failures_reported: int = 0
+    requests_preempted: int = 0
 
 
 class MaruSchedulerConnector:
@@ -341,9 +342,13 @@ class MaruSchedulerConnector:
                 if chunks or load_blocks:
                     blocks = load_blocks | set(st.block_ids[: (computed + scheduled) // self.block_size + 1])
                     record.append((st.req_id, blocks, planned, tail_now))
+            scheduled = {st.req_id for st, _ in steps}
             for req_id in so.preempted_req_ids or ():
                 st = self._reqs.get(req_id)
-                if st is not None:
+                # (vLLM never resumes a request in the step that preempted it; if it ever did, the
+                # block table just built is the live one and must stay.)
+                if st is not None and req_id not in scheduled:
+                    self.stats.requests_preempted += 1
                     # Its blocks are gone; on resume it is matched again (what we stored since
                     # is now loadable) and its block table starts over.
                     st.present = None
