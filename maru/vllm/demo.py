@@ -165,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                 eng = EngineProcess(spec, log_path=logs / f"vllm-{name}.log").start()
             try:
                 with con.status(f"instance {name}: serving the prompt"):
-                    # Warm-up on unrelated tokens (shorter than a chunk: nothing stored or loaded).
+                    # Warm-up on unrelated tokens (the engine's first step is slower).
                     eng.call({"op": "generate", "prompts": [prompt[::-1][:64]], "max_tokens": 1})
+                    before = eng.call({"op": "stats"}).get("worker", {})
                     first = eng.call({"op": "ttft", "prompt": prompt})
+                    during = eng.call({"op": "stats"}).get("worker", {})
                     full = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": a.max_tokens})
                     stats = eng.call({"op": "stats"})
             finally:
@@ -176,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in r:
                     raise RuntimeError(f"instance {name}: {r['error']} (log: {logs / f'vllm-{name}.log'})")
             w = stats.get("worker", {})
-            res[name] = {"ttft": first["seconds"], "loaded": int(w.get("tokens_loaded", 0)), "token": first["token"],
-                         "out": full["outputs"][0], "stats": w}  # fmt: skip
+            loaded = int(during.get("tokens_loaded", 0)) - int(before.get("tokens_loaded", 0))
+            stored = int(during.get("chunks_stored", 0)) - int(before.get("chunks_stored", 0))
+            chunks = int(during.get("chunks_loaded", 0)) - int(before.get("chunks_loaded", 0))
+            res[name] = {"ttft": first["seconds"], "loaded": loaded, "stored": stored, "chunks": chunks,
+                         "token": first["token"], "out": full["outputs"][0], "stats": w}  # fmt: skip
             con.print(
                 f"instance {name}: time to first token {first['seconds']:.3f} s, "
                 f"{res[name]['loaded']} prompt tokens loaded from Maru"
@@ -198,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_column("instance B (warm, from Maru)", justify="right")
     t.add_row("prompt tokens", str(len(prompt)), str(len(prompt)))
     t.add_row("tokens loaded from Maru", str(a_["loaded"]), str(loaded))
-    t.add_row(
-        "chunks stored / loaded",
-        str(a_["stats"].get("chunks_stored", "?")),
-        str(b_["stats"].get("chunks_loaded", "?")),
-    )
+    t.add_row("chunks stored / loaded", f"{a_['stored']} stored", f"{b_['chunks']} loaded")
     t.add_row(
         "time to first token",
         f"{a_['ttft']:.3f} s",
