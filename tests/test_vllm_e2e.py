@@ -2,13 +2,14 @@
 
 Every engine runs in its own process (``maru.vllm.runner``, in-process engine mode inside it),
 one after the other, against one server; the scenarios of an engine run in that engine, so
-the whole module starts six engines:
+the whole module starts seven engines:
 
 - N: no connector at all (the reference outputs);
 - A: Maru, chunked prefill (``max_num_batched_tokens`` < prompt): serves prompts cold, stores;
 - B: Maru, a second instance: loads A's prefixes (whole prompt, then a prompt sharing two
   chunks), then a prompt whose chunk is evicted between the scheduler's check and the load
   (a test subclass of the connector deletes it at that moment);
+- M: Maru in vLLM's default multi-process mode (scheduler and worker in different processes);
 - D: Maru pointed at a server that is not running;
 - E: Maru, same model in bfloat16: must not hit float32 keys;
 - F: Maru, a KV cache too small for two growing requests: preemption, resume from Maru.
@@ -129,11 +130,17 @@ class Runs:
         self.d: dict[str, Any] = {}
         self.e: dict[str, Any] = {}
         self.f: dict[str, Any] = {}
+        self.m: dict[str, Any] = {}
         self.logs: dict[str, str] = {}
 
 
 def _engine(
-    name: str, tmp: Path, model_dir: str, connector: dict[str, Any] | None, **kw: Any
+    name: str,
+    tmp: Path,
+    model_dir: str,
+    connector: dict[str, Any] | None,
+    env: dict[str, str] | None = None,
+    **kw: Any,
 ) -> EngineProcess:
     spec = {
         "model": model_dir,
@@ -144,7 +151,7 @@ def _engine(
     }
     if connector is not None:
         spec["connector"] = connector
-    return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT))
+    return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT), env=env)
 
 
 def _gen(eng: EngineProcess, prompt: list[int]) -> dict[str, Any]:
@@ -189,6 +196,11 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.b["after_p3"] = b.call({"op": "stats"})
         res.b["flag_consumed"] = not flag.exists()
 
+    # M: vLLM's default multi-process mode (what `vllm serve` runs): scheduler-side connector in the
+    # engine-core process, worker-side in the worker process, metadata serialized between them.
+    with _engine("M", tmp, model_dir, {"extra": extra}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
+        res.m["p1"] = _gen(m, P1)
+
     dead = {"extra": {**extra, "maru_server_url": f"tcp://127.0.0.1:{free_port()}", "maru_timeout_s": 0.5}}
     with _engine("D", tmp, model_dir, dead) as d:
         res.d["p1"] = _gen(d, P1)
@@ -206,7 +218,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.f["outputs"] = r["outputs"]
         res.f["stats"] = f.call({"op": "stats"})
 
-    for name in "NABDEF":
+    for name in "NABMDEF":
         res.logs[name] = (tmp / f"{name}.log").read_text()
     return res
 
@@ -218,6 +230,12 @@ def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs
     assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
     assert runs.b["p1"]["out"] == runs.a["p1"]["out"] == runs.n["p1"]["out"]
     assert len(set(runs.n["p1"]["out"])) > 1  # greedy output is not one repeated token: the check can fail
+
+
+def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> None:
+    assert runs.m["p1"]["cached"] == 288
+    assert runs.m["p1"]["out"] == runs.n["p1"]["out"]
+    assert "load 1 req 288 tokens 5 chunks" in runs.logs["M"]
 
 
 def test_partial_prefix_loads_exactly_the_shared_chunks(runs: Runs) -> None:
