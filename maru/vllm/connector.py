@@ -121,6 +121,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
+        self._last_reported: dict[str, Any] = {}
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             logger.warning(
                 "Maru: pipeline parallelism (pipeline_parallel_size=%d) is not supported; the connector "
@@ -226,6 +227,26 @@ class MaruKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.wait_for_save(self._meta())
+
+    def get_kv_connector_stats(self) -> Any:
+        """The worker's counters since the last call, for vLLM's ``KV Transfer metrics`` log line."""
+        if self._worker is None:
+            return None
+        try:
+            from maru.vllm.stats import interval_stats
+
+            now = self._worker.stats.as_dict()
+            out = interval_stats(now, self._last_reported)
+            self._last_reported = now
+            return out
+        except Exception:  # diagnostics must never break a step
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from maru.vllm.stats import MaruKVConnectorStats
+
+        return MaruKVConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

@@ -57,6 +57,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
         kw["enable_chunked_prefill"] = True
+    if spec.get("log_stats"):
+        kw["disable_log_stats"] = False
     if spec.get("max_num_seqs"):
         kw["max_num_seqs"] = int(spec["max_num_seqs"])
     conn = spec.get("connector")

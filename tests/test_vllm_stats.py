@@ -1,0 +1,37 @@
+"""The connector's counters in vLLM's stats pipeline (maru.vllm.stats)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from maru.vllm.stats import MaruKVConnectorStats, interval_stats  # noqa: E402
+
+
+def test_interval_stats_report_only_what_changed_since_the_last_report() -> None:
+    assert interval_stats({"tokens_loaded": 5}, {"tokens_loaded": 5}) is None
+    s = interval_stats({"tokens_loaded": 96, "chunks_loaded": 3}, {"tokens_loaded": 32, "chunks_loaded": 1})
+    assert s is not None and s.data["tokens_loaded"] == 64 and s.data["chunks_loaded"] == 2
+
+
+def test_aggregate_sums_workers_and_steps_and_reduce_summarizes() -> None:
+    a = MaruKVConnectorStats(
+        data={"tokens_loaded": 64, "bytes_loaded": 2e9, "load_seconds": 1.0, "chunks_stored": 1}
+    )
+    b = MaruKVConnectorStats(
+        data={"tokens_loaded": 32, "bytes_loaded": 1e9, "load_seconds": 0.5, "store_failures": 2}
+    )
+    r = a.aggregate(b).reduce()
+    assert r["tokens_loaded"] == 96 and r["chunks_stored"] == 1 and r["store_failures"] == 2
+    assert r["load_GBps"] == pytest.approx(2.0)
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty()
+
+
+def test_stats_survive_pickling_between_processes() -> None:
+    s = MaruKVConnectorStats(data={"chunks_stored": 3})
+    assert pickle.loads(pickle.dumps(s)).data == {"chunks_stored": 3}
