@@ -8,6 +8,7 @@ checks every placed token through the naive per-format oracle and every other by
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,15 @@ CASES = [
 ]
 
 
+DEVICE = os.environ.get("MARU_TEST_DEVICE", "cpu")  # "cuda" runs the same tests on a GPU
+
+
 def _case(fmt: str, physical: str, seed: int, dtype: torch.dtype = torch.float32) -> CacheCase:
     g = torch.Generator().manual_seed(seed)
     return make_cache(
         fmt,
         physical,
+        device=DEVICE,
         num_blocks=16,
         block_size=BS,
         num_kv_heads=3,
@@ -89,7 +94,7 @@ def _request(tag: str, blocks: list[int], n_tokens: int) -> RequestTransfer:
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     from maru.kv_ops.testing import bits
 
-    return torch.equal(bits(a), bits(b))
+    return torch.equal(bits(a.cpu()), bits(b.cpu()))
 
 
 @pytest.mark.parametrize("fmt,physical", CASES)

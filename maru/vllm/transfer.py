@@ -169,6 +169,15 @@ class KVTransferEngine:
         self.num_kv = int(layout.num_kv)
         self.row = int(layout.row_size)
         self.elem = torch.empty((), dtype=self.dtype).element_size()
+        self.device = self.caches[0].device
+        if self.device.type != "cpu":
+            # Correct but not the fast path: pageable copies through a staging tensor on the device.
+            # The pipelined path over a CUDA-registered pool is the GPU data path's job.
+            logger.warning(
+                "Maru: KV cache on %s: chunks are staged through device memory and copied to/from "
+                "the pool with plain (unregistered) host copies; expect host-copy bandwidth",
+                self.device,
+            )
 
     # ------------------------------------------------------------------ geometry
     def object_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
@@ -217,7 +226,13 @@ class KVTransferEngine:
             try:
                 slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
                 out = self._tensor_over(obj.buf, c.num_tokens)
-                kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=out)
+                if self.device.type == "cpu":
+                    kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=out)
+                else:
+                    staged = kv_ops.gather(
+                        self.caches, self.layout, slots.to(self.device), backend=self.backend
+                    )
+                    out.copy_(staged)  # synchronous: the object is complete before it is published
                 del out  # drop the export of obj.buf before the client releases it
             except Exception as e:  # a gather bug must not publish a half-written object
                 bad.append(obj)
@@ -317,6 +332,8 @@ class KVTransferEngine:
             try:
                 slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, c.placed())
                 obj = self._tensor_over(h.view, c.num_tokens)
+                if self.device.type != "cpu":
+                    obj, slots = obj.to(self.device), slots.to(self.device)
                 kv_ops.scatter(obj, self.caches, self.layout, slots, backend=self.backend)
                 del obj
             except Exception as e:  # reported as a load error: vLLM recomputes these blocks
