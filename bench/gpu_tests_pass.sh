@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device-machine pass over every GPU test (no benchmarks): the check to run before calling
+# GPU work done. Carry `.whl` (pyzmq) through the device tool; see bench/gpu_pass_kv_ops.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+rc=0
+# --noconftest: the CPU suite's conftest fixtures are not needed by the GPU tests.
+timeout 300 python3 -m pytest --noconftest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || rc=1
+# The transfer engine's layout round trips on CUDA caches (a real maru server process).
+MARU_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/test_transfer.py 2>&1 | tee "$OUT/transfer_cuda.log" | tail -8 || rc=1
+exit $rc
