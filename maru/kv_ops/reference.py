@@ -8,15 +8,27 @@ one vectorised index op:
   elements (one run of NH*HS for tight NHD, NH runs of HS for HND, packed and the CPU backend's V),
   the storage is viewed as ``[rows, run]`` and ``index_select`` / ``index_copy_`` move whole runs
   (memcpy speed on the CPU);
-* the whole-block path: when the valid tokens are whole blocks in offset order (a chunk load, the
-  block-granular API), one ``index_select``/``index_copy_`` over the plane view's block axis;
+* the whole-block path (``_BlockRuns``): tokens that fill whole blocks in offset order, as chunk
+  loads and the block-granular API give them, are grouped into runs of consecutive block ids, and each
+  run of each layer and plane is one strided ``copy_`` between the object rows and the plane view
+  (no index op: torch's copy kernel, which also transposes the CPU backend's K inside the copy);
+  the remaining tokens (a partial first or last block, scattered slots) take the paths below;
 * the generic path (the CPU backend's transposed K, unusual strides): advanced indexing on the
   ``[NB, BS, NH, HS]`` plane view, element by element but still one C++ loop.
+
+Why the scatter into a transposed plane first copies the object's rows into a staging buffer whose rows
+are one element longer: a transposing copy walks the destination's contiguous axis (tokens) and reads
+the source with the row stride, ``NH*HS`` elements, usually a power of two (2 KiB for 8 heads of 64
+fp32). Thirty-two loads 2 KiB apart fall into the same two L1 sets and evict each other; with rows of
+``NH*HS + 1`` elements they spread over all sets. The extra memcpy-speed pass costs less than it saves
+(measured 3-4x on the K plane; ``bench/kv_ops_cpu.py``).
 
 Negative slots are never read or written. For gather, their object rows keep what ``out`` held.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -90,22 +102,6 @@ class _SlotSplit:
         self.blocks = torch.div(chosen, layout.block_size, rounding_mode="floor")
         self.offsets = chosen - self.blocks * layout.block_size
         self._plans: dict[int, _RowPlan | None] = {}
-        self.whole_blocks = self._whole_blocks(layout.block_size)
-
-    def _whole_blocks(self, block_size: int) -> torch.Tensor | None:
-        """Block ids when the valid tokens are whole blocks, each in offset order (a chunk load), else None.
-
-        Then one ``index_select``/``index_copy_`` over the plane's block axis moves everything, with
-        the layout's own (possibly transposed) inner order handled inside that one C++ copy.
-        """
-        if self.count == 0 or self.count % block_size:
-            return None
-        groups = self.blocks.view(-1, block_size)
-        offs = self.offsets.view(-1, block_size)
-        expected = torch.arange(block_size, device=offs.device, dtype=offs.dtype)
-        if bool((groups == groups[:, :1]).all()) and bool((offs == expected).all()):
-            return groups[:, 0].contiguous()
-        return None
 
     def plan(self, layout: KVLayout, kv: int) -> _RowPlan | None:
         key = kv if layout.plane_strides(0) != layout.plane_strides(1) else 0
@@ -118,18 +114,6 @@ class _SlotSplit:
 def gather_plane(ref: LayerRef, layout: KVLayout, kv: int, split: _SlotSplit, out: torch.Tensor) -> None:
     """Copy the valid slots' plane-``kv`` rows of one layer into ``out`` ([T, NH*HS], rows contiguous)."""
     if split.count == 0:
-        return
-    if split.whole_blocks is not None:
-        view = plane_view(ref, layout, kv)
-        if split.positions is None and out.is_contiguous():
-            shape = (split.whole_blocks.numel(), layout.block_size, layout.num_kv_heads, layout.head_size)
-            torch.index_select(view, 0, split.whole_blocks, out=out.view(shape))
-            return
-        picked = view.index_select(0, split.whole_blocks).reshape(split.count, -1)
-        if split.positions is None:
-            out.copy_(picked)
-        else:
-            out.index_copy_(0, split.positions, picked)
         return
     plan = split.plan(layout, kv)
     if plan is not None:
@@ -151,10 +135,6 @@ def scatter_plane(ref: LayerRef, layout: KVLayout, kv: int, split: _SlotSplit, s
     if split.count == 0:
         return
     values = src if split.positions is None else src.index_select(0, split.positions)
-    if split.whole_blocks is not None:
-        shape = (split.whole_blocks.numel(), layout.block_size, layout.num_kv_heads, layout.head_size)
-        plane_view(ref, layout, kv).index_copy_(0, split.whole_blocks, values.reshape(shape))
-        return
     plan = split.plan(layout, kv)
     if plan is not None:
         rows = plan.rows(ref, layout, kv)
@@ -166,9 +146,168 @@ def scatter_plane(ref: LayerRef, layout: KVLayout, kv: int, split: _SlotSplit, s
         )
 
 
+class _Segment:
+    """Whole blocks at consecutive token positions: tokens ``[t0, t0 + n*BS)`` are blocks ``ids``.
+
+    ``b0`` is the first block id when ``ids`` are consecutive too (``b0 .. b0+n-1``), so the segment
+    is a plain slice of the cache's block axis; else None.
+    """
+
+    def __init__(self, t0: int, ids: torch.Tensor, b0: int | None) -> None:
+        self.t0, self.ids, self.b0 = t0, ids, b0
+        self.n = int(ids.numel())
+
+
+class _WholeBlocks:
+    """The whole blocks among a slot mapping, grouped into ``_Segment``s; ``rest`` is what remains.
+
+    A whole block is ``block_size`` consecutive tokens whose slots are ``b*BS + 0 .. b*BS + BS-1`` in
+    that order (a chunk load: all of it but perhaps a partial first and last block). ``rest`` is the
+    slot mapping with the whole blocks' tokens replaced by -1, for the token paths; None when the whole
+    blocks cover every token. Windows of whole blocks cannot overlap (each starts at an offset-0 slot
+    and holds offsets 0..BS-1), so detection tests every start at once, vectorised, without a scan.
+    """
+
+    def __init__(self, layout: KVLayout, slots: torch.Tensor) -> None:
+        bs = layout.block_size
+        n = slots.numel()
+        self.segments: list[_Segment] = []
+        self.rest: torch.Tensor | None = slots
+        if n < bs:
+            return
+        if n % bs == 0 and self._all_whole(slots, bs):
+            return
+        if bs == 1:
+            starts = torch.nonzero(slots >= 0).reshape(-1)
+        else:
+            # step[i]: slot i+1 follows slot i. A window [i, i+BS) is one block in order when it
+            # starts at an offset-0 slot and all its BS-1 steps are +1 (prefix sums count them).
+            steps = torch.zeros(n, dtype=torch.int32, device=slots.device)
+            torch.cumsum((slots[1:] - slots[:-1]) == 1, 0, dtype=torch.int32, out=steps[1:])
+            first = slots[: n - bs + 1]
+            ok = (first >= 0) & (first % bs == 0) & (steps[bs - 1 :] - steps[: n - bs + 1] == bs - 1)
+            starts = torch.nonzero(ok).reshape(-1)
+        count = int(starts.numel())
+        if count == 0:
+            return
+        blocks = torch.div(slots[starts], bs, rounding_mode="floor")
+        # A segment ends where the next whole block does not follow in the token list; a segment's
+        # ids are a slice of the block axis when each id is the previous one plus one.
+        if count > 1:
+            tok_next = starts[1:] - starts[:-1] == bs
+            id_next = blocks[1:] - blocks[:-1] == 1
+            cuts = (torch.nonzero(~tok_next).reshape(-1) + 1).tolist()
+            id_breaks = torch.nonzero(tok_next & ~id_next).reshape(-1) + 1
+        else:
+            cuts, id_breaks = [], torch.zeros(0, dtype=torch.int64)
+        breaks = id_breaks.tolist()
+        bounds = [0, *cuts, count]
+        t_list = starts.tolist()
+        for i, j in zip(bounds[:-1], bounds[1:], strict=True):
+            consecutive = not any(i < k < j for k in breaks)
+            b0 = int(blocks[i]) if consecutive else None
+            self.segments.append(_Segment(t_list[i], blocks[i:j], b0))
+        if count * bs == n:
+            self.rest = None
+            return
+        covered = (starts[:, None] + torch.arange(bs, device=slots.device)[None, :]).reshape(-1)
+        self.rest = slots.index_fill(0, covered, -1)
+
+    def _all_whole(self, slots: torch.Tensor, bs: int) -> bool:
+        """The common case in half the host time of the general test: every token in whole blocks."""
+        grid = slots.view(-1, bs)
+        first = grid[:, 0]
+        offsets = torch.arange(bs, device=slots.device)
+        ok = ((grid - first[:, None]) == offsets).all() & (first >= 0).all() & (first % bs == 0).all()
+        if not bool(ok):
+            return False
+        ids = torch.div(first, bs, rounding_mode="floor")
+        consecutive = ids.numel() == 1 or bool((ids[1:] - ids[:-1] == 1).all())
+        self.segments.append(_Segment(0, ids, int(ids[0]) if consecutive else None))
+        self.rest = None
+        return True
+
+
+# Staging rows are this many bytes longer than the object's (one cache line; see the module docstring).
+STAGE_PAD_BYTES = 64
+
+
+def _transposed(layout: KVLayout, kv: int) -> bool:
+    """True when the plane's contiguous axis is not the head dimension (the CPU backend's K^T)."""
+    _, st, _, sd = layout.plane_strides(kv)
+    return sd != 1 and st < sd
+
+
+class _Staging(threading.local):
+    """One reusable staging buffer per thread (a fresh multi-MiB tensor per call would page-fault its
+    whole size in again: measured slower than the copy it serves)."""
+
+    buf: torch.Tensor | None = None
+
+    def rows(self, like: torch.Tensor, num_rows: int, row: int) -> torch.Tensor:
+        """A ``[num_rows, row + pad]`` tensor of ``like``'s dtype and device (contents undefined)."""
+        pad = max(1, STAGE_PAD_BYTES // like.element_size())
+        need = num_rows * (row + pad)
+        buf = self.buf
+        if buf is None or buf.dtype != like.dtype or buf.device != like.device or buf.numel() < need:
+            buf = self.buf = torch.empty(need, dtype=like.dtype, device=like.device)
+        return buf[:need].view(num_rows, row + pad)
+
+
+_STAGING = _Staging()
+
+
+def _blocks_of(rows: torch.Tensor, layout: KVLayout, t0: int, n: int) -> torch.Tensor:
+    """Tokens ``[t0, t0 + n*BS)`` of ``rows`` ([T, >= ROW], unit element stride) as ``[n, BS, NH, HS]``."""
+    part = rows[t0 : t0 + n * layout.block_size, : layout.row_size]
+    return part.view(n, layout.block_size, layout.num_kv_heads, layout.head_size)
+
+
+def gather_blocks_plane(
+    ref: LayerRef, layout: KVLayout, kv: int, segments: list[_Segment], out: torch.Tensor
+) -> None:
+    """Whole blocks of one layer's plane into ``out``'s rows: one ``index_select`` per segment over
+    the block axis (measured as fast as a slice copy for consecutive ids, and faster for scattered).
+    ``out``'s rows are contiguous (``ops`` checks it), so a segment's rows are one contiguous tensor."""
+    view = plane_view(ref, layout, kv)
+    for seg in segments:
+        torch.index_select(view, 0, seg.ids, out=_blocks_of(out, layout, seg.t0, seg.n))
+
+
+def scatter_blocks_plane(
+    ref: LayerRef, layout: KVLayout, kv: int, segments: list[_Segment], rows: torch.Tensor
+) -> None:
+    """Whole blocks of ``rows`` into one layer's plane.
+
+    A segment of consecutive block ids is one strided ``copy_`` into a slice of the block axis. For
+    scattered ids the transposed plane takes one ``index_copy_`` (its copy reads the staged rows in
+    the right order); on the CPU a plane with contiguous head rows one ``copy_`` per block (torch's
+    ``index_copy_`` moves it element by element, measured 1.4-2x slower than the per-block copies;
+    on a GPU the per-block launches would cost more than that, so it keeps the ``index_copy_``).
+    """
+    view = plane_view(ref, layout, kv)
+    transposed = _transposed(layout, kv)
+    for seg in segments:
+        src = _blocks_of(rows, layout, seg.t0, seg.n)
+        if seg.b0 is not None:
+            view[seg.b0 : seg.b0 + seg.n].copy_(src)
+        elif transposed or view.device.type != "cpu":
+            view.index_copy_(0, seg.ids, src)
+        else:
+            for j, b in enumerate(seg.ids.tolist()):
+                view[b].copy_(src[j])
+
+
 def gather(refs: list[LayerRef], layout: KVLayout, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
     """``out[l, kv, t] = cache_l[kv, slot_mapping[t]]`` for every valid slot (``out`` is [L, KV, T, ROW])."""
-    split = _SlotSplit(layout, slot_mapping)
+    whole = _WholeBlocks(layout, slot_mapping.to(torch.int64))
+    if whole.segments:
+        for layer, ref in enumerate(refs):
+            for kv in range(layout.num_kv):
+                gather_blocks_plane(ref, layout, kv, whole.segments, out[layer, kv])
+    if whole.rest is None:
+        return
+    split = _SlotSplit(layout, whole.rest)
     for layer, ref in enumerate(refs):
         for kv in range(layout.num_kv):
             gather_plane(ref, layout, kv, split, out[layer, kv])
@@ -176,7 +315,22 @@ def gather(refs: list[LayerRef], layout: KVLayout, slot_mapping: torch.Tensor, o
 
 def scatter(refs: list[LayerRef], layout: KVLayout, slot_mapping: torch.Tensor, obj: torch.Tensor) -> None:
     """``cache_l[kv, slot_mapping[t]] = obj[l, kv, t]`` for every valid slot."""
-    split = _SlotSplit(layout, slot_mapping)
+    whole = _WholeBlocks(layout, slot_mapping.to(torch.int64))
+    if whole.segments:
+        for kv in range(layout.num_kv):
+            stage = _transposed(layout, kv) and obj.device.type == "cpu"
+            for layer, ref in enumerate(refs):
+                rows = obj[layer, kv]
+                if stage:
+                    # Rows one cache line longer break the power-of-two read stride (module docstring);
+                    # one layer at a time, so the staged rows are still in L2 when the copy reads them.
+                    staged = _STAGING.rows(rows, rows.shape[0], layout.row_size)
+                    staged[:, : layout.row_size].copy_(rows)
+                    rows = staged
+                scatter_blocks_plane(ref, layout, kv, whole.segments, rows)
+    if whole.rest is None:
+        return
+    split = _SlotSplit(layout, whole.rest)
     for layer, ref in enumerate(refs):
         for kv in range(layout.num_kv):
             scatter_plane(ref, layout, kv, split, obj[layer, kv])
