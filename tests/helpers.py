@@ -47,8 +47,12 @@ class ServerProcess:
         pool_path: str | None = None,
         state_dir: Path | str | None = None,
         log_level: str = "INFO",
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] | list[str] = (),
     ) -> None:
         self.tmp_path = Path(tmp_path)
+        self.host = host
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NS]: run the server elsewhere
         self.pool_size = pool_size
         self.lease_timeout = lease_timeout
         self.port = port or free_port()
@@ -77,11 +81,12 @@ class ServerProcess:
 
     def argv(self) -> list[str]:
         args = [
+            *self.prefix,
             sys.executable,
             "-m",
             "maru.server",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--pool-path",
