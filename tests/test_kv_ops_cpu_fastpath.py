@@ -102,9 +102,20 @@ def test_gather_of_block_patterns_matches_the_naive_oracle(fmt: str, physical: s
 SCATTER_PATTERNS = [name for name in PATTERNS if name != "block repeated in two places"]
 
 
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
+def torch_threads(request):
+    """Scattered whole blocks take per-block copies on one thread and ``index_copy_`` on more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("fmt,physical", layouts())
 @pytest.mark.parametrize("name", SCATTER_PATTERNS)
-def test_scatter_of_block_patterns_matches_the_naive_oracle(fmt: str, physical: str, name: str) -> None:
+def test_scatter_of_block_patterns_matches_the_naive_oracle(
+    fmt: str, physical: str, name: str, torch_threads: int
+) -> None:
     slots, _ = PATTERNS[name]
     got_case, layout, gen = case_of(fmt, physical, seed=len(name))
     want_case, _, _ = case_of(fmt, physical, seed=len(name))

@@ -281,9 +281,11 @@ def scatter_blocks_plane(
 
     A segment of consecutive block ids is one strided ``copy_`` into a slice of the block axis. For
     scattered ids the transposed plane takes one ``index_copy_`` (its copy reads the staged rows in
-    the right order); on the CPU a plane with contiguous head rows one ``copy_`` per block (torch's
-    ``index_copy_`` moves it element by element, measured 1.4-2x slower than the per-block copies;
-    on a GPU the per-block launches would cost more than that, so it keeps the ``index_copy_``).
+    the right order). A plane with contiguous head rows, on one CPU thread, takes one ``copy_`` per
+    block (torch's ``index_copy_`` moves it element by element: measured 1.4-2x slower than the
+    per-block copies); with more threads ``index_copy_`` (a block is too small for torch to split a
+    copy across threads, the ``index_copy_`` of a segment is not), and on a GPU likewise (per-block
+    launches would cost more).
     """
     view = plane_view(ref, layout, kv)
     transposed = _transposed(layout, kv)
@@ -291,7 +293,7 @@ def scatter_blocks_plane(
         src = _blocks_of(rows, layout, seg.t0, seg.n)
         if seg.b0 is not None:
             view[seg.b0 : seg.b0 + seg.n].copy_(src)
-        elif transposed or view.device.type != "cpu":
+        elif transposed or view.device.type != "cpu" or torch.get_num_threads() > 1:
             view.index_copy_(0, seg.ids, src)
         else:
             for j, b in enumerate(seg.ids.tolist()):
