@@ -42,6 +42,10 @@ PATTERNS: dict[str, tuple[list[int], list[tuple[int, int]]]] = {
     "swapped tokens inside a block": ([*blocks(0), 5, 4, 6, 7, *blocks(2)], [(0, 4), (8, 12)]),
     "reversed block": (blocks(6)[::-1] + blocks(7), [(4, 8)]),
     "block repeated in two places": ([*blocks(3), *blocks(3)], [(0, 8)]),
+    "segments with and without id breaks": (
+        [*blocks(1, 2), -1, *blocks(5, 7), -1, *blocks(8, 9), *blocks(11)],
+        [(0, 8), (9, 17), (18, 30)],
+    ),
     "only negatives": ([-1] * 8, []),
     "fewer tokens than a block": ([9 * BS, 9 * BS + 1], []),
 }

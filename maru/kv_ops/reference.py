@@ -1,33 +1,37 @@
 """PyTorch reference placement: the oracle for every kernel, and the CPU hot path.
 
 Works on any device torch does. Per layer and plane (K or V) it builds a strided view of the cache's
-storage from the ``KVLayout`` numbers (never from the shape's axis order), then moves all tokens with
-one vectorised index op:
+storage from the ``KVLayout`` numbers (never from the shape's axis order), then moves the tokens with
+a few vectorised torch ops (never a Python loop over tokens):
 
 * the "row" path: where a token's elements of one plane are ``runs`` contiguous runs of ``run``
   elements (one run of NH*HS for tight NHD, NH runs of HS for HND, packed and the CPU backend's V),
   the storage is viewed as ``[rows, run]`` and ``index_select`` / ``index_copy_`` move whole runs
   (memcpy speed on the CPU);
-* the whole-block path (``_BlockRuns``): tokens that fill whole blocks in offset order, as chunk
-  loads and the block-granular API give them, are grouped into runs of consecutive block ids, and each
-  run of each layer and plane is one strided ``copy_`` between the object rows and the plane view
-  (no index op: torch's copy kernel, which also transposes the CPU backend's K inside the copy);
-  the remaining tokens (a partial first or last block, scattered slots) take the paths below;
+* the whole-block path (``_WholeBlocks``, taken first): tokens that fill whole blocks in offset
+  order, as chunk loads and the block-granular API give them. Whole blocks at consecutive ids are one
+  strided ``copy_`` per layer and plane between the object rows and a slice of the block axis (no
+  index op; torch's copy kernel also transposes the CPU backend's K); scattered ids one
+  ``index_select``/``index_copy_`` over the block axis, or one ``copy_`` per block where measured
+  faster (``scatter_blocks_plane``). The remaining tokens (a partial first or last block, scattered
+  slots) take the paths below;
 * the generic path (the CPU backend's transposed K, unusual strides): advanced indexing on the
   ``[NB, BS, NH, HS]`` plane view, element by element but still one C++ loop.
 
-Why the scatter into a transposed plane first copies the object's rows into a staging buffer whose rows
-are one element longer: a transposing copy walks the destination's contiguous axis (tokens) and reads
-the source with the row stride, ``NH*HS`` elements, usually a power of two (2 KiB for 8 heads of 64
-fp32). Thirty-two loads 2 KiB apart fall into the same two L1 sets and evict each other; with rows of
-``NH*HS + 1`` elements they spread over all sets. The extra memcpy-speed pass costs less than it saves
-(measured 3-4x on the K plane; ``bench/kv_ops_cpu.py``).
+Why a whole-block scatter into a transposed plane (the CPU backend's K) first copies the object's rows
+into a staging buffer whose rows are ``STAGE_PAD_BYTES`` longer: the transposing copy walks the
+destination's contiguous axis (tokens) and reads the source with the row stride, ``NH*HS`` elements,
+usually a power of two (2 KiB for 8 heads of 64 fp32). Thirty-two loads 2 KiB apart fall into the same
+few L1 sets and evict each other; with one more cache line per row they spread over all sets. The
+extra memcpy-speed pass costs less than it saves (K plane, 8k tokens, one thread: 82 ms of CPU
+unstaged, 52 ms staged including the staging copy; ``bench/kv_ops_cpu.py``, ``bench/RESULTS.md``).
 
 Negative slots are never read or written. For gather, their object rows keep what ``out`` held.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 import torch
@@ -200,12 +204,13 @@ class _WholeBlocks:
             id_breaks = torch.nonzero(tok_next & ~id_next).reshape(-1) + 1
         else:
             cuts, id_breaks = [], torch.zeros(0, dtype=torch.int64)
-        breaks = id_breaks.tolist()
+        breaks = id_breaks.tolist()  # sorted
         bounds = [0, *cuts, count]
         t_list = starts.tolist()
         for i, j in zip(bounds[:-1], bounds[1:], strict=True):
-            consecutive = not any(i < k < j for k in breaks)
-            b0 = int(blocks[i]) if consecutive else None
+            # consecutive ids unless an id break falls strictly inside (i, j)
+            k = bisect.bisect_right(breaks, i)
+            b0 = int(blocks[i]) if k == len(breaks) or breaks[k] >= j else None
             self.segments.append(_Segment(t_list[i], blocks[i:j], b0))
         if count * bs == n:
             self.rest = None
@@ -215,7 +220,7 @@ class _WholeBlocks:
 
     def _all_whole(self, slots: torch.Tensor, bs: int) -> bool:
         """The common case in half the host time of the general test: every token in whole blocks."""
-        grid = slots.view(-1, bs)
+        grid = slots.reshape(-1, bs)
         first = grid[:, 0]
         offsets = torch.arange(bs, device=slots.device)
         ok = ((grid - first[:, None]) == offsets).all() & (first >= 0).all() & (first % bs == 0).all()
