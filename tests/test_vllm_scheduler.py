@@ -283,3 +283,108 @@ def test_unreachable_server_offers_nothing_and_warns_once(keyer, caplog: pytest.
     warnings = [r for r in caplog.records if "cannot reach maru server" in r.getMessage()]
     assert len(warnings) == 1 and "maru server" in warnings[0].getMessage()
     assert not any(r.exc_info for r in caplog.records)
+
+
+def empty_out() -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+        preempted_req_ids=set(),
+    )
+
+
+def test_async_load_offers_asynchronously_and_plans_the_load_of_the_parked_request(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client, async_load=True)
+    toks = tokens(300, seed=21)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (288, True)
+    s.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+    # vLLM parks the request: it is not scheduled, yet its load must be in this step's metadata.
+    meta = s.build_connector_meta(empty_out())
+    assert not meta.loads and not meta.stores
+    (load,) = meta.async_loads
+    assert [c.key for c in load.chunks] == full + [tail]
+    assert load.num_placed_tokens() == 288 and load.block_ids == tuple(range(10))
+    assert s.inflight_loads == {"a"}
+    assert not s.build_connector_meta(empty_out()).async_loads  # planned once
+    # Loaded: vLLM schedules the rest as a new request with 288 computed tokens.
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set()))
+    assert s.inflight_loads == set()
+    meta = s.build_connector_meta(new_out("a", list(range(10)), 288, 12))
+    assert not meta.loads and not meta.async_loads and not meta.stores
+
+
+def test_async_load_admission_window_asks_again_later_instead_of_recomputing(server, keyer, client) -> None:
+    s = make_sched(server, keyer, client, async_load=True, max_inflight_loads=2)
+    toks = tokens(300, seed=22)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    for rid in ("a", "b"):
+        assert s.get_num_new_matched_tokens(req(rid, toks), 0) == (288, True)
+        s.update_state_after_alloc(req(rid, toks), blocks_obj(list(range(10))), 288)
+    c = req("c", toks)
+    assert s.get_num_new_matched_tokens(c, 0) == (None, False)  # window full: vLLM skips c this step
+    assert s.stats.async_loads_deferred == 1
+    s.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
+    assert s.get_num_new_matched_tokens(c, 0) == (288, True)
+    # A miss is never held back by the window.
+    s.update_state_after_alloc(c, blocks_obj(list(range(10))), 288)
+    assert s.get_num_new_matched_tokens(req("d", tokens(300, seed=23)), 0) == (0, False)
+
+
+def test_data_path_options_are_validated_off_by_default_and_exclusive() -> None:
+    from maru.errors import ConfigError
+
+    d = MaruConnectorConfig.from_extra_config({})
+    assert d.data_path() == {
+        "async_load": False,
+        "max_inflight_loads": 4,
+        "overlap_load_with_compute": False,
+        "async_store": False,
+    }
+    assert d.data_path_lines() == []
+    c = MaruConnectorConfig.from_extra_config(
+        {"maru_async_load": "true", "maru_max_inflight_loads": "8", "maru_async_store": 1}
+    )
+    assert (c.async_load, c.max_inflight_loads, c.async_store) == (True, 8, True)
+    assert len(c.data_path_lines()) == 2 and "8 loads in flight" in c.data_path_lines()[0]
+    with pytest.raises(ConfigError, match="maru_max_inflight_loads"):
+        MaruConnectorConfig.from_extra_config({"maru_max_inflight_loads": 0})
+    with pytest.raises(ConfigError, match="maru_async_store"):
+        MaruConnectorConfig.from_extra_config({"maru_async_store": "maybe"})
+    with pytest.raises(ConfigError, match="exclude each other"):
+        MaruConnectorConfig.from_extra_config(
+            {"maru_async_load": True, "maru_overlap_load_with_compute": True}
+        )
+
+
+def test_a_failed_async_load_probes_again_offers_nothing_more_and_stores_the_missing_chunk(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client, async_load=True)
+    toks = tokens(300, seed=24)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (288, True)
+    blocks = list(range(10))
+    s.update_state_after_alloc(r, blocks_obj(blocks), 288)
+    (load,) = s.build_connector_meta(empty_out()).async_loads
+    with MaruHandler(server.url, timeout_s=2) as h:
+        assert h.delete([full[3]]) == [True]  # evicted before the worker's lookup
+    # The worker reports the request finished and all of its placed blocks invalid, in one output.
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(blocks[:9])))
+    assert s.inflight_loads == set()
+    # vLLM freed the blocks (nothing valid) and matches the request again from scratch: no offer
+    # (it could fail the same way for ever); the recompute stores exactly the chunk that is gone.
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    meta = s.build_connector_meta(new_out("a", blocks, 0, 300))
+    assert not meta.loads and not meta.async_loads
+    assert [c.key for rt in meta.stores for c in rt.chunks] == [full[3]]

@@ -19,6 +19,7 @@ logger = logging.getLogger("maru.vllm")
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MAX_INFLIGHT_LOADS = 4
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -88,6 +89,10 @@ class MaruConnectorConfig:
     enable_store: bool = True
     store_partial_tail: bool = True
     log_timing: bool = False
+    async_load: bool = False
+    max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
+    overlap_load_with_compute: bool = False
+    async_store: bool = False
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -111,7 +116,7 @@ class MaruConnectorConfig:
             name = key[len("maru_") :]
             if name in ("server_url", "namespace", "model_id", "model_revision"):
                 kw[name] = _as_str(key, value)
-            elif name == "kv_chunk_tokens":
+            elif name in ("kv_chunk_tokens", "max_inflight_loads"):
                 kw[name] = _as_int(key, value, 1)
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
@@ -119,7 +124,45 @@ class MaruConnectorConfig:
                 kw[name] = _as_bool(key, value)
         if "server_url" in kw and not kw["server_url"].strip():
             raise ConfigError("maru_server_url must not be empty; for example tcp://127.0.0.1:5555")
+        if kw.get("async_load") and kw.get("overlap_load_with_compute"):
+            raise ConfigError(
+                "maru_async_load and maru_overlap_load_with_compute exclude each other: an asynchronous "
+                "load completes while the request waits, before any forward pass it could overlap with. "
+                "Set one of them to false (async load suits many concurrent requests; overlap suits a "
+                "single long prefix on a GPU)"
+            )
         return cls(**kw)
+
+    def data_path(self) -> dict[str, Any]:
+        """The optional data-path settings in effect (for the startup line and ``maru_stats``)."""
+        return {
+            "async_load": self.async_load,
+            "max_inflight_loads": self.max_inflight_loads,
+            "overlap_load_with_compute": self.overlap_load_with_compute,
+            "async_store": self.async_store,
+        }
+
+    def data_path_lines(self) -> list[str]:
+        """One sentence per optional path that is on: what it does (logged once at startup)."""
+        out = []
+        if self.async_load:
+            out.append(
+                "maru_async_load: prefix hits load on a loader thread while the request waits in "
+                f"WAITING_FOR_REMOTE_KVS (at most {self.max_inflight_loads} loads in flight; more hits "
+                "wait for a free slot); other requests keep running"
+            )
+        if self.overlap_load_with_compute:
+            out.append(
+                "maru_overlap_load_with_compute: all chunks are looked up and pinned before the forward, "
+                "then placed layer by layer on a background thread; each attention layer waits only "
+                "for its own layer"
+            )
+        if self.async_store:
+            out.append(
+                "maru_async_store: KV is gathered into pool pages right after the forward (blocks are "
+                "free to reuse at once); the commit that publishes the keys runs on a drain thread"
+            )
+        return out
 
     def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
         """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).

@@ -136,6 +136,10 @@ class MaruKVConnector(KVConnectorBase_V1):
 
             return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s)
 
+        for line in cfg.data_path_lines() if (cfg.enable_load or cfg.enable_store) else ():
+            # Once per connector instance (one per role and worker): says which optional path runs.
+            logger.info("Maru (%s): %s", "scheduler" if role == KVConnectorRole.SCHEDULER else "worker", line)
+
         if role == KVConnectorRole.SCHEDULER:
             _recompute_on_load_failure(vllm_config)
             self._scheduler = MaruSchedulerConnector(
@@ -185,11 +189,15 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ introspection
     def maru_stats(self) -> dict[str, Any]:
-        """This instance's counters (scheduler or worker side)."""
+        """This instance's counters (scheduler or worker side) and the data-path options in effect."""
         if self._scheduler is not None:
-            return dict(self._scheduler.stats.__dict__)
-        assert self._worker is not None
-        return self._worker.stats.as_dict()
+            out = dict(self._scheduler.stats.__dict__)
+            out["inflight_loads"] = len(self._scheduler.inflight_loads)
+        else:
+            assert self._worker is not None
+            out = self._worker.stats.as_dict()
+        out["data_path"] = self.maru_config.data_path()
+        return out
 
     @property
     def maru_worker(self) -> MaruWorkerConnector | None:
@@ -217,7 +225,17 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: complete before the forward starts
+        # Only maru_overlap_load_with_compute has anything in flight here; otherwise a no-op.
+        if self._worker is not None:
+            try:
+                self._worker.wait_for_layer_load(layer_name)
+            except Exception:  # never raise into the forward
+                logger.exception("Maru: waiting for layer %s failed", layer_name)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

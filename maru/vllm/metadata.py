@@ -22,10 +22,14 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     ``stores``: chunks whose last token is computed in this step; the worker gathers them after
     the forward and publishes them in one batch. A store of a request whose load failed in the
     same step is dropped (its KV was computed on top of missing context).
+    ``async_loads`` (``maru_async_load``): requests parked in ``WAITING_FOR_REMOTE_KVS``; the
+    worker loads them on its loader thread and reports each in ``finished_recving`` once placed
+    (or failed: then its blocks also go to ``get_block_ids_with_load_errors``).
     """
 
     loads: list[RequestTransfer] = field(default_factory=list)
     stores: list[RequestTransfer] = field(default_factory=list)
+    async_loads: list[RequestTransfer] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores
+        return not self.loads and not self.stores and not self.async_loads

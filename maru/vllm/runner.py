@@ -143,6 +143,14 @@ def serve(spec: dict[str, Any]) -> None:
                 reply({"ok": bool(llm.reset_prefix_cache())})
             elif op == "stats":
                 reply(connector_stats(llm))
+            elif op == "flush_stores":
+                # In-process mode only: wait for write-behind commits, so a test can rely on them.
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                w = getattr(get_kv_transfer_group(), "maru_worker", None)
+                if w is not None:
+                    w.flush_stores()
+                reply({"ok": w is not None})
             elif op == "quit":
                 reply({"bye": True})
                 break

@@ -59,6 +59,8 @@ class _Request:
     own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
     own_tail_present: bool = False
     local_computed: int = 0
+    async_blocks: set[int] = field(default_factory=set)  # blocks of the async load in flight
+    async_load_failed: bool = False  # an async load of this request failed: compute it from now on
     match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
     pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
     block_ids: list[int] = field(default_factory=list)
@@ -76,6 +78,9 @@ class SchedulerStats:
     probe_failures: int = 0
     load_failures_reported: int = 0
     requests_preempted: int = 0
+    async_loads_planned: int = 0
+    async_loads_finished: int = 0
+    async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
 
 
 class MaruSchedulerConnector:
@@ -104,6 +109,12 @@ class MaruSchedulerConnector:
             maxlen=4
         )
         self.stats = SchedulerStats()
+        # maru_async_load: requests whose load is in flight (admitted, not yet in finished_recving).
+        self._inflight: set[str] = set()
+
+    @property
+    def inflight_loads(self) -> set[str]:
+        return set(self._inflight)
 
     # ------------------------------------------------------------------ server
     def _get_client(self) -> Any:
@@ -224,8 +235,16 @@ class MaruSchedulerConnector:
             st.own_tail is not None and st.tail_hits.get(n_full, (0, ""))[0] >= st.own_tail[0]
         )
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` vLLM can take from Maru (block-aligned), synchronously."""
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` vLLM can take from Maru (block-aligned).
+
+        Synchronous by default. With ``maru_async_load`` a hit is offered asynchronously
+        (``(n, True)``: vLLM parks the request until the worker reports it loaded), and when
+        ``maru_max_inflight_loads`` loads are already in flight the answer is ``(None, False)``:
+        vLLM skips the request for this step and asks again next step, while other requests run.
+        Waiting for a slot is chosen over offering 0, because offering 0 would make vLLM compute
+        the whole prefix now, which costs far more than the few steps a load slot takes to free.
+        """
         try:
             st = self._state(request)
             if st is None or not (self.cfg.enable_load or self.cfg.enable_store):
@@ -233,7 +252,9 @@ class MaruSchedulerConnector:
             if st.present is None:
                 self._probe(st)
             st.local_computed = num_computed_tokens
-            if not self.cfg.enable_load:
+            if not self.cfg.enable_load or st.async_load_failed:
+                # After a failed async load vLLM may match the request again from scratch; offering
+                # the same chunks again could fail the same way for ever, so it is computed.
                 return 0, False
             assert st.present is not None
             hits = 0
@@ -245,7 +266,14 @@ class MaruSchedulerConnector:
             end -= end % self.block_size
             st.match = (hits, tail)
             n = end - num_computed_tokens
-            return (n, False) if n > 0 else (0, False)
+            if n <= 0:
+                return 0, False
+            if not self.cfg.async_load:
+                return n, False
+            if len(self._inflight) >= self.cfg.max_inflight_loads:
+                self.stats.async_loads_deferred += 1
+                return None, False
+            return n, True
         except Exception:  # a bug here must not take the engine down: compute instead
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
             return 0, False
@@ -260,6 +288,8 @@ class MaruSchedulerConnector:
             pass
         if num_external_tokens > 0:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
+            if self.cfg.async_load:
+                self._inflight.add(st.req_id)
             self.stats.requests_hit += 1
             self.stats.tokens_offered += num_external_tokens
 
@@ -343,6 +373,8 @@ class MaruSchedulerConnector:
                     blocks = load_blocks | set(st.block_ids[: (computed + scheduled) // self.block_size + 1])
                     record.append((st.req_id, blocks, planned, tail_now))
             scheduled = {st.req_id for st, _ in steps}
+            if self.cfg.async_load:
+                self._plan_async_loads(meta, scheduled)
             for req_id in so.preempted_req_ids or ():
                 st = self._reqs.get(req_id)
                 # (vLLM never resumes a request in the step that preempted it; if it ever did, the
@@ -361,12 +393,45 @@ class MaruSchedulerConnector:
         self._recent.append(record)
         return meta
 
+    def _plan_async_loads(self, meta: MaruConnectorMetadata, scheduled: set[str]) -> None:
+        """Loads of requests vLLM parked in WAITING_FOR_REMOTE_KVS this step (not scheduled)."""
+        for st in self._reqs.values():
+            if st.pending_load is None or st.req_id in scheduled:
+                continue
+            begin, end = st.pending_load
+            lt = self._load_transfer(st)
+            if lt is None or not lt.chunks:
+                # Cannot happen (the offer never exceeds the match). The request must still leave
+                # the wait: a chunk under an impossible key makes the worker fail it, so vLLM
+                # recomputes those tokens instead of waiting for ever.
+                lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
+            meta.async_loads.append(lt)
+            st.async_blocks = lt.placed_block_ids(self.block_size)
+            self.stats.async_loads_planned += 1
+
     def update_connector_output(self, output: Any) -> None:
-        """Un-plan the stores of steps whose load failed: those chunks are computed again."""
-        invalid = getattr(output, "invalid_block_ids", None)
+        """Free admission slots of finished async loads; un-plan the stores of steps whose load failed."""
+        invalid = getattr(output, "invalid_block_ids", None) or set()
+        for req_id in getattr(output, "finished_recving", None) or ():
+            if req_id in self._inflight:
+                self._inflight.discard(req_id)
+                self.stats.async_loads_finished += 1
+            st = self._reqs.get(req_id)
+            if st is not None and st.async_blocks & invalid:
+                # Failed (vLLM reads the blocks and the request in the same output). Probe again so
+                # the recompute stores what is missing; never offer this request a load again.
+                st.async_load_failed = True
+                try:
+                    self._probe(st)
+                except Exception:  # a lost probe only costs stores: nothing is planned for it
+                    logger.exception("Maru: probing request %s again failed", req_id)
+                    st.present = None
+            if st is not None:
+                st.async_blocks = set()
         if not invalid:
             return
         self.stats.load_failures_reported += 1
+        reprobe: dict[str, _Request] = {}
         for record in self._recent:
             for req_id, blocks, planned, tail_now in record:
                 st = self._reqs.get(req_id)
@@ -375,6 +440,14 @@ class MaruSchedulerConnector:
                 st.planned.difference_update(planned)
                 if tail_now:
                     st.tail_planned = False
+                reprobe[req_id] = st
+        for req_id, st in reprobe.items():
+            # What was found present is not any more (that is why the load failed): probe again,
+            # so the recompute stores the missing chunks instead of leaving a hole for everyone.
+            try:
+                self._probe(st)
+            except Exception:
+                logger.exception("Maru: probing request %s again failed", req_id)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)

@@ -21,9 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,34 @@ class LoadReport:
     bytes: int = 0
     seconds: float = 0.0
     server_lost: bool = False
+
+
+@dataclass
+class PreparedStore:
+    """Chunks gathered into reserved pool objects, not yet published (``prepare_store``)."""
+
+    report: StoreReport
+    keys: list[str] = field(default_factory=list)
+    objects: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class PinnedLoad:
+    """A load looked up and pinned, checked, not yet placed (``KVTransferEngine.pin``).
+
+    ``ready``: the requests whose every chunk is present with the right size, each with its
+    (object tensor, slot mapping) per chunk; ``failed``: req_id -> why. Nothing of a failed
+    request is ever placed. The pins hold until ``KVTransferEngine.release``.
+    """
+
+    ready: list[tuple[RequestTransfer, list[tuple[torch.Tensor, torch.Tensor, int]]]] = field(
+        default_factory=list
+    )
+    failed: dict[str, str] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    server_lost: bool = False
+    seconds: float = 0.0
 
 
 def slot_mapping(
@@ -199,8 +229,17 @@ class KVTransferEngine:
 
         A key that appears twice (two requests sharing a prefix in one step) is stored once.
         """
+        return self.commit_store(self.prepare_store(requests))
+
+    def prepare_store(self, requests: Sequence[RequestTransfer]) -> PreparedStore:
+        """Reserve pool objects and gather the chunks into them; nothing is published yet.
+
+        When this returns, the paged cache is no longer read: the blocks may be reused at once
+        (the write-behind store relies on it). ``commit_store`` publishes the keys.
+        """
         t0 = time.perf_counter()
-        rep = StoreReport()
+        prep = PreparedStore(report=StoreReport())
+        rep = prep.report
         todo: list[tuple[RequestTransfer, ChunkRef]] = []
         seen: set[str] = set()
         for req in requests:
@@ -209,7 +248,7 @@ class KVTransferEngine:
                     seen.add(c.key)
                     todo.append((req, c))
         if not todo:
-            return rep
+            return prep
         try:
             objs = self.client.batch_alloc([self.object_nbytes(c.num_tokens) for _, c in todo])
         except (MaruError, ValueError) as e:
@@ -217,11 +256,8 @@ class KVTransferEngine:
             rep.error = f"reserving {len(todo)} objects failed: {e}"
             rep.server_lost = isinstance(e, _LOST)
             rep.seconds = time.perf_counter() - t0
-            return rep
-        keys: list[str] = []
-        ready: list[Any] = []
+            return prep
         bad: list[Any] = []
-        ready_bytes = 0
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
                 slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
@@ -238,33 +274,40 @@ class KVTransferEngine:
                 bad.append(obj)
                 rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
                 continue
-            keys.append(c.key)
-            ready.append(obj)
+            prep.keys.append(c.key)
+            prep.objects.append(obj)
             rep.tokens += c.num_tokens
-            ready_bytes += obj.size
+            prep.nbytes += obj.size
         if bad:
             rep.failed += len(bad)
             try:
                 self.client.abort(bad)
             except MaruError:
                 pass  # the server reclaims reservations with the lease
-        if ready:
+        rep.seconds = time.perf_counter() - t0
+        return prep
+
+    def commit_store(self, prep: PreparedStore) -> StoreReport:
+        """Publish what ``prepare_store`` gathered (one batch); returns the step's full report."""
+        t0 = time.perf_counter()
+        rep = prep.report
+        if prep.objects:
             try:
-                results = self.client.batch_store(keys, ready)
+                results = self.client.batch_store(prep.keys, prep.objects)
             except MaruError as e:
-                rep.failed += len(ready)
+                rep.failed += len(prep.objects)
                 rep.tokens = 0
-                rep.error = f"publishing {len(ready)} objects failed: {e}"
+                rep.error = f"publishing {len(prep.objects)} objects failed: {e}"
                 rep.server_lost = isinstance(e, _LOST)
-                rep.seconds = time.perf_counter() - t0
+                rep.seconds += time.perf_counter() - t0
                 return rep
             for r in results:
                 if str(getattr(r, "value", r)) == "stored":
                     rep.stored += 1
                 else:
                     rep.present += 1
-            rep.bytes = ready_bytes
-        rep.seconds = time.perf_counter() - t0
+            rep.bytes = prep.nbytes
+        rep.seconds += time.perf_counter() - t0
         return rep
 
     # ------------------------------------------------------------------ load
@@ -341,3 +384,204 @@ class KVTransferEngine:
             rep.chunks += 1
             rep.bytes += h.size
         return None
+
+    # ------------------------------------------------------------------ layer by layer
+    def pin(self, requests: Sequence[RequestTransfer]) -> PinnedLoad:
+        """Look up and pin every chunk of ``requests`` (one round trip) and check them; place nothing.
+
+        The lookup decides: a request with any chunk missing or of the wrong size is failed
+        whole, before a single layer of it is placed (all or nothing per request).
+        """
+        t0 = time.perf_counter()
+        pl = PinnedLoad()
+        keys: list[str] = []
+        index: dict[str, int] = {}
+        for req in requests:
+            for c in req.chunks:
+                if c.key not in index:
+                    index[c.key] = len(keys)
+                    keys.append(c.key)
+        if not keys:
+            return pl
+        try:
+            pl.handles = list(self.client.batch_retrieve(keys, pin=True))
+        except MaruError as e:
+            for req in requests:
+                pl.failed[req.req_id] = f"lookup failed: {e}"
+            pl.server_lost = isinstance(e, _LOST)
+            pl.seconds = time.perf_counter() - t0
+            return pl
+        for req in requests:
+            why = self._check(req, pl.handles, index)
+            parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            if why is None:
+                try:
+                    for c in req.chunks:
+                        h = pl.handles[index[c.key]]
+                        slots = slot_mapping(
+                            req.block_ids, self.block_size, c.start, c.num_tokens, c.placed()
+                        )
+                        obj = self._tensor_over(h.view, c.num_tokens)
+                        if self.device.type != "cpu":
+                            slots = slots.to(self.device)
+                        parts.append((obj, slots, int(h.size)))
+                except Exception as e:
+                    why = f"preparing chunk {c.key} failed: {type(e).__name__}: {e}"
+            if why is None:
+                pl.ready.append((req, parts))
+            else:
+                pl.failed[req.req_id] = why
+        pl.seconds = time.perf_counter() - t0
+        return pl
+
+    def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        """Place layer ``layer`` of one chunk object ``[L, KV, T, ROW]`` at ``slots``."""
+        part = obj[layer]
+        if self.device.type != "cpu":
+            part = part.to(self.device)
+        if self.layout.is_cross_layer:
+            kv_ops.scatter_layer(part, self.caches[0], self.layout, slots, layer=layer, backend=self.backend)
+        else:
+            kv_ops.scatter_layer(part, self.caches[layer], self.layout, slots, backend=self.backend)
+
+    def sync_device(self) -> None:
+        """Wait until the work this thread queued on the caches' device ran (no-op on CPU).
+
+        Loads issued from a background thread (layer overlap, async load) must not be reported
+        placed while their kernels are still queued: the forward runs on another thread's stream.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def load_and_sync(self, requests: Sequence[RequestTransfer]) -> LoadReport:
+        """``load`` for a background thread: returns only once the placement ran on the device."""
+        rep = self.load(requests)
+        self.sync_device()
+        return rep
+
+    def release(self, pl: PinnedLoad) -> None:
+        """Unpin what ``pin`` pinned (object tensors over the pool pages are dropped first)."""
+        pl.ready = []
+        handles, pl.handles = [h for h in pl.handles if h is not None], []
+        if not handles:
+            return
+        try:
+            self.client.batch_release(handles)
+        except MaruError as e:
+            logger.warning(
+                "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e
+            )
+
+
+class LayerwiseLoad:
+    """The layer-overlap load: places a ``PinnedLoad`` layer by layer on a background thread.
+
+    Invariants: layer i's ``Event`` is set only after layer i of every ready request is placed
+    (or the load gave up: then ``report()`` names the failed requests and vLLM recomputes them);
+    every event is set when the thread ends, so a waiter never hangs; the pins are released
+    after the last layer. ``wait_for_layer(i)`` blocks on layer i only.
+    """
+
+    def __init__(self, engine: KVTransferEngine, pinned: PinnedLoad) -> None:
+        self.engine = engine
+        self.pinned = pinned
+        self.num_layers = engine.num_layers
+        self._events = [threading.Event() for _ in range(self.num_layers)]
+        self._done = threading.Event()
+        self._failed: dict[str, str] = {}
+        self._report = LoadReport(failed=dict(pinned.failed), server_lost=pinned.server_lost)
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="maru-layer-load", daemon=True)
+
+    def start(self) -> LayerwiseLoad:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        ready = list(self.pinned.ready)
+        try:
+            for i in range(self.num_layers):
+                for req, parts in ready:
+                    if req.req_id in self._failed:
+                        continue
+                    try:
+                        for obj, slots, _ in parts:
+                            self.engine.place_layer(obj, slots, i)
+                    except Exception as e:  # reported after the forward: vLLM recomputes the request
+                        self._failed[req.req_id] = f"placing layer {i} failed: {type(e).__name__}: {e}"
+                # On a GPU the kernels were only queued on this thread's stream: the layer is
+                # placed when they ran, not when they were issued.
+                self.engine.sync_device()
+                self._events[i].set()
+        finally:
+            for ev in self._events:
+                ev.set()
+            rep = self._report
+            for req, parts in ready:
+                if req.req_id in self._failed:
+                    rep.failed[req.req_id] = self._failed[req.req_id]
+                    continue
+                rep.loaded_req_ids.append(req.req_id)
+                rep.tokens += req.num_placed_tokens()
+                rep.chunks += len(parts)
+                rep.bytes += sum(n for _, _, n in parts)
+            del ready
+            self.engine.release(self.pinned)
+            rep.seconds = self.pinned.seconds + time.perf_counter() - self._t0
+            self._done.set()
+
+    def wait_for_layer(self, layer: int) -> None:
+        self._events[layer].wait()
+
+    def layer_done(self, layer: int) -> bool:
+        return self._events[layer].is_set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> LoadReport:
+        """Block until every layer is placed and the pins are released; the load's report."""
+        self._done.wait()
+        self._thread.join()
+        return self._report
+
+
+class BackgroundRunner:
+    """One daemon thread running submitted calls in order; results are collected with ``poll``.
+
+    Used for asynchronous loads (``engine.load``) and for write-behind commits
+    (``engine.commit_store``). ``poll`` never blocks; ``drain`` waits for everything submitted.
+    A call that raises comes back as its exception (the caller turns it into a failure).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: list[tuple[Any, Future[Any]]] = []
+
+    def submit(self, tag: Any, fn: Any, *args: Any) -> None:
+        self._pending.append((tag, self._pool.submit(fn, *args)))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[tuple[Any, Any]]:
+        """(tag, result or exception) of every finished call, in submission order of the finished ones."""
+        out, keep = [], []
+        for tag, fut in self._pending:
+            if fut.done():
+                exc = fut.exception()
+                out.append((tag, exc if exc is not None else fut.result()))
+            else:
+                keep.append((tag, fut))
+        self._pending = keep
+        return out
+
+    def drain(self, timeout: float | None = None) -> list[tuple[Any, Any]]:
+        """Wait for every submitted call (up to ``timeout`` seconds), then ``poll``."""
+        wait([f for _, f in self._pending], timeout=timeout)
+        return self.poll()
+
+    def close(self, timeout: float | None = None) -> list[tuple[Any, Any]]:
+        out = self.drain(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return out

