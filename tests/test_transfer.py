@@ -21,6 +21,7 @@ from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache, naive_token
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer, slot_mapping
 from tests.helpers import ServerProcess
+from tests.test_transfer_wiring import release_pool, stop_worker
 
 BS = 4  # block size; heads = 3
 CHUNK = 8
@@ -42,6 +43,7 @@ def client(server: ServerProcess) -> Iterator[MaruHandler]:
     try:
         yield h
     finally:
+        release_pool(h)
         h.close()
 
 
@@ -219,6 +221,7 @@ def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_p
         lrep = eng.load([req])
         assert req.req_id in lrep.failed and lrep.server_lost
     finally:
+        release_pool(h)
         h.close()
         srv.cleanup()
 
@@ -265,8 +268,8 @@ def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: S
             for layer in range(3):
                 assert _bits_equal(naive_token(dst, layer, 1, s2), naive_token(src, layer, 1, s1))
     finally:
-        ws.shutdown()
-        wd.shutdown()
+        stop_worker(ws)
+        stop_worker(wd)
 
 
 def test_worker_reports_failed_blocks_and_drops_stores_built_on_them(server: ServerProcess) -> None:
@@ -287,7 +290,7 @@ def test_worker_reports_failed_blocks_and_drops_stores_built_on_them(server: Ser
         assert w.get_block_ids_with_load_errors() == set()  # reported once
         assert (w.stats.load_errors, w.stats.stores_dropped, w.stats.chunks_stored) == (1, 1, 0)
     finally:
-        w.shutdown()
+        stop_worker(w)
 
 
 def test_worker_with_an_unsupported_layout_stays_off_and_fails_loads_cleanly(server: ServerProcess) -> None:

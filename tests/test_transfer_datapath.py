@@ -23,6 +23,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.test_transfer import BS, CHUNK, _request
+from tests.test_transfer_wiring import release_pool, stop_worker
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
@@ -43,6 +44,7 @@ def client(server: ServerProcess) -> Iterator[MaruHandler]:
     try:
         yield h
     finally:
+        release_pool(h)
         h.close()
 
 
@@ -296,7 +298,7 @@ def test_worker_async_load_reports_finished_after_placing_and_fails_whole_on_a_m
         assert not _same(dst, before)
         assert (w.stats.async_loads, w.stats.async_load_failures, w.stats.loads) == (2, 1, 1)
     finally:
-        w.shutdown()
+        stop_worker(w)
 
 
 def test_worker_overlap_load_waits_per_layer_and_reports_a_missing_chunk_after_the_forward(
@@ -328,7 +330,7 @@ def test_worker_overlap_load_waits_per_layer_and_reports_a_missing_chunk_after_t
         assert (w.stats.overlap_loads, w.stats.loads, w.stats.load_errors) == (1, 1, 1)
         assert w.stats.layer_waits == 3
     finally:
-        w.shutdown()
+        stop_worker(w)
 
 
 def test_worker_write_behind_store_commits_on_the_drain_thread(
@@ -348,5 +350,5 @@ def test_worker_write_behind_store_commits_on_the_drain_thread(
         assert (w.stats.deferred_commits, w.stats.chunks_stored, w.stats.store_failures) == (1, 2, 0)
         w.wait_for_save(MaruConnectorMetadata(stores=[req]))  # the same chunks again: present
     finally:
-        w.shutdown()  # drains the second commit
+        stop_worker(w)  # drains the second commit
     assert w.stats.chunks_present == 2

@@ -10,6 +10,12 @@ any layout, and what the GPU data path builds on.
 Object format (one key per chunk): ``kv_ops``' canonical ``[num_layers, num_kv, tokens,
 row]`` (``num_kv`` = 2: K plane then V plane per layer; 1 for MLA), in the cache's dtype.
 
+Data paths: on CPU caches kv_ops runs straight on pool memory. On CUDA caches the engine
+registers the pool mapping with CUDA once and moves chunks through ``kv_ops.pipeline.
+TransferEngine`` (``data_path == "pipelined"``): a store waits for the D2H copies before anything
+is committed, a load waits for the H2D copies and placements before anything is unpinned. If
+that engine cannot be built the announced staged path copies each chunk through device memory.
+
 Invariants:
 - A key is published only after its object is completely written (write, then commit).
 - A load is all or nothing per request: if any of its chunks is missing, has the wrong size,
@@ -185,6 +191,7 @@ class KVTransferEngine:
         client: Any,
         *,
         backend: str | None = None,
+        pipelined: bool = True,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -200,14 +207,80 @@ class KVTransferEngine:
         self.row = int(layout.row_size)
         self.elem = torch.empty((), dtype=self.dtype).element_size()
         self.device = self.caches[0].device
-        if self.device.type != "cpu":
+        # "cpu": kv_ops straight on pool memory; "pipelined": kv_ops.pipeline.TransferEngine (copy
+        # engine and placement kernels overlapped through staging); "staged": per-chunk device
+        # staging with plain host copies (the announced slower path).
+        self.data_path = "cpu"
+        self.pipeline: Any = None  # the TransferEngine on CUDA caches
+        self.host_registration: Any = None  # cuda_host's record for the pool mapping
+        self._registered_mapping: Any = None  # unregistered by close(), before the handler unmaps it
+        if self.device.type == "cuda" and pipelined:
+            self.pipeline = self._build_pipeline()
+        if self.pipeline is not None:
+            self.data_path = "pipelined"
+        elif self.device.type != "cpu":
+            self.data_path = "staged"
             # Correct but not the fast path: pageable copies through a staging tensor on the device.
-            # The pipelined path over a CUDA-registered pool is the GPU data path's job.
             logger.warning(
                 "Maru: KV cache on %s: chunks are staged through device memory and copied to/from "
-                "the pool with plain (unregistered) host copies; expect host-copy bandwidth",
+                "the pool with plain (unregistered) host copies; expect host-copy bandwidth. Fix: CUDA "
+                "caches with a working kv_ops.pipeline (see the warning above, if any)",
                 self.device,
             )
+
+    def _build_pipeline(self) -> Any:
+        """Register the pool mapping with CUDA (once per process) and build the ``TransferEngine``.
+
+        A failed registration is announced by ``cuda_host`` (reason and fix) and the engine still
+        runs, on pageable copies (announced again by the engine). A failure to build the engine
+        returns None: the caller falls back to the staged path and announces it.
+        """
+        try:
+            from maru.client import cuda_host
+            from maru.kv_ops.pipeline import TransferEngine
+
+            mapped = getattr(self.client, "_mapped", None)
+            if callable(mapped):
+                mapping = mapped()
+                self.host_registration = cuda_host.register_host_mapping(mapping)
+                if self.host_registration.registered:
+                    self._registered_mapping = mapping
+            else:
+                logger.warning(
+                    "Maru: the client %s exposes no pool mapping; pool pages are not registered with "
+                    "CUDA and pool<->GPU copies are pageable (slower). Fix: use a MaruHandler",
+                    type(self.client).__name__,
+                )
+            caches = self.caches[0] if self.layout.is_cross_layer else self.caches
+            # No CUDA graphs: they would be captured on first use, possibly on a loader thread while
+            # the forward runs on another; eager placements cost only host issue time.
+            return TransferEngine(caches, self.layout, backend=self.backend, use_graphs=False)
+        except Exception as e:  # any problem here must leave a working (slower) connector
+            logger.warning(
+                "Maru: the pipelined GPU transfer engine could not be built (%s: %s); using the staged "
+                "per-chunk path",
+                type(e).__name__,
+                e,
+            )
+            return None
+
+    def close(self) -> None:
+        """Wait for queued GPU transfers and unregister the pool mapping this engine registered.
+
+        Call before the client closes (unmaps) the pool: a registration outliving its mapping would
+        let CUDA copy to pages that are no longer the pool's. Idempotent; never raises.
+        """
+        if self.pipeline is not None:
+            self._settle()
+        mapping, self._registered_mapping = self._registered_mapping, None
+        if mapping is None:
+            return
+        try:
+            from maru.client import cuda_host
+
+            cuda_host.unregister_host_mapping(mapping)
+        except Exception as e:
+            logger.warning("Maru: unregistering the pool mapping from CUDA failed: %s", e)
 
     # ------------------------------------------------------------------ geometry
     def object_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
@@ -257,6 +330,10 @@ class KVTransferEngine:
             rep.server_lost = isinstance(e, _LOST)
             rep.seconds = time.perf_counter() - t0
             return prep
+        if self.pipeline is not None:
+            self._gather_pipelined(todo, objs, prep)
+            rep.seconds = time.perf_counter() - t0
+            return prep
         bad: list[Any] = []
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
@@ -286,6 +363,62 @@ class KVTransferEngine:
                 pass  # the server reclaims reservations with the lease
         rep.seconds = time.perf_counter() - t0
         return prep
+
+    def _gather_pipelined(
+        self, todo: list[tuple[RequestTransfer, ChunkRef]], objs: list[Any], prep: PreparedStore
+    ) -> None:
+        """Gather every chunk into its reserved pool object through the ``TransferEngine``.
+
+        Returns only after the transfer's ``wait()``: the D2H copies into the pool pages completed
+        (so ``commit_store`` may publish) and the caches are no longer read. On any failure every
+        object of the call is aborted, never published.
+        """
+        rep = prep.report
+        outs: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        ok: list[tuple[ChunkRef, Any]] = []
+        bad: list[Any] = []
+        for (req, c), obj in zip(todo, objs, strict=True):
+            try:
+                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
+                o = self._tensor_over(obj.buf, c.num_tokens)
+            except Exception as e:
+                bad.append(obj)
+                rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
+                continue
+            outs.append(o)
+            slots.append(s)
+            ok.append((c, obj))
+        if ok:
+            handle = None
+            try:
+                handle = self.pipeline.store(outs, torch.cat(slots))
+                handle.wait()  # the D2H copies completed: only now may the keys be published
+            except Exception as e:
+                rep.error = f"gathering {len(ok)} chunks failed: {type(e).__name__}: {e}"
+                bad.extend(obj for _, obj in ok)
+                ok = []
+                if handle is not None or not isinstance(e, ValueError):
+                    self._settle()  # no copy may still write a page we hand back
+            del handle, outs  # drop the exports of the pool buffers before the client releases them
+        for c, obj in ok:
+            prep.keys.append(c.key)
+            prep.objects.append(obj)
+            rep.tokens += c.num_tokens
+            prep.nbytes += obj.size
+        if bad:
+            rep.failed += len(bad)
+            try:
+                self.client.abort(bad)
+            except MaruError:
+                pass  # the server reclaims reservations with the lease
+
+    def _settle(self) -> None:
+        """After a failed transfer: wait for whatever the engine queued (best effort, logged)."""
+        try:
+            self.pipeline.synchronize()
+        except Exception as e:  # a sticky CUDA error: the context runs nothing any more
+            logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
 
     def commit_store(self, prep: PreparedStore) -> StoreReport:
         """Publish what ``prepare_store`` gathered (one batch); returns the step's full report."""
@@ -335,6 +468,10 @@ class KVTransferEngine:
             rep.server_lost = isinstance(e, _LOST)
             rep.seconds = time.perf_counter() - t0
             return rep
+        if self.pipeline is not None:
+            self._load_pipelined(requests, handles, index, rep)
+            rep.seconds = time.perf_counter() - t0
+            return rep
         try:
             for req in requests:
                 why = self._check(req, handles, index)
@@ -354,6 +491,88 @@ class KVTransferEngine:
                 )
         rep.seconds = time.perf_counter() - t0
         return rep
+
+    def _load_pipelined(
+        self, requests: Sequence[RequestTransfer], handles: list[Any], index: dict[str, int], rep: LoadReport
+    ) -> None:
+        """Issue one pipelined load (H2D + scatter) per checked request, wait for all, then unpin.
+
+        A chunk's ``place_begin``/``place_end`` become -1 slots (never written) in the call's slot
+        mapping, exactly as in the staged path. The pins are released in ``finally`` and only after
+        every issued handle's ``wait()`` (or, if a wait failed, after the engine's streams drained):
+        the copy engine reads the pinned pool pages until then.
+        """
+        issued: list[tuple[RequestTransfer, Any, int, int]] = []  # (request, handle, chunks, bytes)
+        try:
+            for req in requests:
+                why = self._check(req, handles, index)
+                if why is None:
+                    why = self._issue_load(req, handles, index, issued)
+                if why is not None:
+                    rep.failed[req.req_id] = why
+            settle = False
+            for req, handle, nchunks, nbytes in issued:
+                try:
+                    if handle is not None:
+                        handle.wait()
+                except Exception as e:  # reported as a load error: vLLM recomputes these blocks
+                    rep.failed[req.req_id] = f"placing the chunks failed: {type(e).__name__}: {e}"
+                    settle = True
+                    continue
+                rep.loaded_req_ids.append(req.req_id)
+                rep.tokens += req.num_placed_tokens()
+                rep.chunks += nchunks
+                rep.bytes += nbytes
+            if settle:
+                self._settle()
+        except BaseException:
+            self._settle()  # unexpected: make sure no copy still reads a page before unpinning
+            raise
+        finally:
+            # Drop every tensor over the pool pages (handles keep theirs until waited) before unpinning.
+            issued = []
+            handle = None
+            try:
+                self.client.batch_release(handles)
+            except MaruError as e:
+                logger.warning(
+                    "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(index), e
+                )
+
+    def _issue_load(
+        self,
+        req: RequestTransfer,
+        handles: list[Any],
+        index: dict[str, int],
+        issued: list[tuple[RequestTransfer, Any, int, int]],
+    ) -> str | None:
+        """Queue ``req``'s chunks on the ``TransferEngine``; None, or why the request failed."""
+        objs: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        nbytes = 0
+        c = None
+        try:
+            for c in req.chunks:
+                h = handles[index[c.key]]
+                nbytes += h.size
+                pb, pe = c.placed()
+                if pe <= pb:
+                    continue  # nothing of this chunk is placed: no copy at all
+                slots.append(slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, (pb, pe)))
+                objs.append(self._tensor_over(h.view, c.num_tokens))
+        except Exception as e:
+            return f"placing chunk {c.key if c else '?'} failed: {type(e).__name__}: {e}"
+        if not objs:
+            issued.append((req, None, len(req.chunks), nbytes))
+            return None
+        try:
+            handle = self.pipeline.load(objs, torch.cat(slots))
+        except Exception as e:
+            # A failure at issue may leave some copies queued: the caller settles before unpinning.
+            self._settle()
+            return f"placing the chunks failed: {type(e).__name__}: {e}"
+        issued.append((req, handle, len(req.chunks), nbytes))
+        return None
 
     def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:
         for c in req.chunks:

@@ -21,6 +21,7 @@ from maru.kv_ops.testing import CacheCase, make_cache
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.test_transfer_datapath import CountingPins, _layer_equal, _same
+from tests.test_transfer_wiring import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,6 +39,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
     try:
         yield h
     finally:
+        release_pool(h)
         h.close()
         srv.cleanup()
 

@@ -1,0 +1,70 @@
+"""On CUDA caches the connector's engine moves KV through ``kv_ops.pipeline.TransferEngine``
+(``-m gpu``; skipped without CUDA).
+
+Real geometry (8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a real server:
+store three chunks and a partial tail, load them into a poisoned cache skipping the first block
+and stopping short of the tail's end; byte for byte against the staged path (``pipelined=False``)
+on an identical cache and against the source tokens. The scenario is shared with the CPU test
+of the same wiring (``tests/test_transfer_wiring.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from maru.client import MaruHandler
+from maru.kv_ops.pipeline import TransferEngine
+from tests.helpers import ServerProcess
+from tests.test_transfer_wiring import check_round_trip, engine, make_case, release_pool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GEOM = dict(
+    device="cuda",
+    num_blocks=64,
+    block_size=16,
+    num_kv_heads=8,
+    head_size=128,
+    num_layers=8,
+    dtype=torch.bfloat16,
+)
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
+    srv = ServerProcess(tmp_path_factory.mktemp("wiring-gpu"), pool_size="1G")
+    srv.start()
+    h = MaruHandler(srv.url, timeout_s=10)
+    try:
+        yield h
+    finally:
+        release_pool(h)
+        h.close()
+        srv.cleanup()
+
+
+def test_cuda_caches_use_the_transfer_engine_over_a_registered_pool(client: MaruHandler) -> None:
+    eng = engine(make_case("NHD", 1, GEOM), client)
+    assert eng.data_path == "pipelined" and isinstance(eng.pipeline, TransferEngine)
+    reg = eng.host_registration
+    assert reg is not None and reg.registered, reg.describe() if reg is not None else "no registration"
+
+
+def test_cuda_caches_can_still_take_the_staged_path(client: MaruHandler) -> None:
+    eng = engine(make_case("NHD", 1, GEOM), client, pipelined=False)
+    assert eng.data_path == "staged" and eng.pipeline is None
+
+
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_pipelined_connector_round_trips_skip_and_partial_tail_byte_exact_on_cuda(
+    physical: str, client: MaruHandler
+) -> None:
+    eng = check_round_trip(physical, client, GEOM, CHUNK, inject=False)
+    assert eng.data_path == "pipelined"
