@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,3 +20,48 @@ def maru_server(tmp_path: Path) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.cleanup()
+
+
+def _shm_in_use() -> set[str]:
+    """Names of /dev/shm files some live process still maps or holds open."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/") :].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+_LEAKY_PREFIXES = ("psm_", "sem.mp-", "maru-test-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind() -> Iterator[None]:
+    """Remove shared-memory files the session's processes leaked into /dev/shm.
+
+    vLLM's engine processes create ``psm_*`` ring buffers (hundreds of MiB each) that a killed
+    engine never unlinks, and a test server killed with SIGKILL leaves its pool file. Left
+    alone they would eat the machine's memory run after run. Only files created during this
+    session that no live process maps or holds open are removed.
+    """
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    yield
+    if not os.path.isdir(shm):
+        return
+    new = {n for n in os.listdir(shm) if n not in before and n.startswith(_LEAKY_PREFIXES)}
+    if not new:
+        return
+    for name in new - _shm_in_use():
+        try:
+            os.unlink(os.path.join(shm, name))
+        except OSError:
+            pass

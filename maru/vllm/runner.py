@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -159,6 +160,15 @@ def serve(spec: dict[str, Any]) -> None:
         except Exception as e:
             reply({"error": f"{type(e).__name__}: {e}"})
     sys.stdout.flush()
+    # In vLLM's multi-process mode the engine core and worker are child processes holding
+    # shared-memory ring buffers: shut them down so they neither linger nor leak /dev/shm.
+    # (EngineProcess.close() kills the whole process group as the backstop.)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    try:
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception:
+        pass
     os._exit(0)  # skip vLLM's slow interpreter-exit cleanup; nothing is left to flush
 
 
@@ -203,6 +213,9 @@ class EngineProcess:
             cwd=self.cwd,
             text=True,
             bufsize=1,
+            # Its own process group: close() can then reap vLLM's engine-core and worker
+            # children too, even when the runner died before shutting them down.
+            start_new_session=True,
         )
         self._lines = queue.Queue()
 
@@ -252,6 +265,10 @@ class EngineProcess:
         except Exception:
             self.proc.kill()
             self.proc.wait()
+        try:  # whatever the runner left behind in its group (vLLM's multi-process children)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.proc = None
         if self._log is not None:
             self._log.close()

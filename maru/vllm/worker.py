@@ -493,7 +493,11 @@ class MaruWorkerConnector:
                 self._drain.close(timeout=0)
         except Exception:
             logger.exception("Maru: stopping the background transfers failed")
-        client, self._client, self.engine = self._client, None, None
+        client, engine, self._client, self.engine = self._client, self.engine, None, None
+        if engine is not None:
+            # Before the client unmaps the pool: CUDA must not keep a registration of pages
+            # that are no longer the pool's.
+            engine.close()
         if client is not None:
             try:
                 client.close()
