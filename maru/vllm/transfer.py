@@ -451,13 +451,7 @@ class KVTransferEngine:
         """
         t0 = time.perf_counter()
         rep = LoadReport()
-        keys: list[str] = []
-        index: dict[str, int] = {}
-        for req in requests:
-            for c in req.chunks:
-                if c.key not in index:
-                    index[c.key] = len(keys)
-                    keys.append(c.key)
+        keys, index = _unique_keys(requests)
         if not keys:
             return rep
         try:
@@ -613,13 +607,7 @@ class KVTransferEngine:
         """
         t0 = time.perf_counter()
         pl = PinnedLoad()
-        keys: list[str] = []
-        index: dict[str, int] = {}
-        for req in requests:
-            for c in req.chunks:
-                if c.key not in index:
-                    index[c.key] = len(keys)
-                    keys.append(c.key)
+        keys, index = _unique_keys(requests)
         if not keys:
             return pl
         try:
@@ -804,3 +792,18 @@ class BackgroundRunner:
         out = self.drain(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         return out
+
+
+def _unique_keys(requests: Sequence[RequestTransfer]) -> tuple[list[str], dict[str, int]]:
+    """Every chunk key of ``requests`` once, in first-seen order, and each key's position.
+
+    Requests sharing a prefix share chunks: one lookup (and one pin) per key, not per request.
+    """
+    keys: list[str] = []
+    index: dict[str, int] = {}
+    for req in requests:
+        for c in req.chunks:
+            if c.key not in index:
+                index[c.key] = len(keys)
+                keys.append(c.key)
+    return keys, index
