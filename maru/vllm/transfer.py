@@ -334,6 +334,7 @@ class KVTransferEngine:
             self._gather_pipelined(todo, objs, prep)
             rep.seconds = time.perf_counter() - t0
             return prep
+        ok: list[tuple[ChunkRef, Any]] = []
         bad: list[Any] = []
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
@@ -351,16 +352,8 @@ class KVTransferEngine:
                 bad.append(obj)
                 rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
                 continue
-            prep.keys.append(c.key)
-            prep.objects.append(obj)
-            rep.tokens += c.num_tokens
-            prep.nbytes += obj.size
-        if bad:
-            rep.failed += len(bad)
-            try:
-                self.client.abort(bad)
-            except MaruError:
-                pass  # the server reclaims reservations with the lease
+            ok.append((c, obj))
+        self._settle_prepared(prep, ok, bad)
         rep.seconds = time.perf_counter() - t0
         return prep
 
@@ -401,6 +394,11 @@ class KVTransferEngine:
                 if handle is not None or not isinstance(e, ValueError):
                     self._settle()  # no copy may still write a page we hand back
             del handle, outs  # drop the exports of the pool buffers before the client releases them
+        self._settle_prepared(prep, ok, bad)
+
+    def _settle_prepared(self, prep: PreparedStore, ok: list[tuple[ChunkRef, Any]], bad: list[Any]) -> None:
+        """Record the completely written objects for ``commit_store``; abort the others unpublished."""
+        rep = prep.report
         for c, obj in ok:
             prep.keys.append(c.key)
             prep.objects.append(obj)
