@@ -131,6 +131,38 @@ class PreparedStore:
 
 
 @dataclass
+class _IssuedGather:
+    """A pipelined gather queued on the ``TransferEngine`` whose copies may still run."""
+
+    handle: Any
+    ok: list[tuple[ChunkRef, Any]]
+    bad: list[Any]
+    outs: list[torch.Tensor]  # tensors over the pool pages: alive until the copies completed
+
+
+@dataclass
+class PendingStore:
+    """A write-behind store between ``issue_store`` (forward thread) and ``complete_store`` (drain).
+
+    Invariants: ``read_done`` is set once the paged cache is no longer read for this store (the
+    gather completed or was given up); ``cancelled`` is only ever set before that, by a
+    ``wait_store_read`` that timed out, and then ``complete_store`` aborts every object instead
+    of publishing bytes that may have been read from overwritten blocks.
+    """
+
+    requests: list[RequestTransfer]
+    prep: PreparedStore
+    issued: _IssuedGather | None = None  # pipelined: the gather in flight
+    read_done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def req_ids(self) -> frozenset[str]:
+        return frozenset(r.req_id for r in self.requests)
+
+
+@dataclass
 class PinnedLoad:
     """A load looked up and pinned, checked, not yet placed (``KVTransferEngine.pin``).
 
@@ -313,23 +345,11 @@ class KVTransferEngine:
         t0 = time.perf_counter()
         prep = PreparedStore(report=StoreReport())
         rep = prep.report
-        todo: list[tuple[RequestTransfer, ChunkRef]] = []
-        seen: set[str] = set()
-        for req in requests:
-            for c in req.chunks:
-                if c.key not in seen:
-                    seen.add(c.key)
-                    todo.append((req, c))
-        if not todo:
-            return prep
-        try:
-            objs = self.client.batch_alloc([self.object_nbytes(c.num_tokens) for _, c in todo])
-        except (MaruError, ValueError) as e:
-            rep.failed = len(todo)
-            rep.error = f"reserving {len(todo)} objects failed: {e}"
-            rep.server_lost = isinstance(e, _LOST)
+        reserved = self._reserve(requests, prep)
+        if reserved is None:
             rep.seconds = time.perf_counter() - t0
             return prep
+        todo, objs = reserved
         if self.pipeline is not None:
             self._gather_pipelined(todo, objs, prep)
             rep.seconds = time.perf_counter() - t0
@@ -357,6 +377,32 @@ class KVTransferEngine:
         rep.seconds = time.perf_counter() - t0
         return prep
 
+    def _reserve(
+        self, requests: Sequence[RequestTransfer], prep: PreparedStore
+    ) -> tuple[list[tuple[RequestTransfer, ChunkRef]], list[Any]] | None:
+        """Every unique chunk of ``requests`` and a reserved pool object for each (one round trip).
+
+        None when there is nothing to store or the reservation failed (recorded in ``prep``).
+        """
+        rep = prep.report
+        todo: list[tuple[RequestTransfer, ChunkRef]] = []
+        seen: set[str] = set()
+        for req in requests:
+            for c in req.chunks:
+                if c.key not in seen:
+                    seen.add(c.key)
+                    todo.append((req, c))
+        if not todo:
+            return None
+        try:
+            objs = self.client.batch_alloc([self.object_nbytes(c.num_tokens) for _, c in todo])
+        except (MaruError, ValueError) as e:
+            rep.failed = len(todo)
+            rep.error = f"reserving {len(todo)} objects failed: {e}"
+            rep.server_lost = isinstance(e, _LOST)
+            return None
+        return todo, list(objs)
+
     def _gather_pipelined(
         self, todo: list[tuple[RequestTransfer, ChunkRef]], objs: list[Any], prep: PreparedStore
     ) -> None:
@@ -366,35 +412,147 @@ class KVTransferEngine:
         (so ``commit_store`` may publish) and the caches are no longer read. On any failure every
         object of the call is aborted, never published.
         """
+        self._finish_pipelined(self._issue_pipelined(todo, objs, prep), prep)
+
+    def _issue_pipelined(
+        self, todo: list[tuple[RequestTransfer, ChunkRef]], objs: list[Any], prep: PreparedStore
+    ) -> _IssuedGather:
+        """Queue one ``pipeline.store`` for every chunk (stream-ordered after the work already on the
+        caches' device, i.e. the forward's writes); the host does not wait for the copies."""
         rep = prep.report
-        outs: list[torch.Tensor] = []
+        ig = _IssuedGather(handle=None, ok=[], bad=[], outs=[])
         slots: list[torch.Tensor] = []
-        ok: list[tuple[ChunkRef, Any]] = []
-        bad: list[Any] = []
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
                 s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
                 o = self._tensor_over(obj.buf, c.num_tokens)
             except Exception as e:
-                bad.append(obj)
+                ig.bad.append(obj)
                 rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
                 continue
-            outs.append(o)
+            ig.outs.append(o)
             slots.append(s)
-            ok.append((c, obj))
-        if ok:
-            handle = None
+            ig.ok.append((c, obj))
+        if ig.ok:
             try:
-                handle = self.pipeline.store(outs, torch.cat(slots))
+                ig.handle = self.pipeline.store(ig.outs, torch.cat(slots))
+            except Exception as e:
+                rep.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
+                ig.bad.extend(obj for _, obj in ig.ok)
+                ig.ok, ig.outs = [], []
+                if not isinstance(e, ValueError):
+                    self._settle()  # an issue that failed half way may have queued copies
+        return ig
+
+    def _finish_pipelined(self, ig: _IssuedGather, prep: PreparedStore) -> None:
+        """Wait for an issued gather, then record (or abort) its objects through ``_settle_prepared``."""
+        handle, ig.handle = ig.handle, None
+        if handle is not None:
+            try:
                 handle.wait()  # the D2H copies completed: only now may the keys be published
             except Exception as e:
-                rep.error = f"gathering {len(ok)} chunks failed: {type(e).__name__}: {e}"
-                bad.extend(obj for _, obj in ok)
-                ok = []
-                if handle is not None or not isinstance(e, ValueError):
-                    self._settle()  # no copy may still write a page we hand back
-            del handle, outs  # drop the exports of the pool buffers before the client releases them
+                prep.report.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
+                ig.bad.extend(obj for _, obj in ig.ok)
+                ig.ok = []
+                self._settle()  # no copy may still write a page we hand back
+            del handle
+        ig.outs = []  # drop the exports of the pool buffers before the client releases them
+        ok, bad, ig.ok, ig.bad = ig.ok, ig.bad, [], []
         self._settle_prepared(prep, ok, bad)
+
+    # ------------------------------------------------------------------ write-behind store
+    def issue_store(self, requests: Sequence[RequestTransfer]) -> PendingStore:
+        """Start a write-behind store on the forward thread; ``complete_store`` finishes it.
+
+        Never blocks on the device. CUDA caches (pipelined): reserve the objects and queue the
+        gather, ordered after the forward's writes; the blocks are read when the copies run.
+        CPU caches: nothing happens here: ``complete_store`` reserves, gathers and publishes on the
+        drain thread. The staged fallback gathers here, synchronously. Until ``read_done`` is set
+        the blocks of ``requests`` must not be reused (vLLM holds them: delayed free, preemption
+        barrier through ``wait_store_read``).
+        """
+        pending = PendingStore(requests=list(requests), prep=PreparedStore(report=StoreReport()))
+        if self.pipeline is not None:
+            t0 = time.perf_counter()
+            reserved = self._reserve(requests, pending.prep)
+            if reserved is not None:
+                pending.issued = self._issue_pipelined(*reserved, pending.prep)
+            else:
+                pending.read_done.set()
+            pending.prep.report.seconds += time.perf_counter() - t0
+        elif self.device.type != "cpu":
+            pending.prep = self.prepare_store(requests)  # staged: synchronous copies
+            pending.read_done.set()
+        return pending
+
+    def complete_store(self, pending: PendingStore) -> StoreReport:
+        """Finish a write-behind store (drain thread): gather or wait for the gather, then publish.
+
+        A store cancelled by ``wait_store_read`` publishes nothing (its objects are aborted).
+        Never raises for Maru-side problems: they come back in the report.
+        """
+        try:
+            if self.pipeline is not None:
+                if pending.issued is not None:
+                    t0 = time.perf_counter()
+                    self._finish_pipelined(pending.issued, pending.prep)
+                    pending.prep.report.seconds += time.perf_counter() - t0
+            elif self.device.type == "cpu":
+                with pending.lock:
+                    skip = pending.cancelled
+                if not skip:
+                    pending.prep = self.prepare_store(pending.requests)  # reads the blocks
+                else:  # cancelled before it started: nothing was reserved or read
+                    pending.prep.report.failed = len(_unique_keys(pending.requests)[0])
+                    pending.prep.report.error = "cancelled before the gather started (request preempted)"
+        finally:
+            with pending.lock:
+                cancelled = pending.cancelled
+                pending.read_done.set()
+        prep = pending.prep
+        if cancelled:
+            return self._abort_prepared(prep)
+        return self.commit_store(prep)
+
+    def wait_store_read(self, pending: PendingStore, timeout: float | None = None) -> bool:
+        """Block until ``pending`` no longer reads the paged cache (the preemption barrier).
+
+        True: the blocks may be overwritten. False after ``timeout`` seconds: the store is
+        cancelled (it will publish nothing, whatever it read), so the blocks may be overwritten too.
+        """
+        ig = pending.issued
+        handle = ig.handle if ig is not None else None
+        if handle is not None and not pending.read_done.is_set():
+            # Pipelined: the copies finishing is what matters, not the drain thread reaching them.
+            try:
+                handle.wait()
+                return True
+            except Exception as e:
+                logger.error("Maru: waiting for a write-behind gather failed (%s); it is cancelled", e)
+                self._settle()
+        elif pending.read_done.wait(timeout):
+            return True
+        with pending.lock:
+            if pending.read_done.is_set():
+                return True
+            pending.cancelled = True
+        return False
+
+    def _abort_prepared(self, prep: PreparedStore) -> StoreReport:
+        rep = prep.report
+        if prep.objects:
+            rep.failed += len(prep.objects)
+            rep.tokens = 0
+            rep.error = (
+                f"{len(prep.objects)} objects cancelled: their blocks were released (request preempted) "
+                "before the write-behind gather finished reading them"
+            )
+            try:
+                self.client.abort(prep.objects)
+            except MaruError:
+                pass  # the server reclaims reservations with the lease
+            prep.keys, prep.objects = [], []
+        return rep
 
     def _settle_prepared(self, prep: PreparedStore, ok: list[tuple[ChunkRef, Any]], bad: list[Any]) -> None:
         """Record the completely written objects for ``commit_store``; abort the others unpublished."""
@@ -445,91 +603,55 @@ class KVTransferEngine:
     def load(self, requests: Sequence[RequestTransfer]) -> LoadReport:
         """Place every request's chunks into the paged cache: one lookup-and-pin for all keys.
 
-        All or nothing per request (see the module docstring). Returns which requests loaded.
+        All or nothing per request (see the module docstring). Returns which requests loaded, once
+        every placement completed and the pins are released (``start_load``, then ``finish``).
+        """
+        return self.start_load(requests).finish()
+
+    def start_load(self, requests: Sequence[RequestTransfer]) -> InflightLoad:
+        """Look up and pin every chunk (one round trip), check each request, issue its placement.
+
+        With a ``TransferEngine`` (CUDA caches) each checked request is one ``pipeline.load``: its
+        copies and placement are queued on the engine's streams and this returns without waiting
+        for them (the asynchronous load polls ``InflightLoad.done()``). Otherwise the placement runs
+        here, synchronously (the staged path also waits for its kernels), and the returned load is
+        already complete. The pins are released by ``InflightLoad.release``/``finish``, or here if
+        this raises (after the engine's streams settled).
         """
         t0 = time.perf_counter()
         rep = LoadReport()
         keys, index = _unique_keys(requests)
         if not keys:
-            return rep
+            return InflightLoad(self, rep, [], [], t0)
         try:
-            handles = self.client.batch_retrieve(keys, pin=True)
+            handles = list(self.client.batch_retrieve(keys, pin=True))
         except MaruError as e:
             for req in requests:
                 rep.failed[req.req_id] = f"lookup failed: {e}"
             rep.server_lost = isinstance(e, _LOST)
-            rep.seconds = time.perf_counter() - t0
-            return rep
-        if self.pipeline is not None:
-            self._load_pipelined(requests, handles, index, rep)
-            rep.seconds = time.perf_counter() - t0
-            return rep
+            return InflightLoad(self, rep, [], [], t0)
+        issued: list[tuple[RequestTransfer, Any, int, int]] = []  # (request, transfer or None, chunks, bytes)
         try:
             for req in requests:
                 why = self._check(req, handles, index)
                 if why is None:
-                    why = self._place(req, handles, index, rep)
-                if why is None:
-                    rep.loaded_req_ids.append(req.req_id)
-                    rep.tokens += req.num_placed_tokens()
-                else:
-                    rep.failed[req.req_id] = why
-        finally:
-            try:
-                self.client.batch_release(handles)
-            except MaruError as e:
-                logger.warning(
-                    "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(keys), e
-                )
-        rep.seconds = time.perf_counter() - t0
-        return rep
-
-    def _load_pipelined(
-        self, requests: Sequence[RequestTransfer], handles: list[Any], index: dict[str, int], rep: LoadReport
-    ) -> None:
-        """Issue one pipelined load (H2D + scatter) per checked request, wait for all, then unpin.
-
-        A chunk's ``place_begin``/``place_end`` become -1 slots (never written) in the call's slot
-        mapping, exactly as in the staged path. The pins are released in ``finally`` and only after
-        every issued handle's ``wait()`` (or, if a wait failed, after the engine's streams drained):
-        the copy engine reads the pinned pool pages until then.
-        """
-        issued: list[tuple[RequestTransfer, Any, int, int]] = []  # (request, handle, chunks, bytes)
-        try:
-            for req in requests:
-                why = self._check(req, handles, index)
-                if why is None:
-                    why = self._issue_load(req, handles, index, issued)
+                    if self.pipeline is not None:
+                        why = self._issue_load(req, handles, index, issued)
+                    else:
+                        why = self._place(req, handles, index, issued)
                 if why is not None:
                     rep.failed[req.req_id] = why
-            settle = False
-            for req, handle, nchunks, nbytes in issued:
-                try:
-                    if handle is not None:
-                        handle.wait()
-                except Exception as e:  # reported as a load error: vLLM recomputes these blocks
-                    rep.failed[req.req_id] = f"placing the chunks failed: {type(e).__name__}: {e}"
-                    settle = True
-                    continue
-                rep.loaded_req_ids.append(req.req_id)
-                rep.tokens += req.num_placed_tokens()
-                rep.chunks += nchunks
-                rep.bytes += nbytes
-            if settle:
-                self._settle()
+            if self.pipeline is None:
+                # The staged path queued its kernels on this thread's stream: the load is complete
+                # (and may be reported from any thread) only once they ran.
+                self.sync_device()
         except BaseException:
-            self._settle()  # unexpected: make sure no copy still reads a page before unpinning
-            raise
-        finally:
-            # Drop every tensor over the pool pages (handles keep theirs until waited) before unpinning.
+            if self.pipeline is not None:
+                self._settle()  # unexpected: no copy may still read a page we unpin
             issued = []
-            handle = None
-            try:
-                self.client.batch_release(handles)
-            except MaruError as e:
-                logger.warning(
-                    "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(index), e
-                )
+            self._unpin(handles)
+            raise
+        return InflightLoad(self, rep, handles, issued, t0)
 
     def _issue_load(
         self,
@@ -579,8 +701,14 @@ class KVTransferEngine:
         return None
 
     def _place(
-        self, req: RequestTransfer, handles: list[Any], index: dict[str, int], rep: LoadReport
+        self,
+        req: RequestTransfer,
+        handles: list[Any],
+        index: dict[str, int],
+        issued: list[tuple[RequestTransfer, Any, int, int]],
     ) -> str | None:
+        """Place ``req``'s chunks now (CPU, staged); None (and ``req`` recorded done), or why it failed."""
+        nbytes = 0
         for c in req.chunks:
             h = handles[index[c.key]]
             try:
@@ -592,8 +720,8 @@ class KVTransferEngine:
                 del obj
             except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                 return f"placing chunk {c.key} failed: {type(e).__name__}: {e}"
-            rep.chunks += 1
-            rep.bytes += h.size
+            nbytes += h.size
+        issued.append((req, None, len(req.chunks), nbytes))
         return None
 
     # ------------------------------------------------------------------ layer by layer
@@ -627,7 +755,9 @@ class KVTransferEngine:
                             req.block_ids, self.block_size, c.start, c.num_tokens, c.placed()
                         )
                         obj = self._tensor_over(h.view, c.num_tokens)
-                        if self.device.type != "cpu":
+                        if self.device.type != "cpu" and self.pipeline is None:
+                            # Placed by place_layer. The TransferEngine takes host slot mappings
+                            # (it moves them itself, without blocking).
                             slots = slots.to(self.device)
                         parts.append((obj, slots, int(h.size)))
                 except Exception as e:
@@ -644,6 +774,7 @@ class KVTransferEngine:
         part = obj[layer]
         if self.device.type != "cpu":
             part = part.to(self.device)
+            slots = slots.to(self.device)  # no-op when pin already moved them
         if self.layout.is_cross_layer:
             kv_ops.scatter_layer(part, self.caches[0], self.layout, slots, layer=layer, backend=self.backend)
         else:
@@ -664,10 +795,26 @@ class KVTransferEngine:
         self.sync_device()
         return rep
 
+    def start_layer_load(self, pinned: PinnedLoad) -> LayerwiseLoad | PipelinedLayerLoad:
+        """Start placing ``pinned`` layer by layer (the layer-overlap load); it owns the pins from now.
+
+        With a ``TransferEngine`` (CUDA caches): one ``load_layers`` call for every ready request,
+        issued on this thread (``PipelinedLayerLoad``). Otherwise the ``LayerwiseLoad`` thread.
+        """
+        if self.pipeline is not None:
+            return PipelinedLayerLoad(self, pinned)
+        return LayerwiseLoad(self, pinned).start()
+
     def release(self, pl: PinnedLoad) -> None:
         """Unpin what ``pin`` pinned (object tensors over the pool pages are dropped first)."""
         pl.ready = []
-        handles, pl.handles = [h for h in pl.handles if h is not None], []
+        handles, pl.handles = pl.handles, []
+        self._unpin(handles)
+
+    def _unpin(self, handles: list[Any]) -> None:
+        """Release pinned lookup handles (None entries skipped) in one round trip; never raises
+        a ``MaruError`` (logged: the lease frees them). Callers drop their tensors over the pages first."""
+        handles = [h for h in handles if h is not None]
         if not handles:
             return
         try:
@@ -749,6 +896,298 @@ class LayerwiseLoad:
         self._done.wait()
         self._thread.join()
         return self._report
+
+
+class InflightLoad:
+    """A load looked up, pinned and issued (``KVTransferEngine.start_load``); it may still be running.
+
+    Invariants: ``done()`` never blocks. ``collect()`` gives the final report: a request is in
+    ``loaded_req_ids`` only if every transfer of it completed without error; a transfer error at
+    completion (``done()`` or ``wait()`` raising) fails its request and the engine's streams are
+    settled before anything is unpinned. ``release()`` unpins exactly once, and never before every
+    issued transfer completed (it collects, i.e. waits, first if needed).
+    """
+
+    def __init__(
+        self,
+        engine: KVTransferEngine,
+        report: LoadReport,
+        handles: list[Any],
+        issued: list[tuple[RequestTransfer, Any, int, int]],
+        t0: float,
+    ) -> None:
+        self.engine = engine
+        self.report = report  # failures at lookup, check and issue are in it already
+        self._handles = handles  # the pinned lookup handles (None: missing key)
+        self._issued = issued  # (request, transfer or None when placed at issue, chunks, bytes)
+        self._errors: dict[int, BaseException] = {}  # issued index -> error raised by its done()
+        self._t0 = t0
+        self._collected = False
+        self._released = False
+
+    def done(self) -> bool:
+        """True once every issued transfer completed or failed (non-blocking event queries)."""
+        for k, (_, transfer, _, _) in enumerate(self._issued):
+            if transfer is None or k in self._errors:
+                continue
+            try:
+                if not transfer.done():
+                    return False
+            except Exception as e:  # an error at completion: collect() fails the request
+                self._errors[k] = e
+        return True
+
+    def collect(self) -> LoadReport:
+        """The final report (idempotent). Waits for transfers still running: none once ``done()``."""
+        if self._collected:
+            return self.report
+        self._collected = True
+        rep, settle = self.report, False
+        issued, self._issued = self._issued, []
+        for k, (req, transfer, nchunks, nbytes) in enumerate(issued):
+            err = self._errors.get(k)
+            if err is None and transfer is not None:
+                try:
+                    transfer.wait()
+                except Exception as e:
+                    err = e
+            if err is not None:  # reported as a load error: vLLM recomputes these blocks
+                rep.failed[req.req_id] = f"placing the chunks failed: {type(err).__name__}: {err}"
+                settle = True
+                continue
+            rep.loaded_req_ids.append(req.req_id)
+            rep.tokens += req.num_placed_tokens()
+            rep.chunks += nchunks
+            rep.bytes += nbytes
+        del issued  # the transfers drop their tensors over the pool pages with it
+        if settle and self.engine.pipeline is not None:
+            self.engine._settle()  # a failed transfer may leave copies queued: drain before unpinning
+        rep.seconds = time.perf_counter() - self._t0
+        return rep
+
+    def release(self) -> None:
+        """Unpin every chunk of the load, once, after its transfers completed (collects first)."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            if not self._collected:
+                self.collect()
+        finally:
+            handles, self._handles = self._handles, []
+            self.engine._unpin(handles)
+
+    def finish(self) -> LoadReport:
+        """``collect`` then ``release``: the synchronous load."""
+        rep = self.collect()
+        self.release()
+        return rep
+
+
+class PipelinedLayerLoad:
+    """The layer-overlap load on CUDA caches: ONE ``TransferEngine.load_layers`` for a whole step.
+
+    Issued on the calling (forward) thread from a ``PinnedLoad``: the chunk objects and slot
+    mappings of every ready request are concatenated into one call (``place_begin``/``place_end``
+    are -1 slots, never written; a chunk with nothing to place is not copied). ``wait_for_layer(i)``
+    makes the current stream wait for layer i's placement and ``wait_on()`` for every layer: the
+    host never blocks. Same interface as ``LayerwiseLoad`` (``wait_for_layer``, ``layer_done``,
+    ``done``, ``wait``, ``num_layers``) plus ``report``, ``wait_on`` and ``release``.
+
+    Invariants: the requests of the call succeed or fail together. A failure at issue fails all of
+    them here (``report`` says so before the forward reads anything) and settles the engine's
+    streams. A failure at completion (``done``/``wait`` raising) is logged, moves every loaded
+    request of ``report`` to its failures and settles the streams. ``release()`` unpins exactly
+    once, only after the transfer completed (waiting for it if ``done()`` is not yet true).
+    """
+
+    def __init__(self, engine: KVTransferEngine, pinned: PinnedLoad) -> None:
+        t0 = time.perf_counter()
+        self.engine = engine
+        self.num_layers = engine.num_layers
+        self.report = LoadReport(failed=dict(pinned.failed), server_lost=pinned.server_lost)
+        self.handle: Any = None  # the LayerLoad
+        self.error: str | None = None
+        self._pinned = pinned
+        self._released = False
+        ready, pinned.ready = pinned.ready, []  # the handle keeps the tensors it needs
+        objs: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        for req, parts in ready:
+            for c, (obj, s, _) in zip(req.chunks, parts, strict=True):
+                pb, pe = c.placed()
+                if pe > pb:
+                    objs.append(obj)
+                    slots.append(s)
+        try:
+            if objs:
+                self.handle = engine.pipeline.load_layers(objs, torch.cat(slots))
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            engine._settle()  # a failure at issue may leave copies queued
+            for req, _ in ready:
+                self.report.failed[req.req_id] = f"placing the layers failed: {self.error}"
+        else:
+            for req, parts in ready:
+                self.report.loaded_req_ids.append(req.req_id)
+                self.report.tokens += req.num_placed_tokens()
+                self.report.chunks += len(parts)
+                self.report.bytes += sum(n for _, _, n in parts)
+        del objs, slots, ready
+        self.issue_s = time.perf_counter() - t0
+        self.report.seconds = pinned.seconds + self.issue_s
+
+    def wait_for_layer(self, layer: int) -> None:
+        """The current stream waits for layer ``layer`` of every chunk (GPU-side; no host block)."""
+        if self.handle is not None:
+            self.handle.wait_for_layer(layer)
+
+    def wait_on(self) -> None:
+        """The current stream waits for every layer (GPU-side; no host block)."""
+        if self.handle is not None:
+            self.handle.wait_on()
+
+    def layer_done(self, layer: int) -> bool:
+        return self.handle is None or bool(self.handle.layer_done(layer))
+
+    def done(self) -> bool:
+        """True once every layer is placed (or the transfer failed). Never blocks."""
+        if self.handle is None or self.error is not None:
+            return True
+        try:
+            return bool(self.handle.done())
+        except Exception as e:
+            self._failed_at_completion(e)
+            return True
+
+    def wait(self) -> LoadReport:
+        """Block until every layer is placed, release the pins; the load's report."""
+        self.release()
+        return self.report
+
+    def release(self) -> None:
+        """Unpin (once), after the transfer completed: blocks on it when ``done()`` is not yet true."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            if self.handle is not None and self.error is None:
+                try:
+                    self.handle.wait()
+                except Exception as e:
+                    self._failed_at_completion(e)
+        finally:
+            self.handle = None  # drops the tensors over the pool pages before unpinning
+            self.engine.release(self._pinned)
+
+    def _failed_at_completion(self, e: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = f"{type(e).__name__}: {e}"
+        logger.error(
+            "Maru: the layer-overlap load of %d requests failed on the device (%s)",
+            len(self.report.loaded_req_ids),
+            self.error,
+        )
+        for req_id in self.report.loaded_req_ids:
+            self.report.failed[req_id] = f"placing the layers failed: {self.error}"
+        self.report.loaded_req_ids = []
+        self.engine._settle()  # no copy may still read a page we unpin
+
+
+class AsyncLoader:
+    """``maru_async_load`` without blocking on transfers: issue on a loader thread, poll completion.
+
+    ``submit(tag, engine, requests)`` runs ``engine.start_load(requests)`` on one daemon thread: the
+    lookup-and-pin round trip and the issue (CUDA caches: ``pipeline.load``, which returns at once;
+    CPU caches: the placement itself, so the load comes back complete). ``poll()`` never waits for
+    a transfer: it returns ``(tag, LoadReport)`` for every load whose transfers are ``done()`` and
+    hands their unpin (a server round trip) back to the loader thread.
+
+    Invariants: every tag comes back from ``poll``/``drain`` exactly once, with a report that
+    either loads or fails each of its requests (an unexpected exception becomes a failure, never a
+    lost tag: vLLM would wait for the request for ever); a load is reported only once complete;
+    every load's pins are released exactly once, after completion (``InflightLoad.release``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._ready: list[tuple[Any, LoadReport]] = []  # failed without a lookup: due at the next poll
+        self._issuing: list[tuple[Any, list[str], Future[InflightLoad]]] = []
+        self._inflight: list[tuple[Any, list[str], InflightLoad]] = []
+        self._unpins: list[Future[None]] = []
+
+    def submit(self, tag: Any, engine: KVTransferEngine, requests: Sequence[RequestTransfer]) -> None:
+        reqs = list(requests)
+        self._issuing.append((tag, [r.req_id for r in reqs], self._pool.submit(engine.start_load, reqs)))
+
+    def fail(self, tag: Any, req_id: str, why: str) -> None:
+        """Report ``req_id`` failed at the next ``poll`` (nothing was looked up)."""
+        self._ready.append((tag, LoadReport(failed={req_id: why})))
+
+    def __len__(self) -> int:
+        """Loads submitted and not yet reported."""
+        return len(self._ready) + len(self._issuing) + len(self._inflight)
+
+    def poll(self) -> list[tuple[Any, LoadReport]]:
+        """(tag, report) of every load that completed or failed since the last call. Never blocks."""
+        out, self._ready = self._ready, []
+        issuing, self._issuing = self._issuing, []
+        for tag, req_ids, fut in issuing:
+            if not fut.done():
+                self._issuing.append((tag, req_ids, fut))
+                continue
+            exc = fut.exception()
+            if exc is not None:  # start_load released its pins before raising
+                why = f"issuing the load failed: {type(exc).__name__}: {exc}"
+                out.append((tag, LoadReport(failed=dict.fromkeys(req_ids, why))))
+            else:
+                self._inflight.append((tag, req_ids, fut.result()))
+        inflight, self._inflight = self._inflight, []
+        for tag, req_ids, load in inflight:
+            if load.done():
+                out.append((tag, self._complete(req_ids, load)))
+            else:
+                self._inflight.append((tag, req_ids, load))
+        self._unpins = [f for f in self._unpins if not f.done()]
+        return out
+
+    def _complete(self, req_ids: list[str], load: InflightLoad) -> LoadReport:
+        try:
+            rep = load.collect()
+        except Exception as e:  # a bug: fail the requests rather than lose them
+            logger.exception("Maru: completing an asynchronous load failed")
+            if load.engine.pipeline is not None:
+                load.engine._settle()
+            rep = LoadReport(failed=dict.fromkeys(req_ids, f"completing the load failed: {e}"))
+        self._unpins.append(self._pool.submit(load.release))
+        return rep
+
+    def drain(self, timeout: float | None = None) -> list[tuple[Any, LoadReport]]:
+        """Wait for every submitted load (issue up to ``timeout`` seconds, then its transfers) and
+        every unpin; the reports not yet returned by ``poll``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait([f for _, _, f in self._issuing], timeout=timeout)
+        out = self.poll()
+        inflight, self._inflight = self._inflight, []
+        for tag, req_ids, load in inflight:
+            out.append((tag, self._complete(req_ids, load)))  # collect() waits for the transfers
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        wait(self._unpins, timeout=left)
+        self._unpins = [f for f in self._unpins if not f.done()]
+        if self._issuing:
+            logger.warning(
+                "Maru: %d asynchronous loads were still looking up after %.1f s; their pins are freed "
+                "with the lease",
+                len(self._issuing),
+                timeout,
+            )
+        return out
+
+    def close(self, timeout: float | None = None) -> list[tuple[Any, LoadReport]]:
+        out = self.drain(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return out
 
 
 class BackgroundRunner:

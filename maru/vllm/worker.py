@@ -16,6 +16,7 @@ same step are dropped, because their KV was computed on top of the missing conte
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -30,11 +31,14 @@ from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.scheduler import rank_keys
 from maru.vllm.transfer import (
+    AsyncLoader,
     BackgroundRunner,
     ChunkRef,
     KVTransferEngine,
     LayerwiseLoad,
     LoadReport,
+    PendingStore,
+    PipelinedLayerLoad,
     RequestTransfer,
     StoreReport,
 )
@@ -42,6 +46,8 @@ from maru.vllm.transfer import (
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
+# Test hook: seconds the write-behind drain thread sleeps before each store (a slow drain).
+DRAIN_DELAY_ENV = "MARU_TEST_STORE_DRAIN_DELAY_S"
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -67,6 +73,11 @@ class WorkerStats:
     overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
     layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
+    stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
+    sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
+    sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)
+    preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
+    stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,10 +126,22 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
-        self._layer_load: LayerwiseLoad | None = None
+        self._layer_load: LayerwiseLoad | PipelinedLayerLoad | None = None
         self._layer_load_reqs: dict[str, RequestTransfer] = {}
-        self._loader: BackgroundRunner | None = None  # maru_async_load
+        # CUDA layer loads after their forward: unpinned once done() (get_finished polls them).
+        self._layer_releases: list[PipelinedLayerLoad] = []
+        self._loader: AsyncLoader | None = None  # maru_async_load
         self._drain: BackgroundRunner | None = None  # maru_async_store
+        # Write-behind bookkeeping (maru_async_store). ``_owed``: requests with a store planned since
+        # their last preemption, exactly the ones the scheduler delays the free of; each is reported
+        # once in finished_sending after it appeared in finished_req_ids (``_finished``) and every
+        # store batch naming it drained (``_inflight`` counts them; ``_batches`` for the barrier).
+        self._owed: set[str] = set()
+        self._finished: set[str] = set()
+        self._inflight: dict[str, int] = {}
+        self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
+        self._drain_delay_s = float(os.environ.get(DRAIN_DELAY_ENV, "0") or 0)
+        self._write_behind_mode = "not connected yet"
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -181,7 +204,25 @@ class MaruWorkerConnector:
         if forget(unreachable_key(self.cfg.server_url)):
             logger.warning("Maru: reconnected to maru server at %s", self.cfg.server_url)
         self.engine = KVTransferEngine(self.caches, self.layout, self._client)
+        if self.cfg.async_store:
+            self._announce_write_behind(self.engine.data_path)
         return True
+
+    def _announce_write_behind(self, data_path: str) -> None:
+        mode = {
+            "cpu": "the drain thread reserves, gathers and publishes",
+            "pipelined": "the gather is queued on the copy engine after the forward; the drain thread "
+            "waits for it, then publishes",
+            "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
+        }.get(data_path, data_path)
+        if mode != self._write_behind_mode:
+            self._write_behind_mode = mode
+            logger.info(
+                "Maru: write-behind store (%s data path): %s; a finished request's blocks are freed "
+                "once its stores drained (finished_sending), a preempted request's once its gather read them",
+                data_path,
+                mode,
+            )
 
     def _lost(self, why: str) -> None:
         """The server went away mid-step: drop the connection, retry later, say so once."""
@@ -191,10 +232,12 @@ class MaruWorkerConnector:
             unreachable_key(self.cfg.server_url), UNREACHABLE_MSG, self.cfg.server_url, why, _RECONNECT_S
         )
         if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
+            if self._drain is not None and len(self._drain):
+                # Write-behind stores queued on the drain thread still use this client (and its
+                # pool mapping): close it behind them, in order.
+                self._drain.submit(None, _close_quietly, client)
+                return
+            _close_quietly(client)
 
     def _rank(self, rt: RequestTransfer) -> RequestTransfer:
         if self.tp_size == 1:
@@ -232,7 +275,13 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ layer overlap
     def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:
-        """Pin every chunk of the step now (the lookup decides), then place layer by layer behind."""
+        """Pin every chunk of the step now (the lookup decides), then place layer by layer behind.
+
+        CUDA caches: one ``load_layers`` call for every ready request, issued here on the forward
+        thread (``PipelinedLayerLoad``); a failure at issue is reported at once, before the forward
+        reads anything. CPU caches: the ``LayerwiseLoad`` thread places layer by layer.
+        """
+        self._release_layer_loads()
         if not self._connect() or self.engine is None:
             why = self.disabled_reason or "maru server not reachable"
             for rt in meta.loads:
@@ -250,8 +299,12 @@ class MaruWorkerConnector:
             return
         pinned.failed = {}  # reported above; the layer load reports only its own failures
         self._layer_load_reqs = by_id
-        self._layer_load = LayerwiseLoad(self.engine, pinned).start()
+        ll = self.engine.start_layer_load(pinned)
+        self._layer_load = ll
         self.stats.overlap_loads += 1
+        if isinstance(ll, PipelinedLayerLoad):
+            for req_id, why in ll.report.failed.items():
+                self._fail(by_id[req_id], why)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer of the step's load is placed (other layers may still be in flight)."""
@@ -261,9 +314,13 @@ class MaruWorkerConnector:
         self.stats.layer_waits += 1
         i = self._layer_index.get(layer_name)
         if i is None or i >= ll.num_layers:
-            ll.wait()  # a name we do not know: wait for every layer rather than risk a partial read
+            # A name we do not know: wait for every layer rather than risk a partial read.
+            if isinstance(ll, PipelinedLayerLoad):
+                ll.wait_on()  # GPU-side, like wait_for_layer
+            else:
+                ll.wait()
         else:
-            ll.wait_for_layer(i)
+            ll.wait_for_layer(i)  # CUDA: the forward stream waits for the layer's event
 
     def _finish_layer_load(self) -> None:
         """Join the step's layer load (after the forward) and account for it; failures -> recompute."""
@@ -271,37 +328,59 @@ class MaruWorkerConnector:
         if ll is None:
             return
         by_id, self._layer_load_reqs = self._layer_load_reqs, {}
+        if isinstance(ll, PipelinedLayerLoad):
+            # Everything queued after the forward on this stream waits for every layer (a layer the
+            # model never waited for included): GPU-side, the host does not block here. Failures at
+            # issue were reported before the forward. The pins are held until the transfer is
+            # done(): get_finished polls it (not a host wait here, which would stall the forward
+            # thread until the last layer is placed).
+            ll.wait_on()
+            self._layer_releases.append(ll)
+            self._account_load(ll.report)
+            return
         rep = ll.wait()
         for req_id, why in rep.failed.items():
             self._fail(by_id[req_id], why)
         self._account_load(rep)
 
+    def _release_layer_loads(self, wait: bool = False) -> None:
+        """Unpin the finished CUDA layer loads (every one with ``wait``: shutdown)."""
+        keep: list[PipelinedLayerLoad] = []
+        for ll in self._layer_releases:
+            if wait or ll.done():
+                ll.release()  # waits only when not done (wait=True)
+            else:
+                keep.append(ll)
+        self._layer_releases = keep
+
     # ------------------------------------------------------------------ async load
     def _start_async_loads(self, loads: list[RequestTransfer]) -> None:
-        """Hand each parked request's load to the loader thread; ``get_finished`` reports it."""
+        """Hand each parked request's load to the loader thread; ``get_finished`` reports it.
+
+        The loader thread only looks up, pins and issues (``AsyncLoader``): on CUDA caches the
+        transfer runs on the engine's streams while the loader thread goes on to the next request,
+        and ``get_finished`` reports the request once its transfer is ``done()``. On CPU caches the
+        placement runs on the loader thread and the load is complete when it comes back.
+        """
         if self._loader is None:
-            self._loader = BackgroundRunner("maru-loader")
+            self._loader = AsyncLoader("maru-loader")
         for rt in loads:
             self.stats.async_loads += 1
             if not self.cfg.enable_load or not self._connect() or self.engine is None:
                 why = "maru_enable_load is false" if not self.cfg.enable_load else None
                 why = why or self.disabled_reason or "maru server not reachable"
-                self._loader.submit(rt, _failed_load, rt.req_id, why)
+                self._loader.fail(rt, rt.req_id, why)
             else:
                 # The engine object is captured now: a reconnect later builds a new one.
-                self._loader.submit(rt, self.engine.load_and_sync, [self._rank(rt)])
+                self._loader.submit(rt, self.engine, [self._rank(rt)])
 
     def _collect_async_loads(self) -> set[str]:
+        """Requests whose async load completed or failed since the last call (never blocks)."""
         done: set[str] = set()
         if self._loader is None:
             return done
         for rt, res in self._loader.poll():
             done.add(rt.req_id)
-            if isinstance(res, BaseException):
-                self.stats.async_load_failures += 1
-                self._fail(rt, f"{type(res).__name__}: {res}")
-                continue
-            assert isinstance(res, LoadReport)
             if rt.req_id in res.failed:
                 self.stats.async_load_failures += 1
                 self._fail(rt, res.failed[rt.req_id])
@@ -331,20 +410,25 @@ class MaruWorkerConnector:
     def get_finished(
         self, finished_req_ids: set[str] | None = None
     ) -> tuple[set[str] | None, set[str] | None]:
-        """(finished_sending, finished_recving) for vLLM: async loads that completed or failed.
+        """(finished_sending, finished_recving) for vLLM.
 
-        A failed async load is reported finished *and* its blocks go to
-        ``get_block_ids_with_load_errors`` (vLLM reads both in the same step), so vLLM leaves the
-        wait and recomputes the request. Nothing is ever in ``finished_sending``: the write-behind
-        store has read the blocks before ``wait_for_save`` returns (see ``wait_for_save``).
+        ``finished_recving``: async loads that completed or failed. A failed async load is reported
+        finished *and* its blocks go to ``get_block_ids_with_load_errors`` (vLLM reads both in the
+        same step), so vLLM leaves the wait and recomputes the request.
+        ``finished_sending`` (``maru_async_store``): see ``_finished_sending``.
         """
+        sending: set[str] = set()
+        try:
+            sending = self._finished_sending(finished_req_ids or set())
+        except Exception:  # never raise into vLLM
+            logger.exception("Maru: collecting finished write-behind stores failed")
         recving: set[str] = set()
         try:
-            self._collect_commits()
+            self._release_layer_loads()
             recving = self._collect_async_loads()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished transfers failed")
-        return None, (recving or None)
+        return (sending or None), (recving or None)
 
     def _fail(self, rt: RequestTransfer, why: str) -> None:
         blocks = rt.placed_block_ids(self.block_size)
@@ -401,6 +485,10 @@ class MaruWorkerConnector:
             self._finish_layer_load()
         except Exception:
             logger.exception("Maru: finishing the layer-by-layer load failed")
+        if meta is not None and self.cfg.async_store:
+            # Before anything can fail: the scheduler delays the free of every request it planned
+            # a store for, whatever becomes of the store here (dropped, failed, connector off).
+            self._owe(meta)
         if meta is None or not meta.stores or not self.cfg.enable_store:
             return
         try:
@@ -408,6 +496,19 @@ class MaruWorkerConnector:
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
             self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
+
+    def _owe(self, meta: MaruConnectorMetadata) -> None:
+        """Requests vLLM keeps the blocks of until we report them in ``finished_sending``.
+
+        The scheduler's rule (``MaruSchedulerConnector._track_sending``): a step's preemptions
+        clear a request, then the step's stores mark it. Idempotent per step, so both
+        ``handle_preemptions`` and ``wait_for_save`` apply it (either alone keeps us exact).
+        """
+        preempted = meta.preempted_req_ids
+        if preempted:
+            self._owed -= preempted
+            self._finished -= preempted
+        self._owed.update(rt.req_id for rt in meta.stores)
 
     def _store(self, meta: MaruConnectorMetadata) -> None:
         stores = []
@@ -423,28 +524,108 @@ class MaruWorkerConnector:
         if not stores or not self._connect() or self.engine is None:
             return
         if self.cfg.async_store:
-            # Write-behind: gather now, on the forward thread, so the paged blocks are read before
-            # vLLM can free or reuse them; only the commit (a server round trip) is deferred.
-            prep = self.engine.prepare_store(stores)
-            if self._drain is None:
-                self._drain = BackgroundRunner("maru-store-drain")
-            self._drain.submit(None, self.engine.commit_store, prep)
-            self.stats.deferred_commits += 1
-            self._collect_commits()
+            self._issue_write_behind(stores)
             return
         self._account_store(self.engine.store(stores))
+
+    def _issue_write_behind(self, stores: list[RequestTransfer]) -> None:
+        """Write-behind: issue the gather here (CUDA) or nothing (CPU); the drain thread does the rest.
+
+        vLLM holds the blocks of these requests until ``get_finished`` reports them (delayed free)
+        and ``handle_preemptions`` waits for the gather before a preempted request's blocks are reused.
+        """
+        assert self.engine is not None
+        engine = self.engine  # captured: a reconnect later builds a new one
+        pending = engine.issue_store(stores)
+        if self._drain is None:
+            self._drain = BackgroundRunner("maru-store-drain")
+        for r in pending.req_ids:
+            self._inflight[r] = self._inflight.get(r, 0) + 1
+        self._batches.append((pending, engine))
+        self._drain.submit(pending, self._drain_one, engine, pending)
+        self.stats.deferred_commits += 1
+        self.stats.stores_in_flight = len(self._batches)
+        self._collect_commits()
+
+    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore) -> StoreReport:
+        if self._drain_delay_s > 0:
+            time.sleep(self._drain_delay_s)  # test hook: a slow drain (the blocks must stay held)
+        return engine.complete_store(pending)
 
     def _collect_commits(self, wait_s: float | None = 0.0) -> None:
         if self._drain is None:
             return
         done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
-        for _, res in done:
+        for tag, res in done:
+            if isinstance(tag, PendingStore):
+                self._batch_drained(tag)
+            if res is None:
+                continue  # not a store (a client closed behind the stores)
             if isinstance(res, BaseException):
                 res = StoreReport(failed=1, error=f"{type(res).__name__}: {res}")
             self._account_store(res)
 
-    def flush_stores(self, timeout_s: float = 30.0) -> None:
-        """Wait until every write-behind commit submitted so far is done (tests, shutdown)."""
+    def _batch_drained(self, pending: PendingStore) -> None:
+        self._batches = [b for b in self._batches if b[0] is not pending]
+        self.stats.stores_in_flight = len(self._batches)
+        for r in pending.req_ids:
+            n = self._inflight.get(r, 0) - 1
+            if n > 0:
+                self._inflight[r] = n
+            else:
+                self._inflight.pop(r, None)
+
+    def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks vLLM may free now: finished, and every store naming them drained.
+
+        vLLM reports a finished request in ``finished_req_ids`` one step after it finished (and
+        requires a reported id to be one of those); ids seen there wait in ``_finished`` until
+        their last store batch is collected. Exactly the requests the scheduler delayed are
+        reported (``_owed``), each once, on every tensor-parallel rank.
+        """
+        self._collect_commits()
+        self._finished |= finished_req_ids & self._owed
+        done = {r for r in self._finished if not self._inflight.get(r)}
+        self._finished -= done
+        self._owed -= done
+        self.stats.sending_reported += len(done)
+        self.stats.sending_held = len(self._finished)
+        return done
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata | None) -> None:
+        """Before the step's forward: make the blocks of the step's preempted requests safe to reuse.
+
+        vLLM freed those blocks when it preempted the requests, and this very step may write them
+        (a forward, or a load): block until no write-behind store still reads them. A store that
+        does not finish reading within ``maru_timeout_s`` is cancelled (it publishes nothing). A
+        preempted request is no longer owed a ``finished_sending`` (the scheduler forgets it too).
+        """
+        if meta is None or not self.cfg.async_store:
+            return
+        ids = set(meta.preempted_req_ids)
+        self._owe(meta)
+        for pending, engine in list(self._batches):
+            if not (pending.req_ids & ids) or pending.read_done.is_set():
+                continue
+            self.stats.preemption_waits += 1
+            if not engine.wait_store_read(pending, self.cfg.timeout_s):
+                self.stats.stores_cancelled += 1
+                logger.warning(
+                    "Maru: a write-behind store of preempted request(s) %s did not finish reading its "
+                    "blocks within %.1f s; it is cancelled (those chunks stay uncached)",
+                    sorted(pending.req_ids & ids),
+                    self.cfg.timeout_s,
+                )
+
+    @property
+    def write_behind_mode(self) -> str | None:
+        """How the write-behind store runs on this worker (None: ``maru_async_store`` is off)."""
+        if not self.cfg.async_store:
+            return None
+        return self._write_behind_mode
+
+    def flush_stores(self, timeout_s: float | None = 30.0) -> None:
+        """Wait until every write-behind store submitted so far is done (tests, shutdown)."""
         self._collect_commits(timeout_s)
 
     def _account_store(self, rep: StoreReport) -> None:
@@ -485,11 +666,13 @@ class MaruWorkerConnector:
     def shutdown(self) -> None:
         try:
             self._finish_layer_load()
+            self._release_layer_loads(wait=True)
             if self._loader is not None:
                 self._loader.close(timeout=self.cfg.timeout_s)
             if self._drain is not None:
-                # Publish what was gathered: a clean shutdown loses no store.
-                self._collect_commits(self.cfg.timeout_s)
+                # Every store issued is completed and published (or fails, each bounded by the
+                # client's timeout): a clean shutdown loses no store.
+                self._collect_commits(None)
                 self._drain.close(timeout=0)
         except Exception:
             logger.exception("Maru: stopping the background transfers failed")
@@ -505,8 +688,11 @@ class MaruWorkerConnector:
                 pass
 
 
-def _failed_load(req_id: str, why: str) -> LoadReport:
-    return LoadReport(failed={req_id: why})
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:
+        pass
 
 
 def _kv_ops_backend() -> str:

@@ -1,0 +1,313 @@
+"""Non-blocking asynchronous load and the pipelined layer-overlap load, without a GPU.
+
+On CUDA caches the worker issues loads through ``kv_ops.pipeline.TransferEngine`` and polls their
+completion instead of waiting: the asynchronous load (``maru_async_load``) reports a request in
+``finished_recving`` only once its transfer is ``done()``, and the layer-overlap load
+(``maru_overlap_load_with_compute``) issues one ``load_layers`` per step and unpins once it is
+``done()``. Here the same worker code runs on CPU caches with a CPU ``TransferEngine`` injected as
+the engine's pipeline (it places at issue, like the CUDA engine's bytes once complete), and the
+transfers are wrapped in ``Gated`` handles whose completion the test controls: that is what a slow
+GPU transfer looks like to the bookkeeping. Real server, real shared-memory pool; the reference
+is the plain synchronous load on an identical cache, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.testing import CacheCase
+from maru.vllm.transfer import RequestTransfer
+from tests.helpers import ServerProcess
+from tests.test_transfer import BS, CHUNK, _request
+from tests.test_transfer_datapath import (
+    NAMES,
+    CountingPins,
+    _case,
+    _engine,
+    _layer_equal,
+    _same,
+    _slots,
+    _until_finished,
+    _worker,
+)
+from tests.test_transfer_wiring import release_pool, requests, stop_worker
+
+pytest.importorskip("vllm")  # the worker's metadata is vLLM's connector metadata
+
+from maru.vllm.metadata import MaruConnectorMetadata  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("async-load"), pool_size="64M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[MaruHandler]:
+    h = MaruHandler(server.url, timeout_s=5)
+    try:
+        yield h
+    finally:
+        release_pool(h)
+        h.close()
+
+
+class Gated:
+    """A transfer handle whose completion the test controls: ``done()`` is False until ``gate`` is
+    set; then it completes, or raises ``error`` (a transfer failing on the device). ``wait()``
+    before the gate opens is a test failure (the worker must never block on a running transfer)."""
+
+    def __init__(self, inner: Any, gate: threading.Event, error: Exception | None = None) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.error = error
+        self.waits = 0
+
+    def done(self) -> bool:
+        if not self.gate.is_set():
+            return False
+        if self.error is not None:
+            raise self.error
+        return bool(self.inner.done())
+
+    def wait(self) -> None:
+        self.waits += 1
+        if not self.gate.wait(timeout=10):
+            raise AssertionError("wait() on a transfer that is not done: the caller blocked on it")
+        if self.error is not None:
+            raise self.error
+        self.inner.wait()
+
+    def wait_on(self, stream: Any = None) -> None:
+        self.inner.wait_on(stream)
+
+    def wait_for_layer(self, layer: int, stream: Any = None) -> None:
+        self.inner.wait_for_layer(layer, stream)
+
+    def layer_done(self, layer: int) -> bool:
+        return self.gate.is_set() and bool(self.inner.layer_done(layer))
+
+
+def _inject(w: Any) -> tuple[CountingPins, list[int]]:
+    """Give the worker's engine a CPU ``TransferEngine`` (the CUDA code path) and count its pins
+    and settles (``_settle``: drain the engine's streams after a failed transfer)."""
+    eng = w.engine
+    eng.pipeline = TransferEngine(eng.caches, eng.layout)
+    pins = CountingPins(eng.client)
+    eng.client = pins
+    settles: list[int] = []
+    real = eng._settle
+
+    def settle() -> None:
+        settles.append(1)
+        real()
+
+    eng._settle = settle
+    return pins, settles
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+def _blocks_outside(used: tuple[int, ...], n: int, num_blocks: int = 16) -> tuple[int, ...]:
+    return tuple(b for b in range(num_blocks) if b not in used)[:n]
+
+
+def test_start_load_on_cpu_caches_is_complete_at_once_and_unpins_exactly_once(client: MaruHandler) -> None:
+    src = _case("cpu_attn", "NHD", 31)
+    req = _request("start-cpu", [5, 9, 1, 3], 2 * CHUNK)
+    assert _engine(src, client).store([req]).stored == 2
+    dreq = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
+    ref, dst = _case("cpu_attn", "NHD", 32), _case("cpu_attn", "NHD", 32)
+    assert _engine(ref, client).load([dreq]).loaded_req_ids == [req.req_id]
+    pins = CountingPins(client)
+    load = _engine(dst, pins).start_load([dreq])
+    assert load.done()  # placed synchronously on CPU: nothing left in flight
+    assert _same(dst, ref) and pins.released == 0
+    rep = load.collect()
+    assert rep.loaded_req_ids == [req.req_id] and (rep.chunks, rep.tokens) == (2, 2 * CHUNK)
+    load.release()
+    load.release()
+    assert pins.pinned == pins.released == 2
+
+
+def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transfer_failing_at_completion(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src = _case("kv_first", "HND", 21)
+    ok = _request("gated-ok", [5, 9, 1, 3], 2 * CHUNK)
+    bad = _request("gated-bad", [6, 7, 8, 10], 2 * CHUNK)
+    assert _engine(src, client).store([ok, bad]).stored == 4
+    dok = RequestTransfer(ok.req_id, (0, 2, 4, 6), ok.chunks)
+    dbad = RequestTransfer(bad.req_id, (11, 12, 13, 14), bad.chunks)
+    ref = _case("kv_first", "HND", 22)
+    assert _engine(ref, client).load([dok]).loaded_req_ids == [ok.req_id]
+    dst = _case("kv_first", "HND", 22)
+    w = _worker(server, dst, async_load=True)
+    try:
+        pins, settles = _inject(w)
+        gate = threading.Event()
+        issued: list[Gated] = []
+        real = w.engine.pipeline.load
+
+        def load(objs: Any, slots: Any, **kw: Any) -> Gated:
+            # The loader thread issues in submission order: the second request fails at completion.
+            err = RuntimeError("injected device fault") if issued else None
+            issued.append(Gated(real(objs, slots, **kw), gate, err))
+            return issued[-1]
+
+        w.engine.pipeline.load = load
+        w.start_load_kv(MaruConnectorMetadata(async_loads=[dok, dbad]))
+        _until(lambda: len(issued) == 2)  # both issued: the loader thread did not wait for the first
+        for _ in range(3):  # vLLM polls every step; nothing is done yet
+            assert w.get_finished(set()) == (None, None)
+        assert w.get_block_ids_with_load_errors() == set()
+        assert pins.pinned == 4 and pins.released == 0  # pins held while the transfers run
+        assert all(g.waits == 0 for g in issued)
+
+        gate.set()
+        seen = _until_finished(w, {ok.req_id, bad.req_id})
+        assert sum(len(s) for s in seen) == 2  # each reported exactly once
+        assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
+        assert (w.stats.async_loads, w.stats.async_load_failures, w.stats.loads) == (2, 1, 1)
+        assert settles  # the failed transfer's streams were drained before its pins went
+        assert w._loader.drain(10) == []  # the unpins run on the loader thread
+        assert pins.pinned == pins.released == 4
+        assert w.get_finished(set()) == (None, None)
+        assert pins.released == 4  # never twice
+        for layer in range(3):
+            assert _layer_equal(dst, ref, layer, _slots(dok, 2 * CHUNK))
+    finally:
+        stop_worker(w)
+
+
+def test_async_load_without_a_server_fails_the_request_without_a_lookup(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    req = _request("async-off", [0, 1, 2, 3], 2 * CHUNK)
+    w = _worker(server, _case("kv_first", "NHD", 23), async_load=True, enable_load=False)
+    try:
+        w.start_load_kv(MaruConnectorMetadata(async_loads=[req]))
+        assert w.get_finished(set()) == (None, {req.req_id})
+        assert w.get_block_ids_with_load_errors() == set(req.block_ids)
+    finally:
+        stop_worker(w)
+
+
+def _overlap_setup(
+    server: ServerProcess, client: MaruHandler, tag: str, seed: int
+) -> tuple[Any, CacheCase, CacheCase, CacheCase, RequestTransfer, RequestTransfer]:
+    """A request with skipped head and cut tail (``place_begin``/``place_end``) and one missing a
+    chunk, stored; the worker (overlap on, CUDA code path injected) over a fresh cache."""
+    src_a, dst_a = requests(tag, BS, CHUNK, 16)
+    bad = _request(f"{tag}-bad", list(_blocks_outside(src_a.block_ids, 4)), 2 * CHUNK)
+    src = _case("kv_first", "NHD", seed)
+    assert _engine(src, client).store([src_a, bad]).stored == 6
+    assert client.delete([bad.chunks[1].key]) == [True]
+    dbad = RequestTransfer(bad.req_id, _blocks_outside(dst_a.block_ids, 4), bad.chunks)
+    ref, dst, before = (_case("kv_first", "NHD", seed + 1) for _ in range(3))
+    assert _engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
+    w = _worker(server, dst, overlap_load_with_compute=True)
+    return w, ref, dst, before, dst_a, dbad
+
+
+def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    w, ref, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-gated", 41)
+    try:
+        pins, _ = _inject(w)
+        gate = threading.Event()
+        calls: list[tuple[int, int]] = []
+        real = w.engine.pipeline.load_layers
+
+        def load_layers(objs: Any, slots: Any, **kw: Any) -> Gated:
+            calls.append((len(objs), int((slots >= 0).sum())))
+            return Gated(real(objs, slots, **kw), gate)
+
+        w.engine.pipeline.load_layers = load_layers
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta)
+        # One call for the step: the four chunks of the ready request, only its placed tokens as
+        # slots; the request missing a chunk is failed before the forward and never issued.
+        assert calls == [(4, dst_a.num_placed_tokens())]
+        assert w.stats.load_errors == 1
+        for name in NAMES:  # what vLLM does before each attention layer
+            w.wait_for_layer_load(name)
+        w.wait_for_save(meta)  # after the forward: no host wait for the load
+        assert pins.pinned == 5 and pins.released == 0  # the transfer is not done: pins held
+        assert w.get_finished(set()) == (None, None) and pins.released == 0
+        gate.set()
+        w.get_finished(set())
+        assert pins.released == 5
+        w.get_finished(set())
+        assert pins.released == 5  # exactly once
+
+        assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
+        assert (w.stats.overlap_loads, w.stats.loads, w.stats.layer_waits) == (1, 1, 3)
+        assert _same(dst, ref)  # a placed exactly, nothing of the failed request, every other byte kept
+        skipped = [dst_a.block_ids[t // BS] * BS + t % BS for t in range(BS)]  # place_begin = BS
+        tail = dst_a.chunks[-1]
+        last = tail.start + tail.num_tokens - 1  # place_end stops one token short
+        skipped.append(dst_a.block_ids[last // BS] * BS + last % BS)
+        for layer in range(3):
+            assert _layer_equal(dst, before, layer, skipped)
+            assert not _layer_equal(dst, before, layer, _slots(dst_a, 2 * CHUNK)[BS:])
+    finally:
+        stop_worker(w)
+
+
+def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_releases_every_pin(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    w, _, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-issue", 51)
+    try:
+        pins, settles = _inject(w)
+
+        def broken(*a: Any, **kw: Any) -> Any:
+            raise RuntimeError("injected issue failure")
+
+        w.engine.pipeline.load_layers = broken
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta)
+        assert w.stats.load_errors == 2 and settles  # both known before the forward runs
+        for name in NAMES:
+            w.wait_for_layer_load(name)  # nothing to wait for; must not raise
+        w.wait_for_save(meta)
+        w.get_finished(set())
+        assert pins.pinned == pins.released == 5
+        assert w.get_block_ids_with_load_errors() == dst_a.placed_block_ids(BS) | set(dbad.block_ids)
+        assert w.stats.loads == 0
+        assert _same(dst, before)
+    finally:
+        stop_worker(w)
+
+
+def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerProcess) -> None:
+    from maru.vllm.transfer import LayerwiseLoad, PinnedLoad
+
+    w = _worker(server, _case("kv_first", "NHD", 61), overlap_load_with_compute=True)
+    try:
+        assert w.engine.pipeline is None
+        ll = w.engine.start_layer_load(PinnedLoad())
+        assert isinstance(ll, LayerwiseLoad)
+        assert ll.wait().loaded_req_ids == []
+    finally:
+        stop_worker(w)
