@@ -129,6 +129,8 @@ class _RawSync(_TorchSync):
         self._query = self._fn("cudaEventQuery", [vp])
         self._sync = self._fn("cudaEventSynchronize", [vp])
         self._create = self._fn("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
+        self._devptr = self._fn("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint])
+        self._last_error = self._fn("cudaGetLastError", [])
 
     def _fn(self, name: str, argtypes: list[Any]) -> Any:
         f = getattr(self._lib, name)
@@ -172,6 +174,14 @@ class _RawSync(_TorchSync):
     def synchronize(self, event: int) -> None:
         self._check(self._sync(event), "cudaEventSynchronize")
 
+    def device_pointer(self, host_ptr: int) -> int | None:
+        """The device address of registered/pinned host memory, or None if CUDA cannot map it."""
+        out = ctypes.c_void_p()
+        if self._devptr(ctypes.byref(out), host_ptr, 0):
+            self._last_error()  # clear it: torch's next launch check would otherwise report it
+            return None
+        return int(out.value or 0)
+
     def copy(self, dst: int, src: int, nbytes: int, stream: int, kind: int = _H2D) -> None:
         self._check(
             self._memcpy(dst, src, nbytes, kind, stream), f"cudaMemcpyAsync({nbytes} bytes, kind {kind})"
@@ -182,6 +192,14 @@ class _RawSync(_TorchSync):
     ) -> None:
         err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _H2D, stream)
         self._check(err, f"cudaMemcpy2DAsync({height} x {width} bytes)")
+
+
+def _bucket(tokens: int) -> int:
+    """Graph bucket of a layer load of ``tokens`` tokens: a power of two, at least 16."""
+    tb = 16
+    while tb < tokens:
+        tb *= 2
+    return tb
 
 
 # ---------------------------------------------------------------------- handles
@@ -332,7 +350,10 @@ class TransferEngine:
         backend: str | None = None,
         use_graphs: bool = True,
         raw_cuda: bool = True,
+        layer_path: str = "auto",
     ) -> None:
+        if layer_path not in ("auto", "direct", "staged"):
+            raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")
         if isinstance(caches, dict):
             caches = list(caches.values())
         self.layout = layout
@@ -346,6 +367,8 @@ class TransferEngine:
         self.esize = first.element_size()
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
         self.ring_slots = max(int(ring_slots), 1)
+        self.layer_path = layer_path
+        self._direct_ok: bool | None = None  # decided on the first layer load (needs an object)
         self._lock = threading.Lock()
         self.on_gpu = self.device.type == "cuda"
         self.graphs = False
@@ -500,13 +523,16 @@ class TransferEngine:
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
         with self._lock:
-            slots = self._slots(slot_mapping, objs, skip_tokens)
             if not self.on_gpu:
+                slots = self._slots(slot_mapping, objs, skip_tokens)
                 for i in range(self.num_layers):
                     for obj, s in self._per_chunk(objs, slots):
                         self._eager_layer(obj[i], i, s, placer)
                 return LayerLoad(nbytes, None, None, None)
             self._check_pinned(objs)
+            if placer is None and self._use_direct(objs[0]):
+                return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes)
+            slots = self._slots(slot_mapping, objs, skip_tokens)
             return self._issue_layers(objs, slots, nbytes, placer)
 
     def warm(self, chunk_tokens: int, layer_tokens: Sequence[int] = ()) -> None:
@@ -526,10 +552,11 @@ class TransferEngine:
             for slot in self._ring:
                 slot.placer.warm(int(chunk_tokens))
             for tokens in layer_tokens:
-                tb = 16
-                while tb < tokens:
-                    tb *= 2
-                self._layer_placer.warm(tb, per_layer=True)
+                tb = _bucket(tokens)
+                if self.layer_path == "staged":
+                    self._layer_placer.warm(tb, per_layer=True)
+                else:  # the direct path needs only its own per-layer graphs (no staging buffer)
+                    self._layer_placer.warm_direct(tb)
 
     def synchronize(self) -> None:
         """Wait for everything this engine issued (tests, shutdown)."""
@@ -774,9 +801,7 @@ class TransferEngine:
         static buffers and graphs serve every request size; pad slots are -1 (never written).
         """
         if placer is None and self._layer_placer is not None:
-            tb = 16
-            while tb < tokens:
-                tb *= 2
+            tb = _bucket(tokens)
             try:
                 return self._layer_placer.staging(tb).view(self.dtype), tb, True
             except ValueError:
@@ -856,4 +881,108 @@ class TransferEngine:
         handle.issue_s = time.perf_counter() - t0
         handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
         handle.place_issue_s = t_end - t_place  # the per-layer placements alone
+        return handle
+
+    # ------------------------------------------------------------------ direct (zero-copy) layer path
+
+    def _use_direct(self, obj: torch.Tensor) -> bool:
+        """Whether the layer load reads the objects in place: decided once, announced once.
+
+        Needs the Triton backend and host memory the GPU addresses at the same pointer (a pool
+        registered with CUDA, or pinned memory, under unified addressing).
+        """
+        if self.layer_path == "staged":
+            return False
+        if self._direct_ok is None:
+            why = self._direct_blocker(obj)
+            self._direct_ok = why is None
+            if why is None:
+                _announce_once(
+                    "layer-direct",
+                    logging.INFO,
+                    "maru.kv_ops: layer-overlap load reads chunk objects in place (zero-copy: one kernel "
+                    "per layer over the bus, no staging, no per-chunk copies)",
+                )
+            elif self.layer_path == "direct":
+                raise RuntimeError(f"layer_path='direct' cannot run: {why}")
+            else:
+                _announce_once(
+                    "layer-staged",
+                    logging.WARNING,
+                    "maru.kv_ops: layer-overlap load uses staged copies (one host call per chunk and layer, "
+                    "~20 us each): %s. Fix: register the pool with CUDA (maru doctor) and use the triton backend",
+                    why,
+                )
+        return self._direct_ok
+
+    def _direct_blocker(self, obj: torch.Tensor) -> str | None:
+        from maru.kv_ops.selection import choose
+
+        if self.backend == "reference" or (self.backend is None and choose("cuda").name != "triton"):
+            return "the placement backend is not triton"
+        if not obj.is_pinned():
+            return "the chunk objects are pageable host memory (the GPU cannot address them)"
+        if self._sync.raw:
+            dev = self._sync.device_pointer(obj.data_ptr())
+            if dev != obj.data_ptr():
+                return f"CUDA maps the pool at another device address ({dev}); in-place reads need UVA"
+        return None
+
+    def _issue_layers_direct(
+        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
+    ) -> LayerLoad:
+        """One direct kernel (a graph replay) and one event per layer; no copies to issue.
+
+        The per-call table (source address, plane stride and slot of every token) is built on the
+        host and uploaded with one async copy on the placement stream; the graphs read it from a
+        static buffer of the call's bucket, so a later call's upload is ordered after this call's
+        kernels by the stream.
+        """
+        from maru.kv_ops import triton_kernels as tk
+
+        t0 = time.perf_counter()
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
+        total = int(slot_mapping.numel())
+        on_device = slot_mapping.device.type != "cpu"
+        host_slots = (
+            torch.full((total,), -1, dtype=torch.int64) if on_device else slot_mapping.to(torch.int64)
+        )
+        if skip_tokens and not on_device:
+            host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
+            host_slots[:skip_tokens] = -1
+        graphed = self._layer_placer is not None
+        tb = _bucket(total) if graphed else total
+        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
+        host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
+        _copied, placed = self._layer_events()
+        sync, place = self._sync, self._place_stream
+        place.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
+            if graphed:
+                try:
+                    tab = self._layer_placer.direct_table(tb)
+                except ValueError:
+                    graphed, tab = False, None
+            if not graphed:
+                tab = torch.empty((tk.DIRECT_ROWS, tb), dtype=torch.int64, device=self.device)
+            tab.copy_(host_tab, non_blocking=True)
+            if on_device:  # the slot row comes from the device mapping, not the host
+                tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)
+                if skip_tokens:
+                    tab[2, :skip_tokens].fill_(-1)
+            t_place = time.perf_counter()
+            refs = None if graphed else ops.layer_refs(self.caches, self.layout)
+            for i in range(self.num_layers):
+                if graphed:
+                    self._layer_placer.scatter_layer_direct(i, tb)
+                else:
+                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb)
+                sync.record(placed[i], place)
+        t_end = time.perf_counter()
+        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping))
+        handle.path = "layers-direct"
+        handle.graphed = graphed
+        handle.issue_s = t_end - t0
+        handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
+        handle.place_issue_s = t_end - t_place
         return handle

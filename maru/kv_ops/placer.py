@@ -44,6 +44,7 @@ class GraphedPlacer:
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
+        self._direct: dict[int, torch.Tensor] = {}  # T -> static [3, T] direct table
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by all graphs of this placer
 
@@ -79,9 +80,31 @@ class GraphedPlacer:
             buf[:skip_tokens].fill_(-1)
         return num_tokens
 
+    def direct_table(self, num_tokens: int) -> torch.Tensor:
+        """The static ``[3, T]`` table the direct (zero-copy) layer graphs for T tokens read.
+
+        Rows as ``triton_kernels.direct_table_host`` builds them; slots start at -1 (nothing placed).
+        No staging buffer: the direct kernel reads the chunk objects where they lie.
+        """
+        tab = self._direct.get(num_tokens)
+        if tab is None:
+            if len(self._direct) >= 2 * self.max_token_counts + 8:
+                raise ValueError(
+                    f"GraphedPlacer already holds direct tables for {sorted(self._direct)} tokens; pad calls "
+                    f"to a few token counts"
+                )
+            tab = torch.zeros((triton_kernels.DIRECT_ROWS, num_tokens), dtype=torch.int64, device=self.device)
+            tab[2].fill_(-1)
+            self._direct[num_tokens] = tab
+        return tab
+
     # -- graphs -----------------------------------------------------------------------------------
     def _launch(self, key: tuple) -> None:
         op, num_tokens, layer = key
+        if op == "direct":
+            tab = self.direct_table(num_tokens)
+            triton_kernels.direct_scatter_layer(tab, self._refs[layer], self.layout, layer, num_tokens)
+            return
         obj = triton_kernels.as_bits(self._staging[num_tokens])
         idx = self._slots[num_tokens]
         gather = op == "gather"
@@ -100,7 +123,10 @@ class GraphedPlacer:
     def _graph(self, key: tuple) -> torch.cuda.CUDAGraph:
         graph = self._graphs.get(key)
         if graph is None:
-            self._ensure(key[1])
+            if key[0] == "direct":
+                self.direct_table(key[1])
+            else:
+                self._ensure(key[1])
             # Compile and build the layer table outside the capture (neither may run inside it).
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -143,6 +169,15 @@ class GraphedPlacer:
     def gather_layer(self, layer: int, num_tokens: int) -> torch.Tensor:
         self._graph(("gather", num_tokens, layer)).replay()
         return self._staging[num_tokens][layer]
+
+    def scatter_layer_direct(self, layer: int, num_tokens: int) -> None:
+        """One layer, zero-copy: the chunk objects ``direct_table(T)`` names -> that layer's cache."""
+        self._graph(("direct", num_tokens, layer)).replay()
+
+    def warm_direct(self, num_tokens: int) -> None:
+        """Capture the direct layer graphs for T tokens now (one per layer)."""
+        for layer in range(self.num_layers):
+            self._graph(("direct", num_tokens, layer))
 
     def warm(self, num_tokens: int, *, per_layer: bool = False) -> None:
         """Capture the graphs for T tokens now (about a millisecond each) instead of on first use."""

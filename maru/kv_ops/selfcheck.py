@@ -24,7 +24,10 @@ from maru.kv_ops import (
     scatter,
     scatter_blocks,
     scatter_layer,
+    triton_kernels,
 )
+from maru.kv_ops.layout import KVLayout
+from maru.kv_ops.ops import layer_refs
 from maru.kv_ops.testing import FORMATS, CacheCase, bits, make_cache, random_bits_, random_slots
 
 
@@ -165,6 +168,34 @@ class Checker:
         self.expect(
             all(self.same(x, y) for x, y in zip(f.storages(), g.storages(), strict=True)),
             f"scatter_blocks {p}",
+        )
+        self.check_direct(p, layout, obj, slots, seed)
+
+    def check_direct(
+        self, p: Params, layout: KVLayout, obj: torch.Tensor, slots: torch.Tensor, seed: int
+    ) -> None:
+        """The zero-copy layer load: two host objects of different lengths, read where they lie."""
+        n = obj.shape[2]
+        n1 = p.block_size + 1
+        host = [obj[:, :, :n1].contiguous().cpu(), obj[:, :, n1:].contiguous().cpu()]
+        if self.device != "cpu":
+            host = [h.pin_memory() for h in host]  # what the GPU can read over the bus
+        s = slots.cpu().clone()
+        s[0] = -1  # a skipped token is never written
+        width = n + 5  # padded columns (slot -1), as a graph bucket pads them
+        chunks = [(h.data_ptr(), h.shape[2]) for h in host]
+        tab = triton_kernels.direct_table_host(chunks, s, layout.row_size, obj.element_size(), width)
+        tab = tab.to(self.device)
+        d, e = self._make(p, seed + 5), self._make(p, seed + 5)
+        refs = layer_refs(e.caches, layout)
+        for layer in range(p.num_layers):
+            lk = {"layer": layer} if layout.is_cross_layer else {}
+            dl = d.caches if layout.is_cross_layer else d.caches[layer]
+            scatter_layer(obj[layer], dl, layout, s.to(self.device), backend="reference", **lk)
+            triton_kernels.direct_scatter_layer(tab, refs[layer], layout, layer, width)
+        self.expect(
+            all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
+            f"direct_scatter_layer {p}",
         )
 
     def check_axis_swap_is_caught(self) -> None:

@@ -22,6 +22,7 @@ scalar-and-vector mask).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -305,5 +306,148 @@ def place(
         LAYER_FAST=layer_fast,
         ORDERED=order is not None,
         SCATTER_STORE_CM=TuneParams.scatter_store_cache,
+        num_warps=num_warps,
+    )
+
+
+# ---------------------------------------------------------------------- direct (zero-copy) layer load
+
+DIRECT_ROWS = 3  # rows of a direct table: source address, plane stride, slot
+
+
+@triton.jit
+def _direct_layer_kernel(
+    tab_ptr,
+    cache_ptr,
+    layer,
+    num_tokens,
+    tab_stride,
+    s_block,
+    s_head,
+    kv_stride,
+    k_s_tok,
+    v_s_tok,
+    K_S_DIM: tl.constexpr,
+    V_S_DIM: tl.constexpr,
+    BS: tl.constexpr,
+    HS: tl.constexpr,
+    ROW: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROW_CONTIG: tl.constexpr,
+):
+    # One program per (token tile, plane). Row 0 of the table: the byte address of token t's row in
+    # layer 0, plane 0 of its chunk object (host memory the GPU can address: a registered pool);
+    # row 1: elements per plane of that object (its T * ROW); row 2: the slot (-1: not written).
+    pid_t = tl.program_id(0)
+    kv = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < num_tokens
+    slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
+    valid = tmask & (slot >= 0)
+    slot = tl.where(valid, slot, 0)
+    addr = tl.load(tab_ptr + t, mask=valid, other=0)
+    plane = tl.load(tab_ptr + tab_stride + t, mask=valid, other=0)
+    src_row = addr.to(tl.pointer_type(cache_ptr.dtype.element_ty)) + (layer * NUM_KV + kv) * plane
+    blk = slot // BS
+    off_in_block = slot % BS
+    s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
+    cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
+    for r0 in range(0, ROW, BLOCK_R):
+        c = r0 + tl.arange(0, BLOCK_R)
+        if ROW_CONTIG:
+            c_off = c
+        elif K_S_DIM == V_S_DIM:
+            c_off = (c // HS) * s_head + (c % HS) * K_S_DIM
+        else:
+            c_off = (c // HS) * s_head + (c % HS) * tl.where(kv == 0, K_S_DIM, V_S_DIM)
+        m = valid[:, None] & (c < ROW)[None, :]
+        vals = tl.load(src_row[:, None] + c[None, :], mask=m)
+        tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
+
+
+def direct_table_host(
+    chunks: list[tuple[int, int]], slots: torch.Tensor, row: int, esize: int, width: int | None = None
+) -> torch.Tensor:
+    """The ``[3, width]`` int64 table ``direct_scatter_layer`` reads, built on the host.
+
+    ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
+    order; ``slots``: one slot per token of all chunks (CPU, int64; negative = not written). Columns
+    past the tokens (``width`` > tokens) get slot -1. Pinned when CUDA is available, so the upload is
+    asynchronous.
+    """
+    total = int(slots.numel())
+    width = total if width is None else int(width)
+    if width < total:
+        raise ValueError(f"table width {width} < {total} tokens")
+    lengths = [t for _, t in chunks]
+    if sum(lengths) != total:
+        raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
+    pin = torch.cuda.is_available()
+    tab = torch.empty((DIRECT_ROWS, width), dtype=torch.int64, pin_memory=pin)
+    # numpy over the same memory: a handful of vectorised ops at ~1 us each (torch's per-op overhead
+    # is ~10 us), whatever the chunk count; this runs on the layer load's issue path.
+    out = tab.numpy()
+    step = row * esize
+    ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=len(chunks))
+    if len(set(lengths)) == 1:  # the common case: whole chunks of one size
+        t = lengths[0]
+        np.add(ptrs[:, None], np.arange(t, dtype=np.int64)[None, :] * step, out=out[0, :total].reshape(-1, t))
+        out[1, :total] = t * row
+    else:
+        counts = np.asarray(lengths, dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        out[0, :total] = np.repeat(ptrs, counts) + within * step
+        out[1, :total] = np.repeat(counts * row, counts)
+    out[0:2, total:] = 0
+    out[2, :total] = slots.numpy()
+    out[2, total:] = -1
+    return tab
+
+
+def direct_scatter_layer(
+    tab: torch.Tensor, ref: tuple[torch.Tensor, int], layout: KVLayout, layer: int, num_tokens: int
+) -> None:
+    """Place layer ``layer`` of the chunk objects a direct table names into one layer's cache.
+
+    The kernel reads the objects where they are (zero-copy: host memory registered with CUDA, read
+    over the bus by the SMs), so one launch per layer places every chunk of the call, with no staging
+    buffer and no per-chunk copy to issue. ``tab``: ``[3, W]`` int64 on the caches' device (see
+    ``direct_table_host``); ``ref``: (bits tensor over the cache storage, element offset of this
+    layer's base), as ``ops.layer_refs`` gives.
+    """
+    if num_tokens == 0:
+        return
+    cache = _base_view(ref)
+    block_t, block_r, num_warps = _tiles(layout, num_tokens)
+    hs = layout.head_size
+    row_contig = (
+        layout.k_dim_stride == 1
+        and layout.v_dim_stride == 1
+        and (layout.head_stride == hs or layout.num_kv_heads == 1)
+    )
+    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
+    _direct_layer_kernel[grid](
+        tab,
+        cache,
+        layer,
+        num_tokens,
+        tab.stride(0),
+        layout.block_stride,
+        layout.head_stride,
+        layout.kv_stride,
+        layout.k_token_stride,
+        layout.v_token_stride,
+        K_S_DIM=layout.k_dim_stride,
+        V_S_DIM=layout.v_dim_stride,
+        BS=layout.block_size,
+        HS=hs,
+        ROW=layout.row_size,
+        NUM_KV=layout.num_kv,
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        ROW_CONTIG=row_contig,
         num_warps=num_warps,
     )

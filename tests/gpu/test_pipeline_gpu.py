@@ -178,7 +178,17 @@ def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> No
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize(
     "path",
-    ["sync", "pipelined", "layers", "pipelined_eager", "layers_eager", "pipelined_torch", "layers_torch"],
+    [
+        "sync",
+        "pipelined",
+        "layers",
+        "pipelined_eager",
+        "layers_eager",
+        "pipelined_torch",
+        "layers_torch",
+        "layers_staged",
+        "layers_staged_eager",
+    ],
 )
 def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     pool: RegisteredPool, name: str, path: str
@@ -186,9 +196,11 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     src = make_caches(name, 1)
     layout = src.layout()
     # _eager: kv_ops launches instead of graph replays; _torch: copies and events through torch, not ctypes
+    # _staged: the layer path through staging copies instead of the direct (zero-copy) kernel
     graphs, raw = not path.endswith("_eager"), not path.endswith("_torch")
+    layer_path = "staged" if "_staged" in path else "auto"
     path = path.split("_")[0]
-    kw = dict(ring_slots=2, backend=BACKEND, use_graphs=graphs, raw_cuda=raw)
+    kw = dict(ring_slots=2, backend=BACKEND, use_graphs=graphs, raw_cuda=raw, layer_path=layer_path)
     engine = pl.TransferEngine(src.layers, layout, **kw)
     chunk = CHUNK if name != "mla" else 64 * 4
     sizes = [chunk, chunk, chunk, 100]  # a short last chunk
@@ -212,6 +224,8 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     if path == "layers":
         handle = loader.load_layers(objs, slots)
         assert handle.graphed == (graphs and BACKEND != "reference")
+        direct = layer_path == "auto" and BACKEND != "reference"
+        assert handle.path == ("layers-direct" if direct else "layers")
         for i in range(L):
             handle.wait_for_layer(i)
     else:
@@ -238,6 +252,49 @@ def test_single_chunk_layer_load_and_skip_tokens(pool: RegisteredPool) -> None:
         [obj], slots, skip_tokens=40
     ).wait()
     assert torch.equal(fresh.bits(), expected.bits())
+
+
+@pytest.mark.parametrize("layer_path", ["auto", "staged"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
+    pool: RegisteredPool, layer_path: str, graphs: bool
+) -> None:
+    src = make_caches("flashinfer_NHD", 21)
+    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    sizes = [CHUNK, 37]
+    slots = _slots(src, sum(sizes), 22, negatives=3)
+    objs = [pool.alloc(engine, t) for t in sizes]
+    engine.store(objs, slots).wait()
+    fresh = make_caches("flashinfer_NHD", 23)
+    expected = fresh.clone()
+    kv_ops.scatter(
+        _reference_gather(src, slots), expected.layers, fresh.layout(), slots.cuda(), backend="reference",
+        skip_tokens=70,
+    )  # fmt: skip
+    loader = pl.TransferEngine(
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=graphs, layer_path=layer_path
+    )
+    for _ in range(2):  # the second call reuses the bucket's static table (and its graphs)
+        handle = loader.load_layers(objs, slots.cuda(), skip_tokens=70)
+        handle.wait()
+    assert torch.equal(fresh.bits(), expected.bits())
+
+
+def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: RegisteredPool) -> None:
+    src = make_caches("flash_attn_NHD", 24)
+    layout = src.layout()
+    pageable = [torch.zeros(pl.TransferEngine(src.layers, layout).object_shape(CHUNK), dtype=torch.bfloat16)]
+    slots = _slots(src, CHUNK, 25)
+    if BACKEND != "reference":
+        with pytest.raises(RuntimeError, match="pageable"):
+            pl.TransferEngine(src.layers, layout, backend=BACKEND, layer_path="direct").load_layers(
+                pageable, slots
+            )
+    handle = pl.TransferEngine(src.layers, layout, backend=BACKEND).load_layers(pageable, slots)
+    handle.wait()
+    assert handle.path == "layers"
+    want = torch.zeros_like(_reference_gather(src, slots))
+    assert torch.equal(_reference_gather(src, slots).view(torch.int16), want.view(torch.int16))
 
 
 def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool: RegisteredPool) -> None:

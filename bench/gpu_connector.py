@@ -1,0 +1,147 @@
+"""Connector-level GPU figures: ``KVTransferEngine`` (what the vLLM connector calls) against a real server.
+
+Where ``bench/gpu_datapath.py`` times the kv_ops transfer engine alone, this times what a prefix
+hit costs the connector end to end, RPCs included: a store is ``batch_alloc`` + gather into the
+reserved pool pages + wait + ``batch_store`` (publish); a load is ``batch_retrieve(pin=True)`` +
+pipelined H2D and scatter + wait + ``batch_release``. The pool is a real ``maru server``'s
+``/dev/shm`` pool, mapped by a ``MaruHandler`` and registered with CUDA by the engine.
+
+Geometry as in gpu_datapath.py: 32 layers, 8 KV heads, head size 128, bf16, block size 16, a
+FlashInfer-order NHD cache, random blocks, 256-token chunks. Each size stores fresh keys (a
+store of keys already present would publish nothing) and loads them back several times.
+
+Usage (on a GPU machine, from the repo root): python bench/gpu_connector.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maru import kv_ops  # noqa: E402
+from maru.client import MaruHandler  # noqa: E402
+from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer  # noqa: E402
+from tests.helpers import ServerProcess  # noqa: E402
+
+L, NH, HS, BS = 32, 8, 128, 16
+NB = 4096
+CHUNK = 256
+SIZES = (256, 2048, 16384)
+GB = 1e9
+
+
+def make_caches(nb: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = torch.randint(
+        -(2**15), 2**15 - 1, (L, nb, 2, BS, NH, HS), dtype=torch.int16, device="cuda", generator=g
+    )
+    return [b for b in buf.view(torch.bfloat16)]
+
+
+def request(tokens: int, tag: str, gen: torch.Generator) -> RequestTransfer:
+    blocks = torch.randperm(NB, generator=gen)[: (tokens + BS - 1) // BS].tolist()
+    chunks = tuple(ChunkRef(f"bench-{tag}-{i}", i * CHUNK, CHUNK) for i in range(tokens // CHUNK))
+    return RequestTransfer(req_id=tag, block_ids=tuple(blocks), chunks=chunks)
+
+
+def pinned_h2d_gbps(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / GB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_properties(0)
+    chunk_bytes = L * 2 * CHUNK * NH * HS * 2
+    stores = sum(SIZES) // CHUNK
+    pool_bytes = (stores * (args.reps + 1) + 64) * chunk_bytes
+    results: dict[str, Any] = {"device": dev.name, "sizes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProcess(tmp, pool_size=pool_bytes, log_level="WARNING")
+        srv.start()
+        client = MaruHandler(srv.url, timeout_s=30)
+        try:
+            src = make_caches(NB, 1)
+            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+            t0 = time.perf_counter()
+            storer = KVTransferEngine(src, layout, client)
+            results["engine_build_s"] = time.perf_counter() - t0
+            results["data_path"] = storer.data_path
+            results["registration"] = (
+                storer.host_registration.describe() if storer.host_registration else None
+            )
+            dst = make_caches(NB, 2)
+            loader = KVTransferEngine(dst, layout, client)
+            gen = torch.Generator().manual_seed(0)
+            for t in SIZES:
+                nbytes = storer.object_nbytes(t)
+                store_s, load_s = [], []
+                last = None
+                for r in range(args.reps + 1):
+                    req = request(t, f"{t}-{r}-{uuid.uuid4().hex[:6]}", gen)
+                    rep = storer.store([req])
+                    assert rep.stored == len(req.chunks), rep
+                    if r:
+                        store_s.append(rep.seconds)
+                    last = req
+                for r in range(args.reps + 1):
+                    rep = loader.load([last])
+                    assert rep.loaded_req_ids == [last.req_id], rep.failed
+                    if r:
+                        load_s.append(rep.seconds)
+                row = {
+                    "tokens": t,
+                    "MB": nbytes / 1e6,
+                    "pinned_h2d_GBps": pinned_h2d_gbps(nbytes),
+                    "store_GBps": nbytes / statistics.median(store_s) / GB,
+                    "load_GBps": nbytes / statistics.median(load_s) / GB,
+                    "store_ms": statistics.median(store_s) * 1e3,
+                    "load_ms": statistics.median(load_s) * 1e3,
+                }
+                results["sizes"][str(t)] = row
+                print(json.dumps(row), flush=True)
+            storer.close()
+            loader.close()
+        finally:
+            client.close()
+            srv.cleanup()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print()
+    print(f"connector level (KVTransferEngine + real server), {dev.name}, data path {results['data_path']}")
+    print(f"registration: {results['registration']}")
+    print("| tokens | MB | pinned H2D GB/s | store GB/s (ms) | load GB/s (ms) | load % of pinned |")
+    print("|---|---|---|---|---|---|")
+    for row in results["sizes"].values():
+        print(
+            f"| {row['tokens']} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['store_GBps']:.1f} "
+            f"({row['store_ms']:.2f}) | {row['load_GBps']:.1f} ({row['load_ms']:.2f}) | "
+            f"{100 * row['load_GBps'] / row['pinned_h2d_GBps']:.1f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()
