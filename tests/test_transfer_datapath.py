@@ -344,8 +344,9 @@ def test_worker_write_behind_store_commits_on_the_drain_thread(
     w = _worker(server, src, async_store=True)
     try:
         w.wait_for_save(MaruConnectorMetadata(stores=[req]))
-        assert w.get_finished({req.req_id}) == (None, None)  # blocks never held back
         w.flush_stores()
+        # The store drained: the finished request's blocks may go (tests/test_write_behind.py has more).
+        assert w.get_finished({req.req_id}) == ({req.req_id}, None)
         assert client.exists([c.key for c in req.chunks]) == [True, True]
         assert (w.stats.deferred_commits, w.stats.chunks_stored, w.stats.store_failures) == (1, 2, 0)
         w.wait_for_save(MaruConnectorMetadata(stores=[req]))  # the same chunks again: present

@@ -159,8 +159,10 @@ class MaruConnectorConfig:
             )
         if self.async_store:
             out.append(
-                "maru_async_store: KV is gathered into pool pages right after the forward (blocks are "
-                "free to reuse at once); the commit that publishes the keys runs on a drain thread"
+                "maru_async_store: write-behind store: the forward thread only queues the store (CUDA: "
+                "the gather is issued on the copy engine); a drain thread gathers or waits for it and "
+                "publishes the keys. vLLM keeps a finished request's blocks until its stores drained "
+                "(finished_sending); a preempted request's blocks are reused only after the gather read them"
             )
         return out
 

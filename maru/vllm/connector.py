@@ -193,9 +193,11 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             out = dict(self._scheduler.stats.__dict__)
             out["inflight_loads"] = len(self._scheduler.inflight_loads)
+            out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
         else:
             assert self._worker is not None
             out = self._worker.stats.as_dict()
+            out["write_behind"] = self._worker.write_behind_mode
         out["data_path"] = self.maru_config.data_path()
         return out
 
@@ -231,6 +233,16 @@ class MaruKVConnector(KVConnectorBase_V1):
                 self._worker.wait_for_layer_load(layer_name)
             except Exception:  # never raise into the forward
                 logger.exception("Maru: waiting for layer %s failed", layer_name)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before each forward: wait until no write-behind store reads a preempted request's blocks."""
+        if self._worker is None:
+            return
+        meta = kv_connector_metadata if isinstance(kv_connector_metadata, MaruConnectorMetadata) else None
+        try:
+            self._worker.handle_preemptions(meta)
+        except Exception:  # never raise into the forward
+            logger.exception("Maru: handling this step's preemptions failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:

@@ -25,11 +25,16 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     ``async_loads`` (``maru_async_load``): requests parked in ``WAITING_FOR_REMOTE_KVS``; the
     worker loads them on its loader thread and reports each in ``finished_recving`` once placed
     (or failed: then its blocks also go to ``get_block_ids_with_load_errors``).
+    ``preempted_req_ids`` (vLLM's ``scheduler_output.preempted_req_ids``): requests preempted in
+    this step. vLLM already freed their blocks; with ``maru_async_store`` the worker's
+    ``handle_preemptions`` waits, before the forward, until no write-behind store still reads them,
+    and neither side owes them a ``finished_sending`` any more.
     """
 
     loads: list[RequestTransfer] = field(default_factory=list)
     stores: list[RequestTransfer] = field(default_factory=list)
     async_loads: list[RequestTransfer] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores and not self.async_loads
+        return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

@@ -98,6 +98,29 @@ def connector_stats(llm: Any) -> dict[str, Any]:
     return out
 
 
+def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
+    """In-process mode: step the engine until no finished request's blocks wait for a write-behind store.
+
+    ``LLM.generate`` returns when every output is in, but vLLM frees the blocks of a request whose
+    free the connector delayed only in a later step, when ``finished_sending`` reports it (a server
+    engine keeps stepping on its own while such requests exist). Returns how many are still held.
+    """
+    try:
+        core = llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)
+        sched = core.scheduler.connector
+        held = getattr(sched, "maru_scheduler", None)
+    except Exception:
+        return 0
+    if held is None:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while held.delayed_frees and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.002)  # let the drain thread run
+    return len(held.delayed_frees)
+
+
 def serve(spec: dict[str, Any]) -> None:
     _env()
     t0 = time.perf_counter()
@@ -141,6 +164,7 @@ def serve(spec: dict[str, Any]) -> None:
                     }
                 )
             elif op == "reset_prefix_cache":
+                settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
                 reply({"ok": bool(llm.reset_prefix_cache())})
             elif op == "stats":
                 reply(connector_stats(llm))
@@ -151,7 +175,7 @@ def serve(spec: dict[str, Any]) -> None:
                 w = getattr(get_kv_transfer_group(), "maru_worker", None)
                 if w is not None:
                     w.flush_stores()
-                reply({"ok": w is not None})
+                reply({"ok": w is not None, "delayed_frees_left": settle_delayed_frees(llm)})
             elif op == "quit":
                 reply({"bye": True})
                 break

@@ -66,6 +66,9 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     planned: set[int] = field(default_factory=set)
     tail_planned: bool = False
+    # maru_async_store: a store was planned since the request's last preemption, so its blocks stay
+    # allocated after it finishes until the worker reports it in finished_sending.
+    sending: bool = False
 
 
 @dataclass
@@ -81,6 +84,8 @@ class SchedulerStats:
     async_loads_planned: int = 0
     async_loads_finished: int = 0
     async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
+    delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
+    delayed_frees_released: int = 0  # ... and were reported in finished_sending since
 
 
 class MaruSchedulerConnector:
@@ -111,10 +116,17 @@ class MaruSchedulerConnector:
         self.stats = SchedulerStats()
         # maru_async_load: requests whose load is in flight (admitted, not yet in finished_recving).
         self._inflight: set[str] = set()
+        # maru_async_store: finished requests whose free vLLM delays until finished_sending.
+        self._delayed: set[str] = set()
 
     @property
     def inflight_loads(self) -> set[str]:
         return set(self._inflight)
+
+    @property
+    def delayed_frees(self) -> set[str]:
+        """Finished requests whose blocks vLLM holds until the worker reports their stores drained."""
+        return set(self._delayed)
 
     # ------------------------------------------------------------------ server
     def _get_client(self) -> Any:
@@ -391,7 +403,28 @@ class MaruSchedulerConnector:
             meta = MaruConnectorMetadata()
             record = []
         self._recent.append(record)
+        self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
         return meta
+
+    def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:
+        """Mark the requests whose free the write-behind store delays, exactly as the worker does.
+
+        The worker owes a ``finished_sending`` to every request named in a step's stores, and
+        forgets a request when it is preempted (its blocks are freed by vLLM then, after the
+        worker's preemption barrier). The same order here: preemptions first, then this step's
+        stores. The preempted ids travel even in an empty plan: the barrier must run.
+        """
+        meta.preempted_req_ids = preempted
+        if not self.cfg.async_store:
+            return
+        for req_id in preempted:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.sending = False
+        for rt in meta.stores:
+            st = self._reqs.get(rt.req_id)
+            if st is not None:
+                st.sending = True
 
     def _plan_async_loads(self, meta: MaruConnectorMetadata, scheduled: set[str]) -> None:
         """Loads of requests vLLM parked in WAITING_FOR_REMOTE_KVS this step (not scheduled)."""
@@ -412,6 +445,10 @@ class MaruSchedulerConnector:
     def update_connector_output(self, output: Any) -> None:
         """Free admission slots of finished async loads; un-plan the stores of steps whose load failed."""
         invalid = getattr(output, "invalid_block_ids", None) or set()
+        for req_id in getattr(output, "finished_sending", None) or ():
+            if req_id in self._delayed:
+                self._delayed.discard(req_id)
+                self.stats.delayed_frees_released += 1
         for req_id in getattr(output, "finished_recving", None) or ():
             if req_id in self._inflight:
                 self._inflight.discard(req_id)
@@ -450,7 +487,15 @@ class MaruSchedulerConnector:
                 logger.exception("Maru: probing request %s again failed", req_id)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        """``(delay_free_blocks, None)``: delayed exactly for requests with a write-behind store planned
+        since their last preemption; the worker reports each of them in ``finished_sending``
+        (whatever became of the store: drained, failed, dropped, connector off), on every rank.
+        vLLM calls this for finished and aborted requests, never for preempted ones."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.sending:
+            self._delayed.add(st.req_id)
+            self.stats.delayed_frees += 1
+            return True, None
         return False, None
 
     def shutdown(self) -> None:

@@ -1,0 +1,417 @@
+"""The write-behind store (``maru_async_store``): delayed block frees, ``finished_sending``, preemption.
+
+Worker and scheduler side against a real server and a real shared-memory pool, on synthetic
+caches built the way vLLM builds them (block size 4 != 3 heads). The drain thread is held back
+by a gate (``gated``) so the tests control exactly when a store drains; nothing depends on timing.
+What must hold:
+
+- the forward thread does not gather on CPU caches: the drain thread reads the blocks, so vLLM
+  must keep them until the worker reports the request in ``finished_sending``;
+- a request is reported once, only after it appeared in ``finished_req_ids`` and every store
+  naming it drained; the scheduler delays the free of exactly the requests the worker reports
+  (whatever became of the store: dropped, failed, server down, layout unsupported);
+- the preemption barrier returns only once no store reads the preempted request's blocks (or
+  the store is cancelled and publishes nothing), and a preempted request is owed no report;
+- shutdown publishes every store issued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from maru import kv_ops
+from maru.client import MaruHandler
+from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.testing import CacheCase, bits, naive_token
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
+from tests.helpers import ServerProcess, free_port
+from tests.test_transfer import BS, CHUNK, _request
+from tests.test_transfer_datapath import NAMES, _case, _engine
+from tests.test_transfer_wiring import release_pool, stop_worker
+
+pytest.importorskip("vllm")  # the metadata class derives from vLLM's
+
+from maru.vllm.metadata import MaruConnectorMetadata as Meta  # noqa: E402
+from maru.vllm.scheduler import MaruSchedulerConnector  # noqa: E402
+from maru.vllm.worker import DRAIN_DELAY_ENV, MaruWorkerConnector  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("write-behind"), pool_size="64M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[MaruHandler]:
+    h = MaruHandler(server.url, timeout_s=5)
+    try:
+        yield h
+    finally:
+        release_pool(h)
+        h.close()
+
+
+def worker(url: str, case: CacheCase, *, num_kv_heads: int | None = None, **cfg: Any) -> MaruWorkerConnector:
+    tp = {k: cfg.pop(k) for k in ("tp_rank", "tp_size") if k in cfg}
+    c = MaruConnectorConfig(server_url=url, kv_chunk_tokens=CHUNK, async_store=True, **cfg)
+    w = MaruWorkerConnector(
+        c,
+        block_size=BS,
+        num_kv_heads=num_kv_heads or case.num_kv_heads,
+        head_size=case.head_size,
+        client_factory=lambda: MaruHandler(url, timeout_s=c.timeout_s),
+        **tp,
+    )
+    assert isinstance(case.caches, list)
+    w.register_kv_caches({NAMES[i]: case.caches[i] for i in range(3)})
+    return w
+
+
+def gated(w: MaruWorkerConnector) -> threading.Event:
+    """Hold every store of ``w``'s drain thread until the returned event is set."""
+    gate = threading.Event()
+    real = w._drain_one
+
+    def held(engine: Any, pending: Any) -> Any:
+        assert gate.wait(30), "test gate never opened"
+        return real(engine, pending)
+
+    w._drain_one = held  # type: ignore[method-assign]
+    return gate
+
+
+def finished_sending(w: MaruWorkerConnector, finished: set[str], timeout: float = 20.0) -> set[str]:
+    """Call ``get_finished`` like vLLM each step (``finished`` once, then empty) until a report comes."""
+    deadline = time.monotonic() + timeout
+    ids = finished
+    while time.monotonic() < deadline:
+        sending, _ = w.get_finished(ids)
+        ids = set()
+        if sending:
+            return set(sending)
+        time.sleep(0.01)
+    return set()
+
+
+def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase) -> None:
+    """Load ``req``'s chunks into a fresh cache; every token must equal ``original`` at ``req``'s slots."""
+    n = max(c.end for c in req.chunks)
+    dst_blocks = tuple(range(15, 15 - len(req.block_ids), -1))
+    dst = _case(original.fmt, original.physical, 99)
+    dreq = RequestTransfer(req.req_id, dst_blocks, req.chunks)
+    assert _engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
+    for t in range(n):
+        s1 = req.block_ids[t // BS] * BS + t % BS
+        s2 = dst_blocks[t // BS] * BS + t % BS
+        for layer in range(3):
+            for kv in range(2):
+                assert torch.equal(
+                    bits(naive_token(dst, layer, kv, s2)), bits(naive_token(original, layer, kv, s1))
+                ), (t, layer, kv)
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_bytes_are_right(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src, original = _case("kv_first", "NHD", 21), _case("kv_first", "NHD", 21)
+    req = _request("wb-finish", [5, 9, 1, 3], 2 * CHUNK)
+    keys = [c.key for c in req.chunks]
+    w = worker(server.url, src)
+    gate = gated(w)
+    try:
+        w.wait_for_save(Meta(stores=[req]))
+        assert w.stats.stores_in_flight == 1
+        assert w.get_finished(set()) == (None, None)  # not finished: nothing to report
+        # Finished (vLLM says so one step later), store still in flight: vLLM keeps the blocks.
+        assert w.get_finished({req.req_id, "never-stored"}) == (None, None)
+        assert w.stats.sending_held == 1
+        assert client.exists(keys) == [False, False]
+        gate.set()
+        assert finished_sending(w, set()) == {req.req_id}  # the id given earlier was kept
+        assert w.get_finished(set()) == (None, None)  # reported once
+        assert client.exists(keys) == [True, True]
+        s = w.stats
+        assert (s.sending_reported, s.sending_held, s.stores_in_flight) == (1, 0, 0)
+        assert (s.deferred_commits, s.chunks_stored, s.store_failures) == (1, 2, 0)
+    finally:
+        gate.set()
+        stop_worker(w)
+    assert_stored(client, req, original)
+
+
+def test_on_cpu_the_drain_thread_reads_the_blocks_not_the_forward_thread(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src = _case("kv_first", "HND", 22)
+    req = _request("wb-late-read", [2, 7, 11, 4], 2 * CHUNK)
+    w = worker(server.url, src)
+    gate = gated(w)
+    try:
+        w.wait_for_save(Meta(stores=[req]))
+        for t in src.caches:  # written after wait_for_save returned: the store must see it
+            t.fill_(0.5)
+        gate.set()
+        w.flush_stores()
+    finally:
+        gate.set()
+        stop_worker(w)
+    assert_stored(client, req, src)  # equal to the 0.5 fill, not to what the blocks held at wait_for_save
+
+
+@pytest.mark.parametrize("what", ["dropped", "failed", "server_down", "layout_unsupported"])
+def test_a_request_with_a_planned_store_is_reported_whatever_became_of_the_store(
+    what: str, server: ServerProcess, client: MaruHandler
+) -> None:
+    src = _case("kv_first", "NHD", 23)
+    req = _request(f"wb-{what}", [1, 2, 3, 4], 2 * CHUNK)
+    url, heads = server.url, None
+    if what == "server_down":
+        url = f"tcp://127.0.0.1:{free_port()}"
+    if what == "layout_unsupported":
+        heads = 5  # the caches hold 3 heads: detection refuses them
+    if what == "failed":  # a chunk beyond the request's block table: the gather fails, nothing published
+        req = RequestTransfer(req.req_id, (1,), (ChunkRef(f"test/wb-{what}/c0", 0, CHUNK),))
+    w = worker(url, src, num_kv_heads=heads, timeout_s=0.5)
+    try:
+        if what == "dropped":
+            # A load of the same step fails on the request's blocks: its store is dropped.
+            missing = RequestTransfer(req.req_id, req.block_ids, (ChunkRef("test/wb/missing", 0, CHUNK),))
+            w.start_load_kv(Meta(loads=[missing]))
+        w.wait_for_save(Meta(stores=[req]))
+        assert finished_sending(w, {req.req_id}) == {req.req_id}
+        assert w.get_finished(set()) == (None, None)
+        assert client.exists([c.key for c in req.chunks]) == [False] * len(req.chunks)
+        s = w.stats
+        expect = {
+            "dropped": s.stores_dropped == 2,
+            "failed": s.store_failures == 1,
+            "server_down": w.engine is None,
+            "layout_unsupported": w.disabled_reason is not None,
+        }
+        assert expect[what], s
+    finally:
+        stop_worker(w)
+
+
+def test_every_tensor_parallel_rank_reports_the_request_even_one_without_a_server(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src0, src1 = _case("kv_first", "NHD", 24), _case("kv_first", "NHD", 25)
+    req = _request("wb-tp", [6, 2, 9, 0], 2 * CHUNK)
+    w0 = worker(server.url, src0, tp_rank=0, tp_size=2)
+    w1 = worker(f"tcp://127.0.0.1:{free_port()}", src1, tp_rank=1, tp_size=2, timeout_s=0.5)
+    try:
+        for w in (w0, w1):
+            w.wait_for_save(Meta(stores=[req]))
+        assert finished_sending(w0, {req.req_id}) == {req.req_id}
+        assert finished_sending(w1, {req.req_id}) == {req.req_id}
+        assert client.exists([c.key + "@0" for c in req.chunks]) == [True, True]
+        assert client.exists([c.key + "@1" for c in req.chunks]) == [False, False]
+    finally:
+        stop_worker(w0)
+        stop_worker(w1)
+
+
+def test_preemption_barrier_waits_for_the_gather_then_the_blocks_may_be_overwritten(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src, original = _case("blocks_first", "HND", 26), _case("blocks_first", "HND", 26)
+    req = _request("wb-preempt", [8, 3, 12, 5], 2 * CHUNK)
+    w = worker(server.url, src)
+    gate = gated(w)
+    try:
+        w.wait_for_save(Meta(stores=[req]))
+        barrier = threading.Thread(target=w.handle_preemptions, args=(Meta(preempted_req_ids={req.req_id}),))
+        barrier.start()
+        barrier.join(0.3)
+        assert barrier.is_alive()  # the gate holds the gather: vLLM's next forward must wait
+        gate.set()
+        barrier.join(20)
+        assert not barrier.is_alive()
+        for t in src.caches:  # the next forward reuses the preempted request's blocks
+            t.fill_(-3.0)
+        w.flush_stores()
+        # Preempted: vLLM already freed its blocks; neither side owes it a finished_sending.
+        assert w.get_finished({req.req_id}) == (None, None)
+        assert (w.stats.preemption_waits, w.stats.stores_cancelled, w.stats.chunks_stored) == (1, 0, 2)
+    finally:
+        gate.set()
+        stop_worker(w)
+    assert_stored(client, req, original)
+
+
+def test_a_gather_still_waiting_at_the_preemption_timeout_is_cancelled_and_publishes_nothing(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src = _case("kv_first", "NHD", 27)
+    req = _request("wb-cancel", [4, 5, 6, 7], 2 * CHUNK)
+    w = worker(server.url, src, timeout_s=0.3)
+    gate = gated(w)
+    try:
+        w.wait_for_save(Meta(stores=[req]))
+        w.handle_preemptions(Meta(preempted_req_ids={req.req_id}))  # returns after maru_timeout_s
+        assert w.stats.stores_cancelled == 1
+        gate.set()
+        w.flush_stores()
+        assert client.exists([c.key for c in req.chunks]) == [False, False]
+        assert (w.stats.store_failures, w.stats.chunks_stored, w.stats.stores_in_flight) == (2, 0, 0)
+    finally:
+        gate.set()
+        stop_worker(w)
+
+
+def test_shutdown_publishes_every_issued_store_even_from_a_slow_drain(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DRAIN_DELAY_ENV, "0.2")  # the test hook a real engine uses too
+    src, original = _case("kv_first", "HND", 28), _case("kv_first", "HND", 28)
+    a = _request("wb-shutdown-a", [0, 1, 2, 3], 2 * CHUNK)
+    b = _request("wb-shutdown-b", [9, 10, 11, 12], 2 * CHUNK)
+    w = worker(server.url, src)
+    w.wait_for_save(Meta(stores=[a]))
+    w.wait_for_save(Meta(stores=[b]))
+    assert w.stats.stores_in_flight == 2
+    stop_worker(w)
+    assert client.exists([c.key for r in (a, b) for c in r.chunks]) == [True] * 4
+    assert w.stats.chunks_stored == 4
+    assert_stored(client, b, original)
+
+
+def test_pipelined_write_behind_issues_on_the_forward_thread_and_publishes_after_the_wait(
+    client: MaruHandler,
+) -> None:
+    """The CUDA wiring (issue, wait for the copies, commit) driven on CPU through a CPU TransferEngine."""
+    src, original = _case("kv_first", "HND", 29), _case("kv_first", "HND", 29)
+    req = _request("wb-pipelined", [3, 14, 6, 1], 2 * CHUNK)
+    layout = kv_ops.detect_layouts(src.caches, **src.detect_kwargs())
+    eng = KVTransferEngine(list(src.caches), layout, client)
+    eng.pipeline = TransferEngine(list(src.caches), layout)
+    pending = eng.issue_store([req])
+    assert pending.issued is not None and pending.issued.handle is not None
+    assert client.exists([c.key for c in req.chunks]) == [False, False]
+    assert eng.wait_store_read(pending, 5)
+    rep = eng.complete_store(pending)
+    assert (rep.stored, rep.failed, rep.tokens) == (2, 0, 2 * CHUNK) and pending.read_done.is_set()
+    assert_stored(client, req, original)
+
+
+# ---------------------------------------------------------------------------- both sides
+
+
+class Engine:
+    """vLLM's side of the connector protocol, step by step: one scheduler, one worker."""
+
+    def __init__(self, sched: MaruSchedulerConnector, w: MaruWorkerConnector) -> None:
+        self.sched, self.w = sched, w
+        self.reported: list[str] = []
+
+    def step(self, so: SimpleNamespace, finished: frozenset[str] | set[str] = frozenset()) -> set[str]:
+        meta = self.sched.build_connector_meta(so)
+        self.w.handle_preemptions(meta)
+        self.w.start_load_kv(meta)
+        self.w.wait_for_save(meta)
+        sending, recving = self.w.get_finished(set(finished))
+        out = SimpleNamespace(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=self.w.get_block_ids_with_load_errors(),
+        )
+        self.sched.update_connector_output(out)
+        self.reported += sorted(sending or ())
+        return set(sending or ())
+
+
+def so_of(
+    new: tuple[tuple[str, list[int], int, int], ...] = (), preempted: frozenset[str] = frozenset()
+) -> SimpleNamespace:
+    """A scheduler output: ``new`` = (req_id, blocks, computed, scheduled) of newly scheduled requests."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={r: n for r, _, _, n in new},
+        preempted_req_ids=set(preempted),
+    )
+
+
+def vreq(rid: str, toks: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=toks, num_tokens=len(toks), lora_request=None, mm_features=[]
+    )
+
+
+def test_the_scheduler_delays_exactly_the_requests_the_worker_reports(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """a: stores, finishes (delayed, reported after the drain); b: stores, preempted, then aborted
+    (not delayed, never reported); c: aborted before it ran (not delayed); d: everything already
+    stored (nothing planned: not delayed)."""
+    space = KeySpace(f"wb-model-{time.time_ns()}", "", "float32", 3, 3, 8, CHUNK)
+    cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK, async_store=True)
+    sched = MaruSchedulerConnector(
+        cfg, ChunkKeyer(space), BS, client_factory=lambda: MaruHandler(server.url, timeout_s=2)
+    )
+    src = _case("kv_first", "NHD", 30)
+    w = worker(server.url, src)
+    gate = gated(w)
+    eng = Engine(sched, w)
+    g = torch.Generator().manual_seed(5)
+    prompts = {r: [int(x) for x in torch.randint(3, 2000, (22,), generator=g)] for r in "abc"}
+    prompts["d"] = list(prompts["a"])  # a's prompt: a stored everything d needs before d runs
+    blocks = {"a": [0, 1, 2, 3, 4, 5], "b": [6, 7, 8, 9, 10, 11], "d": [12, 13, 14, 15, 0, 1]}
+    try:
+        for r in "abc":
+            assert sched.get_num_new_matched_tokens(vreq(r, prompts[r]), 0) == (0, False)
+        for r in "ab":
+            sched.update_state_after_alloc(vreq(r, prompts[r]), None, 0)
+        eng.step(so_of((("a", blocks["a"], 0, 22), ("b", blocks["b"], 0, 22))))
+        assert w.stats.stores_in_flight == 1  # one batch: a's and b's chunks
+        assert sched.request_finished(vreq("a", prompts["a"]), blocks["a"]) == (True, None)
+        assert sched.request_finished(vreq("c", prompts["c"]), []) == (False, None)
+        assert sched.delayed_frees == {"a"}
+        # b is preempted: the barrier lets the gather finish before this step's forward.
+        threading.Timer(0.2, gate.set).start()
+        assert eng.step(so_of(preempted=frozenset({"b"})), finished={"a", "c"}) in (set(), {"a"})
+        assert w.stats.preemption_waits == 1
+        assert sched.request_finished(vreq("b", prompts["b"]), []) == (False, None)
+        for _ in range(2000):
+            if "a" in eng.reported:
+                break
+            eng.step(so_of(), finished={"b"} if _ == 0 else set())
+            time.sleep(0.01)
+        assert eng.reported == ["a"] and sched.delayed_frees == set()
+        # d: a's chunks are all in the pool now, so nothing is planned and nothing delayed.
+        assert sched.get_num_new_matched_tokens(vreq("d", prompts["d"]), 0) == (20, False)
+        sched.update_state_after_alloc(vreq("d", prompts["d"]), None, 20)
+        eng.step(so_of((("d", blocks["d"], 20, 2),)))
+        assert w.stats.tokens_loaded == 20  # what a stored
+        assert sched.request_finished(vreq("d", prompts["d"]), blocks["d"]) == (False, None)
+        eng.step(so_of(), finished={"d"})
+        assert eng.reported == ["a"]
+        st = sched.stats
+        assert (st.delayed_frees, st.delayed_frees_released) == (1, 1)
+        assert w.stats.sending_reported == 1 and w.stats.load_errors == 0
+    finally:
+        gate.set()
+        stop_worker(w)
+        sched.shutdown()
