@@ -351,6 +351,8 @@ class TransferEngine:
         use_graphs: bool = True,
         raw_cuda: bool = True,
         layer_path: str = "auto",
+        layer_graphs: bool | None = None,
+        lazy_capture: bool = True,
     ) -> None:
         if layer_path not in ("auto", "direct", "staged"):
             raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")
@@ -394,7 +396,12 @@ class TransferEngine:
         self.graphs = use_graphs and self._graphs_usable()
         self._ring = [_Slot(self, self._new_placer()) for _ in range(self.ring_slots)]
         self._next_slot = 0
-        self._layer_placer = self._new_placer()
+        # The layer path may replay graphs while the chunk paths run eagerly (layer_graphs=True,
+        # use_graphs=False): per-layer issue cost is what the layer-overlap load is judged on.
+        want_layer_graphs = use_graphs if layer_graphs is None else layer_graphs
+        self.layer_graphs = want_layer_graphs and (self.graphs or self._graphs_usable())
+        self.lazy_capture = lazy_capture
+        self._layer_placer = self._new_placer(self.layer_graphs)
         self._layer_own: torch.Tensor | None = None
         self._layer_free: Any = None  # event: last placement out of the layer staging
         self._event_sets: list[tuple[list[Any], list[Any]]] = []
@@ -420,8 +427,8 @@ class TransferEngine:
             return False
         return True
 
-    def _new_placer(self) -> Any:
-        if not self.graphs:
+    def _new_placer(self, graphs: bool | None = None) -> Any:
+        if not (self.graphs if graphs is None else graphs):
             return None
         from maru.kv_ops.placer import GraphedPlacer
 
@@ -541,21 +548,34 @@ class TransferEngine:
         ``chunk_tokens``: the chunk size of the pipelined paths (every ring slot); ``layer_tokens``:
         request sizes the layer-overlap load will see (rounded up to their power-of-two bucket).
         The warm-up launches place nothing: the static slot buffers hold -1 until a call sets them.
-        No-op without graphs (CPU, reference backend).
+        No-op without graphs (CPU, reference backend). With ``lazy_capture=False`` only warmed sizes
+        are replayed from graphs; other sizes launch eagerly (no capture while serving).
         """
-        if not self.graphs:
+        if not self.on_gpu:
             return
-        if any(slot.used for slot in self._ring) or self._layer_free is not None:
-            # A capture replays its op once eagerly; after a transfer the static slots hold real slots.
-            raise RuntimeError("TransferEngine.warm() must run before the engine's first transfer")
         with self._lock, torch.cuda.stream(self._place_stream):
-            for slot in self._ring:
-                slot.placer.warm(int(chunk_tokens))
+            if chunk_tokens and self.graphs:
+                if any(slot.used for slot in self._ring):
+                    # A capture replays its op once eagerly; after a transfer the static slots hold
+                    # real slots.
+                    raise RuntimeError("TransferEngine.warm(chunk_tokens) must run before the first transfer")
+                for slot in self._ring:
+                    slot.placer.warm(int(chunk_tokens))
+            if self._layer_placer is None:
+                return
             for tokens in layer_tokens:
                 tb = _bucket(tokens)
                 if self.layer_path == "staged":
+                    if self._layer_free is not None:
+                        raise RuntimeError(
+                            "TransferEngine.warm(layer_tokens) must run before the first layer load"
+                        )
                     self._layer_placer.warm(tb, per_layer=True)
-                else:  # the direct path needs only its own per-layer graphs (no staging buffer)
+                else:
+                    # The direct path needs only its per-layer graphs (no staging). Its capture replays
+                    # the kernel once eagerly: clear the table's slots first (stream-ordered after any
+                    # earlier load), so that replay places nothing.
+                    self._layer_placer.direct_table(tb)[2].fill_(-1)
                     self._layer_placer.warm_direct(tb)
 
     def synchronize(self) -> None:
@@ -952,6 +972,16 @@ class TransferEngine:
             host_slots[:skip_tokens] = -1
         graphed = self._layer_placer is not None
         tb = _bucket(total) if graphed else total
+        if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb):
+            _announce_once(
+                f"direct-cold-{tb}",
+                logging.INFO,
+                "maru.kv_ops: layer load of %d tokens: no warmed graphs for its %d-token bucket; eager "
+                "launches (~30 us of host time a layer). Warm the engine for that size at start",
+                total,
+                tb,
+            )
+            graphed, tb = False, total  # eager: no capture while serving, no padding
         chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
         host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
         _copied, placed = self._layer_events()

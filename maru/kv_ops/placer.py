@@ -170,6 +170,10 @@ class GraphedPlacer:
         self._graph(("gather", num_tokens, layer)).replay()
         return self._staging[num_tokens][layer]
 
+    def has_direct(self, num_tokens: int) -> bool:
+        """Whether every layer's direct graph for T tokens is captured (a replay, never a capture)."""
+        return all(("direct", num_tokens, layer) in self._graphs for layer in range(self.num_layers))
+
     def scatter_layer_direct(self, layer: int, num_tokens: int) -> None:
         """One layer, zero-copy: the chunk objects ``direct_table(T)`` names -> that layer's cache."""
         self._graph(("direct", num_tokens, layer)).replay()

@@ -280,6 +280,38 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
     assert torch.equal(fresh.bits(), expected.bits())
 
 
+def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: RegisteredPool) -> None:
+    """What the connector builds: eager chunk paths, layer graphs warmed at start, no capture later."""
+    src = make_caches("flash_attn_HND", 26)
+    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    slots = _slots(src, 3 * CHUNK, 27, negatives=4)
+    objs = [pool.alloc(engine, CHUNK) for _ in range(3)]
+    engine.store(objs, slots).wait()
+    fresh = make_caches("flash_attn_HND", 28)
+    loader = pl.TransferEngine(
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True, lazy_capture=False
+    )
+    loader.warm(0, layer_tokens=[2 * CHUNK])  # bucket 512: two chunks fit, three do not
+    expected = fresh.clone()
+    kv_ops.scatter(
+        _reference_gather(src, slots), expected.layers, fresh.layout(), slots.cuda(), backend="reference"
+    )
+    warm = loader.load_layers(objs[:2], slots[: 2 * CHUNK])
+    cold = loader.load_layers(objs[2:], slots[2 * CHUNK :])  # bucket 256: never warmed
+    cold.wait()
+    warm.wait()
+    assert warm.graphed == (BACKEND != "reference")
+    assert not cold.graphed
+    assert torch.equal(fresh.bits(), expected.bits())
+    # Warming again after loads must not re-place the last call's table (its slots are cleared first).
+    # The blocks are reused by other requests: overwrite them, warm, and nothing may change.
+    fresh.buffer.copy_(make_caches("flash_attn_HND", 29).buffer)
+    snapshot = fresh.clone()
+    loader.warm(0, layer_tokens=[2 * CHUNK])
+    torch.cuda.synchronize()
+    assert torch.equal(fresh.bits(), snapshot.bits())
+
+
 def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: RegisteredPool) -> None:
     src = make_caches("flash_attn_NHD", 24)
     layout = src.layout()
