@@ -13,17 +13,20 @@ is the plain synchronous load on an identical cache, compared byte for byte.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
+from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.pipeline import TransferEngine
-from maru.kv_ops.testing import CacheCase
-from maru.vllm.transfer import RequestTransfer
+from maru.kv_ops.testing import CacheCase, bits
+from maru.vllm.transfer import AsyncLoader, PipelinedLayerLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.test_transfer import BS, CHUNK, _request
 from tests.test_transfer_datapath import (
@@ -37,11 +40,117 @@ from tests.test_transfer_datapath import (
     _until_finished,
     _worker,
 )
-from tests.test_transfer_wiring import release_pool, requests, stop_worker
+from tests.test_transfer_wiring import (
+    GEOM_CPU,
+    engine,
+    make_case,
+    placed_pairs,
+    release_pool,
+    requests,
+    same,
+    spy,
+    stop_worker,
+)
 
-pytest.importorskip("vllm")  # the worker's metadata is vLLM's connector metadata
+POISON = 0x5A  # every byte of a fresh destination cache: an unwritten slot keeps it
 
-from maru.vllm.metadata import MaruConnectorMetadata  # noqa: E402
+
+def poison(case: CacheCase) -> None:
+    for st in case.storages():
+        bits(st).view(torch.uint8).fill_(POISON)
+
+
+def _gather(case: CacheCase, slots: list[int]) -> torch.Tensor:
+    """The KV of ``slots``, every layer, through kv_ops's reference kernels (an independent reader)."""
+    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    s = torch.tensor(slots, dtype=torch.int64, device=case.layer_tensors()[0].device)
+    return bits(kv_ops.gather(case.caches, layout, s, backend="reference"))
+
+
+def check_connector_load(
+    path: str, physical: str, client: MaruHandler, geom: dict[str, Any], chunk: int, *, inject: bool
+) -> None:
+    """Store three chunks and a partial tail, load them into a fresh poisoned cache through the
+    connector's CUDA load path ``path`` and check the bytes.
+
+    ``"async"``: ``AsyncLoader`` (issue on its thread, completion polled, unpin on its thread);
+    ``"layers"``: one ``load_layers`` through ``PipelinedLayerLoad``, every layer waited for. The
+    load skips the first block (``place_begin``) and stops one token short of the tail
+    (``place_end``). Checks: one pipelined call for the four chunks; every pin released once; the
+    whole storage equals the plain engine's load (CPU: direct kv_ops; CUDA: staged) into an
+    identical poisoned cache; every placed token equals its source token; the skipped slots are
+    still poison. ``inject``: CPU caches, a CPU ``TransferEngine`` as the pipeline.
+    """
+    bs, cuda = geom["block_size"], geom["device"] == "cuda"
+    tag = f"conn-{path}-{physical}-{geom['device']}"
+    src_req, dst_req = requests(tag, bs, chunk, geom["num_blocks"])
+    src = make_case(physical, 1, geom)
+    assert engine(src, client, inject=inject).store([src_req]).stored == 4
+    dst, ref = make_case(physical, 2, geom), make_case(physical, 2, geom)
+    poison(dst)
+    poison(ref)
+    pins = CountingPins(client)
+    eng = engine(dst, pins, inject=inject)
+    assert eng.pipeline is not None
+    if path == "async":
+        calls = spy(eng.pipeline, "load")
+        loader = AsyncLoader("test-loader")
+        loader.submit("t", eng, [dst_req])
+        got: list[tuple[Any, Any]] = []
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            got = loader.poll()  # never blocks: reports the load once its transfer is done()
+            time.sleep(0.001)
+        got += loader.close(timeout=60)
+        assert [t for t, _ in got] == ["t"]
+        rep = got[0][1]
+    else:
+        calls = spy(eng.pipeline, "load_layers")
+        pinned = eng.pin([dst_req])
+        assert not pinned.failed
+        ll = eng.start_layer_load(pinned)
+        assert isinstance(ll, PipelinedLayerLoad) and ll.error is None
+        for layer in range(geom["num_layers"]):
+            ll.wait_for_layer(layer)  # on CUDA: the current stream waits; the host does not
+        ll.wait_on()
+        rep = ll.wait()
+        assert ll.done()
+    assert calls == [4]  # one call for the request's four chunks
+    assert rep.loaded_req_ids == [dst_req.req_id] and not rep.failed
+    assert rep.tokens == dst_req.num_placed_tokens() and rep.chunks == 4
+    assert pins.pinned == pins.released == 4
+    assert engine(ref, client, pipelined=False).load([dst_req]).loaded_req_ids == [dst_req.req_id]
+    if cuda:
+        torch.cuda.synchronize()
+    assert same(dst, ref)
+    pairs = placed_pairs(src_req, dst_req, bs)
+    assert torch.equal(_gather(dst, [d for _, d in pairs]), _gather(src, [s for s, _ in pairs]))
+    tail = dst_req.chunks[-1]
+    last = tail.start + tail.num_tokens - 1
+    skipped = [dst_req.block_ids[t // bs] * bs + t % bs for t in [*range(bs), last]]
+    assert bool((_gather(dst, skipped).view(torch.uint8) == POISON).all())
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the worker connector needs vLLM"
+)
+
+
+def MaruConnectorMetadata(**kw: Any) -> Any:  # noqa: N802 (stands for the class)
+    """The worker's step metadata (vLLM's connector metadata: skips where vLLM is not installed,
+    so that ``check_connector_load`` stays importable from the GPU suite)."""
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata as Meta
+
+    return Meta(**kw)
+
+
+@pytest.mark.parametrize("path", ["async", "layers"])
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_connector_load_paths_round_trip_byte_exact_and_leave_skipped_slots_poisoned(
+    path: str, physical: str, client: MaruHandler
+) -> None:
+    check_connector_load(path, physical, client, GEOM_CPU, CHUNK, inject=True)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +257,7 @@ def test_start_load_on_cpu_caches_is_complete_at_once_and_unpins_exactly_once(cl
     assert pins.pinned == pins.released == 2
 
 
+@needs_vllm
 def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transfer_failing_at_completion(
     server: ServerProcess, client: MaruHandler
 ) -> None:
@@ -198,6 +308,7 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         stop_worker(w)
 
 
+@needs_vllm
 def test_async_load_without_a_server_fails_the_request_without_a_lookup(
     server: ServerProcess, client: MaruHandler
 ) -> None:
@@ -228,6 +339,7 @@ def _overlap_setup(
     return w, ref, dst, before, dst_a, dbad
 
 
+@needs_vllm
 def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done(
     server: ServerProcess, client: MaruHandler
 ) -> None:
@@ -274,6 +386,7 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
         stop_worker(w)
 
 
+@needs_vllm
 def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_releases_every_pin(
     server: ServerProcess, client: MaruHandler
 ) -> None:
@@ -300,6 +413,7 @@ def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_rel
         stop_worker(w)
 
 
+@needs_vllm
 def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerProcess) -> None:
     from maru.vllm.transfer import LayerwiseLoad, PinnedLoad
 

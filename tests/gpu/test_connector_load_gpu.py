@@ -1,0 +1,68 @@
+"""The connector's CUDA load paths: non-blocking asynchronous load and layer overlap through
+``TransferEngine.load_layers`` (``-m gpu``; skipped without CUDA).
+
+Real shapes (32 layers, 8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a real
+server and its ``/dev/shm`` pool registered with CUDA by ``KVTransferEngine``. Three 256-token
+chunks and a partial tail are stored, then loaded into a fresh poisoned cache, skipping the
+first block (``place_begin``) and stopping one token short of the tail (``place_end``):
+
+- ``async``: ``AsyncLoader`` (the worker's ``maru_async_load``): lookup, pin and ``pipeline.load``
+  on the loader thread, completion polled with ``done()``, unpin after it;
+- ``layers``: ``PipelinedLayerLoad`` (``maru_overlap_load_with_compute``): one ``load_layers``
+  for the request's chunks, ``wait_for_layer`` for every layer, pins released after ``wait()``.
+
+Checks (``tests/test_transfer_async_load.py::check_connector_load``, which also runs in CI on CPU
+caches with a CPU TransferEngine): one pipelined call for the four chunks; every pin released
+once; the whole storage byte for byte against the staged path into an identical poisoned cache;
+every placed token against its source token (kv_ops reference gather); skipped slots poisoned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from maru.client import MaruHandler
+from tests.helpers import ServerProcess
+from tests.test_transfer_async_load import check_connector_load
+from tests.test_transfer_wiring import release_pool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GEOM = dict(
+    device="cuda",
+    num_blocks=64,  # 49 blocks per request: three 256-token chunks and a 9-token tail
+    block_size=16,
+    num_kv_heads=8,
+    head_size=128,
+    num_layers=32,
+    dtype=torch.bfloat16,
+)
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
+    # Each test stores ~97 MiB (4 objects of 32 MiB at most); four tests.
+    srv = ServerProcess(tmp_path_factory.mktemp("connector-load-gpu"), pool_size="1G")
+    srv.start()
+    h = MaruHandler(srv.url, timeout_s=30)
+    try:
+        yield h
+    finally:
+        release_pool(h)
+        h.close()
+        srv.cleanup()
+
+
+@pytest.mark.parametrize("path", ["async", "layers"])
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_connector_cuda_load_paths_round_trip_byte_exact_and_leave_skipped_slots_poisoned(
+    path: str, physical: str, client: MaruHandler
+) -> None:
+    check_connector_load(path, physical, client, GEOM, CHUNK, inject=False)
