@@ -414,7 +414,8 @@ class MaruWorkerConnector:
 
         ``finished_recving``: async loads that completed or failed. A failed async load is reported
         finished *and* its blocks go to ``get_block_ids_with_load_errors`` (vLLM reads both in the
-        same step), so vLLM leaves the wait and recomputes the request.
+        same step), so vLLM leaves the wait and recomputes the request. Never waits for a transfer:
+        a load is reported once its ``done()`` is true. Also unpins the CUDA layer loads that are done.
         ``finished_sending`` (``maru_async_store``): see ``_finished_sending``.
         """
         sending: set[str] = set()
@@ -422,9 +423,12 @@ class MaruWorkerConnector:
             sending = self._finished_sending(finished_req_ids or set())
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished write-behind stores failed")
-        recving: set[str] = set()
         try:
             self._release_layer_loads()
+        except Exception:  # never raise into vLLM
+            logger.exception("Maru: releasing finished layer loads failed")
+        recving: set[str] = set()
+        try:
             recving = self._collect_async_loads()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished transfers failed")
