@@ -21,12 +21,14 @@ and pins belong to it) and their replies:
 ===========  ============================================  =======================================
 op           request fields                                reply fields
 ===========  ============================================  =======================================
-HANDSHAKE    client_id, host, pid                          server_id, pool_path, pool_uuid,
-                                                           pool_size, data_offset, data_size,
+HANDSHAKE    client_id, host, pid,                         server_id, pool_path, pool_uuid,
+             info (optional, see "Client info" below)      pool_size, data_offset, data_size,
                                                            alignment, max_object_size,
                                                            lease_timeout_s, protocol_version,
                                                            pool_kind ("file" | "dax"), max_batch,
-                                                           max_key_bytes
+                                                           max_key_bytes, max_client_info_bytes
+                                                           (absent: an older server, which ignores
+                                                           ``info``)
 RESERVE      client_id, sizes: [int]                       allocs: [[alloc_id, offset, size] | None]
                                                            (None: does not fit even after eviction)
 COMMIT       client_id, items: [[key, alloc_id]]           results: ["stored" | "present" |
@@ -38,15 +40,20 @@ EXISTS       client_id, keys: [key]                        present: [bool], pref
 PIN          client_id, keys: [key]                        pinned: [bool]
 UNPIN        client_id, keys: [key]                        unpinned: [bool]
 DELETE       client_id, keys: [key]                        deleted: [bool]
-HEARTBEAT    client_id                                     server_id, known: bool (False: the lease
-                                                           expired or the server restarted;
-                                                           handshake again)
+HEARTBEAT    client_id, info (optional: replaces the       server_id, known: bool (False: the lease
+             client's info when it has a lease)            expired or the server restarted;
+                                                           handshake again; the info was not kept)
 STATS        client_id                                     counters: {name: int}, requests: {op: int},
                                                            errors: {code: int}, gauges: {name: int},
                                                            uptime_s, server_id, url, pool_path,
                                                            pool_kind, pool_uuid, pool_size,
                                                            max_object_size, lease_timeout_s,
-                                                           protocol_version, pid
+                                                           protocol_version, pid,
+                                                           clients: [{client_id, host, pid, age_s,
+                                                           idle_s, info}] (live leases, those with
+                                                           info first, then oldest first; at most
+                                                           MAX_STATS_CLIENTS), clients_total: int,
+                                                           clients_truncated: bool
                                                            (names: maru/server/stats.py, docs/server.md)
 USAGE        client_id                                     pool_size, data_size, used, free,
                                                            largest_free, reserved, committed,
@@ -63,6 +70,22 @@ LOOKUP replies are the object sizes the client asked for.
 
 Offsets are absolute byte offsets into the pool (the file or device the client maps).
 Keys are strings of at most ``MAX_KEY_BYTES`` UTF-8 bytes.
+
+Client info. A client may describe itself to operators (``maru stats``, ``maru doctor``) with an
+``info`` map: str keys (at most ``MAX_CLIENT_INFO_KEY_LEN`` characters), values None, bool, int
+(64-bit), finite float, str, or lists/maps of those, nested at most ``MAX_CLIENT_INFO_DEPTH``
+deep, at most ``MAX_CLIENT_INFO_BYTES`` bytes as MessagePack. HANDSHAKE sets it (absent: none),
+HEARTBEAT with ``info`` replaces it. The server keeps it in memory with the lease only: it goes
+when the lease expires and a restarted server knows none, so a client sends its info again in
+every handshake (``MaruHandler.set_client_info`` does). A bad ``info`` gets ``bad_request``, an
+oversized one ``too_large``; either way the request changes nothing (no lease, no info).
+Convention (what ``maru doctor`` judges; other keys are shown, not judged)::
+
+    {"role": "vllm-connector",                 # what the client is
+     "paths": {"<data path>": "<what runs>"},  # e.g. {"load": "pipelined-gpu", "pool": "cuda-registered"}
+     "slow": ["<sentence: which path is slow, why, and the fix>", ...]}  # empty/absent: all fast
+
+``maru doctor`` warns iff some client reports a non-empty ``slow`` list.
 """
 
 from __future__ import annotations
@@ -84,6 +107,10 @@ REPLY_BIT = 0x8000
 MAX_FRAME_BYTES = 8 << 20
 MAX_BATCH = 8192
 MAX_KEY_BYTES = 512
+MAX_CLIENT_INFO_BYTES = 4096  # a client's info map, MessagePack-encoded
+MAX_CLIENT_INFO_DEPTH = 4  # the top map is depth 1
+MAX_CLIENT_INFO_KEY_LEN = 128
+MAX_STATS_CLIENTS = 256  # entries of the STATS reply's ``clients`` list
 
 
 class Op(enum.IntEnum):
@@ -170,3 +197,60 @@ def ok(**fields: Any) -> dict[str, Any]:
 def error(code: ErrorCode, message: str) -> dict[str, Any]:
     """A failure reply body."""
     return {"ok": False, "code": code.value, "message": message}
+
+
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what MessagePack carries
+
+
+def client_info_problem(info: Any) -> tuple[ErrorCode, str] | None:
+    """Why ``info`` is not a valid client info map (see "Client info" above), or None if it is.
+
+    Checks shape first (bounded: the walk stops at ``MAX_CLIENT_INFO_DEPTH``), then the encoded
+    size, so a client and the server agree on what is refused and why.
+    """
+    if not isinstance(info, dict):
+        return ErrorCode.BAD_REQUEST, f"info must be a map, got {type(info).__name__}"
+    problem = _info_value_problem(info, "info", 1)
+    if problem is not None:
+        return ErrorCode.BAD_REQUEST, problem
+    size = len(msgpack.packb(info, use_bin_type=True))
+    if size > MAX_CLIENT_INFO_BYTES:
+        return (
+            ErrorCode.TOO_LARGE,
+            f"info is {size} bytes encoded, over the {MAX_CLIENT_INFO_BYTES}-byte limit: report less "
+            "(short path names and sentences)",
+        )
+    return None
+
+
+def _info_value_problem(value: Any, where: str, depth: int) -> str | None:
+    t = type(value)
+    if value is None or t is bool or t is str:
+        return None
+    if t is int:
+        lo, hi = _INT_RANGE
+        return None if lo <= value <= hi else f"{where} = {value} does not fit in 64 bits"
+    if t is float:
+        return None if value == value and abs(value) != float("inf") else f"{where} must be a finite number"
+    if t is list or t is dict:
+        if depth > MAX_CLIENT_INFO_DEPTH:
+            return f"{where} nests deeper than {MAX_CLIENT_INFO_DEPTH} levels"
+        if t is list:
+            for i, v in enumerate(value):
+                p = _info_value_problem(v, f"{where}[{i}]", depth + 1)
+                if p is not None:
+                    return p
+            return None
+        for k, v in value.items():
+            if type(k) is not str:
+                return f"{where} has a key of type {type(k).__name__}; keys must be strings"
+            if len(k) > MAX_CLIENT_INFO_KEY_LEN:
+                return f"{where} has a key of {len(k)} characters; the limit is {MAX_CLIENT_INFO_KEY_LEN}"
+            p = _info_value_problem(v, f"{where}[{k!r:.40}]", depth + 1)
+            if p is not None:
+                return p
+        return None
+    return (
+        f"{where} is of type {t.__name__}; info values are None, bool, int, float, str, or lists and "
+        "maps of those"
+    )

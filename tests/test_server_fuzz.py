@@ -17,7 +17,7 @@ from maru import protocol as P
 from maru.protocol import Op
 from tests.helpers import RawClient, ServerProcess
 
-FIELDS = ["client_id", "sizes", "items", "alloc_ids", "keys", "pin", "host", "pid"]
+FIELDS = ["client_id", "sizes", "items", "alloc_ids", "keys", "pin", "host", "pid", "info"]
 
 scalars = (
     st.none()

@@ -254,12 +254,68 @@ def check_cuda_registration(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, WARN, rec.describe(), cuda_host.fix_for(rec))
 
 
+def check_client_paths(ctx: DoctorContext) -> CheckResult:
+    """Which data paths the serving processes run, as they report it (client info, see maru.protocol).
+
+    The doctor runs in its own process, so it cannot see whether a vLLM worker registered its pool
+    mapping with CUDA or fell back to a staged path; workers report that through
+    ``MaruHandler.set_client_info`` and the server lists it in STATS. OK when no client reports a
+    ``slow`` path, WARN (the fixes are the clients' own sentences) when one does, SKIP when no
+    client reports anything.
+    """
+    from maru.cli.stats import slow_reports
+
+    name = "serving clients' data paths"
+    if ctx.handshake is None:
+        return CheckResult(name, SKIP, "needs the server")
+    try:
+        snap = _request(ctx, protocol.Op.STATS, {})
+    except MaruError as e:
+        return CheckResult(name, WARN, str(e), "check the server's log")
+    clients = snap.get("clients")
+    if clients is None:
+        return CheckResult(
+            name,
+            SKIP,
+            "this maru server does not list its clients (an older version)",
+            "upgrade the server to see the serving processes' data paths here",
+        )
+    reporting = [c for c in clients if isinstance(c, dict) and c.get("info")]
+    if not reporting:
+        return CheckResult(
+            name,
+            SKIP,
+            f"none of the {snap.get('clients_total', len(clients))} connected clients reports its data "
+            "paths (vLLM workers using the Maru connector do, once serving)",
+        )
+    lines: list[str] = []
+    fixes: list[str] = []
+    for c in reporting:
+        info = c["info"] if isinstance(c["info"], dict) else {}
+        who = f"{info.get('role', 'client')} {c.get('host', '?')} pid {c.get('pid', '?')}"
+        paths = info.get("paths")
+        if isinstance(paths, dict) and paths:
+            shown = ", ".join(f"{k}={v}" for k, v in paths.items())
+        else:
+            shown = "no paths reported"
+        slow = slow_reports(info)
+        lines.append(f"{who}: {shown}" + (f" ({len(slow)} slow)" if slow else ""))
+        fixes += [f"{who}: {s}" for s in slow]
+    if snap.get("clients_truncated"):
+        lines.append(f"(the server listed {len(clients)} of {snap.get('clients_total')} clients)")
+    detail = "\n".join(lines)
+    if fixes:
+        return CheckResult(name, WARN, detail, "\n".join(fixes))
+    return CheckResult(name, OK, detail + "\nevery reported data path is the fast one")
+
+
 # Extension point: later issues append checks here (or call register_check).
 CHECKS: list[tuple[Check, bool]] = [
     (check_server, True),
     (check_protocol, True),
     (check_pool_mapping, True),
     (check_pool_usage, True),
+    (check_client_paths, False),
     (check_kv_ops, False),
     (check_cuda_registration, False),
     (check_vllm, False),
@@ -302,6 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from maru.cli.console import make_console
@@ -317,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
     for r, required in results:
         label = r.name if required else f"{r.name} (optional)"
         detail = r.detail + (f"\nfix: {r.fix}" if r.fix and r.status != OK else "")
-        table.add_row(label, f"[{style[r.status]}]{r.status}[/]", detail)
+        # Details are text, never markup: "pip install 'maru[kv]'" must print as it is.
+        table.add_row(escape(label), f"[{style[r.status]}]{r.status}[/]", escape(detail))
     console.print(table)
     if healthy:
         console.print("[green]all required checks passed[/]")

@@ -2,11 +2,14 @@
 
 Reads the STATS reply (no pool mapping needed, so it works from any host that reaches the
 server). Rates are the counter deltas between two refreshes divided by the time between them.
+The clients table lists the live clients and what each reports about itself (its ``info``: role,
+data paths, slow paths; convention in ``maru.protocol``). ``--json`` prints the raw reply once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import uuid
 from typing import Any
@@ -90,7 +93,68 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) 
         f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "
         f"{format_size(int(snap.get('pool_size', 0)))})  uptime {float(snap.get('uptime_s', 0)):.0f} s"
     )
-    return Group(header, counters, pool)
+    clients = render_clients(snap)
+    return Group(header, counters, pool) if clients is None else Group(header, counters, pool, clients)
+
+
+def _info_cells(info: Any) -> tuple[str, str, str]:
+    """(role, paths, slow) cells of one client's info; anything off-convention is shown as given."""
+    if not isinstance(info, dict) or not info:
+        return "-", "-", "-"
+    role = str(info.get("role", "-"))
+    paths = info.get("paths")
+    if isinstance(paths, dict):
+        paths_text = "\n".join(f"{k}={v}" for k, v in paths.items()) or "-"
+    else:
+        paths_text = "-" if paths is None else str(paths)
+    extra = {k: v for k, v in info.items() if k not in ("role", "paths", "slow")}
+    if extra:
+        paths_text += "\n" + "\n".join(f"{k}={v}" for k, v in extra.items())
+    slow = slow_reports(info)
+    return role, paths_text, "\n".join(slow) if slow else "none"
+
+
+def slow_reports(info: Any) -> list[str]:
+    """The ``slow`` sentences of one client's info (convention in ``maru.protocol``)."""
+    if not isinstance(info, dict):
+        return []
+    slow = info.get("slow")
+    if not slow:
+        return []
+    return [str(x) for x in slow] if isinstance(slow, list) else [str(slow)]
+
+
+def render_clients(snap: dict[str, Any]) -> Any:
+    """A rich table of the live clients (None when the server is too old to list them)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    clients = snap.get("clients")
+    if clients is None:
+        return None
+    total = int(snap.get("clients_total", len(clients)))
+    title = f"clients ({total} live)"
+    if snap.get("clients_truncated"):
+        title += f", showing the first {len(clients)} (those reporting info first)"
+    table = Table(title=title, title_justify="left")
+    table.add_column("client")
+    table.add_column("host:pid")
+    table.add_column("age / idle", justify="right")
+    table.add_column("role")
+    table.add_column("data paths", overflow="fold")
+    table.add_column("slow paths (reason, fix)", overflow="fold")
+    for c in clients:
+        role, paths, slow = _info_cells(c.get("info"))
+        # What clients report is text, never markup ("maru[gpu]" must print as it is).
+        table.add_row(
+            escape(str(c.get("client_id", "?"))[:12]),
+            escape(f"{c.get('host', '?')}:{c.get('pid', '?')}"),
+            f"{float(c.get('age_s', 0)):.0f} s / {float(c.get('idle_s', 0)):.1f} s",
+            escape(role),
+            escape(paths),
+            f"[yellow]{escape(slow)}[/]" if slow not in ("-", "none") else slow,
+        )
+    return table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default 3)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one raw STATS reply as JSON (with the clients) and exit"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except MaruError as e:
         console.print(f"[bold red]maru stats: {e}[/]")
         return 1
+    if args.json:
+        snap.pop("ok", None)
+        print(json.dumps(snap, indent=2, sort_keys=True))
+        return 0
     if args.once:
         console.print(render(snap, None, None))
         return 0

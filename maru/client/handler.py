@@ -12,6 +12,10 @@ the lease expired) the handler handshakes again on its own, re-pins what the cal
 holds, and carries on. Reservations made in an earlier session cannot be stored any more:
 ``store`` raises ``StaleAllocationError`` and publishes nothing.
 
+Client info. ``set_client_info`` describes this client to operators (``maru stats``,
+``maru doctor``): the map goes with every handshake and, when it changes, with the next
+heartbeat (or at once), so the server shows the latest one even after it restarted.
+
 Threading. A handler may be shared by threads: calls take turns on one socket (one lock);
 no call waits longer than ``timeout_s`` for the lock, nor longer than ``timeout_s`` for its reply.
 """
@@ -27,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +126,27 @@ def _reply_list(reply: dict[str, Any], name: str, n: int) -> list[Any]:
     return value
 
 
+_INFO_REFUSALS = (ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LARGE.value)
+
+
+def _plain_info(value: Any, depth: int = 0) -> Any:
+    """A deep copy of ``value`` as plain types (Mapping -> dict, tuple -> list, str/int/float
+    subclasses such as enums -> the base type), so later changes by the caller do not leak in.
+    Stops copying past the protocol's depth limit (the check then names the problem)."""
+    if depth > protocol.MAX_CLIENT_INFO_DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain_info(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_info(v, depth + 1) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    for base in (str, int, float):
+        if isinstance(value, base):
+            return base(value)
+    return value
+
+
 def error_from_reply(op: int, reply: dict[str, Any], url: str) -> MaruError:
     """The exception that a failed reply (``ok`` False) stands for."""
     code = str(reply.get("code", ErrorCode.INTERNAL.value))
@@ -169,6 +194,14 @@ class MaruHandler:
         self._closed = False
         self._connected = False
         self._pid = os.getpid()
+        # Client info: ``_client_info_version`` counts set_client_info calls (under its own lock, so
+        # setting never waits on the connection); ``_client_info_sent`` is the version the server
+        # holds now (changed under ``_lock``, with the exchange that delivered it).
+        self._client_info_lock = threading.Lock()
+        self._client_info: dict[str, Any] | None = None
+        self._client_info_version = 0
+        self._client_info_sent = 0
+        self._warned_info_unsupported = False
         try:
             self._handshake()
         except BaseException:
@@ -202,13 +235,30 @@ class MaruHandler:
     def _handshake(self) -> None:
         """Start a new session: handshake, map the pool if it is a new one, re-pin held entries."""
         with self._lock:
-            reply = self._rpc.request(
-                Op.HANDSHAKE,
-                {"client_id": self.client_id, "host": socket.gethostname(), "pid": os.getpid()},
-                self.timeout_s,
-            )
+            body: dict[str, Any] = {
+                "client_id": self.client_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
+            info_version, client_info = self._client_info_state()
+            if info_version:
+                body["info"] = client_info
+            reply = self._rpc.request(Op.HANDSHAKE, body, self.timeout_s)
+            if not reply.get("ok") and "info" in body and reply.get("code") in _INFO_REFUSALS:
+                # A server with other limits refused the info: connect without it, say so.
+                self._info_refused(error_from_reply(Op.HANDSHAKE, reply, self.url))
+                del body["info"]
+                reply = self._rpc.request(Op.HANDSHAKE, body, self.timeout_s)
             if not reply.get("ok"):
                 raise error_from_reply(Op.HANDSHAKE, reply, self.url)
+            self._client_info_sent = info_version
+            if info_version and "max_client_info_bytes" not in reply and not self._warned_info_unsupported:
+                self._warned_info_unsupported = True
+                log.warning(
+                    "maru server at %s is older than this client and ignores client info: `maru doctor` "
+                    "and `maru stats` will not show this process's data paths; upgrade the server",
+                    self.url,
+                )
             info = ServerInfo.from_reply(reply)
             if info.protocol_version != protocol.PROTOCOL_VERSION:
                 raise ProtocolError(
@@ -346,21 +396,88 @@ class MaruHandler:
         try:
             if self._closed:
                 raise HandlerClosedError("closed")
-            assert self._info is not None
-            session = self._session
-            try:
-                reply = self._call(Op.HEARTBEAT, {}, retry=False, timeout_s=min(self.timeout_s, 2.0))
-            except StaleAllocationError:
-                return  # the server had forgotten us and _call has handshaken again
-            if not reply.get("known", True) or reply.get("server_id") != self._info.server_id:
-                log.info("maru server at %s forgot this client (restart or expired lease)", self.url)
-                self._rehandshake(session)
-            if self._pending_unpins:
-                for chunk in _chunks(self._pending_unpins):
-                    self._call(Op.UNPIN, {"keys": chunk}, retry=False)
-                self._pending_unpins = []  # only once sent: a failure leaves them for the next beat
+            self._beat_locked()
         finally:
             self._lock.release()
+
+    def _beat_locked(self) -> None:
+        """Heartbeat (carrying the client info if the server lacks its latest version), handshake
+        again if the server forgot this client, retry pending unpins. Call with ``_lock`` held."""
+        assert self._info is not None
+        session = self._session
+        info_version, client_info = self._client_info_state()
+        body: dict[str, Any] = {}
+        if info_version != self._client_info_sent:
+            body["info"] = client_info
+        timeout = min(self.timeout_s, 2.0)
+        try:
+            reply = self._call(Op.HEARTBEAT, body, retry=False, timeout_s=timeout)
+        except StaleAllocationError:
+            return  # the server had forgotten us and _call has handshaken again
+        except ServerError as e:
+            if not body:
+                raise
+            # A server with other limits refused the info: the lease matters more than the report.
+            self._info_refused(e)
+            self._client_info_sent = info_version
+            body = {}
+            reply = self._call(Op.HEARTBEAT, body, retry=False, timeout_s=timeout)
+        if not reply.get("known", True) or reply.get("server_id") != self._info.server_id:
+            log.info("maru server at %s forgot this client (restart or expired lease)", self.url)
+            self._rehandshake(session)  # the new handshake carries the latest info
+        elif body:
+            self._client_info_sent = info_version
+        if self._pending_unpins:
+            for chunk in _chunks(self._pending_unpins):
+                self._call(Op.UNPIN, {"keys": chunk}, retry=False)
+            self._pending_unpins = []  # only once sent: a failure leaves them for the next beat
+
+    def _info_refused(self, e: MaruError) -> None:
+        log.warning(
+            "maru server at %s refused this client's info (%s); `maru doctor` and `maru stats` will not "
+            "show it. Use the same Maru version for server and clients",
+            self.url,
+            e,
+        )
+
+    def _client_info_state(self) -> tuple[int, dict[str, Any] | None]:
+        with self._client_info_lock:
+            return self._client_info_version, self._client_info
+
+    def set_client_info(self, info: Mapping[str, Any]) -> None:
+        """Describe this client to operators: ``maru stats`` lists it, ``maru doctor`` judges it.
+
+        ``info`` is a small map (str keys; None, bool, int, float, str, lists and maps of those;
+        at most ``protocol.MAX_CLIENT_INFO_BYTES`` encoded). Convention (see ``maru.protocol``):
+        ``{"role": str, "paths": {name: value}, "slow": [sentence with reason and fix, ...]}``;
+        ``maru doctor`` warns iff ``slow`` is non-empty. Each call replaces the previous info.
+
+        It is kept here and sent at once when the server is reachable, else with the next
+        heartbeat; every later handshake (a restarted server) carries it again. Raises
+        ``ValueError`` for an info the protocol refuses (nothing is sent then); never raises for
+        an unreachable server.
+        """
+        plain = _plain_info(info)
+        problem = protocol.client_info_problem(plain)
+        if problem is not None:
+            raise ValueError(f"set_client_info: {problem[1]}")
+        if self._closed:
+            raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
+        with self._client_info_lock:
+            self._client_info_version += 1
+            self._client_info = plain
+        try:
+            with self._held():
+                if self._closed:
+                    return
+                self._beat_locked()
+        except (NotConnectedError, MaruTimeoutError) as e:
+            log.info("client info kept; it goes to the server once it answers again (%s)", e)
+
+    @property
+    def client_info(self) -> dict[str, Any] | None:
+        """The info last given to ``set_client_info`` (None before any)."""
+        return self._client_info_state()[1]
 
     # ----------------------------------------------------------------- info
     @property

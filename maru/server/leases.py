@@ -4,6 +4,9 @@ A client holds a lease from its HANDSHAKE on; every request it sends (HEARTBEAT 
 renews it. A client silent for more than ``timeout_s`` loses the lease: ``expired`` returns it
 once and forgets it, and the server then frees its reservations and releases its pins
 (``KeyRegistry.drop_client``). The clock is monotonic, so wall-clock jumps never expire anyone.
+
+A lease also carries the client's self-description (``info``, validated by the server before it
+gets here): in memory only, replaced by each handshake, gone with the lease.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -20,6 +24,7 @@ class Lease:
     pid: int
     since: float
     last_seen: float
+    info: dict[str, Any] | None = None
 
 
 class LeaseTable:
@@ -30,7 +35,10 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[Hashable, Lease] = {}
 
-    def grant(self, client: Hashable, host: str = "", pid: int = 0) -> Lease:
+    def grant(
+        self, client: Hashable, host: str = "", pid: int = 0, info: dict[str, Any] | None = None
+    ) -> Lease:
+        """Start (or refresh) the lease of ``client``; its info becomes ``info`` (a handshake says all)."""
         now = self._clock()
         lease = self._leases.get(client)
         if lease is None:
@@ -38,7 +46,20 @@ class LeaseTable:
         else:
             lease.last_seen = now
             lease.host, lease.pid = host or lease.host, pid or lease.pid
+        lease.info = info or None
         return lease
+
+    def set_info(self, client: Hashable, info: dict[str, Any]) -> bool:
+        """Replace the info of ``client`` (renewing its lease); False if it has no lease."""
+        lease = self._leases.get(client)
+        if lease is None:
+            return False
+        lease.last_seen = self._clock()
+        lease.info = info or None
+        return True
+
+    def now(self) -> float:
+        return self._clock()
 
     def renew(self, client: Hashable) -> bool:
         """Renew the lease of ``client``; False if it has none (never shook hands, or expired)."""

@@ -9,8 +9,9 @@ Robustness promises (tested by the fuzz test):
   a shorter frame (or a broken envelope) is dropped and counted in ``malformed_frames``;
 - a bad frame never raises out of the loop and never changes state: fields are validated before
   anything is mutated;
-- nothing a client sends is kept beyond its request, except its lease, reservations and pins,
-  which are bounded by the pool and reaped when the lease expires.
+- nothing a client sends is kept beyond its request, except its lease, reservations, pins and
+  info map, which are bounded (the pool; ``MAX_CLIENT_INFO_BYTES`` per lease) and reaped when the
+  lease expires.
 """
 
 from __future__ import annotations
@@ -119,6 +120,22 @@ def _check_long_key(k: str) -> None:
         raise Reject(ErrorCode.BAD_REQUEST, "key is not valid UTF-8 (lone surrogate)") from None
     if n > P.MAX_KEY_BYTES:
         raise Reject(ErrorCode.TOO_LARGE, f"key of {n} bytes is over the {P.MAX_KEY_BYTES}-byte limit")
+
+
+def _info(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``info`` map (the caller checked it is there), validated by the protocol's rule."""
+    info = body["info"]
+    problem = P.client_info_problem(info)
+    if problem is not None:
+        raise Reject(*problem)
+    return info
+
+
+def _client_id_text(client: Any) -> str:
+    """A client id as text for views (bytes ids as hex), so STATS stays JSON-friendly."""
+    if type(client) is bytes:
+        return client.hex()
+    return str(client)
 
 
 def _client_id(body: dict[str, Any]) -> Any:
@@ -475,7 +492,8 @@ class MaruServer:
         if type(host) is not str or len(host) > MAX_HOST_LEN:
             raise Reject(ErrorCode.BAD_REQUEST, f"host must be a string of at most {MAX_HOST_LEN} characters")
         _int(pid, "pid", 0, 1 << 32)
-        self.leases.grant(client, host, pid)
+        info = _info(body) if "info" in body else None
+        self.leases.grant(client, host, pid, info)
         p = self.pool
         return P.ok(
             server_id=self.server_id,
@@ -491,6 +509,7 @@ class MaruServer:
             protocol_version=P.PROTOCOL_VERSION,
             max_batch=P.MAX_BATCH,
             max_key_bytes=P.MAX_KEY_BYTES,
+            max_client_info_bytes=P.MAX_CLIENT_INFO_BYTES,
         )
 
     def _reserve(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -609,10 +628,15 @@ class MaruServer:
         return P.ok(deleted=deleted)
 
     def _heartbeat(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        if "info" in body:
+            info = _info(body)  # validated before the lease is touched: a bad request changes nothing
+            return P.ok(server_id=self.server_id, known=self.leases.set_info(client, info))
         return P.ok(server_id=self.server_id, known=self.leases.renew(client))
 
     def _stats(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        return P.ok(**self.snapshot())
+        # ``clients`` is only in the STATS reply, not in ``snapshot`` (the Prometheus thread reads
+        # that one, and must not walk the lease table while the event loop changes it).
+        return P.ok(**self.snapshot(), **self.clients_view())
 
     def _usage(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         return P.ok(**self.usage())
@@ -636,8 +660,25 @@ class MaruServer:
             "clients": len(self.leases),
         }
 
+    def clients_view(self, limit: int = P.MAX_STATS_CLIENTS) -> dict[str, Any]:
+        """Live clients for STATS: those reporting info first, then oldest first; at most ``limit``."""
+        now = self.leases.now()
+        leases = sorted(self.leases.leases(), key=lambda lease: (lease.info is None, lease.since))
+        clients = [
+            {
+                "client_id": _client_id_text(lease.client),
+                "host": lease.host,
+                "pid": lease.pid,
+                "age_s": round(now - lease.since, 3),
+                "idle_s": round(now - lease.last_seen, 3),
+                "info": lease.info,
+            }
+            for lease in leases[:limit]
+        ]
+        return {"clients": clients, "clients_total": len(leases), "clients_truncated": len(leases) > limit}
+
     def snapshot(self) -> dict[str, Any]:
-        """The STATS reply (also what the Prometheus collector reads)."""
+        """The STATS reply less ``clients`` (also what the Prometheus collector reads)."""
         snap = self.stats.snapshot()
         u = self.usage()
         snap["gauges"] = {
