@@ -425,3 +425,17 @@ def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerPro
         assert ll.wait().loaded_req_ids == []
     finally:
         stop_worker(w)
+
+
+def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one() -> None:
+    class Broken:
+        def start_load(self, requests: Any) -> Any:
+            raise RuntimeError("injected bug at issue")
+
+    req = _request("loader-bug", [0, 1, 2, 3], 2 * CHUNK)
+    loader = AsyncLoader("test-loader")
+    loader.submit("tag", Broken(), [req])  # type: ignore[arg-type]
+    out = loader.close(timeout=10)
+    assert [t for t, _ in out] == ["tag"] and len(loader) == 0
+    rep = out[0][1]
+    assert rep.loaded_req_ids == [] and "injected bug at issue" in rep.failed[req.req_id]

@@ -16,6 +16,12 @@ TransferEngine`` (``data_path == "pipelined"``): a store waits for the D2H copie
 is committed, a load waits for the H2D copies and placements before anything is unpinned. If
 that engine cannot be built the announced staged path copies each chunk through device memory.
 
+Loads that do not wait (the worker's optional paths): ``start_load`` issues and returns an
+``InflightLoad`` (polled with ``done()``; ``AsyncLoader`` runs it on a loader thread for
+``maru_async_load``), and ``start_layer_load`` issues one ``load_layers`` for a step's requests
+(``PipelinedLayerLoad``, ``maru_overlap_load_with_compute``; on CPU caches the ``LayerwiseLoad``
+thread). Either way the pins are released only once the transfers completed.
+
 Invariants:
 - A key is published only after its object is completely written (write, then commit).
 - A load is all or nothing per request: if any of its chunks is missing, has the wrong size,
@@ -201,9 +207,12 @@ def slot_mapping(
         raise ValueError(
             f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"
         )
+    # Only the blocks under [first, last): a chunk's cost must not grow with its position in the
+    # request (converting the whole block table per chunk made a 64-chunk load O(n^2)).
+    b0 = first // block_size
     pos = torch.arange(first, last, dtype=torch.int64)
-    table = torch.as_tensor(list(block_ids[:nblocks]), dtype=torch.int64)
-    slots[pb:pe] = table[pos // block_size] * block_size + pos % block_size
+    table = torch.as_tensor(list(block_ids[b0:nblocks]), dtype=torch.int64)
+    slots[pb:pe] = table[pos // block_size - b0] * block_size + pos % block_size
     return slots
 
 
@@ -1160,7 +1169,7 @@ class AsyncLoader:
             if load.engine.pipeline is not None:
                 load.engine._settle()
             rep = LoadReport(failed=dict.fromkeys(req_ids, f"completing the load failed: {e}"))
-        self._unpins.append(self._pool.submit(load.release))
+        self._unpins.append(self._pool.submit(_release_logged, load))
         return rep
 
     def drain(self, timeout: float | None = None) -> list[tuple[Any, LoadReport]]:
@@ -1229,6 +1238,14 @@ class BackgroundRunner:
         out = self.drain(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         return out
+
+
+def _release_logged(load: InflightLoad) -> None:
+    """``load.release()`` on the loader thread: a failure is logged (nobody waits for the result)."""
+    try:
+        load.release()
+    except Exception:
+        logger.exception("Maru: unpinning an asynchronous load failed; the lease frees its chunks")
 
 
 def _unique_keys(requests: Sequence[RequestTransfer]) -> tuple[list[str], dict[str, int]]:
