@@ -1,0 +1,243 @@
+"""The write-behind store on CUDA caches (``-m gpu``; skipped without CUDA).
+
+Real geometry (32 layers, 8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a real
+server. The store is issued the way the worker issues it after a forward (``issue_store``: the
+gather queued on the ``TransferEngine``, the host not waiting), then the preemption barrier
+(``wait_store_read``) runs, and only then are the source blocks overwritten, as the next forward
+would; the drain side (``complete_store``) then publishes. A fresh poisoned cache loads the
+chunks; every placed token must equal the source as it was when the store was issued, byte for
+byte. The issue is also checked to be ordered after work still queued on the current stream (the
+forward's writes): the source is written behind a device-side sleep right before the issue.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from maru import kv_ops
+from maru.client import MaruHandler
+from maru.kv_ops.testing import CacheCase, bits
+from maru.vllm.transfer import KVTransferEngine, RequestTransfer
+from tests.helpers import ServerProcess
+from tests.test_transfer_wiring import engine, make_case, release_pool, requests, stop_worker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GEOM = dict(
+    device="cuda",
+    num_blocks=96,
+    block_size=16,
+    num_kv_heads=8,
+    head_size=128,
+    num_layers=32,
+    dtype=torch.bfloat16,
+)
+CHUNK = 256
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(GEOM["num_layers"])]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("write-behind-gpu"), pool_size="2G")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[MaruHandler]:
+    h = MaruHandler(server.url, timeout_s=10)
+    try:
+        yield h
+    finally:
+        release_pool(h)
+        h.close()
+
+
+def slots_of(req: RequestTransfer, bs: int) -> torch.Tensor:
+    """The slot of every token each chunk places (request order)."""
+    out = []
+    for c in req.chunks:
+        pb, pe = c.placed()
+        out += [req.block_ids[t // bs] * bs + t % bs for t in range(c.start + pb, c.start + pe)]
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def read(case: CacheCase, slots: torch.Tensor) -> torch.Tensor:
+    """Every layer's K and V at ``slots`` through the PyTorch reference gather: ``[L, KV, T, ROW]``."""
+    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    return kv_ops.gather(case.caches, layout, slots.to(case.caches[0].device), backend="reference")
+
+
+def assert_loaded(
+    client: MaruHandler, physical: str, src_req: RequestTransfer, dst_req: RequestTransfer, want: CacheCase
+) -> None:
+    """Load ``dst_req`` into a fresh poisoned cache; its placed tokens must equal ``want``'s source tokens."""
+    dst = make_case(physical, 7, GEOM)
+    rep = engine(dst, client).load([dst_req])
+    assert rep.loaded_req_ids == [dst_req.req_id] and not rep.failed, rep
+    torch.cuda.synchronize()
+    bs = GEOM["block_size"]
+    src_slots = torch.tensor(
+        [
+            src_req.block_ids[t // bs] * bs + t % bs
+            for c in dst_req.chunks
+            for t in range(c.start + c.placed()[0], c.start + c.placed()[1])
+        ],
+        dtype=torch.int64,
+    )
+    assert torch.equal(bits(read(dst, slots_of(dst_req, bs))), bits(read(want, src_slots)))
+
+
+def overwrite_behind_a_device_sleep(case: CacheCase, new: CacheCase) -> None:
+    """Queue new contents into ``case`` on the current stream behind ~50 ms of device sleep."""
+    torch.cuda._sleep(100_000_000)
+    for dst, src in zip(case.caches, new.caches, strict=True):
+        dst.copy_(src, non_blocking=True)
+
+
+def warm_up(eng: KVTransferEngine) -> None:
+    """One store: an engine's first transfer allocates its staging ring and compiles its kernels,
+    which synchronizes the device (and would hide a missing barrier or a missing stream order)."""
+    warm, _ = requests(f"wb-gpu-warm-{id(eng)}", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
+    assert eng.complete_store(eng.issue_store([warm])).failed == 0
+
+
+def hold_the_gathers(eng: KVTransferEngine, client: MaruHandler) -> None:
+    """Delay everything the engine queues next by ~100 ms of device sleep on its placement stream.
+
+    The gather then certainly runs after a block reuse queued on the current stream right after
+    the issue, unless the preemption barrier waited for it: without the barrier the test fails.
+    """
+    warm_up(eng)
+    with torch.cuda.stream(eng.pipeline._place_stream):
+        torch.cuda._sleep(200_000_000)
+
+
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_write_behind_store_survives_block_reuse_after_the_preemption_barrier(
+    physical: str, client: MaruHandler
+) -> None:
+    src_req, dst_req = requests(f"wb-gpu-{physical}", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
+    src, want = make_case(physical, 1, GEOM), make_case(physical, 1, GEOM)
+    eng = engine(src, client)
+    assert eng.data_path == "pipelined"
+    hold_the_gathers(eng, client)
+    pending = eng.issue_store([src_req])  # forward thread: must not block on the device
+    assert pending.issued is not None and pending.issued.handle is not None
+    assert client.exists([c.key for c in src_req.chunks]) == [False] * 4  # nothing published yet
+    held = not pending.issued.handle.done()  # the gather waits behind the held placement stream
+    assert eng.wait_store_read(pending, 30)  # the preemption barrier
+    assert pending.issued.handle is None or pending.issued.handle.done()
+    assert held, "issue_store blocked the host until the gather ran"
+    for t in src.caches:  # the next forward reuses the blocks
+        t.fill_(-1.0)
+    done: dict[str, Any] = {}
+    drain = threading.Thread(target=lambda: done.update(rep=eng.complete_store(pending)))
+    drain.start()
+    drain.join(60)
+    rep = done["rep"]
+    assert (rep.stored, rep.failed, rep.error) == (4, 0, None)
+    assert_loaded(client, physical, src_req, dst_req, want)
+
+
+def test_the_issued_gather_reads_what_the_forward_queued_before_it(client: MaruHandler) -> None:
+    src_req, dst_req = requests("wb-gpu-order", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
+    src, want = make_case("NHD", 31, GEOM), make_case("NHD", 33, GEOM)
+    eng = engine(src, client)
+    warm_up(eng)
+    overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+    pending = eng.issue_store([src_req])
+    assert eng.wait_store_read(pending, 30)
+    rep = eng.complete_store(pending)
+    assert (rep.stored, rep.failed) == (4, 0)
+    assert_loaded(client, "NHD", src_req, dst_req, want)
+
+
+def test_barrier_for_one_of_two_stores_in_flight_then_the_drain_thread_publishes_both(
+    client: MaruHandler,
+) -> None:
+    """What the worker does on CUDA, without vLLM: two steps' stores queued, the second request
+    preempted (barrier on its store only), its blocks reused, both completed on a drain thread."""
+    from maru.vllm.transfer import BackgroundRunner
+
+    bs = GEOM["block_size"]
+    a_src, a_dst = requests("wb-gpu-two-a", bs, CHUNK, GEOM["num_blocks"])
+    b_src, b_dst = requests("wb-gpu-two-b", bs, CHUNK, GEOM["num_blocks"])
+    src, want = make_case("HND", 21, GEOM), make_case("HND", 23, GEOM)
+    eng = engine(src, client)
+    hold_the_gathers(eng, client)
+    overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+    drain = BackgroundRunner("test-drain")
+    pa = eng.issue_store([a_src])
+    pb = eng.issue_store([b_src])
+    assert pb.issued is not None and pb.issued.handle is not None
+    held = not pb.issued.handle.done()
+    assert eng.wait_store_read(pb, 30)
+    assert pb.issued.handle.done()
+    assert held, "issue_store blocked the host until the gather ran"
+    freed = torch.tensor(sorted(set(b_src.block_ids) - set(a_src.block_ids)), device="cuda")
+    for t in src.caches:
+        t.index_fill_(1, freed, -2.0)  # kv_first: [2, num_blocks, ...] in logical order
+    drain.submit("a", eng.complete_store, pa)
+    drain.submit("b", eng.complete_store, pb)
+    out = dict(drain.close(timeout=60))
+    assert [(r.stored, r.failed) for r in (out["a"], out["b"])] == [(4, 0), (4, 0)]
+    assert_loaded(client, "HND", a_src, a_dst, want)
+    assert_loaded(client, "HND", b_src, b_dst, want)
+
+
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemption(
+    physical: str, server: ServerProcess, client: MaruHandler
+) -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.config import MaruConnectorConfig
+    from maru.vllm.metadata import MaruConnectorMetadata as Meta
+    from maru.vllm.worker import MaruWorkerConnector
+
+    bs = GEOM["block_size"]
+    a_src, a_dst = requests(f"wb-gpu-w-a-{physical}", bs, CHUNK, GEOM["num_blocks"])
+    b_src, b_dst = requests(f"wb-gpu-w-b-{physical}", bs, CHUNK, GEOM["num_blocks"])
+    a_src = RequestTransfer("a", a_src.block_ids, a_src.chunks)  # finishes
+    b_src = RequestTransfer("b", b_src.block_ids, b_src.chunks)  # is preempted
+    src, want = make_case(physical, 11, GEOM), make_case(physical, 13, GEOM)
+    cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK, async_store=True)
+    w = MaruWorkerConnector(
+        cfg,
+        block_size=bs,
+        num_kv_heads=GEOM["num_kv_heads"],
+        head_size=GEOM["head_size"],
+        client_factory=lambda: MaruHandler(server.url, timeout_s=10),
+    )
+    assert isinstance(src.caches, list)
+    w.register_kv_caches(dict(zip(NAMES, src.caches, strict=True)))
+    try:
+        assert w.engine is not None and w.engine.data_path == "pipelined"
+        assert "copy engine" in (w.write_behind_mode or "")
+        overwrite_behind_a_device_sleep(src, want)
+        w.wait_for_save(Meta(stores=[a_src]))
+        w.wait_for_save(Meta(stores=[b_src]))
+        w.handle_preemptions(Meta(preempted_req_ids={"b"}))  # before the next forward
+        # The next forward writes b's freed blocks (a's stay held by vLLM until finished_sending).
+        freed = torch.tensor(sorted(set(b_src.block_ids) - set(a_src.block_ids)), device="cuda")
+        for t in src.caches:
+            t.index_fill_(1, freed, -2.0)  # kv_first: [2, num_blocks, ...] in logical order
+        w.flush_stores(60)
+        sending, _ = w.get_finished({"a", "b"})
+        assert sending == {"a"}  # b was preempted: no report owed
+        assert w.stats.store_failures == 0 and w.stats.chunks_stored == 8
+    finally:
+        stop_worker(w)
+    assert_loaded(client, physical, a_src, RequestTransfer("a", a_dst.block_ids, a_dst.chunks), want)
+    assert_loaded(client, physical, b_src, RequestTransfer("b", b_dst.block_ids, b_dst.chunks), want)

