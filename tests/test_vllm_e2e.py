@@ -174,6 +174,12 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.a["p1"] = _gen(a, P1)
         res.a["p3"] = _gen(a, P3)
         res.a["stats"] = a.call({"op": "stats"})
+        # What the server (hence `maru stats` / `maru doctor`) knows of A's data paths.
+        probe = MaruHandler(server.url, timeout_s=5)
+        try:
+            res.a["server_clients"] = probe.stats()["clients"]
+        finally:
+            probe.close()
 
     flag = tmp / "evict-now"
     evict = {
@@ -230,6 +236,15 @@ def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs
     assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
     assert runs.b["p1"]["out"] == runs.a["p1"]["out"] == runs.n["p1"]["out"]
     assert len(set(runs.n["p1"]["out"])) > 1  # greedy output is not one repeated token: the check can fail
+
+
+def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
+    infos = [c["info"] for c in runs.a["server_clients"] if c.get("info")]
+    workers = [i for i in infos if i.get("role") == "vllm-connector"]
+    assert len(workers) == 1, infos
+    paths = workers[0]["paths"]
+    assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "sync")
+    assert workers[0]["slow"] == []  # the CPU path is the fast path here: nothing for the doctor to flag
 
 
 def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> None:

@@ -206,7 +206,59 @@ class MaruWorkerConnector:
         self.engine = KVTransferEngine(self.caches, self.layout, self._client)
         if self.cfg.async_store:
             self._announce_write_behind(self.engine.data_path)
+        self._report_paths()
         return True
+
+    def data_paths(self) -> dict[str, Any]:
+        """The client-info map (role, paths, slow) this worker reports to the server.
+
+        ``maru stats`` shows it and ``maru doctor`` warns when ``slow`` is not empty: the paths a
+        process actually runs are visible from outside it, not only in its own log.
+        """
+        eng = self.engine
+        paths: dict[str, Any] = {
+            "device": str(eng.device) if eng else "?",
+            "kv_ops": _kv_ops_backend(),
+            "layout": self.layout.describe() if self.layout is not None else "?",
+            "async_load": "on" if self.cfg.async_load else "off",
+            "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
+            "store": "write-behind" if self.cfg.async_store else "sync",
+        }
+        slow: list[str] = []
+        if eng is not None:
+            paths["load"] = eng.data_path
+            reg = eng.host_registration
+            if eng.device.type == "cuda":
+                paths["pool"] = reg.state if reg is not None else "not registered"
+                if reg is None or not reg.registered:
+                    why = reg.describe() if reg is not None else "the client exposes no pool mapping"
+                    slow.append(
+                        f"pool not registered with CUDA ({why}): pool<->GPU copies are pageable, ~11x "
+                        "slower. Fix: see `maru doctor` (pool registered with CUDA) and docs/gpu.md"
+                    )
+            if eng.data_path == "staged":
+                slow.append(
+                    "KV moves through the staged per-chunk path (the pipelined GPU engine could not be "
+                    "built; the worker log says why). Fix: CUDA caches and a working triton install"
+                )
+            pipe = eng.pipeline
+            if pipe is not None and self.cfg.overlap_load_with_compute:
+                paths["layer_graphs"] = "on" if pipe.layer_graphs else "off"
+                if not pipe.layer_graphs:
+                    slow.append(
+                        "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of "
+                        "~6-9. Fix: the triton backend (maru doctor: kv_ops backend)"
+                    )
+        return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
+
+    def _report_paths(self) -> None:
+        report = getattr(self._client, "set_client_info", None)
+        if report is None:
+            return
+        try:
+            report(self.data_paths())
+        except Exception as e:  # a report is informative; it must never cost the connection
+            logger.info("Maru: could not report the data paths to the server: %s", e)
 
     def _announce_write_behind(self, data_path: str) -> None:
         mode = {
