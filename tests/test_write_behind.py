@@ -10,8 +10,9 @@ What must hold:
 - a request is reported once, only after it appeared in ``finished_req_ids`` and every store
   naming it drained; the scheduler delays the free of exactly the requests the worker reports
   (whatever became of the store: dropped, failed, server down, layout unsupported);
-- the preemption barrier returns only once no store reads the preempted request's blocks (or
-  the store is cancelled and publishes nothing), and a preempted request is owed no report;
+- the preemption barrier returns only once no store reads the preempted request's blocks: it
+  gathers a store the drain thread has not reached itself, waits for one being gathered (or
+  cancels it at the timeout: it publishes nothing), and a preempted request is owed no report;
 - shutdown publishes every store issued.
 """
 
@@ -229,24 +230,19 @@ def test_every_tensor_parallel_rank_reports_the_request_even_one_without_a_serve
         stop_worker(w1)
 
 
-def test_preemption_barrier_waits_for_the_gather_then_the_blocks_may_be_overwritten(
+def test_preemption_barrier_gathers_a_store_the_drain_has_not_reached_then_the_blocks_may_be_reused(
     server: ServerProcess, client: MaruHandler
 ) -> None:
     src, original = _case("blocks_first", "HND", 26), _case("blocks_first", "HND", 26)
     req = _request("wb-preempt", [8, 3, 12, 5], 2 * CHUNK)
     w = worker(server.url, src)
-    gate = gated(w)
+    gate = gated(w)  # the drain thread is busy: it will not reach this store before the forward
     try:
         w.wait_for_save(Meta(stores=[req]))
-        barrier = threading.Thread(target=w.handle_preemptions, args=(Meta(preempted_req_ids={req.req_id}),))
-        barrier.start()
-        barrier.join(0.3)
-        assert barrier.is_alive()  # the gate holds the gather: vLLM's next forward must wait
-        gate.set()
-        barrier.join(20)
-        assert not barrier.is_alive()
+        w.handle_preemptions(Meta(preempted_req_ids={req.req_id}))  # returns with the gate closed
         for t in src.caches:  # the next forward reuses the preempted request's blocks
             t.fill_(-3.0)
+        gate.set()
         w.flush_stores()
         # Preempted: vLLM already freed its blocks; neither side owes it a finished_sending.
         assert w.get_finished({req.req_id}) == (None, None)
@@ -254,23 +250,37 @@ def test_preemption_barrier_waits_for_the_gather_then_the_blocks_may_be_overwrit
     finally:
         gate.set()
         stop_worker(w)
-    assert_stored(client, req, original)
+    assert_stored(client, req, original)  # what the blocks held before the reuse
 
 
-def test_a_gather_still_waiting_at_the_preemption_timeout_is_cancelled_and_publishes_nothing(
+def test_preemption_barrier_waits_for_a_gather_in_progress_and_cancels_it_at_the_timeout(
     server: ServerProcess, client: MaruHandler
 ) -> None:
     src = _case("kv_first", "NHD", 27)
     req = _request("wb-cancel", [4, 5, 6, 7], 2 * CHUNK)
     w = worker(server.url, src, timeout_s=0.3)
-    gate = gated(w)
+    assert w.engine is not None
+    entered, gate = threading.Event(), threading.Event()
+    real = w.engine.prepare_store
+
+    def stuck_gather(requests: Any) -> Any:  # the drain thread's gather, stuck half way
+        entered.set()
+        assert gate.wait(30)
+        return real(requests)
+
+    w.engine.prepare_store = stuck_gather  # type: ignore[method-assign]
     try:
         w.wait_for_save(Meta(stores=[req]))
-        w.handle_preemptions(Meta(preempted_req_ids={req.req_id}))  # returns after maru_timeout_s
-        assert w.stats.stores_cancelled == 1
+        assert entered.wait(10)
+        barrier = threading.Thread(target=w.handle_preemptions, args=(Meta(preempted_req_ids={req.req_id}),))
+        barrier.start()
+        barrier.join(0.1)
+        assert barrier.is_alive()  # the gather reads the blocks: the next forward must wait
+        barrier.join(10)  # maru_timeout_s: given up, cancelled
+        assert not barrier.is_alive() and w.stats.stores_cancelled == 1
         gate.set()
         w.flush_stores()
-        assert client.exists([c.key for c in req.chunks]) == [False, False]
+        assert client.exists([c.key for c in req.chunks]) == [False, False]  # published nothing
         assert (w.stats.store_failures, w.stats.chunks_stored, w.stats.stores_in_flight) == (2, 0, 0)
     finally:
         gate.set()

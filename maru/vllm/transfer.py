@@ -153,7 +153,9 @@ class PendingStore:
     Invariants: ``read_done`` is set once the paged cache is no longer read for this store (the
     gather completed or was given up); ``cancelled`` is only ever set before that, by a
     ``wait_store_read`` that timed out, and then ``complete_store`` aborts every object instead
-    of publishing bytes that may have been read from overwritten blocks.
+    of publishing bytes that may have been read from overwritten blocks. ``started`` (CPU
+    caches): the gather was taken, by the drain thread or by the preemption barrier; it is
+    taken exactly once (under ``lock``).
     """
 
     requests: list[RequestTransfer]
@@ -161,6 +163,7 @@ class PendingStore:
     issued: _IssuedGather | None = None  # pipelined: the gather in flight
     read_done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    started: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -540,12 +543,12 @@ class KVTransferEngine:
                     pending.prep.report.seconds += time.perf_counter() - t0
             elif self.device.type == "cpu":
                 with pending.lock:
-                    skip = pending.cancelled
-                if not skip:
+                    taken, pending.started = pending.started, True
+                if not taken:
                     pending.prep = self.prepare_store(pending.requests)  # reads the blocks
-                else:  # cancelled before it started: nothing was reserved or read
-                    pending.prep.report.failed = len(_unique_keys(pending.requests)[0])
-                    pending.prep.report.error = "cancelled before the gather started (request preempted)"
+                else:
+                    # The preemption barrier gathered it on the forward thread (it sets read_done).
+                    pending.read_done.wait()
         finally:
             with pending.lock:
                 cancelled = pending.cancelled
@@ -558,9 +561,21 @@ class KVTransferEngine:
     def wait_store_read(self, pending: PendingStore, timeout: float | None = None) -> bool:
         """Block until ``pending`` no longer reads the paged cache (the preemption barrier).
 
-        True: the blocks may be overwritten. False after ``timeout`` seconds: the store is
+        CUDA: wait for the gather's copies. CPU: gather here if the drain thread has not started
+        it, else wait for its gather. True: the blocks may be overwritten. False after ``timeout`` seconds: the store is
         cancelled (it will publish nothing, whatever it read), so the blocks may be overwritten too.
         """
+        if self.pipeline is None and self.device.type == "cpu":
+            with pending.lock:
+                taken, pending.started = pending.started, True
+            if not taken:
+                # The drain thread has not reached it (it may be busy with earlier batches): gather
+                # here, on the forward thread, rather than wait behind them; the drain publishes.
+                try:
+                    pending.prep = self.prepare_store(pending.requests)
+                finally:
+                    pending.read_done.set()
+                return True
         ig = pending.issued
         handle = ig.handle if ig is not None else None
         if handle is not None and not pending.read_done.is_set():

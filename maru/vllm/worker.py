@@ -652,9 +652,11 @@ class MaruWorkerConnector:
         """Before the step's forward: make the blocks of the step's preempted requests safe to reuse.
 
         vLLM freed those blocks when it preempted the requests, and this very step may write them
-        (a forward, or a load): block until no write-behind store still reads them. A store that
-        does not finish reading within ``maru_timeout_s`` is cancelled (it publishes nothing). A
-        preempted request is no longer owed a ``finished_sending`` (the scheduler forgets it too).
+        (a forward, or a load): block until no write-behind store still reads them
+        (``KVTransferEngine.wait_store_read``: CUDA waits for the gather's copies; CPU gathers a
+        batch the drain thread has not started right here). A gather that does not finish within
+        ``maru_timeout_s`` is cancelled (it publishes nothing). A preempted request is no longer
+        owed a ``finished_sending`` (the scheduler forgets it too).
         """
         if meta is None or not self.cfg.async_store:
             return
