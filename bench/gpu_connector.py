@@ -116,12 +116,13 @@ def main() -> None:
                 for r in range(args.reps + 1):
                     t0 = time.perf_counter()
                     ll = loader.start_layer_load(loader.pin([last]))
+                    h = ll.handle  # the LayerLoad (release() drops it)
                     rep = ll.wait()
                     assert rep.loaded_req_ids == [last.req_id], rep.failed
                     if r:
-                        issue.append(ll.handle.issue_s)
+                        issue.append(h.issue_s)
                         total.append(time.perf_counter() - t0)
-                layer_path = f"{ll.handle.path}{' (graphs)' if ll.handle.graphed else ' (eager)'}"
+                layer_path = f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}"
                 row = {
                     "layer_path": layer_path,
                     "layer_issue_us": statistics.median(issue) / L * 1e6,

@@ -994,7 +994,7 @@ class TransferEngine:
                 except ValueError:
                     graphed, tab = False, None
             if not graphed:
-                tab = torch.empty((tk.DIRECT_ROWS, tb), dtype=torch.int64, device=self.device)
+                tab = torch.empty((tk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
             tab.copy_(host_tab, non_blocking=True)
             if on_device:  # the slot row comes from the device mapping, not the host
                 tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)

@@ -81,7 +81,7 @@ class GraphedPlacer:
         return num_tokens
 
     def direct_table(self, num_tokens: int) -> torch.Tensor:
-        """The static ``[3, T]`` table the direct (zero-copy) layer graphs for T tokens read.
+        """The static ``[3, T + 1]`` table the direct (zero-copy) layer graphs for T tokens read.
 
         Rows as ``triton_kernels.direct_table_host`` builds them; slots start at -1 (nothing placed).
         No staging buffer: the direct kernel reads the chunk objects where they lie.
@@ -93,7 +93,10 @@ class GraphedPlacer:
                     f"GraphedPlacer already holds direct tables for {sorted(self._direct)} tokens; pad calls "
                     f"to a few token counts"
                 )
-            tab = torch.zeros((triton_kernels.DIRECT_ROWS, num_tokens), dtype=torch.int64, device=self.device)
+            # W + 1 columns: the last says how the addresses are indexed (see direct_table_host).
+            tab = torch.zeros(
+                (triton_kernels.DIRECT_ROWS, num_tokens + 1), dtype=torch.int64, device=self.device
+            )
             tab[2].fill_(-1)
             self._direct[num_tokens] = tab
         return tab

@@ -176,8 +176,17 @@ class Checker:
     ) -> None:
         """The zero-copy layer load: two host objects of different lengths, read where they lie."""
         n = obj.shape[2]
-        n1 = p.block_size + 1
-        host = [obj[:, :, :n1].contiguous().cpu(), obj[:, :, n1:].contiguous().cpu()]
+        k = (n + 2) // 3
+        # [BS+1, n-BS-1]: the second chunk is longer, so the table is per token; [k, k, <=k]: whole
+        # chunks and a shorter tail, so the table is per chunk.
+        for cuts in ((p.block_size + 1,), (k, 2 * k)):
+            self._check_direct_split(p, layout, obj, slots, seed, [0, *cuts, n])
+
+    def _check_direct_split(
+        self, p: Params, layout: KVLayout, obj: torch.Tensor, slots: torch.Tensor, seed: int, cuts: list[int]
+    ) -> None:
+        n = obj.shape[2]
+        host = [obj[:, :, a:b].contiguous().cpu() for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
         if self.device != "cpu":
             host = [h.pin_memory() for h in host]  # what the GPU can read over the bus
         s = slots.cpu().clone()
@@ -195,7 +204,7 @@ class Checker:
             triton_kernels.direct_scatter_layer(tab, refs[layer], layout, layer, width)
         self.expect(
             all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
-            f"direct_scatter_layer {p}",
+            f"direct_scatter_layer {p} chunks {[h.shape[2] for h in host]}",
         )
 
     def check_axis_swap_is_caught(self) -> None:

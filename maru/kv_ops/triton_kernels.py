@@ -337,9 +337,14 @@ def _direct_layer_kernel(
     BLOCK_R: tl.constexpr,
     ROW_CONTIG: tl.constexpr,
 ):
-    # One program per (token tile, plane). Row 0 of the table: the byte address of token t's row in
-    # layer 0, plane 0 of its chunk object (host memory the GPU can address: a registered pool);
-    # row 1: elements per plane of that object (its T * ROW); row 2: the slot (-1: not written).
+    # One program per (token tile, plane). The table's last column, row 0, says how rows 0 and 1 are
+    # indexed (read at run time, so one captured graph serves both):
+    # * C > 0 ("per chunk"): every chunk but the last holds C tokens; entry k of row 0 is the byte
+    #   address of chunk k's object (host memory the GPU can address: a registered pool), entry k of
+    #   row 1 its elements per plane (its T * ROW); token t is row t - k*C of chunk k = t // C;
+    # * 0 ("per token"): entry t of row 0 is the address of token t's row in layer 0, plane 0 of its
+    #   object, entry t of row 1 that object's plane size.
+    # Row 2 is always per token: the slot (-1: not written).
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -347,9 +352,18 @@ def _direct_layer_kernel(
     slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
     valid = tmask & (slot >= 0)
     slot = tl.where(valid, slot, 0)
-    addr = tl.load(tab_ptr + t, mask=valid, other=0)
-    plane = tl.load(tab_ptr + tab_stride + t, mask=valid, other=0)
-    src_row = addr.to(tl.pointer_type(cache_ptr.dtype.element_ty)) + (layer * NUM_KV + kv) * plane
+    chunk_t = tl.load(tab_ptr + tab_stride - 1)
+    per_chunk = chunk_t > 0
+    div = tl.maximum(chunk_t, 1)
+    k = tl.where(per_chunk, t // div, t)
+    within = tl.where(per_chunk, t - k * div, 0)
+    addr = tl.load(tab_ptr + k, mask=valid, other=0)
+    plane = tl.load(tab_ptr + tab_stride + k, mask=valid, other=0)
+    src_row = (
+        addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
+        + (layer * NUM_KV + kv) * plane
+        + within.to(tl.int64) * ROW
+    )
     blk = slot // BS
     off_in_block = slot % BS
     s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
@@ -370,12 +384,14 @@ def _direct_layer_kernel(
 def direct_table_host(
     chunks: list[tuple[int, int]], slots: torch.Tensor, row: int, esize: int, width: int | None = None
 ) -> torch.Tensor:
-    """The ``[3, width]`` int64 table ``direct_scatter_layer`` reads, built on the host.
+    """The ``[3, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
     ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
     order; ``slots``: one slot per token of all chunks (CPU, int64; negative = not written). Columns
-    past the tokens (``width`` > tokens) get slot -1. Pinned when CUDA is available, so the upload is
-    asynchronous.
+    past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
+    length C and the last at most C (the connector's usual step: whole chunks, one tail), the
+    addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
+    CUDA is available, so the upload is asynchronous.
     """
     total = int(slots.numel())
     width = total if width is None else int(width)
@@ -385,23 +401,27 @@ def direct_table_host(
     if sum(lengths) != total:
         raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
     pin = torch.cuda.is_available()
-    tab = torch.empty((DIRECT_ROWS, width), dtype=torch.int64, pin_memory=pin)
+    tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=pin)
     # numpy over the same memory: a handful of vectorised ops at ~1 us each (torch's per-op overhead
-    # is ~10 us), whatever the chunk count; this runs on the layer load's issue path.
+    # is ~10 us); this runs on the layer load's issue path.
     out = tab.numpy()
-    step = row * esize
-    ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=len(chunks))
-    if len(set(lengths)) == 1:  # the common case: whole chunks of one size
-        t = lengths[0]
-        np.add(ptrs[:, None], np.arange(t, dtype=np.int64)[None, :] * step, out=out[0, :total].reshape(-1, t))
-        out[1, :total] = t * row
+    n = len(chunks)
+    ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=n)
+    counts = np.asarray(lengths, dtype=np.int64)
+    first = lengths[0] if lengths else 0
+    if first > 0 and all(t == first for t in lengths[:-1]) and lengths[-1] <= first:
+        out[0, :n] = ptrs
+        out[1, :n] = counts * row
+        out[0:2, n:width] = 0
+        out[0, width] = first
     else:
-        counts = np.asarray(lengths, dtype=np.int64)
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        out[0, :total] = np.repeat(ptrs, counts) + within * step
+        out[0, :total] = np.repeat(ptrs, counts) + within * (row * esize)
         out[1, :total] = np.repeat(counts * row, counts)
-    out[0:2, total:] = 0
+        out[0:2, total:width] = 0
+        out[0, width] = 0
+    out[1, width] = 0
     out[2, :total] = slots.numpy()
     out[2, total:] = -1
     return tab
@@ -414,8 +434,8 @@ def direct_scatter_layer(
 
     The kernel reads the objects where they are (zero-copy: host memory registered with CUDA, read
     over the bus by the SMs), so one launch per layer places every chunk of the call, with no staging
-    buffer and no per-chunk copy to issue. ``tab``: ``[3, W]`` int64 on the caches' device (see
-    ``direct_table_host``); ``ref``: (bits tensor over the cache storage, element offset of this
+    buffer and no per-chunk copy to issue. ``tab``: ``[3, W + 1]`` int64 on the caches' device (see
+    ``direct_table_host``; ``num_tokens`` <= W); ``ref``: (bits tensor over the cache storage, element offset of this
     layer's base), as ``ops.layer_refs`` gives.
     """
     if num_tokens == 0:
