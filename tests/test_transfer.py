@@ -9,7 +9,6 @@ checks every placed token through the naive per-format oracle and every other by
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +20,14 @@ from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache, naive_token
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer, slot_mapping
 from tests.helpers import ServerProcess
-from tests.test_transfer_wiring import release_pool, stop_worker
+from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 
 BS = 4  # block size; heads = 3
 CHUNK = 8
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("transfer"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[MaruHandler]:
-    h = MaruHandler(server.url, timeout_s=5)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
+server = module_server("transfer")
+client = pool_client()
 
 
 CASES = [

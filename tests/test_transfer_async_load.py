@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from maru.kv_ops.pipeline import TransferEngine
 from maru.kv_ops.testing import CacheCase, bits
 from maru.vllm.transfer import AsyncLoader, PipelinedLayerLoad, RequestTransfer
 from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.test_transfer import BS, CHUNK, _request
 from tests.test_transfer_datapath import (
     NAMES,
@@ -45,11 +45,9 @@ from tests.test_transfer_wiring import (
     engine,
     make_case,
     placed_pairs,
-    release_pool,
     requests,
     same,
     spy,
-    stop_worker,
 )
 
 POISON = 0x5A  # every byte of a fresh destination cache: an unwritten slot keeps it
@@ -153,24 +151,8 @@ def test_connector_load_paths_round_trip_byte_exact_and_leave_skipped_slots_pois
     check_connector_load(path, physical, client, GEOM_CPU, CHUNK, inject=True)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("async-load"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[MaruHandler]:
-    h = MaruHandler(server.url, timeout_s=5)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
+server = module_server("async-load")
+client = pool_client()
 
 
 class Gated:

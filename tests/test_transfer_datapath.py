@@ -10,7 +10,6 @@ axis cannot hide; HND caches included). The reference is the synchronous load, w
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,30 +21,14 @@ from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.test_transfer import BS, CHUNK, _request
-from tests.test_transfer_wiring import release_pool, stop_worker
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("datapath"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[MaruHandler]:
-    h = MaruHandler(server.url, timeout_s=5)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
+server = module_server("datapath")
+client = pool_client()
 
 
 class CountingPins:

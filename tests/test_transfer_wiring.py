@@ -12,7 +12,6 @@ cache, compared byte for byte over the whole storage, plus every placed token ag
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,38 +22,9 @@ from maru.client import MaruHandler
 from maru.kv_ops.pipeline import TransferEngine
 from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
-from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_client
 
-
-def release_pool(h: Any) -> None:
-    """Unregister ``h``'s pool mapping from CUDA (if an engine registered it) before ``h`` unmaps it:
-    a registration outliving its mapping would let a later mapping at the same address copy to
-    stale pages. A no-op on CPU and when nothing was registered."""
-    mapping = getattr(h, "_mapping", None)
-    if mapping is not None and torch.cuda.is_available():
-        from maru.client import cuda_host
-
-        cuda_host.unregister_host_mapping(mapping)
-
-
-def stop_worker(w: Any) -> None:
-    """``w.shutdown()``, after its engine released the pool registration (``KVTransferEngine.close``)."""
-    if w.engine is not None:
-        w.engine.close()
-    w.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
-    srv = ServerProcess(tmp_path_factory.mktemp("wiring"), pool_size="64M")
-    srv.start()
-    h = MaruHandler(srv.url, timeout_s=10)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
-        srv.cleanup()
+client = module_client("wiring")
 
 
 def make_case(physical: str, seed: int, geom: dict[str, Any]) -> CacheCase:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,9 +34,9 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
 from tests.helpers import ServerProcess, free_port
+from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.test_transfer import BS, CHUNK, _request
 from tests.test_transfer_datapath import NAMES, _case, _engine
-from tests.test_transfer_wiring import release_pool, stop_worker
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
@@ -45,25 +44,8 @@ from maru.vllm.metadata import MaruConnectorMetadata as Meta  # noqa: E402
 from maru.vllm.scheduler import MaruSchedulerConnector  # noqa: E402
 from maru.vllm.worker import DRAIN_DELAY_ENV, MaruWorkerConnector  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("write-behind"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[MaruHandler]:
-    h = MaruHandler(server.url, timeout_s=5)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
+server = module_server("write-behind")
+client = pool_client()
 
 
 def worker(url: str, case: CacheCase, *, num_kv_heads: int | None = None, **cfg: Any) -> MaruWorkerConnector:

@@ -33,6 +33,28 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
+def _row_offsets(
+    c,
+    kv,
+    s_head,
+    K_S_DIM: tl.constexpr,
+    V_S_DIM: tl.constexpr,
+    HS: tl.constexpr,
+    ROW_CONTIG: tl.constexpr,
+):
+    """Element offsets in the cache of row positions ``c`` (head-major: head c // HS, dim c % HS)."""
+    if ROW_CONTIG:
+        # A token's plane is one contiguous run (tight NHD, MLA): the compiler sees it whole.
+        off = c
+    elif K_S_DIM == V_S_DIM:
+        off = (c // HS) * s_head + (c % HS) * K_S_DIM
+    else:
+        # The CPU backend's K is transposed: K and V planes step through a head differently.
+        off = (c // HS) * s_head + (c % HS) * tl.where(kv == 0, K_S_DIM, V_S_DIM)
+    return off
+
+
+@triton.jit
 def _place_kernel(
     obj_ptr,
     cache_ptr,
@@ -111,14 +133,7 @@ def _place_kernel(
     obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + kv * obj_s_kv + t.to(tl.int64) * obj_s_tok
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
-        if ROW_CONTIG:
-            # A token's plane is one contiguous run (tight NHD, MLA): the compiler sees it whole.
-            c_off = c
-        elif K_S_DIM == V_S_DIM:
-            c_off = (c // HS) * s_head + (c % HS) * K_S_DIM
-        else:
-            # The CPU backend's K is transposed: K and V planes step through a head differently.
-            c_off = (c // HS) * s_head + (c % HS) * tl.where(kv == 0, K_S_DIM, V_S_DIM)
+        c_off = _row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
         cache_p = cache_row[:, None] + c_off[None, :]
         obj_p = obj_row[:, None] + c[None, :]
@@ -370,12 +385,7 @@ def _direct_layer_kernel(
     cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
-        if ROW_CONTIG:
-            c_off = c
-        elif K_S_DIM == V_S_DIM:
-            c_off = (c // HS) * s_head + (c % HS) * K_S_DIM
-        else:
-            c_off = (c // HS) * s_head + (c % HS) * tl.where(kv == 0, K_S_DIM, V_S_DIM)
+        c_off = _row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
         vals = tl.load(src_row[:, None] + c[None, :], mask=m)
         tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)

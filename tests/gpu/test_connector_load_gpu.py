@@ -19,15 +19,12 @@ every placed token against its source token (kv_ops reference gather); skipped s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from maru.client import MaruHandler
-from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_client
 from tests.test_transfer_async_load import check_connector_load
-from tests.test_transfer_wiring import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,18 +43,8 @@ GEOM = dict(
 CHUNK = 256
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
-    # Each test stores ~97 MiB (4 objects of 32 MiB at most); four tests.
-    srv = ServerProcess(tmp_path_factory.mktemp("connector-load-gpu"), pool_size="1G")
-    srv.start()
-    h = MaruHandler(srv.url, timeout_s=30)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
-        srv.cleanup()
+# Each test stores ~97 MiB (4 objects of 32 MiB at most); four tests.
+client = module_client("connector-load-gpu", pool_size="1G", timeout_s=30)
 
 
 @pytest.mark.parametrize("path", ["async", "layers"])

@@ -10,15 +10,13 @@ of the same wiring (``tests/test_transfer_wiring.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from maru.client import MaruHandler
 from maru.kv_ops.pipeline import TransferEngine
-from tests.helpers import ServerProcess
-from tests.test_transfer_wiring import check_round_trip, engine, make_case, release_pool
+from tests.pool_fixtures import module_client
+from tests.test_transfer_wiring import check_round_trip, engine, make_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,17 +35,7 @@ GEOM = dict(
 CHUNK = 256
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
-    srv = ServerProcess(tmp_path_factory.mktemp("wiring-gpu"), pool_size="1G")
-    srv.start()
-    h = MaruHandler(srv.url, timeout_s=10)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
-        srv.cleanup()
+client = module_client("wiring-gpu", pool_size="1G")
 
 
 def test_cuda_caches_use_the_transfer_engine_over_a_registered_pool(client: MaruHandler) -> None:

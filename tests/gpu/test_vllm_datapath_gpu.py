@@ -10,7 +10,6 @@ synchronous load on the calling thread, compared byte for byte.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,9 +18,8 @@ from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
-from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_client
 from tests.test_transfer_datapath import CountingPins, _layer_equal, _same
-from tests.test_transfer_wiring import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,17 +29,7 @@ pytestmark = [
 BS, CHUNK, LAYERS = 16, 256, 8
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaruHandler]:
-    srv = ServerProcess(tmp_path_factory.mktemp("datapath-gpu"), pool_size="1G")
-    srv.start()
-    h = MaruHandler(srv.url, timeout_s=10)
-    try:
-        yield h
-    finally:
-        release_pool(h)
-        h.close()
-        srv.cleanup()
+client = module_client("datapath-gpu", pool_size="1G")
 
 
 def _case(physical: str, seed: int) -> CacheCase:

@@ -24,7 +24,8 @@ from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, bits
 from maru.vllm.transfer import KVTransferEngine, RequestTransfer
 from tests.helpers import ServerProcess
-from tests.test_transfer_wiring import engine, make_case, release_pool, requests, stop_worker
+from tests.pool_fixtures import release_pool, stop_worker
+from tests.test_transfer_wiring import engine, make_case, requests
 
 pytestmark = [
     pytest.mark.gpu,
