@@ -336,8 +336,19 @@ def test_stored_kv_matches_transformers_for_the_cpu_layout(
     pkv = out.past_key_values
     keyer = ChunkKeyer(_key_space(model_dir))
     keys = keyer.prompt_keys(P1).full
-    with MaruHandler(server.url) as h:
+    objs, hf_v = assert_stored_kv_matches(server.url, keys, pkv, len(P1))
+    # Negative control: reading the first half of each token's packed row as K would not match.
+    assert not torch.allclose(objs[0][0, 0], hf_v[:C], atol=1e-3)
+
+
+def assert_stored_kv_matches(url: str, keys: list[str], pkv: Any, tokens: int) -> tuple[list[Any], Any]:
+    """Every stored chunk (read back from the pool) equals transformers' K and V of its tokens, for
+    both layers of the tiny model. Returns the objects and the last layer's V (for negative checks)."""
+    import torch
+
+    with MaruHandler(url) as h:
         handles = h.batch_retrieve(keys)
+        assert all(x is not None for x in handles), "a stored chunk is missing from the pool"
         try:
             objs = [
                 torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
@@ -345,16 +356,16 @@ def test_stored_kv_matches_transformers_for_the_cpu_layout(
             ]
         finally:
             h.batch_release(handles)
+    hf_v = None
     for layer in range(2):
         k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
-        hf_k = k[0].transpose(0, 1).reshape(len(P1), 64)
-        hf_v = v[0].transpose(0, 1).reshape(len(P1), 64)
+        hf_k = k[0].transpose(0, 1).reshape(tokens, 64)
+        hf_v = v[0].transpose(0, 1).reshape(tokens, 64)
         for i, obj in enumerate(objs):
             sl = slice(i * C, (i + 1) * C)
             torch.testing.assert_close(obj[layer, 0], hf_k[sl], atol=2e-4, rtol=1e-3)
             torch.testing.assert_close(obj[layer, 1], hf_v[sl], atol=2e-4, rtol=1e-3)
-    # Negative control: reading the first half of each token's packed row as K would not match.
-    assert not torch.allclose(objs[0][0, 0], hf_v[:C], atol=1e-3)
+    return objs, hf_v
 
 
 def _hf_layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:

@@ -27,7 +27,19 @@ from maru.client import MaruHandler
 from maru.vllm.keys import ChunkKeyer
 from maru.vllm.tiny_model import build_tiny_model
 from tests.helpers import ServerProcess
-from tests.test_vllm_e2e import BS, P1, P3, P5, P6, C, _engine, _gen, _has_vllm, _hf_layer_kv, _key_space
+from tests.test_vllm_e2e import (
+    BS,
+    P1,
+    P3,
+    P5,
+    P6,
+    C,
+    _engine,
+    _gen,
+    _has_vllm,
+    _key_space,
+    assert_stored_kv_matches,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -141,21 +153,4 @@ def test_kv_gathered_by_the_drain_thread_under_preemption_matches_transformers(
         with torch.no_grad():
             pkv = model(torch.tensor([prompt]), use_cache=True).past_key_values
         keys = keyer.prompt_keys(prompt).full
-        with MaruHandler(server.url) as h:
-            handles = h.batch_retrieve(keys)
-            assert all(x is not None for x in handles)
-            try:
-                objs = [
-                    torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
-                    for x in handles
-                ]
-            finally:
-                h.batch_release(handles)
-        for layer in range(2):
-            k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
-            hf_k = k[0].transpose(0, 1).reshape(len(prompt), 64)
-            hf_v = v[0].transpose(0, 1).reshape(len(prompt), 64)
-            for i, obj in enumerate(objs):
-                sl = slice(i * C, (i + 1) * C)
-                torch.testing.assert_close(obj[layer, 0], hf_k[sl], atol=2e-4, rtol=1e-3)
-                torch.testing.assert_close(obj[layer, 1], hf_v[sl], atol=2e-4, rtol=1e-3)
+        assert_stored_kv_matches(server.url, keys, pkv, len(prompt))
