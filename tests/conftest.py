@@ -22,22 +22,34 @@ def maru_server(tmp_path: Path) -> Iterator[ServerProcess]:
         server.cleanup()
 
 
-def _shm_in_use() -> set[str]:
-    """Names of /dev/shm files some live process still maps or holds open."""
-    used: set[str] = set()
+def _shm_in_use() -> tuple[set[str], set[int]]:
+    """Names and inodes of /dev/shm files some live process still maps or holds open.
+
+    Inodes matter: glibc's ``sem_open`` maps a temporary file and then links it under the final
+    name (multiprocessing's ``sem.mp-*``), so the maps show the temporary name, never the final one.
+    """
+    names: set[str] = set()
+    inodes: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     if "/dev/shm/" in line:
-                        used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+                        names.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+                        fields = line.split()
+                        if len(fields) >= 5 and fields[4].isdigit():
+                            inodes.add(int(fields[4]))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/") :].split()[0])
+                    names.add(target[len("/dev/shm/") :].split()[0])
+                    try:
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                    except OSError:
+                        pass
         except OSError:
             continue
-    return used
+    return names, inodes
 
 
 _LEAKY_PREFIXES = ("psm_", "sem.mp-", "maru-test-")
@@ -60,8 +72,12 @@ def _no_shared_memory_left_behind() -> Iterator[None]:
     new = {n for n in os.listdir(shm) if n not in before and n.startswith(_LEAKY_PREFIXES)}
     if not new:
         return
-    for name in new - _shm_in_use():
+    names, inodes = _shm_in_use()
+    for name in new - names:
+        path = os.path.join(shm, name)
         try:
-            os.unlink(os.path.join(shm, name))
+            if os.stat(path).st_ino in inodes:
+                continue  # mapped under another name (a semaphore of a live process)
+            os.unlink(path)
         except OSError:
             pass
