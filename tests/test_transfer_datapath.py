@@ -336,3 +336,21 @@ def test_worker_write_behind_store_commits_on_the_drain_thread(
     finally:
         stop_worker(w)  # drains the second commit
     assert w.stats.chunks_present == 2
+
+
+def test_a_lost_server_closes_the_engine_before_the_client_unmaps_the_pool(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """The engine drains its transfers and drops its CUDA registration before the pool is unmapped."""
+    pytest.importorskip("vllm")
+    w = _worker(server, _case("kv_first", "NHD", 61))
+    order: list[str] = []
+    engine, real = w.engine, w._client
+    assert engine is not None and real is not None
+    engine_close, client_close = engine.close, real.close
+    engine.close = lambda: (order.append("engine"), engine_close())[1]  # type: ignore[method-assign]
+    real.close = lambda: (order.append("client"), client_close())[1]  # type: ignore[method-assign]
+    w._lost("test: server gone")
+    assert order == ["engine", "client"]
+    assert w.engine is None and w._client is None
+    w.shutdown()

@@ -278,7 +278,8 @@ class MaruWorkerConnector:
 
     def _lost(self, why: str) -> None:
         """The server went away mid-step: drop the connection, retry later, say so once."""
-        client, self._client, self.engine = self._client, None, None
+        client, engine = self._client, self.engine
+        self._client, self.engine = None, None
         self._next_connect = time.monotonic() + _RECONNECT_S
         warn_once(
             unreachable_key(self.cfg.server_url), UNREACHABLE_MSG, self.cfg.server_url, why, _RECONNECT_S
@@ -287,9 +288,9 @@ class MaruWorkerConnector:
             if self._drain is not None and len(self._drain):
                 # Write-behind stores queued on the drain thread still use this client (and its
                 # pool mapping): close it behind them, in order.
-                self._drain.submit(None, _close_quietly, client)
+                self._drain.submit(None, _close_engine_then_client, engine, client)
                 return
-            _close_quietly(client)
+            _close_engine_then_client(engine, client)
 
     def _rank(self, rt: RequestTransfer) -> RequestTransfer:
         if self.tp_size == 1:
@@ -751,6 +752,20 @@ def _close_quietly(client: Any) -> None:
         client.close()
     except Exception:
         pass
+
+
+def _close_engine_then_client(engine: Any, client: Any) -> None:
+    """Drain the engine's GPU transfers and unregister the pool from CUDA, then close the client.
+
+    In this order: a copy still queued must not read pages the client unmaps, and a CUDA
+    registration must not outlive the mapping it pins.
+    """
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception as e:  # closing is best effort once the server is gone
+            logger.warning("Maru: closing the transfer engine failed: %s", e)
+    _close_quietly(client)
 
 
 def _kv_ops_backend() -> str:
