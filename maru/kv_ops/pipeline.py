@@ -948,6 +948,21 @@ class TransferEngine:
                 return f"CUDA maps the pool at another device address ({dev}); in-place reads need UVA"
         return None
 
+    def _after_caller(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits for the work queued so far on the caller's current stream.
+
+        Through libcudart when available (an engine-owned event: ~2 us against ~15 us for
+        ``wait_stream``); re-recording the event later is safe, the wait already captured it.
+        """
+        caller = torch.cuda.current_stream(self.device)
+        if not self._sync.raw:
+            stream.wait_stream(caller)
+            return
+        if getattr(self, "_caller_event", None) is None:
+            self._caller_event = self._sync.event()
+        self._sync.record(self._caller_event, caller)
+        self._sync.wait(stream, self._caller_event)
+
     def _issue_layers_direct(
         self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
     ) -> LayerLoad:
@@ -986,7 +1001,7 @@ class TransferEngine:
         host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
         _copied, placed = self._layer_events()
         sync, place = self._sync, self._place_stream
-        place.wait_stream(torch.cuda.current_stream(self.device))
+        self._after_caller(place)
         with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
             if graphed:
                 try:

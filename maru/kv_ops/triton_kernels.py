@@ -422,15 +422,14 @@ def direct_table_host(
     if first > 0 and all(t == first for t in lengths[:-1]) and lengths[-1] <= first:
         out[0, :n] = ptrs
         out[1, :n] = counts * row
-        out[0:2, n:width] = 0
         out[0, width] = first
     else:
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         out[0, :total] = np.repeat(ptrs, counts) + within * (row * esize)
         out[1, :total] = np.repeat(counts * row, counts)
-        out[0:2, total:width] = 0
         out[0, width] = 0
+    # Rows 0 and 1 past the used entries are never read (their tokens have slot -1): not cleared.
     out[1, width] = 0
     out[2, :total] = slots.numpy()
     out[2, total:] = -1

@@ -1,0 +1,68 @@
+"""Host issue cost of the layer-overlap load alone (direct path), at 1 / 8 / 64 chunks.
+
+A quick probe next to bench/gpu_datapath.py (which measures everything): the same geometry
+(32 layers, 8 KV heads, head size 128, bf16, block 16, 256-token chunks in a registered mapping),
+median over 30 calls after warm-up, split into the part before the first replay (table build and
+upload) and the replays with their events. Usage (on a GPU): python bench/layer_issue.py
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_datapath import BS, HS, NB, NH, L, make_caches, request_slots  # noqa: E402
+from maru import kv_ops  # noqa: E402
+from maru.client import cuda_host  # noqa: E402
+from maru.kv_ops import pipeline as pl  # noqa: E402
+
+
+def main() -> None:
+    caches = make_caches(NB)
+    layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
+    engine = pl.TransferEngine(caches, layout)
+    cb = engine.object_bytes(256)
+    mm = mmap.mmap(-1, 64 * cb, flags=mmap.MAP_SHARED)
+    torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
+    cuda_host.register_host_mapping(mm, name="layer-issue probe")
+    gen = torch.Generator().manual_seed(0)
+    print(
+        "| variant | tokens (chunks) | issue us/layer | table+upload us/layer | replays+events us/layer | path |"
+    )
+    print("|---|---|---|---|---|---|")
+    raw_wait = engine._after_caller
+    for variant in ("raw wait", "torch wait_stream", "raw wait"):
+        # torch's wait_stream instead of the engine's raw event wait (what the first version did)
+        engine._after_caller = raw_wait if variant == "raw wait" else _torch_wait  # type: ignore[method-assign]
+        run(engine, mm, cb, gen, variant)
+
+
+def _torch_wait(stream: torch.cuda.Stream) -> None:
+    stream.wait_stream(torch.cuda.current_stream())
+
+
+def run(engine: pl.TransferEngine, mm: mmap.mmap, cb: int, gen: torch.Generator, variant: str) -> None:
+    for chunks in (1, 8, 64):
+        objs = [engine.host_object(mm, 256, i * cb) for i in range(chunks)]
+        slots = request_slots(256 * chunks, NB, gen)
+        for _ in range(3):
+            engine.load_layers(objs, slots).wait()
+        hs = []
+        for _ in range(30):
+            h = engine.load_layers(objs, slots)
+            hs.append((h.issue_s, h.copy_issue_s, h.place_issue_s, h.path))
+            h.wait()
+        med = [statistics.median(x[i] for x in hs) / L * 1e6 for i in range(3)]
+        print(
+            f"| {variant} | {256 * chunks} ({chunks}) | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.1f} | {hs[-1][3]} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
