@@ -2,15 +2,8 @@
 # One device call: GPU tests of the data path, then the benchmark (short table printed last).
 # Run on the device machine from the repo root: bash bench/gpu_datapath_pass.sh
 set -o pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/device_env.sh" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 df -h /dev/shm | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -3,13 +3,7 @@
 # Run through the device tool:  bash bench/gpu_pass_kv_ops.sh   (logs also under $OUT when set)
 # The pipeline tests import maru.client (pyzmq): carry `.whl` (README of the device tool) to run them.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kv_ops_gpu.py tests/gpu/test_kv_ops_variants_gpu.py \

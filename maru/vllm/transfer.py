@@ -383,8 +383,8 @@ class KVTransferEngine:
     def prepare_store(self, requests: Sequence[RequestTransfer]) -> PreparedStore:
         """Reserve pool objects and gather the chunks into them; nothing is published yet.
 
-        When this returns, the paged cache is no longer read: the blocks may be reused at once
-        (the write-behind store relies on it). ``commit_store`` publishes the keys.
+        When this returns, the paged cache is no longer read: the blocks may be reused at once.
+        ``commit_store`` publishes the keys.
         """
         t0 = time.perf_counter()
         prep = PreparedStore(report=StoreReport())
@@ -676,15 +676,8 @@ class KVTransferEngine:
         """
         t0 = time.perf_counter()
         rep = LoadReport()
-        keys, index = _unique_keys(requests)
-        if not keys:
-            return InflightLoad(self, rep, [], [], t0)
-        try:
-            handles = list(self.client.batch_retrieve(keys, pin=True))
-        except MaruError as e:
-            for req in requests:
-                rep.failed[req.req_id] = f"lookup failed: {e}"
-            rep.server_lost = isinstance(e, _LOST)
+        index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
+        if handles is None:
             return InflightLoad(self, rep, [], [], t0)
         issued: list[tuple[RequestTransfer, Any, int, int]] = []  # (request, transfer or None, chunks, bytes)
         try:
@@ -708,6 +701,24 @@ class KVTransferEngine:
             self._unpin(handles)
             raise
         return InflightLoad(self, rep, handles, issued, t0)
+
+    def _lookup_pinned(
+        self, requests: Sequence[RequestTransfer], failed: dict[str, str]
+    ) -> tuple[dict[str, int], list[Any] | None, bool]:
+        """Look up and pin every unique chunk key of ``requests`` in one round trip.
+
+        Returns (key -> position, handles, server lost). Handles are None when there is nothing to
+        look up or the lookup failed; on failure every request is in ``failed`` with the reason.
+        """
+        keys, index = _unique_keys(requests)
+        if not keys:
+            return index, None, False
+        try:
+            return index, list(self.client.batch_retrieve(keys, pin=True)), False
+        except MaruError as e:
+            for req in requests:
+                failed[req.req_id] = f"lookup failed: {e}"
+            return index, None, isinstance(e, _LOST)
 
     def _issue_load(
         self,
@@ -789,17 +800,11 @@ class KVTransferEngine:
         """
         t0 = time.perf_counter()
         pl = PinnedLoad()
-        keys, index = _unique_keys(requests)
-        if not keys:
-            return pl
-        try:
-            pl.handles = list(self.client.batch_retrieve(keys, pin=True))
-        except MaruError as e:
-            for req in requests:
-                pl.failed[req.req_id] = f"lookup failed: {e}"
-            pl.server_lost = isinstance(e, _LOST)
+        index, handles, pl.server_lost = self._lookup_pinned(requests, pl.failed)
+        if handles is None:
             pl.seconds = time.perf_counter() - t0
             return pl
+        pl.handles = handles
         for req in requests:
             why = self._check(req, pl.handles, index)
             parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []
@@ -844,12 +849,6 @@ class KVTransferEngine:
         """
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-
-    def load_and_sync(self, requests: Sequence[RequestTransfer]) -> LoadReport:
-        """``load`` for a background thread: returns only once the placement ran on the device."""
-        rep = self.load(requests)
-        self.sync_device()
-        return rep
 
     def start_layer_load(self, pinned: PinnedLoad) -> LayerwiseLoad | PipelinedLayerLoad:
         """Start placing ``pinned`` layer by layer (the layer-overlap load); it owns the pins from now.

@@ -389,12 +389,12 @@ class MaruWorkerConnector:
             # thread until the last layer is placed).
             ll.wait_on()
             self._layer_releases.append(ll)
-            self._account_load(ll.report)
+            self._account_load(ll.report, " (layer by layer)")
             return
         rep = ll.wait()
         for req_id, why in rep.failed.items():
             self._fail(by_id[req_id], why)
-        self._account_load(rep)
+        self._account_load(rep, " (layer by layer)")
 
     def _release_layer_loads(self, wait: bool = False) -> None:
         """Unpin the finished CUDA layer loads (every one with ``wait``: shutdown)."""
@@ -439,25 +439,27 @@ class MaruWorkerConnector:
                 self._fail(rt, res.failed[rt.req_id])
                 if res.server_lost:
                     self._lost(res.failed[rt.req_id])
-            self._account_load(res)
+            self._account_load(res, " (async)")
         return done
 
-    def _account_load(self, rep: LoadReport) -> None:
+    def _account_load(self, rep: LoadReport, how: str = "") -> None:
+        """Add a load's report to the stats (and the timing log line, labelled ``how``)."""
         self.stats.loads += len(rep.loaded_req_ids)
         self.stats.tokens_loaded += rep.tokens
         self.stats.chunks_loaded += rep.chunks
         self.stats.bytes_loaded += rep.bytes
         self.stats.load_seconds += rep.seconds
-        if self.cfg.log_timing and rep.loaded_req_ids:
+        if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
-                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s",
+                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s%s",
                 len(rep.loaded_req_ids),
                 rep.tokens,
                 rep.chunks,
                 rep.bytes / 2**20,
                 rep.seconds * 1e3,
                 rep.bytes / max(rep.seconds, 1e-9) / 1e9,
-                " (async)" if self.cfg.async_load else " (layer by layer)",
+                how,
+                f", {len(rep.failed)} failed" if rep.failed else "",
             )
 
     def get_finished(
@@ -517,22 +519,7 @@ class MaruWorkerConnector:
             self._fail(by_id[req_id], why)
         if rep.server_lost:
             self._lost(next(iter(rep.failed.values())))
-        self.stats.loads += len(rep.loaded_req_ids)
-        self.stats.tokens_loaded += rep.tokens
-        self.stats.chunks_loaded += rep.chunks
-        self.stats.bytes_loaded += rep.bytes
-        self.stats.load_seconds += rep.seconds
-        if self.cfg.log_timing:
-            logger.info(
-                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s",
-                len(rep.loaded_req_ids),
-                rep.tokens,
-                rep.chunks,
-                rep.bytes / 2**20,
-                rep.seconds * 1e3,
-                rep.bytes / max(rep.seconds, 1e-9) / 1e9,
-                f", {len(rep.failed)} failed" if rep.failed else "",
-            )
+        self._account_load(rep)
 
     # ------------------------------------------------------------------ store
     def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:

@@ -1,8 +1,8 @@
 """The connector's background-thread load paths on CUDA caches (``-m gpu``; skipped without CUDA).
 
-The layer-overlap load (``LayerwiseLoad``) and the asynchronous load (``load_and_sync`` on the
-loader thread) queue their kernels on a background thread's stream; a layer (or a request) may
-be reported placed only once those kernels ran (``KVTransferEngine.sync_device``). Real head
+The layer-overlap load (``LayerwiseLoad``) and a load run on a loader thread (``load``) queue their
+kernels from a background thread; a layer (or a request) may be reported placed only once those
+kernels ran (``KVTransferEngine.sync_device``, or the transfer's own wait). Real head
 geometry (8 KV heads of 128, bf16, block size 16 != heads), NHD and HND; the reference is the
 synchronous load on the calling thread, compared byte for byte.
 """
@@ -98,7 +98,7 @@ def test_async_load_on_cuda_is_placed_when_the_loader_thread_reports_it(
     torch.cuda.synchronize()
     dst = _case(physical, 4)
     runner = BackgroundRunner("test-loader")
-    runner.submit(dst_req.req_id, _engine(dst, client).load_and_sync, [dst_req])
+    runner.submit(dst_req.req_id, _engine(dst, client).load, [dst_req])
     ((tag, rep),) = runner.close(timeout=60)
     assert tag == dst_req.req_id and rep.loaded_req_ids == [dst_req.req_id]
     assert _same(dst, ref)
