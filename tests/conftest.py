@@ -11,6 +11,27 @@ import pytest
 from tests.helpers import ServerProcess
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test marked ``gpu`` where no CUDA device is visible (CI): one place, one reason.
+
+    Select them on a GPU host with ``pytest -m gpu``.
+    """
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU host)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def maru_server(tmp_path: Path) -> Iterator[ServerProcess]:
     """A started ``maru server`` (64 MiB pool under /dev/shm, own port and state dir)."""

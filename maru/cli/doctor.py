@@ -50,7 +50,7 @@ Check = Callable[[DoctorContext], CheckResult]
 
 
 def _request(ctx: DoctorContext, op: int, body: dict[str, Any]) -> dict[str, Any]:
-    from maru.client.handler import error_from_reply
+    from maru.client.replies import error_from_reply
     from maru.client.rpc import RpcChannel
 
     ch = RpcChannel(ctx.url)
@@ -79,7 +79,7 @@ def check_server(ctx: DoctorContext) -> CheckResult:
             reply = ch.request(protocol.Op.HEARTBEAT, {"client_id": "doctor"}, ctx.timeout_s)
             samples.append(time.perf_counter() - t0)
         if not reply.get("ok"):
-            from maru.client.handler import error_from_reply
+            from maru.client.replies import error_from_reply
 
             raise error_from_reply(protocol.Op.HEARTBEAT, reply, ctx.url)
         ctx.handshake = _request(

@@ -36,7 +36,7 @@ COUNTER_ROWS = [
 
 def fetch(url: str, timeout_s: float) -> dict[str, Any]:
     """One STATS reply from the server at ``url`` (raises a MaruError that says what to do)."""
-    from maru.client.handler import error_from_reply
+    from maru.client.replies import error_from_reply
     from maru.client.rpc import RpcChannel
 
     ch = RpcChannel(url)

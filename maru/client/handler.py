@@ -32,12 +32,20 @@ import uuid
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from maru import protocol
 from maru.client.mapping import PoolMapping
 from maru.client.objects import Allocation, AllocState, Retrieved
+from maru.client.replies import (
+    INFO_REFUSALS,
+    ServerInfo,
+    check_keys,
+    chunks,
+    error_from_reply,
+    plain_info,
+    reply_list,
+)
 from maru.client.rpc import RpcChannel
 from maru.config import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -56,109 +64,9 @@ from maru.errors import (
     ServerError,
     StaleAllocationError,
 )
-from maru.protocol import MAX_BATCH, CommitResult, ErrorCode, Op
+from maru.protocol import CommitResult, ErrorCode, Op
 
 log = logging.getLogger("maru.client")
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What the server announced in the handshake of the current session."""
-
-    server_id: str
-    pool_path: str
-    pool_uuid: str
-    pool_size: int
-    data_offset: int
-    data_size: int
-    alignment: int
-    max_object_size: int
-    lease_timeout_s: float
-    protocol_version: int
-
-    @classmethod
-    def from_reply(cls, reply: dict[str, Any]) -> ServerInfo:
-        try:
-            return cls(
-                server_id=str(reply["server_id"]),
-                pool_path=str(reply["pool_path"]),
-                pool_uuid=str(reply["pool_uuid"]),
-                pool_size=int(reply["pool_size"]),
-                data_offset=int(reply["data_offset"]),
-                data_size=int(reply["data_size"]),
-                alignment=int(reply["alignment"]),
-                max_object_size=int(reply["max_object_size"]),
-                lease_timeout_s=float(reply["lease_timeout_s"]),
-                protocol_version=int(reply["protocol_version"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(
-                f"handshake reply lacks or mangles field {e}; client and server versions differ"
-            ) from None
-
-
-def _chunks(items: list[Any], n: int = MAX_BATCH) -> Iterable[list[Any]]:
-    """``items`` in slices of at most ``n`` (the protocol's batch limit); one slice when it fits."""
-    if len(items) <= n:
-        yield items
-        return
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-def _check_keys(keys: Sequence[str]) -> list[str]:
-    """``keys`` as a list. A bare string is refused (it would be read as one key per character).
-
-    Each key's type and length (str, at most MAX_KEY_BYTES UTF-8 bytes) is checked by the server,
-    which answers a clear ``ServerError``; checking it here too would cost more than the rest of an
-    ``exists`` call on the client.
-    """
-    if isinstance(keys, (str, bytes)):
-        raise TypeError(f"pass a list of keys, not one key ({keys!r}): e.g. exists([{keys!r}])")
-    return list(keys)
-
-
-def _reply_list(reply: dict[str, Any], name: str, n: int) -> list[Any]:
-    """Field ``name`` of a reply, which must be a list of one item per request item."""
-    value = reply.get(name)
-    if not isinstance(value, list) or len(value) != n:
-        raise ProtocolError(f"server reply field {name!r} should list {n} items, got {value!r:.200}")
-    return value
-
-
-_INFO_REFUSALS = (ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LARGE.value)
-
-
-def _plain_info(value: Any, depth: int = 0) -> Any:
-    """A deep copy of ``value`` as plain types (Mapping -> dict, tuple -> list, str/int/float
-    subclasses such as enums -> the base type), so later changes by the caller do not leak in.
-    Stops copying past the protocol's depth limit (the check then names the problem)."""
-    if depth > protocol.MAX_CLIENT_INFO_DEPTH:
-        return value
-    if isinstance(value, Mapping):
-        return {k: _plain_info(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain_info(v, depth + 1) for v in value]
-    if isinstance(value, bool) or value is None:
-        return value
-    for base in (str, int, float):
-        if isinstance(value, base):
-            return base(value)
-    return value
-
-
-def error_from_reply(op: int, reply: dict[str, Any], url: str) -> MaruError:
-    """The exception that a failed reply (``ok`` False) stands for."""
-    code = str(reply.get("code", ErrorCode.INTERNAL.value))
-    message = str(reply.get("message", "(no message)"))
-    what = f"maru server at {url} refused {Op(op).name}: {message}"
-    if code == ErrorCode.POOL_FULL.value:
-        return PoolFullError(what)
-    if code == ErrorCode.VERSION.value:
-        return ProtocolError(
-            f"{what} (this client speaks protocol {protocol.PROTOCOL_VERSION}; use matching versions)"
-        )
-    return ServerError(what, code)
 
 
 class MaruHandler:
@@ -244,7 +152,7 @@ class MaruHandler:
             if info_version:
                 body["info"] = client_info
             reply = self._rpc.request(Op.HANDSHAKE, body, self.timeout_s)
-            if not reply.get("ok") and "info" in body and reply.get("code") in _INFO_REFUSALS:
+            if not reply.get("ok") and "info" in body and reply.get("code") in INFO_REFUSALS:
                 # A server with other limits refused the info: connect without it, say so.
                 self._info_refused(error_from_reply(Op.HANDSHAKE, reply, self.url))
                 del body["info"]
@@ -309,10 +217,10 @@ class MaruHandler:
         if not keys:
             return
         lost: list[str] = []
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             reply = self._call(Op.PIN, {"keys": chunk}, retry=False)
             lost += [
-                k for k, ok in zip(chunk, _reply_list(reply, "pinned", len(chunk)), strict=True) if not ok
+                k for k, ok in zip(chunk, reply_list(reply, "pinned", len(chunk)), strict=True) if not ok
             ]
         if lost:
             log.warning(
@@ -428,7 +336,7 @@ class MaruHandler:
         elif body:
             self._client_info_sent = info_version
         if self._pending_unpins:
-            for chunk in _chunks(self._pending_unpins):
+            for chunk in chunks(self._pending_unpins):
                 self._call(Op.UNPIN, {"keys": chunk}, retry=False)
             self._pending_unpins = []  # only once sent: a failure leaves them for the next beat
 
@@ -457,7 +365,7 @@ class MaruHandler:
         ``ValueError`` for an info the protocol refuses (nothing is sent then); never raises for
         an unreachable server.
         """
-        plain = _plain_info(info)
+        plain = plain_info(info)
         problem = protocol.client_info_problem(plain)
         if problem is not None:
             raise ValueError(f"set_client_info: {problem[1]}")
@@ -546,11 +454,11 @@ class MaruHandler:
         out: list[Allocation] = []
         with self._held():
             try:
-                for chunk in _chunks(sizes):
+                for chunk in chunks(sizes):
                     reply = self._call(Op.RESERVE, {"sizes": chunk})
                     mapping = self._mapped()
                     missing = 0
-                    for want, a in zip(chunk, _reply_list(reply, "allocs", len(chunk)), strict=True):
+                    for want, a in zip(chunk, reply_list(reply, "allocs", len(chunk)), strict=True):
                         if a is None:
                             missing += 1
                             continue
@@ -611,7 +519,7 @@ class MaruHandler:
                     del self._reserved[obj.alloc_id]
                 obj._finish(AllocState.ABORTED)
             freed = 0
-            for chunk in _chunks(live):
+            for chunk in chunks(live):
                 reply = self._call(Op.ABORT, {"alloc_ids": [o.alloc_id for o in chunk]}, retry=False)
                 freed += int(reply.get("freed", 0))
         return freed
@@ -630,7 +538,7 @@ class MaruHandler:
         Raises ``StaleAllocationError`` (publishing nothing) if an object was reserved before the
         server restarted or this client's lease expired.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         objs = list(objs)
         if len(keys) != len(objs):
             raise ValueError(f"batch_store got {len(keys)} keys but {len(objs)} objects")
@@ -653,7 +561,7 @@ class MaruHandler:
                     f"{len(stale)} objects (e.g. for key {stale[0]!r}) were reserved before maru server at "
                     f"{self.url} restarted or this client's lease expired; nothing was stored: alloc again"
                 )
-            for kchunk, ochunk in zip(_chunks(keys), _chunks(objs), strict=True):
+            for kchunk, ochunk in zip(chunks(keys), chunks(objs), strict=True):
                 try:
                     reply = self._call(
                         Op.COMMIT,
@@ -664,7 +572,7 @@ class MaruHandler:
                     # The server forgot us before this chunk; earlier chunks (in ``results``) are stored.
                     e.results = results  # type: ignore[attr-defined]
                     raise
-                for k, o, r in zip(kchunk, ochunk, _reply_list(reply, "results", len(kchunk)), strict=True):
+                for k, o, r in zip(kchunk, ochunk, reply_list(reply, "results", len(kchunk)), strict=True):
                     self._reserved.pop(o.alloc_id, None)
                     res = CommitResult(r)
                     if res is CommitResult.UNKNOWN_ALLOC:
@@ -688,28 +596,28 @@ class MaruHandler:
         A removed key is invisible at once; if readers still hold it pinned, its space is freed
         when the last of them releases it (their views stay valid until then).
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         out: list[bool] = []
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             out += [
-                bool(x) for x in _reply_list(self._call(Op.DELETE, {"keys": chunk}), "deleted", len(chunk))
+                bool(x) for x in reply_list(self._call(Op.DELETE, {"keys": chunk}), "deleted", len(chunk))
             ]
         return out
 
     # ----------------------------------------------------------------- read path
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it is committed now."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         out: list[bool] = []
-        for chunk in _chunks(keys):
-            out += map(bool, _reply_list(self._call(Op.EXISTS, {"keys": chunk}), "present", len(chunk)))
+        for chunk in chunks(keys):
+            out += map(bool, reply_list(self._call(Op.EXISTS, {"keys": chunk}), "present", len(chunk)))
         return out
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed (stops at the first miss): a prefix match."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         total = 0
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             n = int(self._call(Op.EXISTS, {"keys": chunk})["prefix"])
             total += n
             if n < len(chunk):
@@ -726,12 +634,12 @@ class MaruHandler:
         With ``pin`` (default) every hit stays pinned until its handle is released. Without it the
         entry may be evicted and its space reused while you read: copy out at once, or pin.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         out: list[Retrieved | None] = []
         with self._held():
-            for chunk in _chunks(keys):
+            for chunk in chunks(keys):
                 reply = self._call(Op.LOOKUP, {"keys": chunk, "pin": bool(pin)})
-                entries = _reply_list(reply, "entries", len(chunk))
+                entries = reply_list(reply, "entries", len(chunk))
                 views = self._mapped().read_views(entries)
                 on_release = self._unpin_one if pin else None
                 pins = self._pins
@@ -770,7 +678,7 @@ class MaruHandler:
             if self._closed:
                 return
             try:
-                for chunk in _chunks(keys):
+                for chunk in chunks(keys):
                     self._call(Op.UNPIN, {"keys": chunk}, retry=False)
             except StaleAllocationError:
                 pass  # a new session: the old pins are gone already
@@ -794,10 +702,10 @@ class MaruHandler:
                 quick = min(self.timeout_s, 1.0)
                 try:
                     ids = list(self._reserved)
-                    for chunk in _chunks(ids):
+                    for chunk in chunks(ids):
                         self._call(Op.ABORT, {"alloc_ids": chunk}, retry=False, timeout_s=quick)
                     pins = list(self._pins.elements()) + self._pending_unpins
-                    for chunk in _chunks(pins):
+                    for chunk in chunks(pins):
                         self._call(Op.UNPIN, {"keys": chunk}, retry=False, timeout_s=quick)
                 except MaruError as e:
                     log.info(

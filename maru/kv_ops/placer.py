@@ -141,7 +141,7 @@ class GraphedPlacer:
             # No Python garbage collection during the capture: torch no longer collects before a
             # capture, and a collection inside it that frees another placer's graphs (a dead reference
             # cycle) calls cudaGraphExecDestroy, which invalidates this capture (seen on an H200,
-            # 2026-11-29: tests/gpu/test_pipeline_gpu.py, "operation failed due to a previous error
+            # 2026-11-29: tests/kv_ops/test_pipeline_gpu.py, "operation failed due to a previous error
             # during capture" after "operation not permitted when stream is capturing (function reset)").
             gc_was_enabled = gc.isenabled()
             gc.disable()

@@ -17,7 +17,6 @@ Robustness promises (tested by the fuzz test):
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -32,11 +31,13 @@ import zmq
 
 from maru import protocol as P
 from maru.config import MaruConfig, format_size
-from maru.errors import ConfigError, MaruError, PoolError, ProtocolError
+from maru.errors import ConfigError, MaruError, ProtocolError
 from maru.pool.allocator import ExtentAllocator
 from maru.pool.backing import PoolInfo, open_pool
 from maru.protocol import ErrorCode, Op
+from maru.server import validate as V
 from maru.server.leases import LeaseTable
+from maru.server.locks import FileLock
 from maru.server.registry import KeyRegistry
 from maru.server.state import TICK_FLUSH_S, StateStore
 from maru.server.stats import ServerStats, start_metrics_server
@@ -48,129 +49,9 @@ class _StopServing(Exception):
     """Raised by the signal handler to break a blocked receive (see ``request_stop``)."""
 
 
-MAX_CLIENT_ID_LEN = 256
-MAX_HOST_LEN = 256
 # zmq closes a peer that sends a message larger than this (protects our memory). Frames between
 # MAX_FRAME_BYTES and this still arrive and get a "too_large" reply.
 ZMQ_MAXMSGSIZE = 2 * P.MAX_FRAME_BYTES
-
-
-class Reject(Exception):
-    """A request that gets an error reply (carries the code and the human message)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# -- field validation (every check raises Reject, never anything else) ---------------------------
-
-
-def _field(body: dict[str, Any], name: str) -> Any:
-    try:
-        return body[name]
-    except KeyError:
-        raise Reject(ErrorCode.BAD_REQUEST, f"missing field {name!r}") from None
-
-
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if type(value) is not int:
-        raise Reject(ErrorCode.BAD_REQUEST, f"{name} must be an integer, got {type(value).__name__}")
-    if value < lo or value > hi:
-        code = ErrorCode.TOO_LARGE if value > hi else ErrorCode.BAD_REQUEST
-        raise Reject(code, f"{name} = {value} is out of range [{lo}, {hi}]")
-    return value
-
-
-def _list(body: dict[str, Any], name: str) -> list[Any]:
-    value = _field(body, name)
-    if type(value) is not list:
-        raise Reject(ErrorCode.BAD_REQUEST, f"{name} must be a list, got {type(value).__name__}")
-    if len(value) > P.MAX_BATCH:
-        raise Reject(
-            ErrorCode.TOO_LARGE, f"{name} has {len(value)} items; the limit is {P.MAX_BATCH}: split it"
-        )
-    return value
-
-
-_MAX_FAST_KEY_CHARS = P.MAX_KEY_BYTES // 4  # a str this short is under the byte limit in any encoding
-
-
-def _keys(body: dict[str, Any]) -> list[str]:
-    keys = _list(body, "keys")
-    if not keys:
-        return keys
-    # map/set/max run in C: this check costs ~1 us for 64 keys instead of ~15 us in a loop.
-    types = set(map(type, keys))
-    if types != {str}:
-        bad = next(t for t in types if t is not str)
-        raise Reject(ErrorCode.BAD_REQUEST, f"keys must be strings, got {bad.__name__}")
-    if max(map(len, keys)) > _MAX_FAST_KEY_CHARS:
-        for k in keys:
-            if len(k) > _MAX_FAST_KEY_CHARS:
-                _check_long_key(k)
-    return keys
-
-
-def _check_long_key(k: str) -> None:
-    try:
-        n = len(k.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise Reject(ErrorCode.BAD_REQUEST, "key is not valid UTF-8 (lone surrogate)") from None
-    if n > P.MAX_KEY_BYTES:
-        raise Reject(ErrorCode.TOO_LARGE, f"key of {n} bytes is over the {P.MAX_KEY_BYTES}-byte limit")
-
-
-def _info(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's ``info`` map (the caller checked it is there), validated by the protocol's rule."""
-    info = body["info"]
-    problem = P.client_info_problem(info)
-    if problem is not None:
-        raise Reject(*problem)
-    return info
-
-
-def _client_id_text(client: Any) -> str:
-    """A client id as text for views (bytes ids as hex), so STATS stays JSON-friendly."""
-    if type(client) is bytes:
-        return client.hex()
-    return str(client)
-
-
-def _client_id(body: dict[str, Any]) -> Any:
-    cid = _field(body, "client_id")
-    t = type(cid)
-    if t is int:
-        return cid
-    if t is str or t is bytes:
-        if 0 < len(cid) <= MAX_CLIENT_ID_LEN:
-            return cid
-        raise Reject(ErrorCode.BAD_REQUEST, f"client_id must be 1..{MAX_CLIENT_ID_LEN} long")
-    raise Reject(ErrorCode.BAD_REQUEST, f"client_id must be a string, bytes or integer, got {t.__name__}")
-
-
-class _FileLock:
-    """An exclusive, non-blocking flock held for the server's lifetime (one server per pool/state)."""
-
-    def __init__(self, path: str, what: str) -> None:
-        self.fd = (
-            os.open(path, os.O_RDONLY | os.O_CREAT, 0o600) if what == "state" else os.open(path, os.O_RDONLY)
-        )
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self.fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise PoolError(
-                    f"{what} {path} is in use by another maru server; stop it, or give this one its own "
-                    f"--pool-path and --state-dir"
-                ) from None
-            if e.errno not in (errno.ENOTSUP, errno.EINVAL):
-                raise
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class MaruServer:
@@ -188,7 +69,7 @@ class MaruServer:
         self._in_recv = False
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._locks: list[_FileLock] = []
+        self._locks: list[FileLock] = []
         self._metrics: Any = None
         self.pool: PoolInfo
         self.state: StateStore
@@ -254,9 +135,9 @@ class MaruServer:
         cfg = self.cfg
         path = cfg.resolved_pool_path()
         self.pool = pool = open_pool(path, self._requested_size, self._requested_alignment, cfg.sysfs_root)
-        self._locks.append(_FileLock(pool.path, "pool"))
+        self._locks.append(FileLock(pool.path, "pool"))
         self.state = StateStore(cfg.state_dir)
-        self._locks.append(_FileLock(str(Path(cfg.state_dir) / "maru-state.lock"), "state"))
+        self._locks.append(FileLock(str(Path(cfg.state_dir) / "maru-state.lock"), "state"))
         self.state.bind_pool(pool)
         max_obj = cfg.max_object_size or pool.data_size
         if max_obj <= 0 or max_obj > pool.data_size:
@@ -437,7 +318,7 @@ class MaruServer:
         reply_op = (op | P.REPLY_BIT) & 0xFFFF
         try:
             body = self._handle(magic, version, op, frame)
-        except Reject as r:
+        except V.Reject as r:
             self.stats.errors[r.code.value] += 1
             body = P.error(r.code, r.message)
         except Exception as e:  # a bug must cost one request, never the server
@@ -452,9 +333,9 @@ class MaruServer:
 
     def _handle(self, magic: bytes, version: int, op: int, frame: bytes) -> dict[str, Any]:
         if magic != P.MAGIC:
-            raise Reject(ErrorCode.MALFORMED, f"bad magic {magic!r}: not a Maru frame")
+            raise V.Reject(ErrorCode.MALFORMED, f"bad magic {magic!r}: not a Maru frame")
         if version != P.PROTOCOL_VERSION:
-            raise Reject(
+            raise V.Reject(
                 ErrorCode.VERSION,
                 f"protocol version {version} is not supported; this server speaks {P.PROTOCOL_VERSION}: "
                 "upgrade the older of client and server",
@@ -462,18 +343,18 @@ class MaruServer:
         handler = self._dispatch.get(op)
         if handler is None:
             self.stats.requests["unknown"] += 1
-            raise Reject(ErrorCode.UNKNOWN_OP, f"unknown op {op}")
+            raise V.Reject(ErrorCode.UNKNOWN_OP, f"unknown op {op}")
         self.stats.requests[Op(op).name.lower()] += 1
         if len(frame) > P.MAX_FRAME_BYTES:
-            raise Reject(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over {P.MAX_FRAME_BYTES}")
+            raise V.Reject(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over {P.MAX_FRAME_BYTES}")
         try:
             body = P.decode_body(frame)
         except ProtocolError as e:
-            raise Reject(ErrorCode.MALFORMED, str(e)) from None
-        client = _client_id(body)
+            raise V.Reject(ErrorCode.MALFORMED, str(e)) from None
+        client = V.client_id(body)
         if op in self._needs_lease or (op == Op.LOOKUP and body.get("pin") is True):
             if not self.leases.renew(client):
-                raise Reject(
+                raise V.Reject(
                     ErrorCode.UNKNOWN_CLIENT,
                     f"client {client!r} has no lease (no handshake, or silent past {self.leases.timeout_s:g} s, "
                     "or the server restarted): handshake again",
@@ -489,10 +370,12 @@ class MaruServer:
     def _handshake(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         host = body.get("host", "")
         pid = body.get("pid", 0)
-        if type(host) is not str or len(host) > MAX_HOST_LEN:
-            raise Reject(ErrorCode.BAD_REQUEST, f"host must be a string of at most {MAX_HOST_LEN} characters")
-        _int(pid, "pid", 0, 1 << 32)
-        info = _info(body) if "info" in body else None
+        if type(host) is not str or len(host) > V.MAX_HOST_LEN:
+            raise V.Reject(
+                ErrorCode.BAD_REQUEST, f"host must be a string of at most {V.MAX_HOST_LEN} characters"
+            )
+        V.int_field(pid, "pid", 0, 1 << 32)
+        info = V.info_field(body) if "info" in body else None
         self.leases.grant(client, host, pid, info)
         p = self.pool
         return P.ok(
@@ -513,14 +396,14 @@ class MaruServer:
         )
 
     def _reserve(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        sizes = _list(body, "sizes")
+        sizes = V.list_field(body, "sizes")
         for s in sizes:
             if type(s) is not int:
-                raise Reject(ErrorCode.BAD_REQUEST, f"sizes must be integers, got {type(s).__name__}")
+                raise V.Reject(ErrorCode.BAD_REQUEST, f"sizes must be integers, got {type(s).__name__}")
             if s <= 0:
-                raise Reject(ErrorCode.BAD_REQUEST, f"size {s} must be positive")
+                raise V.Reject(ErrorCode.BAD_REQUEST, f"size {s} must be positive")
             if s > self.max_object_size:
-                raise Reject(
+                raise V.Reject(
                     ErrorCode.TOO_LARGE,
                     f"object of {s} bytes is over the server's max object size {self.max_object_size}",
                 )
@@ -542,12 +425,12 @@ class MaruServer:
             self.stats.add("evictions", n)
 
     def _commit(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        items = _list(body, "items")
+        items = V.list_field(body, "items")
         for it in items:
             if type(it) is not list or len(it) != 2 or type(it[0]) is not str or type(it[1]) is not int:
-                raise Reject(ErrorCode.BAD_REQUEST, "items must be [key: str, alloc_id: int] pairs")
-            if len(it[0]) > _MAX_FAST_KEY_CHARS:
-                _check_long_key(it[0])
+                raise V.Reject(ErrorCode.BAD_REQUEST, "items must be [key: str, alloc_id: int] pairs")
+            if len(it[0]) > V.MAX_FAST_KEY_CHARS:
+                V.check_long_key(it[0])
         reg = self.registry
         results = []
         add = self.stats.add
@@ -564,19 +447,19 @@ class MaruServer:
         return P.ok(results=results)
 
     def _abort(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        ids = _list(body, "alloc_ids")
+        ids = V.list_field(body, "alloc_ids")
         for a in ids:
             if type(a) is not int:
-                raise Reject(ErrorCode.BAD_REQUEST, "alloc_ids must be integers")
+                raise V.Reject(ErrorCode.BAD_REQUEST, "alloc_ids must be integers")
         freed = sum(1 for a in ids if self.registry.abort(client, a))
         self.stats.add("aborts", freed)
         return P.ok(freed=freed)
 
     def _lookup(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
+        keys = V.keys_field(body)
         pin = body.get("pin", False)
         if type(pin) is not bool:
-            raise Reject(ErrorCode.BAD_REQUEST, "pin must be true or false")
+            raise V.Reject(ErrorCode.BAD_REQUEST, "pin must be true or false")
         reg = self.registry
         found = [reg.pin(client, k) for k in keys] if pin else reg.lookup_many(keys)
         entries: list[list[int] | None] = []
@@ -597,7 +480,7 @@ class MaruServer:
         return P.ok(entries=entries)
 
     def _exists(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
+        keys = V.keys_field(body)
         present = [e is not None for e in self.registry.lookup_many(keys)]
         try:
             prefix = present.index(False)
@@ -610,26 +493,26 @@ class MaruServer:
         return P.ok(present=present, prefix=prefix)
 
     def _pin(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
+        keys = V.keys_field(body)
         pinned = [self.registry.pin(client, k) is not None for k in keys]
         self.stats.add("pins", sum(pinned))
         return P.ok(pinned=pinned)
 
     def _unpin(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
+        keys = V.keys_field(body)
         unpinned = [self.registry.unpin(client, k) for k in keys]
         self.stats.add("unpins", sum(unpinned))
         return P.ok(unpinned=unpinned)
 
     def _delete(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
+        keys = V.keys_field(body)
         deleted = [self.registry.delete(k) for k in keys]
         self.stats.add("deletes", sum(deleted))
         return P.ok(deleted=deleted)
 
     def _heartbeat(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         if "info" in body:
-            info = _info(body)  # validated before the lease is touched: a bad request changes nothing
+            info = V.info_field(body)  # validated before the lease is touched: a bad request changes nothing
             return P.ok(server_id=self.server_id, known=self.leases.set_info(client, info))
         return P.ok(server_id=self.server_id, known=self.leases.renew(client))
 
@@ -666,7 +549,7 @@ class MaruServer:
         leases = sorted(self.leases.leases(), key=lambda lease: (lease.info is None, lease.since))
         clients = [
             {
-                "client_id": _client_id_text(lease.client),
+                "client_id": V.client_id_text(lease.client),
                 "host": lease.host,
                 "pid": lease.pid,
                 "age_s": round(now - lease.since, 3),

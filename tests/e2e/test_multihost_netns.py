@@ -86,7 +86,7 @@ print(json.dumps(out))
 def _client(ns: str, *args: str) -> dict[str, str | None]:
     import json
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     p = subprocess.run(
         ["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, *args],
         capture_output=True,

@@ -35,8 +35,8 @@ from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
 from tests.helpers import ServerProcess, free_port
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.test_transfer import BS, CHUNK, _request
-from tests.test_transfer_datapath import NAMES, _case, _engine
+from tests.transfer.test_transfer import BS, CHUNK, _request
+from tests.transfer.test_transfer_datapath import NAMES, _case, _engine
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 

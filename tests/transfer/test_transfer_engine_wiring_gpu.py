@@ -16,11 +16,10 @@ import torch
 from maru.client import MaruHandler
 from maru.kv_ops.pipeline import TransferEngine
 from tests.pool_fixtures import module_client
-from tests.test_transfer_wiring import check_round_trip, engine, make_case
+from tests.transfer.test_transfer_wiring import check_round_trip, engine, make_case
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 GEOM = dict(

@@ -102,7 +102,7 @@ def check_round_trip(
     assert (rep.stored, rep.failed, rep.error) == (4, 0, None)
     assert stores == [4]  # one pipelined call for the step's four chunks
 
-    from tests.test_transfer_datapath import CountingPins  # that module imports this one
+    from tests.transfer.test_transfer_datapath import CountingPins  # that module imports this one
 
     dst, ref = make_case(physical, 2, geom), make_case(physical, 2, geom)
     pins = CountingPins(client)
@@ -153,7 +153,7 @@ def test_pipelined_load_failing_at_issue_fails_only_that_request_and_releases_ev
     src_b, dst_b = requests("issue-b", 4, 8, 16)
     assert engine(make_case("NHD", 1, GEOM_CPU), client, inject=True).store([src_a, src_b]).stored == 8
     dst_b = RequestTransfer(dst_b.req_id, dst_a.block_ids, dst_b.chunks)  # same blocks: b must not land
-    from tests.test_transfer_datapath import CountingPins
+    from tests.transfer.test_transfer_datapath import CountingPins
 
     dst = make_case("NHD", 2, GEOM_CPU)
     pins = CountingPins(client)

@@ -24,11 +24,10 @@ import torch
 
 from maru.client import MaruHandler
 from tests.pool_fixtures import module_client
-from tests.test_transfer_async_load import check_connector_load
+from tests.transfer.test_transfer_async_load import check_connector_load
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 GEOM = dict(

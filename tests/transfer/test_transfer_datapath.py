@@ -22,7 +22,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.test_transfer import BS, CHUNK, _request
+from tests.transfer.test_transfer import BS, CHUNK, _request
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 

@@ -183,7 +183,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
 
     flag = tmp / "evict-now"
     evict = {
-        "module": "tests.test_vllm_e2e",
+        "module": "tests.e2e.test_vllm_e2e",
         "name": "EvictBeforeLoadConnector",
         "extra": {**extra, "test_evict_flag": str(flag)},
     }

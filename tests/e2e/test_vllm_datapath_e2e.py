@@ -23,8 +23,8 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.vllm.tiny_model import build_tiny_model
+from tests.e2e.test_vllm_e2e import BS, P1, P3, C, _engine, _gen, _has_vllm
 from tests.helpers import ServerProcess
-from tests.test_vllm_e2e import BS, P1, P3, C, _engine, _gen, _has_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,7 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     def conn(**opts: Any) -> dict[str, Any]:
         extra = {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
         return {
-            "module": "tests.test_vllm_datapath_e2e",
+            "module": "tests.e2e.test_vllm_datapath_e2e",
             "name": "EvictBeforeAnyLoadConnector",
             "extra": {**extra, **opts, "test_evict_flag": str(flag)},
         }

@@ -13,13 +13,12 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 from maru import kv_ops  # noqa: E402
 from maru.kv_ops import triton_kernels  # noqa: E402
 from maru.kv_ops.testing import bits, make_cache, random_bits_, random_slots  # noqa: E402
-from tests.test_kv_ops_ordered import _run_checks  # noqa: E402
+from tests.kv_ops.test_kv_ops_ordered import _run_checks  # noqa: E402
 
 
 def test_ordered_kernel_matches_reference_on_every_layout_on_the_gpu() -> None:

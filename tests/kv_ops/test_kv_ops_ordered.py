@@ -147,7 +147,7 @@ def test_ordered_kernel_refuses_block_ids_and_mismatched_lengths() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     found = _run_checks(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     for f in found:
         print("FAIL", f)

@@ -19,11 +19,10 @@ from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache
 from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.pool_fixtures import module_client
-from tests.test_transfer_datapath import CountingPins, _layer_equal, _same
+from tests.transfer.test_transfer_datapath import CountingPins, _layer_equal, _same
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 BS, CHUNK, LAYERS = 16, 256, 8

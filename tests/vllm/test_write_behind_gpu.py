@@ -25,11 +25,10 @@ from maru.kv_ops.testing import CacheCase, bits
 from maru.vllm.transfer import KVTransferEngine, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import release_pool, stop_worker
-from tests.test_transfer_wiring import engine, make_case, requests
+from tests.transfer.test_transfer_wiring import engine, make_case, requests
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 GEOM = dict(

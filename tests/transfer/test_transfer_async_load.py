@@ -28,8 +28,8 @@ from maru.kv_ops.testing import CacheCase, bits
 from maru.vllm.transfer import AsyncLoader, PipelinedLayerLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.test_transfer import BS, CHUNK, _request
-from tests.test_transfer_datapath import (
+from tests.transfer.test_transfer import BS, CHUNK, _request
+from tests.transfer.test_transfer_datapath import (
     NAMES,
     CountingPins,
     _case,
@@ -40,7 +40,7 @@ from tests.test_transfer_datapath import (
     _until_finished,
     _worker,
 )
-from tests.test_transfer_wiring import (
+from tests.transfer.test_transfer_wiring import (
     GEOM_CPU,
     engine,
     make_case,

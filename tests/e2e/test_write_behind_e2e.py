@@ -26,8 +26,7 @@ import pytest
 from maru.client import MaruHandler
 from maru.vllm.keys import ChunkKeyer
 from maru.vllm.tiny_model import build_tiny_model
-from tests.helpers import ServerProcess
-from tests.test_vllm_e2e import (
+from tests.e2e.test_vllm_e2e import (
     BS,
     P1,
     P3,
@@ -40,6 +39,7 @@ from tests.test_vllm_e2e import (
     _key_space,
     assert_stored_kv_matches,
 )
+from tests.helpers import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
