@@ -20,6 +20,8 @@ DEFAULT_SERVER_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_POOL_SIZE = 1 << 30
 DEFAULT_ALIGNMENT = 4096
 DEFAULT_LEASE_TIMEOUT_S = 30.0
+# Space of an expired lease on another host is reused this long after expiry (0: never by time).
+DEFAULT_QUARANTINE_TIMEOUT_S = 600.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 
@@ -95,6 +97,7 @@ class MaruConfig:
     pool_size: int = DEFAULT_POOL_SIZE
     state_dir: Path = field(default_factory=default_state_dir)
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    quarantine_timeout_s: float = DEFAULT_QUARANTINE_TIMEOUT_S
     alignment: int = DEFAULT_ALIGNMENT
     max_object_size: int | None = None  # None: the whole usable pool
     metrics_port: int | None = None

@@ -22,7 +22,10 @@ and pins belong to it) and their replies:
 op           request fields                                reply fields
 ===========  ============================================  =======================================
 HANDSHAKE    client_id, host, pid,                         server_id, pool_path, pool_uuid,
-             info (optional, see "Client info" below)      pool_size, data_offset, data_size,
+             info (optional, see "Client info" below),     pool_size, data_offset, data_size,
+             boot_id, pid_ns, pid_start (optional: where
+             the client runs, see "Quarantine" below),
+             fenced (optional bool, see "Quarantine")
                                                            alignment, max_object_size,
                                                            lease_timeout_s, protocol_version,
                                                            pool_kind ("file" | "dax"), max_batch,
@@ -30,12 +33,16 @@ HANDSHAKE    client_id, host, pid,                         server_id, pool_path,
                                                            (absent: an older server, which ignores
                                                            ``info``)
 RESERVE      client_id, sizes: [int]                       allocs: [[alloc_id, offset, size] | None]
-                                                           (None: does not fit even after eviction)
-COMMIT       client_id, items: [[key, alloc_id]]           results: ["stored" | "present" |
-                                                           "unknown_alloc"]; "present" frees the
-                                                           duplicate's space (keys are write-once)
+                                                           (None: does not fit even after eviction),
+                                                           quarantined: int (bytes held in
+                                                           quarantine; only when some is None)
+COMMIT       client_id, items: [[key, alloc_id]],          results: ["stored" | "present" |
+             checksums: [int | None] (optional, one per    "unknown_alloc"]; "present" frees the
+             item: ``maru.checksum`` of the bytes)         duplicate's space (keys are write-once)
 ABORT        client_id, alloc_ids: [int]                   freed: int
-LOOKUP       client_id, keys: [key], pin: bool             entries: [[offset, size] | None]
+LOOKUP       client_id, keys: [key], pin: bool             entries: [[offset, size] | None],
+                                                           checksums: [int | None] (one per key: the
+                                                           committed checksum; None: miss or none)
 EXISTS       client_id, keys: [key]                        present: [bool], prefix: int (leading hits)
 PIN          client_id, keys: [key]                        pinned: [bool]
 UNPIN        client_id, keys: [key]                        unpinned: [bool]
@@ -58,7 +65,10 @@ STATS        client_id                                     counters: {name: int}
 USAGE        client_id                                     pool_size, data_size, used, free,
                                                            largest_free, reserved, committed,
                                                            entries, pinned, clients,
-                                                           evictable, reservations
+                                                           evictable, reservations, quarantined,
+                                                           quarantined_extents
+REPORT       client_id, corrupt: [[key, offset]]           deleted: [bool] (the entry at that offset
+                                                           was deleted: its bytes failed the check)
 ===========  ============================================  =======================================
 
 Leases: RESERVE, COMMIT, ABORT, PIN, UNPIN and LOOKUP with ``pin: true`` need a live lease
@@ -67,6 +77,15 @@ Leases: RESERVE, COMMIT, ABORT, PIN, UNPIN and LOOKUP with ``pin: true`` need a 
 DELETE, STATS and USAGE work without a handshake. ``client_id`` is a str (or bytes/int), at most
 256 long. Sizes in USAGE are bytes of the pool (rounded up to ``alignment``); sizes in RESERVE and
 LOOKUP replies are the object sizes the client asked for.
+
+Quarantine. When a lease expires its reservations and pins are taken from the client but their
+space is not reused while the client may still touch it: it is released when the server sees the
+client's process gone (only when ``boot_id`` and ``pid_ns`` equal the server's own: then ``pid``
+and ``pid_start``, its start time in clock ticks from /proc/<pid>/stat, name it), when the client
+handshakes again with ``fenced: true`` (it promises it made its old reservations and pinned views
+unable to touch the pool), or ``--quarantine-timeout`` after the expiry. A client reports an
+object whose bytes fail their checksum with REPORT; the server counts it (``integrity_failures``)
+and deletes the entry if it still sits at that offset, so the key can be stored again.
 
 Offsets are absolute byte offsets into the pool (the file or device the client maps).
 Keys are strings of at most ``MAX_KEY_BYTES`` UTF-8 bytes.
@@ -126,6 +145,7 @@ class Op(enum.IntEnum):
     HEARTBEAT = 10
     STATS = 11
     USAGE = 12
+    REPORT = 13
 
 
 class ErrorCode(str, enum.Enum):

@@ -17,6 +17,7 @@ from maru.config import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_POOL_SIZE,
     DEFAULT_PORT,
+    DEFAULT_QUARANTINE_TIMEOUT_S,
     MaruConfig,
     default_pool_path,
     default_state_dir,
@@ -54,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a client silent this long loses its reservations and pins (default {DEFAULT_LEASE_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--quarantine-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=DEFAULT_QUARANTINE_TIMEOUT_S,
+        help="space of an expired lease is reused only once its holder is known dead or fenced, or this "
+        f"long after expiry (0: never by time; default {DEFAULT_QUARANTINE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--max-object-size",
         metavar="SIZE",
         help="largest object a client may reserve (default: the whole pool)",
@@ -80,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
     if args.lease_timeout <= 0:
         raise ConfigError(f"--lease-timeout {args.lease_timeout} must be positive")
+    if args.quarantine_timeout < 0:
+        raise ConfigError(f"--quarantine-timeout {args.quarantine_timeout} must be 0 (never) or positive")
     pool_size = parse_size(args.pool_size) if args.pool_size is not None else None
     alignment = parse_size(args.alignment) if args.alignment is not None else None
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / str(args.port)
@@ -90,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         pool_size=pool_size or DEFAULT_POOL_SIZE,
         state_dir=state_dir,
         lease_timeout_s=args.lease_timeout,
+        quarantine_timeout_s=args.quarantine_timeout,
         max_object_size=parse_size(args.max_object_size) if args.max_object_size else None,
         metrics_port=args.metrics_port,
         sysfs_root=args.sysfs_root,

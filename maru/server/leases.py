@@ -5,7 +5,9 @@ renews it. A client silent for more than ``timeout_s`` loses the lease: ``expire
 once and forgets it, and the server then frees its reservations and releases its pins
 (``KeyRegistry.drop_client``). The clock is monotonic, so wall-clock jumps never expire anyone.
 
-A lease also carries the client's self-description (``info``, validated by the server before it
+A lease also says where the client runs (host name; boot id, PID namespace and process start
+time, so the server can tell when a client on its own kernel died: ``quarantine.py``) and
+carries the client's self-description (``info``, validated by the server before it
 gets here): in memory only, replaced by each handshake, gone with the lease.
 """
 
@@ -25,6 +27,9 @@ class Lease:
     since: float
     last_seen: float
     info: dict[str, Any] | None = None
+    boot_id: str = ""  # the client's kernel boot id ('' unknown)
+    pid_ns: str = ""  # the client's PID namespace ('' unknown)
+    pid_start: int = 0  # the client process's start time in clock ticks (0 unknown)
 
 
 class LeaseTable:
@@ -36,7 +41,15 @@ class LeaseTable:
         self._leases: dict[Hashable, Lease] = {}
 
     def grant(
-        self, client: Hashable, host: str = "", pid: int = 0, info: dict[str, Any] | None = None
+        self,
+        client: Hashable,
+        host: str = "",
+        pid: int = 0,
+        info: dict[str, Any] | None = None,
+        *,
+        boot_id: str = "",
+        pid_ns: str = "",
+        pid_start: int = 0,
     ) -> Lease:
         """Start (or refresh) the lease of ``client``; its info becomes ``info`` (a handshake says all)."""
         now = self._clock()
@@ -47,6 +60,7 @@ class LeaseTable:
             lease.last_seen = now
             lease.host, lease.pid = host or lease.host, pid or lease.pid
         lease.info = info or None
+        lease.boot_id, lease.pid_ns, lease.pid_start = boot_id, pid_ns, pid_start
         return lease
 
     def set_info(self, client: Hashable, info: dict[str, Any]) -> bool:

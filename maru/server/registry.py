@@ -15,8 +15,15 @@ Invariants (each is a promise the tests try to break):
    that reservation is None). LOOKUP, EXISTS and COMMIT count as use.
 5. **DELETE hides at once, frees last.** A deleted key is invisible immediately; its space is freed
    when its last pin goes (at once when it has none).
-6. **Leases own reservations and pins, not keys.** ``drop_client`` (lease expiry) frees the client's
+6. **Leases own reservations and pins, not keys.** ``drop_client`` frees the client's
    reservations and releases its pins; the keys it committed stay.
+7. **Quarantine: space a silent holder may still touch is never reused.** ``quarantine_client``
+   (lease expiry) takes the client's reservations and pins away from it (it can no longer commit
+   or unpin) but keeps their extents allocated and their entries pinned, under a
+   ``QuarantineHolder``: nothing is evicted, freed or handed out there until
+   ``release_quarantine`` (the server knows the holder is dead, fenced, or timed out).
+8. **Checksums travel with entries.** An entry keeps the checksum its writer sent in COMMIT
+   (None: the writer sent none) for as long as it lives; the journal persists it.
 
 The registry is single-threaded by design (the server's event loop is its only caller). Every
 change to the committed set is reported to a ``Journal`` so the server can persist it.
@@ -38,7 +45,7 @@ ClientId = Hashable
 class Journal(Protocol):
     """Where the registry reports changes to committed entries (the server persists them)."""
 
-    def put(self, key: str, offset: int, size: int, tick: int) -> None: ...
+    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None: ...
 
     def remove(self, key: str) -> None: ...
 
@@ -46,7 +53,7 @@ class Journal(Protocol):
 class NullJournal:
     """A journal that forgets (unit tests, or a server without persistence)."""
 
-    def put(self, key: str, offset: int, size: int, tick: int) -> None:
+    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
         pass
 
     def remove(self, key: str) -> None:
@@ -63,6 +70,7 @@ class Entry:
     tick: int = 0
     pins: dict[ClientId, int] = field(default_factory=dict)
     visible: bool = True
+    checksum: int | None = None  # maru.checksum of the bytes, from the writer's COMMIT
 
     @property
     def pinned(self) -> bool:
@@ -75,6 +83,21 @@ class Reservation:
     client: ClientId
     offset: int
     size: int
+
+
+@dataclass(frozen=True)
+class QuarantineHolder:
+    """Holds the reservations and pins of a client whose lease expired (see invariant 7)."""
+
+    client: ClientId
+
+
+@dataclass(frozen=True)
+class QuarantineSize:
+    """What one quarantine holds: extents (reservations plus pinned entries) and their aligned bytes."""
+
+    extents: int
+    nbytes: int
 
 
 @dataclass
@@ -106,14 +129,18 @@ class KeyRegistry:
         self._tick = 0
         self._touched: dict[str, Entry] = {}  # used since the last take_touched (LRU persistence)
         self._next_alloc_id = first_alloc_id
+        self._quarantine: dict[ClientId, QuarantineSize] = {}
+        # Kept in step with _quarantine so gauges are plain int reads (the metrics thread reads them).
+        self._quarantined_extents = 0
+        self._quarantined_bytes = 0
 
     # -- loading (restart) --------------------------------------------------------------------
 
-    def load(self, rows: Iterable[tuple[str, int, int, int]]) -> None:
-        """Install committed entries ``(key, offset, size, tick)`` whose extents the allocator
-        already marks used (``ExtentAllocator.from_used``). LRU order follows the ticks."""
-        for key, offset, size, tick in sorted(rows, key=lambda r: r[3]):
-            e = Entry(key, offset, size, tick)
+    def load(self, rows: Iterable[tuple[str, int, int, int, int | None]]) -> None:
+        """Install committed entries ``(key, offset, size, tick, checksum)`` whose extents the
+        allocator already marks used (``ExtentAllocator.from_used``). LRU order follows the ticks."""
+        for key, offset, size, tick, checksum in sorted(rows, key=lambda r: r[3]):
+            e = Entry(key, offset, size, tick, checksum=checksum)
             self._entries[key] = e
             self._lru[key] = e
             self._lru_bytes += self.alloc.round_up(size)
@@ -139,7 +166,7 @@ class KeyRegistry:
         self._reserved_bytes += self.alloc.round_up(size)
         return r
 
-    def commit(self, client: ClientId, key: str, alloc_id: int) -> CommitResult:
+    def commit(self, client: ClientId, key: str, alloc_id: int, checksum: int | None = None) -> CommitResult:
         """Publish the reservation ``alloc_id`` under ``key`` (write-once; see invariant 1)."""
         r = self._reservations.get(alloc_id)
         if r is None or r.client != client:
@@ -152,13 +179,13 @@ class KeyRegistry:
             self._touch(existing)
             return CommitResult.PRESENT
         self._tick += 1
-        e = Entry(key, r.offset, r.size, self._tick)
+        e = Entry(key, r.offset, r.size, self._tick, checksum=checksum)
         self._entries[key] = e
         self._lru[key] = e
         self._lru_bytes += self.alloc.round_up(e.size)
         self.counters.stores += 1
         self.counters.bytes_stored += r.size
-        self.journal.put(key, e.offset, e.size, e.tick)
+        self.journal.put(key, e.offset, e.size, e.tick, checksum)
         return CommitResult.STORED
 
     def abort(self, client: ClientId, alloc_id: int) -> bool:
@@ -268,6 +295,61 @@ class KeyRegistry:
         self._client_pins.pop(client, None)
         return freed, released
 
+    def quarantine_client(self, client: ClientId) -> QuarantineSize:
+        """Take every reservation and pin of ``client`` away from it, keeping their space (invariant 7).
+
+        Afterwards ``client`` has no state here (its commits get ``unknown_alloc``, its unpins
+        do nothing) and the extents stay allocated under ``QuarantineHolder(client)`` until
+        ``release_quarantine(client)``. Returns what this call added to the quarantine.
+        """
+        holder = QuarantineHolder(client)
+        extents = nbytes = 0
+        for alloc_id in list(self._client_allocs.get(client, ())):
+            r = self._reservations[alloc_id]
+            self._drop_reservation(r)
+            moved = Reservation(r.alloc_id, holder, r.offset, r.size)
+            self._reservations[alloc_id] = moved
+            self._client_allocs.setdefault(holder, set()).add(alloc_id)
+            self._reserved_bytes += self.alloc.round_up(r.size)
+            extents += 1
+            nbytes += self.alloc.round_up(r.size)
+        held = self._client_pins.pop(client, {})
+        into = self._client_pins.setdefault(holder, {}) if held else None
+        for key, entries in held.items():
+            for e in entries:
+                n = e.pins.pop(client, 0)
+                if not n:
+                    continue
+                # The entry stays pinned (out of the LRU, never freed): only the holder changes.
+                if holder not in e.pins:
+                    extents += 1
+                    nbytes += self.alloc.round_up(e.size)
+                e.pins[holder] = e.pins.get(holder, 0) + n
+                lst = into.setdefault(key, [])  # type: ignore[union-attr]
+                if e not in lst:
+                    lst.append(e)
+        if extents:
+            old = self._quarantine.get(client, QuarantineSize(0, 0))
+            self._quarantine[client] = QuarantineSize(old.extents + extents, old.nbytes + nbytes)
+            self._quarantined_extents += extents
+            self._quarantined_bytes += nbytes
+        return QuarantineSize(extents, nbytes)
+
+    def release_quarantine(self, client: ClientId) -> tuple[QuarantineSize, int, int]:
+        """Free what ``quarantine_client(client)`` kept. Returns ``(what it held,
+        reservations_freed, pins_released)``."""
+        size = self._quarantine.pop(client, None)
+        if size is None:
+            return QuarantineSize(0, 0), 0, 0
+        freed, released = self.drop_client(QuarantineHolder(client))
+        self._quarantined_extents -= size.extents
+        self._quarantined_bytes -= size.nbytes
+        return size, freed, released
+
+    def quarantined_clients(self) -> list[ClientId]:
+        """Clients whose space is in quarantine now."""
+        return list(self._quarantine)
+
     def client_has_state(self, client: ClientId) -> bool:
         return bool(self._client_allocs.get(client)) or bool(self._client_pins.get(client))
 
@@ -293,6 +375,15 @@ class KeyRegistry:
     @property
     def committed_bytes(self) -> int:
         return self.alloc.used_bytes - self._reserved_bytes
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Aligned bytes held for clients whose lease expired (invariant 7); never reused until released."""
+        return self._quarantined_bytes
+
+    @property
+    def quarantined_extents(self) -> int:
+        return self._quarantined_extents
 
     @property
     def evictable_bytes(self) -> int:

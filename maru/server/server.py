@@ -38,6 +38,7 @@ from maru.protocol import ErrorCode, Op
 from maru.server import validate as V
 from maru.server.leases import LeaseTable
 from maru.server.locks import FileLock
+from maru.server.quarantine import QuarantineBook
 from maru.server.registry import KeyRegistry
 from maru.server.state import TICK_FLUSH_S, StateStore
 from maru.server.stats import ServerStats, start_metrics_server
@@ -65,6 +66,7 @@ class MaruServer:
         self.server_id = secrets.token_hex(8)
         self.stats = ServerStats()
         self.leases = LeaseTable(cfg.lease_timeout_s)
+        self.quarantine = QuarantineBook(cfg.quarantine_timeout_s)
         self._stop = False
         self._in_recv = False
         self._ctx: zmq.Context | None = None
@@ -88,6 +90,7 @@ class MaruServer:
             Op.HEARTBEAT: self._heartbeat,
             Op.STATS: self._stats,
             Op.USAGE: self._usage,
+            Op.REPORT: self._report,
         }
         # Ops that act on a client's reservations or pins need a live lease.
         self._needs_lease = {Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN}
@@ -148,7 +151,7 @@ class MaruServer:
         self.max_object_size = max_obj
         rows = self.state.load_entries()
         alloc, rejected = ExtentAllocator.from_used(
-            pool.data_offset, pool.pool_size, pool.alignment, [(o, s) for _, o, s, _ in rows]
+            pool.data_offset, pool.pool_size, pool.alignment, [(r[1], r[2]) for r in rows]
         )
         if rejected:
             dropped = [rows[i][0] for i in rejected]
@@ -263,25 +266,44 @@ class MaruServer:
     # -- housekeeping -------------------------------------------------------------------------
 
     def reap(self) -> None:
-        """Expire silent clients: their reservations return to the pool, their pins go."""
+        """Expire silent clients: their reservations and pins go to quarantine (``quarantine.py``);
+        release the quarantine of holders now known dead, or held past ``--quarantine-timeout``."""
         gone = self.leases.expired()
         for lease in gone:
-            freed, released = self.registry.drop_client(lease.client)
+            held = self.registry.quarantine_client(lease.client)
             self.stats.add("leases_expired")
-            self.stats.add("reclaimed_reservations", freed)
-            self.stats.add("released_pins", released)
+            if held.extents:
+                self.quarantine.hold(lease)
+                self.stats.add("quarantines")
             log.info(
-                "lease of client %r (%s pid %s) expired after %.1f s of silence: freed %d reservations, "
-                "released %d pins",
+                "lease of client %r (%s pid %s) expired after %.1f s of silence: %d reservations and pinned "
+                "entries (%s) quarantined until it is known dead or fenced%s",
                 lease.client,
                 lease.host,
                 lease.pid,
                 self.leases.timeout_s,
-                freed,
-                released,
+                held.extents,
+                format_size(held.nbytes),
+                "" if not self.quarantine.timeout_s else f" (at most {self.quarantine.timeout_s:g} s)",
             )
+        for h, reason in self.quarantine.due():
+            self._release_quarantine(h.lease.client, reason)
         if gone:
             self._flush()
+
+    def _release_quarantine(self, client: Any, reason: str) -> None:
+        size, freed, released = self.registry.release_quarantine(client)
+        self.stats.add(f"quarantine_released_{reason.replace(' ', '_')}")
+        self.stats.add("reclaimed_reservations", freed)
+        self.stats.add("released_pins", released)
+        log.info(
+            "quarantine of client %r released (%s): %d reservations freed, %d pins released (%s may be reused)",
+            client,
+            reason,
+            freed,
+            released,
+            format_size(size.nbytes),
+        )
 
     def _flush_ticks(self) -> None:
         try:
@@ -375,8 +397,22 @@ class MaruServer:
                 ErrorCode.BAD_REQUEST, f"host must be a string of at most {V.MAX_HOST_LEN} characters"
             )
         V.int_field(pid, "pid", 0, 1 << 32)
+        where = {}
+        for name in ("boot_id", "pid_ns"):
+            value = body.get(name, "")
+            if type(value) is not str or len(value) > V.MAX_HOST_LEN:
+                raise V.Reject(
+                    ErrorCode.BAD_REQUEST, f"{name} must be a string of at most {V.MAX_HOST_LEN} characters"
+                )
+            where[name] = value
+        where["pid_start"] = V.int_field(body.get("pid_start", 0), "pid_start", 0, (1 << 63) - 1)
+        fenced = body.get("fenced", False)
+        if type(fenced) is not bool:
+            raise V.Reject(ErrorCode.BAD_REQUEST, "fenced must be true or false")
         info = V.info_field(body) if "info" in body else None
-        self.leases.grant(client, host, pid, info)
+        self.leases.grant(client, host, pid, info, **where)
+        if fenced and self.quarantine.release(client) is not None:
+            self._release_quarantine(client, "fenced")
         p = self.pool
         return P.ok(
             server_id=self.server_id,
@@ -417,6 +453,8 @@ class MaruServer:
         self.stats.add("reserves", len(sizes) - failures)
         self.stats.add("reserve_failures", failures)
         self._count_evictions(before)
+        if failures:
+            return P.ok(allocs=allocs, quarantined=reg.quarantined_bytes)
         return P.ok(allocs=allocs)
 
     def _count_evictions(self, before: int) -> None:
@@ -431,11 +469,21 @@ class MaruServer:
                 raise V.Reject(ErrorCode.BAD_REQUEST, "items must be [key: str, alloc_id: int] pairs")
             if len(it[0]) > V.MAX_FAST_KEY_CHARS:
                 V.check_long_key(it[0])
+        checksums = body.get("checksums")
+        if checksums is None:
+            checksums = [None] * len(items)
+        elif type(checksums) is not list or len(checksums) != len(items):
+            raise V.Reject(ErrorCode.BAD_REQUEST, "checksums must be a list of one checksum per item")
+        for c in checksums:
+            if c is not None and (type(c) is not int or not 0 <= c < 1 << 64):
+                raise V.Reject(
+                    ErrorCode.BAD_REQUEST, f"checksum {c!r:.40} must be an unsigned 64-bit int or nil"
+                )
         reg = self.registry
         results = []
         add = self.stats.add
-        for key, alloc_id in items:
-            r = reg.commit(client, key, alloc_id)
+        for (key, alloc_id), checksum in zip(items, checksums, strict=True):
+            r = reg.commit(client, key, alloc_id, checksum)
             results.append(r.value)
             if r is P.CommitResult.STORED:
                 add("stores")
@@ -463,12 +511,15 @@ class MaruServer:
         reg = self.registry
         found = [reg.pin(client, k) for k in keys] if pin else reg.lookup_many(keys)
         entries: list[list[int] | None] = []
+        checksums: list[int | None] = []
         served = 0
         for e in found:
             if e is None:
                 entries.append(None)
+                checksums.append(None)
             else:
                 entries.append([e.offset, e.size])
+                checksums.append(e.checksum)
                 served += e.size
         hits = len(keys) - entries.count(None)
         st = self.stats.counters
@@ -477,7 +528,7 @@ class MaruServer:
         st["bytes_served"] += served
         if pin:
             st["pins"] += hits
-        return P.ok(entries=entries)
+        return P.ok(entries=entries, checksums=checksums)
 
     def _exists(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         keys = V.keys_field(body)
@@ -524,6 +575,30 @@ class MaruServer:
     def _usage(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         return P.ok(**self.usage())
 
+    def _report(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        items = V.list_field(body, "corrupt")
+        for it in items:
+            if type(it) is not list or len(it) != 2 or type(it[0]) is not str or type(it[1]) is not int:
+                raise V.Reject(ErrorCode.BAD_REQUEST, "corrupt must list [key: str, offset: int] pairs")
+            V.check_long_key(it[0])
+        deleted = []
+        for key, offset in items:
+            e = self.registry.peek(key)
+            # Only the entry the reader checked: a report that arrives after the key was stored
+            # again (elsewhere) must not delete the new, good entry.
+            hit = e is not None and e.offset == offset and self.registry.delete(key)
+            deleted.append(bool(hit))
+            log.warning(
+                "client %r read key %r at offset %d and its bytes failed the checksum%s",
+                client,
+                key,
+                offset,
+                ": entry deleted so it can be stored again" if hit else " (entry already gone or moved)",
+            )
+        self.stats.add("integrity_failures", len(items))
+        self.stats.add("integrity_deletes", sum(deleted))
+        return P.ok(deleted=deleted)
+
     # -- views --------------------------------------------------------------------------------
 
     def usage(self) -> dict[str, Any]:
@@ -541,6 +616,8 @@ class MaruServer:
             "pinned": reg.pinned_entries,
             "reservations": reg.reservations,
             "clients": len(self.leases),
+            "quarantined": reg.quarantined_bytes,
+            "quarantined_extents": reg.quarantined_extents,
         }
 
     def clients_view(self, limit: int = P.MAX_STATS_CLIENTS) -> dict[str, Any]:
@@ -576,6 +653,9 @@ class MaruServer:
             "pinned_entries": u["pinned"],
             "reservations": u["reservations"],
             "clients": u["clients"],
+            "quarantined_bytes": u["quarantined"],
+            "quarantined_extents": u["quarantined_extents"],
+            "quarantined_clients": len(self.quarantine),
         }
         p = self.pool
         snap.update(

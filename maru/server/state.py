@@ -1,7 +1,10 @@
 """The server's durable state: SQLite in WAL mode in the state directory.
 
 What is stored: the pool identity (path, uuid, size, data offset, alignment) and every committed
-entry (key, offset, size, LRU tick). What is not: reservations and pins (volatile by design; a
+entry (key, offset, size, LRU tick, checksum). Schema 2 added the checksum: opening a schema-1
+database drops its entries (loudly): bytes nobody checksummed cannot be vouched for, and a key
+kept without one would stay a miss for every verifying reader while writers, seeing it present,
+never store it again. The cache refills. What is not: reservations and pins (volatile by design; a
 restart drops them and clients handshake again) and the free map (derived from the entries).
 
 Promise: ``flush`` commits every change buffered since the last flush in one transaction; the
@@ -24,7 +27,7 @@ from maru.pool.backing import PoolInfo
 
 log = logging.getLogger("maru.server.state")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATE_FILE = "maru-state.sqlite"
 TICK_FLUSH_S = 1.0
 
@@ -48,15 +51,36 @@ class StateStore:
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, offset INTEGER NOT NULL, "
-                "size INTEGER NOT NULL, tick INTEGER NOT NULL) WITHOUT ROWID"
+                "size INTEGER NOT NULL, tick INTEGER NOT NULL, checksum INTEGER) WITHOUT ROWID"
             )
+            self._migrate()
         except sqlite3.Error as e:
             raise PoolError(
                 f"cannot open state database {self.path}: {e}; check the state directory"
             ) from None
-        self._puts: dict[str, tuple[int, int, int]] = {}
+        self._puts: dict[str, tuple[int, int, int, int | None]] = {}
         self._removes: set[str] = set()
         self.transactions = 0
+
+    def _migrate(self) -> None:
+        """Bring an older database to ``SCHEMA_VERSION`` (see the module docstring)."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)")}
+        if "checksum" in columns:
+            return
+        n = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+        log.warning(
+            "state %s is from before object checksums (schema 1): dropping its %d entries, whose bytes "
+            "cannot be verified; the cache refills as clients store again",
+            self.path,
+            n,
+        )
+        self.db.execute("BEGIN")
+        self.db.execute("DELETE FROM entries")
+        self.db.execute("ALTER TABLE entries ADD COLUMN checksum INTEGER")
+        self.db.execute(
+            "INSERT OR REPLACE INTO meta (k, v) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+        self.db.execute("COMMIT")
 
     # -- pool identity ------------------------------------------------------------------------
 
@@ -114,8 +138,10 @@ class StateStore:
             self.db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (k, str(v)))
         self.db.execute("COMMIT")
 
-    def load_entries(self) -> list[tuple[str, int, int, int]]:
-        return self.db.execute("SELECT key, offset, size, tick FROM entries").fetchall()
+    def load_entries(self) -> list[tuple[str, int, int, int, int | None]]:
+        """Every committed entry as ``(key, offset, size, tick, checksum)``."""
+        rows = self.db.execute("SELECT key, offset, size, tick, checksum FROM entries").fetchall()
+        return [(k, o, s, t, _from_sql(c)) for k, o, s, t, c in rows]
 
     def drop_entries(self, keys: list[str]) -> None:
         self.db.execute("BEGIN")
@@ -124,9 +150,9 @@ class StateStore:
 
     # -- journal ------------------------------------------------------------------------------
 
-    def put(self, key: str, offset: int, size: int, tick: int) -> None:
+    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
         self._removes.discard(key)
-        self._puts[key] = (offset, size, tick)
+        self._puts[key] = (offset, size, tick, _to_sql(checksum))
 
     def remove(self, key: str) -> None:
         self._puts.pop(key, None)
@@ -148,8 +174,8 @@ class StateStore:
                 db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in self._removes])
             if self._puts:
                 db.executemany(
-                    "INSERT OR REPLACE INTO entries (key, offset, size, tick) VALUES (?, ?, ?, ?)",
-                    [(k, o, s, t) for k, (o, s, t) in self._puts.items()],
+                    "INSERT OR REPLACE INTO entries (key, offset, size, tick, checksum) VALUES (?, ?, ?, ?, ?)",
+                    [(k, o, s, t, c) for k, (o, s, t, c) in self._puts.items()],
                 )
             db.execute("COMMIT")
         except BaseException:
@@ -173,3 +199,12 @@ class StateStore:
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             self.db.close()
+
+
+# SQLite integers are signed 64-bit; checksums are unsigned 64-bit: stored two's complement.
+def _to_sql(checksum: int | None) -> int | None:
+    return None if checksum is None else checksum - (1 << 64) if checksum >= 1 << 63 else checksum
+
+
+def _from_sql(value: int | None) -> int | None:
+    return None if value is None else value + (1 << 64) if value < 0 else value

@@ -36,8 +36,14 @@ COUNTER_NAMES = (
     "pins",
     "unpins",
     "leases_expired",
-    "reclaimed_reservations",  # by lease expiry
-    "released_pins",  # by lease expiry
+    "quarantines",  # expired leases whose reservations/pins went to quarantine
+    "quarantine_released_dead",  # ... released: the holder's process is gone
+    "quarantine_released_fenced",  # ... released: the holder handshook again, fenced
+    "quarantine_released_timed_out",  # ... released: --quarantine-timeout passed
+    "reclaimed_reservations",  # freed when a quarantine was released
+    "released_pins",  # released when a quarantine was released
+    "integrity_failures",  # objects whose bytes failed their checksum (REPORT from readers)
+    "integrity_deletes",  # ... of those, entries deleted so the key can be stored again
     "malformed_frames",  # frames too short for a header, or with a broken envelope (no reply)
     "sql_transactions",
 )

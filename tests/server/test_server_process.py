@@ -116,10 +116,13 @@ def test_committed_keys_survive_sigkill_and_restart_with_the_same_offsets_and_by
         pool.close()
 
 
-def test_a_silent_clients_reservations_and_pins_are_reclaimed_after_its_lease(tmp_path: Path) -> None:
-    with ServerProcess(tmp_path, lease_timeout=1.0) as srv, RawClient(srv.url) as silent:
+def test_a_silent_clients_space_is_quarantined_then_reclaimed_after_the_quarantine_timeout(
+    tmp_path: Path,
+) -> None:
+    args = ["--quarantine-timeout", "2"]
+    with ServerProcess(tmp_path, lease_timeout=1.0, extra_args=args) as srv, RawClient(srv.url) as silent:
         with RawClient(srv.url) as alive:
-            silent.handshake()
+            silent.handshake()  # a RawClient sends no boot id: the server cannot watch its pid
             alive.handshake()
             r = silent.call(Op.RESERVE, sizes=[4096, 8192, 100])
             ids = [a[0] for a in r["allocs"]]
@@ -128,23 +131,34 @@ def test_a_silent_clients_reservations_and_pins_are_reclaimed_after_its_lease(tm
             kept_alive = alive.call(Op.RESERVE, sizes=[4096])["allocs"][0]
             u = alive.call(Op.USAGE)
             assert (u["reservations"], u["pinned"], u["clients"]) == (3, 1, 2)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                time.sleep(0.2)
-                u = alive.call(Op.HEARTBEAT) and alive.call(Op.USAGE)
-                if u["clients"] == 1:
-                    break
-            # The silent client's two reservations and its pin are gone; the alive one's stays.
+            u = _wait_usage(alive, lambda u: u["clients"] == 1)
+            # Lease gone; its two reservations and its pin are held in quarantine, not reused.
+            assert (u["reservations"], u["pinned"], u["quarantined_extents"]) == (3, 1, 3), u
+            assert u["quarantined"] == 4096 + 8192 + 4096
+            assert alive.call(Op.STATS)["counters"]["quarantines"] == 1
+            u = _wait_usage(alive, lambda u: u["quarantined"] == 0)
+            # After the quarantine timeout: the silent client's space is back; the alive one's stays.
             assert (u["reservations"], u["pinned"], u["clients"]) == (1, 0, 1), u
             assert u["used"] == 4096 + 4096  # "kept" + the alive client's reservation
             assert alive.call(Op.EXISTS, keys=["kept"])["present"] == [True]
             assert alive.call(Op.COMMIT, items=[["mine", kept_alive[0]]])["results"] == ["stored"]
-            assert alive.call(Op.STATS)["counters"]["leases_expired"] == 1
+            c = alive.call(Op.STATS)["counters"]
+            assert (c["leases_expired"], c["quarantine_released_timed_out"], c["released_pins"]) == (1, 1, 1)
         # The silent client comes back: told to handshake again, its old reservation is gone.
         assert silent.call(Op.HEARTBEAT)["known"] is False
         assert silent.call(Op.COMMIT, items=[["late", ids[1]]])["code"] == "unknown_client"
         silent.handshake()
         assert silent.call(Op.COMMIT, items=[["late", ids[1]]])["results"] == ["unknown_alloc"]
+
+
+def _wait_usage(c: RawClient, done, timeout_s: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        u = c.call(Op.HEARTBEAT) and c.call(Op.USAGE)
+        if done(u):
+            return u
+    raise AssertionError(f"usage never reached the expected state: {u}")
 
 
 def test_pool_full_evicts_lru_but_never_a_pinned_entry(tmp_path: Path) -> None:

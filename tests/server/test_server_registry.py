@@ -140,10 +140,57 @@ def test_dropping_a_client_frees_its_reservations_and_pins_but_keeps_its_keys() 
     assert reg.lru_keys()[-1] == "theirs"  # evictable again
 
 
+def test_quarantine_keeps_an_expired_clients_space_until_released() -> None:
+    reg = make(4)
+    store(reg, "theirs", client="other")
+    r = reg.reserve("stalled", A)
+    reg.pin("stalled", "theirs")
+    held = reg.quarantine_client("stalled")
+    assert (held.extents, held.nbytes) == (2, 2 * A)
+    assert reg.quarantined_bytes == 2 * A and reg.quarantined_extents == 2
+    assert not reg.client_has_state("stalled")
+    assert reg.commit("stalled", "late", r.alloc_id) is CommitResult.UNKNOWN_ALLOC
+    assert not reg.unpin("stalled", "theirs")
+    # The pool has 4 units: 2 quarantined; the other 2 go, and nothing evicts or reuses the held ones.
+    others = [reg.reserve("y", A) for _ in range(3)]
+    assert others[2] is None and {o.offset for o in others[:2]}.isdisjoint(
+        {r.offset, reg.peek("theirs").offset}
+    )
+    assert reg.delete("theirs")  # hidden at once, but its space stays held
+    assert reg.reserve("y", A) is None
+    size, freed, released = reg.release_quarantine("stalled")
+    assert (size.extents, freed, released) == (2, 1, 1)
+    assert reg.quarantined_bytes == 0 and reg.quarantined_extents == 0
+    assert reg.reserve("y", A) is not None and reg.reserve("y", A) is not None
+    reg.alloc.check()
+
+
+def test_a_second_expiry_adds_to_the_same_quarantine_without_counting_twice() -> None:
+    reg = make(4)
+    store(reg, "k", client="w")
+    reg.pin("c", "k")
+    reg.quarantine_client("c")
+    reg.pin("c", "k")
+    reg.reserve("c", A)
+    held = reg.quarantine_client("c")
+    assert (held.extents, held.nbytes) == (1, A)  # the entry is held already: only the reservation
+    assert reg.quarantined_extents == 2 and reg.peek("k").pinned
+    assert reg.release_quarantine("c")[2] == 2
+    assert not reg.peek("k").pinned and reg.lru_keys() == ["k"]
+
+
+def test_committed_checksum_travels_with_the_entry() -> None:
+    reg = make(4)
+    r = reg.reserve("w", 10)
+    reg.commit("w", "k", r.alloc_id, (1 << 64) - 5)
+    assert reg.lookup("k").checksum == (1 << 64) - 5
+
+
 def test_load_restores_entries_in_lru_order() -> None:
     alloc, rejected = ExtentAllocator.from_used(A, 5 * A, A, [(A, 10), (2 * A, 10), (3 * A, 10)])
     reg = KeyRegistry(alloc)
-    reg.load([("x", A, 10, 30), ("y", 2 * A, 10, 10), ("z", 3 * A, 10, 20)])
+    reg.load([("x", A, 10, 30, None), ("y", 2 * A, 10, 10, 7), ("z", 3 * A, 10, 20, None)])
+    assert reg.peek("y").checksum == 7
     assert reg.lru_keys() == ["y", "z", "x"]
     store(reg, "n")
     store(reg, "m")  # the pool has 4 units: evicts y

@@ -1,0 +1,113 @@
+"""The object checksum: 64 bits over an object's bytes, the same on the CPU and on a GPU.
+
+A writer computes it when it stores an object (``MaruHandler.batch_store`` sends it in COMMIT);
+the server keeps it with the key and returns it in LOOKUP; a reader recomputes it over the
+bytes it is about to trust and treats a difference as a miss. It detects a stale or buggy
+writer (a process that kept writing after its reservation was taken away); it is not a MAC: a
+process that can write the pool file can also forge a matching checksum (the pool file's
+permissions are the defence there; docs/reliability.md).
+
+Definition (``ALGORITHM``), over the object's ``n`` bytes zero-padded to a multiple of 8 and
+read as little-endian uint64 words ``w_0 .. w_{m-1}``, all arithmetic mod 2**64::
+
+    x_i = w_i + i * K1
+    x_i = x_i * K2;  x_i ^= x_i >> 32
+    x_i = x_i * K3;  x_i ^= x_i >> 29
+    h   = sum_i x_i
+    checksum = h ^ n
+
+Each word is mixed with its own index, so moved, swapped or zeroed words change the result;
+the sum makes it order-independent, so any number of threads (or a GPU grid: one program per
+block of words, ``tl.sum`` of uint64 per block, an atomic or a second-pass add) computes
+exactly the same value; this numpy version walks the words in cache-sized blocks. A Triton
+kernel must use the same constants, the same shifts, uint64 wrapping multiplies and the same
+zero padding. 64-bit words rather than 32-bit ones: half the words for the same bytes, which
+makes the numpy version about 1.7x faster (bench/checksum.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+ALGORITHM = "maru-mix64-sum-v1"
+K1 = 0x9E3779B97F4A7C15
+K2 = 0xBF58476D1CE4E5B9
+K3 = 0x94D049BB133111EB
+MASK64 = (1 << 64) - 1
+
+# Words per block: two uint64 temporaries of this many words stay in a core's L2.
+_BLOCK_WORDS = 1 << 15
+_K1 = np.uint64(K1)
+_K2 = np.uint64(K2)
+_K3 = np.uint64(K3)
+_S32 = np.uint64(32)
+_S29 = np.uint64(29)
+_BASE = np.arange(_BLOCK_WORDS, dtype=np.uint64) * _K1  # i * K1 for i in one block (wraps)
+
+
+def _as_bytes(buffer: Any) -> np.ndarray:
+    """``buffer`` as a flat uint8 array without copying (it must be C-contiguous)."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("checksum needs a C-contiguous buffer; pass np.ascontiguousarray(x)")
+        return buffer.reshape(-1).view(np.uint8)
+    mv = memoryview(buffer)
+    if not mv.c_contiguous:
+        raise ValueError("checksum needs a C-contiguous buffer")
+    return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+
+
+def checksum(buffer: Any) -> int:
+    """The checksum (see the module docstring) of ``buffer``'s bytes, an int in ``[0, 2**64)``.
+
+    ``buffer`` is anything with the buffer protocol (bytes, memoryview of the pool, a numpy
+    array), C-contiguous. Reads it once; never writes it.
+    """
+    data = _as_bytes(buffer)
+    n = data.size
+    full = n // 8
+    words = data[: full * 8].view("<u8")
+    total = 0
+    x = np.empty(min(_BLOCK_WORDS, max(full, 1)), dtype=np.uint64)
+    t = np.empty_like(x)
+    with np.errstate(over="ignore"):
+        for start in range(0, full, _BLOCK_WORDS):
+            m = min(_BLOCK_WORDS, full - start)
+            xx, tt = x[:m], t[:m]
+            np.add(words[start : start + m], _BASE[:m], out=xx)
+            if start:
+                # (start + i) * K1 == i * K1 + start * K1 (mod 2**64): one scalar add per block.
+                np.add(xx, np.uint64((start * K1) & MASK64), out=xx)
+            np.multiply(xx, _K2, out=xx)
+            np.right_shift(xx, _S32, out=tt)
+            np.bitwise_xor(xx, tt, out=xx)
+            np.multiply(xx, _K3, out=xx)
+            np.right_shift(xx, _S29, out=tt)
+            np.bitwise_xor(xx, tt, out=xx)
+            total += int(xx.sum(dtype=np.uint64))
+    if n % 8:
+        tail = bytes(data[full * 8 :]) + bytes(8 - n % 8)
+        total += _mix(int.from_bytes(tail, "little"), full)
+    return (total & MASK64) ^ n
+
+
+def _mix(word: int, index: int) -> int:
+    """One word's term, in plain ints (the tail word; also the readable reference)."""
+    x = (word + index * K1) & MASK64
+    x = (x * K2) & MASK64
+    x ^= x >> 32
+    x = (x * K3) & MASK64
+    x ^= x >> 29
+    return x
+
+
+def reference_checksum(data: bytes) -> int:
+    """The definition word by word in plain Python (slow; the oracle of the tests)."""
+    n = len(data)
+    padded = data + bytes(-n % 8)
+    total = 0
+    for i in range(len(padded) // 8):
+        total += _mix(int.from_bytes(padded[8 * i : 8 * i + 8], "little"), i)
+    return (total & MASK64) ^ n
