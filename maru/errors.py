@@ -69,3 +69,13 @@ class StaleAllocationError(MaruError):
     Its reservation was lost: the server restarted, or this client's lease expired, since
     ``alloc``. Nothing was published under its key. Call ``alloc`` again and rewrite the bytes.
     """
+
+
+class StaleViewError(MaruError):
+    """A retrieved view was revoked: its handler's session with the server was lost (the lease
+    expired while the process was stalled, or the server restarted). Retrieve the key again."""
+
+
+class IntegrityError(MaruError):
+    """An object's bytes do not match the checksum its writer committed: another process wrote
+    into its space. The object is treated as a miss (and reported to the server)."""

@@ -8,9 +8,17 @@ while read) and returns a view of the same memory. Every batch call is one round
 
 Sessions. A handshake starts a *session* with the server; reservations and pins belong to
 it. A background thread heartbeats; when the server forgets this client (it restarted, or
-the lease expired) the handler handshakes again on its own, re-pins what the caller still
-holds, and carries on. Reservations made in an earlier session cannot be stored any more:
-``store`` raises ``StaleAllocationError`` and publishes nothing.
+the lease expired) the handler first *fences* the old session (its reservations' and pinned
+views' pages of the pool mapping become private memory, so a thread still writing or reading
+through them no longer reaches the pool; their handles are revoked), then handshakes again,
+telling the server it fenced (so the server may reuse that space), and carries on.
+Reservations made in an earlier session cannot be stored any more: ``store`` raises
+``StaleAllocationError`` and publishes nothing; retrieved handles of an earlier session are
+no longer ``valid``.
+
+Integrity. ``store`` sends the checksum (``maru.checksum``) of each object's bytes; ``retrieve``
+recomputes it over the pinned view and returns None (a miss) when it differs, counts it
+(``integrity()``), warns once per key and reports it to the server (``maru stats``).
 
 Client info. ``set_client_info`` describes this client to operators (``maru stats``,
 ``maru doctor``): the map goes with every handshake and, when it changes, with the next
@@ -35,8 +43,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from maru import protocol
+from maru.checksum import checksum
+from maru.client.integrity import IntegrityLog
 from maru.client.mapping import PoolMapping
-from maru.client.objects import Allocation, AllocState, Retrieved
+from maru.client.objects import Allocation, AllocState, Retrieved, SessionToken
 from maru.client.replies import (
     INFO_REFUSALS,
     ServerInfo,
@@ -64,9 +74,22 @@ from maru.errors import (
     ServerError,
     StaleAllocationError,
 )
+from maru.procinfo import process_start_time, read_boot_id, read_pid_ns
 from maru.protocol import CommitResult, ErrorCode, Op
 
 log = logging.getLogger("maru.client")
+
+_BOOT_ID = read_boot_id()
+_PID_NS = read_pid_ns()
+_START: dict[int, int] = {}
+
+
+def _own_start_time() -> int:
+    """This process's start time in clock ticks (0 if unknown); per pid, so a fork reads its own."""
+    pid = os.getpid()
+    if pid not in _START:
+        _START[pid] = process_start_time(pid) or 0
+    return _START[pid]
 
 
 class MaruHandler:
@@ -93,11 +116,15 @@ class MaruHandler:
         # COMMIT can never race a re-handshake (which would invalidate its reservations).
         self._lock = threading.RLock()
         self._session = 0
+        self._token = SessionToken(0)
+        self._fence_pending = False  # an old session was fenced; the next handshake says so
+        self.integrity_log = IntegrityLog()
         self._info: ServerInfo | None = None
         self._mapping: PoolMapping | None = None
         self._old_mappings: list[PoolMapping] = []
         self._reserved: dict[int, Allocation] = {}
         self._pins: Counter[str] = Counter()
+        self._pinned_extents: Counter[tuple[int, int]] = Counter()  # (offset, size) of held pins
         self._pending_unpins: list[str] = []
         self._closed = False
         self._connected = False
@@ -140,14 +167,52 @@ class MaruHandler:
             return limit
         return wanted
 
+    def _fence_session(self) -> None:
+        """Make the lost session's reservations and pinned views unable to touch the pool, and
+        revoke their handles. Runs before the new handshake, so the server never reuses space
+        this process could still write through. Call with ``_lock`` held."""
+        self._token.alive = False
+        ranges = [(o.offset, o.size) for o in self._reserved.values()]
+        ranges += list(self._pinned_extents)
+        fenced = 0
+        if ranges and self._mapping is not None:
+            try:
+                fenced = self._mapping.fence(ranges)
+            except MaruError as e:
+                # Without a fence the server must keep the space quarantined until it times out.
+                log.error(
+                    "could not fence %d ranges of the lost session (%s); the server keeps them in quarantine",
+                    len(ranges),
+                    e,
+                )
+                fenced = -1
+        if fenced >= 0:
+            self.integrity_log.fenced(fenced)
+            self._fence_pending = True
+        # Reservations of the last session died with it: release their buffers now (a late
+        # ``store`` raises StaleAllocationError, a late write lands in fenced private pages).
+        for obj in self._reserved.values():
+            obj._finish(AllocState.ABORTED)
+        self._reserved.clear()
+        self._pins.clear()  # the server dropped these pins with the lease
+        self._pinned_extents.clear()
+        self._pending_unpins.clear()
+
     def _handshake(self) -> None:
-        """Start a new session: handshake, map the pool if it is a new one, re-pin held entries."""
+        """Start a new session: fence the old one, handshake, map the pool if it is a new one."""
         with self._lock:
+            if self._info is not None and self._token.alive:
+                self._fence_session()
             body: dict[str, Any] = {
                 "client_id": self.client_id,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
+                "boot_id": _BOOT_ID,
+                "pid_ns": _PID_NS,
+                "pid_start": _own_start_time(),
             }
+            if self._fence_pending:
+                body["fenced"] = True
             info_version, client_info = self._client_info_state()
             if info_version:
                 body["info"] = client_info
@@ -182,16 +247,11 @@ class MaruHandler:
             first = self._info is None
             self._info = info
             self._session += 1
+            self._token = SessionToken(self._session)
+            self._fence_pending = False
             self._connected = True
-            # Reservations of the last session died with it: the new session may hand their space
-            # to someone else, so release their buffers now (a late write then raises, not corrupts).
-            for obj in self._reserved.values():
-                obj._finish(AllocState.ABORTED)
-            self._reserved.clear()
-            self._pending_unpins.clear()
             if not first:
                 log.info("maru client %s: new session with server %s", self.client_id[:8], info.server_id)
-                self._repin()
 
     def _map_pool(self, info: ServerInfo) -> PoolMapping:
         path = self._pool_path_override or info.pool_path
@@ -210,25 +270,6 @@ class MaruHandler:
                 raise
             log.info("pool %s is %s on this host", info.pool_uuid, found)
             return PoolMapping(found, info.pool_uuid, info.pool_size, info.data_offset)
-
-    def _repin(self) -> None:
-        """Pins died with the old session; pin again what the caller still holds."""
-        keys = list(self._pins.elements())
-        if not keys:
-            return
-        lost: list[str] = []
-        for chunk in chunks(keys):
-            reply = self._call(Op.PIN, {"keys": chunk}, retry=False)
-            lost += [
-                k for k, ok in zip(chunk, reply_list(reply, "pinned", len(chunk)), strict=True) if not ok
-            ]
-        if lost:
-            log.warning(
-                "%d retrieved entries vanished while the server was away (e.g. %r); their views are "
-                "no longer protected: release them",
-                len(lost),
-                lost[0],
-            )
 
     def _rehandshake(self, seen_session: int) -> None:
         with self._lock:
@@ -476,11 +517,19 @@ class MaruHandler:
                         self._reserved[alloc_id] = obj
                         out.append(obj)
                     if missing:
+                        held = int(reply.get("quarantined", 0) or 0)
+                        quarantine = (
+                            f"; {format_size(held)} is held in quarantine for clients whose lease expired "
+                            "while they may still touch it (released when they are known dead or fenced, or "
+                            "after `maru server --quarantine-timeout`)"
+                            if held
+                            else ""
+                        )
                         raise PoolFullError(
                             f"pool {info.pool_path} ({format_size(info.data_size)}) is full: {missing} of "
-                            f"{len(sizes)} objects do not fit even after evicting every unpinned entry; "
-                            "raise `maru server --pool-size`, store smaller objects, or release retrieved "
-                            "handles sooner (pinned entries cannot be evicted)"
+                            f"{len(sizes)} objects do not fit even after evicting every unpinned entry"
+                            f"{quarantine}; raise `maru server --pool-size`, store smaller objects, or release "
+                            "retrieved handles sooner (pinned entries cannot be evicted)"
                         )
                 if any(o.session != self._session for o in out):
                     # A new session began between two chunks: the earlier chunks' reservations died.
@@ -524,24 +573,42 @@ class MaruHandler:
                 freed += int(reply.get("freed", 0))
         return freed
 
-    def store(self, key: str, obj: Allocation) -> CommitResult:
+    def store(self, key: str, obj: Allocation, checksum: int | None = None) -> CommitResult:
         """Publish ``obj`` under ``key``: from now on everyone sees the key with these bytes.
 
         Returns ``CommitResult.STORED``, or ``CommitResult.PRESENT`` when the key existed already
         (keys are write-once: this object's space is freed). Either way ``obj.buf`` is released.
+        ``checksum``: see ``batch_store``.
         """
-        return self.batch_store([key], [obj])[0]
+        return self.batch_store([key], [obj], None if checksum is None else [checksum])[0]
 
-    def batch_store(self, keys: Sequence[str], objs: Sequence[Allocation]) -> list[CommitResult]:
+    def batch_store(
+        self, keys: Sequence[str], objs: Sequence[Allocation], checksums: Sequence[int] | None = None
+    ) -> list[CommitResult]:
         """Publish many objects, one COMMIT round trip per MAX_BATCH. Per key: STORED or PRESENT.
 
-        Raises ``StaleAllocationError`` (publishing nothing) if an object was reserved before the
-        server restarted or this client's lease expired.
+        Each object goes with the checksum of its bytes (``maru.checksum``), which readers check:
+        computed here over ``obj.buf`` (about 1 GB/s per core, bench/RESULTS.md), or given in
+        ``checksums`` by a caller that computed it already (e.g. on the GPU from the source; it
+        must be of exactly the bytes in the pool). Raises ``StaleAllocationError`` (publishing
+        nothing) if an object was reserved before the server restarted or this client's lease
+        expired.
         """
         keys = check_keys(keys)
         objs = list(objs)
         if len(keys) != len(objs):
             raise ValueError(f"batch_store got {len(keys)} keys but {len(objs)} objects")
+        if checksums is None:
+            # Outside the connection lock: other threads keep talking to the server meanwhile.
+            sums: list[int | None] = [
+                checksum(o.buf) if isinstance(o, Allocation) and o.buf is not None else None for o in objs
+            ]
+        else:
+            sums = [int(c) for c in checksums]
+            if len(sums) != len(objs) or any(not 0 <= c < 1 << 64 for c in sums):
+                raise ValueError(
+                    f"batch_store needs one unsigned 64-bit checksum per object, got {checksums!r:.100}"
+                )
         results: list[CommitResult] = []
         with self._held():
             stale = []
@@ -561,11 +628,14 @@ class MaruHandler:
                     f"{len(stale)} objects (e.g. for key {stale[0]!r}) were reserved before maru server at "
                     f"{self.url} restarted or this client's lease expired; nothing was stored: alloc again"
                 )
-            for kchunk, ochunk in zip(chunks(keys), chunks(objs), strict=True):
+            for kchunk, ochunk, schunk in zip(chunks(keys), chunks(objs), chunks(sums), strict=True):
                 try:
                     reply = self._call(
                         Op.COMMIT,
-                        {"items": [[k, o.alloc_id] for k, o in zip(kchunk, ochunk, strict=True)]},
+                        {
+                            "items": [[k, o.alloc_id] for k, o in zip(kchunk, ochunk, strict=True)],
+                            "checksums": schunk,
+                        },
                         retry=False,
                     )
                 except StaleAllocationError as e:
@@ -624,15 +694,24 @@ class MaruHandler:
                 break
         return total
 
-    def retrieve(self, key: str, pin: bool = True) -> Retrieved | None:
-        """Look ``key`` up. None if absent; else a handle whose ``view`` reads the pool. Release it."""
-        return self.batch_retrieve([key], pin=pin)[0]
+    def retrieve(self, key: str, pin: bool = True, verify: bool = True) -> Retrieved | None:
+        """Look ``key`` up. None if absent (or, with ``verify``, if its bytes fail their
+        checksum); else a handle whose ``view`` reads the pool. Release it."""
+        return self.batch_retrieve([key], pin=pin, verify=verify)[0]
 
-    def batch_retrieve(self, keys: Sequence[str], pin: bool = True) -> list[Retrieved | None]:
+    def batch_retrieve(
+        self, keys: Sequence[str], pin: bool = True, verify: bool = True
+    ) -> list[Retrieved | None]:
         """Look many keys up, one LOOKUP round trip per MAX_BATCH; None for each absent key.
 
         With ``pin`` (default) every hit stays pinned until its handle is released. Without it the
         entry may be evicted and its space reused while you read: copy out at once, or pin.
+        With ``verify`` (default) each hit's bytes are checked against the checksum its writer
+        committed, after the pin is taken (``maru.checksum``, one read of the object on this CPU):
+        a mismatch, or an entry committed without a checksum, is a miss (None; the pin is released),
+        counted in ``integrity()``; a mismatch is also reported to the server. A caller that
+        checks the bytes itself after copying them (e.g. on the GPU) passes ``verify=False`` and
+        uses ``Retrieved.checksum``.
         """
         keys = check_keys(keys)
         out: list[Retrieved | None] = []
@@ -640,42 +719,91 @@ class MaruHandler:
             for chunk in chunks(keys):
                 reply = self._call(Op.LOOKUP, {"keys": chunk, "pin": bool(pin)})
                 entries = reply_list(reply, "entries", len(chunk))
+                sums = reply.get("checksums")
+                if not isinstance(sums, list) or len(sums) != len(chunk):
+                    sums = [None] * len(chunk)  # an older server: nothing to verify against
                 views = self._mapped().read_views(entries)
                 on_release = self._unpin_one if pin else None
                 pins = self._pins
-                for k, e, view in zip(chunk, entries, views, strict=True):
+                extents = self._pinned_extents
+                token = self._token
+                for k, e, view, c in zip(chunk, entries, views, sums, strict=True):
                     if view is None:
                         out.append(None)
                         continue
                     if pin:
                         pins[k] += 1
-                    out.append(Retrieved(k, e[0], view, pin, on_release))
+                        extents[(e[0], e[1])] += 1
+                    out.append(Retrieved(k, e[0], view, pin, on_release, c, token))
+            if verify:
+                self._verify_hits(out)
         return out
+
+    def _verify_hits(self, handles: list[Retrieved | None]) -> None:
+        """Replace each handle whose bytes fail their checksum (or have none) by None; release
+        those and report the corrupt ones to the server. Call with ``_lock`` held."""
+        bad: list[int] = []
+        corrupt: list[list[Any]] = []
+        for i, r in enumerate(handles):
+            if r is None:
+                continue
+            if r.checksum is None:
+                self.integrity_log.unverifiable(r.key)
+                bad.append(i)
+            elif checksum(r.view) != r.checksum:
+                self.integrity_log.failure(r.key, r.offset, self.url)
+                corrupt.append([r.key, r.offset])
+                bad.append(i)
+        self.integrity_log.verified(len(handles) - handles.count(None) - len(bad))
+        if not bad:
+            return
+        dropped = [handles[i] for i in bad]
+        for i in bad:
+            handles[i] = None
+        self.batch_release(dropped)
+        if corrupt:
+            try:
+                for chunk in chunks(corrupt):
+                    self._call(Op.REPORT, {"corrupt": chunk}, retry=False)
+            except MaruError as e:
+                log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
+
+    def integrity(self) -> dict[str, int]:
+        """This handler's integrity counters: verified, integrity_failures, unverifiable (entries
+        without a checksum, served as misses), fenced_sessions, fenced_bytes."""
+        return self.integrity_log.snapshot()
 
     def batch_release(self, handles: Iterable[Retrieved | None]) -> None:
         """Release many retrieve handles with one UNPIN round trip (None entries are skipped)."""
-        keys: list[str] = []
+        held: list[Retrieved] = []
         for r in handles:
             if r is None or r.released:
                 continue
-            if r.pinned:
-                keys.append(r.key)
+            if r.pinned and r._on_release is not None:
+                held.append(r)
                 r._on_release = None
             r.release()
-        self._unpin(keys)
+        self._unpin(held)
 
     def _unpin_one(self, r: Retrieved) -> None:
-        self._unpin([r.key])
+        self._unpin([r])
 
-    def _unpin(self, keys: list[str]) -> None:
-        if not keys:
+    def _unpin(self, handles: list[Retrieved]) -> None:
+        if not handles:
             return
         with self._held():
-            for k in keys:
-                self._pins[k] -= 1
-                if self._pins[k] <= 0:
-                    del self._pins[k]
-            if self._closed:
+            # Pins of a lost session died with its lease (and were fenced): nothing to give back.
+            handles = [r for r in handles if r.session is self._token]
+            keys = [r.key for r in handles]
+            for r in handles:
+                self._pins[r.key] -= 1
+                if self._pins[r.key] <= 0:
+                    del self._pins[r.key]
+                ext = (r.offset, r.size)
+                self._pinned_extents[ext] -= 1
+                if self._pinned_extents[ext] <= 0:
+                    del self._pinned_extents[ext]
+            if self._closed or not keys:
                 return
             try:
                 for chunk in chunks(keys):

@@ -7,10 +7,21 @@ hands out are absolute offsets into that mapping, so a slice of it *is* the obje
 Invariant: a ``PoolMapping`` exists only for a pool whose header carries the UUID the server
 announced, so a client can never read or write a different pool that happens to sit at the
 same path (a re-created file, another host's device).
+
+Fencing. ``fence(ranges)`` replaces those pages of the mapping, in place, by private anonymous
+memory (``mmap(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS)``): every view into them, held by any
+thread, keeps working but no longer reaches the pool (a write lands in private pages, a read
+sees zeros). A fenced range stays private until ``read_views`` or ``unfence`` is asked for an
+object that overlaps it (the server granted that space again): then the pool is mapped back
+over exactly the fenced range. Ranges are rounded out to whole pages, so fencing is exact when
+the pool's alignment is at least the page size (the default 4 KiB for a file, the device
+alignment for DAX). It acts on the CPU mapping only: a GPU that reaches the pool through a
+CUDA registration of this mapping still reaches the pool pages.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
@@ -21,6 +32,29 @@ from maru.errors import PoolError
 from maru.pool.header import HEADER_BYTES, PoolHeader
 
 log = logging.getLogger("maru.client")
+
+PAGE = mmap.PAGESIZE
+_MAP_FIXED = 0x10  # Linux; not exported by the mmap module
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+
+
+def _remap(address: int, length: int, flags: int, fd: int, offset: int) -> None:
+    """mmap(MAP_FIXED) over ``[address, address + length)`` of this process; raises PoolError."""
+    got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, offset)
+    if got is None or got == _MAP_FAILED or got != address:
+        err = ctypes.get_errno()
+        raise PoolError(f"cannot remap {length} bytes at {address:#x}: {os.strerror(err)}")
 
 
 class PoolMapping:
@@ -39,6 +73,8 @@ class PoolMapping:
             raise
         self._view: memoryview | None = memoryview(self._mmap)
         self._ro_view: memoryview | None = self._view.toreadonly()
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        self._fenced: list[tuple[int, int]] = []  # sorted [start, end) page ranges, private now
 
     @staticmethod
     def _map(path: str, pool_size: int) -> mmap.mmap:
@@ -102,6 +138,8 @@ class PoolMapping:
                 f"server placed an object at [{offset}, {offset + size}) outside the data region "
                 f"[{self.data_offset}, {self.size}) of pool {self.path}; client and server disagree on the pool"
             )
+        if self._fenced:
+            self.unfence(offset, size)
         return self._view[offset : offset + size]
 
     def read_views(self, entries: list[list[int] | None]) -> list[memoryview | None]:
@@ -110,6 +148,7 @@ class PoolMapping:
         if ro is None:
             raise PoolError(f"mapping of pool {self.path} is closed")
         lo, hi = self.data_offset, self.size
+        fenced = self._fenced
         out: list[memoryview | None] = []
         for e in entries:
             if e is None:
@@ -127,8 +166,53 @@ class PoolMapping:
                     f"server placed an object at {e!r}, outside the data region [{lo}, {hi}) of pool "
                     f"{self.path}; client and server disagree on the pool"
                 )
+            if fenced:
+                self.unfence(offset, size)
             out.append(ro[offset : offset + size])
         return out
+
+    # -- fencing (see the module docstring) ------------------------------------------------------
+
+    @property
+    def fenced_ranges(self) -> list[tuple[int, int]]:
+        """Page ranges ``[start, end)`` (pool offsets) that are private memory now."""
+        return list(self._fenced)
+
+    def fence(self, ranges: list[tuple[int, int]]) -> int:
+        """Make ``(offset, size)`` ranges private memory (their views stop reaching the pool).
+        Returns the bytes fenced. Raises PoolError if the kernel refuses (the caller must then
+        not tell the server it fenced)."""
+        if self._view is None:
+            return 0
+        total = 0
+        for offset, size in ranges:
+            start = offset - offset % PAGE
+            end = min(-(-(offset + max(size, 1)) // PAGE) * PAGE, self.size)
+            if start < self.data_offset or self._is_fenced(start, end):
+                continue
+            _remap(
+                self._base + start, end - start, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+            )
+            bisect.insort(self._fenced, (start, end))
+            total += end - start
+        return total
+
+    def unfence(self, offset: int, size: int) -> None:
+        """Map the pool back over every fenced range that overlaps ``[offset, offset + size)``."""
+        end = offset + max(size, 1)
+        hits = [r for r in self._fenced if r[0] < end and offset < r[1]]
+        if not hits:
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for start, stop in hits:
+                _remap(self._base + start, stop - start, mmap.MAP_SHARED, fd, start)
+                self._fenced.remove((start, stop))
+        finally:
+            os.close(fd)
+
+    def _is_fenced(self, start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in self._fenced)
 
     def close(self) -> None:
         """Unmap, unless views are still alive (then the OS unmaps when the last one goes)."""

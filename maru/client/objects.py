@@ -8,6 +8,12 @@ aborted) ``buf`` is released: the bytes of a published key never change.
 pool. While it is pinned (the default) the server will not evict the entry. ``release()``
 unpins it and releases ``view``; using ``view`` (or a slice of it) after that is a bug, because
 the space may be evicted and reused for another object.
+
+Revocation. Both handles belong to one session of their handler (a ``SessionToken``). When the
+session is lost (the lease expired while the process was stalled, or the server restarted) the
+handler fences their pool ranges (``PoolMapping.fence``) and kills the token: ``valid`` turns
+False at once for every handle of that session, ``verify()`` fails, ``check()`` raises.
+A reader that held a view across a stall learns it before it trusts the bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,19 @@ import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from maru.checksum import checksum as _checksum
+from maru.errors import IntegrityError, StaleViewError
+
+
+class SessionToken:
+    """One session of a handler with its server; ``alive`` turns False once, when it is lost."""
+
+    __slots__ = ("number", "alive")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.alive = True
 
 
 def _release_view(view: memoryview | None) -> None:
@@ -72,7 +91,7 @@ class Retrieved:
     thousands of these, so construction cost matters.)
     """
 
-    __slots__ = ("key", "offset", "view", "size", "pinned", "released", "_on_release")
+    __slots__ = ("key", "offset", "view", "size", "pinned", "released", "checksum", "session", "_on_release")
 
     def __init__(
         self,
@@ -81,6 +100,8 @@ class Retrieved:
         view: memoryview,
         pinned: bool,
         on_release: Callable[[Retrieved], None] | None = None,
+        checksum: int | None = None,
+        session: SessionToken | None = None,
     ) -> None:
         self.key = key
         self.offset = offset  # absolute offset in the pool: pool_address + offset is the first byte
@@ -88,7 +109,43 @@ class Retrieved:
         self.size = view.nbytes
         self.pinned = pinned
         self.released = False
+        self.checksum = checksum  # what the writer committed (maru.checksum); None: not known
+        self.session = session
         self._on_release = on_release
+
+    @property
+    def valid(self) -> bool:
+        """Not released, and the session that pinned it is still alive (its view was not revoked)."""
+        return not self.released and (self.session is None or self.session.alive)
+
+    def verify(self) -> bool:
+        """True iff ``valid`` and the bytes in ``view`` now match the committed checksum.
+
+        Reads the whole object once (``maru.checksum``). An entry committed without a checksum
+        cannot be verified: False.
+        """
+        if not self.valid or self.checksum is None or self.view is None:
+            return False
+        return _checksum(self.view) == self.checksum
+
+    def check(self) -> None:
+        """Raise ``StaleViewError`` if the view was revoked or released, ``IntegrityError`` if the
+        bytes do not match the committed checksum (or none was committed); else return."""
+        if not self.valid:
+            raise StaleViewError(
+                f"view of key {self.key!r} was {'released' if self.released else 'revoked'}: "
+                "this client's session with the server was lost; retrieve the key again"
+            )
+        if not self.verify():
+            raise IntegrityError(
+                f"bytes of key {self.key!r} at offset {self.offset} do not match "
+                + (
+                    "any checksum (none was committed)"
+                    if self.checksum is None
+                    else "their committed checksum"
+                )
+                + "; treat it as a miss"
+            )
 
     def __repr__(self) -> str:
         state = "released" if self.released else ("pinned" if self.pinned else "unpinned")
