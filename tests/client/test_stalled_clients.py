@@ -202,3 +202,26 @@ def test_a_killed_holders_quarantine_is_released_and_a_full_pool_says_why(tmp_pa
             y.abort(obj)
         finally:
             x.close()
+
+
+def test_bytes_changed_behind_a_committed_object_are_a_counted_reported_miss(tmp_path: Path) -> None:
+    """The deterministic half of the checksum test: another process (here, this one through its
+    own mapping of the pool file) changes 8 bytes of a committed object."""
+    import mmap
+
+    with ServerProcess(tmp_path, pool_size="16M") as srv, MaruHandler(srv.url) as y:
+        data = os.urandom(SIZE)
+        offset = put(y, "victim", data)
+        put(y, "bystander", data)
+        with open(srv.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            m[offset + 4096 : offset + 4104] = bytes(8)
+        got = y.batch_retrieve(["victim", "bystander"])
+        assert got[0] is None and got[1] is not None and got[1].tobytes() == data
+        got[1].release()
+        assert y.integrity()["integrity_failures"] == 1
+        c = y.stats()["counters"]
+        assert (c["integrity_failures"], c["integrity_deletes"]) == (1, 1)
+        assert y.usage()["pinned"] == 0  # the failed read's pin was given back
+        r = y.retrieve("bystander", verify=False)
+        assert r is not None and r.verify() and r.valid
+        r.release()
