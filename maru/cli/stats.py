@@ -31,6 +31,11 @@ COUNTER_ROWS = [
     ("bytes served", "bytes_served", True),
     ("reservations that did not fit", "reserve_failures", False),
     ("leases expired", "leases_expired", False),
+    ("leases quarantined", "quarantines", False),
+    ("quarantines released: holder dead", "quarantine_released_dead", False),
+    ("quarantines released: holder fenced", "quarantine_released_fenced", False),
+    ("quarantines released: timed out", "quarantine_released_timed_out", False),
+    ("integrity failures (checksum mismatch)", "integrity_failures", False),
 ]
 
 
@@ -88,6 +93,12 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) 
     pool.add_row("reserved (not yet stored)", format_size(int(g["pool_reserved_bytes"])))
     pool.add_row("entries", f"{int(g['entries']):,}")
     pool.add_row("pinned entries", f"{int(g['pinned_entries']):,}")
+    if "quarantined_bytes" in g:  # absent from older servers
+        pool.add_row(
+            "quarantined (expired holders)",
+            f"{format_size(int(g['quarantined_bytes']))} in {int(g['quarantined_extents']):,} extents, "
+            f"{int(g['quarantined_clients']):,} clients",
+        )
     pool.add_row("clients", f"{int(g['clients']):,}")
     header = (
         f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "

@@ -222,6 +222,14 @@ def test_bytes_changed_behind_a_committed_object_are_a_counted_reported_miss(tmp
         c = y.stats()["counters"]
         assert (c["integrity_failures"], c["integrity_deletes"]) == (1, 1)
         assert y.usage()["pinned"] == 0  # the failed read's pin was given back
+        from rich.console import Console
+
+        from maru.cli.stats import render
+
+        console = Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115
+        console.print(render(y.stats(), None, None))
+        shown = console.export_text()
+        assert "integrity failures (checksum mismatch)" in shown and "quarantined (expired holders)" in shown
         r = y.retrieve("bystander", verify=False)
         assert r is not None and r.verify() and r.valid
         r.release()
