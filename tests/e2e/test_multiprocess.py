@@ -282,7 +282,8 @@ def test_a_client_paused_past_its_lease_recovers_and_cannot_store_its_lost_reser
         w.call("reserve_and_fill", [4096, 8192])
         os.kill(w.pid, signal.SIGSTOP)  # silent: no heartbeats (like a long GC pause or a debugger)
         try:
-            wait_until(lambda: h.usage()["reservations"] == 0, 20.0, "the paused client's lease to expire")
+            # Its reservations go to quarantine, not back to the pool: it may still write there.
+            wait_until(lambda: h.usage()["quarantined"] > 0, 20.0, "the paused client's lease to expire")
         finally:
             os.kill(w.pid, signal.SIGCONT)
         status, err = w.call_raw("store_held", ["lost-1", "lost-2"])
@@ -291,6 +292,9 @@ def test_a_client_paused_past_its_lease_recovers_and_cannot_store_its_lost_reser
         # The same process, not restarted, works on in a new session.
         assert w.call("store_derived", ["after-pause"]) == ["stored"]
         assert w.call("read", ["after-pause"]) == {"after-pause": sha(content("after-pause"))}
+        # It fenced its old session and said so: the quarantine is released, the space reusable.
+        wait_until(lambda: h.usage()["quarantined"] == 0, 20.0, "the fenced client's quarantine release")
+        assert h.stats()["counters"]["quarantine_released_fenced"] == 1
 
 
 def test_calls_to_a_dead_server_raise_a_clear_error_within_the_timeout(tmp_path: Path) -> None:
