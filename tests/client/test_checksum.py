@@ -1,0 +1,32 @@
+"""``maru.checksum``: the numpy version equals the word-by-word definition, and it notices the
+changes a stale writer makes (a changed, zeroed or moved word, a different length)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maru.checksum import checksum, reference_checksum
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 8 * (1 << 15) + 3, 2 * 8 * (1 << 15) + 17])
+def test_checksum_equals_the_reference_definition_on_random_bytes(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert checksum(data) == reference_checksum(data)
+    assert checksum(memoryview(data)) == checksum(np.frombuffer(data, dtype=np.uint8)) == checksum(data)
+
+
+def test_checksum_changes_when_a_word_changes_moves_or_the_length_differs() -> None:
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8).tobytes())
+    base = checksum(data)
+    changed = bytearray(data)
+    changed[40_000] ^= 1
+    swapped = bytearray(data)
+    swapped[0:8], swapped[8:16] = data[8:16], data[0:8]
+    zeroed = bytes(len(data))
+    assert len({base, checksum(changed), checksum(swapped), checksum(zeroed), checksum(data + b"\0")}) == 5
+
+
+def test_checksum_refuses_a_non_contiguous_buffer() -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        checksum(np.zeros((4, 4), dtype=np.uint8)[:, ::2])
