@@ -9,7 +9,9 @@ import sys
 
 def _modules_after(stmt: str) -> set[str]:
     code = f"import sys; {stmt}; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     return set(out.stdout.split())
 
 
