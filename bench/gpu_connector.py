@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
-from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer  # noqa: E402
+from maru.transfer.engine import KVTransferEngine  # noqa: E402
+from maru.transfer.records import ChunkRef, RequestTransfer  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
 L, NH, HS, BS = 32, 8, 128, 16

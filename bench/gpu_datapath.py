@@ -3,7 +3,7 @@
 Geometry: 32 layers, 8 KV heads, head size 128, bf16, block size 16 (a Llama-3-8B-like model), a
 FlashInfer-order NHD cache of 4096 blocks per layer; a request's blocks are random, tokens in a
 block consecutive (as vLLM allocates). Objects are 256-token chunks in a pool file under /dev/shm,
-mmapped and registered with CUDA (maru.client.cuda_host), moved by maru.kv_ops.pipeline.
+mmapped and registered with CUDA (maru.client.cuda_host), moved by maru.kv_ops.device_pipeline.
 
 Prints, for 256, 2048 and 16384 tokens:
 * the measured pinned host<->device ceiling (a plain pinned tensor copy of the same bytes),
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
 from maru.client import cuda_host  # noqa: E402
-from maru.kv_ops import pipeline as pl  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
 
 L, NH, HS, BS = 32, 8, 128, 16
 NB = 4096
@@ -130,7 +130,7 @@ def main() -> None:
 
     caches = make_caches(NB)
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
-    engine = pl.TransferEngine(caches, layout, backend=args.backend)
+    engine = pl.DevicePipeline(caches, layout, backend=args.backend)
     chunk_bytes = engine.object_bytes(CHUNK)
     max_tokens = max(SIZES)
     pool_size = (max_tokens // CHUNK) * chunk_bytes + (64 << 20)
@@ -164,7 +164,7 @@ def main() -> None:
         print("registration failed: the figures below are pageable copies")
 
     # The layer-overlap load through staging copies (the path before the direct kernel), for comparison.
-    staged = pl.TransferEngine(caches, layout, backend=args.backend, layer_path="staged")
+    staged = pl.DevicePipeline(caches, layout, backend=args.backend, layer_path="staged")
     rows = []
     for t in SIZES:
         region = torch.frombuffer(pool.mm, dtype=torch.bfloat16, count=engine.object_bytes(t) // 2)
@@ -277,13 +277,13 @@ def main() -> None:
 
 
 def measure_size(
-    engine: pl.TransferEngine,
+    engine: pl.DevicePipeline,
     objs: list[torch.Tensor],
     slots: torch.Tensor,
     r: int,
     dev: torch.device,
     region: torch.Tensor,
-    staged: pl.TransferEngine,
+    staged: pl.DevicePipeline,
 ) -> dict[str, float]:
     """Every figure of one table row (one request size)."""
     t = sum(o.shape[2] for o in objs)
@@ -365,11 +365,11 @@ def variants(
     t = sum(o.shape[2] for o in objs)
     for graphs in (True, False):
         for raw in (True, False):
-            e = pl.TransferEngine(caches, layout, backend=backend, use_graphs=graphs, raw_cuda=raw)
+            e = pl.DevicePipeline(caches, layout, backend=backend, use_graphs=graphs, raw_cuda=raw)
             nbytes = e.object_bytes(t)
             issue: list[float] = []
 
-            def layers(e: pl.TransferEngine = e, issue: list[float] = issue) -> pl.Transfer:
+            def layers(e: pl.DevicePipeline = e, issue: list[float] = issue) -> pl.Transfer:
                 h = e.load_layers(objs, slots)
                 issue.append(h.issue_s)
                 return h

@@ -20,13 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_datapath import BS, HS, NB, NH, L, make_caches, request_slots  # noqa: E402
 from maru import kv_ops  # noqa: E402
 from maru.client import cuda_host  # noqa: E402
-from maru.kv_ops import pipeline as pl  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
 
 
 def main() -> None:
     caches = make_caches(NB)
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
-    engine = pl.TransferEngine(caches, layout)
+    engine = pl.DevicePipeline(caches, layout)
     cb = engine.object_bytes(256)
     mm = mmap.mmap(-1, 64 * cb, flags=mmap.MAP_SHARED)
     torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
@@ -47,7 +47,7 @@ def _torch_wait(stream: torch.cuda.Stream) -> None:
     stream.wait_stream(torch.cuda.current_stream())
 
 
-def run(engine: pl.TransferEngine, mm: mmap.mmap, cb: int, gen: torch.Generator, variant: str) -> None:
+def run(engine: pl.DevicePipeline, mm: mmap.mmap, cb: int, gen: torch.Generator, variant: str) -> None:
     for chunks in (1, 8, 64):
         objs = [engine.host_object(mm, 256, i * cb) for i in range(chunks)]
         slots = request_slots(256 * chunks, NB, gen)

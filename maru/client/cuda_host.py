@@ -32,6 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from maru.announce import first_time
+from maru.cudart import find_cudart
+
 log = logging.getLogger("maru.client")
 
 GiB = 1 << 30
@@ -122,7 +125,7 @@ class _CudaRuntime:
     def error_name(self, code: int) -> str:
         try:
             # torch exposes cudaGetErrorString only through the raw library; a code is enough.
-            lib = ctypes.CDLL(_find_cudart())
+            lib = ctypes.CDLL(find_cudart())
             lib.cudaGetErrorString.restype = ctypes.c_char_p
             return f"{lib.cudaGetErrorString(code).decode()} (cudaError {code})"
         except Exception:  # noqa: BLE001 - naming the error is best effort, the code is kept
@@ -132,15 +135,6 @@ class _CudaRuntime:
     def _code(result: Any) -> int:
         # torch returns a cudaError enum member (int-like); older versions a plain int.
         return int(getattr(result, "value", result))
-
-
-def _find_cudart() -> str:
-    """Path of the libcudart this process already loaded (torch's), so we talk to the same runtime."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if "libcudart" in line:
-                return line.split()[-1]
-    raise OSError("libcudart is not loaded in this process")
 
 
 def _cuda_unavailable_reason() -> str | None:
@@ -166,7 +160,6 @@ class CudaHostRegistry:
     def __init__(self, runtime_factory: Callable[[], Any] | None = None) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[int, int], HostRegistration] = {}
-        self._announced: set[tuple[int, int]] = set()
         self._runtime_factory = runtime_factory or _CudaRuntime
         self._runtime: Any = None
 
@@ -295,10 +288,10 @@ class CudaHostRegistry:
         record._slices.clear()
 
     def _announce(self, record: HostRegistration) -> None:
-        key = (record.address, record.size)
-        if key in self._announced:
+        # Once per registry and range (a test's private registry announces on its own).
+        key = f"cuda_host:{id(self)}:{record.address:#x}:{record.size}"
+        if not first_time(key):
             return
-        self._announced.add(key)
         if record.state == "registered":
             log.info("%s", record.describe())
         elif record.state == "unavailable":

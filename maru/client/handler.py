@@ -152,6 +152,11 @@ class MaruHandler(SessionClient):
         """Virtual address of the first byte of the pool mapping in this process."""
         return self._mapped().address
 
+    @property
+    def pool_mapping(self) -> PoolMapping:
+        """The pool mapping (address, size, path), e.g. to register it with CUDA once."""
+        return self._mapped()
+
     def _mapped(self) -> PoolMapping:
         if self._mapping is None or self._closed:
             raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
+from maru.announce import announce_once
 from maru.errors import BackendUnavailable
 
 log = logging.getLogger("maru.kv_ops")
@@ -82,22 +82,18 @@ def choose(device_type: str | None = None) -> BackendChoice:
     )
 
 
-_announced: set[tuple[str, str]] = set()
-_lock = threading.Lock()
-
-
 def _announce(choice: BackendChoice) -> None:
-    key = (choice.device, choice.name)
-    with _lock:
-        if key in _announced:
-            return
-        _announced.add(key)
+    key = f"kv_ops.backend:{choice.device}:{choice.name}"
     if choice.name == "reference" and choice.device == "cuda":
-        log.warning(
-            "maru.kv_ops: SLOW PATH: placing KV with the PyTorch reference on a GPU; %s", choice.reason
+        announce_once(
+            log,
+            key,
+            logging.WARNING,
+            "maru.kv_ops: SLOW PATH: placing KV with the PyTorch reference on a GPU; %s",
+            choice.reason,
         )
     else:
-        log.info("maru.kv_ops: placing KV with %s", choice)
+        announce_once(log, key, logging.INFO, "maru.kv_ops: placing KV with %s", choice)
 
 
 def resolve(requested: str | None, device_type: str) -> str:

@@ -93,6 +93,9 @@ class MaruConnectorConfig:
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
     overlap_load_with_compute: bool = False
     async_store: bool = False
+    # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
+    # must observe blocks held by a store in flight. Never set it in production.
+    store_drain_delay_s: float = 0.0
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -120,6 +123,8 @@ class MaruConnectorConfig:
                 kw[name] = _as_int(key, value, 1)
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
+            elif name == "store_drain_delay_s":
+                kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
             else:
                 kw[name] = _as_bool(key, value)
         if "server_url" in kw and not kw["server_url"].strip():

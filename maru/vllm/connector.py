@@ -2,7 +2,7 @@
 
 vLLM builds one instance per role: the SCHEDULER instance delegates to
 ``MaruSchedulerConnector`` (what to load and store), each WORKER instance to
-``MaruWorkerConnector`` (moving the bytes through ``KVTransferEngine``). They share nothing
+``MaruWorkerConnector`` (moving the bytes through ``maru.transfer``). They share nothing
 but the per-step ``MaruConnectorMetadata`` and the key scheme (``KeySpace``), which both
 roles derive from the same vLLM config, so they agree without talking.
 
@@ -18,7 +18,6 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,7 +28,6 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.scheduler import MaruSchedulerConnector
-from maru.vllm.worker import MaruWorkerConnector
 
 try:  # vLLM >= 0.32 labels where external hits come from
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -39,7 +37,13 @@ except ImportError:  # pragma: no cover
     _HIT_SOURCE = None
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
+
+    from maru.vllm.worker import MaruWorkerConnector
+
+# The metadata record is plain (torch- and vLLM-free, for the scheduler side); vLLM sees it as its own.
+KVConnectorMetadata.register(MaruConnectorMetadata)
 
 logger = logging.getLogger("maru.vllm")
 
@@ -74,7 +78,7 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
         num_kv_heads=int(mc.get_num_kv_heads(pc)),
         head_size=int(mc.get_head_size()),
         chunk_tokens=cfg.kv_chunk_tokens,
-        tp_rank=0,  # ranks are told apart by a per-rank key suffix (see scheduler.rank_keys)
+        tp_rank=0,  # ranks are told apart by a per-rank key suffix (see keys.rank_keys)
         tp_size=int(pc.tensor_parallel_size),
         tenant=cfg.namespace,
     )
@@ -159,6 +163,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 cfg.enable_store,
             )
         else:
+            from maru.vllm.worker import MaruWorkerConnector  # the worker side imports torch
+
             tp_rank = 0
             if self.key_space.tp_size > 1:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -135,3 +135,8 @@ class ChunkKeyer:
             done = n
             out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))
         return out
+
+
+def rank_keys(key: str, tp_size: int) -> list[str]:
+    """The per-rank keys of one chunk: with tensor parallelism each rank stores its own head shard."""
+    return [key] if tp_size == 1 else [f"{key}@{r}" for r in range(tp_size)]

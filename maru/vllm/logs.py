@@ -1,45 +1,33 @@
-"""The connector's logger, and announcements made once per process.
+"""The connector's logger and its one announcement that comes and goes: the server is unreachable.
 
 In vLLM's in-process mode the scheduler-side and worker-side connectors share one process; a
-dead server must still produce one warning there, not one per side (nor one per step).
+dead server must produce one warning there, not one per side nor one per step (``maru.announce``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any
+
+from maru.announce import announce_once, forget
 
 logger = logging.getLogger("maru.vllm")
-
-_lock = threading.Lock()
-_announced: set[str] = set()
-
-
-def warn_once(key: str, msg: str, *args: Any) -> bool:
-    """Log ``msg`` as a warning unless ``key`` was announced already (until ``forget(key)``)."""
-    with _lock:
-        if key in _announced:
-            return False
-        _announced.add(key)
-    logger.warning(msg, *args)
-    return True
-
-
-def forget(key: str) -> bool:
-    """Allow ``key`` to be announced again (the condition ended). True if it had been announced."""
-    with _lock:
-        if key in _announced:
-            _announced.discard(key)
-            return True
-        return False
-
-
-def unreachable_key(url: str) -> str:
-    return f"unreachable:{url}"
-
 
 UNREACHABLE_MSG = (
     "Maru: cannot reach maru server at %s (%s); vLLM computes every prompt itself (no loads, no stores) "
     "until it is reachable again (retrying every %.0f s). Start it with `maru server` or fix maru_server_url."
 )
+
+
+def _key(url: str) -> str:
+    return f"vllm.unreachable:{url}"
+
+
+def warn_unreachable(url: str, why: str, retry_s: float) -> None:
+    """Warn once (per process, until ``reconnected``) that the server at ``url`` cannot be reached."""
+    announce_once(logger, _key(url), logging.WARNING, UNREACHABLE_MSG, url, why, retry_s)
+
+
+def reconnected(url: str) -> None:
+    """The server at ``url`` answers again: say so if it had been announced unreachable."""
+    if forget(_key(url)):
+        logger.warning("Maru: reconnected to maru server at %s", url)

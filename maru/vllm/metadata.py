@@ -1,20 +1,20 @@
 """What the scheduler-side connector tells the worker-side connector each step.
 
-Plain data (picklable: in vLLM's multi-process mode it crosses a process boundary). The
-scheduler decides *what* moves; the worker only executes it.
+Plain data (picklable: in vLLM's multi-process mode it crosses a process boundary) and torch-free:
+the scheduler side imports it without torch or vLLM. ``maru.vllm.connector`` registers the class as
+a virtual subclass of vLLM's ``KVConnectorMetadata``. The scheduler decides *what* moves; the
+worker only executes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-from maru.vllm.transfer import RequestTransfer
+from maru.transfer.records import RequestTransfer
 
 
 @dataclass
-class MaruConnectorMetadata(KVConnectorMetadata):
+class MaruConnectorMetadata:
     """One step's work.
 
     ``loads``: requests whose leading tokens come from Maru this step; the worker places them

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru.errors import MaruError
+from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.keys import ChunkKeyer, PromptKeys
-from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
+from maru.vllm.keys import ChunkKeyer, PromptKeys, rank_keys
+from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
-from maru.vllm.transfer import ChunkRef, RequestTransfer
 
 logger = logging.getLogger("maru.vllm")
 
@@ -40,11 +40,6 @@ logger = logging.getLogger("maru.vllm")
 # many keys a request probes only the tails at its own last chunk (the same-prompt case).
 _MAX_PROBE_KEYS = 4096
 _RECONNECT_S = 10.0
-
-
-def rank_keys(key: str, tp_size: int) -> list[str]:
-    """The per-rank keys of one chunk: with tensor parallelism each rank stores its own head shard."""
-    return [key] if tp_size == 1 else [f"{key}@{r}" for r in range(tp_size)]
 
 
 @dataclass
@@ -139,28 +134,15 @@ class MaruSchedulerConnector:
             self._client = self._client_factory()
         except Exception as e:  # never raise into vLLM's scheduler
             self._next_connect = now + _RECONNECT_S
-            warn_once(
-                unreachable_key(self.cfg.server_url),
-                UNREACHABLE_MSG,
-                self.cfg.server_url,
-                _describe(e),
-                _RECONNECT_S,
-            )
+            warn_unreachable(self.cfg.server_url, _describe(e), _RECONNECT_S)
             return None
-        if forget(unreachable_key(self.cfg.server_url)):
-            logger.warning("Maru: reconnected to maru server at %s", self.cfg.server_url)
+        reconnected(self.cfg.server_url)
         return self._client
 
     def _drop_client(self, why: Exception) -> None:
         client, self._client = self._client, None
         self._next_connect = time.monotonic() + _RECONNECT_S
-        warn_once(
-            unreachable_key(self.cfg.server_url),
-            UNREACHABLE_MSG,
-            self.cfg.server_url,
-            _describe(why),
-            _RECONNECT_S,
-        )
+        warn_unreachable(self.cfg.server_url, _describe(why), _RECONNECT_S)
         try:
             client.close()
         except Exception:

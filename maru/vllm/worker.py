@@ -16,71 +16,29 @@ same step are dropped, because their KV was computed on top of the missing conte
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from maru import kv_ops
 from maru.errors import UnsupportedLayout
+from maru.transfer.background import AsyncLoader
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.loads import LayerByLayerLoad
+from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer, StoreReport
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.logs import UNREACHABLE_MSG, forget, unreachable_key, warn_once
+from maru.vllm.keys import rank_keys
+from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
-from maru.vllm.scheduler import rank_keys
-from maru.vllm.transfer import (
-    AsyncLoader,
-    BackgroundRunner,
-    ChunkRef,
-    KVTransferEngine,
-    LayerwiseLoad,
-    LoadReport,
-    PendingStore,
-    PipelinedLayerLoad,
-    RequestTransfer,
-    StoreReport,
-)
+from maru.vllm.worker_stats import WorkerStats
+from maru.vllm.write_behind import WriteBehind
 
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
-# Test hook: seconds the write-behind drain thread sleeps before each store (a slow drain).
-DRAIN_DELAY_ENV = "MARU_TEST_STORE_DRAIN_DELAY_S"
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass
-class WorkerStats:
-    """Cumulative counters of one worker (``MaruKVConnector.maru_stats()``)."""
-
-    loads: int = 0
-    tokens_loaded: int = 0
-    chunks_loaded: int = 0
-    bytes_loaded: int = 0
-    load_errors: int = 0
-    load_seconds: float = 0.0
-    chunks_stored: int = 0
-    chunks_present: int = 0
-    tokens_stored: int = 0
-    bytes_stored: int = 0
-    store_failures: int = 0
-    stores_dropped: int = 0
-    store_seconds: float = 0.0
-    async_loads: int = 0  # maru_async_load: loads started on the loader thread
-    async_load_failures: int = 0
-    overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
-    layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
-    deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
-    stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
-    sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
-    sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)
-    preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
-    stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[str]:
@@ -126,22 +84,15 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
-        self._layer_load: LayerwiseLoad | PipelinedLayerLoad | None = None
+        self._layer_load: LayerByLayerLoad | None = None
         self._layer_load_reqs: dict[str, RequestTransfer] = {}
-        # CUDA layer loads after their forward: unpinned once done() (get_finished polls them).
-        self._layer_releases: list[PipelinedLayerLoad] = []
+        # Layer loads after their forward, still running on the device: unpinned once done()
+        # (get_finished polls them).
+        self._layer_releases: list[LayerByLayerLoad] = []
         self._loader: AsyncLoader | None = None  # maru_async_load
-        self._drain: BackgroundRunner | None = None  # maru_async_store
-        # Write-behind bookkeeping (maru_async_store). ``_owed``: requests with a store planned since
-        # their last preemption, exactly the ones the scheduler delays the free of; each is reported
-        # once in finished_sending after it appeared in finished_req_ids (``_finished``) and every
-        # store batch naming it drained (``_inflight`` counts them; ``_batches`` for the barrier).
-        self._owed: set[str] = set()
-        self._finished: set[str] = set()
-        self._inflight: dict[str, int] = {}
-        self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
-        self._drain_delay_s = float(os.environ.get(DRAIN_DELAY_ENV, "0") or 0)
-        self._write_behind_mode = "not connected yet"
+        self.write_behind = WriteBehind(
+            self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
+        )
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -193,19 +144,12 @@ class MaruWorkerConnector:
             self._client = self._client_factory()
         except Exception as e:
             self._next_connect = now + _RECONNECT_S
-            warn_once(
-                unreachable_key(self.cfg.server_url),
-                UNREACHABLE_MSG,
-                self.cfg.server_url,
-                f"{type(e).__name__}: {e}",
-                _RECONNECT_S,
-            )
+            warn_unreachable(self.cfg.server_url, f"{type(e).__name__}: {e}", _RECONNECT_S)
             return False
-        if forget(unreachable_key(self.cfg.server_url)):
-            logger.warning("Maru: reconnected to maru server at %s", self.cfg.server_url)
+        reconnected(self.cfg.server_url)
         self.engine = KVTransferEngine(self.caches, self.layout, self._client)
         if self.cfg.async_store:
-            self._announce_write_behind(self.engine.data_path)
+            self.write_behind.announce(self.engine.data_path)
         self._report_paths()
         return True
 
@@ -236,19 +180,9 @@ class MaruWorkerConnector:
                         f"pool not registered with CUDA ({why}): pool<->GPU copies are pageable, ~11x "
                         "slower. Fix: see `maru doctor` (pool registered with CUDA) and docs/gpu.md"
                     )
-            if eng.data_path == "staged":
-                slow.append(
-                    "KV moves through the staged per-chunk path (the pipelined GPU engine could not be "
-                    "built; the worker log says why). Fix: CUDA caches and a working triton install"
-                )
-            pipe = eng.pipeline
-            if pipe is not None and self.cfg.overlap_load_with_compute:
-                paths["layer_graphs"] = "on" if pipe.layer_graphs else "off"
-                if not pipe.layer_graphs:
-                    slow.append(
-                        "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of "
-                        "~6-9. Fix: the triton backend (maru doctor: kv_ops backend)"
-                    )
+            extra, path_slow = eng.path.report(self.cfg.overlap_load_with_compute)
+            paths.update(extra)
+            slow.extend(path_slow)
         return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
 
     def _report_paths(self) -> None:
@@ -260,35 +194,17 @@ class MaruWorkerConnector:
         except Exception as e:  # a report is informative; it must never cost the connection
             logger.info("Maru: could not report the data paths to the server: %s", e)
 
-    def _announce_write_behind(self, data_path: str) -> None:
-        mode = {
-            "cpu": "the drain thread reserves, gathers and publishes",
-            "pipelined": "the gather is queued on the copy engine after the forward; the drain thread "
-            "waits for it, then publishes",
-            "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
-        }.get(data_path, data_path)
-        if mode != self._write_behind_mode:
-            self._write_behind_mode = mode
-            logger.info(
-                "Maru: write-behind store (%s data path): %s; a finished request's blocks are freed "
-                "once its stores drained (finished_sending), a preempted request's once its gather read them",
-                data_path,
-                mode,
-            )
-
     def _lost(self, why: str) -> None:
         """The server went away mid-step: drop the connection, retry later, say so once."""
         client, engine = self._client, self.engine
         self._client, self.engine = None, None
         self._next_connect = time.monotonic() + _RECONNECT_S
-        warn_once(
-            unreachable_key(self.cfg.server_url), UNREACHABLE_MSG, self.cfg.server_url, why, _RECONNECT_S
-        )
+        warn_unreachable(self.cfg.server_url, why, _RECONNECT_S)
         if client is not None:
-            if self._drain is not None and len(self._drain):
+            if self.write_behind.busy():
                 # Write-behind stores queued on the drain thread still use this client (and its
                 # pool mapping): close it behind them, in order.
-                self._drain.submit(None, _close_engine_then_client, engine, client)
+                self.write_behind.run_behind(_close_engine_then_client, engine, client)
                 return
             _close_engine_then_client(engine, client)
 
@@ -330,9 +246,7 @@ class MaruWorkerConnector:
     def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:
         """Pin every chunk of the step now (the lookup decides), then place layer by layer behind.
 
-        CUDA caches: one ``load_layers`` call for every ready request, issued here on the forward
-        thread (``PipelinedLayerLoad``); a failure at issue is reported at once, before the forward
-        reads anything. CPU caches: the ``LayerwiseLoad`` thread places layer by layer.
+        A failure at issue is reported at once, before the forward reads anything.
         """
         self._release_layer_loads()
         if not self._connect() or self.engine is None:
@@ -355,53 +269,49 @@ class MaruWorkerConnector:
         ll = self.engine.start_layer_load(pinned)
         self._layer_load = ll
         self.stats.overlap_loads += 1
-        if isinstance(ll, PipelinedLayerLoad):
-            for req_id, why in ll.report.failed.items():
-                self._fail(by_id[req_id], why)
+        for req_id, why in ll.report.failed.items():
+            self._fail(by_id[req_id], why)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until this layer of the step's load is placed (other layers may still be in flight)."""
+        """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
         ll = self._layer_load
         if ll is None:
             return
         self.stats.layer_waits += 1
         i = self._layer_index.get(layer_name)
         if i is None or i >= ll.num_layers:
-            # A name we do not know: wait for every layer rather than risk a partial read.
-            if isinstance(ll, PipelinedLayerLoad):
-                ll.wait_on()  # GPU-side, like wait_for_layer
-            else:
-                ll.wait()
+            ll.wait_all()  # a name we do not know: every layer rather than risk a partial read
         else:
-            ll.wait_for_layer(i)  # CUDA: the forward stream waits for the layer's event
+            ll.wait_for_layer(i)
 
     def _finish_layer_load(self) -> None:
-        """Join the step's layer load (after the forward) and account for it; failures -> recompute."""
+        """After the forward: account for the step's layer load; failures known now -> recompute.
+
+        Everything queued after the forward waits for every layer (GPU-side on CUDA: the host
+        does not block). A load still running on the device keeps its pins until ``done()``
+        (``get_finished`` polls it) rather than stall the forward thread here.
+        """
         ll, self._layer_load = self._layer_load, None
         if ll is None:
             return
         by_id, self._layer_load_reqs = self._layer_load_reqs, {}
-        if isinstance(ll, PipelinedLayerLoad):
-            # Everything queued after the forward on this stream waits for every layer (a layer the
-            # model never waited for included): GPU-side, the host does not block here. Failures at
-            # issue were reported before the forward. The pins are held until the transfer is
-            # done(): get_finished polls it (not a host wait here, which would stall the forward
-            # thread until the last layer is placed).
-            ll.wait_on()
+        ll.wait_all()
+        if not ll.done():
             self._layer_releases.append(ll)
             self._account_load(ll.report, " (layer by layer)")
             return
-        rep = ll.wait()
-        for req_id, why in rep.failed.items():
+        rep = ll.finish()
+        for req_id, why in ll.late_failures.items():
             self._fail(by_id[req_id], why)
+        ll.release()
         self._account_load(rep, " (layer by layer)")
 
     def _release_layer_loads(self, wait: bool = False) -> None:
-        """Unpin the finished CUDA layer loads (every one with ``wait``: shutdown)."""
-        keep: list[PipelinedLayerLoad] = []
+        """Unpin the finished layer loads (every one with ``wait``: shutdown)."""
+        keep: list[LayerByLayerLoad] = []
         for ll in self._layer_releases:
             if wait or ll.done():
-                ll.release()  # waits only when not done (wait=True)
+                ll.release()  # waits only when not done (wait=True); a late failure is logged
             else:
                 keep.append(ll)
         self._layer_releases = keep
@@ -471,11 +381,11 @@ class MaruWorkerConnector:
         finished *and* its blocks go to ``get_block_ids_with_load_errors`` (vLLM reads both in the
         same step), so vLLM leaves the wait and recomputes the request. Never waits for a transfer:
         a load is reported once its ``done()`` is true. Also unpins the CUDA layer loads that are done.
-        ``finished_sending`` (``maru_async_store``): see ``_finished_sending``.
+        ``finished_sending`` (``maru_async_store``): see ``WriteBehind.finished_sending``.
         """
         sending: set[str] = set()
         try:
-            sending = self._finished_sending(finished_req_ids or set())
+            sending = self.write_behind.finished_sending(finished_req_ids or set())
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished write-behind stores failed")
         try:
@@ -532,7 +442,7 @@ class MaruWorkerConnector:
         if meta is not None and self.cfg.async_store:
             # Before anything can fail: the scheduler delays the free of every request it planned
             # a store for, whatever becomes of the store here (dropped, failed, connector off).
-            self._owe(meta)
+            self.write_behind.owe(meta)
         if meta is None or not meta.stores or not self.cfg.enable_store:
             return
         try:
@@ -540,19 +450,6 @@ class MaruWorkerConnector:
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
             self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
-
-    def _owe(self, meta: MaruConnectorMetadata) -> None:
-        """Requests vLLM keeps the blocks of until we report them in ``finished_sending``.
-
-        The scheduler's rule (``MaruSchedulerConnector._track_sending``): a step's preemptions
-        clear a request, then the step's stores mark it. Idempotent per step, so both
-        ``handle_preemptions`` and ``wait_for_save`` apply it (either alone keeps us exact).
-        """
-        preempted = meta.preempted_req_ids
-        if preempted:
-            self._owed -= preempted
-            self._finished -= preempted
-        self._owed.update(rt.req_id for rt in meta.stores)
 
     def _store(self, meta: MaruConnectorMetadata) -> None:
         stores = []
@@ -568,73 +465,10 @@ class MaruWorkerConnector:
         if not stores or not self._connect() or self.engine is None:
             return
         if self.cfg.async_store:
-            self._issue_write_behind(stores)
+            # The engine is captured by the store: a reconnect later builds a new one.
+            self.write_behind.issue(self.engine, stores)
             return
         self._account_store(self.engine.store(stores))
-
-    def _issue_write_behind(self, stores: list[RequestTransfer]) -> None:
-        """Write-behind: issue the gather here (CUDA) or nothing (CPU); the drain thread does the rest.
-
-        vLLM holds the blocks of these requests until ``get_finished`` reports them (delayed free)
-        and ``handle_preemptions`` waits for the gather before a preempted request's blocks are reused.
-        """
-        assert self.engine is not None
-        engine = self.engine  # captured: a reconnect later builds a new one
-        pending = engine.issue_store(stores)
-        if self._drain is None:
-            self._drain = BackgroundRunner("maru-store-drain")
-        for r in pending.req_ids:
-            self._inflight[r] = self._inflight.get(r, 0) + 1
-        self._batches.append((pending, engine))
-        self._drain.submit(pending, self._drain_one, engine, pending)
-        self.stats.deferred_commits += 1
-        self.stats.stores_in_flight = len(self._batches)
-        self._collect_commits()
-
-    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore) -> StoreReport:
-        if self._drain_delay_s > 0:
-            time.sleep(self._drain_delay_s)  # test hook: a slow drain (the blocks must stay held)
-        return engine.complete_store(pending)
-
-    def _collect_commits(self, wait_s: float | None = 0.0) -> None:
-        if self._drain is None:
-            return
-        done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
-        for tag, res in done:
-            if isinstance(tag, PendingStore):
-                self._batch_drained(tag)
-            if res is None:
-                continue  # not a store (a client closed behind the stores)
-            if isinstance(res, BaseException):
-                res = StoreReport(failed=1, error=f"{type(res).__name__}: {res}")
-            self._account_store(res)
-
-    def _batch_drained(self, pending: PendingStore) -> None:
-        self._batches = [b for b in self._batches if b[0] is not pending]
-        self.stats.stores_in_flight = len(self._batches)
-        for r in pending.req_ids:
-            n = self._inflight.get(r, 0) - 1
-            if n > 0:
-                self._inflight[r] = n
-            else:
-                self._inflight.pop(r, None)
-
-    def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose blocks vLLM may free now: finished, and every store naming them drained.
-
-        vLLM reports a finished request in ``finished_req_ids`` one step after it finished (and
-        requires a reported id to be one of those); ids seen there wait in ``_finished`` until
-        their last store batch is collected. Exactly the requests the scheduler delayed are
-        reported (``_owed``), each once, on every tensor-parallel rank.
-        """
-        self._collect_commits()
-        self._finished |= finished_req_ids & self._owed
-        done = {r for r in self._finished if not self._inflight.get(r)}
-        self._finished -= done
-        self._owed -= done
-        self.stats.sending_reported += len(done)
-        self.stats.sending_held = len(self._finished)
-        return done
 
     def handle_preemptions(self, meta: MaruConnectorMetadata | None) -> None:
         """Before the step's forward: make the blocks of the step's preempted requests safe to reuse.
@@ -648,31 +482,18 @@ class MaruWorkerConnector:
         """
         if meta is None or not self.cfg.async_store:
             return
-        ids = set(meta.preempted_req_ids)
-        self._owe(meta)
-        for pending, engine in list(self._batches):
-            if not (pending.req_ids & ids) or pending.read_done.is_set():
-                continue
-            self.stats.preemption_waits += 1
-            if not engine.wait_store_read(pending, self.cfg.timeout_s):
-                self.stats.stores_cancelled += 1
-                logger.warning(
-                    "Maru: a write-behind store of preempted request(s) %s did not finish reading its "
-                    "blocks within %.1f s; it is cancelled (those chunks stay uncached)",
-                    sorted(pending.req_ids & ids),
-                    self.cfg.timeout_s,
-                )
+        self.write_behind.preemption_barrier(meta)
 
     @property
     def write_behind_mode(self) -> str | None:
         """How the write-behind store runs on this worker (None: ``maru_async_store`` is off)."""
         if not self.cfg.async_store:
             return None
-        return self._write_behind_mode
+        return self.write_behind.mode
 
     def flush_stores(self, timeout_s: float | None = 30.0) -> None:
         """Wait until every write-behind store submitted so far is done (tests, shutdown)."""
-        self._collect_commits(timeout_s)
+        self.write_behind.collect(timeout_s)
 
     def _account_store(self, rep: StoreReport) -> None:
         self.stats.chunks_stored += rep.stored
@@ -715,11 +536,9 @@ class MaruWorkerConnector:
             self._release_layer_loads(wait=True)
             if self._loader is not None:
                 self._loader.close(timeout=self.cfg.timeout_s)
-            if self._drain is not None:
-                # Every store issued is completed and published (or fails, each bounded by the
-                # client's timeout): a clean shutdown loses no store.
-                self._collect_commits(None)
-                self._drain.close(timeout=0)
+            # Every store issued is completed and published (or fails, each bounded by the
+            # client's timeout): a clean shutdown loses no store.
+            self.write_behind.close()
         except Exception:
             logger.exception("Maru: stopping the background transfers failed")
         client, engine, self._client, self.engine = self._client, self.engine, None, None

@@ -3,7 +3,7 @@
 Two engines, each in its own process (``maru.vllm.runner``, in-process engine mode), one after
 the other, against one real ``maru server``:
 
-- W: ``maru_async_store`` with a slow drain (the test hook ``MARU_TEST_STORE_DRAIN_DELAY_S``
+- W: ``maru_async_store`` with a slow drain (the setting ``maru_store_drain_delay_s``
   holds every store batch on the drain thread before it reads the blocks) in a KV cache too
   small for two growing requests: serves P1 cold, then P5 and P6 together (preemption, while
   finished requests' blocks are held for their stores). Afterwards every delayed free must have
@@ -69,14 +69,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from maru.vllm.worker import DRAIN_DELAY_ENV
-
     tmp = tmp_path_factory.mktemp("wb-engines")
     extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_async_store": True}
     res: dict[str, Any] = {}
     # A KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
     small = dict(max_model_len=640, kv_cache_memory_bytes=24 * BS * 2 * 2 * 2 * 32 * 4)
-    with _engine("W", tmp, model_dir, {"extra": extra}, env={DRAIN_DELAY_ENV: DRAIN_DELAY_S}, **small) as w:
+    slow = {**extra, "maru_store_drain_delay_s": DRAIN_DELAY_S}  # every store held on the drain thread
+    with _engine("W", tmp, model_dir, {"extra": slow}, **small) as w:
         res["w_p1"] = _gen(w, P1)
         r = w.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
         assert "error" not in r, r

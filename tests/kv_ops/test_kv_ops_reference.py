@@ -250,7 +250,9 @@ def test_reference_on_a_gpu_without_triton_is_a_loud_warning_with_the_fix(monkey
     from maru.kv_ops import selection
 
     monkeypatch.setattr(selection, "triton_import_error", lambda: "ImportError: no module named 'triton'")
-    monkeypatch.setattr(selection, "_announced", set())
+    from maru import announce
+
+    announce.forget("kv_ops.backend:cuda:reference")  # announced again in this test
     choice = selection.choose("cuda")
     assert choice.name == "reference"
     assert "triton not importable: ImportError" in choice.reason and "install triton" in choice.reason

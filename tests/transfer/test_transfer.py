@@ -1,4 +1,4 @@
-"""The transfer engine (maru.vllm.transfer) on synthetic caches of every layout, against a real server.
+"""The transfer engine (maru.transfer) on synthetic caches of every layout, against a real server.
 
 No vLLM: caches are built the way vLLM builds them (physical order, viewed back), with block
 size != number of heads so a swapped axis cannot hide. Each test stores a request's chunks from
@@ -18,7 +18,8 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache, naive_token
-from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer, slot_mapping
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.records import ChunkRef, RequestTransfer, slot_mapping
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 

@@ -1,6 +1,6 @@
 """Non-blocking asynchronous load and the pipelined layer-overlap load, without a GPU.
 
-On CUDA caches the worker issues loads through ``kv_ops.pipeline.TransferEngine`` and polls their
+On CUDA caches the worker issues loads through ``kv_ops.device_pipeline.DevicePipeline`` and polls their
 completion instead of waiting: the asynchronous load (``maru_async_load``) reports a request in
 ``finished_recving`` only once its transfer is ``done()``, and the layer-overlap load
 (``maru_overlap_load_with_compute``) issues one ``load_layers`` per step and unpins once it is
@@ -23,9 +23,11 @@ import torch
 
 from maru import kv_ops
 from maru.client import MaruHandler
-from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase, bits
-from maru.vllm.transfer import AsyncLoader, PipelinedLayerLoad, RequestTransfer
+from maru.transfer.background import AsyncLoader
+from maru.transfer.paths import PipelinedPath
+from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.test_transfer import BS, CHUNK, _request
@@ -89,9 +91,9 @@ def check_connector_load(
     poison(ref)
     pins = CountingPins(client)
     eng = engine(dst, pins, inject=inject)
-    assert eng.pipeline is not None
+    assert eng.path.pipeline is not None
     if path == "async":
-        calls = spy(eng.pipeline, "load")
+        calls = spy(eng.path.pipeline, "load")
         loader = AsyncLoader("test-loader")
         loader.submit("t", eng, [dst_req])
         got: list[tuple[Any, Any]] = []
@@ -103,14 +105,14 @@ def check_connector_load(
         assert [t for t, _ in got] == ["t"]
         rep = got[0][1]
     else:
-        calls = spy(eng.pipeline, "load_layers")
+        calls = spy(eng.path.pipeline, "load_layers")
         pinned = eng.pin([dst_req])
         assert not pinned.failed
         ll = eng.start_layer_load(pinned)
-        assert isinstance(ll, PipelinedLayerLoad) and ll.error is None
+        assert not ll.report.failed  # issued on the pipelined path without error
         for layer in range(geom["num_layers"]):
             ll.wait_for_layer(layer)  # on CUDA: the current stream waits; the host does not
-        ll.wait_on()
+        ll.wait_all()
         rep = ll.wait()
         assert ll.done()
     assert calls == [4]  # one call for the request's four chunks
@@ -195,17 +197,17 @@ def _inject(w: Any) -> tuple[CountingPins, list[int]]:
     """Give the worker's engine a CPU ``TransferEngine`` (the CUDA code path) and count its pins
     and settles (``_settle``: drain the engine's streams after a failed transfer)."""
     eng = w.engine
-    eng.pipeline = TransferEngine(eng.caches, eng.layout)
+    eng.path = PipelinedPath(DevicePipeline(eng.caches, eng.layout))
     pins = CountingPins(eng.client)
     eng.client = pins
     settles: list[int] = []
-    real = eng._settle
+    real = eng.path.settle
 
     def settle() -> None:
         settles.append(1)
         real()
 
-    eng._settle = settle
+    eng.path.settle = settle
     return pins, settles
 
 
@@ -257,7 +259,7 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         pins, settles = _inject(w)
         gate = threading.Event()
         issued: list[Gated] = []
-        real = w.engine.pipeline.load
+        real = w.engine.path.pipeline.load
 
         def load(objs: Any, slots: Any, **kw: Any) -> Gated:
             # The loader thread issues in submission order: the second request fails at completion.
@@ -265,7 +267,7 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
             issued.append(Gated(real(objs, slots, **kw), gate, err))
             return issued[-1]
 
-        w.engine.pipeline.load = load
+        w.engine.path.pipeline.load = load
         w.start_load_kv(MaruConnectorMetadata(async_loads=[dok, dbad]))
         _until(lambda: len(issued) == 2)  # both issued: the loader thread did not wait for the first
         for _ in range(3):  # vLLM polls every step; nothing is done yet
@@ -330,13 +332,13 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
         pins, _ = _inject(w)
         gate = threading.Event()
         calls: list[tuple[int, int]] = []
-        real = w.engine.pipeline.load_layers
+        real = w.engine.path.pipeline.load_layers
 
         def load_layers(objs: Any, slots: Any, **kw: Any) -> Gated:
             calls.append((len(objs), int((slots >= 0).sum())))
             return Gated(real(objs, slots, **kw), gate)
 
-        w.engine.pipeline.load_layers = load_layers
+        w.engine.path.pipeline.load_layers = load_layers
         meta = MaruConnectorMetadata(loads=[dst_a, dbad])
         w.start_load_kv(meta)
         # One call for the step: the four chunks of the ready request, only its placed tokens as
@@ -379,7 +381,7 @@ def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_rel
         def broken(*a: Any, **kw: Any) -> Any:
             raise RuntimeError("injected issue failure")
 
-        w.engine.pipeline.load_layers = broken
+        w.engine.path.pipeline.load_layers = broken
         meta = MaruConnectorMetadata(loads=[dst_a, dbad])
         w.start_load_kv(meta)
         assert w.stats.load_errors == 2 and settles  # both known before the forward runs
@@ -397,14 +399,15 @@ def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_rel
 
 @needs_vllm
 def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerProcess) -> None:
-    from maru.vllm.transfer import LayerwiseLoad, PinnedLoad
+    from maru.transfer.handles import ThreadedLayerHandle
+    from maru.transfer.loads import PinnedLoad
 
     w = _worker(server, _case("kv_first", "NHD", 61), overlap_load_with_compute=True)
     try:
-        assert w.engine.pipeline is None
+        assert w.engine.path.pipeline is None
         ll = w.engine.start_layer_load(PinnedLoad())
-        assert isinstance(ll, LayerwiseLoad)
-        assert ll.wait().loaded_req_ids == []
+        assert ll.handle is None and ll.wait().loaded_req_ids == []  # nothing to place: no thread
+        assert isinstance(w.engine.path.scatter_layers([]), ThreadedLayerHandle)
     finally:
         stop_worker(w)
 

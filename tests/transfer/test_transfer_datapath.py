@@ -18,8 +18,10 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
+from maru.transfer.background import BackgroundRunner
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.records import RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.test_transfer import BS, CHUNK, _request
@@ -115,7 +117,7 @@ def test_layer_by_layer_load_places_the_same_bytes_as_the_synchronous_load(
     pins = CountingPins(client)
     eng = _engine(dst, pins)
     before = _case(fmt, physical, 2)
-    ll = LayerwiseLoad(eng, eng.pin([dreq])).start()
+    ll = eng.start_layer_load(eng.pin([dreq]))
     rep = ll.wait()
     assert rep.loaded_req_ids == [req.req_id] and not rep.failed
     assert rep.tokens == n_tokens and rep.chunks == 3
@@ -132,7 +134,7 @@ def test_wait_for_layer_returns_with_that_layer_placed_for_every_chunk(client: M
     _engine(ref, client).load([dreq])
     dst = _case("kv_first", "HND", 4)
     eng = _engine(dst, client)
-    ll = LayerwiseLoad(eng, eng.pin([dreq])).start()
+    ll = eng.start_layer_load(eng.pin([dreq]))
     slots = _slots(dreq, 3 * CHUNK)
     for layer in (2, 0, 1):  # any order: each wait covers its own layer only
         ll.wait_for_layer(layer)
@@ -156,7 +158,7 @@ def test_layer_load_places_nothing_of_a_request_missing_a_chunk_and_unpins_every
     eng = _engine(dst, pins)
     pinned = eng.pin([a, b])
     assert set(pinned.failed) == {a.req_id} and "gone" in pinned.failed[a.req_id]
-    rep = LayerwiseLoad(eng, pinned).start().wait()
+    rep = eng.start_layer_load(pinned).wait()
     assert rep.loaded_req_ids == [b.req_id] and a.req_id in rep.failed
     for layer in range(3):
         assert _layer_equal(dst, before, layer, _slots(a, 3 * CHUNK))  # nothing of a placed
@@ -172,15 +174,15 @@ def test_a_layer_that_fails_to_place_releases_every_waiter_and_reports_the_reque
     _engine(src, client).store([req])
     pins = CountingPins(client)
     eng = _engine(_case("kv_first", "NHD", 8), pins)
-    real = eng.place_layer
+    real = eng.path.place_layer
 
     def place(obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
         if layer == 1:
             raise RuntimeError("kernel fault")
         real(obj, slots, layer)
 
-    monkeypatch.setattr(eng, "place_layer", place)
-    ll = LayerwiseLoad(eng, eng.pin([req])).start()
+    monkeypatch.setattr(eng.path, "place_layer", place)
+    ll = eng.start_layer_load(eng.pin([req]))
     ll.wait_for_layer(2)  # must not hang
     rep = ll.wait()
     assert rep.loaded_req_ids == [] and "kernel fault" in rep.failed[req.req_id]

@@ -1,4 +1,4 @@
-"""On CUDA caches the connector's engine moves KV through ``kv_ops.pipeline.TransferEngine``
+"""On CUDA caches the connector's engine moves KV through ``kv_ops.device_pipeline.DevicePipeline``
 (``-m gpu``; skipped without CUDA).
 
 Real geometry (8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a real server:
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from maru.client import MaruHandler
-from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.device_pipeline import DevicePipeline
 from tests.pool_fixtures import module_client
 from tests.transfer.test_transfer_wiring import check_round_trip, engine, make_case
 
@@ -39,14 +39,14 @@ client = module_client("wiring-gpu", pool_size="1G")
 
 def test_cuda_caches_use_the_transfer_engine_over_a_registered_pool(client: MaruHandler) -> None:
     eng = engine(make_case("NHD", 1, GEOM), client)
-    assert eng.data_path == "pipelined" and isinstance(eng.pipeline, TransferEngine)
+    assert eng.data_path == "pipelined" and isinstance(eng.path.pipeline, DevicePipeline)
     reg = eng.host_registration
     assert reg is not None and reg.registered, reg.describe() if reg is not None else "no registration"
 
 
 def test_cuda_caches_can_still_take_the_staged_path(client: MaruHandler) -> None:
     eng = engine(make_case("NHD", 1, GEOM), client, pipelined=False)
-    assert eng.data_path == "staged" and eng.pipeline is None
+    assert eng.data_path == "staged" and eng.path.pipeline is None
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])

@@ -1,4 +1,4 @@
-"""``KVTransferEngine``'s wiring to ``kv_ops.pipeline.TransferEngine`` (the GPU data path).
+"""``KVTransferEngine``'s wiring to ``kv_ops.device_pipeline.DevicePipeline`` (the GPU data path).
 
 On CUDA caches the engine stores and loads through a ``TransferEngine``; on CPU caches it never
 builds one. Without a GPU here, the wiring itself (one pipelined call per request, wait before
@@ -19,9 +19,11 @@ import torch
 
 from maru import kv_ops
 from maru.client import MaruHandler
-from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
-from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.paths import PipelinedPath
+from maru.transfer.records import ChunkRef, RequestTransfer
 from tests.pool_fixtures import module_client
 
 client = module_client("wiring")
@@ -36,7 +38,7 @@ def engine(case: CacheCase, client: Any, *, inject: bool = False, pipelined: boo
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
     eng = KVTransferEngine(list(case.caches), layout, client, pipelined=pipelined)
     if inject:  # CPU only: drive the pipelined wiring with a CPU TransferEngine
-        eng.pipeline = TransferEngine(list(case.caches), layout)
+        eng.path = PipelinedPath(DevicePipeline(list(case.caches), layout))
     return eng
 
 
@@ -97,7 +99,7 @@ def check_round_trip(
     src_req, dst_req = requests(tag, bs, chunk, geom["num_blocks"])
     src = make_case(physical, 1, geom)
     st = engine(src, client, inject=inject)
-    stores = spy(st.pipeline, "store")
+    stores = spy(st.path.pipeline, "store")
     rep = st.store([src_req])
     assert (rep.stored, rep.failed, rep.error) == (4, 0, None)
     assert stores == [4]  # one pipelined call for the step's four chunks
@@ -107,7 +109,7 @@ def check_round_trip(
     dst, ref = make_case(physical, 2, geom), make_case(physical, 2, geom)
     pins = CountingPins(client)
     eng = engine(dst, pins, inject=inject)
-    loads = spy(eng.pipeline, "load")
+    loads = spy(eng.path.pipeline, "load")
     lrep = eng.load([dst_req])
     assert loads == [4]  # one pipelined call for the request
     assert lrep.loaded_req_ids == [dst_req.req_id] and not lrep.failed
@@ -136,7 +138,7 @@ GEOM_CPU = dict(
 
 def test_cpu_caches_never_build_a_transfer_engine(client: MaruHandler) -> None:
     eng = engine(make_case("NHD", 1, GEOM_CPU), client)
-    assert eng.data_path == "cpu" and eng.pipeline is None and eng.host_registration is None
+    assert eng.data_path == "cpu" and eng.path.pipeline is None and eng.host_registration is None
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
@@ -158,7 +160,7 @@ def test_pipelined_load_failing_at_issue_fails_only_that_request_and_releases_ev
     dst = make_case("NHD", 2, GEOM_CPU)
     pins = CountingPins(client)
     eng = engine(dst, pins, inject=True)
-    real_load = eng.pipeline.load
+    real_load = eng.path.pipeline.load
     calls = []
 
     def flaky(objs: Any, slots: Any, **kw: Any) -> Any:
@@ -167,7 +169,7 @@ def test_pipelined_load_failing_at_issue_fails_only_that_request_and_releases_ev
             raise RuntimeError("injected issue failure")
         return real_load(objs, slots, **kw)
 
-    eng.pipeline.load = flaky
+    eng.path.pipeline.load = flaky
     rep = eng.load([dst_a, dst_b])
     assert rep.loaded_req_ids == [dst_a.req_id]
     assert "injected issue failure" in rep.failed[dst_b.req_id]
@@ -184,7 +186,7 @@ def test_pipelined_store_failure_publishes_nothing_and_does_not_raise(client: Ma
     def broken(*a: Any, **kw: Any) -> Any:
         raise RuntimeError("injected copy failure")
 
-    eng.pipeline.store = broken
+    eng.path.pipeline.store = broken
     rep = eng.store([src_req])
     assert (rep.stored, rep.failed) == (0, 4) and "injected copy failure" in (rep.error or "")
     handles = client.batch_retrieve([c.key for c in src_req.chunks], pin=True)

@@ -17,7 +17,9 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, make_cache
-from maru.vllm.transfer import BackgroundRunner, KVTransferEngine, LayerwiseLoad, RequestTransfer
+from maru.transfer.background import BackgroundRunner
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.records import RequestTransfer
 from tests.pool_fixtures import module_client
 from tests.transfer.test_transfer_datapath import CountingPins, _layer_equal, _same
 
@@ -53,7 +55,7 @@ def _engine(case: CacheCase, client: object) -> KVTransferEngine:
 
 
 def _requests(tag: str) -> tuple[RequestTransfer, RequestTransfer]:
-    from maru.vllm.transfer import ChunkRef
+    from maru.transfer.records import ChunkRef
 
     chunks = tuple(ChunkRef(f"gpu/{tag}/c{i}", i * CHUNK, CHUNK) for i in range(2))
     g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
@@ -78,7 +80,7 @@ def test_layer_overlap_load_on_cuda_reports_each_layer_only_once_placed(
     dst = _case(physical, 2)
     pins = CountingPins(client)
     eng = _engine(dst, pins)
-    ll = LayerwiseLoad(eng, eng.pin([dst_req])).start()
+    ll = eng.start_layer_load(eng.pin([dst_req]))
     for layer in reversed(range(LAYERS)):
         ll.wait_for_layer(layer)
         assert _layer_equal(dst, ref, layer, _slots(dst_req))

@@ -28,11 +28,13 @@ import torch
 
 from maru import kv_ops
 from maru.client import MaruHandler
-from maru.kv_ops.pipeline import TransferEngine
+from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase, bits, naive_token
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.paths import PipelinedPath
+from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
-from maru.vllm.transfer import ChunkRef, KVTransferEngine, RequestTransfer
 from tests.helpers import ServerProcess, free_port
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.test_transfer import BS, CHUNK, _request
@@ -42,7 +44,7 @@ pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
 from maru.vllm.metadata import MaruConnectorMetadata as Meta  # noqa: E402
 from maru.vllm.scheduler import MaruSchedulerConnector  # noqa: E402
-from maru.vllm.worker import DRAIN_DELAY_ENV, MaruWorkerConnector  # noqa: E402
+from maru.vllm.worker import MaruWorkerConnector  # noqa: E402
 
 server = module_server("write-behind")
 client = pool_client()
@@ -67,13 +69,13 @@ def worker(url: str, case: CacheCase, *, num_kv_heads: int | None = None, **cfg:
 def gated(w: MaruWorkerConnector) -> threading.Event:
     """Hold every store of ``w``'s drain thread until the returned event is set."""
     gate = threading.Event()
-    real = w._drain_one
+    real = w.write_behind._drain_one
 
     def held(engine: Any, pending: Any) -> Any:
         assert gate.wait(30), "test gate never opened"
         return real(engine, pending)
 
-    w._drain_one = held  # type: ignore[method-assign]
+    w.write_behind._drain_one = held  # type: ignore[method-assign]
     return gate
 
 
@@ -270,13 +272,12 @@ def test_preemption_barrier_waits_for_a_gather_in_progress_and_cancels_it_at_the
 
 
 def test_shutdown_publishes_every_issued_store_even_from_a_slow_drain(
-    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+    server: ServerProcess, client: MaruHandler
 ) -> None:
-    monkeypatch.setenv(DRAIN_DELAY_ENV, "0.2")  # the test hook a real engine uses too
     src, original = _case("kv_first", "HND", 28), _case("kv_first", "HND", 28)
     a = _request("wb-shutdown-a", [0, 1, 2, 3], 2 * CHUNK)
     b = _request("wb-shutdown-b", [9, 10, 11, 12], 2 * CHUNK)
-    w = worker(server.url, src)
+    w = worker(server.url, src, store_drain_delay_s=0.2)  # a slow drain
     w.wait_for_save(Meta(stores=[a]))
     w.wait_for_save(Meta(stores=[b]))
     assert w.stats.stores_in_flight == 2
@@ -294,7 +295,7 @@ def test_pipelined_write_behind_issues_on_the_forward_thread_and_publishes_after
     req = _request("wb-pipelined", [3, 14, 6, 1], 2 * CHUNK)
     layout = kv_ops.detect_layouts(src.caches, **src.detect_kwargs())
     eng = KVTransferEngine(list(src.caches), layout, client)
-    eng.pipeline = TransferEngine(list(src.caches), layout)
+    eng.path = PipelinedPath(DevicePipeline(list(src.caches), layout))
     pending = eng.issue_store([req])
     assert pending.issued is not None and pending.issued.handle is not None
     assert client.exists([c.key for c in req.chunks]) == [False, False]

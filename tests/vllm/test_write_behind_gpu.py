@@ -22,7 +22,8 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, bits
-from maru.vllm.transfer import KVTransferEngine, RequestTransfer
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import release_pool, stop_worker
 from tests.transfer.test_transfer_wiring import engine, make_case, requests
@@ -120,7 +121,7 @@ def hold_the_gathers(eng: KVTransferEngine, client: MaruHandler) -> None:
     the issue, unless the preemption barrier waited for it: without the barrier the test fails.
     """
     warm_up(eng)
-    with torch.cuda.stream(eng.pipeline._place_stream):
+    with torch.cuda.stream(eng.path.pipeline._place_stream):
         torch.cuda._sleep(200_000_000)
 
 
@@ -169,7 +170,7 @@ def test_barrier_for_one_of_two_stores_in_flight_then_the_drain_thread_publishes
 ) -> None:
     """What the worker does on CUDA, without vLLM: two steps' stores queued, the second request
     preempted (barrier on its store only), its blocks reused, both completed on a drain thread."""
-    from maru.vllm.transfer import BackgroundRunner
+    from maru.transfer.background import BackgroundRunner
 
     bs = GEOM["block_size"]
     a_src, a_dst = requests("wb-gpu-two-a", bs, CHUNK, GEOM["num_blocks"])

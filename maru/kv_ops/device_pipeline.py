@@ -1,274 +1,52 @@
-"""The transfer engine: chunk objects in host memory (the pool) <-> a paged KV cache, pipelined.
+"""``DevicePipeline``: chunk objects in host memory (the pool) <-> one device's paged KV caches.
 
-Independent of vLLM: it takes the per-layer caches and their ``KVLayout`` once, then stores and
-loads *chunk objects* ``[L, KV, T, NH*HS]`` (see ``maru.kv_ops.ops``) that live in host memory,
-normally tensors over the CUDA-registered pool mapping (``host_object``).
+It takes the per-layer caches and their ``KVLayout`` once, then stores and loads chunk objects
+``[L, KV, T, ROW]`` (``kv_ops.geometry``) that live in host memory, normally tensors over the
+CUDA-registered pool mapping. On a GPU a ring of staging slots overlaps the copy engine with the
+placement kernels:
 
-On a GPU a bounded ring of staging slots (one chunk object each) carries the chunks:
-
-* LOAD: the copy engine brings chunk i from the pool into slot ``i % R`` (an async copy on the copy
-  stream) while the placement kernel scatters chunk i-1 out of its slot on the placement stream.
-  Events order them: the placement of chunk i waits for its copy; the copy into a slot waits until
-  the previous placement out of that slot finished.
-* STORE mirrors it: the gather kernel fills slot ``i % R`` on the placement stream, the copy engine
-  moves it into the pool page on the copy stream. The caller commits (publishes keys) only after
-  ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
-* LAYERS (``load_layers``, the layer-overlap load): layer i of every chunk is copied into a staging
-  buffer and placed with the single-layer kernel; one event per layer, so
-  ``LayerLoad.wait_for_layer(i)`` makes the compute stream wait for layer i only.
-
-Placement uses kv_ops's ``GraphedPlacer`` (CUDA-graph replays: a few microseconds of host time per
-launch) when the Triton backend runs, else the eager ``kv_ops`` operations. Copies and events of the
-layer path go straight to libcudart through ctypes (about a microsecond each), because the per-layer
-issue budget is 10 us.
+* LOAD: the copy of chunk i into slot ``i % R`` runs while chunk i-1 is scattered out of its slot;
+  events order each placement after its copy and each copy after the slot's previous placement.
+* STORE mirrors it (gather into a slot, then copy to the pool page). Commit (publish keys) only
+  after ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
+* LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
 
 Invariants:
 
-* Every operation starts after the work already queued on the caller's current stream (an event is
-  recorded there at issue): a load never races the computation that last used those blocks, a store
-  reads the KV the forward pass just wrote.
-* Issue never blocks the host on the GPU (except once, when a graph is first captured). The host
-  objects stay referenced by the handle until it has completed.
-* Kernels receive the caches as detected (``KVLayout`` carries the physical strides), so an HND cache
-  is placed in its physical axis order, whatever its shape shows.
-* A skipped token (negative slot, or within ``skip_tokens``) is never written into the cache. In a
-  stored object, the rows of negative slots are unspecified.
-* On CPU caches there is nothing to pipeline: each call degrades to direct ``kv_ops`` calls between
-  the pool and the cache (announced once, at info level: the normal CPU path).
+* Every operation starts after the work already queued on the caller's current stream: a load never
+  races the computation that last used those blocks, a store reads what the forward just wrote.
+* Issue never blocks the host on the GPU (except when a graph is first captured). The host objects
+  stay referenced by the handle until it has completed.
+* Kernels receive the caches as detected (``KVLayout`` carries the physical strides).
+* A skipped token (negative slot, or within ``skip_tokens``) is never written into the cache; in a
+  stored object the rows of negative slots are unspecified.
+* On CPU caches there is nothing to pipeline: each call runs ``kv_ops`` directly between the pool
+  and the cache (announced once, at info level: the normal CPU path).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from maru.announce import announce_once
 from maru.kv_ops import ops
+from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync
+from maru.kv_ops.device_handles import LayerLoad, Transfer
+from maru.kv_ops.geometry import ObjectGeometry, host_object
+from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
 
 log = logging.getLogger("maru.kv_ops")
 
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
-_announced: set[str] = set()
-_announce_lock = threading.Lock()
-
-
-def _announce_once(key: str, level: int, msg: str, *args: Any) -> None:
-    with _announce_lock:
-        if key in _announced:
-            return
-        _announced.add(key)
-    log.log(level, msg, *args)
-
-
-def host_object(buffer: Any, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` over ``buffer`` (an mmap, a pool memoryview), no copy.
-
-    Read-only buffers (a retrieved entry's view) are allowed: the load path only reads them.
-    """
-    count = 1
-    for n in shape:
-        count *= int(n)
-    with warnings.catch_warnings():
-        # torch warns that writing through a tensor over a read-only buffer is undefined; loads never do.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-    return flat.view(*shape)
-
-
-# ---------------------------------------------------------------------- CUDA synchronisation
-
-
-class _TorchSync:
-    """Events and copies through torch (always available)."""
-
-    raw = False
-
-    def event(self) -> Any:
-        return torch.cuda.Event()
-
-    def record(self, event: Any, stream: torch.cuda.Stream) -> None:
-        event.record(stream)
-
-    def wait(self, stream: torch.cuda.Stream, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def synchronize(self, event: Any) -> None:
-        event.synchronize()
-
-
-_H2D = 1  # cudaMemcpyHostToDevice
-_D2H = 2  # cudaMemcpyDeviceToHost
-_EVENT_DISABLE_TIMING = 2
-_NOT_READY = 600  # cudaErrorNotReady
-
-
-class _RawSync(_TorchSync):
-    """The same operations straight through the process's libcudart (ctypes: ~1 us a call, against
-    3-6 us through torch). Events are raw ``cudaEvent_t`` handles owned by the engine."""
-
-    raw = True
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        self._lib = lib
-        self._memcpy = self._fn("cudaMemcpyAsync", [vp, vp, sz, i, vp])
-        self._memcpy2d = self._fn("cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
-        self._record = self._fn("cudaEventRecord", [vp, vp])
-        self._wait = self._fn("cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
-        self._query = self._fn("cudaEventQuery", [vp])
-        self._sync = self._fn("cudaEventSynchronize", [vp])
-        self._create = self._fn("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
-        self._devptr = self._fn("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint])
-        self._last_error = self._fn("cudaGetLastError", [])
-
-    def _fn(self, name: str, argtypes: list[Any]) -> Any:
-        f = getattr(self._lib, name)
-        f.argtypes = argtypes
-        f.restype = ctypes.c_int
-        return f
-
-    @classmethod
-    def load(cls) -> _RawSync | None:
-        """The libcudart torch already loaded (the same runtime and context), or None."""
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = [line.split()[-1] for line in maps if "libcudart" in line]
-            return cls(ctypes.CDLL(paths[0])) if paths else None
-        except (OSError, AttributeError):
-            return None
-
-    @staticmethod
-    def _check(err: int, what: str) -> None:
-        if err:
-            raise RuntimeError(f"{what} failed: cudaError {err}")
-
-    def event(self) -> int:
-        handle = ctypes.c_void_p()
-        self._check(self._create(ctypes.byref(handle), _EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags")
-        return int(handle.value or 0)
-
-    def record(self, event: int, stream: torch.cuda.Stream) -> None:
-        self._check(self._record(event, stream.cuda_stream), "cudaEventRecord")
-
-    def wait(self, stream: torch.cuda.Stream, event: int) -> None:
-        self._check(self._wait(stream.cuda_stream, event, 0), "cudaStreamWaitEvent")
-
-    def query(self, event: int) -> bool:
-        err = self._query(event)
-        if err == _NOT_READY:
-            return False
-        self._check(err, "cudaEventQuery")
-        return True
-
-    def synchronize(self, event: int) -> None:
-        self._check(self._sync(event), "cudaEventSynchronize")
-
-    def device_pointer(self, host_ptr: int) -> int | None:
-        """The device address of registered/pinned host memory, or None if CUDA cannot map it."""
-        out = ctypes.c_void_p()
-        if self._devptr(ctypes.byref(out), host_ptr, 0):
-            self._last_error()  # clear it: torch's next launch check would otherwise report it
-            return None
-        return int(out.value or 0)
-
-    def copy(self, dst: int, src: int, nbytes: int, stream: int, kind: int = _H2D) -> None:
-        self._check(
-            self._memcpy(dst, src, nbytes, kind, stream), f"cudaMemcpyAsync({nbytes} bytes, kind {kind})"
-        )
-
-    def copy2d(
-        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
-    ) -> None:
-        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _H2D, stream)
-        self._check(err, f"cudaMemcpy2DAsync({height} x {width} bytes)")
-
-
-def _bucket(tokens: int) -> int:
-    """Graph bucket of a layer load of ``tokens`` tokens: a power of two, at least 16."""
-    tb = 16
-    while tb < tokens:
-        tb *= 2
-    return tb
-
-
-# ---------------------------------------------------------------------- handles
-
-
-class Transfer:
-    """Handle of one issued store or load. ``wait()`` before committing keys or unpinning entries."""
-
-    def __init__(
-        self,
-        kind: str,
-        path: str,
-        nbytes: int,
-        done_event: Any = None,
-        sync: Any = None,
-        keepalive: Any = None,
-    ) -> None:
-        self.kind = kind  # "load" | "store"
-        self.path = path  # "pipelined" | "sync" | "cpu-direct" | "layers"
-        self.nbytes = nbytes
-        self.issue_s = 0.0  # host seconds spent issuing
-        self._event = done_event  # None when complete at return (CPU, sync)
-        self._sync = sync
-        self._keepalive = keepalive
-
-    def done(self) -> bool:
-        """True once every copy and kernel of this transfer finished (never blocks)."""
-        if self._event is None or self._sync.query(self._event):
-            self._keepalive = None
-            return True
-        return False
-
-    def wait(self) -> None:
-        """Block the calling thread until the transfer completed."""
-        if self._event is not None:
-            self._sync.synchronize(self._event)
-        self._keepalive = None
-
-    def wait_on(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for this transfer; the host does not block."""
-        if self._event is not None:
-            self._sync.wait(stream or torch.cuda.current_stream(), self._event)
-
-
-class LayerLoad(Transfer):
-    """A load issued layer by layer: ``wait_for_layer(i)`` waits for layer i alone.
-
-    Layer events are recycled after a few later calls; waiting on a recycled event waits for a
-    *later* load of the same layer, which is later in stream order: never too early, at worst late.
-    """
-
-    def __init__(self, nbytes: int, layer_events: list[Any] | None, sync: Any, keepalive: Any) -> None:
-        done = layer_events[-1] if layer_events else None
-        super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, sync, keepalive)
-        self._layer_events = layer_events
-        self.graphed = False  # placements replayed from CUDA graphs
-        self.copy_issue_s = 0.0  # host time to queue every layer's copies (and the call's setup)
-        self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
-
-    def wait_for_layer(self, layer: int, stream: Any = None) -> None:
-        """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block."""
-        if self._layer_events is not None:
-            self._sync.wait(stream or torch.cuda.current_stream(), self._layer_events[layer])
-
-    def layer_done(self, layer: int) -> bool:
-        return self._layer_events is None or self._sync.query(self._layer_events[layer])
-
-
-Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
+__all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
 
 
 # ---------------------------------------------------------------------- staging slots
@@ -282,7 +60,7 @@ class _Slot:
     ``free`` is recorded when the slot's last user (copy or kernel) finished with it.
     """
 
-    def __init__(self, engine: TransferEngine, placer: Any) -> None:
+    def __init__(self, engine: DevicePipeline, placer: Any) -> None:
         self.engine = engine
         self.placer = placer
         self.own: torch.Tensor | None = None
@@ -297,8 +75,9 @@ class _Slot:
                 # The placer's buffers hold the cache's bits (an integer dtype of the same width).
                 return self.placer.staging(tokens).view(self.engine.dtype), True
             except ValueError:
-                _announce_once(
-                    "placer-full",
+                announce_once(
+                    log,
+                    "kv_ops.placer-full",
                     logging.INFO,
                     "maru.kv_ops: chunk of %d tokens has no graph bucket left; placing it with an eager launch",
                     tokens,
@@ -329,7 +108,7 @@ class _Slot:
 # ---------------------------------------------------------------------- the engine
 
 
-class TransferEngine:
+class DevicePipeline(LayerPaths):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -367,6 +146,7 @@ class TransferEngine:
         self.num_layers = int(layout.num_layers) if self.cross_layer else len(self.caches)
         self.backend = backend
         self.esize = first.element_size()
+        self.geometry = ObjectGeometry.of(self.caches, layout)
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
         self.ring_slots = max(int(ring_slots), 1)
         self.layer_path = layer_path
@@ -375,22 +155,24 @@ class TransferEngine:
         self.on_gpu = self.device.type == "cuda"
         self.graphs = False
         if not self.on_gpu:
-            _announce_once(
-                "cpu-direct",
+            announce_once(
+                log,
+                "kv_ops.cpu-direct",
                 logging.INFO,
                 "maru.kv_ops: no CUDA: direct CPU placement (caches on %s; pool <-> cache with kv_ops, no staging)",
                 self.device,
             )
             return
-        raw = _RawSync.load() if raw_cuda else None
+        raw = RawSync.load() if raw_cuda else None
         if raw_cuda and raw is None:
-            _announce_once(
-                "raw-cuda",
+            announce_once(
+                log,
+                "kv_ops.raw-cuda",
                 logging.INFO,
                 "maru.kv_ops: libcudart not found in this process; the layer-overlap load issues copies and "
                 "events through torch (same bytes, a few microseconds more issue time per layer)",
             )
-        self._sync: Any = raw or _TorchSync()
+        self._sync: Any = raw or TorchSync()
         self._copy_stream = torch.cuda.Stream(self.device)
         self._place_stream = torch.cuda.Stream(self.device)
         self.graphs = use_graphs and self._graphs_usable()
@@ -418,8 +200,9 @@ class TransferEngine:
         try:
             from maru.kv_ops.placer import GraphedPlacer  # noqa: F401
         except ImportError as exc:
-            _announce_once(
-                "no-placer",
+            announce_once(
+                log,
+                "kv_ops.no-placer",
                 logging.INFO,
                 "maru.kv_ops: no graph placer (%s); placements are eager launches (~30 us of host time each)",
                 exc,
@@ -448,15 +231,15 @@ class TransferEngine:
     # ------------------------------------------------------------------ geometry
 
     def object_shape(self, tokens: int) -> tuple[int, int, int, int]:
-        """Shape of a chunk object of ``tokens`` tokens: ``[L, KV, T, NH*HS]``."""
-        return (self.num_layers, self.layout.num_kv, int(tokens), self.layout.row_size)
+        """Shape of a chunk object of ``tokens`` tokens: ``[L, KV, T, ROW]``."""
+        return self.geometry.shape(tokens)
 
     def object_bytes(self, tokens: int) -> int:
-        return self.num_layers * self.layer_token_bytes * int(tokens)
+        return self.geometry.nbytes(tokens)
 
     def host_object(self, buffer: Any, tokens: int, offset: int = 0) -> torch.Tensor:
         """A chunk object of ``tokens`` tokens over ``buffer`` at byte ``offset`` (no copy)."""
-        return host_object(buffer, self.object_shape(tokens), self.dtype, offset)
+        return self.geometry.over(buffer, tokens, offset)
 
     # ------------------------------------------------------------------ public operations
 
@@ -558,7 +341,7 @@ class TransferEngine:
                 if any(slot.used for slot in self._ring):
                     # A capture replays its op once eagerly; after a transfer the static slots hold
                     # real slots.
-                    raise RuntimeError("TransferEngine.warm(chunk_tokens) must run before the first transfer")
+                    raise RuntimeError("DevicePipeline.warm(chunk_tokens) must run before the first transfer")
                 for slot in self._ring:
                     slot.placer.warm(int(chunk_tokens))
             if self._layer_placer is None:
@@ -568,7 +351,7 @@ class TransferEngine:
                 if self.layer_path == "staged":
                     if self._layer_free is not None:
                         raise RuntimeError(
-                            "TransferEngine.warm(layer_tokens) must run before the first layer load"
+                            "DevicePipeline.warm(layer_tokens) must run before the first layer load"
                         )
                     self._layer_placer.warm(tb, per_layer=True)
                 else:
@@ -674,8 +457,9 @@ class TransferEngine:
             return
         self._checked_pinned = True
         if not objs[0].is_pinned():
-            _announce_once(
-                "pageable",
+            announce_once(
+                log,
+                "kv_ops.pageable",
                 logging.WARNING,
                 "maru.kv_ops: SLOW PATH: chunk objects live in pageable host memory (the pool mapping is not "
                 "registered with CUDA): host<->GPU copies run ~11x below the bus (4.9 vs 55 GB/s on an H200). "
@@ -704,7 +488,7 @@ class TransferEngine:
     def _d2h(self, host: torch.Tensor, stage: torch.Tensor) -> None:
         if self._sync.raw:
             n = host.numel() * self.esize
-            self._sync.copy(host.data_ptr(), stage.data_ptr(), n, self._copy_stream.cuda_stream, _D2H)
+            self._sync.copy(host.data_ptr(), stage.data_ptr(), n, self._copy_stream.cuda_stream, D2H)
         else:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(stage, non_blocking=True)
@@ -802,232 +586,4 @@ class TransferEngine:
         stream.synchronize()
         handle = Transfer("load" if load else "store", "sync", nbytes)
         handle.issue_s = time.perf_counter() - t0
-        return handle
-
-    def _eager_layer(
-        self, obj_layer: torch.Tensor, layer: int, slots: torch.Tensor, placer: Placer | None
-    ) -> None:
-        if placer is not None:
-            placer(obj_layer, layer, slots)
-        elif self.cross_layer:
-            ops.scatter_layer(obj_layer, self.caches, self.layout, slots, layer=layer, backend=self.backend)
-        else:
-            ops.scatter_layer(obj_layer, self.caches[layer], self.layout, slots, backend=self.backend)
-
-    def _layer_staging(self, tokens: int, placer: Placer | None) -> tuple[torch.Tensor, int, bool]:
-        """(staging [L, KV, Tb, ROW], Tb, graph-backed) for a call of ``tokens`` tokens.
-
-        With graphs, Tb is ``tokens`` rounded up to a power of two (at least 16), so a handful of
-        static buffers and graphs serve every request size; pad slots are -1 (never written).
-        """
-        if placer is None and self._layer_placer is not None:
-            tb = _bucket(tokens)
-            try:
-                return self._layer_placer.staging(tb).view(self.dtype), tb, True
-            except ValueError:
-                _announce_once(
-                    "layer-placer-full",
-                    logging.INFO,
-                    "maru.kv_ops: layer-overlap load of %d tokens has no graph bucket left; eager launches",
-                    tokens,
-                )
-        numel = self.num_layers * self.layout.num_kv * tokens * self.layout.row_size
-        if self._layer_own is None or self._layer_own.numel() < numel:
-            if self._layer_free is not None:
-                self._sync.synchronize(self._layer_free)
-            self._layer_own = torch.empty(numel, dtype=self.dtype, device=self.device)
-        return self._layer_own[:numel].view(self.object_shape(tokens)), tokens, False
-
-    def _issue_layers(
-        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, placer: Placer | None
-    ) -> LayerLoad:
-        t0 = time.perf_counter()
-        total = slots.numel()
-        kv, row, es = self.layout.num_kv, self.layout.row_size, self.esize
-        staging, tb, graphed = self._layer_staging(total, placer)
-        copied, placed = self._layer_events()
-        sync, copy, place = self._sync, self._copy_stream, self._place_stream
-        self._start()
-        if self._layer_free is not None:
-            sync.wait(copy, self._layer_free)  # the previous call's placements read this staging
-        raw = sync.raw
-        st_ptr, st_layer, st_plane = staging.data_ptr(), staging.stride(0) * es, staging.stride(1) * es
-        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
-        copy_handle = copy.cuda_stream
-        # Phase A: every layer's copies, layer-major (layer 0 lands first), one event per layer.
-        for i in range(self.num_layers):
-            if raw:
-                token0 = 0
-                for ptr, t in chunks:
-                    plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
-                    src = ptr + i * kv * plane
-                    dst = st_ptr + i * st_layer + token0 * row * es
-                    # One chunk filling its bucket: the layer's planes are contiguous on both sides.
-                    if tb == t:
-                        sync.copy(dst, src, kv * plane, copy_handle)
-                    else:  # planes land Tb rows apart in the staging: a copy per plane
-                        for p in range(kv):
-                            sync.copy(dst + p * st_plane, src + p * plane, plane, copy_handle)
-                    token0 += t
-            else:
-                with torch.cuda.stream(copy):
-                    token0 = 0
-                    for obj in objs:
-                        t = obj.shape[2]
-                        staging[i, :, token0 : token0 + t].copy_(obj[i], non_blocking=True)
-                        token0 += t
-            sync.record(copied[i], copy)
-        t_copies = time.perf_counter()
-        # Phase B: per layer, wait for its copy, place it (a graph replay), record its event.
-        with torch.cuda.stream(place):  # placements launch on the current stream
-            if graphed:
-                if tb != total:
-                    padded = torch.full((tb,), -1, dtype=torch.int64, device=self.device)
-                    padded[:total] = slots
-                    slots = padded
-                self._layer_placer.set_slots(slots)
-            t_place = time.perf_counter()
-            for i in range(self.num_layers):
-                sync.wait(place, copied[i])
-                if graphed:
-                    self._layer_placer.scatter_layer(i, tb)
-                else:
-                    self._eager_layer(staging[i], i, slots, placer)
-                sync.record(placed[i], place)
-        t_end = time.perf_counter()
-        self._layer_free = placed[-1]
-        handle = LayerLoad(nbytes, placed, sync, (objs, slots))
-        handle.graphed = graphed
-        handle.issue_s = time.perf_counter() - t0
-        handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
-        handle.place_issue_s = t_end - t_place  # the per-layer placements alone
-        return handle
-
-    # ------------------------------------------------------------------ direct (zero-copy) layer path
-
-    def _use_direct(self, obj: torch.Tensor) -> bool:
-        """Whether the layer load reads the objects in place: decided once, announced once.
-
-        Needs the Triton backend and host memory the GPU addresses at the same pointer (a pool
-        registered with CUDA, or pinned memory, under unified addressing).
-        """
-        if self.layer_path == "staged":
-            return False
-        if self._direct_ok is None:
-            why = self._direct_blocker(obj)
-            self._direct_ok = why is None
-            if why is None:
-                _announce_once(
-                    "layer-direct",
-                    logging.INFO,
-                    "maru.kv_ops: layer-overlap load reads chunk objects in place (zero-copy: one kernel "
-                    "per layer over the bus, no staging, no per-chunk copies)",
-                )
-            elif self.layer_path == "direct":
-                raise RuntimeError(f"layer_path='direct' cannot run: {why}")
-            else:
-                _announce_once(
-                    "layer-staged",
-                    logging.WARNING,
-                    "maru.kv_ops: layer-overlap load uses staged copies (one host call per chunk and layer, "
-                    "~20 us each): %s. Fix: register the pool with CUDA (maru doctor) and use the triton backend",
-                    why,
-                )
-        return self._direct_ok
-
-    def _direct_blocker(self, obj: torch.Tensor) -> str | None:
-        from maru.kv_ops.selection import choose
-
-        if self.backend == "reference" or (self.backend is None and choose("cuda").name != "triton"):
-            return "the placement backend is not triton"
-        if not obj.is_pinned():
-            return "the chunk objects are pageable host memory (the GPU cannot address them)"
-        if self._sync.raw:
-            dev = self._sync.device_pointer(obj.data_ptr())
-            if dev != obj.data_ptr():
-                return f"CUDA maps the pool at another device address ({dev}); in-place reads need UVA"
-        return None
-
-    def _after_caller(self, stream: torch.cuda.Stream) -> None:
-        """``stream`` waits for the work queued so far on the caller's current stream.
-
-        Through libcudart when available (an engine-owned event: ~2 us against ~15 us for
-        ``wait_stream``); re-recording the event later is safe, the wait already captured it.
-        """
-        caller = torch.cuda.current_stream(self.device)
-        if not self._sync.raw:
-            stream.wait_stream(caller)
-            return
-        if getattr(self, "_caller_event", None) is None:
-            self._caller_event = self._sync.event()
-        self._sync.record(self._caller_event, caller)
-        self._sync.wait(stream, self._caller_event)
-
-    def _issue_layers_direct(
-        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
-    ) -> LayerLoad:
-        """One direct kernel (a graph replay) and one event per layer; no copies to issue.
-
-        The per-call table (source address, plane stride and slot of every token) is built on the
-        host and uploaded with one async copy on the placement stream; the graphs read it from a
-        static buffer of the call's bucket, so a later call's upload is ordered after this call's
-        kernels by the stream.
-        """
-        from maru.kv_ops import triton_kernels as tk
-
-        t0 = time.perf_counter()
-        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
-        total = int(slot_mapping.numel())
-        on_device = slot_mapping.device.type != "cpu"
-        host_slots = (
-            torch.full((total,), -1, dtype=torch.int64) if on_device else slot_mapping.to(torch.int64)
-        )
-        if skip_tokens and not on_device:
-            host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
-            host_slots[:skip_tokens] = -1
-        graphed = self._layer_placer is not None
-        tb = _bucket(total) if graphed else total
-        if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb):
-            _announce_once(
-                f"direct-cold-{tb}",
-                logging.INFO,
-                "maru.kv_ops: layer load of %d tokens: no warmed graphs for its %d-token bucket; eager "
-                "launches (~30 us of host time a layer). Warm the engine for that size at start",
-                total,
-                tb,
-            )
-            graphed, tb = False, total  # eager: no capture while serving, no padding
-        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
-        host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
-        _copied, placed = self._layer_events()
-        sync, place = self._sync, self._place_stream
-        self._after_caller(place)
-        with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
-            if graphed:
-                try:
-                    tab = self._layer_placer.direct_table(tb)
-                except ValueError:
-                    graphed, tab = False, None
-            if not graphed:
-                tab = torch.empty((tk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
-            tab.copy_(host_tab, non_blocking=True)
-            if on_device:  # the slot row comes from the device mapping, not the host
-                tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)
-                if skip_tokens:
-                    tab[2, :skip_tokens].fill_(-1)
-            t_place = time.perf_counter()
-            refs = None if graphed else ops.layer_refs(self.caches, self.layout)
-            for i in range(self.num_layers):
-                if graphed:
-                    self._layer_placer.scatter_layer_direct(i, tb)
-                else:
-                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb)
-                sync.record(placed[i], place)
-        t_end = time.perf_counter()
-        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping))
-        handle.path = "layers-direct"
-        handle.graphed = graphed
-        handle.issue_s = t_end - t0
-        handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
-        handle.place_issue_s = t_end - t_place
         return handle

@@ -26,7 +26,7 @@ pytestmark = [
 
 from maru import kv_ops  # noqa: E402
 from maru.client import cuda_host  # noqa: E402
-from maru.kv_ops import pipeline as pl  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
 
 L, NH, HS, BS, NB = 32, 8, 128, 16, 512
 # The engine's placement backend (None: kv_ops's best, triton on a GPU); MARU_TEST_BACKEND=reference
@@ -112,7 +112,7 @@ class RegisteredPool:
         )
         self.next = 0
 
-    def alloc(self, engine: pl.TransferEngine, tokens: int) -> torch.Tensor:
+    def alloc(self, engine: pl.DevicePipeline, tokens: int) -> torch.Tensor:
         offset = self.next
         self.next += (engine.object_bytes(tokens) + 4095) // 4096 * 4096
         obj = engine.host_object(self.mm, tokens, offset)
@@ -200,7 +200,7 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     layer_path = "staged" if "_staged" in path else "auto"
     path = path.split("_")[0]
     kw = dict(ring_slots=2, backend=BACKEND, use_graphs=graphs, raw_cuda=raw, layer_path=layer_path)
-    engine = pl.TransferEngine(src.layers, layout, **kw)
+    engine = pl.DevicePipeline(src.layers, layout, **kw)
     chunk = CHUNK if name != "mla" else 64 * 4
     sizes = [chunk, chunk, chunk, 100]  # a short last chunk
     slots = _slots(src, sum(sizes), 2, negatives=5)
@@ -219,7 +219,7 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     fresh = make_caches(name, 3)
     expected = fresh.clone()
     kv_ops.scatter(expected_obj.cuda(), expected.layers, layout, slots.cuda(), backend="reference")
-    loader = pl.TransferEngine(fresh.layers, fresh.layout(), **kw)
+    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), **kw)
     if path == "layers":
         handle = loader.load_layers(objs, slots)
         assert handle.graphed == (graphs and BACKEND != "reference")
@@ -238,7 +238,7 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
 
 def test_single_chunk_layer_load_and_skip_tokens(pool: RegisteredPool) -> None:
     src = make_caches("flash_attn_HND", 4)
-    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, CHUNK, 5)
     obj = pool.alloc(engine, CHUNK)
     engine.store([obj], slots).wait()
@@ -247,7 +247,7 @@ def test_single_chunk_layer_load_and_skip_tokens(pool: RegisteredPool) -> None:
     kv_ops.scatter(
         obj.cuda(), expected.layers, fresh.layout(), slots.cuda(), backend="reference", skip_tokens=40
     )
-    pl.TransferEngine(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(
+    pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(
         [obj], slots, skip_tokens=40
     ).wait()
     assert torch.equal(fresh.bits(), expected.bits())
@@ -259,7 +259,7 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
     pool: RegisteredPool, layer_path: str, graphs: bool
 ) -> None:
     src = make_caches("flashinfer_NHD", 21)
-    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     sizes = [CHUNK, 37]
     slots = _slots(src, sum(sizes), 22, negatives=3)
     objs = [pool.alloc(engine, t) for t in sizes]
@@ -270,7 +270,7 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
         _reference_gather(src, slots), expected.layers, fresh.layout(), slots.cuda(), backend="reference",
         skip_tokens=70,
     )  # fmt: skip
-    loader = pl.TransferEngine(
+    loader = pl.DevicePipeline(
         fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=graphs, layer_path=layer_path
     )
     for _ in range(2):  # the second call reuses the bucket's static table (and its graphs)
@@ -282,12 +282,12 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
 def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: RegisteredPool) -> None:
     """What the connector builds: eager chunk paths, layer graphs warmed at start, no capture later."""
     src = make_caches("flash_attn_HND", 26)
-    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, 3 * CHUNK, 27, negatives=4)
     objs = [pool.alloc(engine, CHUNK) for _ in range(3)]
     engine.store(objs, slots).wait()
     fresh = make_caches("flash_attn_HND", 28)
-    loader = pl.TransferEngine(
+    loader = pl.DevicePipeline(
         fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True, lazy_capture=False
     )
     loader.warm(0, layer_tokens=[2 * CHUNK])  # bucket 512: two chunks fit, three do not
@@ -314,14 +314,14 @@ def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: Regi
 def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: RegisteredPool) -> None:
     src = make_caches("flash_attn_NHD", 24)
     layout = src.layout()
-    pageable = [torch.zeros(pl.TransferEngine(src.layers, layout).object_shape(CHUNK), dtype=torch.bfloat16)]
+    pageable = [torch.zeros(pl.DevicePipeline(src.layers, layout).object_shape(CHUNK), dtype=torch.bfloat16)]
     slots = _slots(src, CHUNK, 25)
     if BACKEND != "reference":
         with pytest.raises(RuntimeError, match="pageable"):
-            pl.TransferEngine(src.layers, layout, backend=BACKEND, layer_path="direct").load_layers(
+            pl.DevicePipeline(src.layers, layout, backend=BACKEND, layer_path="direct").load_layers(
                 pageable, slots
             )
-    handle = pl.TransferEngine(src.layers, layout, backend=BACKEND).load_layers(pageable, slots)
+    handle = pl.DevicePipeline(src.layers, layout, backend=BACKEND).load_layers(pageable, slots)
     handle.wait()
     assert handle.path == "layers"
     want = torch.zeros_like(_reference_gather(src, slots))
@@ -330,12 +330,12 @@ def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: Re
 
 def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool: RegisteredPool) -> None:
     src = make_caches("flashinfer_HND", 7)
-    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, 4 * CHUNK, 8)
     objs = [pool.alloc(engine, CHUNK) for _ in range(4)]
     engine.store(objs, slots).wait()
     fresh = make_caches("flashinfer_HND", 9)
-    handle = pl.TransferEngine(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(objs, slots)
+    handle = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND).load_layers(objs, slots)
     reader = torch.cuda.Stream()
     seen = []
     for i in (0, 13, 31):
@@ -354,7 +354,7 @@ def test_an_hnd_cache_read_in_its_logical_order_would_be_caught(pool: Registered
     """The seed issue's trap: treating an HND cache as if its shape were its memory order writes other
     bytes. A loader given such a view must fail the comparison the tests above make."""
     src = make_caches("flash_attn_HND", 12)
-    engine = pl.TransferEngine(src.layers, src.layout(), backend=BACKEND)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, CHUNK, 13)
     obj = pool.alloc(engine, CHUNK)
     engine.store([obj], slots).wait()
@@ -368,5 +368,5 @@ def test_an_hnd_cache_read_in_its_logical_order_would_be_caught(pool: Registered
     ]
     wrong_layout = kv_ops.detect_layouts(wrong, block_size=BS, num_kv_heads=NH, head_size=HS)
     assert wrong_layout.physical == "NHD" and fresh.layout().physical == "HND"
-    pl.TransferEngine(wrong, wrong_layout, backend=BACKEND).load([obj], slots).wait()
+    pl.DevicePipeline(wrong, wrong_layout, backend=BACKEND).load([obj], slots).wait()
     assert not torch.equal(fresh.bits(), expected.bits())

@@ -1,4 +1,4 @@
-"""The transfer engine (maru.kv_ops.pipeline) and CUDA host registration on a machine without a GPU.
+"""The transfer engine (maru.kv_ops.device_pipeline) and CUDA host registration on a machine without a GPU.
 
 On CPU caches the engine degrades to direct kv_ops calls between the pool and the cache; these tests
 drive it through a real shared-memory pool (a /dev/shm file, mmapped) and compare every byte of the
@@ -17,9 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from maru import announce  # noqa: E402
 from maru.client import cuda_host  # noqa: E402
 from maru.kv_ops import detect_layouts  # noqa: E402
-from maru.kv_ops import pipeline as pl  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
 from maru.kv_ops.testing import (  # noqa: E402
     CacheCase,
     bits,
@@ -52,7 +53,7 @@ class ShmPool:
             os.close(fd)
         self.next = 0
 
-    def alloc(self, engine: pl.TransferEngine, tokens: int) -> torch.Tensor:
+    def alloc(self, engine: pl.DevicePipeline, tokens: int) -> torch.Tensor:
         offset = self.next
         self.next += (engine.object_bytes(tokens) + 4095) // 4096 * 4096
         obj = engine.host_object(self.mm, tokens, offset)
@@ -79,16 +80,16 @@ def _case(fmt: str, physical: str, seed: int) -> CacheCase:
     return make_cache(fmt, physical, dtype=torch.bfloat16, generator=g, **GEOM)
 
 
-def _engine(case: CacheCase, **kw) -> pl.TransferEngine:
+def _engine(case: CacheCase, **kw) -> pl.DevicePipeline:
     layout = detect_layouts(case.caches, **case.detect_kwargs())
-    return pl.TransferEngine(case.caches, layout, **kw)
+    return pl.DevicePipeline(case.caches, layout, **kw)
 
 
 def _same_storage(a: CacheCase, b: CacheCase) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.snapshot(), b.snapshot(), strict=True))
 
 
-def _chunks(pool: ShmPool, engine: pl.TransferEngine, sizes: list[int]) -> list[torch.Tensor]:
+def _chunks(pool: ShmPool, engine: pl.DevicePipeline, sizes: list[int]) -> list[torch.Tensor]:
     return [pool.alloc(engine, t) for t in sizes]
 
 
@@ -153,7 +154,7 @@ def test_load_with_skip_tokens_leaves_the_shared_prefix_untouched(pool: ShmPool)
 
 
 def test_cpu_engine_announces_direct_placement_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
-    pl._announced.discard("cpu-direct")
+    announce.forget("kv_ops.cpu-direct")  # announced again in this test
     with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
         _engine(_case("kv_first", "NHD", 1))
         _engine(_case("kv_first", "NHD", 1))

@@ -1,0 +1,74 @@
+"""Handles of transfers issued on a ``DevicePipeline``: poll ``done()``, ``wait()``, or make a stream wait.
+
+A handle keeps the host objects (pool pages) and device tensors its copies use alive until it
+has completed; drop it only after ``done()`` or ``wait()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Transfer:
+    """Handle of one issued store or load. ``wait()`` before committing keys or unpinning entries."""
+
+    def __init__(
+        self,
+        kind: str,
+        path: str,
+        nbytes: int,
+        done_event: Any = None,
+        sync: Any = None,
+        keepalive: Any = None,
+    ) -> None:
+        self.kind = kind  # "load" | "store"
+        self.path = path  # "pipelined" | "sync" | "cpu-direct" | "layers"
+        self.nbytes = nbytes
+        self.issue_s = 0.0  # host seconds spent issuing
+        self._event = done_event  # None when complete at return (CPU, sync)
+        self._sync = sync
+        self._keepalive = keepalive
+
+    def done(self) -> bool:
+        """True once every copy and kernel of this transfer finished (never blocks)."""
+        if self._event is None or self._sync.query(self._event):
+            self._keepalive = None
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block the calling thread until the transfer completed."""
+        if self._event is not None:
+            self._sync.synchronize(self._event)
+        self._keepalive = None
+
+    def wait_on(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current stream) wait for this transfer; the host does not block."""
+        if self._event is not None:
+            self._sync.wait(stream or torch.cuda.current_stream(), self._event)
+
+
+class LayerLoad(Transfer):
+    """A load issued layer by layer: ``wait_for_layer(i)`` waits for layer i alone.
+
+    Layer events are recycled after a few later calls; waiting on a recycled event waits for a
+    *later* load of the same layer, which is later in stream order: never too early, at worst late.
+    """
+
+    def __init__(self, nbytes: int, layer_events: list[Any] | None, sync: Any, keepalive: Any) -> None:
+        done = layer_events[-1] if layer_events else None
+        super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, sync, keepalive)
+        self._layer_events = layer_events
+        self.graphed = False  # placements replayed from CUDA graphs
+        self.copy_issue_s = 0.0  # host time to queue every layer's copies (and the call's setup)
+        self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
+
+    def wait_for_layer(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block."""
+        if self._layer_events is not None:
+            self._sync.wait(stream or torch.cuda.current_stream(), self._layer_events[layer])
+
+    def layer_done(self, layer: int) -> bool:
+        return self._layer_events is None or self._sync.query(self._layer_events[layer])

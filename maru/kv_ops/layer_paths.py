@@ -1,0 +1,289 @@
+"""The layer-overlap load of ``DevicePipeline``: layer i of every chunk placed, one event per layer.
+
+Two ways, chosen once and announced once: *direct* (the Triton kernel reads the chunk objects in
+place over the bus, one kernel per layer, no staging; needs a pool registered with CUDA under
+unified addressing) and *staged* (the copy engine brings layer i of every chunk into a staging
+buffer, the single-layer kernel places it). Either way the caller's stream waits for layer i alone
+(``LayerLoad.wait_for_layer``), and nothing starts before the work already queued on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from maru.announce import announce_once
+from maru.kv_ops import ops
+from maru.kv_ops.device_handles import LayerLoad
+
+log = logging.getLogger("maru.kv_ops")
+
+Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
+
+
+def _bucket(tokens: int) -> int:
+    """Graph bucket of a layer load of ``tokens`` tokens: a power of two, at least 16."""
+    tb = 16
+    while tb < tokens:
+        tb *= 2
+    return tb
+
+
+class LayerPaths:
+    """The layer-path half of ``DevicePipeline`` (a mixin: it uses the pipeline's streams, events,
+    placers and geometry; see ``device_pipeline.DevicePipeline`` for the attributes)."""
+
+    # Set by DevicePipeline.__init__.
+    caches: Any
+    layout: Any
+    device: Any
+    dtype: Any
+    esize: int
+    num_layers: int
+    cross_layer: bool
+    backend: str | None
+    layer_path: str
+    lazy_capture: bool
+    _sync: Any
+    _copy_stream: Any
+    _place_stream: Any
+    _layer_placer: Any
+    _layer_own: Any
+    _layer_free: Any
+    _direct_ok: bool | None
+
+    def _eager_layer(
+        self, obj_layer: torch.Tensor, layer: int, slots: torch.Tensor, placer: Placer | None
+    ) -> None:
+        if placer is not None:
+            placer(obj_layer, layer, slots)
+        elif self.cross_layer:
+            ops.scatter_layer(obj_layer, self.caches, self.layout, slots, layer=layer, backend=self.backend)
+        else:
+            ops.scatter_layer(obj_layer, self.caches[layer], self.layout, slots, backend=self.backend)
+
+    def _layer_staging(self, tokens: int, placer: Placer | None) -> tuple[torch.Tensor, int, bool]:
+        """(staging [L, KV, Tb, ROW], Tb, graph-backed) for a call of ``tokens`` tokens.
+
+        With graphs, Tb is ``tokens`` rounded up to a power of two (at least 16), so a handful of
+        static buffers and graphs serve every request size; pad slots are -1 (never written).
+        """
+        if placer is None and self._layer_placer is not None:
+            tb = _bucket(tokens)
+            try:
+                return self._layer_placer.staging(tb).view(self.dtype), tb, True
+            except ValueError:
+                announce_once(
+                    log,
+                    "kv_ops.layer-placer-full",
+                    logging.INFO,
+                    "maru.kv_ops: layer-overlap load of %d tokens has no graph bucket left; eager launches",
+                    tokens,
+                )
+        numel = self.num_layers * self.layout.num_kv * tokens * self.layout.row_size
+        if self._layer_own is None or self._layer_own.numel() < numel:
+            if self._layer_free is not None:
+                self._sync.synchronize(self._layer_free)
+            self._layer_own = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return self._layer_own[:numel].view(self.object_shape(tokens)), tokens, False
+
+    def _issue_layers(
+        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, placer: Placer | None
+    ) -> LayerLoad:
+        t0 = time.perf_counter()
+        total = slots.numel()
+        kv, row, es = self.layout.num_kv, self.layout.row_size, self.esize
+        staging, tb, graphed = self._layer_staging(total, placer)
+        copied, placed = self._layer_events()
+        sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        self._start()
+        if self._layer_free is not None:
+            sync.wait(copy, self._layer_free)  # the previous call's placements read this staging
+        raw = sync.raw
+        st_ptr, st_layer, st_plane = staging.data_ptr(), staging.stride(0) * es, staging.stride(1) * es
+        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
+        copy_handle = copy.cuda_stream
+        # Phase A: every layer's copies, layer-major (layer 0 lands first), one event per layer.
+        for i in range(self.num_layers):
+            if raw:
+                token0 = 0
+                for ptr, t in chunks:
+                    plane = t * row * es  # one plane of one layer of this chunk, contiguous in the pool
+                    src = ptr + i * kv * plane
+                    dst = st_ptr + i * st_layer + token0 * row * es
+                    # One chunk filling its bucket: the layer's planes are contiguous on both sides.
+                    if tb == t:
+                        sync.copy(dst, src, kv * plane, copy_handle)
+                    else:  # planes land Tb rows apart in the staging: a copy per plane
+                        for p in range(kv):
+                            sync.copy(dst + p * st_plane, src + p * plane, plane, copy_handle)
+                    token0 += t
+            else:
+                with torch.cuda.stream(copy):
+                    token0 = 0
+                    for obj in objs:
+                        t = obj.shape[2]
+                        staging[i, :, token0 : token0 + t].copy_(obj[i], non_blocking=True)
+                        token0 += t
+            sync.record(copied[i], copy)
+        t_copies = time.perf_counter()
+        # Phase B: per layer, wait for its copy, place it (a graph replay), record its event.
+        with torch.cuda.stream(place):  # placements launch on the current stream
+            if graphed:
+                if tb != total:
+                    padded = torch.full((tb,), -1, dtype=torch.int64, device=self.device)
+                    padded[:total] = slots
+                    slots = padded
+                self._layer_placer.set_slots(slots)
+            t_place = time.perf_counter()
+            for i in range(self.num_layers):
+                sync.wait(place, copied[i])
+                if graphed:
+                    self._layer_placer.scatter_layer(i, tb)
+                else:
+                    self._eager_layer(staging[i], i, slots, placer)
+                sync.record(placed[i], place)
+        t_end = time.perf_counter()
+        self._layer_free = placed[-1]
+        handle = LayerLoad(nbytes, placed, sync, (objs, slots))
+        handle.graphed = graphed
+        handle.issue_s = time.perf_counter() - t0
+        handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
+        handle.place_issue_s = t_end - t_place  # the per-layer placements alone
+        return handle
+
+    # ------------------------------------------------------------------ direct (zero-copy) layer path
+
+    def _use_direct(self, obj: torch.Tensor) -> bool:
+        """Whether the layer load reads the objects in place: decided once, announced once.
+
+        Needs the Triton backend and host memory the GPU addresses at the same pointer (a pool
+        registered with CUDA, or pinned memory, under unified addressing).
+        """
+        if self.layer_path == "staged":
+            return False
+        if self._direct_ok is None:
+            why = self._direct_blocker(obj)
+            self._direct_ok = why is None
+            if why is None:
+                announce_once(
+                    log,
+                    "kv_ops.layer-direct",
+                    logging.INFO,
+                    "maru.kv_ops: layer-overlap load reads chunk objects in place (zero-copy: one kernel "
+                    "per layer over the bus, no staging, no per-chunk copies)",
+                )
+            elif self.layer_path == "direct":
+                raise RuntimeError(f"layer_path='direct' cannot run: {why}")
+            else:
+                announce_once(
+                    log,
+                    "kv_ops.layer-staged",
+                    logging.WARNING,
+                    "maru.kv_ops: layer-overlap load uses staged copies (one host call per chunk and layer, "
+                    "~20 us each): %s. Fix: register the pool with CUDA (maru doctor) and use the triton backend",
+                    why,
+                )
+        return self._direct_ok
+
+    def _direct_blocker(self, obj: torch.Tensor) -> str | None:
+        from maru.kv_ops.selection import choose
+
+        if self.backend == "reference" or (self.backend is None and choose("cuda").name != "triton"):
+            return "the placement backend is not triton"
+        if not obj.is_pinned():
+            return "the chunk objects are pageable host memory (the GPU cannot address them)"
+        if self._sync.raw:
+            dev = self._sync.device_pointer(obj.data_ptr())
+            if dev != obj.data_ptr():
+                return f"CUDA maps the pool at another device address ({dev}); in-place reads need UVA"
+        return None
+
+    def _after_caller(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits for the work queued so far on the caller's current stream.
+
+        Through libcudart when available (an engine-owned event: ~2 us against ~15 us for
+        ``wait_stream``); re-recording the event later is safe, the wait already captured it.
+        """
+        caller = torch.cuda.current_stream(self.device)
+        if not self._sync.raw:
+            stream.wait_stream(caller)
+            return
+        if getattr(self, "_caller_event", None) is None:
+            self._caller_event = self._sync.event()
+        self._sync.record(self._caller_event, caller)
+        self._sync.wait(stream, self._caller_event)
+
+    def _issue_layers_direct(
+        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
+    ) -> LayerLoad:
+        """One direct kernel (a graph replay) and one event per layer; no copies to issue.
+
+        The per-call table (source address, plane stride and slot of every token) is built on the
+        host and uploaded with one async copy on the placement stream; the graphs read it from a
+        static buffer of the call's bucket, so a later call's upload is ordered after this call's
+        kernels by the stream.
+        """
+        from maru.kv_ops import triton_kernels as tk
+
+        t0 = time.perf_counter()
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
+        total = int(slot_mapping.numel())
+        on_device = slot_mapping.device.type != "cpu"
+        host_slots = (
+            torch.full((total,), -1, dtype=torch.int64) if on_device else slot_mapping.to(torch.int64)
+        )
+        if skip_tokens and not on_device:
+            host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
+            host_slots[:skip_tokens] = -1
+        graphed = self._layer_placer is not None
+        tb = _bucket(total) if graphed else total
+        if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb):
+            announce_once(
+                log,
+                f"kv_ops.direct-cold-{tb}",
+                logging.INFO,
+                "maru.kv_ops: layer load of %d tokens: no warmed graphs for its %d-token bucket; eager "
+                "launches (~30 us of host time a layer). Warm the engine for that size at start",
+                total,
+                tb,
+            )
+            graphed, tb = False, total  # eager: no capture while serving, no padding
+        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
+        host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
+        _copied, placed = self._layer_events()
+        sync, place = self._sync, self._place_stream
+        self._after_caller(place)
+        with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
+            if graphed:
+                try:
+                    tab = self._layer_placer.direct_table(tb)
+                except ValueError:
+                    graphed, tab = False, None
+            if not graphed:
+                tab = torch.empty((tk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
+            tab.copy_(host_tab, non_blocking=True)
+            if on_device:  # the slot row comes from the device mapping, not the host
+                tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)
+                if skip_tokens:
+                    tab[2, :skip_tokens].fill_(-1)
+            t_place = time.perf_counter()
+            refs = None if graphed else ops.layer_refs(self.caches, self.layout)
+            for i in range(self.num_layers):
+                if graphed:
+                    self._layer_placer.scatter_layer_direct(i, tb)
+                else:
+                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb)
+                sync.record(placed[i], place)
+        t_end = time.perf_counter()
+        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping))
+        handle.path = "layers-direct"
+        handle.graphed = graphed
+        handle.issue_s = t_end - t0
+        handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
+        handle.place_issue_s = t_end - t_place
+        return handle

@@ -1,0 +1,451 @@
+"""``KVTransferEngine``: a worker's paged KV cache <-> pool objects, on one data path.
+
+Given the per-layer caches, their ``KVLayout`` and a Maru client, it stores chunks (reserve pool
+objects, gather every layer's KV of a token range into them, then publish a step's objects in one
+commit) and loads them (one lookup-and-pin round trip, scatter, unpin). How the bytes move is the
+``DataPath`` (``maru.transfer.paths``); the engine holds no path-specific branch. Requests are
+plain ``RequestTransfer`` records, so tests and benchmarks drive it with synthetic caches.
+
+Invariants:
+- A key is published only after its object is completely written (write, then commit).
+- A load is all or nothing per request: if any of its chunks is missing, has the wrong size or
+  fails to scatter, the request is reported failed, never partially trusted. Every pinned
+  handle is released, after the transfers that read its page completed.
+- Maru-side problems never raise out of ``store``/``load``; they come back in the reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from maru.client.objects import Retrieved
+from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
+from maru.kv_ops.geometry import ObjectGeometry
+from maru.protocol import CommitResult
+from maru.transfer.loads import InflightLoad, LayerByLayerLoad, PinnedLoad
+from maru.transfer.paths import DataPath, choose_path
+from maru.transfer.records import LoadReport, RequestTransfer, StoreReport, slot_mapping, unique_keys
+from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
+
+_LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
+
+logger = logging.getLogger("maru.transfer")
+
+
+class KVTransferEngine:
+    """Moves chunks between one worker's paged KV cache and the pool. One instance per worker.
+
+    ``caches``: the per-layer cache tensors in layer order (or a one-element list holding a
+    cross-layer tensor); ``layout``: what ``kv_ops.detect_layouts`` found for them; ``client``: a
+    connected ``MaruHandler`` (or anything with its ``batch_alloc``/``batch_store``/``abort``/
+    ``batch_retrieve``/``batch_release``). ``path``: the data path (default: ``choose_path``).
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor],
+        layout: Any,
+        client: Any,
+        *,
+        backend: str | None = None,
+        pipelined: bool = True,
+        path: DataPath | None = None,
+    ) -> None:
+        if not caches:
+            raise ValueError("no KV caches to transfer")
+        self.caches = list(caches)
+        self.layout = layout
+        self.client = client
+        self.block_size = int(layout.block_size)
+        self.geometry = ObjectGeometry.of(self.caches[0] if layout.is_cross_layer else self.caches, layout)
+        self.num_layers = self.geometry.num_layers
+        self.device = self.caches[0].device
+        self.path = path or choose_path(self.caches, layout, client, backend=backend, pipelined=pipelined)
+
+    @property
+    def data_path(self) -> str:
+        """Which path moves the bytes: "cpu", "pipelined" or "staged"."""
+        return self.path.name
+
+    @property
+    def host_registration(self) -> Any:
+        """``cuda_host``'s record for the pool mapping (None where no registration was attempted)."""
+        return self.path.registration
+
+    def close(self) -> None:
+        """Wait for queued transfers and unregister the pool mapping from CUDA (idempotent).
+
+        Call before the client closes (unmaps) the pool: a registration outliving its mapping would
+        let CUDA copy to pages that are no longer the pool's.
+        """
+        self.path.close()
+
+    # ------------------------------------------------------------------ store
+    def store(self, requests: Sequence[RequestTransfer]) -> StoreReport:
+        """Gather every chunk of ``requests`` into new pool objects, then publish them in one batch.
+
+        A key that appears twice (two requests sharing a prefix in one step) is stored once.
+        """
+        return self.commit_store(self.prepare_store(requests))
+
+    def prepare_store(self, requests: Sequence[RequestTransfer]) -> PreparedStore:
+        """Reserve pool objects and gather the chunks into them; nothing is published yet.
+
+        When this returns the paged cache is no longer read: the blocks may be reused at once.
+        """
+        t0 = time.perf_counter()
+        prep = PreparedStore(report=StoreReport())
+        reserved = self._reserve(requests, prep)
+        if reserved is not None:
+            self.finish_gather(self.issue_gather(*reserved, prep), prep)
+        prep.report.seconds += time.perf_counter() - t0
+        return prep
+
+    def _reserve(
+        self, requests: Sequence[RequestTransfer], prep: PreparedStore
+    ) -> tuple[list[tuple[RequestTransfer, Any]], list[Any]] | None:
+        """Every unique chunk of ``requests`` and a reserved pool object for each (one round trip).
+
+        None when there is nothing to store or the reservation failed (recorded in ``prep``).
+        """
+        rep = prep.report
+        todo: list[tuple[RequestTransfer, Any]] = []
+        seen: set[str] = set()
+        for req in requests:
+            for c in req.chunks:
+                if c.key not in seen:
+                    seen.add(c.key)
+                    todo.append((req, c))
+        if not todo:
+            return None
+        try:
+            objs = self.client.batch_alloc([self.geometry.nbytes(c.num_tokens) for _, c in todo])
+        except (MaruError, ValueError) as e:
+            rep.failed = len(todo)
+            rep.error = f"reserving {len(todo)} objects failed: {e}"
+            rep.server_lost = isinstance(e, _LOST)
+            return None
+        return todo, list(objs)
+
+    def issue_gather(
+        self, todo: list[tuple[RequestTransfer, Any]], objs: list[Any], prep: PreparedStore
+    ) -> IssuedGather:
+        """Issue the gather of every chunk into its reserved object on the data path (may be queued)."""
+        rep = prep.report
+        ig = IssuedGather()
+        slots: list[torch.Tensor] = []
+        for (req, c), obj in zip(todo, objs, strict=True):
+            try:
+                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
+                o = self.geometry.over(obj.buf, c.num_tokens)
+            except Exception as e:
+                ig.bad.append(obj)
+                rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
+                continue
+            ig.outs.append(o)
+            slots.append(s)
+            ig.ok.append((c, obj))
+        if ig.ok:
+            try:
+                ig.handle = self.path.gather(ig.outs, slots)
+            except Exception as e:  # nothing of it is published
+                rep.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
+                ig.bad.extend(obj for _, obj in ig.ok)
+                ig.ok, ig.outs = [], []
+        return ig
+
+    def finish_gather(self, ig: IssuedGather, prep: PreparedStore) -> None:
+        """Wait for an issued gather, then record its complete objects in ``prep``; abort the others."""
+        handle, ig.handle = ig.handle, None
+        if handle is not None:
+            try:
+                handle.wait()  # the copies into the pool pages completed: only now may keys be published
+            except Exception as e:
+                prep.report.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
+                ig.bad.extend(obj for _, obj in ig.ok)
+                ig.ok = []
+                self.path.settle()  # no copy may still write a page we hand back
+            else:
+                failed = handle.failed_items()
+                for i in sorted(failed, reverse=True):
+                    c, obj = ig.ok.pop(i)
+                    ig.bad.append(obj)
+                    prep.report.error = f"gathering chunk {c.key} failed: {failed[i]}"
+            del handle
+        ig.outs = []  # drop the exports of the pool buffers before the client releases them
+        ok, bad, ig.ok, ig.bad = ig.ok, ig.bad, [], []
+        rep = prep.report
+        for c, obj in ok:
+            prep.keys.append(c.key)
+            prep.objects.append(obj)
+            rep.tokens += c.num_tokens
+            prep.nbytes += obj.size
+        if bad:
+            rep.failed += len(bad)
+            self._abort(bad)
+
+    def abort_prepared(self, prep: PreparedStore, why: str) -> StoreReport:
+        """Hand every prepared object back unpublished; the report counts them failed with ``why``."""
+        rep = prep.report
+        if prep.objects:
+            rep.failed += len(prep.objects)
+            rep.tokens = 0
+            rep.error = f"{len(prep.objects)} objects {why}"
+            self._abort(prep.objects)
+            prep.keys, prep.objects = [], []
+        return rep
+
+    def _abort(self, objs: list[Any]) -> None:
+        try:
+            self.client.abort(objs)
+        except MaruError:
+            pass  # the server reclaims reservations with the lease
+
+    def commit_store(self, prep: PreparedStore) -> StoreReport:
+        """Publish what ``prepare_store`` gathered (one batch); returns the step's full report."""
+        t0 = time.perf_counter()
+        rep = prep.report
+        if prep.objects:
+            try:
+                results = self.client.batch_store(prep.keys, prep.objects)
+            except MaruError as e:
+                rep.failed += len(prep.objects)
+                rep.tokens = 0
+                rep.error = f"publishing {len(prep.objects)} objects failed: {e}"
+                rep.server_lost = isinstance(e, _LOST)
+                rep.seconds += time.perf_counter() - t0
+                return rep
+            for r in results:
+                if r == CommitResult.STORED:
+                    rep.stored += 1
+                else:
+                    rep.present += 1
+            rep.bytes = prep.nbytes
+        rep.seconds += time.perf_counter() - t0
+        return rep
+
+    # ------------------------------------------------------------------ write-behind store
+    def issue_store(self, requests: Sequence[RequestTransfer]) -> PendingStore:
+        """Start a write-behind store on the forward thread; ``complete_store`` finishes it.
+
+        Where the path defers the gather (CPU) nothing happens here; otherwise the objects are
+        reserved and the gather issued (queued after the forward's writes on a GPU). Until
+        ``read_done`` is set the blocks of ``requests`` must not be reused (``wait_store_read``).
+        """
+        pending = PendingStore(requests=list(requests), prep=PreparedStore(report=StoreReport()))
+        if self.path.defers_store_gather:
+            return pending
+        t0 = time.perf_counter()
+        reserved = self._reserve(requests, pending.prep)
+        if reserved is not None:
+            pending.issued = self.issue_gather(*reserved, pending.prep)
+        else:
+            pending.read_done.set()
+        pending.prep.report.seconds += time.perf_counter() - t0
+        return pending
+
+    def complete_store(self, pending: PendingStore) -> StoreReport:
+        """Finish a write-behind store (drain thread): gather or wait for the gather, then publish.
+
+        A store cancelled by ``wait_store_read`` publishes nothing (its objects are aborted).
+        """
+        try:
+            if pending.issued is not None:
+                t0 = time.perf_counter()
+                self.finish_gather(pending.issued, pending.prep)
+                pending.prep.report.seconds += time.perf_counter() - t0
+            elif self.path.defers_store_gather:
+                if pending.take():
+                    pending.prep = self.prepare_store(pending.requests)  # reads the blocks
+                else:  # the preemption barrier gathered it on the forward thread
+                    pending.read_done.wait()
+        finally:
+            cancelled = pending.finish_reading()
+        if cancelled:
+            return self.abort_prepared(
+                pending.prep,
+                "cancelled: their blocks were released (request preempted) before the write-behind "
+                "gather finished reading them",
+            )
+        return self.commit_store(pending.prep)
+
+    def wait_store_read(self, pending: PendingStore, timeout: float | None = None) -> bool:
+        """Block until ``pending`` no longer reads the paged cache (the preemption barrier).
+
+        Deferred gathers (CPU) not yet started by the drain thread run here, on the forward thread;
+        issued gathers are waited for. True: the blocks may be overwritten. False after ``timeout``
+        seconds: the store is cancelled (it publishes nothing), so the blocks may be overwritten too.
+        """
+        if self.path.defers_store_gather and pending.take():
+            try:
+                pending.prep = self.prepare_store(pending.requests)
+            finally:
+                pending.read_done.set()
+            return True
+        handle = pending.issued.handle if pending.issued is not None else None
+        if handle is not None and not pending.read_done.is_set():
+            try:
+                handle.wait()  # the copies finishing is what matters, not the drain thread reaching them
+                return True
+            except Exception as e:
+                logger.error("Maru: waiting for a write-behind gather failed (%s); it is cancelled", e)
+                self.path.settle()
+        elif pending.read_done.wait(timeout):
+            return True
+        return pending.cancel()
+
+    # ------------------------------------------------------------------ load
+    def load(self, requests: Sequence[RequestTransfer]) -> LoadReport:
+        """Place every request's chunks into the paged cache: one lookup-and-pin for all keys.
+
+        All or nothing per request. Returns once every placement completed and the pins are released.
+        """
+        return self.start_load(requests).finish()
+
+    def start_load(self, requests: Sequence[RequestTransfer]) -> InflightLoad:
+        """Look up and pin every chunk (one round trip), check each request, issue its scatter.
+
+        Returns without waiting where the path is asynchronous (poll ``InflightLoad.done()``). The
+        pins are released by ``InflightLoad.release``/``finish``, or here if this raises.
+        """
+        t0 = time.perf_counter()
+        rep = LoadReport()
+        index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
+        if handles is None:
+            return InflightLoad(self, rep, [], [], t0)
+        issued: list[tuple[RequestTransfer, Any, int, int]] = []
+        try:
+            for req in requests:
+                why = self._check(req, handles, index)
+                if why is None:
+                    why = self._issue_scatter(req, handles, index, issued)
+                if why is not None:
+                    rep.failed[req.req_id] = why
+        except BaseException:
+            self.path.settle()  # unexpected: no copy may still read a page we unpin
+            issued = []
+            self.unpin(handles)
+            raise
+        return InflightLoad(self, rep, handles, issued, t0)
+
+    def _lookup_pinned(
+        self, requests: Sequence[RequestTransfer], failed: dict[str, str]
+    ) -> tuple[dict[str, int], list[Retrieved | None] | None, bool]:
+        """Look up and pin every unique chunk key in one round trip: (key -> position, handles, lost).
+
+        Handles are None when there is nothing to look up or the lookup failed (then every request
+        is in ``failed``).
+        """
+        keys, index = unique_keys(requests)
+        if not keys:
+            return index, None, False
+        try:
+            return index, list(self.client.batch_retrieve(keys, pin=True)), False
+        except MaruError as e:
+            for req in requests:
+                failed[req.req_id] = f"lookup failed: {e}"
+            return index, None, isinstance(e, _LOST)
+
+    def _parts(
+        self, req: RequestTransfer, handles: list[Any], index: dict[str, int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(object over the pinned page, host slot mapping, bytes) of each chunk of ``req``."""
+        out = []
+        for c in req.chunks:
+            h = handles[index[c.key]]
+            slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, c.placed())
+            out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size)))
+        return out
+
+    def _issue_scatter(
+        self,
+        req: RequestTransfer,
+        handles: list[Any],
+        index: dict[str, int],
+        issued: list[tuple[RequestTransfer, Any, int, int]],
+    ) -> str | None:
+        """Issue ``req``'s scatter on the path; None (``req`` recorded in ``issued``), or why it failed."""
+        try:
+            parts = self._parts(req, handles, index)
+        except Exception as e:
+            return f"preparing the chunks failed: {type(e).__name__}: {e}"
+        nbytes = sum(n for _, _, n in parts)
+        placed = [(o, s) for c, (o, s, _) in zip(req.chunks, parts, strict=True) if _places(c)]
+        del parts
+        handle = None
+        if placed:  # a chunk with nothing to place is not copied at all
+            try:
+                handle = self.path.scatter([o for o, _ in placed], [s for _, s in placed])
+            except Exception as e:  # reported as a load error: vLLM recomputes these blocks
+                return f"placing the chunks failed: {type(e).__name__}: {e}"
+        issued.append((req, handle, len(req.chunks), nbytes))
+        return None
+
+    def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:
+        for c in req.chunks:
+            h = handles[index[c.key]]
+            if h is None:
+                return f"chunk {c.key} is gone from the pool (evicted or deleted)"
+            want = self.geometry.nbytes(c.num_tokens)
+            if h.size != want:
+                return (
+                    f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
+                )
+        return None
+
+    # ------------------------------------------------------------------ layer by layer
+    def pin(self, requests: Sequence[RequestTransfer]) -> PinnedLoad:
+        """Look up and pin every chunk of ``requests`` (one round trip) and check them; place nothing.
+
+        A request with any chunk missing or of the wrong size is failed whole, before a single
+        layer of it is placed (all or nothing per request).
+        """
+        t0 = time.perf_counter()
+        pl = PinnedLoad()
+        index, handles, pl.server_lost = self._lookup_pinned(requests, pl.failed)
+        if handles is not None:
+            pl.handles = handles
+            for req in requests:
+                why = self._check(req, handles, index)
+                if why is None:
+                    try:
+                        pl.ready.append((req, self._parts(req, handles, index)))
+                    except Exception as e:
+                        why = f"preparing the chunks failed: {type(e).__name__}: {e}"
+                if why is not None:
+                    pl.failed[req.req_id] = why
+        pl.seconds = time.perf_counter() - t0
+        return pl
+
+    def start_layer_load(self, pinned: PinnedLoad) -> LayerByLayerLoad:
+        """Start placing ``pinned`` layer by layer (the layer-overlap load); it owns the pins now."""
+        return LayerByLayerLoad(self, pinned)
+
+    def release(self, pl: PinnedLoad) -> None:
+        """Unpin what ``pin`` pinned (object tensors over the pool pages are dropped first)."""
+        pl.ready = []
+        handles, pl.handles = pl.handles, []
+        self.unpin(handles)
+
+    def unpin(self, handles: list[Any]) -> None:
+        """Release pinned lookup handles (None entries skipped) in one round trip; never raises a
+        ``MaruError`` (logged: the lease frees them). Callers drop their tensors over the pages first."""
+        handles = [h for h in handles if h is not None]
+        if not handles:
+            return
+        try:
+            self.client.batch_release(handles)
+        except MaruError as e:
+            logger.warning(
+                "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e
+            )
+
+
+def _places(c: Any) -> bool:
+    pb, pe = c.placed()
+    return pe > pb

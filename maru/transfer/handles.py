@@ -1,0 +1,168 @@
+"""Handles of transfers issued on a data path: one interface, whatever the path.
+
+A handle covers a list of *items* (the chunks of a gather or scatter, or the per-request chunk
+groups of a layer-by-layer scatter). ``done()`` never blocks. ``wait()`` blocks until every item
+completed and raises when the whole transfer failed; ``failed_items()`` (after ``wait()``) names
+the items that failed alone, the others are complete. A handle keeps the tensors over pool pages
+alive until it completed: drop it only after ``done()`` or ``wait()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maru.transfer.paths import DataPath
+
+
+class TransferHandle(ABC):
+    """One issued gather or scatter (see the module docstring)."""
+
+    @abstractmethod
+    def done(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self) -> None: ...
+
+    def failed_items(self) -> dict[int, str]:
+        return {}
+
+
+class CompletedHandle(TransferHandle):
+    """A transfer that ran to its end on the calling thread (CPU and staged paths)."""
+
+    def __init__(self, failed: dict[int, str] | None = None) -> None:
+        self._failed = failed or {}
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def failed_items(self) -> dict[int, str]:
+        return dict(self._failed)
+
+
+class DeviceHandle(TransferHandle):
+    """A transfer queued on a ``DevicePipeline`` (its ``Transfer``); errors surface at done()/wait()."""
+
+    def __init__(self, transfer: Any) -> None:
+        self.transfer = transfer
+
+    def done(self) -> bool:
+        return bool(self.transfer.done())
+
+    def wait(self) -> None:
+        self.transfer.wait()
+
+
+class LayerHandle(TransferHandle):
+    """A layer-by-layer scatter: layer i of every item can be waited for alone.
+
+    ``wait_for_layer(i)`` and ``wait_all()`` make the *caller* wait: its CUDA stream where the
+    path runs on the device (the host does not block), the host otherwise. ``host_seconds`` is the
+    host time the placement itself took (0 where it runs on the device).
+    """
+
+    num_layers: int
+    host_seconds: float = 0.0
+
+    @abstractmethod
+    def wait_for_layer(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def wait_all(self) -> None: ...
+
+    @abstractmethod
+    def layer_done(self, layer: int) -> bool: ...
+
+
+class DeviceLayerHandle(LayerHandle):
+    """``DevicePipeline.load_layers``' ``LayerLoad``: one event per layer; all items fail together."""
+
+    def __init__(self, load: Any, num_layers: int) -> None:
+        self.load = load
+        self.num_layers = num_layers
+
+    def wait_for_layer(self, layer: int) -> None:
+        self.load.wait_for_layer(layer)
+
+    def wait_all(self) -> None:
+        self.load.wait_on()
+
+    def layer_done(self, layer: int) -> bool:
+        return bool(self.load.layer_done(layer))
+
+    def done(self) -> bool:
+        return bool(self.load.done())
+
+    def wait(self) -> None:
+        self.load.wait()
+
+
+class ThreadedLayerHandle(LayerHandle):
+    """Places every item layer by layer on a daemon thread (``path.place_layer``), in layer order.
+
+    Invariants: layer i's event is set only after layer i of every item still alive is placed
+    (and, on a device, ran); an item whose placement raised is skipped from then on and named by
+    ``failed_items()``; every event is set when the thread ends, so a waiter never hangs.
+    """
+
+    def __init__(self, path: DataPath, groups: list[list[tuple[Any, Any]]], num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._path = path
+        self._groups = groups
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self._done = threading.Event()
+        self._failed: dict[int, str] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="maru-layer-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for i in range(self.num_layers):
+                for g, parts in enumerate(self._groups):
+                    if g in self._failed:
+                        continue
+                    try:
+                        for obj, slots in parts:
+                            self._path.place_layer(obj, slots, i)
+                    except Exception as e:  # this item fails alone: vLLM recomputes its request
+                        self._failed[g] = f"placing layer {i} failed: {type(e).__name__}: {e}"
+                self._path.sync()  # queued kernels are not placed layers
+                self._events[i].set()
+        except BaseException as e:  # the device itself failed: every item fails
+            self._error = e
+        finally:
+            self._groups = []
+            for ev in self._events:
+                ev.set()
+            self.host_seconds = time.perf_counter() - t0
+            self._done.set()
+
+    def wait_for_layer(self, layer: int) -> None:
+        self._events[layer].wait()
+
+    def wait_all(self) -> None:
+        self._done.wait()
+
+    def layer_done(self, layer: int) -> bool:
+        return self._events[layer].is_set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def failed_items(self) -> dict[int, str]:
+        return dict(self._failed)

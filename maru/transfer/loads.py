@@ -1,0 +1,234 @@
+"""Loads in progress: pinned and checked (``PinnedLoad``), issued chunk by chunk (``InflightLoad``),
+issued layer by layer (``LayerByLayerLoad``). Each releases its pins exactly once, only after every
+transfer that reads the pinned pages completed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from maru.transfer.handles import LayerHandle
+from maru.transfer.records import LoadReport, RequestTransfer
+
+if TYPE_CHECKING:
+    from maru.transfer.engine import KVTransferEngine
+
+logger = logging.getLogger("maru.transfer")
+
+
+@dataclass
+class PinnedLoad:
+    """A load looked up and pinned, checked, not yet placed (``KVTransferEngine.pin``).
+
+    ``ready``: the requests whose every chunk is present with the right size, each with its
+    (object tensor, host slot mapping, bytes) per chunk; ``failed``: req_id -> why. Nothing of a
+    failed request is ever placed. The pins hold until ``KVTransferEngine.release``.
+    """
+
+    ready: list[tuple[RequestTransfer, list[tuple[torch.Tensor, torch.Tensor, int]]]] = field(
+        default_factory=list
+    )
+    failed: dict[str, str] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    server_lost: bool = False
+    seconds: float = 0.0
+
+
+class InflightLoad:
+    """A load looked up, pinned and issued (``KVTransferEngine.start_load``); it may still be running.
+
+    Invariants: ``done()`` never blocks. ``collect()`` gives the final report: a request is in
+    ``loaded_req_ids`` only if every transfer of it completed without error; after a transfer
+    error the path is settled before anything is unpinned. ``release()`` unpins exactly once, and
+    never before every issued transfer completed (it collects, i.e. waits, first if needed).
+    """
+
+    def __init__(
+        self,
+        engine: KVTransferEngine,
+        report: LoadReport,
+        handles: list[Any],
+        issued: list[tuple[RequestTransfer, Any, int, int]],
+        t0: float,
+    ) -> None:
+        self.engine = engine
+        self.report = report  # failures at lookup, check and issue are in it already
+        self._handles = handles  # the pinned lookup handles (None: missing key)
+        self._issued = issued  # (request, transfer handle or None when nothing is placed, chunks, bytes)
+        self._errors: dict[int, BaseException] = {}  # issued index -> error raised by its done()
+        self._t0 = t0
+        self._collected = False
+        self._released = False
+
+    def done(self) -> bool:
+        """True once every issued transfer completed or failed (non-blocking)."""
+        for k, (_, transfer, _, _) in enumerate(self._issued):
+            if transfer is None or k in self._errors:
+                continue
+            try:
+                if not transfer.done():
+                    return False
+            except Exception as e:  # an error at completion: collect() fails the request
+                self._errors[k] = e
+        return True
+
+    def collect(self) -> LoadReport:
+        """The final report (idempotent). Waits for transfers still running: none once ``done()``."""
+        if self._collected:
+            return self.report
+        self._collected = True
+        rep, settle = self.report, False
+        issued, self._issued = self._issued, []
+        for k, (req, transfer, nchunks, nbytes) in enumerate(issued):
+            err = self._errors.get(k)
+            if err is None and transfer is not None:
+                try:
+                    transfer.wait()
+                except Exception as e:
+                    err = e
+            if err is not None:  # reported as a load error: vLLM recomputes these blocks
+                rep.failed[req.req_id] = f"placing the chunks failed: {type(err).__name__}: {err}"
+                settle = True
+                continue
+            rep.loaded_req_ids.append(req.req_id)
+            rep.tokens += req.num_placed_tokens()
+            rep.chunks += nchunks
+            rep.bytes += nbytes
+        del issued  # the transfers drop their tensors over the pool pages with it
+        if settle:
+            self.engine.path.settle()  # a failed transfer may leave copies queued: drain before unpinning
+        rep.seconds = time.perf_counter() - self._t0
+        return rep
+
+    def release(self) -> None:
+        """Unpin every chunk of the load, once, after its transfers completed (collects first)."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            if not self._collected:
+                self.collect()
+        finally:
+            handles, self._handles = self._handles, []
+            self.engine.unpin(handles)
+
+    def finish(self) -> LoadReport:
+        """``collect`` then ``release``: the synchronous load."""
+        rep = self.collect()
+        self.release()
+        return rep
+
+
+class LayerByLayerLoad:
+    """The layer-overlap load of one step, issued from a ``PinnedLoad`` whose pins it owns.
+
+    ``report`` holds, from issue on, every ready request as loaded, or all of them failed when the
+    issue failed (known before the forward reads anything). ``wait_for_layer(i)`` / ``wait_all()``
+    make the caller wait for layer i / every layer (its CUDA stream on the pipelined path, the host
+    otherwise). ``finish()`` waits for completion and moves the requests whose placement failed
+    since issue to ``report.failed`` (``late_failures`` names them). ``release()`` unpins exactly
+    once, after completion.
+    """
+
+    def __init__(self, engine: KVTransferEngine, pinned: PinnedLoad) -> None:
+        t0 = time.perf_counter()
+        self.engine = engine
+        self.num_layers = engine.num_layers
+        self.report = LoadReport(failed=dict(pinned.failed), server_lost=pinned.server_lost)
+        self.late_failures: dict[str, str] = {}
+        self.handle: LayerHandle | None = None
+        self._pinned = pinned
+        self._finished = False
+        self._released = False
+        ready, pinned.ready = pinned.ready, []  # the handle keeps the tensors it needs
+        self._reqs = [req for req, _ in ready]
+        self._bytes = {req.req_id: sum(n for _, _, n in parts) for req, parts in ready}
+        groups = []
+        for req, parts in ready:
+            chunks = zip(req.chunks, parts, strict=True)
+            groups.append([(o, s) for c, (o, s, _) in chunks if c.placed()[1] > c.placed()[0]])
+        try:
+            if any(groups):
+                self.handle = engine.path.scatter_layers(groups)
+        except Exception as e:
+            why = f"placing the layers failed: {type(e).__name__}: {e}"
+            for req in self._reqs:
+                self.report.failed[req.req_id] = why
+            self._reqs = []
+        for req, parts in ready:
+            if req.req_id not in self.report.failed:
+                self.report.loaded_req_ids.append(req.req_id)
+                self.report.tokens += req.num_placed_tokens()
+                self.report.chunks += len(parts)
+                self.report.bytes += sum(n for _, _, n in parts)
+        del groups, ready
+        self.report.seconds = pinned.seconds + time.perf_counter() - t0
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.handle is not None:
+            self.handle.wait_for_layer(layer)
+
+    def wait_all(self) -> None:
+        if self.handle is not None:
+            self.handle.wait_all()
+
+    def layer_done(self, layer: int) -> bool:
+        return self.handle is None or self.handle.layer_done(layer)
+
+    def done(self) -> bool:
+        """True once every layer is placed (or the load failed). Never blocks."""
+        if self.handle is None or self._finished:
+            return True
+        try:
+            return self.handle.done()
+        except Exception:  # the error comes back from wait() in finish()
+            return True
+
+    def finish(self) -> LoadReport:
+        """Wait for every layer; the final report (idempotent)."""
+        if self._finished:
+            return self.report
+        self._finished = True
+        handle = self.handle
+        if handle is None:
+            return self.report
+        failed: dict[int, str] = {}
+        try:
+            handle.wait()
+            failed = handle.failed_items()
+        except Exception as e:
+            why = f"placing the layers failed: {type(e).__name__}: {e}"
+            logger.error("Maru: the layer-overlap load of %d requests failed (%s)", len(self._reqs), why)
+            failed = dict.fromkeys(range(len(self._reqs)), why)
+            self.engine.path.settle()  # no copy may still read a page we unpin
+        self.report.seconds += handle.host_seconds
+        for g, why in failed.items():
+            req = self._reqs[g]
+            if req.req_id in self.report.loaded_req_ids:
+                self.report.loaded_req_ids.remove(req.req_id)
+                self.report.tokens -= req.num_placed_tokens()
+                self.report.chunks -= len(req.chunks)
+                self.report.bytes -= self._bytes.get(req.req_id, 0)
+            self.report.failed[req.req_id] = why
+            self.late_failures[req.req_id] = why
+        return self.report
+
+    def wait(self) -> LoadReport:
+        """``finish`` then ``release``: block until every layer is placed, unpin; the final report."""
+        self.release()
+        return self.report
+
+    def release(self) -> None:
+        """Unpin (once), after the transfer completed: blocks on it when ``done()`` is not yet true."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            self.finish()
+        finally:
+            self.handle = None  # drops the tensors over the pool pages before unpinning
+            self.engine.release(self._pinned)

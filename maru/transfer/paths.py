@@ -1,0 +1,325 @@
+"""Data paths: how chunk bytes move between the paged cache and pool pages, one class per path.
+
+``DataPath`` is the whole interface: ``gather`` (cache -> objects over reserved pool pages),
+``scatter`` (objects -> cache), ``scatter_layers`` (layer by layer, the layer-overlap load) and
+``settle`` (after a failure, wait for whatever the path queued). Each returns a handle of
+``maru.transfer.handles``. Slot mappings come in as host int64 tensors (one per chunk); a path
+moves them where it needs them.
+
+* ``CpuPath``: kv_ops straight on pool memory (CPU caches).
+* ``PipelinedPath``: a ``kv_ops.DevicePipeline`` over the CUDA-registered pool (copy engine and
+  placement kernels overlapped); asynchronous handles.
+* ``StagedPath``: per chunk through device memory with plain host copies (the announced slower
+  path when the pipeline cannot be built).
+
+``choose_path`` is the one place a path is picked. Adding a path (say, direct CXL) is one class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from maru import kv_ops
+from maru.transfer.handles import (
+    CompletedHandle,
+    DeviceHandle,
+    DeviceLayerHandle,
+    LayerHandle,
+    ThreadedLayerHandle,
+    TransferHandle,
+)
+
+logger = logging.getLogger("maru.transfer")
+
+# The layer-overlap load replays CUDA graphs captured at start for every power-of-two bucket up to
+# this many tokens (one graph per layer and bucket); a larger load launches eagerly, announced.
+LAYER_WARM_TOKENS = 16384
+
+Chunks = list[tuple[torch.Tensor, torch.Tensor]]  # (object [L, KV, T, ROW] over a pool page, slots [T])
+
+
+class DataPath(ABC):
+    """Moves chunk objects between one worker's paged caches and pool pages (see module docstring).
+
+    ``defers_store_gather``: a write-behind store gathers on the drain thread (host work that must
+    not stall the forward thread), not when it is issued. ``registration``: the pool mapping's CUDA
+    registration record where one was attempted; ``close()`` undoes it (before the pool is unmapped).
+    """
+
+    name: ClassVar[str]
+    defers_store_gather: ClassVar[bool] = False
+    pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
+
+    def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
+        self.caches = caches
+        self.layout = layout
+        self.backend = backend
+        self.device = caches[0].device
+        self.num_layers = int(layout.num_layers) if layout.is_cross_layer else len(caches)
+        self.registration: Any = None
+        self._registered_mapping: Any = None
+
+    @abstractmethod
+    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        """Fill each object from the cache at its slots. Bytes are complete only once the handle is."""
+
+    @abstractmethod
+    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        """Place each object's tokens at its slots (-1: skipped). Raises if it could not be issued."""
+
+    @abstractmethod
+    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
+        """Place every group (one request's chunks) layer by layer; items of the handle are groups."""
+
+    def settle(self) -> None:  # noqa: B027 - nothing is queued on a synchronous path
+        """After a failed transfer: wait for whatever this path queued (never raises)."""
+
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+        """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is)."""
+        return {}, []
+
+    def close(self) -> None:
+        """Settle, then unregister the pool mapping this path registered (idempotent, never raises)."""
+        self.settle()
+        mapping, self._registered_mapping = self._registered_mapping, None
+        if mapping is None:
+            return
+        try:
+            from maru.client import cuda_host
+
+            cuda_host.unregister_host_mapping(mapping)
+        except Exception as e:
+            logger.warning("Maru: unregistering the pool mapping from CUDA failed: %s", e)
+
+
+class _HostPlacement(DataPath):
+    """Paths whose placements run on the calling thread: per-chunk failures, threaded layer loads."""
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        failed: dict[int, str] = {}
+        for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
+            try:
+                self._gather_one(obj, s)
+            except Exception as e:  # that object is aborted, never published
+                failed[i] = f"{type(e).__name__}: {e}"
+        return CompletedHandle(failed)
+
+    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        for obj, s in zip(objs, slots, strict=True):
+            kv_ops.scatter(
+                self._to_device(obj), self.caches, self.layout, self._to_device(s), backend=self.backend
+            )
+        self.sync()  # complete on return: it may be reported from any thread
+        return CompletedHandle()
+
+    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
+        moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]
+        return ThreadedLayerHandle(self, moved, self.num_layers)
+
+    def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        """Place layer ``layer`` of one chunk object ``[L, KV, T, ROW]`` at ``slots``."""
+        part = self._to_device(obj[layer])
+        slots = self._to_device(slots)  # no-op when already there
+        if self.layout.is_cross_layer:
+            kv_ops.scatter_layer(part, self.caches[0], self.layout, slots, layer=layer, backend=self.backend)
+        else:
+            kv_ops.scatter_layer(part, self.caches[layer], self.layout, slots, backend=self.backend)
+
+    def sync(self) -> None:
+        """Wait until the work this thread queued on the caches' device ran (no-op on CPU)."""
+
+    @abstractmethod
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+
+class CpuPath(_HostPlacement):
+    """CPU caches: kv_ops reads and writes pool memory in place."""
+
+    name = "cpu"
+    defers_store_gather = True
+
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None:
+        kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=obj)
+
+
+class StagedPath(_HostPlacement):
+    """Device caches without the pipeline: each chunk is staged through device memory with plain
+    (pageable, synchronous) host copies. Correct, announced, slower."""
+
+    name = "staged"
+
+    def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
+        super().__init__(caches, layout, backend=backend)
+        logger.warning(
+            "Maru: KV cache on %s: chunks are staged through device memory and copied to/from the pool "
+            "with plain (unregistered) host copies; expect host-copy bandwidth. Fix: CUDA caches with a "
+            "working kv_ops.DevicePipeline (see the warning above, if any)",
+            self.device,
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None:
+        staged = kv_ops.gather(self.caches, self.layout, slots.to(self.device), backend=self.backend)
+        obj.copy_(staged)  # synchronous: the object is complete before it is published
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+        return {}, [
+            "KV moves through the staged per-chunk path (the pipelined GPU engine could not be built; "
+            "the worker log says why). Fix: CUDA caches and a working triton install"
+        ]
+
+
+class PipelinedPath(DataPath):
+    """CUDA caches: a ``kv_ops.DevicePipeline`` moves chunks between the registered pool and the
+    caches, ordered after the work on the caller's stream; handles complete asynchronously."""
+
+    name = "pipelined"
+
+    def __init__(self, pipeline: Any, *, backend: str | None = None) -> None:
+        caches = pipeline.caches if isinstance(pipeline.caches, list) else [pipeline.caches]
+        super().__init__(caches, pipeline.layout, backend=backend)
+        self.pipeline = pipeline
+
+    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        try:
+            return DeviceHandle(self.pipeline.store(objs, torch.cat(slots)))
+        except ValueError:
+            raise  # rejected before anything was queued
+        except Exception:
+            self.settle()  # an issue that failed half way may have queued copies
+            raise
+
+    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+        try:
+            return DeviceHandle(self.pipeline.load(objs, torch.cat(slots)))
+        except Exception:
+            self.settle()  # a failure at issue may leave copies queued
+            raise
+
+    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
+        # One call for every group: they succeed or fail together.
+        flat = [c for g in groups for c in g]
+        try:
+            load = self.pipeline.load_layers([o for o, _ in flat], torch.cat([s for _, s in flat]))
+        except Exception:
+            self.settle()
+            raise
+        return DeviceLayerHandle(load, self.num_layers)
+
+    def settle(self) -> None:
+        try:
+            self.pipeline.synchronize()
+        except Exception as e:  # a sticky CUDA error: the context runs nothing any more
+            logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
+
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+        if not layer_overlap:
+            return {}, []
+        graphs = bool(getattr(self.pipeline, "layer_graphs", False))
+        slow = []
+        if not graphs:
+            slow.append(
+                "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of ~6-9. "
+                "Fix: the triton backend (maru doctor: kv_ops backend)"
+            )
+        return {"layer_graphs": "on" if graphs else "off"}, slow
+
+    @classmethod
+    def build(cls, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> PipelinedPath:
+        """The pipeline over ``caches``, its layer-overlap graphs captured now (never while serving)."""
+        from maru.kv_ops.device_pipeline import DevicePipeline
+
+        pipeline = DevicePipeline(
+            caches[0] if layout.is_cross_layer else caches,
+            layout,
+            backend=backend,
+            # Chunk paths launch eagerly (a graph captured on first use could be captured on the
+            # loader thread while the forward runs); the layer path replays graphs warmed here.
+            use_graphs=False,
+            layer_graphs=True,
+            lazy_capture=False,
+        )
+        if pipeline.layer_graphs and LAYER_WARM_TOKENS:
+            t0 = time.perf_counter()
+            pipeline.warm(0, layer_tokens=_buckets_up_to(LAYER_WARM_TOKENS))
+            logger.info(
+                "Maru: layer-overlap graphs captured for loads up to %d tokens in %.2f s",
+                LAYER_WARM_TOKENS,
+                time.perf_counter() - t0,
+            )
+        return cls(pipeline, backend=backend)
+
+
+def choose_path(
+    caches: list[torch.Tensor],
+    layout: Any,
+    client: Any,
+    *,
+    backend: str | None = None,
+    pipelined: bool = True,
+) -> DataPath:
+    """The data path for ``caches``: CPU, else pipelined (pool registered with CUDA), else staged.
+
+    A failed registration is announced by ``cuda_host`` and the pipeline still runs (on pageable
+    copies, announced again by it); a pipeline that cannot be built falls back to the staged path,
+    announced.
+    """
+    device = caches[0].device
+    if device.type == "cpu":
+        return CpuPath(caches, layout, backend=backend)
+    registration, mapping = (None, None)
+    path: DataPath | None = None
+    if device.type == "cuda" and pipelined:
+        try:
+            registration, mapping = _register_pool(client)
+            path = PipelinedPath.build(caches, layout, backend=backend)
+        except Exception as e:  # any problem here must leave a working (slower) connector
+            logger.warning(
+                "Maru: the pipelined GPU transfer engine could not be built (%s: %s); using the staged "
+                "per-chunk path",
+                type(e).__name__,
+                e,
+            )
+    if path is None:
+        path = StagedPath(caches, layout, backend=backend)
+    path.registration = registration
+    path._registered_mapping = mapping
+    return path
+
+
+def _register_pool(client: Any) -> tuple[Any, Any]:
+    """Register the client's pool mapping with CUDA (once per process): (record, mapping it pins)."""
+    from maru.client import cuda_host
+
+    mapping = getattr(client, "pool_mapping", None)
+    if mapping is None:
+        logger.warning(
+            "Maru: the client %s exposes no pool mapping; pool pages are not registered with CUDA and "
+            "pool<->GPU copies are pageable (slower). Fix: use a MaruHandler",
+            type(client).__name__,
+        )
+        return None, None
+    record = cuda_host.register_host_mapping(mapping)
+    return record, (mapping if record.registered else None)
+
+
+def _buckets_up_to(tokens: int) -> list[int]:
+    out, tb = [], 16
+    while tb <= tokens:
+        out.append(tb)
+        tb *= 2
+    return out

@@ -1,0 +1,137 @@
+"""The scheduler-to-worker contract: which chunks of which request move, and what came of it.
+
+Plain, picklable records (in vLLM's multi-process mode they cross a process boundary) and
+torch-free, so a scheduler side imports them without torch. ``slot_mapping`` imports torch only
+when called (the worker side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One pool object of a request: ``num_tokens`` tokens starting at request token ``start``.
+
+    Only object tokens ``[place_begin, place_end)`` are placed into (load) the paged cache; the
+    others are skipped (they are already computed locally, or beyond what the engine takes). A
+    store gathers the whole object (``place_*`` are ignored).
+    """
+
+    key: str
+    start: int
+    num_tokens: int
+    place_begin: int = 0
+    place_end: int = -1  # -1: num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def placed(self) -> tuple[int, int]:
+        pe = self.num_tokens if self.place_end < 0 else self.place_end
+        return self.place_begin, pe
+
+
+@dataclass(frozen=True)
+class RequestTransfer:
+    """The chunks of one request moved in one step, and the request's block table.
+
+    ``block_ids[i]`` holds request tokens ``[i*BS, (i+1)*BS)``; it must cover every placed token.
+    """
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...]
+
+    def num_placed_tokens(self) -> int:
+        return sum(pe - pb for pb, pe in (c.placed() for c in self.chunks))
+
+    def block_ids_of(self, begin: int, end: int, block_size: int) -> set[int]:
+        """Block ids holding request tokens ``[begin, end)``."""
+        if end <= begin:
+            return set()
+        return set(self.block_ids[begin // block_size : (end + block_size - 1) // block_size])
+
+    def placed_block_ids(self, block_size: int) -> set[int]:
+        out: set[int] = set()
+        for c in self.chunks:
+            pb, pe = c.placed()
+            out |= self.block_ids_of(c.start + pb, c.start + pe, block_size)
+        return out
+
+
+@dataclass
+class StoreReport:
+    """What came of one store: chunks published (``stored``), already there (``present``), lost."""
+
+    stored: int = 0
+    present: int = 0
+    failed: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    server_lost: bool = False  # the failure was the server itself (unreachable, timed out)
+
+
+@dataclass
+class LoadReport:
+    """What came of one load: each request either in ``loaded_req_ids`` or in ``failed`` (why)."""
+
+    loaded_req_ids: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    chunks: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    server_lost: bool = False
+
+
+def unique_keys(requests: Sequence[RequestTransfer]) -> tuple[list[str], dict[str, int]]:
+    """Every chunk key of ``requests`` once, in first-seen order, and each key's position.
+
+    Requests sharing a prefix share chunks: one lookup (and one pin) per key, not per request.
+    """
+    keys: list[str] = []
+    index: dict[str, int] = {}
+    for req in requests:
+        for c in req.chunks:
+            if c.key not in index:
+                index[c.key] = len(keys)
+                keys.append(c.key)
+    return keys, index
+
+
+def slot_mapping(
+    block_ids: Sequence[int],
+    block_size: int,
+    start: int,
+    num_tokens: int,
+    place: tuple[int, int] | None = None,
+) -> Any:
+    """Slots (int64 tensor) of request tokens ``[start, start+num_tokens)``; -1 outside ``place``.
+
+    ``place`` is in object offsets. Only the placed tokens need blocks: the engine may not have
+    allocated blocks for the rest. A chunk's cost does not grow with its position in the request.
+    """
+    import torch
+
+    pb, pe = place if place is not None else (0, num_tokens)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    if pe <= pb:
+        return slots
+    first, last = start + pb, start + pe
+    nblocks = (last + block_size - 1) // block_size
+    if nblocks > len(block_ids):
+        raise ValueError(
+            f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"
+        )
+    b0 = first // block_size  # only the blocks under [first, last)
+    pos = torch.arange(first, last, dtype=torch.int64)
+    table = torch.as_tensor(list(block_ids[b0:nblocks]), dtype=torch.int64)
+    slots[pb:pe] = table[pos // block_size - b0] * block_size + pos % block_size
+    return slots

@@ -1,0 +1,38 @@
+"""The worker side's cumulative counters (``MaruKVConnector.maru_stats()``, vLLM's stats pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class WorkerStats:
+    """Cumulative counters of one worker (``MaruKVConnector.maru_stats()``)."""
+
+    loads: int = 0
+    tokens_loaded: int = 0
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_errors: int = 0
+    load_seconds: float = 0.0
+    chunks_stored: int = 0
+    chunks_present: int = 0
+    tokens_stored: int = 0
+    bytes_stored: int = 0
+    store_failures: int = 0
+    stores_dropped: int = 0
+    store_seconds: float = 0.0
+    async_loads: int = 0  # maru_async_load: loads started on the loader thread
+    async_load_failures: int = 0
+    overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
+    layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
+    deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
+    stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
+    sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
+    sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)
+    preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
+    stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,183 @@
+"""``maru_async_store`` on one worker: stores issued on the forward thread, published by a drain thread.
+
+``WriteBehind`` keeps the state vLLM's delayed free depends on, and its invariants:
+
+* Delayed free: ``owed`` holds the requests with a store planned since their last preemption,
+  exactly the ones the scheduler delays the free of (``MaruSchedulerConnector._track_sending``:
+  a step's preemptions clear a request, then the step's stores mark it).
+* Exactly once: each owed request is reported in ``finished_sending`` once, after it appeared in
+  vLLM's ``finished_req_ids`` and every store batch naming it drained, whatever became of the
+  stores (published, failed, dropped, connector off), on every tensor-parallel rank.
+* Preemption barrier: before a step's forward no store still reads a preempted request's blocks
+  (its gather completed, or it is cancelled and publishes nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from maru.transfer.background import BackgroundRunner
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.records import RequestTransfer, StoreReport
+from maru.transfer.stores import PendingStore
+from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.worker_stats import WorkerStats
+
+logger = logging.getLogger("maru.vllm")
+
+_MODES = {
+    "cpu": "the drain thread reserves, gathers and publishes",
+    "pipelined": "the gather is queued on the copy engine after the forward; the drain thread waits for "
+    "it, then publishes",
+    "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
+}
+
+
+class WriteBehind:
+    """The write-behind store state of one worker (see the module docstring for its invariants).
+
+    ``account(report)`` receives every drained store's report. ``drain_delay_s``: the drain thread
+    sleeps this long before each store (tests of a slow drain).
+    """
+
+    def __init__(
+        self,
+        stats: WorkerStats,
+        account: Callable[[StoreReport], None],
+        *,
+        timeout_s: float,
+        drain_delay_s: float = 0.0,
+    ) -> None:
+        self.stats = stats
+        self._account = account
+        self._timeout_s = timeout_s
+        self._drain_delay_s = drain_delay_s
+        self._drain: BackgroundRunner | None = None
+        self._owed: set[str] = set()
+        self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still in flight
+        self._inflight: dict[str, int] = {}  # req_id -> store batches in flight naming it
+        self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
+        self.mode = "not connected yet"
+
+    def announce(self, data_path: str) -> None:
+        """Log how the store runs on ``data_path`` (once per change of path)."""
+        mode = _MODES.get(data_path, data_path)
+        if mode != self.mode:
+            self.mode = mode
+            logger.info(
+                "Maru: write-behind store (%s data path): %s; a finished request's blocks are freed once "
+                "its stores drained (finished_sending), a preempted request's once its gather read them",
+                data_path,
+                mode,
+            )
+
+    def owe(self, meta: MaruConnectorMetadata) -> None:
+        """Apply a step's plan to ``owed``: preemptions first, then the step's stores.
+
+        Idempotent per step, so both ``handle_preemptions`` and ``wait_for_save`` apply it (either
+        alone keeps the worker exact).
+        """
+        preempted = meta.preempted_req_ids
+        if preempted:
+            self._owed -= preempted
+            self._finished -= preempted
+        self._owed.update(rt.req_id for rt in meta.stores)
+
+    def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
+        """Issue ``stores`` on ``engine`` (forward thread) and queue their completion on the drain."""
+        pending = engine.issue_store(stores)
+        if self._drain is None:
+            self._drain = BackgroundRunner("maru-store-drain")
+        for r in pending.req_ids:
+            self._inflight[r] = self._inflight.get(r, 0) + 1
+        self._batches.append((pending, engine))
+        self._drain.submit(pending, self._drain_one, engine, pending)
+        self.stats.deferred_commits += 1
+        self.stats.stores_in_flight = len(self._batches)
+        self.collect()
+
+    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore) -> StoreReport:
+        if self._drain_delay_s > 0:
+            time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
+        return engine.complete_store(pending)
+
+    def busy(self) -> bool:
+        """Whether work is queued on the drain thread."""
+        return self._drain is not None and len(self._drain) > 0
+
+    def run_behind(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the drain thread after every store queued so far (its result is ignored)."""
+        if self._drain is None:
+            self._drain = BackgroundRunner("maru-store-drain")
+        self._drain.submit(None, fn, *args)
+
+    def collect(self, wait_s: float | None = 0.0) -> None:
+        """Account every drained store (waiting up to ``wait_s`` seconds for the rest; None: all)."""
+        if self._drain is None:
+            return
+        done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
+        for tag, res in done:
+            if isinstance(tag, PendingStore):
+                self._batch_drained(tag)
+            if res is None:
+                continue  # not a store (something run behind the stores)
+            if isinstance(res, BaseException):
+                res = StoreReport(failed=1, error=f"{type(res).__name__}: {res}")
+            self._account(res)
+
+    def _batch_drained(self, pending: PendingStore) -> None:
+        self._batches = [b for b in self._batches if b[0] is not pending]
+        self.stats.stores_in_flight = len(self._batches)
+        for r in pending.req_ids:
+            n = self._inflight.get(r, 0) - 1
+            if n > 0:
+                self._inflight[r] = n
+            else:
+                self._inflight.pop(r, None)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks vLLM may free now: finished, and every store naming them drained.
+
+        vLLM reports a finished request in ``finished_req_ids`` one step after it finished (and
+        requires a reported id to be one of those); ids seen there wait until their last store
+        batch is collected.
+        """
+        self.collect()
+        self._finished |= finished_req_ids & self._owed
+        done = {r for r in self._finished if not self._inflight.get(r)}
+        self._finished -= done
+        self._owed -= done
+        self.stats.sending_reported += len(done)
+        self.stats.sending_held = len(self._finished)
+        return done
+
+    def preemption_barrier(self, meta: MaruConnectorMetadata) -> None:
+        """Block until no store still reads the blocks of the step's preempted requests.
+
+        vLLM freed those blocks when it preempted the requests, and this very step may write them.
+        A gather that does not finish within the timeout is cancelled (it publishes nothing). A
+        preempted request is no longer owed a ``finished_sending`` (the scheduler forgets it too).
+        """
+        ids = set(meta.preempted_req_ids)
+        self.owe(meta)
+        for pending, engine in list(self._batches):
+            if not (pending.req_ids & ids) or pending.read_done.is_set():
+                continue
+            self.stats.preemption_waits += 1
+            if not engine.wait_store_read(pending, self._timeout_s):
+                self.stats.stores_cancelled += 1
+                logger.warning(
+                    "Maru: a write-behind store of preempted request(s) %s did not finish reading its "
+                    "blocks within %.1f s; it is cancelled (those chunks stay uncached)",
+                    sorted(pending.req_ids & ids),
+                    self._timeout_s,
+                )
+
+    def close(self) -> None:
+        """Complete and publish every store issued (each bounded by the client's timeout), then stop."""
+        if self._drain is not None:
+            self.collect(None)
+            self._drain.close(timeout=0)
