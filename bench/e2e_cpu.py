@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from maru.vllm.runner import EngineProcess  # noqa: E402
-from maru.vllm.tiny_model import BENCH_SPEC, build_tiny_model  # noqa: E402
+from maru.demo.runner import EngineProcess  # noqa: E402
+from maru.demo.tiny_model import BENCH_SPEC, build_tiny_model  # noqa: E402
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -41,7 +41,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _start_server(tmp: Path, pool: str) -> tuple[object, str]:
-    from tests.helpers import ServerProcess
+    from maru.demo.server import ServerProcess
 
     srv = ServerProcess(tmp, pool_size=pool)
     srv.start()

@@ -3,9 +3,10 @@
 Geometry (the ANCHORS.md one): 32 layers, 8 KV heads, head size 128, bf16, block size 16, 8192 blocks
 per layer, random slot order, for 256, 2048 and 16384 tokens. "Payload" counts the KV bytes moved
 once (a placement reads and writes them, so memory traffic is twice that); the ceiling is half the
-measured device-to-device copy bandwidth. Also measures the destination-ordered kernel (slots sorted
-first; with and without the sort counted). ``--sweep`` first tries tile sizes and warps, then the
-scatter stores' cache operator, and keeps the best. Prints a short table last.
+measured device-to-device copy bandwidth. Also measures the destination-ordered variant of the kernel
+(bench/kernel_variants.py; slots sorted first, with and without the sort counted). ``--sweep`` first
+tries tile sizes and warps (kept when better), then the scatter stores' cache operator (a variant).
+Prints a short table last.
 
     python bench/kv_ops.py [--quick] [--layout kv_first/NHD] [--sweep]
 """
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.kernel_variants import CACHE_OPERATORS, Variant, place_variant  # noqa: E402
 from maru import kv_ops  # noqa: E402
 from maru.kv_ops import triton_kernels  # noqa: E402
 from maru.kv_ops.ops import layer_refs  # noqa: E402
@@ -173,13 +175,19 @@ def main() -> int:
     # Destination order: each mapping sorted once (torch.sort's values and permutation).
     sorted_pats = {name: {t: torch.sort(p[t]) for t in token_counts} for name, p in patterns.items()}
 
+    variant = Variant()
+
     def kernel(t: int, gather: bool, sl: dict | None = None, ordered: str | None = None):
         obj = triton_kernels.as_bits(objs[t])
         if ordered is not None:
             srt, order = sorted_pats[ordered][t]
-            return lambda: triton_kernels.place(refs, layout, srt, obj, gather=gather, order=order)
+            return lambda: place_variant(refs, layout, srt, obj, gather=gather, variant=variant, order=order)
         idx = (sl or slots)[t]
         return lambda: triton_kernels.place(refs, layout, idx, obj, gather=gather)
+
+    def kernel_cm(t: int, sl: dict):
+        obj = triton_kernels.as_bits(objs[t])
+        return lambda: place_variant(refs, layout, sl[t], obj, gather=False, variant=variant)
 
     tp = triton_kernels.TuneParams
     # Cost of the sort that destination order needs (eager, events around one torch.sort).
@@ -200,7 +208,6 @@ def main() -> int:
             + " tokens)",
             flush=True,
         )
-        # Tiles (2026-11-29, first pass: 8-16 tokens a program and the ordered kernel lost; not swept again).
         best = None
         for block_t, warps in ((2, 4), (4, 4), (8, 8)):
             tp.block_t, tp.num_warps = block_t, warps
@@ -224,13 +231,11 @@ def main() -> int:
         # The scattered stores' cache operator (loads only: it changes nothing else).
         print("\n## scatter store cache operator (load GB/s at " + "/".join(map(str, token_counts)) + ")")
         best_cm = None
-        for cm in ("", ".cs", ".cg", ".wt"):
-            tp.scatter_store_cache = cm
+        for cm in CACHE_OPERATORS:
+            variant.scatter_store_cache = cm
             line, score = [], 9.0
             for pattern in ("random slots", "random blocks"):
-                row = [
-                    payload_bytes(t) / time_graph(kernel(t, False, patterns[pattern])) for t in token_counts
-                ]
+                row = [payload_bytes(t) / time_graph(kernel_cm(t, patterns[pattern])) for t in token_counts]
                 line.append(f"{pattern}: " + " ".join(f"{x / 1e9:6.0f}" for x in row))
                 for x, t in zip(row, token_counts, strict=True):
                     score = min(score, x / (1.3e12 if t < 2048 else 1.9e12))
@@ -238,8 +243,11 @@ def main() -> int:
             if best_cm is None or score > best_cm[0]:
                 best_cm = (score, cm)
         assert best_cm is not None
-        tp.scatter_store_cache = best_cm[1]
-        print(f"chosen: scatter_store_cache={tp.scatter_store_cache!r}", flush=True)
+        variant.scatter_store_cache = best_cm[1]
+        print(
+            f"best: scatter_store_cache={variant.scatter_store_cache!r} (a variant; production is '')",
+            flush=True,
+        )
         # Locality probe: the same random-slot scatter confined to 1/16 of each layer's blocks.
         t = 2048
         near = torch.randperm(NB * BS // 16, device="cuda")[:t].contiguous()
@@ -249,8 +257,8 @@ def main() -> int:
             ("plain", lambda: triton_kernels.place(refs, layout, near, ob, gather=False)),
             (
                 "ordered",
-                lambda: triton_kernels.place(
-                    refs, layout, near_sorted[0], ob, gather=False, order=near_sorted[1]
+                lambda: place_variant(
+                    refs, layout, near_sorted[0], ob, gather=False, variant=variant, order=near_sorted[1]
                 ),
             ),
         ):
@@ -281,7 +289,7 @@ def main() -> int:
 
             def sort_then_place(t=t, v=vals, q=perm, ob=ob, s=pslots):
                 torch.sort(s[t], out=(v, q))
-                triton_kernels.place(refs, layout, v, ob, gather=False, order=q)
+                place_variant(refs, layout, v, ob, gather=False, variant=variant, order=q)
 
             try:
                 res["load_kernel_ord_sort"] = time_graph(sort_then_place)
@@ -385,8 +393,8 @@ def main() -> int:
     for name, (host, dev_t) in issue.items():
         print(f"| {name} | {host * 1e6:.1f} | {dev_t * 1e3:.3f} |")
     print(
-        f"tiles: BLOCK_T={tp.block_t} num_warps={tp.num_warps} ordered BLOCK_T={tp.ordered_block_t} "
-        f"num_warps={tp.ordered_num_warps} scatter_store_cache={tp.scatter_store_cache!r}"
+        f"tiles: BLOCK_T={tp.block_t} num_warps={tp.num_warps}; variant: ordered BLOCK_T={variant.ordered_block_t} "
+        f"num_warps={variant.ordered_num_warps} scatter_store_cache={variant.scatter_store_cache!r}"
     )
     return 0
 

@@ -1,6 +1,6 @@
 """Benchmark: the PyTorch reference placement on the CPU (the vLLM CPU connector's load and store path).
 
-Geometry of the e2e bench model (``maru.vllm.tiny_model.BENCH_SPEC``): 8 layers, 8 KV heads of 64,
+Geometry of the e2e bench model (``maru.demo.tiny_model.BENCH_SPEC``): 8 layers, 8 KV heads of 64,
 float32, block size 32, vLLM's CPU-backend cache ``[NB, NH, BS, 2*HS]`` (K transposed in each
 (block, head) slab). Moves 1k / 4k / 8k tokens the way the connector does: one ``scatter`` (load) or
 ``gather`` (store) call per 256-token chunk, tokens in whole blocks. Two block patterns: consecutive

@@ -103,7 +103,7 @@ class EchoFloor:
         import zmq
 
         from maru import protocol
-        from maru.cli.embedded import free_port
+        from maru.demo.server import free_port
 
         port = free_port()
         self.proc = mp.get_context("spawn").Process(target=_echo_server, args=(port,), daemon=True)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.url
     if url is None:
-        from maru.cli.embedded import EmbeddedServer
+        from maru.demo.server import EmbeddedServer
 
         server = EmbeddedServer(pool_size="1G").start()
         url = server.url
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(url, args.iterations, args.warmup, batches)
     finally:
         if server is not None:
-            server.stop()
+            server.cleanup()
 
     print(
         f"maru RPC benchmark: {url}, {args.iterations} timed calls per row, Python {platform.python_version()}, "

@@ -1,179 +1,27 @@
-"""``maru demo``: Maru's main job, end to end, on the embedded default.
+"""``maru demo [vllm|objects]``: Maru's main job, end to end, on the embedded default.
 
-``maru demo objects``: start a ``maru server`` (emulated pool in /dev/shm), then two separate
-processes: A stores N objects of random bytes, B retrieves them through its own mapping of the
-pool and checks every SHA-256. Prints a table, stops the server, removes the pool file.
-
-Demos are registered in ``DEMOS``; ``DEFAULT_DEMO`` is what a bare ``maru demo`` runs (a later
-issue adds two vLLM instances sharing a prefix and makes that the default).
-
-This module is also the demo's worker: ``python -m maru.cli.demo write|read URL ...``.
+The demos themselves live in ``maru.demo``; this module registers them in ``DEMOS`` and parses the
+command line. ``DEFAULT_DEMO`` is what a bare ``maru demo`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
-import random
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from typing import Any
-
-from maru.config import format_size
-from maru.errors import MaruError
-
-BATCH = 64
-
-
-# -- the two worker processes ---------------------------------------------------------------------
-
-
-def _write(url: str, count: int, seed: int, max_size: int) -> dict[str, Any]:
-    from maru import MaruHandler
-
-    rng = random.Random(seed)
-    sizes = [rng.randint(4096, max_size) for _ in range(count)]
-    datas = [os.urandom(s) for s in sizes]  # made before timing: the demo times Maru, not urandom
-    keys = [f"demo/{seed}/{i}" for i in range(count)]
-    with MaruHandler(url) as h:
-        t0 = time.perf_counter()
-        for i in range(0, count, BATCH):
-            objs = h.batch_alloc(sizes[i : i + BATCH])
-            for o, d in zip(objs, datas[i : i + BATCH], strict=True):
-                o.buf[:] = d  # straight into the shared pool: the only copy
-            h.batch_store(keys[i : i + BATCH], objs)
-        seconds = time.perf_counter() - t0
-    return {
-        "sha256": {k: hashlib.sha256(d).hexdigest() for k, d in zip(keys, datas, strict=True)},
-        "bytes": sum(sizes),
-        "seconds": seconds,
-        "pid": os.getpid(),
-    }
-
-
-def _read(url: str, expected: dict[str, str]) -> dict[str, Any]:
-    from maru import MaruHandler
-
-    keys = list(expected)
-    matched, mismatched, missing, nbytes = 0, [], [], 0
-    with MaruHandler(url) as h:
-        t0 = time.perf_counter()
-        for i in range(0, len(keys), BATCH):
-            chunk = keys[i : i + BATCH]
-            handles = h.batch_retrieve(chunk)  # pinned while we read
-            for k, r in zip(chunk, handles, strict=True):
-                if r is None:
-                    missing.append(k)
-                    continue
-                nbytes += r.size
-                if hashlib.sha256(r.view).hexdigest() == expected[k]:  # hashes the pool memory itself
-                    matched += 1
-                else:
-                    mismatched.append(k)
-            h.batch_release(handles)
-        seconds = time.perf_counter() - t0
-    return {
-        "matched": matched,
-        "mismatched": mismatched,
-        "missing": missing,
-        "bytes": nbytes,
-        "seconds": seconds,
-        "pid": os.getpid(),
-    }
-
-
-def _worker_main(argv: list[str]) -> int:
-    if argv[:1] == ["write"]:
-        url, count, seed, max_size = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-        print(json.dumps(_write(url, count, seed, max_size)))
-        return 0
-    if argv[:1] == ["read"]:
-        print(json.dumps(_read(argv[1], json.load(sys.stdin))))
-        return 0
-    print(
-        "usage: python -m maru.cli.demo write URL COUNT SEED MAX_SIZE | read URL < expected.json",
-        file=sys.stderr,
-    )
-    return 2
-
-
-def _run_worker(args: list[str], stdin: str | None = None) -> dict[str, Any]:
-    p = subprocess.run(
-        [sys.executable, "-m", "maru.cli.demo", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if p.returncode != 0:
-        raise MaruError(
-            f"demo worker `{' '.join(args[:2])}` failed (exit {p.returncode}):\n{p.stderr.strip()}"
-        )
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-# -- maru demo objects ----------------------------------------------------------------------------
-
-
-def _rate(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "-"
 
 
 def run_objects(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
+    """Two processes share objects through maru server, no vLLM (maru.demo.objects)."""
     from maru.cli.console import make_console
-    from maru.cli.embedded import EmbeddedServer
+    from maru.demo import objects
 
-    console = make_console()
-    count, max_size = args.objects, args.max_size
-    pool = max(64 << 20, 2 * count * max_size)  # room for every object, never evicting
-    server = EmbeddedServer(port=args.port, pool_size=str(pool))
-    try:
-        with console.status("starting maru server"):
-            server.start()
-        console.print(f"[dim]{server.ready_line}[/]")
-        with console.status(f"process A: storing {count} objects"):
-            wrote = _run_worker(["write", server.url, str(count), str(args.seed), str(max_size)])
-        with console.status(f"process B: retrieving {count} objects"):
-            read = _run_worker(["read", server.url], stdin=json.dumps(wrote["sha256"]))
-    except MaruError as e:
-        console.print(f"[bold red]maru demo: {e}[/]")
-        return 1
-    finally:
-        server.stop()
-    ok = read["matched"] == count and not read["mismatched"] and not read["missing"]
-    table = Table(title="maru demo objects: two processes share objects through one pool")
-    table.add_column("")
-    table.add_column(f"process A (pid {wrote['pid']}): store", justify="right")
-    table.add_column(f"process B (pid {read['pid']}): retrieve", justify="right")
-    table.add_row("objects", f"{count}", f"{read['matched'] + len(read['mismatched'])}")
-    table.add_row("bytes", format_size(wrote["bytes"]), format_size(read["bytes"]))
-    table.add_row(
-        "throughput", _rate(wrote["bytes"], wrote["seconds"]), _rate(read["bytes"], read["seconds"])
-    )
-    table.add_row("SHA-256", "of the bytes written", "all match" if ok else "MISMATCH")
-    console.print(table)
-    if ok:
-        console.print(
-            f"[green]all {count} objects read back identical by another process; "
-            f"pool {server.pool_path} removed, server stopped[/]"
-        )
-        return 0
-    console.print(
-        f"[bold red]{len(read['mismatched'])} objects differ, {len(read['missing'])} missing "
-        f"(e.g. {(read['mismatched'] + read['missing'])[:3]})[/]"
-    )
-    return 1
+    return objects.run(make_console(), args.objects, args.max_size, seed=args.seed, port=args.port)
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    """Two vLLM instances share a long prompt's KV through Maru (maru.vllm.demo)."""
-    from maru.vllm.demo import main as vllm_demo
+    """Two vLLM instances share a long prompt's KV through Maru (maru.demo.two_instances)."""
+    from maru.demo.two_instances import main as vllm_demo
 
     return vllm_demo(["--keep-logs"] if getattr(args, "keep_logs", False) else [])
 
@@ -210,7 +58,3 @@ def run(args: argparse.Namespace) -> int:
         print("maru demo: --objects must be > 0 and --max-size >= 4096", file=sys.stderr)
         return 2
     return DEMOS[args.which][1](args)
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))

@@ -2,8 +2,8 @@
 
 Each check is a function ``(DoctorContext) -> CheckResult`` in ``CHECKS``, run in order. A check
 that needs an earlier one's findings reads them from the context (the server check fills in the
-handshake). Later issues add checks with ``register_check`` (the extension point); a check
-that is not ``required`` only warns. Exit code: 0 when every required check passes, else 1.
+handshake). ``register_check`` adds one (the extension point); a check that is not ``required``
+only warns. Exit code: 0 when every required check passes, else 1.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def check_pool_usage(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, detail)
 
 
-# -- optional checks (later issues' components; they never fail the doctor) ------------------------
+# -- optional checks (components that may be absent; they never fail the doctor) -------------------
 
 
 def check_kv_ops(ctx: DoctorContext) -> CheckResult:
@@ -309,7 +309,7 @@ def check_client_paths(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, detail + "\nevery reported data path is the fast one")
 
 
-# Extension point: later issues append checks here (or call register_check).
+# (check, required), run in this order; register_check appends.
 CHECKS: list[tuple[Check, bool]] = [
     (check_server, True),
     (check_protocol, True),

@@ -28,9 +28,12 @@ LayerRef = reference.LayerRef
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    # Moving integers of the same width is bit-exact for every float format (NaN payloads, -0.0,
-    # float8) and lets index ops run on dtypes torch cannot index directly.
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width (a view; integer tensors are returned as they are).
+
+    Moving integers is bit-exact for every float format (NaN payloads, -0.0, float8) and lets index
+    ops run on dtypes torch cannot index directly.
+    """
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
@@ -48,8 +51,8 @@ def _check_tensor(cache: Any, layout: KVLayout, what: str) -> torch.Tensor:
 
 
 class _RefCache:
-    """Validated layer refs of recently used cache sets, so a hot loop does not re-check 32 layers'
-    shapes and strides on every call (that costs ~100 us of host time, more than a 256-token copy).
+    """Validated layer refs of recently used cache sets, so a hot loop does not re-check every
+    layer's shape and strides on every call (that host time can exceed a small copy's).
 
     Keyed by the layout and the ids of the cache tensors; an entry holds the tensors themselves, so
     an id cannot be reused by another tensor while its entry lives. (A tensor whose metadata is
@@ -99,7 +102,7 @@ def _layer_refs(caches: Any, layout: KVLayout) -> list[LayerRef]:
                 caches = caches[0]
             else:
                 raise TypeError("a cross-layer layout takes the one cross-layer tensor as `caches`")
-        cache = _bits(_check_tensor(caches, layout, "the cross-layer cache"))
+        cache = as_bits(_check_tensor(caches, layout, "the cross-layer cache"))
         assert layout.num_layers is not None
         return [(cache, cache.storage_offset() + i * layout.layer_stride) for i in range(layout.num_layers)]
     if isinstance(caches, dict):
@@ -108,7 +111,7 @@ def _layer_refs(caches: Any, layout: KVLayout) -> list[LayerRef]:
         caches = [caches]
     refs = []
     for i, cache in enumerate(caches):
-        bits = _bits(_check_tensor(cache, layout, f"layer {i}'s cache"))
+        bits = as_bits(_check_tensor(cache, layout, f"layer {i}'s cache"))
         refs.append((bits, bits.storage_offset()))
     if not refs:
         raise ValueError("no layer caches given")
@@ -174,7 +177,7 @@ def _run(
     single_layer: bool = False,
 ) -> None:
     name = resolve(backend, obj.device.type)
-    bits_obj = _bits(obj)
+    bits_obj = as_bits(obj)
     if name == "triton":
         from maru.kv_ops import triton_kernels
 

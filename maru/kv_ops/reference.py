@@ -12,7 +12,7 @@ a few vectorised torch ops (never a Python loop over tokens):
   order, as chunk loads and the block-granular API give them. Whole blocks at consecutive ids are one
   strided ``copy_`` per layer and plane between the object rows and a slice of the block axis (no
   index op; torch's copy kernel also transposes the CPU backend's K); scattered ids one
-  ``index_select``/``index_copy_`` over the block axis, or one ``copy_`` per block where measured
+  ``index_select``/``index_copy_`` over the block axis, or one ``copy_`` per block where that is
   faster (``scatter_blocks_plane``). The remaining tokens (a partial first or last block, scattered
   slots) take the paths below;
 * the generic path (the CPU backend's transposed K, unusual strides): advanced indexing on the
@@ -23,8 +23,7 @@ into a staging buffer whose rows are ``STAGE_PAD_BYTES`` longer: the transposing
 destination's contiguous axis (tokens) and reads the source with the row stride, ``NH*HS`` elements,
 usually a power of two (2 KiB for 8 heads of 64 fp32). Thirty-two loads 2 KiB apart fall into the same
 few L1 sets and evict each other; with one more cache line per row they spread over all sets. The
-extra memcpy-speed pass costs less than it saves (K plane, 8k tokens, one thread: 82 ms of CPU
-unstaged, 52 ms staged including the staging copy; ``bench/kv_ops_cpu.py``, ``bench/RESULTS.md``).
+extra memcpy-speed pass costs less than it saves (measurements: docs/kv_ops.md, bench/RESULTS.md).
 
 Negative slots are never read or written. For gather, their object rows keep what ``out`` held.
 """
@@ -245,7 +244,7 @@ def _transposed(layout: KVLayout, kv: int) -> bool:
 
 class _Staging(threading.local):
     """One reusable staging buffer per thread (a fresh multi-MiB tensor per call would page-fault its
-    whole size in again: measured slower than the copy it serves)."""
+    whole size in again, which costs more than the copy it serves)."""
 
     buf: torch.Tensor | None = None
 
@@ -272,7 +271,7 @@ def gather_blocks_plane(
     ref: LayerRef, layout: KVLayout, kv: int, segments: list[_Segment], out: torch.Tensor
 ) -> None:
     """Whole blocks of one layer's plane into ``out``'s rows: one ``index_select`` per segment over
-    the block axis (measured as fast as a slice copy for consecutive ids, and faster for scattered).
+    the block axis (as fast as a slice copy for consecutive ids, and faster for scattered ones).
     ``out``'s rows are contiguous (``ops`` checks it), so a segment's rows are one contiguous tensor."""
     view = plane_view(ref, layout, kv)
     for seg in segments:
@@ -287,8 +286,8 @@ def scatter_blocks_plane(
     A segment of consecutive block ids is one strided ``copy_`` into a slice of the block axis. For
     scattered ids one ``index_copy_`` over the block axis, except for a plane whose block is several
     contiguous pieces (HND, packed, the CPU backend's V) on one CPU thread: there one ``copy_`` per
-    block is faster (measured 1.3-1.6x at 4k-8k tokens; for tight NHD, where a block's plane is one
-    contiguous run, and for the staged transposed K, ``index_copy_`` wins). With more threads
+    block is faster (for tight NHD, where a block's plane is one contiguous run, and for the staged
+    transposed K, ``index_copy_`` wins; docs/kv_ops.md has the numbers). With more threads
     ``index_copy_`` again (torch splits it across threads, not a one-block copy), and on a GPU
     (per-block launches would cost more).
     """

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from maru.kv_ops.ops import as_bits
+
 # format -> (logical axis names, physical axis names for NHD, for HND)
 _AXES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "kv_first": (
@@ -73,11 +75,7 @@ class CacheCase:
         return [flat_storage(t) for t in src]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    size = t.element_size()
-    if t.dtype.is_floating_point:
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
-    return t
+bits = as_bits  # the name the tests use
 
 
 def flat_storage(t: torch.Tensor) -> torch.Tensor:

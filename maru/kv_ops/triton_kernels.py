@@ -1,23 +1,21 @@
 """Triton placement kernels: one kernel, specialised at compile time into the three operations.
 
-* multi-layer: grid (token tiles, layers); each layer's base is ``cache_ptr + layer_offs[layer]``
+* multi-layer: grid (token tiles, layers x planes); each layer's base is ``cache_ptr + layer_offs[layer]``
   (an int64 table of element offsets from layer 0, so per-layer tensors anywhere in memory and the
   cross-layer tensor are the same code);
-* single-layer (``USE_TABLE=False``): grid (token tiles, 1), no table load: the layer-overlap path;
+* single-layer (``USE_TABLE=False``): grid (token tiles, planes), no table load: the layer-overlap path;
 * block-granular (``BLOCKWISE=True``): the index array holds block ids; token ``t`` of the object is
-  offset ``t % BS`` of block ``ids[t // BS]``;
-* destination-ordered (``ORDERED=True``, slots only): the index array holds the slots *sorted*
-  ascending and ``order[i]`` is the object token of ``sorted[i]`` (``torch.sort``'s two outputs), so
-  programs walk the cache in address order and a scatter's random side becomes its reads. Same bytes
-  moved. Measured on an H200 (bench/RESULTS.md, kv_ops): no faster than the plain kernel for
-  scattered slots, and the sort costs 30-100 us, so nothing uses it by default; ``bench/kv_ops.py``
-  keeps measuring it.
+  offset ``t % BS`` of block ``ids[t // BS]``.
+
+``direct_scatter_layer`` is a fourth kernel: one layer placed straight from chunk objects in
+GPU-addressable host memory (a registered pool), whose addresses a small table gives.
 
 Every address is computed from the ``KVLayout`` strides in physical memory (block, token, head, dim
 strides per K/V plane), never from the shape's axis order, so NHD, HND, padded, packed and the CPU
 backend's transposed K are all stride arithmetic. Elements are moved as same-width integers
 (bit-exact, whatever the float format). Masks are block-shaped tensors (the interpreter rejects a
-scalar-and-vector mask).
+scalar-and-vector mask). ``row_offsets``, ``tiles``, ``row_is_contiguous``, ``layer_table`` and
+``base_view`` are public so that ``bench/kernel_variants.py`` builds its experimental kernels from them.
 """
 
 from __future__ import annotations
@@ -28,12 +26,25 @@ import triton
 import triton.language as tl
 
 from maru.kv_ops.layout import KVLayout
+from maru.kv_ops.ops import as_bits
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+__all__ = [
+    "DIRECT_ROWS",
+    "TuneParams",
+    "as_bits",
+    "base_view",
+    "direct_scatter_layer",
+    "direct_table_host",
+    "layer_table",
+    "place",
+    "row_is_contiguous",
+    "row_offsets",
+    "tiles",
+]
 
 
 @triton.jit
-def _row_offsets(
+def row_offsets(
     c,
     kv,
     s_head,
@@ -60,7 +71,6 @@ def _place_kernel(
     cache_ptr,
     layer_offs_ptr,
     idx_ptr,
-    order_ptr,
     num_tokens,
     skip,
     obj_s_layer,
@@ -84,18 +94,9 @@ def _place_kernel(
     USE_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
     ROW_CONTIG: tl.constexpr,
-    STREAM: tl.constexpr,
-    LAYER_FAST: tl.constexpr,
-    ORDERED: tl.constexpr,
-    SCATTER_STORE_CM: tl.constexpr,
 ):
-    if LAYER_FAST:
-        # Consecutive programs take other layers/planes of the same token tile.
-        pid_lk = tl.program_id(0)
-        pid_t = tl.program_id(1)
-    else:
-        pid_t = tl.program_id(0)
-        pid_lk = tl.program_id(1)
+    pid_t = tl.program_id(0)
+    pid_lk = tl.program_id(1)
     # One program per (token tile, layer, plane): twice the parallelism of a program doing K then V.
     layer = pid_lk // NUM_KV
     kv = pid_lk % NUM_KV
@@ -106,24 +107,14 @@ def _place_kernel(
         base = cache_ptr + layer_off
     else:
         base = cache_ptr
-    pos = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    if ORDERED:
-        # Position i of the sorted slots belongs to object token order[i] (a permutation of 0..T-1).
-        t = tl.load(order_ptr + pos, mask=pos < num_tokens, other=0)
-        tmask = (pos < num_tokens) & (t >= skip)
-    else:
-        t = pos
-        tmask = (t < num_tokens) & (t >= skip)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = (t < num_tokens) & (t >= skip)
     if BLOCKWISE:
         blk = tl.load(idx_ptr + t // BS, mask=tmask, other=-1).to(tl.int64)
         off_in_block = (t % BS).to(tl.int64)
         valid = tmask & (blk >= 0)
     else:
-        if ORDERED:
-            # The sorted slots are read at their position (coalesced), not at the token.
-            slot = tl.load(idx_ptr + pos, mask=tmask, other=-1).to(tl.int64)
-        else:
-            slot = tl.load(idx_ptr + t, mask=tmask, other=-1).to(tl.int64)
+        slot = tl.load(idx_ptr + t, mask=tmask, other=-1).to(tl.int64)
         valid = tmask & (slot >= 0)
         slot = tl.where(valid, slot, 0)
         blk = slot // BS
@@ -133,59 +124,47 @@ def _place_kernel(
     obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + kv * obj_s_kv + t.to(tl.int64) * obj_s_tok
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
-        c_off = _row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
+        c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
         cache_p = cache_row[:, None] + c_off[None, :]
         obj_p = obj_row[:, None] + c[None, :]
         if GATHER:
-            if STREAM:
-                vals = tl.load(cache_p, mask=m, eviction_policy="evict_first")
-                tl.store(obj_p, vals, mask=m, eviction_policy="evict_first")
-            else:
-                tl.store(obj_p, tl.load(cache_p, mask=m), mask=m)
+            tl.store(obj_p, tl.load(cache_p, mask=m), mask=m)
         else:
-            if STREAM:
-                vals = tl.load(obj_p, mask=m, eviction_policy="evict_first")
-                tl.store(cache_p, vals, mask=m, eviction_policy="evict_first")
-            else:
-                # SCATTER_STORE_CM: the PTX cache operator of the scattered cache stores ("" = default
-                # write-back; ".cs" / ".cg" / ".wt" are what bench/kv_ops.py --sweep compares).
-                tl.store(cache_p, tl.load(obj_p, mask=m), mask=m, cache_modifier=SCATTER_STORE_CM)
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the same width (copies become bit-exact for any float format)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        return t.view(_INT_OF_SIZE[t.element_size()])
-    return t
+            tl.store(cache_p, tl.load(obj_p, mask=m), mask=m)
 
 
 class TuneParams:
-    """Tile sizes for a row width: defaults chosen on an H200 (bench/kv_ops.py --sweep, 2026-11-29:
-    4 tokens a program and 4 warps led at 256 and 2048 tokens; evict-first hints did not help)."""
+    """Tile sizes of the placement kernels (``bench/kv_ops.py --sweep`` compares others; the chosen
+    values and their measurements are in bench/RESULTS.md)."""
 
     block_t: int = 4
     max_block_r: int = 1024
     num_warps: int = 4
-    # Destination-ordered launches (``order=``) have their own tiles: their random side is the read
-    # (2 tokens a program led the 2026-11-29 sweep).
-    ordered_block_t: int = 2
-    ordered_num_warps: int = 4
-    # PTX cache operator for a scatter's (random) cache stores: "" (write-back), ".cs", ".cg", ".wt".
-    scatter_store_cache: str = ""
-    stream: bool = False
-    layer_fast: bool = False
 
 
-def _tiles(layout: KVLayout, num_tokens: int, ordered: bool = False) -> tuple[int, int, int]:
+def tiles(
+    layout: KVLayout, num_tokens: int, block_t: int | None = None, num_warps: int | None = None
+) -> tuple[int, int, int]:
+    """(tokens a program, row elements a step, warps) for ``num_tokens`` tokens of ``layout``;
+    ``block_t``/``num_warps`` override ``TuneParams``."""
     row = layout.row_size
     block_r = min(triton.next_power_of_2(row), TuneParams.max_block_r)
-    base_t = TuneParams.ordered_block_t if ordered else TuneParams.block_t
-    warps = TuneParams.ordered_num_warps if ordered else TuneParams.num_warps
+    base_t = TuneParams.block_t if block_t is None else block_t
+    warps = TuneParams.num_warps if num_warps is None else num_warps
     # Keep a tile at about 8K elements: enough bytes in flight per program, few registers.
-    block_t = max(1, min(base_t * max(1, 1024 // block_r), 64))
-    block_t = min(block_t, triton.next_power_of_2(max(1, num_tokens)))
-    return block_t, block_r, warps
+    tile_t = max(1, min(base_t * max(1, 1024 // block_r), 64))
+    tile_t = min(tile_t, triton.next_power_of_2(max(1, num_tokens)))
+    return tile_t, block_r, warps
+
+
+def row_is_contiguous(layout: KVLayout) -> bool:
+    """Whether a token's row of one plane is one contiguous run in the cache (tight NHD, MLA)."""
+    return (
+        layout.k_dim_stride == 1
+        and layout.v_dim_stride == 1
+        and (layout.head_stride == layout.head_size or layout.num_kv_heads == 1)
+    )
 
 
 def _align_of(value: int) -> int:
@@ -235,7 +214,16 @@ class LayerTable:
 _TABLES = LayerTable()
 
 
-def _base_view(ref: tuple[torch.Tensor, int]) -> torch.Tensor:
+def layer_table(refs: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, int]:
+    """The device table of per-layer element offsets from layer 0 for ``refs``, and the largest
+    power of two (at most 16) dividing every offset."""
+    ptrs = tuple(t.data_ptr() + (b - t.storage_offset()) * t.element_size() for t, b in refs)
+    cache0 = refs[0][0]
+    return _TABLES.get(ptrs, cache0.element_size(), cache0.device)
+
+
+def base_view(ref: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """A one-element tensor starting at the layer base of ``ref``: the pointer a kernel receives."""
     tensor, base = ref
     return torch.as_strided(tensor, (1,), (1,), base)
 
@@ -250,50 +238,30 @@ def place(
     blockwise: bool = False,
     skip: int = 0,
     single_layer: bool = False,
-    order: torch.Tensor | None = None,
 ) -> None:
     """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
 
     ``refs`` are (bits tensor over the cache storage, absolute element offset of the layer base);
-    ``obj`` is already reinterpreted as integers of the cache's element width.
-    ``order``: when given, ``index`` must be the slots sorted ascending and ``order`` the int64
-    permutation ``torch.sort`` returned with them (``sorted[i] == slots[order[i]]``); the kernel then
-    walks the cache in address order (see the module docstring). Slots only, not ``blockwise``.
+    ``obj`` is already reinterpreted as integers of the cache's element width. ``index``: one slot
+    per token (or one block id per block with ``blockwise``); negative entries are skipped, and so
+    are the first ``skip`` tokens.
     """
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
         return
-    if order is not None:
-        if blockwise:
-            raise ValueError("order= applies to slot mappings, not block ids")
-        if order.numel() != num_tokens or index.numel() != num_tokens:
-            raise ValueError(
-                f"order has {order.numel()} and the sorted slots {index.numel()} entries; both must equal "
-                f"the object's {num_tokens} tokens"
-            )
-    cache0 = _base_view(refs[0])
+    cache0 = base_view(refs[0])
     if single_layer or num_layers == 1:
         table, align, use_table = index, 16, False
     else:
-        ptrs = tuple(t.data_ptr() + (b - t.storage_offset()) * t.element_size() for t, b in refs)
-        table, align = _TABLES.get(ptrs, cache0.element_size(), cache0.device)
+        table, align = layer_table(refs)
         use_table = True
-    block_t, block_r, num_warps = _tiles(layout, num_tokens, ordered=order is not None)
-    tiles = triton.cdiv(num_tokens, block_t)
-    layer_fast = TuneParams.layer_fast and tiles <= 65535  # grid y is limited to 65535
-    grid = (num_layers * num_kv, tiles) if layer_fast else (tiles, num_layers * num_kv)
-    hs = layout.head_size
-    row_contig = (
-        layout.k_dim_stride == 1
-        and layout.v_dim_stride == 1
-        and (layout.head_stride == hs or layout.num_kv_heads == 1)
-    )
+    block_t, block_r, num_warps = tiles(layout, num_tokens)
+    grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
     _place_kernel[grid](
         obj,
         cache0,
         table,
         index,
-        index if order is None else order,
         num_tokens,
         skip,
         obj.stride(0),
@@ -316,11 +284,7 @@ def place(
         BLOCKWISE=blockwise,
         USE_TABLE=use_table,
         LAYER_ALIGN=align,
-        ROW_CONTIG=row_contig,
-        STREAM=TuneParams.stream,
-        LAYER_FAST=layer_fast,
-        ORDERED=order is not None,
-        SCATTER_STORE_CM=TuneParams.scatter_store_cache,
+        ROW_CONTIG=row_is_contiguous(layout),
         num_warps=num_warps,
     )
 
@@ -385,7 +349,7 @@ def _direct_layer_kernel(
     cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
-        c_off = _row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
+        c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
         vals = tl.load(src_row[:, None] + c[None, :], mask=m)
         tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
@@ -412,8 +376,8 @@ def direct_table_host(
         raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
     pin = torch.cuda.is_available()
     tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=pin)
-    # numpy over the same memory: a handful of vectorised ops at ~1 us each (torch's per-op overhead
-    # is ~10 us); this runs on the layer load's issue path.
+    # numpy over the same memory: this runs on the layer load's issue path, and a numpy op costs a
+    # fraction of torch's per-op overhead.
     out = tab.numpy()
     n = len(chunks)
     ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=n)
@@ -449,14 +413,8 @@ def direct_scatter_layer(
     """
     if num_tokens == 0:
         return
-    cache = _base_view(ref)
-    block_t, block_r, num_warps = _tiles(layout, num_tokens)
-    hs = layout.head_size
-    row_contig = (
-        layout.k_dim_stride == 1
-        and layout.v_dim_stride == 1
-        and (layout.head_stride == hs or layout.num_kv_heads == 1)
-    )
+    cache = base_view(ref)
+    block_t, block_r, num_warps = tiles(layout, num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
     _direct_layer_kernel[grid](
         tab,
@@ -472,11 +430,11 @@ def direct_scatter_layer(
         K_S_DIM=layout.k_dim_stride,
         V_S_DIM=layout.v_dim_stride,
         BS=layout.block_size,
-        HS=hs,
+        HS=layout.head_size,
         ROW=layout.row_size,
         NUM_KV=layout.num_kv,
         BLOCK_T=block_t,
         BLOCK_R=block_r,
-        ROW_CONTIG=row_contig,
+        ROW_CONTIG=row_is_contiguous(layout),
         num_warps=num_warps,
     )

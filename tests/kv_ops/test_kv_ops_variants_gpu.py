@@ -1,8 +1,9 @@
-"""Kernel variants on a real GPU, byte for byte: the destination-ordered kernel (``order=``) on every
-layout, and every scatter store cache operator the benchmark sweeps.
+"""The benchmark's kernel variants on a real GPU, byte for byte: the destination-ordered variant on
+every layout, and every scatter store cache operator the benchmark sweeps; and graph capture under
+garbage collection.
 
-Skipped where no CUDA device is visible (CI); the CPU suite runs the same kernel checks under the
-interpreter (``tests/test_kv_ops_ordered.py``).
+Skipped where no CUDA device is visible (CI); the CPU suite runs the same variant checks under the
+interpreter (``test_kernel_variants.py``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ pytestmark = [
     pytest.mark.gpu,
 ]
 
+from bench.kernel_variants import CACHE_OPERATORS, Variant, place_variant  # noqa: E402
 from maru import kv_ops  # noqa: E402
-from maru.kv_ops import triton_kernels  # noqa: E402
+from maru.kv_ops.ops import as_bits, layer_refs  # noqa: E402
 from maru.kv_ops.testing import bits, make_cache, random_bits_, random_slots  # noqa: E402
-from tests.kv_ops.test_kv_ops_ordered import _run_checks  # noqa: E402
+from tests.kv_ops.test_kernel_variants import _run_checks  # noqa: E402
 
 
-def test_ordered_kernel_matches_reference_on_every_layout_on_the_gpu() -> None:
+def test_ordered_variant_matches_reference_on_every_layout_on_the_gpu() -> None:
     failures = _run_checks("cuda", seed=3)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("cache_modifier", ["", ".cs", ".cg", ".wt"])
+@pytest.mark.parametrize("cache_modifier", CACHE_OPERATORS)
 def test_scatter_with_each_store_cache_operator_writes_what_the_reference_writes(cache_modifier: str) -> None:
     gen = torch.Generator().manual_seed(21)
     geom = dict(
@@ -37,12 +39,10 @@ def test_scatter_with_each_store_cache_operator_writes_what_the_reference_writes
     layout = kv_ops.detect_layouts(a.caches, **a.detect_kwargs())
     slots = torch.tensor(random_slots(layout.num_slots, 1500, negatives=7, generator=gen), device="cuda")
     obj = random_bits_(torch.empty(3, 2, 1500, layout.row_size, dtype=torch.bfloat16), gen).cuda()
-    saved = triton_kernels.TuneParams.scatter_store_cache
-    triton_kernels.TuneParams.scatter_store_cache = cache_modifier
-    try:
-        kv_ops.scatter(obj, b.caches, layout, slots, backend="triton", skip_tokens=3)
-    finally:
-        triton_kernels.TuneParams.scatter_store_cache = saved
+    variant = Variant(scatter_store_cache=cache_modifier)
+    place_variant(
+        layer_refs(b.caches, layout), layout, slots, as_bits(obj), gather=False, variant=variant, skip=3
+    )
     kv_ops.scatter(obj, a.caches, layout, slots, backend="reference", skip_tokens=3)
     torch.cuda.synchronize()
     diff = [int((bits(x) != bits(y)).sum()) for x, y in zip(a.storages(), b.storages(), strict=True)]

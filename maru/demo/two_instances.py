@@ -11,7 +11,7 @@ Exits non-zero if B loaded nothing or the outputs differ.
 Works on a CPU-only machine (vLLM's CPU build, float32); with an NVIDIA GPU and the GPU build of
 vLLM the same code runs on the GPU (bfloat16).
 
-    python -m maru.vllm.demo [--prompt-tokens 1536] [--model-dir DIR] [--keep-logs]
+    python -m maru.demo.two_instances [--prompt-tokens 1536] [--model-dir DIR] [--keep-logs]
 """
 
 from __future__ import annotations
@@ -19,78 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from maru.vllm.runner import EngineProcess
-from maru.vllm.tiny_model import TinyModelSpec, build_tiny_model
+from maru.demo.runner import EngineProcess
+from maru.demo.server import EmbeddedServer
+from maru.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 DEMO_SPEC = TinyModelSpec(
     num_layers=4, hidden=768, intermediate=2048, heads=12, kv_heads=4, max_positions=4096, weight_std=0.08
 )
-READY_MARK = "maru server ready on "
-
-
-class _Server:
-    """A ``maru server`` child on a free loopback port; its pool file and state dir go with it."""
-
-    def __init__(self, pool_size: str) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.pool_path = f"/dev/shm/maru-demo-{self.port}-{os.getpid()}"
-        self.state_dir = tempfile.mkdtemp(prefix="maru-demo-state-")
-        self.argv = [
-            sys.executable, "-m", "maru.server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--pool-path", self.pool_path, "--pool-size", pool_size, "--state-dir", self.state_dir,
-            "--log-level", "WARNING",
-        ]  # fmt: skip
-        self.proc: subprocess.Popen[str] | None = None
-        self.output: list[str] = []
-
-    def start(self, timeout_s: float = 60.0) -> _Server:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
-        )
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if READY_MARK in line:
-                    ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout_s):
-            self.stop()
-            raise RuntimeError("maru server did not start:\n" + "".join(self.output[-20:]))
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        for path in (self.pool_path,):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def _prompt_tokens(model_dir: Path, n: int) -> list[int]:
@@ -145,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_tiny_model(a.model_dir, DEMO_SPEC)
     prompt = _prompt_tokens(model_dir, a.prompt_tokens)
     kv_bytes = DEMO_SPEC.num_layers * 2 * DEMO_SPEC.kv_heads * DEMO_SPEC.head_dim * 4 * (a.prompt_tokens + 64)
-    server = _Server(pool_size=f"{max(256, 3 * kv_bytes // 2**20)}M")
+    server = EmbeddedServer(pool_size=f"{max(256, 3 * kv_bytes // 2**20)}M")
     with con.status("starting maru server"):
-        server.start()
+        server.start(timeout=60)
     con.print(f"maru server on {server.url} (pool {server.pool_path})")
     spec: dict[str, Any] = dict(
         model=str(model_dir),
@@ -192,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         con.print(f"engine logs: {logs}")
         return 1
     finally:
-        server.stop()
+        server.cleanup()
 
     a_, b_ = res["A"], res["B"]
     same = a_["token"] == b_["token"] and a_["out"] == b_["out"]

@@ -1,6 +1,6 @@
 """One vLLM engine in its own process, driven by JSON lines: used by the demo, the tests and the bench.
 
-    python -m maru.vllm.runner '<engine json>'
+    python -m maru.demo.runner '<engine json>'
 
 starts ``vllm.LLM`` with the engine settings (model, block size, the Maru connector's extra
 config or none, ...), prints ``MARU-RUNNER {"ready": ...}`` and then answers one command per
@@ -229,7 +229,7 @@ class EngineProcess:
         env.update(self.env or {})
         self._log = open(self.log_path, "a") if self.log_path else open(os.devnull, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru.vllm.runner", json.dumps(self.spec)],
+            [sys.executable, "-m", "maru.demo.runner", json.dumps(self.spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -307,7 +307,7 @@ class EngineProcess:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m maru.vllm.runner '<engine json>'", file=sys.stderr)
+        print("usage: python -m maru.demo.runner '<engine json>'", file=sys.stderr)
         return 2
     serve(json.loads(argv[0]))
     return 0

@@ -5,7 +5,7 @@ LICENSE and standard-library sources), the weights are drawn from a seeded gener
 spec gives byte-identical files on every run, so tests and demos on different machines use
 the same model. A directory already holding the same spec is reused (``spec.json`` says which).
 
-    python -m maru.vllm.tiny_model OUT_DIR [--layers 2 --hidden 128 --heads 4 --kv-heads 2 ...]
+    python -m maru.demo.tiny_model OUT_DIR [--layers 2 --hidden 128 --heads 4 --kv-heads 2 ...]
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The destination-ordered Triton kernel (``order=``) against the PyTorch reference, byte for byte.
+"""The benchmark's kernel variants (bench/kernel_variants.py) against the PyTorch reference, byte for byte.
 
-``triton_kernels.place(..., index=sorted_slots, order=perm)`` must write exactly what the plain
-kernel writes for the unsorted mapping: every layout (NHD, HND, packed, the CPU backend's transposed
-K, cross-layer, padded blocks), negative slots, skip-prefix, multi-layer and single-layer, gather
-into poisoned objects and scatter into poisoned caches. Runs on CPU tensors under TRITON_INTERPRET=1,
-which must be set before triton is imported: the comparisons run in a fresh subprocess (this file
-executed as a script). ``tests/gpu/test_kv_ops_ordered_gpu.py`` runs the same checks on a GPU.
+A benchmark number means something only if the kernel it times moves the right bytes. The
+destination-ordered variant (``place_variant(..., index=sorted_slots, order=perm)``) with the
+streaming and layer-fast switches on must write exactly what the reference writes for the unsorted
+mapping: every layout (NHD, HND, packed, the CPU backend's transposed K, cross-layer, padded blocks),
+negative slots, skip-prefix, multi-layer and single-layer, gather into poisoned objects and scatter
+into poisoned caches. Runs on CPU tensors under TRITON_INTERPRET=1, which must be set before triton
+is imported: the comparisons run in a fresh subprocess (this file executed as a script).
+``test_kv_ops_variants_gpu.py`` runs the same checks on a GPU.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ def _run_checks(device: str = "cpu", seed: int = 0) -> list[str]:
     """Every case: ordered kernel vs reference; returns failures (empty when all matched)."""
     import torch
 
+    from bench.kernel_variants import Variant, place_variant
     from maru import kv_ops
-    from maru.kv_ops import triton_kernels
-    from maru.kv_ops.ops import layer_refs
+    from maru.kv_ops.ops import as_bits, layer_refs
     from maru.kv_ops.testing import bits, make_cache, random_bits_, random_slots
+
+    variant = Variant(stream=True, layer_fast=True)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(bits(a).cpu(), bits(b).cpu())
@@ -75,21 +79,20 @@ def _run_checks(device: str = "cpu", seed: int = 0) -> list[str]:
         ref = kv_ops.gather(src.caches, layout, slots, backend="reference", out=poison.clone())
         got = poison.clone()
         refs = layer_refs(src.caches, layout)
-        triton_kernels.place(
-            refs, layout, sorted_slots, triton_kernels.as_bits(got), gather=True, order=order
-        )
+        place_variant(refs, layout, sorted_slots, as_bits(got), gather=True, variant=variant, order=order)
         if not same(ref, got):
             failures.append(f"ordered gather {name}")
         # scatter with a skipped prefix into two identical caches: whole storages must agree
         for skip in (0, 2):
             a, b = make(seed + 2), make(seed + 2)
             kv_ops.scatter(poison, a.caches, layout, slots, backend="reference", skip_tokens=skip)
-            triton_kernels.place(
+            place_variant(
                 layer_refs(b.caches, layout),
                 layout,
                 sorted_slots,
-                triton_kernels.as_bits(poison),
+                as_bits(poison),
                 gather=False,
+                variant=variant,
                 skip=skip,
                 order=order,
             )
@@ -102,12 +105,13 @@ def _run_checks(device: str = "cpu", seed: int = 0) -> list[str]:
         cl = c.caches if layout.is_cross_layer else c.caches[layer]
         kv_ops.scatter_layer(poison[layer], cl, layout, slots, backend="reference", **lk)
         dref = layer_refs(d.caches, layout)[layer]
-        triton_kernels.place(
+        place_variant(
             [dref],
             layout,
             sorted_slots,
-            triton_kernels.as_bits(poison[layer : layer + 1]),
+            as_bits(poison[layer : layer + 1]),
             gather=False,
+            variant=variant,
             single_layer=True,
             order=order,
         )
@@ -116,7 +120,7 @@ def _run_checks(device: str = "cpu", seed: int = 0) -> list[str]:
     return failures
 
 
-def test_ordered_kernel_matches_the_reference_byte_for_byte_under_the_interpreter() -> None:
+def test_ordered_variant_matches_the_reference_byte_for_byte_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
@@ -127,23 +131,21 @@ def test_ordered_kernel_matches_the_reference_byte_for_byte_under_the_interprete
     assert "ordered: all matched" in proc.stdout, report
 
 
-def test_ordered_kernel_refuses_block_ids_and_mismatched_lengths() -> None:
+def test_ordered_variant_refuses_a_permutation_of_another_length() -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
+    from bench.kernel_variants import place_variant
     from maru import kv_ops
-    from maru.kv_ops import triton_kernels
-    from maru.kv_ops.ops import layer_refs
+    from maru.kv_ops.ops import as_bits, layer_refs
     from maru.kv_ops.testing import make_cache
 
     case = make_cache("kv_first", "NHD", num_layers=2)
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
     refs = layer_refs(case.caches, layout)
-    obj = triton_kernels.as_bits(torch.zeros(2, 2, 4, layout.row_size, dtype=torch.float16))
+    obj = as_bits(torch.zeros(2, 2, 4, layout.row_size, dtype=torch.float16))
     idx = torch.arange(4)
-    with pytest.raises(ValueError, match="block ids"):
-        triton_kernels.place(refs, layout, idx[:1], obj, gather=True, blockwise=True, order=idx[:1])
     with pytest.raises(ValueError, match="must equal"):
-        triton_kernels.place(refs, layout, idx, obj, gather=True, order=idx[:3])
+        place_variant(refs, layout, idx, obj, gather=True, order=idx[:3])
 
 
 if __name__ == "__main__":
