@@ -25,7 +25,7 @@ change to the committed set is reported to a ``Journal`` so the server can persi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -267,6 +267,18 @@ class KeyRegistry:
                 self._release_pin(client, e, n)
         self._client_pins.pop(client, None)
         return freed, released
+
+    def reservation(self, alloc_id: int) -> Reservation | None:
+        """The live reservation ``alloc_id`` (whoever owns it), or None."""
+        return self._reservations.get(alloc_id)
+
+    def reserved_bytes_of(self, owns: Callable[[ClientId], bool]) -> int:
+        """Pool bytes reserved by the clients for which ``owns(client)`` is true."""
+        total = 0
+        for client, ids in self._client_allocs.items():
+            if owns(client):
+                total += sum(self.alloc.round_up(self._reservations[a].size) for a in ids)
+        return total
 
     def client_has_state(self, client: ClientId) -> bool:
         return bool(self._client_allocs.get(client)) or bool(self._client_pins.get(client))
