@@ -197,7 +197,7 @@ class CurveAuth:
 
         auth = self._authenticator = ThreadAuthenticator(ctx, log=logging.getLogger("maru.server.zap"))
         auth.start()
-        auth.configure_curve_callback(domain="*", credentials_provider=self)
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key)
