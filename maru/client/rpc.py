@@ -93,8 +93,10 @@ class RpcChannel:
     """A thread-safe request/reply channel to one server URL."""
 
     def __init__(self, url: str, curve: CurveKeys | None = None) -> None:
+        """``curve`` None: keys from $MARU_SERVER_PUBLIC_KEY / $MARU_CLIENT_KEY if set (so ``maru doctor``
+        and ``maru stats`` reach a CURVE server too), else a plain connection."""
         self.url = url
-        self._curve = curve
+        self._curve = curve if curve is not None else CurveKeys.resolve(None, None)
         self._routing_id = b"\x01" + secrets.token_bytes(16)  # a leading zero byte is libzmq's
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
