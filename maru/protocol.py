@@ -15,8 +15,13 @@ Every reply body has ``"ok"``. On failure it is ``{"ok": False, "code": <ErrorCo
 "message": <text for a human>}``. A frame too short to carry a header gets no reply
 (there is no request id to echo); anything with a readable header gets a reply.
 
-Requests (all carry ``client_id``: a random id the handler picks once; leases, reservations
-and pins belong to it) and their replies:
+Requests (all carry ``client_id``: a random id the handler picks once) and their replies. Leases,
+reservations and pins belong to the *connection* that made them (its routing id and, under CURVE,
+its client key) together with the ``client_id``: the same id sent from another connection names
+another session (docs/security.md). With ``--tenants``, requests on keys need rights on the key's
+namespace (``denied``) and commits stay within quotas (``quota``); a full lease table answers a new
+HANDSHAKE with ``too_many_clients``. Request bodies are decoded within ``MAX_FRAME_ELEMENTS`` and
+``MAX_FRAME_DEPTH`` (``malformed`` past them).
 
 ===========  ============================================  =======================================
 op           request fields                                reply fields
