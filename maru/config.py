@@ -24,6 +24,7 @@ DEFAULT_LEASE_TIMEOUT_S = 30.0
 DEFAULT_QUARANTINE_TIMEOUT_S = 600.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
+DEFAULT_MAX_CLIENTS = 1024
 
 _UNITS = {
     "": 1,
@@ -103,6 +104,12 @@ class MaruConfig:
     metrics_port: int | None = None
     sysfs_root: str = "/sys"
     log_level: str = "INFO"
+    # Authentication, tenants and limits (docs/security.md).
+    curve_secret_key: str | None = None  # the server's .key_secret file: CURVE on
+    allowed_clients: str | None = None  # a client .key file or a directory of them
+    insecure: bool = False  # allow a non-loopback address without CURVE
+    tenants: str | None = None  # JSON file: namespaces, rights per client key, quotas
+    max_clients: int = DEFAULT_MAX_CLIENTS  # live leases at most
 
     @property
     def url(self) -> str:

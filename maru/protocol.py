@@ -15,8 +15,13 @@ Every reply body has ``"ok"``. On failure it is ``{"ok": False, "code": <ErrorCo
 "message": <text for a human>}``. A frame too short to carry a header gets no reply
 (there is no request id to echo); anything with a readable header gets a reply.
 
-Requests (all carry ``client_id``: a random id the handler picks once; leases, reservations
-and pins belong to it) and their replies:
+Requests (all carry ``client_id``: a random id the handler picks once) and their replies. Leases,
+reservations and pins belong to the *connection* that made them (its routing id and, under CURVE,
+its client key) together with the ``client_id``: the same id sent from another connection names
+another session (docs/security.md). With ``--tenants``, requests on keys need rights on the key's
+namespace (``denied``) and commits stay within quotas (``quota``); a full lease table answers a new
+HANDSHAKE with ``too_many_clients``. Request bodies are decoded within ``MAX_FRAME_ELEMENTS`` and
+``MAX_FRAME_DEPTH`` (``malformed`` past them).
 
 ===========  ============================================  =======================================
 op           request fields                                reply fields
@@ -130,6 +135,15 @@ MAX_CLIENT_INFO_BYTES = 4096  # a client's info map, MessagePack-encoded
 MAX_CLIENT_INFO_DEPTH = 4  # the top map is depth 1
 MAX_CLIENT_INFO_KEY_LEN = 128
 MAX_STATS_CLIENTS = 256  # entries of the STATS reply's ``clients`` list
+# Decode limits of one request (see ``decode_request``): the most elements all its arrays and maps
+# hold together, each container counting one more (a full COMMIT batch of [key, alloc_id] pairs
+# costs 4 * MAX_BATCH; an info map at most 2 per encoded byte), and how deep its containers nest
+# (the request map, a field, an info map nested MAX_CLIENT_INFO_DEPTH deep).
+MAX_FRAME_ELEMENTS = 4 * MAX_BATCH + 2 * MAX_CLIENT_INFO_BYTES + 64
+MAX_FRAME_DEPTH = 1 + MAX_CLIENT_INFO_DEPTH + 1
+# Replies carry more (RESERVE's [alloc_id, offset, size] triples; STATS's client list with info maps).
+MAX_REPLY_ELEMENTS = 8 * MAX_BATCH + MAX_STATS_CLIENTS * (2 * MAX_CLIENT_INFO_BYTES + 16) + 1024
+MAX_REPLY_DEPTH = MAX_FRAME_DEPTH + 2
 
 
 class Op(enum.IntEnum):
@@ -157,6 +171,9 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_CLIENT = "unknown_client"  # no handshake (or the lease expired): handshake again
     POOL_FULL = "pool_full"
     INTERNAL = "internal"
+    DENIED = "denied"  # the caller's key has no right to this namespace (or is not an admin)
+    QUOTA = "quota"  # the namespace is over its bytes or objects quota
+    TOO_MANY_CLIENTS = "too_many_clients"  # the server's lease cap (--max-clients) is reached
 
 
 class CommitResult(str, enum.Enum):
@@ -173,6 +190,55 @@ _UNPACK_LIMITS = dict(
     max_map_len=1024,
     max_ext_len=0,
 )
+
+
+class _ElementBudget:
+    """Counts the elements of every array and map as msgpack finishes it; raises past the budget.
+
+    msgpack bounds each container (``max_array_len``) and the nesting (its parser stack), but not
+    their sum: a frame of millions of empty arrays inside arrays would decode into millions of
+    Python lists. msgpack calls these hooks as each container completes, so a frame over budget
+    stops after at most ``MAX_FRAME_ELEMENTS`` elements (plus one container) were built.
+    """
+
+    __slots__ = ("limit", "left", "containers")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+        self.containers = 0
+
+    def _spend(self, n: int) -> None:
+        self.containers += 1
+        self.left -= n + 1
+        if self.left < 0:
+            raise ProtocolError(f"frame holds more than {self.limit} array and map elements; split the batch")
+
+    def list_hook(self, value: list[Any]) -> list[Any]:
+        self._spend(len(value))
+        return value
+
+    def object_hook(self, value: dict[str, Any]) -> dict[str, Any]:
+        self._spend(2 * len(value))
+        return value
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value``'s containers nest (a scalar is 0), exploring at most ``limit`` + 1 levels."""
+    if type(value) is dict:
+        children: Any = value.values()
+    elif type(value) is list:
+        children = value
+    else:
+        return 0
+    if limit <= 0:
+        return 1
+    deepest = 0
+    for v in children:
+        if type(v) is list or type(v) is dict:
+            deepest = max(deepest, _depth(v, limit - 1))
+            if deepest >= limit:
+                break
+    return 1 + deepest
 
 
 def encode(op: int, req_id: int, body: dict[str, Any]) -> bytes:
@@ -196,16 +262,42 @@ def decode_header(frame: bytes) -> tuple[int, int, int]:
     return version, op, req_id
 
 
-def decode_body(frame: bytes) -> dict[str, Any]:
-    """Decode the MessagePack map after the header. Raises ``ProtocolError`` if it is not one."""
+def decode_request(frame: bytes) -> dict[str, Any]:
+    """Decode a request's body (the server's decoder): ``decode_body`` with the request limits."""
+    return decode_body(frame, MAX_FRAME_ELEMENTS, MAX_FRAME_DEPTH)
+
+
+def decode_body(
+    frame: bytes, max_elements: int = MAX_REPLY_ELEMENTS, max_depth: int = MAX_REPLY_DEPTH
+) -> dict[str, Any]:
+    """Decode the MessagePack map after the header. Raises ``ProtocolError`` if it is not one.
+
+    Bounded work whatever the bytes: at most ``MAX_FRAME_BYTES``, ``max_elements`` elements in all
+    its arrays and maps, nested at most ``max_depth`` deep; a frame past a limit is refused after
+    at most that much decoding. The defaults fit any reply; requests use ``decode_request``.
+    """
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    budget = _ElementBudget(max_elements)
     try:
-        body = msgpack.unpackb(frame[HEADER_SIZE:], raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+        body = msgpack.unpackb(
+            frame[HEADER_SIZE:],
+            raw=False,
+            strict_map_key=True,
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
+            **_UNPACK_LIMITS,
+        )
+    except ProtocolError:
+        raise
     except Exception as e:  # msgpack raises many types for garbage input
         raise ProtocolError(f"body is not valid MessagePack: {type(e).__name__}: {e}") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"body must be a map, got {type(body).__name__}")
+    # Depth can only exceed the limit when there are more containers than levels: the common
+    # request (a map and a list or two) skips the walk.
+    if budget.containers > max_depth and _depth(body, max_depth) > max_depth:
+        raise ProtocolError(f"body nests deeper than {max_depth} levels of arrays and maps")
     return body
 
 

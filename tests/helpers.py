@@ -35,13 +35,22 @@ class RawClient:
     it checks that the reply echoes the request id and carries ``op | REPLY_BIT``.
     """
 
-    def __init__(self, url: str, client_id: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        client_id: str | None = None,
+        timeout_s: float = 10.0,
+        sockopts: dict[int, Any] | None = None,
+    ) -> None:
+        """``sockopts``: extra ZeroMQ options set before connecting (CURVE keys, a routing id)."""
         import zmq
 
         self._zmq = zmq
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        for opt, value in (sockopts or {}).items():
+            self.sock.setsockopt(opt, value)
         self.sock.connect(url)
         self.client_id = client_id or uuid.uuid4().hex
         self.timeout_ms = int(timeout_s * 1000)

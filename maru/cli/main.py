@@ -1,4 +1,4 @@
-"""The ``maru`` command: ``maru server | doctor | stats | demo``.
+"""The ``maru`` command: ``maru server | doctor | stats | demo | keys``.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
 ``SUBCOMMANDS`` wires them up (add one there). Those modules import their heavy dependencies
@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "stats": ("maru.cli.stats", "live view of hits, misses, stores, evictions, bytes and pool use"),
     "demo": ("maru.cli.demo", "run Maru's main job end to end on the embedded default"),
+    "keys": ("maru.cli.keys", "create CurveZMQ key pairs for an authenticated server and its clients"),
 }
 
 

@@ -50,7 +50,7 @@ from maru.client.replies import (
     chunks,
     reply_list,
 )
-from maru.client.rpc import RpcChannel
+from maru.client.rpc import CurveKeys, RpcChannel
 from maru.client.session import SessionClient, heartbeat_loop
 from maru.config import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -80,7 +80,12 @@ class MaruHandler(SessionClient):
         timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
         pool_path: str | None = None,
+        server_public_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
+        """``server_public_key`` (z85 text or ``.key`` file) and ``client_key`` (this client's
+        ``.key_secret`` file) connect to a CURVE server; both absent: $MARU_SERVER_PUBLIC_KEY and
+        $MARU_CLIENT_KEY, else a plain connection (a loopback server). See docs/security.md."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if heartbeat_interval_s <= 0:
@@ -89,7 +94,7 @@ class MaruHandler(SessionClient):
         self.client_id = uuid.uuid4().hex
         self.timeout_s = float(timeout_s)
         self._pool_path_override = pool_path
-        self._rpc = RpcChannel(url)
+        self._rpc = RpcChannel(url, CurveKeys.resolve(server_public_key, client_key))
         # One RLock orders every exchange with the server and every session change, so a
         # COMMIT can never race a re-handshake (which would invalidate its reservations).
         self._lock = threading.RLock()

@@ -9,20 +9,30 @@ Invariant: a request either gets its own reply or raises within ``timeout_s`` se
 (``NotConnectedError`` when no connection to the server exists, ``MaruTimeoutError`` when
 the request went out but no reply came back). After either failure the socket is replaced,
 so a request queued while the server was away is never delivered later by surprise.
+
+Identity. The server owns sessions by connection (its routing id, and its CURVE key when the server
+authenticates), not by the ``client_id`` in the body. A channel picks one random 16-byte routing id
+and keeps it across socket replacements, so its session survives a reconnect; nobody else can
+present it while this channel is connected (a ROUTER refuses a second peer with a live id).
+With ``curve`` (``CurveKeys``) the connection is encrypted and the server sees this client's key.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import secrets
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from maru import protocol
-from maru.errors import HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
+from maru.errors import ConfigError, HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
 
 log = logging.getLogger("maru.client")
 
@@ -31,11 +41,63 @@ def _start_hint() -> str:
     return "is `maru server` running? start it with `maru server` (check with `maru doctor`)"
 
 
+ENV_SERVER_PUBLIC_KEY = "MARU_SERVER_PUBLIC_KEY"
+ENV_CLIENT_KEY = "MARU_CLIENT_KEY"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """What a client needs to reach a CURVE server: the server's public key, its own key pair (z85)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def resolve(cls, server_public_key: str | None, client_key: str | None) -> CurveKeys | None:
+        """Keys from the arguments, else from $MARU_SERVER_PUBLIC_KEY / $MARU_CLIENT_KEY; None if neither.
+
+        ``server_public_key``: a 40-character z85 key or a ``.key`` file; ``client_key``: this
+        client's ``.key_secret`` file (``maru keys generate``). Raises ``ConfigError`` when only one
+        is given or a file is unreadable.
+        """
+        server_public_key = server_public_key or os.environ.get(ENV_SERVER_PUBLIC_KEY) or None
+        client_key = client_key or os.environ.get(ENV_CLIENT_KEY) or None
+        if server_public_key is None and client_key is None:
+            return None
+        if server_public_key is None or client_key is None:
+            raise ConfigError(
+                "CURVE needs both the server's public key (maru_server_public_key / $MARU_SERVER_PUBLIC_KEY) "
+                "and this client's .key_secret file (maru_client_key / $MARU_CLIENT_KEY); one was given"
+            )
+        from zmq.auth import load_certificate
+
+        server_public = server_public_key.encode()
+        if not (len(server_public_key) == 40 and not os.path.exists(server_public_key)):
+            try:
+                server_public = load_certificate(server_public_key)[0]
+            except (OSError, ValueError) as e:
+                raise ConfigError(
+                    f"cannot read the server public key file {server_public_key}: {e}"
+                ) from None
+        try:
+            public, secret = load_certificate(Path(client_key))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the client key file {client_key}: {e}") from None
+        if secret is None:
+            raise ConfigError(f"{client_key} has no secret-key: pass this client's .key_secret file")
+        return cls(server_public, public, secret)
+
+
 class RpcChannel:
     """A thread-safe request/reply channel to one server URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, curve: CurveKeys | None = None) -> None:
+        """``curve`` None: keys from $MARU_SERVER_PUBLIC_KEY / $MARU_CLIENT_KEY if set (so ``maru doctor``
+        and ``maru stats`` reach a CURVE server too), else a plain connection."""
         self.url = url
+        self._curve = curve if curve is not None else CurveKeys.resolve(None, None)
+        self._routing_id = b"\x01" + secrets.token_bytes(16)  # a leading zero byte is libzmq's
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -53,6 +115,11 @@ class RpcChannel:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+            if self._curve is not None:
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret)
             try:
                 sock.connect(self.url)
             except zmq.ZMQError as e:
@@ -97,7 +164,7 @@ class RpcChannel:
             # Not connected yet (or any more): wait for the connection up to the deadline.
             if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
                 raise NotConnectedError(
-                    f"cannot reach maru server at {self.url} within {timeout_s:g} s: {_start_hint()}"
+                    f"cannot reach maru server at {self.url} within {timeout_s:g} s: {self._hint()}"
                 ) from None
             sock.send(frame, zmq.NOBLOCK)
         while True:
@@ -129,6 +196,15 @@ class RpcChannel:
                     f"with op {reply_op:#x}; client and server disagree on the protocol"
                 )
             return protocol.decode_body(reply)
+
+    def _hint(self) -> str:
+        if self._curve is None:
+            return _start_hint()
+        return (
+            f"{_start_hint()}; with CURVE, also check that this client's public key "
+            f"{self._curve.public.decode()} is in the server's --allowed-clients and that the server "
+            "public key given here is the server's"
+        )
 
     def close(self) -> None:
         with self._lock:

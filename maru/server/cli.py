@@ -15,6 +15,7 @@ from pathlib import Path
 from maru.config import (
     DEFAULT_HOST,
     DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_MAX_CLIENTS,
     DEFAULT_POOL_SIZE,
     DEFAULT_PORT,
     DEFAULT_QUARANTINE_TIMEOUT_S,
@@ -75,6 +76,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
+    sec = parser.add_argument_group("authentication, tenants and limits (docs/security.md)")
+    sec.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="the server's .key_secret file (`maru keys generate`): CurveZMQ encryption and client keys",
+    )
+    sec.add_argument(
+        "--allowed-clients",
+        metavar="FILE_OR_DIR",
+        help="client public .key file, or a directory of them: only these keys may connect",
+    )
+    sec.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="JSON file of namespaces, rights per client key and quotas (needs --curve-secret-key)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without authentication (any host that reaches it has full access)",
+    )
+    sec.add_argument(
+        "--max-clients",
+        metavar="N",
+        type=int,
+        default=DEFAULT_MAX_CLIENTS,
+        help=f"most live client leases; more handshakes get too_many_clients (default {DEFAULT_MAX_CLIENTS})",
+    )
     parser.add_argument(
         "--sysfs-root", default="/sys", help="where sysfs is mounted (default /sys; tests fake it)"
     )
@@ -91,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         raise ConfigError(f"--lease-timeout {args.lease_timeout} must be positive")
     if args.quarantine_timeout < 0:
         raise ConfigError(f"--quarantine-timeout {args.quarantine_timeout} must be 0 (never) or positive")
+    if args.max_clients < 1:
+        raise ConfigError(f"--max-clients {args.max_clients} must be at least 1")
     pool_size = parse_size(args.pool_size) if args.pool_size is not None else None
     alignment = parse_size(args.alignment) if args.alignment is not None else None
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / str(args.port)
@@ -106,6 +137,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         metrics_port=args.metrics_port,
         sysfs_root=args.sysfs_root,
         log_level=args.log_level,
+        curve_secret_key=args.curve_secret_key,
+        allowed_clients=args.allowed_clients,
+        insecure=args.insecure,
+        tenants=args.tenants,
+        max_clients=args.max_clients,
     )
     if alignment is not None:
         cfg.alignment = alignment

@@ -32,7 +32,7 @@ change to the committed set is reported to a ``Journal`` so the server can persi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -349,6 +349,18 @@ class KeyRegistry:
     def quarantined_clients(self) -> list[ClientId]:
         """Clients whose space is in quarantine now."""
         return list(self._quarantine)
+
+    def reservation(self, alloc_id: int) -> Reservation | None:
+        """The live reservation ``alloc_id`` (whoever owns it), or None."""
+        return self._reservations.get(alloc_id)
+
+    def reserved_bytes_of(self, owns: Callable[[ClientId], bool]) -> int:
+        """Pool bytes reserved by the clients for which ``owns(client)`` is true."""
+        total = 0
+        for client, ids in self._client_allocs.items():
+            if owns(client):
+                total += sum(self.alloc.round_up(self._reservations[a].size) for a in ids)
+        return total
 
     def client_has_state(self, client: ClientId) -> bool:
         return bool(self._client_allocs.get(client)) or bool(self._client_pins.get(client))

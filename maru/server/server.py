@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,14 @@ from maru.pool.allocator import ExtentAllocator
 from maru.pool.backing import PoolInfo, open_pool
 from maru.protocol import ErrorCode, Op
 from maru.server import validate as V
+from maru.server.auth import Caller, auth_from_config
 from maru.server.leases import LeaseTable
 from maru.server.locks import FileLock
 from maru.server.quarantine import QuarantineBook
 from maru.server.registry import KeyRegistry
 from maru.server.state import TICK_FLUSH_S, StateStore
 from maru.server.stats import ServerStats, start_metrics_server
+from maru.server.tenants import OpenAccess, TenantAccess
 
 log = logging.getLogger("maru.server")
 
@@ -73,6 +76,8 @@ class MaruServer:
         self._sock: zmq.Socket | None = None
         self._locks: list[FileLock] = []
         self._metrics: Any = None
+        self._auth: Any = None  # OpenAuth | CurveAuth, made in start() (it reads key files)
+        self._access: OpenAccess | TenantAccess = OpenAccess()
         self.pool: PoolInfo
         self.state: StateStore
         self.registry: KeyRegistry
@@ -100,8 +105,18 @@ class MaruServer:
     def start(self) -> None:
         """Bind the socket, open the pool and the state, rebuild the registry. Raises MaruError."""
         try:
+            self._auth = auth_from_config(
+                self.cfg.host, self.cfg.curve_secret_key, self.cfg.allowed_clients, self.cfg.insecure
+            )
+            if self.cfg.tenants:
+                if not self._auth.enabled:
+                    raise ConfigError(
+                        "--tenants needs --curve-secret-key: tenants are told apart by client keys"
+                    )
+                self._access = TenantAccess.from_file(self.cfg.tenants)
             self._bind()
             self._open_pool_and_state()
+            self._access.attach(self.registry)
             if self.cfg.metrics_port:
                 try:
                     self._metrics = start_metrics_server(self.cfg.metrics_port, self.snapshot)
@@ -124,6 +139,7 @@ class MaruServer:
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 10_000)  # replies are small; a slow reader must not lose them
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAXMSGSIZE)
+        self._auth.apply(ctx, sock)
         try:
             sock.bind(self.cfg.url)
         except zmq.ZMQError as e:
@@ -204,7 +220,8 @@ class MaruServer:
         # A blocking receive with a timeout instead of poll()+recv: one wake-up per request, and
         # the timeout still gives housekeeping a turn when the socket is idle.
         sock.setsockopt(zmq.RCVTIMEO, poll_ms)
-        recv = sock.recv_multipart
+        # Under CURVE the frames come as zmq.Frame objects, which carry the connection's User-Id.
+        recv = partial(sock.recv_multipart, copy=False) if self._auth.enabled else sock.recv_multipart
         on_message = self._on_message
         monotonic = time.monotonic
         try:
@@ -240,6 +257,9 @@ class MaruServer:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.close()  # the ZAP thread holds a socket of the context: stop it before term()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -318,12 +338,19 @@ class MaruServer:
 
     # -- one message --------------------------------------------------------------------------
 
-    def _on_message(self, parts: list[bytes]) -> None:
+    def _on_message(self, parts: list[Any]) -> None:
         # ROUTER gives [identity, frame] from a DEALER, [identity, b"", frame] from a REQ-style peer.
-        if len(parts) < 2 or len(parts) > 3 or (len(parts) == 3 and parts[1]):
+        if len(parts) < 2 or len(parts) > 3:
             self.stats.add("malformed_frames")
             return
-        reply = self.handle_frame(parts[-1])
+        user = ""
+        if type(parts[0]) is not bytes:  # zmq.Frame (CURVE): the key is the connection's, not the body's
+            user = parts[-1].get("User-Id") or ""
+            parts = [p.bytes for p in parts]
+        if len(parts) == 3 and parts[1]:
+            self.stats.add("malformed_frames")
+            return
+        reply = self.handle_frame(parts[-1], user, parts[0])
         if reply is None:
             return
         try:
@@ -331,15 +358,16 @@ class MaruServer:
         except zmq.ZMQError:
             pass  # the client is gone or not reading; its lease will expire
 
-    def handle_frame(self, frame: bytes) -> bytes | None:
-        """Answer one frame; None for a frame too short to carry a header (no id to echo)."""
+    def handle_frame(self, frame: bytes, user: str = "", conn: bytes = b"") -> bytes | None:
+        """Answer one frame from connection ``conn`` of ``user`` (its CURVE key, "" if anonymous);
+        None for a frame too short to carry a header (no id to echo)."""
         if len(frame) < P.HEADER_SIZE:
             self.stats.add("malformed_frames")
             return None
         magic, version, op, req_id = P.HEADER.unpack_from(frame)
         reply_op = (op | P.REPLY_BIT) & 0xFFFF
         try:
-            body = self._handle(magic, version, op, frame)
+            body = self._handle(magic, version, op, frame, user, conn)
         except V.Reject as r:
             self.stats.errors[r.code.value] += 1
             body = P.error(r.code, r.message)
@@ -353,7 +381,9 @@ class MaruServer:
             self.stats.errors[ErrorCode.TOO_LARGE.value] += 1
             return P.encode(reply_op, req_id, P.error(ErrorCode.TOO_LARGE, f"reply too large: {e}"))
 
-    def _handle(self, magic: bytes, version: int, op: int, frame: bytes) -> dict[str, Any]:
+    def _handle(
+        self, magic: bytes, version: int, op: int, frame: bytes, user: str, conn: bytes
+    ) -> dict[str, Any]:
         if magic != P.MAGIC:
             raise V.Reject(ErrorCode.MALFORMED, f"bad magic {magic!r}: not a Maru frame")
         if version != P.PROTOCOL_VERSION:
@@ -370,15 +400,17 @@ class MaruServer:
         if len(frame) > P.MAX_FRAME_BYTES:
             raise V.Reject(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over {P.MAX_FRAME_BYTES}")
         try:
-            body = P.decode_body(frame)
+            body = P.decode_request(frame)
         except ProtocolError as e:
             raise V.Reject(ErrorCode.MALFORMED, str(e)) from None
-        client = V.client_id(body)
+        # Sessions belong to the connection (and its key), never to a client_id alone.
+        client = Caller(user, conn, V.client_id(body))
+        self._access.check(op, client, body, self.registry)
         if op in self._needs_lease or (op == Op.LOOKUP and body.get("pin") is True):
             if not self.leases.renew(client):
                 raise V.Reject(
                     ErrorCode.UNKNOWN_CLIENT,
-                    f"client {client!r} has no lease (no handshake, or silent past {self.leases.timeout_s:g} s, "
+                    f"client {client.client_id!r} has no lease on this connection (no handshake, or silent past {self.leases.timeout_s:g} s, "
                     "or the server restarted): handshake again",
                 )
         elif op != Op.HEARTBEAT:
@@ -410,6 +442,12 @@ class MaruServer:
         if type(fenced) is not bool:
             raise V.Reject(ErrorCode.BAD_REQUEST, "fenced must be true or false")
         info = V.info_field(body) if "info" in body else None
+        if client not in self.leases and len(self.leases) >= self.cfg.max_clients:
+            raise V.Reject(
+                ErrorCode.TOO_MANY_CLIENTS,
+                f"the server holds {len(self.leases)} client leases, its --max-clients limit: wait for idle "
+                "clients' leases to expire, or raise --max-clients",
+            )
         self.leases.grant(client, host, pid, info, **where)
         if fenced and self.quarantine.release(client) is not None:
             self._release_quarantine(client, "fenced")
@@ -570,7 +608,7 @@ class MaruServer:
     def _stats(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         # ``clients`` is only in the STATS reply, not in ``snapshot`` (the Prometheus thread reads
         # that one, and must not walk the lease table while the event loop changes it).
-        return P.ok(**self.snapshot(), **self.clients_view())
+        return P.ok(**self.snapshot(), **self.clients_view(viewer=client))
 
     def _usage(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         return P.ok(**self.usage())
@@ -620,10 +658,14 @@ class MaruServer:
             "quarantined_extents": reg.quarantined_extents,
         }
 
-    def clients_view(self, limit: int = P.MAX_STATS_CLIENTS) -> dict[str, Any]:
-        """Live clients for STATS: those reporting info first, then oldest first; at most ``limit``."""
+    def clients_view(self, limit: int = P.MAX_STATS_CLIENTS, viewer: Caller | None = None) -> dict[str, Any]:
+        """Live clients for STATS: those reporting info first, then oldest first; at most ``limit``.
+        With tenants, a ``viewer`` that is not an admin sees only its own key's sessions."""
         now = self.leases.now()
-        leases = sorted(self.leases.leases(), key=lambda lease: (lease.info is None, lease.since))
+        live = self.leases.leases()
+        if viewer is not None:
+            live = [lease for lease in live if self._access.may_see(viewer, lease.client)]
+        leases = sorted(live, key=lambda lease: (lease.info is None, lease.since))
         clients = [
             {
                 "client_id": V.client_id_text(lease.client),

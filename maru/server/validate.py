@@ -88,7 +88,8 @@ def info_field(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def client_id_text(client: Any) -> str:
-    """A client id as text for views (bytes ids as hex), so STATS stays JSON-friendly."""
+    """A client id (or a session owner's) as text for views (bytes as hex), so STATS stays JSON-friendly."""
+    client = getattr(client, "client_id", client)
     if type(client) is bytes:
         return client.hex()
     return str(client)

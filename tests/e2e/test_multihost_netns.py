@@ -105,6 +105,7 @@ def test_hosts_in_other_network_namespaces_share_objects_over_tcp(three_hosts, t
         pool_size="32M",
         port=PORT,
         host="0.0.0.0",
+        extra_args=["--insecure"],  # a private test network; docs/security.md shows the CURVE setup
         prefix=["ip", "netns", "exec", ns["a"]],
     )
     with server:
