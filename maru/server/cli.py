@@ -18,6 +18,7 @@ from maru.config import (
     DEFAULT_POOL_SIZE,
     DEFAULT_PORT,
     MaruConfig,
+    check_lease_timeout,
     default_pool_path,
     default_state_dir,
     format_size,
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allocation unit of a new pool (power of two; default 4K for a file, the device align for DAX)",
     )
     parser.add_argument(
+        "--group",
+        metavar="NAME",
+        help="make the pool file and the state files 0660 and owned by this group (default: 0600, owner only)",
+    )
+    parser.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     parser.add_argument(
@@ -78,8 +84,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
     """Build the config; returns ``(config, pool_size or None, alignment or None)``."""
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
-    if args.lease_timeout <= 0:
-        raise ConfigError(f"--lease-timeout {args.lease_timeout} must be positive")
+    check_lease_timeout(args.lease_timeout)
     pool_size = parse_size(args.pool_size) if args.pool_size is not None else None
     alignment = parse_size(args.alignment) if args.alignment is not None else None
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / str(args.port)
@@ -94,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         metrics_port=args.metrics_port,
         sysfs_root=args.sysfs_root,
         log_level=args.log_level,
+        group=args.group,
     )
     if alignment is not None:
         cfg.alignment = alignment

@@ -40,6 +40,7 @@ COUNTER_NAMES = (
     "released_pins",  # by lease expiry
     "malformed_frames",  # frames too short for a header, or with a broken envelope (no reply)
     "sql_transactions",
+    "state_write_errors",  # writes the state database refused (disk full, I/O error)
 )
 
 
