@@ -368,7 +368,10 @@ class StateStore:
                     self.path,
                     self.error,
                 )
-            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            try:
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as e:  # the WAL stays; the next start reads it
+                log.warning("could not checkpoint %s at close: %s", self.path, e)
         finally:
             self.db.close()
             if self.lock is not None:

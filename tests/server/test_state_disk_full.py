@@ -10,36 +10,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from maru.protocol import Op
 from tests.helpers import RawClient, ServerProcess
-
-STATE_FS_SIZE = "2m"
-
-
-@pytest.fixture
-def small_state_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs mounted for the state dir (skips where mounting is not permitted)."""
-    mnt = tmp_path / "statefs"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={STATE_FS_SIZE}", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs for the state dir (needs root): {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        # Lazy: a server killed a moment ago may not have released its files yet.
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def map_pool(path: str) -> mmap.mmap:
