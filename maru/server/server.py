@@ -305,6 +305,7 @@ class MaruServer:
             return  # kept in the registry until the state takes writes again
         try:
             self.state.write_ticks(self.registry.take_touched())
+            self.state.maintain()
         except StateWriteError:
             self.stats.add("state_write_errors")
         except Exception:
@@ -664,7 +665,7 @@ class MaruServer:
             "clients": u["clients"],
             "state_writable": int(self.state.writable),
         }
-        snap["state"] = {
+        snap["state"] = {  # (the Prometheus thread may read this while the loop runs: plain values)
             "path": str(self.state.path),
             "writable": self.state.writable,
             "error": self.state.error,

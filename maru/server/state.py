@@ -42,6 +42,11 @@ TICK_FLUSH_S = 1.0
 # Writes resume only with this much free space, so a state disk at its last pages does not flap
 # between accepting and refusing every other request.
 RESUME_FREE_BYTES = 256 << 10
+# The WAL may use at most 1/WAL_SHARE of the free space: ``maintain`` lowers SQLite's automatic
+# checkpoint (1000 pages by default) to that, and truncates a WAL that is already larger. Without
+# it, a small state disk fills up with superseded WAL pages long before with entries.
+WAL_SHARE = 4
+WAL_TRIM_MIN_BYTES = 64 << 10
 
 
 class StateWriteError(MaruError):
@@ -114,6 +119,9 @@ class StateStore:
             raise PoolError(
                 f"cannot open state database {self.path}: {e}; check the state directory and its free space"
             ) from None
+        self.page_size = int(self.db.execute("PRAGMA page_size").fetchone()[0])
+        self._autocheckpoint = 1000  # SQLite's default; ``maintain`` lowers it on a small disk
+        self.maintain()
         # Every start: files an older server (or SQLite's default 0644) left more open get fixed.
         for f in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
             if f.exists():
@@ -314,6 +322,27 @@ class StateStore:
         self._puts = {}
         self._removes = set()
         self.transactions += 1
+
+    def maintain(self) -> bool:
+        """Keep the WAL under 1/``WAL_SHARE`` of the free space (see ``WAL_SHARE``); True when it
+        truncated the WAL. Cheap when there is nothing to do (one stat, one statvfs)."""
+        free = self.free_bytes()
+        pages = max(16, min(1000, free // WAL_SHARE // self.page_size))
+        if pages != self._autocheckpoint:
+            self.db.execute(f"PRAGMA wal_autocheckpoint={pages}")
+            self._autocheckpoint = pages
+        try:
+            wal = os.stat(f"{self.path}-wal").st_size
+        except OSError:
+            return False
+        if wal < WAL_TRIM_MIN_BYTES or wal * WAL_SHARE < free:
+            return False
+        try:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as e:
+            log.warning("could not checkpoint %s (%d KiB of WAL): %s", self.path, wal >> 10, e)
+            return False
+        return True
 
     def recover(self) -> bool:
         """Try to become writable again: write what is buffered, then a probe; True on success.

@@ -209,3 +209,17 @@ def test_a_lease_timeout_that_is_not_a_finite_positive_number_is_refused(
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--lease-timeout" in res.stderr and "finite number of seconds above 0" in res.stderr
     assert not os.path.exists(shm_pool)
+
+
+def test_a_second_server_on_the_same_pool_is_refused_and_the_first_keeps_serving(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path) as srv, RawClient(srv.url) as c:
+        c.handshake()
+        uuid_before = read_pool_uuid(srv.pool_path)
+        res = run_server_cli(
+            ["--port", str(free_port()), "--pool-path", srv.pool_path, "--state-dir", str(tmp_path / "other")]
+        )
+        assert res.returncode == 2 and "in use by another maru server" in res.stderr
+        assert "Traceback" not in res.stderr
+        assert os.path.exists(srv.pool_path) and read_pool_uuid(srv.pool_path) == uuid_before
+        assert not (tmp_path / "other").exists()
+        assert c.call(Op.RESERVE, sizes=[100])["ok"]
