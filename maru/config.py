@@ -7,6 +7,7 @@ the embedded defaults; every field is also a ``maru server`` flag.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -67,6 +68,18 @@ def parse_size(value: str | int) -> int:
     return int(n)
 
 
+def check_lease_timeout(value: float) -> float:
+    """``value`` if it is a usable lease timeout in seconds (finite, positive); else ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"lease timeout must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"--lease-timeout {value} must be a finite number of seconds above 0 (for example 30): a "
+            "silent client's reservations and pins are reclaimed after it"
+        )
+    return float(value)
+
+
 def format_size(n: int | float) -> str:
     """Format a byte count the way ``parse_size`` reads it back, e.g. ``"4.0 GiB"``."""
     n = float(n)
@@ -110,6 +123,10 @@ class MaruConfig:
     insecure: bool = False  # allow a non-loopback address without CURVE
     tenants: str | None = None  # JSON file: namespaces, rights per client key, quotas
     max_clients: int = DEFAULT_MAX_CLIENTS  # live leases at most
+    group: str | None = None  # None: files 0600; a group name: files 0660 owned by that group
+
+    def __post_init__(self) -> None:
+        self.lease_timeout_s = check_lease_timeout(self.lease_timeout_s)
 
     @property
     def url(self) -> str:

@@ -170,6 +170,9 @@ class ErrorCode(str, enum.Enum):
     TOO_LARGE = "too_large"  # frame, batch, key or object over a limit
     UNKNOWN_CLIENT = "unknown_client"  # no handshake (or the lease expired): handshake again
     POOL_FULL = "pool_full"
+    # The state database cannot take writes (disk full or failing): RESERVE, COMMIT and DELETE
+    # are refused until it can; reads, pins and heartbeats work. Nothing refused was applied.
+    STATE_UNWRITABLE = "state_unwritable"
     INTERNAL = "internal"
     DENIED = "denied"  # the caller's key has no right to this namespace (or is not an admin)
     QUOTA = "quota"  # the namespace is over its bytes or objects quota

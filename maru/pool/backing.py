@@ -9,6 +9,8 @@ Invariants:
 - An emulated pool file is fully reserved (``posix_fallocate``) before the server serves it, so
   a writer can never hit SIGBUS because tmpfs ran out of memory later.
 - A pool that cannot fit is refused up front with a message naming the sizes and the fix.
+- A pool file is created with the mode and group of a ``FileAccess`` (0600 by default) before a
+  byte of it is written; ``remove_created_pool`` deletes it again when the start fails.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from maru.config import DEFAULT_ALIGNMENT, format_size
 from maru.errors import PoolError
 from maru.pool.header import HEADER_BYTES, PoolHeader
+from maru.pool.perms import FileAccess
 
 log = logging.getLogger("maru.pool")
 
@@ -159,7 +162,7 @@ def _reserve(fd: int, path: str, size: int) -> None:
         ) from None
 
 
-def _open_file(path: str, size: int | None, alignment: int | None) -> PoolInfo:
+def _open_file(path: str, size: int | None, alignment: int | None, access: FileAccess) -> PoolInfo:
     exists = os.path.exists(path)
     if exists:
         st = os.stat(path)
@@ -208,6 +211,7 @@ def _open_file(path: str, size: int | None, alignment: int | None) -> PoolInfo:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
+            access.apply_fd(fd, path)
             _reserve(fd, path, size)
             header = PoolHeader.new(size, align, align)
             _write_header(fd, header, align)
@@ -238,17 +242,37 @@ def _check_free_space(path: str, need: int) -> None:
 
 
 def open_pool(
-    path: str, size: int | None, alignment: int | None = None, sysfs_root: str = "/sys"
+    path: str,
+    size: int | None,
+    alignment: int | None = None,
+    sysfs_root: str = "/sys",
+    access: FileAccess | None = None,
 ) -> PoolInfo:
     """Open (or create) the pool at ``path`` and return its identity and geometry.
 
     ``size``: bytes for a new file pool; for an existing pool it must match or be None.
     ``alignment``: allocation unit (power of two); None picks 4096 for a file, the device's
-    align for DAX. Raises ``PoolError`` with the fix when the pool cannot be used.
+    align for DAX. ``access``: mode and group of a new pool file (an existing file and a device
+    keep theirs). Raises ``PoolError`` with the fix when the pool cannot be used.
     """
     if is_dax_path(path):
         return _open_dax(path, size, alignment, sysfs_root)
-    return _open_file(path, size, alignment)
+    return _open_file(path, size, alignment, access or FileAccess())
+
+
+def remove_created_pool(pool: PoolInfo) -> None:
+    """Delete the pool file that ``open_pool`` just created (``pool.created``), after a failed start.
+
+    Never a pool that existed before, never a device, never a file that is no longer this pool.
+    """
+    if not pool.created or pool.kind != "file" or read_pool_uuid(pool.path) != pool.uuid:
+        return
+    try:
+        os.unlink(pool.path)
+    except OSError as e:
+        log.warning("could not remove the new pool file %s after a failed start: %s", pool.path, e.strerror)
+    else:
+        log.info("removed the new pool file %s (the start failed)", pool.path)
 
 
 def read_pool_uuid(path: str) -> str | None:

@@ -20,6 +20,7 @@ from maru.config import (
     DEFAULT_PORT,
     DEFAULT_QUARANTINE_TIMEOUT_S,
     MaruConfig,
+    check_lease_timeout,
     default_pool_path,
     default_state_dir,
     format_size,
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allocation unit of a new pool (power of two; default 4K for a file, the device align for DAX)",
     )
     parser.add_argument(
+        "--group",
+        metavar="NAME",
+        help="make the pool file and the state files 0660 and owned by this group (default: 0600, owner only)",
+    )
+    parser.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     sec = parser.add_argument_group("authentication, tenants and limits (docs/security.md)")
@@ -116,8 +122,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
     """Build the config; returns ``(config, pool_size or None, alignment or None)``."""
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
-    if args.lease_timeout <= 0:
-        raise ConfigError(f"--lease-timeout {args.lease_timeout} must be positive")
+    check_lease_timeout(args.lease_timeout)
     if args.quarantine_timeout < 0:
         raise ConfigError(f"--quarantine-timeout {args.quarantine_timeout} must be 0 (never) or positive")
     if args.max_clients < 1:
@@ -142,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         insecure=args.insecure,
         tenants=args.tenants,
         max_clients=args.max_clients,
+        group=args.group,
     )
     if alignment is not None:
         cfg.alignment = alignment

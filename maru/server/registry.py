@@ -49,6 +49,10 @@ class Journal(Protocol):
 
     def remove(self, key: str) -> None: ...
 
+    def discard_puts(self, keys: list[str]) -> None:
+        """Forget puts of this request that were undone before they became durable."""
+        ...
+
 
 class NullJournal:
     """A journal that forgets (unit tests, or a server without persistence)."""
@@ -57,6 +61,9 @@ class NullJournal:
         pass
 
     def remove(self, key: str) -> None:
+        pass
+
+    def discard_puts(self, keys: list[str]) -> None:
         pass
 
 
@@ -196,6 +203,22 @@ class KeyRegistry:
         self._drop_reservation(r)
         self.alloc.free(r.offset)
         return True
+
+    def uncommit(self, client: ClientId, key: str, alloc_id: int) -> None:
+        """Undo ``commit(client, key, alloc_id)`` that returned STORED in the current request
+        (its change could not be made durable): the entry goes and the reservation is back, same
+        id, same extent. Precondition: nothing used the entry since (no pin, no eviction)."""
+        e = self._entries.pop(key)
+        del self._lru[key]
+        self._lru_bytes -= self.alloc.round_up(e.size)
+        self._touched.pop(key, None)
+        e.visible = False
+        self.counters.stores -= 1
+        self.counters.bytes_stored -= e.size
+        r = Reservation(alloc_id, client, e.offset, e.size)
+        self._reservations[alloc_id] = r
+        self._client_allocs.setdefault(client, set()).add(alloc_id)
+        self._reserved_bytes += self.alloc.round_up(e.size)
 
     # -- readers ------------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -34,7 +33,8 @@ from maru import protocol as P
 from maru.config import MaruConfig, format_size
 from maru.errors import ConfigError, MaruError, ProtocolError
 from maru.pool.allocator import ExtentAllocator
-from maru.pool.backing import PoolInfo, open_pool
+from maru.pool.backing import PoolInfo, open_pool, remove_created_pool
+from maru.pool.perms import FileAccess
 from maru.protocol import ErrorCode, Op
 from maru.server import validate as V
 from maru.server.auth import Caller, auth_from_config
@@ -42,7 +42,7 @@ from maru.server.leases import LeaseTable
 from maru.server.locks import FileLock
 from maru.server.quarantine import QuarantineBook
 from maru.server.registry import KeyRegistry
-from maru.server.state import TICK_FLUSH_S, StateStore
+from maru.server.state import TICK_FLUSH_S, StateStore, StateWriteError
 from maru.server.stats import ServerStats, start_metrics_server
 from maru.server.tenants import OpenAccess, TenantAccess
 
@@ -99,6 +99,9 @@ class MaruServer:
         }
         # Ops that act on a client's reservations or pins need a live lease.
         self._needs_lease = {Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN}
+        # Ops that may change the committed set: refused up front while the state is unwritable.
+        # (RESERVE may evict; a reservation is volatile, but its COMMIT would be refused anyway.)
+        self._writes = {Op.RESERVE, Op.COMMIT, Op.DELETE}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -126,7 +129,14 @@ class MaruServer:
                         "pick another --metrics-port"
                     ) from None
         except BaseException:
+            # A failed start removes what it created (a new pool file, a new state dir), never
+            # anything that existed before.
+            pool, state = getattr(self, "pool", None), getattr(self, "state", None)
             self.close()
+            if state is not None:
+                state.remove_created()
+            if pool is not None:
+                remove_created_pool(pool)
             raise
 
     def _bind(self) -> None:
@@ -153,10 +163,12 @@ class MaruServer:
     def _open_pool_and_state(self) -> None:
         cfg = self.cfg
         path = cfg.resolved_pool_path()
-        self.pool = pool = open_pool(path, self._requested_size, self._requested_alignment, cfg.sysfs_root)
+        access = FileAccess.for_group(cfg.group)
+        self.pool = pool = open_pool(
+            path, self._requested_size, self._requested_alignment, cfg.sysfs_root, access=access
+        )
         self._locks.append(FileLock(pool.path, "pool"))
-        self.state = StateStore(cfg.state_dir)
-        self._locks.append(FileLock(str(Path(cfg.state_dir) / "maru-state.lock"), "state"))
+        self.state = StateStore(cfg.state_dir, access)  # takes the state dir's lock
         self.state.bind_pool(pool)
         max_obj = cfg.max_object_size or pool.data_size
         if max_obj <= 0 or max_obj > pool.data_size:
@@ -308,8 +320,13 @@ class MaruServer:
             )
         for h, reason in self.quarantine.due():
             self._release_quarantine(h.lease.client, reason)
-        if gone:
-            self._flush()
+        if gone and self.state.writable:
+            try:
+                self._flush()
+            except V.Reject:
+                pass  # buffered; ``state.recover`` writes it (writes are refused meanwhile)
+        if not self.state.writable:
+            self.state.recover()  # writes what waits, once space returns (logs when it does)
 
     def _release_quarantine(self, client: Any, reason: str) -> None:
         size, freed, released = self.registry.release_quarantine(client)
@@ -326,15 +343,27 @@ class MaruServer:
         )
 
     def _flush_ticks(self) -> None:
+        if not self.state.writable:
+            return  # kept in the registry until the state takes writes again
         try:
             self.state.write_ticks(self.registry.take_touched())
+            self.state.maintain()
+        except StateWriteError:
+            self.stats.add("state_write_errors")
         except Exception:
             log.exception("writing LRU ticks to %s failed", self.state.path)
 
     def _flush(self) -> None:
-        if self.state.dirty:
+        """Make this request's changes durable; a failed write refuses the request (the caller
+        undoes what it can; what it cannot stays buffered and is written by ``state.recover``)."""
+        if not self.state.dirty:
+            return
+        try:
             self.state.flush()
-            self.stats.add("sql_transactions")
+        except StateWriteError as e:
+            self.stats.add("state_write_errors")
+            raise V.Reject(ErrorCode.STATE_UNWRITABLE, str(e)) from None
+        self.stats.add("sql_transactions")
 
     # -- one message --------------------------------------------------------------------------
 
@@ -415,8 +444,13 @@ class MaruServer:
                 )
         elif op != Op.HEARTBEAT:
             self.leases.renew(client)
+        state = self.state
+        if op in self._writes and not state.writable:
+            raise V.Reject(ErrorCode.STATE_UNWRITABLE, state.unwritable_message())
+        changes = state.changes
         reply = handler(client, body)
-        self._flush()  # durable before the client hears "stored"
+        if state.changes != changes:
+            self._flush()  # durable before the client hears "stored"
         return reply
 
     # -- handlers (validate everything first, then act) ----------------------------------------
@@ -487,6 +521,17 @@ class MaruServer:
         for s in sizes:
             r = reg.reserve(client, s)
             allocs.append(None if r is None else [r.alloc_id, r.offset, r.size])
+        try:
+            self._flush()  # evictions must be durable before their space goes to a writer
+        except V.Reject as e:
+            # The evicted entries stay evicted in memory and their removal stays buffered; until it
+            # is written no RESERVE is admitted, so no writer touches their bytes (a crash before
+            # then brings them back intact).
+            for a in allocs:
+                if a is not None:
+                    reg.abort(client, a[0])
+            self._count_evictions(before)
+            raise V.Reject(e.code, f"nothing was reserved: {e.message}") from None
         failures = allocs.count(None)
         self.stats.add("reserves", len(sizes) - failures)
         self.stats.add("reserve_failures", failures)
@@ -517,20 +562,56 @@ class MaruServer:
                 raise V.Reject(
                     ErrorCode.BAD_REQUEST, f"checksum {c!r:.40} must be an unsigned 64-bit int or nil"
                 )
-        reg = self.registry
-        results = []
+        results = self._commit_durably(client, items, checksums)
         add = self.stats.add
-        for (key, alloc_id), checksum in zip(items, checksums, strict=True):
-            r = reg.commit(client, key, alloc_id, checksum)
-            results.append(r.value)
+        for (key, _), r in zip(items, results, strict=True):
             if r is P.CommitResult.STORED:
                 add("stores")
-                add("bytes_stored", reg.peek(key).size)  # type: ignore[union-attr]
+                add("bytes_stored", self.registry.peek(key).size)  # type: ignore[union-attr]
             elif r is P.CommitResult.PRESENT:
                 add("duplicates")
             else:
                 add("unknown_allocs")
-        return P.ok(results=results)
+        return P.ok(results=[r.value for r in results])
+
+    def _commit_durably(
+        self, client: Any, items: list[list[Any]], checksums: list[int | None]
+    ) -> list[P.CommitResult]:
+        """Commit ``items`` all or nothing: either every STORED is durable, or nothing changed.
+
+        Items that will store (key not visible) go first and are flushed; items that find their
+        key present (or reuse an alloc id of such an item) free their space and write nothing, so
+        they run only after the flush. If the flush fails, the stored ones are undone (entries
+        gone, reservations back) and the request is refused: a refused COMMIT is never applied.
+        Results are the same as committing the items one by one in order.
+        """
+        reg = self.registry
+        results: list[P.CommitResult | None] = [None] * len(items)
+        later: list[int] = []
+        later_allocs: set[int] = set()
+        stored: list[int] = []
+        for i, (key, alloc_id) in enumerate(items):
+            if alloc_id in later_allocs or reg.peek(key) is not None:
+                later.append(i)
+                later_allocs.add(alloc_id)
+                continue
+            r = results[i] = reg.commit(client, key, alloc_id, checksums[i])
+            if r is P.CommitResult.STORED:
+                stored.append(i)
+        try:
+            self._flush()
+        except V.Reject as e:
+            for i in reversed(stored):
+                reg.uncommit(client, items[i][0], items[i][1])
+            reg.journal.discard_puts([items[i][0] for i in stored])  # through tenant usage, if any
+            raise V.Reject(
+                e.code,
+                f"nothing of this COMMIT was stored and its reservations are still yours (commit them "
+                f"again later, or abort them): {e.message}",
+            ) from None
+        for i in later:
+            results[i] = reg.commit(client, items[i][0], items[i][1], checksums[i])
+        return results  # type: ignore[return-value]
 
     def _abort(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         ids = V.list_field(body, "alloc_ids")
@@ -597,6 +678,14 @@ class MaruServer:
         keys = V.keys_field(body)
         deleted = [self.registry.delete(k) for k in keys]
         self.stats.add("deletes", sum(deleted))
+        try:
+            self._flush()
+        except V.Reject as e:
+            raise V.Reject(
+                e.code,
+                f"the keys are hidden now, but their removal is not durable yet (it is written once the "
+                f"state takes writes; a crash before then brings them back): {e.message}",
+            ) from None
         return P.ok(deleted=deleted)
 
     def _heartbeat(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -698,6 +787,12 @@ class MaruServer:
             "quarantined_bytes": u["quarantined"],
             "quarantined_extents": u["quarantined_extents"],
             "quarantined_clients": len(self.quarantine),
+            "state_writable": int(self.state.writable),
+        }
+        snap["state"] = {  # (the Prometheus thread may read this while the loop runs: plain values)
+            "path": str(self.state.path),
+            "writable": self.state.writable,
+            "error": self.state.error,
         }
         p = self.pool
         snap.update(

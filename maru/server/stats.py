@@ -46,6 +46,7 @@ COUNTER_NAMES = (
     "integrity_deletes",  # ... of those, entries deleted so the key can be stored again
     "malformed_frames",  # frames too short for a header, or with a broken envelope (no reply)
     "sql_transactions",
+    "state_write_errors",  # writes the state database refused (disk full, I/O error)
 )
 
 

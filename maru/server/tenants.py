@@ -85,15 +85,24 @@ class _UsageJournal:
             self._sizes[key] = size
 
     def __getattr__(self, name: str) -> Any:
-        # Everything but the two calls that change usage goes to the real journal unchanged.
+        # Everything but the calls that change usage goes to the real journal unchanged.
         return getattr(self._inner, name)
 
     def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
         self._inner.put(key, offset, size, tick, checksum)
         self.count(key, size)
 
+    def discard_puts(self, keys: list[str]) -> None:
+        # Undone commits (the state disk refused them) no longer count against their namespace.
+        self._inner.discard_puts(keys)
+        for key in keys:
+            self._uncount(key)
+
     def remove(self, key: str) -> None:
         self._inner.remove(key)
+        self._uncount(key)
+
+    def _uncount(self, key: str) -> None:
         size = self._sizes.pop(key, None)
         if size is not None:
             u = self._usage[namespace_of(key)]

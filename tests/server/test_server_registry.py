@@ -270,3 +270,16 @@ def test_random_operations_keep_every_invariant() -> None:
     reg.alloc.check()
     assert reg.alloc.used_bytes == 0 and reg.alloc.largest_free == reg.alloc.capacity
     assert deleted_pinned > 0 and reg.counters.evictions > 0  # it exercised delete-while-pinned and eviction
+
+
+def test_uncommit_gives_the_reservation_back_and_hides_the_key() -> None:
+    reg = make()
+    r = reg.reserve("w", 100)
+    used, reserved = reg.alloc.used_bytes, reg.reserved_bytes
+    assert reg.commit("w", "k", r.alloc_id) is CommitResult.STORED
+    reg.uncommit("w", "k", r.alloc_id)
+    assert not reg.exists("k") and reg.entries == 0 and reg.evictable_bytes == 0 and reg.counters.stores == 0
+    assert (reg.alloc.used_bytes, reg.reserved_bytes, reg.reservations) == (used, reserved, 1)
+    assert reg.commit("x", "k", r.alloc_id) is CommitResult.UNKNOWN_ALLOC  # still w's, not anyone's
+    assert reg.commit("w", "k", r.alloc_id) is CommitResult.STORED  # the same reservation commits again
+    assert reg.lookup("k").offset == r.offset
