@@ -178,9 +178,14 @@ def pinned_h2d_gbps() -> float | None:
 
 
 def pool_size(setup: Setup) -> int:
-    """Room for the largest workload's KV twice over, capped by what /dev/shm has free (80%)."""
+    """Room for the largest workload's KV and a quarter more, capped by what /dev/shm has free (80%).
+
+    Each workload is stored and loaded back before the next one is stored, so older prompts can
+    be evicted (least recently used first); the server's eviction count is reported. A smaller
+    pool also registers with CUDA faster (about 1.8 GiB/s, in every engine).
+    """
     largest = max(w.batch * w.tokens for w in setup.workloads) * setup.model.kv_bytes_per_token()
-    want = max(2 * largest + GiB // 4, 256 << 20)
+    want = max(largest * 5 // 4 + GiB // 4, 256 << 20)
     free = shutil.disk_usage("/dev/shm").free
     return int(min(want, free * 0.8)) // (1 << 20) << 20
 
@@ -348,7 +353,12 @@ def summarize(res: dict, setup: Setup) -> dict[str, Any]:
         row["cold"] = med([r["cold_s"] for r in none])
         row["hit"] = med([r["hit_s"] for r in none])
         for store_mode in ("sync store", "write-behind"):
-            xs = [r["store_s"] for n, m in STORE_MODE.items() if m == store_mode for r in off.get(n, {}).get(wl.name, [])]
+            xs = [
+                r["store_s"]
+                for n, m in STORE_MODE.items()
+                if m == store_mode
+                for r in off.get(n, {}).get(wl.name, [])
+            ]
             row[store_mode] = med(xs)
         for n, mode in LOAD_MODE.items():
             rs = off.get(n, {}).get(wl.name, [])
@@ -461,14 +471,18 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
     if a.workloads:
-        setup = Setup(**{**setup.__dict__, "workloads": tuple(w for w in setup.workloads if w.name in a.workloads)})
+        setup = Setup(
+            **{**setup.__dict__, "workloads": tuple(w for w in setup.workloads if w.name in a.workloads)}
+        )
     if a.reps:
         setup = Setup(**{**setup.__dict__, "reps": a.reps})
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(a.log_dir or out / "logs")
     res: dict[str, Any] = {"env": {}, "offline": {}, "api": {"passes": [], "errors": []}, "errors": []}
-    res["setup"] = {k: (v if not isinstance(v, tuple) else [w.__dict__ for w in v]) for k, v in setup.__dict__.items()}
+    res["setup"] = {
+        k: (v if not isinstance(v, tuple) else [w.__dict__ for w in v]) for k, v in setup.__dict__.items()
+    }
     res["setup"]["model"] = setup.model.__dict__
 
     import torch
@@ -500,13 +514,19 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Engine] = {}
     servers: dict[str, ApiServer] = {}
     prompts = {
-        (w.name, rep): [random_prompt(w.tokens, 1000 * rep + 10 * i + w.tokens, setup.model.vocab) for i in range(w.batch)]
+        (w.name, rep): [
+            random_prompt(w.tokens, 1000 * rep + 10 * i + w.tokens, setup.model.vocab) for i in range(w.batch)
+        ]
         for w in setup.workloads
         for rep in range(setup.reps)
     }
     try:
         for name in a.engines:
-            kv = None if OFFLINE[name] is None else maru_kv_config(maru_extra(srv.url, setup, name, OFFLINE[name]))
+            kv = (
+                None
+                if OFFLINE[name] is None
+                else maru_kv_config(maru_extra(srv.url, setup, name, OFFLINE[name]))
+            )
             spec = engine_spec(setup, model, kv, setup.kv_cache_bytes)
             engines[name] = Engine(name, spec, logs / f"engine-{name}.log").start()
         if not a.no_api:
@@ -532,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
             (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
         if servers:
             run_api(servers, setup, res)
+    except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured
+        res["errors"].append("interrupted (time budget)")
+        log("interrupted: summarizing what was measured")
     finally:
         for e in engines.values():
             e.close()
@@ -548,7 +571,9 @@ def main(argv: list[str] | None = None) -> int:
 
     res["summary"] = summarize(res, setup)
     st = res.get("server_stats", {})
-    evictions = st.get("evictions", st.get("counters", {}).get("evictions") if isinstance(st.get("counters"), dict) else None)
+    evictions = st.get(
+        "evictions", st.get("counters", {}).get("evictions") if isinstance(st.get("counters"), dict) else None
+    )
     res["evictions"] = evictions
     md = markdown(res, setup)
     (out / "gpu_vllm_e2e.md").write_text(md + "\n")

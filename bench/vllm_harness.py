@@ -143,6 +143,9 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec) -> Path:
             t = (torch.randn(shape, generator=gen, device=dev) * spec.weight_std).to(dtype).cpu()
         tensors[name] = t
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    if dev == "cuda":
+        torch.cuda.empty_cache()  # the engines started next need the memory
     marker.write_text(json.dumps(asdict(spec), sort_keys=True))
     return out
 
@@ -357,7 +360,9 @@ class Engine:
         try:
             msg = self._q.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"engine {self.name}: no answer in {timeout:.0f} s (log {self.log_path})") from None
+            raise TimeoutError(
+                f"engine {self.name}: no answer in {timeout:.0f} s (log {self.log_path})"
+            ) from None
         if msg is None:
             raise RuntimeError(f"engine {self.name} exited (log {self.log_path}):\n{tail(self.log_path)}")
         return msg
@@ -378,7 +383,9 @@ class Engine:
         return r
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None) -> dict:
-        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs})
+        return self.call(
+            {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}
+        )
 
     def settle(self, timeout_s: float = 60.0) -> dict[str, Any]:
         return self.call({"op": "settle", "timeout_s": timeout_s}, timeout=timeout_s + 30)
@@ -561,5 +568,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child_main(sys.argv[2])
     else:
-        print("usage: python bench/vllm_harness.py --child '<engine json>' (started by Engine)", file=sys.stderr)
+        print(
+            "usage: python bench/vllm_harness.py --child '<engine json>' (started by Engine)", file=sys.stderr
+        )
         raise SystemExit(2)
