@@ -202,7 +202,7 @@ def _build_llm(spec: dict[str, Any]) -> Any:
         "max_num_batched_tokens": int(spec["max_num_batched_tokens"]),
         "enable_chunked_prefill": True,
     }
-    for k in ("gpu_memory_utilization", "max_num_seqs"):
+    for k in ("gpu_memory_utilization", "max_num_seqs", "async_scheduling"):
         if spec.get(k) is not None:
             kw[k] = spec[k]
     if spec.get("kv_transfer_config"):

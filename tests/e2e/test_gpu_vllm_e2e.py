@@ -59,7 +59,9 @@ MAX_TOKENS = 8
 V = MODEL.vocab
 X = [random_prompt(1500, 100 + i, V) for i in range(4)]  # loaded as a batch of four hits
 Y = [random_prompt(1200, 200 + i, V) for i in range(4)]  # stored write-behind by B-overlap
-E1, E2 = random_prompt(1000, 301, V), random_prompt(1000, 302, V)  # a chunk evicted before the load
+# A chunk evicted before the load: E1 under a sync load, E2 an async load, E3 a sync load with
+# vLLM's asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
+E1, E2, E3 = (random_prompt(1000, 301 + i, V) for i in range(3))
 P = [random_prompt(1000, 400 + i, V) for i in range(2)]  # preempted under write-behind
 P_TOKENS = 400
 
@@ -158,6 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     specs = {
         "A": ({**base, "kv_transfer_config": kv({})}, {}),
         "B-sync": ({**base, "kv_transfer_config": kv({}, **evict)}, {}),
+        "B-sync-plain": ({**base, "async_scheduling": False, "kv_transfer_config": kv({}, **evict)}, {}),
         "B-async": ({**base, "kv_transfer_config": kv({"maru_async_load": True}, **evict)}, {}),
         "B-overlap": (
             {
@@ -190,9 +193,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         a, bs, ba, bo, p = (eng[n] for n in ("A", "B-sync", "B-async", "B-overlap", "P"))
         stage("A-X", lambda: _gen(a, X))
         stage("A-X-hit", lambda: _gen(a, X))
-        stage("A-E", lambda: _gen(a, [E1, E2]))
+        stage("A-E", lambda: _gen(a, [E1, E2, E3]))
         stage("Bsync-X", lambda: _gen(bs, X))
         stage("Bsync-E1", lambda: evicted(bs, E1))
+        stage("Bplain-E3", lambda: evicted(eng["B-sync-plain"], E3))
         stage("Basync-X", lambda: _gen(ba, X))
         stage("Basync-E2", lambda: evicted(ba, E2))
         stage("Bovl-X", lambda: _gen(bo, X))
@@ -241,7 +245,7 @@ def test_prompts_stored_write_behind_load_in_another_instance(runs: Runs) -> Non
     _assert_same(r, runs.need("Bovl-Y-hit"))
 
 
-@pytest.mark.parametrize("engine,prompt_index", [("Bsync", 0), ("Basync", 1)])
+@pytest.mark.parametrize("engine,prompt_index", [("Bsync", 0), ("Basync", 1), ("Bplain", 2)])
 def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(
     runs: Runs, engine: str, prompt_index: int
 ) -> None:
