@@ -1,16 +1,16 @@
 """MaruKVConnector end to end on a GPU with real vLLM: A stores, B loads, the output stays the same.
 
 The model has Llama-3-8B's KV geometry (32 layers, 8 KV heads of 128, bf16, block 16), random
-weights, generated locally (``bench/vllm_harness.py``). One real ``maru server``; five vLLM
+weights, generated locally (``bench/vllm_harness.py``). One real ``maru server``; six vLLM
 engines, each in its own process, started together (start-up overlaps) and driven in turn:
 
 - A (Maru, synchronous store): computes a batch X of four prompts together, then X again
-  (vLLM's own prefix hit: the reference for a warm run's numerics), and two eviction prompts;
+  (vLLM's own prefix hit: the reference for a warm run's numerics), and three eviction prompts;
 - B-sync, B-async (``maru_async_load``), B-overlap (``maru_overlap_load_with_compute``, with
-  write-behind store): each loads X as a batch of concurrent hits. B-sync and B-async then
-  meet a chunk evicted between the scheduler's lookup and the load (a connector subclass deletes
-  it at ``start_load_kv``); B-overlap computes a batch Y and stores it write-behind, and B-sync
-  loads Y;
+  write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
+  B-sync-plain (vLLM's asynchronous scheduling off) meet a chunk evicted between the scheduler's
+  lookup and the load (a connector subclass deletes it at ``start_load_kv``); B-overlap computes
+  a batch Y and stores it write-behind, and B-sync loads Y;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
