@@ -1,0 +1,598 @@
+"""Real vLLM with MaruKVConnector: TTFT cold, cold while storing, warm from Maru, vLLM's own prefix hit.
+
+    python3 bench/gpu_vllm_e2e.py [--out DIR]          # H200: Llama-3-8B KV geometry, ~6 minutes
+    python bench/gpu_vllm_e2e.py --tiny [--out DIR]    # vLLM's CPU build, tiny model (harness check)
+
+One ``maru server`` (pool in /dev/shm) and every vLLM instance in its own process, all started at
+once (start-up overlaps) and then measured one after the other (an idle in-process engine uses
+no GPU time). The model is generated locally (``bench/vllm_harness.py``). Maru is used only
+through vLLM's kv-transfer config.
+
+Offline engines (``vllm.LLM``, eager, block 16, chunked prefill of 16384 tokens), per workload
+and repetition (fresh random prompts, the same for every engine):
+
+- ``none`` (no connector): cold TTFT, then the same prompts again: vLLM's own prefix-cache hit.
+- ``sync`` / ``async`` / ``overlap`` (Maru; store sync / write-behind / write-behind; load
+  sync / ``maru_async_load`` / ``maru_overlap_load_with_compute``): cold TTFT while storing;
+  then vLLM's prefix cache is reset (which also waits for write-behind stores to publish) and
+  the same prompts run again: warm from Maru. Each engine has its own ``maru_namespace``, so
+  each stores for itself.
+
+TTFT is the wall time of ``LLM.generate(prompts, max_tokens=1)`` for the whole batch (all
+prompts submitted together). Load GB/s is the worker's ``bytes_loaded / load_seconds`` over the
+warm runs, shown against pinned host-to-device bandwidth measured in the same process.
+"Outputs" compares each warm first token (greedy) with vLLM's own prefix hit of the same
+prompts in the ``none`` engine (see ``vllm_harness.same_greedy``).
+
+Multi-round (``python -m vllm.entrypoints.openai.api_server``, vLLM's default multi-process
+mode): U users x R rounds sharing an S-token system prompt; round r of a user extends round
+r-1 by a synthetic answer and a new question; a round's requests are sent together, streaming;
+TTFT p50/p95 over all requests. Servers: ``api-none`` (pass 1: a cold instance, vLLM's own
+prefix cache within the pass; pass 2 the same requests again: all local hits), ``api-store``
+(pass 1 with Maru storing, write-behind) and ``api-load`` (a second instance: the same pass,
+loading from Maru).
+
+Writes ``gpu_vllm_e2e.json`` (every sample), ``gpu_vllm_e2e.md`` (the tables) and
+``gpu_vllm_e2e.png`` (when matplotlib is there) to ``--out``; engine logs to ``--log-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.vllm_harness import (  # noqa: E402
+    GPU_MODEL,
+    TINY_MODEL,
+    ApiServer,
+    Engine,
+    ModelSpec,
+    delta,
+    make_model,
+    maru_kv_config,
+    random_prompt,
+    same_greedy,
+    stream_ttft,
+)
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    batch: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything that differs between the H200 run and the CPU harness check."""
+
+    model: ModelSpec
+    workloads: tuple[Workload, ...]
+    reps: int
+    block_size: int
+    batched_tokens: int
+    kv_cache_bytes: int
+    api_kv_cache_bytes: int
+    gpu_mem_util: float | None
+    chunk_tokens: int
+    users: int
+    rounds: int
+    system_tokens: int
+    turn_tokens: int
+    api_max_tokens: int
+    warmup_tokens: int
+
+
+GPU_SETUP = Setup(
+    model=GPU_MODEL,
+    workloads=(
+        Workload("1x4k", 1, 4096),
+        Workload("1x16k", 1, 16384),
+        Workload("1x32k", 1, 32768),
+        Workload("8x4k", 8, 4096),
+        Workload("4x16k", 4, 16384),
+    ),
+    reps=3,
+    block_size=16,
+    batched_tokens=16384,
+    kv_cache_bytes=10 * GiB,
+    api_kv_cache_bytes=4 * GiB,
+    gpu_mem_util=0.1,  # only vLLM's start-up check; kv_cache_memory_bytes sizes the cache
+    chunk_tokens=256,
+    users=16,
+    rounds=3,
+    system_tokens=2048,
+    turn_tokens=128,
+    api_max_tokens=16,
+    warmup_tokens=1024,
+)
+TINY_SETUP = Setup(
+    model=TINY_MODEL,
+    workloads=(Workload("1x512", 1, 512), Workload("1x1k", 1, 1024), Workload("4x512", 4, 512)),
+    reps=1,
+    block_size=32,
+    batched_tokens=2048,
+    kv_cache_bytes=128 << 20,
+    api_kv_cache_bytes=64 << 20,
+    gpu_mem_util=None,
+    chunk_tokens=64,
+    users=3,
+    rounds=2,
+    system_tokens=128,
+    turn_tokens=32,
+    api_max_tokens=4,
+    warmup_tokens=128,
+)
+
+# Offline engines: name -> Maru extra config (None: no connector).
+OFFLINE: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "sync": {},
+    "async": {"maru_async_store": True, "maru_async_load": True},
+    "overlap": {"maru_async_store": True, "maru_overlap_load_with_compute": True},
+}
+STORE_MODE = {"sync": "sync store", "async": "write-behind", "overlap": "write-behind"}
+LOAD_MODE = {"sync": "sync load", "async": "async load", "overlap": "layer overlap"}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pinned_h2d_gbps() -> float | None:
+    """Pinned host-to-device copy bandwidth (1 GiB, best of 5), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, GiB / (time.perf_counter() - t) / 1e9)
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
+def pool_size(setup: Setup) -> int:
+    """Room for the largest workload's KV and a quarter more, capped by what /dev/shm has free (80%).
+
+    Each workload is stored and loaded back before the next one is stored, so older prompts can
+    be evicted (least recently used first); the server's eviction count is reported. A smaller
+    pool also registers with CUDA faster (about 1.8 GiB/s, in every engine).
+    """
+    largest = max(w.batch * w.tokens for w in setup.workloads) * setup.model.kv_bytes_per_token()
+    want = max(largest * 5 // 4 + GiB // 4, 256 << 20)
+    free = shutil.disk_usage("/dev/shm").free
+    return int(min(want, free * 0.8)) // (1 << 20) << 20
+
+
+def engine_spec(setup: Setup, model: str, kv: dict | None, kv_bytes: int) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": model,
+        "dtype": setup.model.dtype,
+        "block_size": setup.block_size,
+        "max_model_len": max(w.tokens for w in setup.workloads) + 256,
+        "kv_cache_memory_bytes": kv_bytes,
+        "max_num_batched_tokens": setup.batched_tokens,
+        "gpu_memory_utilization": setup.gpu_mem_util,
+    }
+    if kv is not None:
+        spec["kv_transfer_config"] = kv
+    return spec
+
+
+def maru_extra(url: str, setup: Setup, namespace: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "maru_server_url": url,
+        "maru_kv_chunk_tokens": setup.chunk_tokens,
+        "maru_namespace": namespace,
+        "maru_log_timing": True,
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------------------- offline runs
+def run_offline(name: str, eng: Engine, setup: Setup, prompts: dict, res: dict) -> None:
+    """Every workload on one engine; samples go to ``res['offline'][name]`` as they come."""
+    maru = OFFLINE[name] is not None
+    out: dict[str, Any] = res["offline"].setdefault(name, {"startup_s": eng.ready.get("startup_s")})
+    warm = random_prompt(setup.warmup_tokens, 99, setup.model.vocab)
+    eng.generate([warm])
+    if maru:  # exercise this engine's load path once before timing it
+        eng.settle()
+        eng.generate([warm])
+    eng.settle()
+    for wl in setup.workloads:
+        rows = out.setdefault(wl.name, [])
+        for rep in range(setup.reps):
+            ps = prompts[(wl.name, rep)]
+            s: dict[str, Any] = {"rep": rep}
+            if not maru:
+                c = eng.generate(ps, logprobs=5)
+                h = eng.generate(ps, logprobs=5)
+                s.update(cold_s=c["seconds"], hit_s=h["seconds"], hit_cached=h["cached"])
+                s.update(cold_out=[c["tokens"], c["logprobs"]], hit_out=[h["tokens"], h["logprobs"]])
+                eng.settle()
+                log(f"{name:8} {wl.name:6} rep {rep}: cold {c['seconds'] * 1e3:8.1f} ms  "
+                    f"prefix hit {h['seconds'] * 1e3:7.1f} ms ({sum(h['cached'])} cached)")  # fmt: skip
+            else:
+                s0 = eng.stats()
+                c = eng.generate(ps, logprobs=5)
+                st = eng.settle()  # write-behind: waits until the stores are published
+                s1 = eng.stats()
+                w = eng.generate(ps, logprobs=5)
+                s2 = eng.stats()
+                eng.settle()
+                ld, sd = delta(s2, s1), delta(s1, s0)
+                s.update(store_s=c["seconds"], warm_s=w["seconds"], warm_cached=w["cached"], settle=st)
+                s.update(store_out=[c["tokens"], c["logprobs"]], warm_out=[w["tokens"], w["logprobs"]])
+                s.update(load=ld, store=sd)
+                gbps = ld.get("bytes_loaded", 0) / max(ld.get("load_seconds", 0), 1e-9) / 1e9
+                log(f"{name:8} {wl.name:6} rep {rep}: cold+store {c['seconds'] * 1e3:8.1f} ms  "
+                    f"warm {w['seconds'] * 1e3:7.1f} ms ({int(ld.get('tokens_loaded', 0))} tokens loaded, "
+                    f"{gbps:.1f} GB/s, {int(ld.get('load_errors', 0))} errors; "
+                    f"stored {int(sd.get('chunks_stored', 0))} chunks, settle {st['seconds'] * 1e3:.0f} ms)")  # fmt: skip
+            rows.append(s)
+    out["final_stats"] = eng.stats()
+
+
+# -------------------------------------------------------------------------------- multi-round API
+def conversation(setup: Setup, user: int, rnd: int, system: list[int]) -> list[int]:
+    """User ``user``'s prompt in round ``rnd``: system prompt, then questions and synthetic answers."""
+    p = list(system)
+    for r in range(rnd + 1):
+        p += random_prompt(setup.turn_tokens, 10_000 + 100 * user + 2 * r, setup.model.vocab)
+        if r < rnd:
+            p += random_prompt(setup.turn_tokens, 10_001 + 100 * user + 2 * r, setup.model.vocab)
+    return p
+
+
+def api_pass(port: int, setup: Setup, system: list[int]) -> list[dict[str, Any]]:
+    """All rounds, each round's requests concurrently; returns one record per request."""
+    recs = []
+    with ThreadPoolExecutor(max_workers=setup.users) as ex:
+        for rnd in range(setup.rounds):
+            ps = [conversation(setup, u, rnd, system) for u in range(setup.users)]
+            for u, r in enumerate(ex.map(lambda p: stream_ttft(port, p, setup.api_max_tokens), ps)):
+                recs.append({"round": rnd, "user": u, "prompt_tokens": len(ps[u]), **r})
+    return recs
+
+
+def loaded_tokens_in_log(path: Path) -> int:
+    pat = re.compile(r"Maru timing: load \d+ req (\d+) tokens")
+    try:
+        return sum(int(m.group(1)) for m in pat.finditer(path.read_text(errors="replace")))
+    except OSError:
+        return 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict) -> None:
+    system = random_prompt(setup.system_tokens, 5555, setup.model.vocab)
+    out = res["api"]
+    passes = (("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
+              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)"))  # fmt: skip
+    for key, label in passes:
+        srv = servers.get(key)
+        if srv is None:
+            continue
+        try:
+            srv.wait_ready(timeout=300)
+            before = loaded_tokens_in_log(srv.log_path)
+            recs = api_pass(srv.port, setup, system)
+            if key == "store":
+                time.sleep(2.0)  # let the last write-behind stores publish before the next instance
+            ttft = [r["ttft"] for r in recs]
+            row = {"label": label, "server": key, "n": len(recs), "p50_s": pct(ttft, 0.5),
+                   "p95_s": pct(ttft, 0.95), "mean_s": statistics.mean(ttft),
+                   "tokens_loaded": loaded_tokens_in_log(srv.log_path) - before,
+                   "texts": [r["text"] for r in recs], "records": recs}  # fmt: skip
+            out["passes"].append(row)
+            log(f"api {label:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
+                f"({row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
+        except Exception as e:
+            out["errors"].append(f"{label}: {e!r}")
+            log(f"api {label}: FAILED {e!r}")
+
+
+# -------------------------------------------------------------------------------------- summary
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def compare_outputs(res: dict, name: str, wl: str) -> dict[str, int]:
+    """Warm first tokens of engine ``name`` against vLLM's prefix hit (and cold) of the same prompts."""
+    counts = {"identical": 0, "close": 0, "different": 0, "same_as_cold": 0, "n": 0}
+    ref_rows = {r["rep"]: r for r in res["offline"].get("none", {}).get(wl, [])}
+    for r in res["offline"].get(name, {}).get(wl, []):
+        ref = ref_rows.get(r["rep"])
+        if ref is None:
+            continue
+        (wt, wl_), (ht, hl), (ct, _) = r["warm_out"], ref["hit_out"], ref["cold_out"]
+        for i in range(len(wt)):
+            counts[same_greedy(wt[i], wl_[i], ht[i], hl[i])] += 1
+            counts["same_as_cold"] += int(wt[i] == ct[i])
+            counts["n"] += 1
+    return counts
+
+
+def summarize(res: dict, setup: Setup) -> dict[str, Any]:
+    off, pinned = res["offline"], res.get("pinned_h2d_GBps")
+    rows = []
+    for wl in setup.workloads:
+        none = off.get("none", {}).get(wl.name, [])
+        row: dict[str, Any] = {"workload": wl.name, "tokens": wl.batch * wl.tokens}
+        row["cold"] = med([r["cold_s"] for r in none])
+        row["hit"] = med([r["hit_s"] for r in none])
+        for store_mode in ("sync store", "write-behind"):
+            xs = [
+                r["store_s"]
+                for n, m in STORE_MODE.items()
+                if m == store_mode
+                for r in off.get(n, {}).get(wl.name, [])
+            ]
+            row[store_mode] = med(xs)
+        for n, mode in LOAD_MODE.items():
+            rs = off.get(n, {}).get(wl.name, [])
+            row[mode] = med([r["warm_s"] for r in rs])
+            loaded = [r["load"].get("tokens_loaded", 0) for r in rs]
+            b = sum(r["load"].get("bytes_loaded", 0) for r in rs)
+            t = sum(r["load"].get("load_seconds", 0) for r in rs)
+            row[mode + " tokens"] = min(loaded) if loaded else None
+            row[mode + " errors"] = sum(r["load"].get("load_errors", 0) for r in rs)
+            row[mode + " GBps"] = b / t / 1e9 if t else None
+            row[mode + " outputs"] = compare_outputs(res, n, wl.name) if rs else None
+        row["pinned"] = pinned
+        rows.append(row)
+    return {"rows": rows}
+
+
+def fmt_ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f} ms"
+
+
+def fmt_rel(x: float | None, base: float | None) -> str:
+    return "" if x is None or not base else f" ({(x / base - 1) * 100:+.0f}%)"
+
+
+def markdown(res: dict, setup: Setup) -> str:
+    summ = res["summary"]
+    pinned = res.get("pinned_h2d_GBps")
+    lines = [
+        "| workload | cold, no connector | cold, Maru storing (sync) | cold, write-behind | warm, sync load "
+        "| warm, async load | warm, layer overlap | vLLM's own prefix hit | tokens loaded | load GB/s sync / async / overlap"
+        + (f" (% of pinned {pinned:.1f})" if pinned else "")
+        + " | outputs (identical+close / n) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in summ["rows"]:
+        gb = []
+        for m in LOAD_MODE.values():
+            g = r.get(m + " GBps")
+            gb.append("-" if g is None else (f"{g:.1f} ({g / pinned * 100:.0f}%)" if pinned else f"{g:.2f}"))
+        outs = []
+        for m in LOAD_MODE.values():
+            o = r.get(m + " outputs")
+            outs.append("-" if not o else f"{o['identical'] + o['close']}/{o['n']}")
+        errs = sum(r.get(m + " errors") or 0 for m in LOAD_MODE.values())
+        lines.append(
+            f"| {r['workload']} | {fmt_ms(r['cold'])} | {fmt_ms(r['sync store'])}{fmt_rel(r['sync store'], r['cold'])} "
+            f"| {fmt_ms(r['write-behind'])}{fmt_rel(r['write-behind'], r['cold'])} "
+            f"| {fmt_ms(r['sync load'])} | {fmt_ms(r['async load'])} | {fmt_ms(r['layer overlap'])} "
+            f"| {fmt_ms(r['hit'])} | {r.get('sync load tokens')}{f' ({errs} load errors)' if errs else ''} "
+            f"| {' / '.join(gb)} | {' / '.join(outs)} |"
+        )
+    api = res["api"]["passes"]
+    if api:
+        lines += [
+            "",
+            f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
+            f"prompt, {setup.turn_tokens}-token turns, OpenAI API server, streaming):",
+            "",
+            "| instance | requests | TTFT p50 | TTFT p95 | mean | tokens loaded from Maru |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for p in api:
+            lines.append(
+                f"| {p['label']} | {p['n']} | {fmt_ms(p['p50_s'])} | {fmt_ms(p['p95_s'])} "
+                f"| {fmt_ms(p['mean_s'])} | {p['tokens_loaded']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("no matplotlib: the PNG plot is skipped (pip install matplotlib)")
+        return False
+    rows = res["summary"]["rows"]
+    cols = [("cold", "cold, no connector"), ("sync store", "cold + Maru sync store"),
+            ("write-behind", "cold + write-behind"), ("sync load", "warm, sync load"),
+            ("async load", "warm, async load"), ("layer overlap", "warm, layer overlap"),
+            ("hit", "vLLM prefix hit")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(cols)
+    for j, (k, label) in enumerate(cols):
+        ys = [(r.get(k) or 0) * 1e3 for r in rows]
+        ax.bar([i + j * width for i in range(len(rows))], ys, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [r["workload"] for r in rows])
+    ax.set_ylabel("TTFT of the batch (ms)")
+    ax.set_title(f"vLLM + MaruKVConnector, {res['env'].get('device', '?')}, {res['env'].get('model', '')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# ----------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="vLLM's CPU build, tiny model, small prompts")
+    ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="h4-bench-"))
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--workloads", nargs="*", default=None, help="subset of workload names")
+    ap.add_argument("--engines", nargs="*", default=list(OFFLINE), choices=list(OFFLINE))
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-api", action="store_true", help="skip the multi-round API-server workload")
+    a = ap.parse_args(argv)
+
+    setup = TINY_SETUP if a.tiny else GPU_SETUP
+    if a.workloads:
+        setup = Setup(
+            **{**setup.__dict__, "workloads": tuple(w for w in setup.workloads if w.name in a.workloads)}
+        )
+    if a.reps:
+        setup = Setup(**{**setup.__dict__, "reps": a.reps})
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = Path(a.log_dir or out / "logs")
+    res: dict[str, Any] = {"env": {}, "offline": {}, "api": {"passes": [], "errors": []}, "errors": []}
+    res["setup"] = {
+        k: (v if not isinstance(v, tuple) else [w.__dict__ for w in v]) for k, v in setup.__dict__.items()
+    }
+    res["setup"]["model"] = setup.model.__dict__
+
+    import torch
+    import vllm
+
+    res["env"] = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "model": f"{setup.model.layers} layers, {setup.model.kv_heads} KV heads x {setup.model.head_size}, "
+        f"{setup.model.dtype}, hidden {setup.model.hidden}",
+    }
+    log(f"env: {res['env']}")
+    res["pinned_h2d_GBps"] = pinned_h2d_gbps()
+    log(f"pinned H2D: {res['pinned_h2d_GBps']}")
+    t = time.perf_counter()
+    model_dir = a.model_dir or str(Path(tempfile.gettempdir()) / f"h4-model-{'tiny' if a.tiny else 'l3kv'}")
+    model = str(make_model(model_dir, setup.model))
+    log(f"model at {model} ({time.perf_counter() - t:.1f} s)")
+
+    from tests.helpers import ServerProcess, free_port
+
+    psize = pool_size(setup)
+    srv = ServerProcess(logs, pool_size=psize, log_level="WARNING")
+    srv.start()
+    res["pool_bytes"] = psize
+    log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB in /dev/shm")
+
+    engines: dict[str, Engine] = {}
+    servers: dict[str, ApiServer] = {}
+    prompts = {
+        (w.name, rep): [
+            random_prompt(w.tokens, 1000 * rep + 10 * i + w.tokens, setup.model.vocab) for i in range(w.batch)
+        ]
+        for w in setup.workloads
+        for rep in range(setup.reps)
+    }
+    try:
+        for name in a.engines:
+            kv = (
+                None
+                if OFFLINE[name] is None
+                else maru_kv_config(maru_extra(srv.url, setup, name, OFFLINE[name]))
+            )
+            spec = engine_spec(setup, model, kv, setup.kv_cache_bytes)
+            engines[name] = Engine(name, spec, logs / f"engine-{name}.log").start()
+        if not a.no_api:
+            api_specs = {
+                "none": None,
+                "store": maru_kv_config(maru_extra(srv.url, setup, "api", {"maru_async_store": True})),
+                "load": maru_kv_config(maru_extra(srv.url, setup, "api", {})),
+            }
+            for key, kv in api_specs.items():
+                spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
+                spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256
+                servers[key] = ApiServer(f"api-{key}", spec, free_port(), logs / f"api-{key}.log").start()
+        for name, eng in engines.items():
+            try:
+                r = eng.wait_ready(timeout=600)
+                log(f"engine {name} ready ({r['startup_s']:.1f} s)")
+                run_offline(name, eng, setup, prompts, res)
+            except Exception as e:
+                res["errors"].append(f"engine {name}: {e!r}")
+                log(f"engine {name}: FAILED {e!r}\n{traceback.format_exc()}")
+            finally:
+                eng.close()  # frees its GPU memory for what follows
+            (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
+        if servers:
+            run_api(servers, setup, res)
+    except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured
+        res["errors"].append("interrupted (time budget)")
+        log("interrupted: summarizing what was measured")
+    finally:
+        for e in engines.values():
+            e.close()
+        for s in servers.values():
+            s.close()
+        try:
+            from maru.client import MaruHandler
+
+            with MaruHandler(srv.url, timeout_s=5) as h:
+                res["server_stats"] = h.stats()
+        except Exception as e:
+            res["server_stats"] = {"error": repr(e)}
+        srv.cleanup()
+
+    res["summary"] = summarize(res, setup)
+    st = res.get("server_stats", {})
+    evictions = st.get(
+        "evictions", st.get("counters", {}).get("evictions") if isinstance(st.get("counters"), dict) else None
+    )
+    res["evictions"] = evictions
+    md = markdown(res, setup)
+    (out / "gpu_vllm_e2e.md").write_text(md + "\n")
+    (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
+    plot(res, out / "gpu_vllm_e2e.png")
+    print()
+    print(f"== {res['env']['device']}, vLLM {res['env']['vllm']}, model: {res['env']['model']}; "
+          f"pool {psize / GiB:.1f} GiB, server evictions: {evictions}; errors: {res['errors'] + res['api']['errors']}")  # fmt: skip
+    print(md)
+    bad = [
+        (r["workload"], m)
+        for r in res["summary"]["rows"]
+        for m in LOAD_MODE.values()
+        if (r.get(m + " outputs") or {}).get("different")
+    ]
+    if bad:
+        print(f"OUTPUTS DIFFER (wrong KV?) in: {bad}")
+    return 1 if (bad or res["errors"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: vLLM 0.26 from the gpu-vllm bundle, the GPU end-to-end tests with real vLLM
+# (tests/e2e/test_gpu_vllm_e2e.py), then the benchmark (bench/gpu_vllm_e2e.py), its table last.
+# Results to $OUT: tests.log, bench.log, gpu_vllm_e2e.{json,md,png}, logs.tgz (every engine's log).
+# Before: the bundle pieces p0, p1 in /tmp/vp (earlier calls, see docs/gpu.md); p2, bundle.sha256
+# and install.sh in .vllmx/ (carried). Budgets (seconds): TESTS_S (default 200), BENCH_S (300).
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" || exit 1
+if [ ! -d /tmp/site/vllm ]; then
+  mkdir -p /tmp/vp && mv .vllmx/p2 .vllmx/bundle.sha256 /tmp/vp/ 2>/dev/null
+  bash .vllmx/install.sh || { echo "vLLM bundle install failed: $(ls /tmp/vp)"; exit 1; }
+fi
+export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+LOGS=/tmp/h4logs && mkdir -p "$LOGS"
+export MARU_GPU_E2E_LOG_DIR="$LOGS"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+df -h /dev/shm /tmp | tail -2
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+rc=0
+# SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
+timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
+  -W ignore::DeprecationWarning -m gpu tests/e2e/test_gpu_vllm_e2e.py 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
+[ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
+  2>&1 | tee "$OUT/bench.log" || rc=1
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+exit $rc
