@@ -29,6 +29,7 @@ is zero-padded, as in ``maru.checksum``). ``checksums`` of CPU tensors uses nump
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -253,3 +254,22 @@ def torch_checksum(t: torch.Tensor) -> int:
     x = x * _signed(K3)
     x = x ^ ((x >> 29) & ((1 << 35) - 1))
     return finalize(int(x.sum()), n)
+
+
+def to_host(acc: torch.Tensor | None) -> torch.Tensor | None:
+    """Queue the copy of device sums into a new pinned host tensor on the current stream."""
+    if acc is None:
+        return None
+    host = torch.empty(acc.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(acc, non_blocking=True)
+    return host
+
+
+def attach_host_checksums(handle: Any, objs: Sequence[torch.Tensor], wanted: bool) -> Any:
+    """Give a transfer that completed on the host (``kv_ops.Transfer``) the numpy checksums of
+    its host objects (``set_checksums``), when ``wanted``; returns the handle."""
+    if wanted:
+        sizes = [nbytes_of(o) for o in objs]
+        # finalize(raw, n) == raw ^ n: each checksum is stored as the raw sum that yields it.
+        handle.set_checksums([c ^ n for c, n in zip(checksums(objs), sizes, strict=True)], sizes)
+    return handle

@@ -277,7 +277,7 @@ class DevicePipeline(LayerPaths):
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.scatter(obj, self.caches, self.layout, s, backend=self.backend)
-                return _host_checksums(Transfer("load", "cpu-direct", nbytes), objs, checksums)
+                return ck.attach_host_checksums(Transfer("load", "cpu-direct", nbytes), objs, checksums)
             self._check_pinned(objs)
             return self._sync_path(objs, slots, nbytes, load=True, checksums=checksums)
 
@@ -302,7 +302,7 @@ class DevicePipeline(LayerPaths):
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.gather(self.caches, self.layout, s, backend=self.backend, out=obj)
-                return _host_checksums(Transfer("store", "cpu-direct", nbytes), objs, checksums)
+                return ck.attach_host_checksums(Transfer("store", "cpu-direct", nbytes), objs, checksums)
             self._check_pinned(objs)
             if pipelined:
                 return self._issue_store(objs, slots, nbytes, checksums)
@@ -335,7 +335,7 @@ class DevicePipeline(LayerPaths):
                 for i in range(self.num_layers):
                     for obj, s in self._per_chunk(objs, slots):
                         self._eager_layer(obj[i], i, s, placer)
-                return _host_checksums(LayerLoad(nbytes, None, None, None), objs, checksums)
+                return ck.attach_host_checksums(LayerLoad(nbytes, None, None, None), objs, checksums)
             self._check_pinned(objs)
             if checksums:
                 self._check_layer_checksums()
@@ -552,7 +552,7 @@ class DevicePipeline(LayerPaths):
                 sync.record(slot.free, place)
                 if k + ahead < n:
                     issue_copy(k + ahead)
-            sums = self._fetch_sums(acc)
+            sums = ck.to_host(acc)
         done = self._done_event()
         sync.record(done, place)
         handle = Transfer("load", "pipelined", nbytes, done, sync, (objs, slots, acc))
@@ -584,7 +584,7 @@ class DevicePipeline(LayerPaths):
                     # After ``ready``: the copy to the pool does not wait for it; the slot's next
                     # gather is queued behind it on this stream.
                     ck.accumulate(stage, acc, k)
-            sums = self._fetch_sums(acc)
+            sums = ck.to_host(acc)
             if sums is not None:
                 copy.wait_stream(place)  # done (recorded on the copy stream) covers the sums too
         done = self._done_event()
@@ -605,23 +605,6 @@ class DevicePipeline(LayerPaths):
             self._done_next = 0
         self._done_next = (self._done_next + 1) % len(self._done_events)
         return self._done_events[self._done_next]
-
-    def _fetch_sums(self, acc: torch.Tensor | None) -> torch.Tensor | None:
-        """Queue the copy of device checksum sums to a pinned host tensor on the current stream."""
-        if acc is None:
-            return None
-        host = torch.empty(acc.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(acc, non_blocking=True)
-        return host
-
-    def _check_layer_checksums(self) -> None:
-        from maru.kv_ops.triton_kernels import direct_checksum_ok
-
-        if not direct_checksum_ok(self.layout, self.esize):
-            raise ValueError(
-                f"layer loads with checksums need rows of whole 8-byte words; a row here is "
-                f"{self.layout.row_size} elements of {self.esize} bytes: load by chunk instead"
-            )
 
     def _sync_path(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool, checksums: bool
@@ -646,12 +629,3 @@ class DevicePipeline(LayerPaths):
             handle.set_checksums(acc.cpu(), [o.numel() * self.esize for o in objs])
         handle.issue_s = time.perf_counter() - t0
         return handle
-
-
-def _host_checksums(handle: Transfer, objs: list[torch.Tensor], checksums: bool) -> Transfer:
-    """Attach the checksums of host objects (numpy) to a transfer that completed on the host."""
-    if checksums:
-        sizes = [o.numel() * o.element_size() for o in objs]
-        # finalize(raw, n) == raw ^ n: store each checksum as the raw sum that yields it.
-        handle.set_checksums([c ^ n for c, n in zip(ck.checksums(objs), sizes, strict=True)], sizes)
-    return handle

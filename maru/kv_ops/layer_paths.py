@@ -27,6 +27,12 @@ log = logging.getLogger("maru.kv_ops")
 Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
+def _rows_are_words(layout: Any, esize: int) -> bool:
+    from maru.kv_ops.triton_kernels import direct_checksum_ok
+
+    return direct_checksum_ok(layout, esize)
+
+
 def _bucket(tokens: int) -> int:
     """Graph bucket of a layer load of ``tokens`` tokens: a power of two, at least 16."""
     tb = 16
@@ -168,6 +174,13 @@ class LayerPaths:
         handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
         handle.place_issue_s = t_end - t_place  # the per-layer placements alone
         return handle
+
+    def _check_layer_checksums(self) -> None:
+        if not _rows_are_words(self.layout, self.esize):
+            raise ValueError(
+                f"layer loads with checksums need rows of whole 8-byte words; a row here is "
+                f"{self.layout.row_size} elements of {self.esize} bytes: load by chunk instead"
+            )
 
     def _staging_checksums(
         self, staging: torch.Tensor, objs: list[torch.Tensor], tb: int
