@@ -49,7 +49,8 @@ class KVTransferEngine:
     cross-layer tensor); ``layout``: what ``kv_ops.detect_layouts`` found for them; ``client``: a
     connected ``MaruHandler`` (or anything with its ``batch_alloc``/``batch_store``/``abort``/
     ``batch_retrieve``/``batch_release``/``report_corrupt``). ``path``: the data path (default:
-    ``choose_path``). ``verify``: check loaded bytes against their committed checksums (see above).
+    ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
+    checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
     """
 
     def __init__(

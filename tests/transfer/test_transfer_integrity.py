@@ -170,14 +170,21 @@ def test_stores_commit_the_checksum_of_the_bytes_they_wrote(client: MaruHandler)
         client.batch_release(got)
 
 
-def test_an_unverifying_engine_loads_without_checking(server: ServerProcess, client: MaruHandler) -> None:
-    """``verify=False`` (benchmarks) places what is there: the check is what catches the change."""
+def test_an_engine_not_verifying_on_its_path_leaves_the_check_to_the_client(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """``verify=False``: the client checks on the CPU before placing (the slower way); the change
+    is still a counted miss, never placed."""
     src = _case("kv_first", "HND", 6, torch.float32)
     req = _request("integ-noverify", [2, 9], CHUNK)
     _engine(src, client).store([req])
     _flip_behind(server, client, req.chunks[0].key, 17)
     dst = _case("kv_first", "HND", 7, torch.float32)
+    before = dst.snapshot()
     layout = kv_ops.detect_layouts(dst.caches, **dst.detect_kwargs())
     eng = KVTransferEngine(list(dst.caches), layout, client, verify=False)
-    assert eng.load([req]).loaded_req_ids == [req.req_id]
-    assert client.integrity()["integrity_failures"] == 0
+    failures = client.integrity()["integrity_failures"]
+    rep = eng.load([req])
+    assert not rep.loaded_req_ids and "gone" in rep.failed[req.req_id]
+    assert client.integrity()["integrity_failures"] == failures + 1
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(dst.snapshot(), before, strict=True))
