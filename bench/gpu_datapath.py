@@ -273,7 +273,31 @@ def main() -> None:
                 f"pipelined {v['load_pipelined_GBps']:.1f} / {v['store_pipelined_GBps']:.1f} GB/s"
             )
     print(f"copy across two separately registered slices: {straddle}")
+    print_checksum_table(rows)
     pool.close()
+
+
+def print_checksum_table(rows: list[dict[str, Any]]) -> None:
+    """Load (and store) GB/s with the device checksum vs without, as % of the pinned ceiling."""
+    print()
+    print("integrity: GB/s without / with checksum (% of pinned H2D, or D2H for stores); the goal is >= 90%")
+    print(
+        "| tokens | pinned H2D | load pipelined | + checksum | layers direct | + checksum | layers staged "
+        "| + checksum | store pipelined | + checksum |"
+    )
+    print("|" + "---|" * 10)
+    for row in rows:
+        h2d, d2h = row["pinned_h2d_GBps"], row["pinned_d2h_GBps"]
+
+        def pct(key: str, ceiling: float, row: dict[str, Any] = row) -> str:
+            return f"{row[key]:.1f} ({100 * row[key] / ceiling:.0f}%)"
+
+        print(
+            f"| {row['tokens']} | {h2d:.1f} | {pct('load_pipelined_GBps', h2d)} | {pct('load_pipelined_ck_GBps', h2d)} "
+            f"| {pct('load_layers_GBps', h2d)} | {pct('load_layers_ck_GBps', h2d)} "
+            f"| {pct('load_layers_staged_GBps', h2d)} | {pct('load_layers_staged_ck_GBps', h2d)} "
+            f"| {pct('store_pipelined_GBps', d2h)} | {pct('store_pipelined_ck_GBps', d2h)} |"
+        )
 
 
 def measure_size(
@@ -346,6 +370,18 @@ def measure_size(
 
     row["load_layers_staged_GBps"] = transfer_gbps(layers_staged, nbytes, r)
     row["layer_staged_issue_us"] = statistics.median(h.issue_s for h in handles[2:]) / L * 1e6
+    # The same loads and stores verifying integrity (kv_ops.checksum on the device: the staging slot,
+    # fused into the direct layer kernel, one pass over the layer staging), as the connector runs.
+    row["load_pipelined_ck_GBps"] = transfer_gbps(lambda: engine.load(objs, slots, checksums=True), nbytes, r)
+    row["store_pipelined_ck_GBps"] = transfer_gbps(
+        lambda: engine.store(objs, slots, checksums=True), nbytes, r
+    )
+    row["load_layers_ck_GBps"] = transfer_gbps(
+        lambda: engine.load_layers(objs, slots, checksums=True), nbytes, r
+    )
+    row["load_layers_staged_ck_GBps"] = transfer_gbps(
+        lambda: staged.load_layers(objs, slots, checksums=True), nbytes, r
+    )
     # What the forward pass pays per layer: wait_for_layer (a stream wait on that layer's event).
     h = engine.load_layers(objs, slots)
     t0 = time.perf_counter()

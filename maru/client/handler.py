@@ -480,6 +480,25 @@ class MaruHandler(SessionClient):
             except MaruError as e:
                 log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
 
+    def report_corrupt(self, handles: Sequence[Retrieved], verified: int = 0) -> None:
+        """Count and report objects whose bytes a caller checked itself and found not matching
+        their ``Retrieved.checksum`` (it retrieved with ``verify=False``, e.g. to check what it
+        copied to a GPU); ``verified``: how many it found good. Like a failed ``verify``: counted in
+        ``integrity()``, warned once per key, sent to the server (which deletes the entry so the
+        key can be stored again). The caller still releases the handles. Never raises a
+        ``MaruError`` (a failed report is logged)."""
+        self.integrity_log.verified(verified)
+        corrupt = [[r.key, r.offset] for r in handles]
+        for r in handles:
+            self.integrity_log.failure(r.key, r.offset, self.url)
+        if not corrupt:
+            return
+        try:
+            for chunk in chunks(corrupt):
+                self._call(Op.REPORT, {"corrupt": chunk}, retry=False)
+        except MaruError as e:
+            log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
+
     def integrity(self) -> dict[str, int]:
         """This handler's integrity counters: verified, integrity_failures, unverifiable (entries
         without a checksum, served as misses), fenced_sessions, fenced_bytes."""

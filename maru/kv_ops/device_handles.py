@@ -30,6 +30,25 @@ class Transfer:
         self._event = done_event  # None when complete at return (CPU, sync)
         self._sync = sync
         self._keepalive = keepalive
+        # Checksums of the bytes this transfer moved (``checksums=True``): raw sums per object in a
+        # host tensor written by the transfer itself (valid once done), and each object's length.
+        self._sums: torch.Tensor | list[int] | None = None
+        self._sizes: list[int] = []
+
+    def set_checksums(self, sums: torch.Tensor | list[int], sizes: list[int]) -> None:
+        """Attach the raw checksum sums (``kv_ops.checksum``) the transfer writes, per object."""
+        self._sums, self._sizes = sums, list(sizes)
+
+    def checksums(self) -> list[int] | None:
+        """``maru.checksum`` of each object's bytes as this transfer saw them (the staging slot
+        after the copy, or the rows the direct kernel read); None when not asked for. Call after
+        ``wait()`` or once ``done()``: before that the values are not written yet."""
+        if self._sums is None:
+            return None
+        from maru.kv_ops.checksum import finalize
+
+        raw = self._sums.tolist() if isinstance(self._sums, torch.Tensor) else self._sums
+        return [finalize(r, n) for r, n in zip(raw, self._sizes, strict=True)]
 
     def done(self) -> bool:
         """True once every copy and kernel of this transfer finished (never blocks)."""
@@ -57,8 +76,16 @@ class LayerLoad(Transfer):
     *later* load of the same layer, which is later in stream order: never too early, at worst late.
     """
 
-    def __init__(self, nbytes: int, layer_events: list[Any] | None, sync: Any, keepalive: Any) -> None:
-        done = layer_events[-1] if layer_events else None
+    def __init__(
+        self,
+        nbytes: int,
+        layer_events: list[Any] | None,
+        sync: Any,
+        keepalive: Any,
+        done_event: Any = None,
+    ) -> None:
+        # ``done_event``: recorded after work queued behind the last layer (its checksums).
+        done = done_event if done_event is not None else (layer_events[-1] if layer_events else None)
         super().__init__("load", "layers" if layer_events else "cpu-direct", nbytes, done, sync, keepalive)
         self._layer_events = layer_events
         self.graphed = False  # placements replayed from CUDA graphs

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
+from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync
 from maru.kv_ops.device_handles import LayerLoad, Transfer
@@ -117,7 +118,13 @@ class DevicePipeline(LayerPaths):
     is serialized by a lock; handles may be waited on from any thread.
 
     ``use_graphs``: replay placements from CUDA graphs (kv_ops's ``GraphedPlacer``) when Triton runs;
-    ``raw_cuda``: issue the layer path's copies and events through libcudart directly.
+    ``raw_cuda``: issue the layer path's copies and events through libcudart directly;
+    ``layer_checksums``: the layer loads will ask for checksums (``warm`` captures those graphs).
+
+    Checksums (``checksums=True`` on ``load``/``store``/``load_layers``): the handle's
+    ``checksums()`` gives, once complete, ``maru.checksum`` of each object as the transfer saw it:
+    the staging slot after its copy (load) or after the gather (store), the rows the direct
+    layer kernel read; computed on the device (``kv_ops.checksum``), no host pass over the bytes.
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class DevicePipeline(LayerPaths):
         layer_path: str = "auto",
         layer_graphs: bool | None = None,
         lazy_capture: bool = True,
+        layer_checksums: bool = False,
     ) -> None:
         if layer_path not in ("auto", "direct", "staged"):
             raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")
@@ -150,6 +158,7 @@ class DevicePipeline(LayerPaths):
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
         self.ring_slots = max(int(ring_slots), 1)
         self.layer_path = layer_path
+        self.layer_checksums = layer_checksums  # which direct layer graphs ``warm`` captures
         self._direct_ok: bool | None = None  # decided on the first layer load (needs an object)
         self._lock = threading.Lock()
         self.on_gpu = self.device.type == "cuda"
@@ -250,25 +259,27 @@ class DevicePipeline(LayerPaths):
         *,
         skip_tokens: int = 0,
         pipelined: bool = True,
+        checksums: bool = False,
     ) -> Transfer:
         """Scatter chunk objects (host) into the caches at ``slot_mapping`` (their tokens, in order).
 
         ``skip_tokens=n`` leaves the first n tokens of the call unwritten (blocks shared with the
         engine's own prefix cache). Returns at once on a GPU; ``wait()``/``wait_on()`` the handle.
+        ``checksums``: see the class docstring (skipped tokens are part of their object).
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
         with self._lock:
             if self.on_gpu and pipelined:
                 self._check_pinned(objs)
-                return self._issue_load(objs, slot_mapping, skip_tokens, nbytes)
+                return self._issue_load(objs, slot_mapping, skip_tokens, nbytes, checksums)
             slots = self._slots(slot_mapping, objs, skip_tokens)
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.scatter(obj, self.caches, self.layout, s, backend=self.backend)
-                return Transfer("load", "cpu-direct", nbytes)
+                return ck.attach_host_checksums(Transfer("load", "cpu-direct", nbytes), objs, checksums)
             self._check_pinned(objs)
-            return self._sync_path(objs, slots, nbytes, load=True)
+            return self._sync_path(objs, slots, nbytes, load=True, checksums=checksums)
 
     def store(
         self,
@@ -276,11 +287,13 @@ class DevicePipeline(LayerPaths):
         slot_mapping: torch.Tensor,
         *,
         pipelined: bool = True,
+        checksums: bool = False,
     ) -> Transfer:
         """Gather the caches' KV at ``slot_mapping`` into chunk objects (host, e.g. pool pages).
 
         The objects' bytes are complete only after ``wait()`` (or once ``done()`` is True): commit
-        (publish the keys) after that, never before.
+        (publish the keys) after that, never before. ``checksums``: see the class docstring (of
+        the gathered bytes, the checksum to commit with them).
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
@@ -289,11 +302,11 @@ class DevicePipeline(LayerPaths):
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.gather(self.caches, self.layout, s, backend=self.backend, out=obj)
-                return Transfer("store", "cpu-direct", nbytes)
+                return ck.attach_host_checksums(Transfer("store", "cpu-direct", nbytes), objs, checksums)
             self._check_pinned(objs)
             if pipelined:
-                return self._issue_store(objs, slots, nbytes)
-            return self._sync_path(objs, slots, nbytes, load=False)
+                return self._issue_store(objs, slots, nbytes, checksums)
+            return self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)
 
     def load_layers(
         self,
@@ -302,6 +315,7 @@ class DevicePipeline(LayerPaths):
         *,
         skip_tokens: int = 0,
         placer: Placer | None = None,
+        checksums: bool = False,
     ) -> LayerLoad:
         """Issue a load layer by layer (the layer-overlap load); returns at once.
 
@@ -309,6 +323,9 @@ class DevicePipeline(LayerPaths):
         single-layer kernel places it, an event is recorded. The forward pass calls
         ``wait_for_layer(i)`` before attention of layer i and waits on layer i's event only.
         ``placer(obj_layer [KV, T, ROW], layer, slots)`` replaces the built-in placement.
+        ``checksums``: see the class docstring; the direct kernel computes them as it reads (the
+        skipped rows too), the staged way sums the staging after the last layer (one launch). On a
+        GPU both need rows of whole 8-byte words (``triton_kernels.direct_checksum_ok``).
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
@@ -318,12 +335,14 @@ class DevicePipeline(LayerPaths):
                 for i in range(self.num_layers):
                     for obj, s in self._per_chunk(objs, slots):
                         self._eager_layer(obj[i], i, s, placer)
-                return LayerLoad(nbytes, None, None, None)
+                return ck.attach_host_checksums(LayerLoad(nbytes, None, None, None), objs, checksums)
             self._check_pinned(objs)
+            if checksums:
+                self._check_layer_checksums()
             if placer is None and self._use_direct(objs[0]):
-                return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes)
+                return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes, checksums)
             slots = self._slots(slot_mapping, objs, skip_tokens)
-            return self._issue_layers(objs, slots, nbytes, placer)
+            return self._issue_layers(objs, slots, nbytes, placer, checksums)
 
     def warm(self, chunk_tokens: int, layer_tokens: Sequence[int] = ()) -> None:
         """Capture the CUDA graphs now (about a millisecond each, with a device sync), not on first use.
@@ -359,7 +378,7 @@ class DevicePipeline(LayerPaths):
                     # the kernel once eagerly: clear the table's slots first (stream-ordered after any
                     # earlier load), so that replay places nothing.
                     self._layer_placer.direct_table(tb)[2].fill_(-1)
-                    self._layer_placer.warm_direct(tb)
+                    self._layer_placer.warm_direct(tb, checksum=self.layer_checksums)
 
     def synchronize(self) -> None:
         """Wait for everything this engine issued (tests, shutdown)."""
@@ -499,7 +518,7 @@ class DevicePipeline(LayerPaths):
         return slot
 
     def _issue_load(
-        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
+        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int, checksums: bool
     ) -> Transfer:
         """Copies run up to R chunks ahead of placements; the first copies are queued before anything else."""
         t0 = time.perf_counter()
@@ -523,25 +542,34 @@ class DevicePipeline(LayerPaths):
             issue_copy(k)
         slots = self._slots(slot_mapping, objs, skip_tokens)  # validated and moved while the bus is busy
         with torch.cuda.stream(place):  # placements launch on the current stream
+            acc = torch.zeros(n, dtype=torch.int64, device=self.device) if checksums else None
             for k, (_obj, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
                 slot, stage, graphed = staged[k]
                 sync.wait(place, slot.ready)
                 slot.place(stage, graphed, chunk_slots, load=True)
+                if acc is not None:  # the bytes in the slot are the bytes just placed (HBM read)
+                    ck.accumulate(stage, acc, k)
                 sync.record(slot.free, place)
                 if k + ahead < n:
                     issue_copy(k + ahead)
+            sums = ck.to_host(acc)
         done = self._done_event()
         sync.record(done, place)
-        handle = Transfer("load", "pipelined", nbytes, done, sync, (objs, slots))
+        handle = Transfer("load", "pipelined", nbytes, done, sync, (objs, slots, acc))
+        if sums is not None:
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
         handle.issue_s = time.perf_counter() - t0
         return handle
 
-    def _issue_store(self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int) -> Transfer:
+    def _issue_store(
+        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
+    ) -> Transfer:
         t0 = time.perf_counter()
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
         self._start()
         with torch.cuda.stream(place):  # placements launch on the current stream
-            for host, chunk_slots in self._per_chunk(objs, slots):
+            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
+            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
                 slot = self._take_slot()
                 stage, graphed = slot.buffer(host.shape[2])
                 if slot.used:
@@ -552,9 +580,18 @@ class DevicePipeline(LayerPaths):
                 self._d2h(host, stage)
                 sync.record(slot.free, copy)
                 slot.used = True
+                if acc is not None:
+                    # After ``ready``: the copy to the pool does not wait for it; the slot's next
+                    # gather is queued behind it on this stream.
+                    ck.accumulate(stage, acc, k)
+            sums = ck.to_host(acc)
+            if sums is not None:
+                copy.wait_stream(place)  # done (recorded on the copy stream) covers the sums too
         done = self._done_event()
         sync.record(done, copy)
-        handle = Transfer("store", "pipelined", nbytes, done, sync, (objs, slots))
+        handle = Transfer("store", "pipelined", nbytes, done, sync, (objs, slots, acc))
+        if sums is not None:
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
         handle.issue_s = time.perf_counter() - t0
         return handle
 
@@ -570,20 +607,25 @@ class DevicePipeline(LayerPaths):
         return self._done_events[self._done_next]
 
     def _sync_path(
-        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool
+        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool, checksums: bool
     ) -> Transfer:
         """The unpipelined baseline: per chunk the whole copy, then the whole kernel, one stream, then wait."""
         t0 = time.perf_counter()
         stream = torch.cuda.current_stream(self.device)
         stream.wait_stream(self._place_stream)  # the slot mapping was moved there
-        for obj, s in self._per_chunk(objs, slots):
+        acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
+        for k, (obj, s) in enumerate(self._per_chunk(objs, slots)):
             if load:
-                ops.scatter(
-                    obj.to(self.device, non_blocking=True), self.caches, self.layout, s, backend=self.backend
-                )
+                dev = obj.to(self.device, non_blocking=True)
+                ops.scatter(dev, self.caches, self.layout, s, backend=self.backend)
             else:
-                obj.copy_(ops.gather(self.caches, self.layout, s, backend=self.backend), non_blocking=True)
+                dev = ops.gather(self.caches, self.layout, s, backend=self.backend)
+                obj.copy_(dev, non_blocking=True)
+            if acc is not None:
+                ck.accumulate(dev, acc, k)
         stream.synchronize()
         handle = Transfer("load" if load else "store", "sync", nbytes)
+        if acc is not None:
+            handle.set_checksums(acc.cpu(), [o.numel() * self.esize for o in objs])
         handle.issue_s = time.perf_counter() - t0
         return handle

@@ -14,15 +14,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from maru.announce import announce_once
+from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.device_handles import LayerLoad
 
 log = logging.getLogger("maru.kv_ops")
 
 Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
+
+
+def _rows_are_words(layout: Any, esize: int) -> bool:
+    from maru.kv_ops.triton_kernels import direct_checksum_ok
+
+    return direct_checksum_ok(layout, esize)
 
 
 def _bucket(tokens: int) -> int:
@@ -55,6 +63,7 @@ class LayerPaths:
     _layer_own: Any
     _layer_free: Any
     _direct_ok: bool | None
+    _done_event: Callable[[], Any]
 
     def _eager_layer(
         self, obj_layer: torch.Tensor, layer: int, slots: torch.Tensor, placer: Placer | None
@@ -92,7 +101,12 @@ class LayerPaths:
         return self._layer_own[:numel].view(self.object_shape(tokens)), tokens, False
 
     def _issue_layers(
-        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, placer: Placer | None
+        self,
+        objs: list[torch.Tensor],
+        slots: torch.Tensor,
+        nbytes: int,
+        placer: Placer | None,
+        checksums: bool = False,
     ) -> LayerLoad:
         t0 = time.perf_counter()
         total = slots.numel()
@@ -147,14 +161,57 @@ class LayerPaths:
                 else:
                     self._eager_layer(staging[i], i, slots, placer)
                 sync.record(placed[i], place)
+            done, sums, keep = None, None, None
+            if checksums:  # one launch over every (layer, plane, chunk) piece of the staging
+                done, sums, keep = self._staging_checksums(staging, objs, tb)
         t_end = time.perf_counter()
-        self._layer_free = placed[-1]
-        handle = LayerLoad(nbytes, placed, sync, (objs, slots))
+        self._layer_free = done if done is not None else placed[-1]
+        handle = LayerLoad(nbytes, placed, sync, (objs, slots, keep), done)
+        if sums is not None:
+            handle.set_checksums(sums, [o.numel() * es for o in objs])
         handle.graphed = graphed
         handle.issue_s = time.perf_counter() - t0
         handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
         handle.place_issue_s = t_end - t_place  # the per-layer placements alone
         return handle
+
+    def _check_layer_checksums(self) -> None:
+        if not _rows_are_words(self.layout, self.esize):
+            raise ValueError(
+                f"layer loads with checksums need rows of whole 8-byte words; a row here is "
+                f"{self.layout.row_size} elements of {self.esize} bytes: load by chunk instead"
+            )
+
+    def _staging_checksums(
+        self, staging: torch.Tensor, objs: list[torch.Tensor], tb: int
+    ) -> tuple[Any, torch.Tensor, Any]:
+        """Queue (current stream) the checksums of the objects as the layer staging holds them:
+        layer i, plane p of chunk k lies at ``staging[i, p, token0:token0+T_k]``, which is word
+        ``((i * KV + p) * T_k * ROW * esize) / 8`` onwards of object k. Returns (event after the
+        sums reached the host, pinned host sums, what must stay alive until then)."""
+        kv, row, es = self.layout.num_kv, self.layout.row_size, self.esize
+        lengths = np.array([o.shape[2] for o in objs], dtype=np.int64)
+        token0 = np.cumsum(lengths) - lengths
+        n, L = len(objs), self.num_layers
+        i = np.repeat(np.arange(L, dtype=np.int64), kv * n)
+        p = np.tile(np.repeat(np.arange(kv, dtype=np.int64), n), L)
+        k = np.tile(np.arange(n, dtype=np.int64), L * kv)
+        t = lengths[k]
+        st = staging.stride()
+        host = torch.empty((4, L * kv * n), dtype=torch.int64, pin_memory=True)
+        tab = host.numpy()
+        tab[0] = staging.data_ptr() + (i * st[0] + p * st[1] + token0[k] * st[2]) * es
+        tab[1] = t * row * es
+        tab[2] = (i * kv + p) * t * row * es // 8
+        tab[3] = k
+        dev_tab = host.to(self.device, non_blocking=True)
+        acc = torch.zeros(n, dtype=torch.int64, device=self.device)
+        ck.accumulate_pieces(dev_tab, acc, staging, int(lengths.max()) * row * es)
+        sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        sums.copy_(acc, non_blocking=True)
+        done = self._done_event()
+        self._sync.record(done, torch.cuda.current_stream(self.device))
+        return done, sums, (host, dev_tab, acc)
 
     # ------------------------------------------------------------------ direct (zero-copy) layer path
 
@@ -219,7 +276,12 @@ class LayerPaths:
         self._sync.wait(stream, self._caller_event)
 
     def _issue_layers_direct(
-        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int
+        self,
+        objs: list[torch.Tensor],
+        slot_mapping: Any,
+        skip_tokens: int,
+        nbytes: int,
+        checksums: bool = False,
     ) -> LayerLoad:
         """One direct kernel (a graph replay) and one event per layer; no copies to issue.
 
@@ -242,7 +304,7 @@ class LayerPaths:
             host_slots[:skip_tokens] = -1
         graphed = self._layer_placer is not None
         tb = _bucket(total) if graphed else total
-        if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb):
+        if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb, checksum=checksums):
             announce_once(
                 log,
                 f"kv_ops.direct-cold-{tb}",
@@ -275,12 +337,20 @@ class LayerPaths:
             refs = None if graphed else ops.layer_refs(self.caches, self.layout)
             for i in range(self.num_layers):
                 if graphed:
-                    self._layer_placer.scatter_layer_direct(i, tb)
+                    self._layer_placer.scatter_layer_direct(i, tb, checksum=checksums)
                 else:
-                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb)
+                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb, checksum=checksums)
                 sync.record(placed[i], place)
+            done = sums = None
+            if checksums:  # the kernels summed every object into row 5 of the table
+                sums = torch.empty(len(objs), dtype=torch.int64, pin_memory=True)
+                sums.copy_(tab[5, : len(objs)], non_blocking=True)
+                done = self._done_event()
+                sync.record(done, place)
         t_end = time.perf_counter()
-        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping))
+        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping), done)
+        if sums is not None:
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
         handle.path = "layers-direct"
         handle.graphed = graphed
         handle.issue_s = t_end - t0

@@ -81,7 +81,7 @@ class GraphedPlacer:
         return num_tokens
 
     def direct_table(self, num_tokens: int) -> torch.Tensor:
-        """The static ``[3, T + 1]`` table the direct (zero-copy) layer graphs for T tokens read.
+        """The static ``[DIRECT_ROWS, T + 1]`` table the direct (zero-copy) layer graphs for T tokens read.
 
         Rows as ``triton_kernels.direct_table_host`` builds them; slots start at -1 (nothing placed).
         No staging buffer: the direct kernel reads the chunk objects where they lie.
@@ -104,9 +104,11 @@ class GraphedPlacer:
     # -- graphs -----------------------------------------------------------------------------------
     def _launch(self, key: tuple) -> None:
         op, num_tokens, layer = key
-        if op == "direct":
+        if op in ("direct", "direct+checksum"):
             tab = self.direct_table(num_tokens)
-            triton_kernels.direct_scatter_layer(tab, self._refs[layer], self.layout, layer, num_tokens)
+            triton_kernels.direct_scatter_layer(
+                tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
+            )
             return
         obj = triton_kernels.as_bits(self._staging[num_tokens])
         idx = self._slots[num_tokens]
@@ -126,7 +128,7 @@ class GraphedPlacer:
     def _graph(self, key: tuple) -> torch.cuda.CUDAGraph:
         graph = self._graphs.get(key)
         if graph is None:
-            if key[0] == "direct":
+            if key[0].startswith("direct"):
                 self.direct_table(key[1])
             else:
                 self._ensure(key[1])
@@ -173,18 +175,20 @@ class GraphedPlacer:
         self._graph(("gather", num_tokens, layer)).replay()
         return self._staging[num_tokens][layer]
 
-    def has_direct(self, num_tokens: int) -> bool:
+    def has_direct(self, num_tokens: int, *, checksum: bool = False) -> bool:
         """Whether every layer's direct graph for T tokens is captured (a replay, never a capture)."""
-        return all(("direct", num_tokens, layer) in self._graphs for layer in range(self.num_layers))
+        op = "direct+checksum" if checksum else "direct"
+        return all((op, num_tokens, layer) in self._graphs for layer in range(self.num_layers))
 
-    def scatter_layer_direct(self, layer: int, num_tokens: int) -> None:
-        """One layer, zero-copy: the chunk objects ``direct_table(T)`` names -> that layer's cache."""
-        self._graph(("direct", num_tokens, layer)).replay()
+    def scatter_layer_direct(self, layer: int, num_tokens: int, *, checksum: bool = False) -> None:
+        """One layer, zero-copy: the chunk objects ``direct_table(T)`` names -> that layer's cache;
+        with ``checksum`` the kernel also sums the objects into the table's row 5."""
+        self._graph(("direct+checksum" if checksum else "direct", num_tokens, layer)).replay()
 
-    def warm_direct(self, num_tokens: int) -> None:
+    def warm_direct(self, num_tokens: int, *, checksum: bool = False) -> None:
         """Capture the direct layer graphs for T tokens now (one per layer)."""
         for layer in range(self.num_layers):
-            self._graph(("direct", num_tokens, layer))
+            self._graph(("direct+checksum" if checksum else "direct", num_tokens, layer))
 
     def warm(self, num_tokens: int, *, per_layer: bool = False) -> None:
         """Capture the graphs for T tokens now (about a millisecond each) instead of on first use."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from maru.checksum import checksum
 from maru.kv_ops import (
     detect_layouts,
     gather,
@@ -26,6 +27,7 @@ from maru.kv_ops import (
     scatter_layer,
     triton_kernels,
 )
+from maru.kv_ops.checksum import finalize
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import layer_refs
 from maru.kv_ops.testing import FORMATS, CacheCase, bits, make_cache, random_bits_, random_slots
@@ -206,6 +208,20 @@ class Checker:
             all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
             f"direct_scatter_layer {p} chunks {[h.shape[2] for h in host]}",
         )
+        if triton_kernels.direct_checksum_ok(layout, obj.element_size()):
+            # The fused checksum: the same placement, and each object's maru.checksum (skipped
+            # token included) in row 5, whatever the table's indexing.
+            f = self._make(p, seed + 5)
+            frefs = layer_refs(f.caches, layout)
+            for layer in range(p.num_layers):
+                triton_kernels.direct_scatter_layer(tab, frefs[layer], layout, layer, width, checksum=True)
+            raw = tab[5, : len(host)].cpu().tolist()
+            got = [finalize(r, h.numel() * h.element_size()) for r, h in zip(raw, host, strict=True)]
+            want = [checksum(h.reshape(-1).view(torch.uint8).numpy()) for h in host]
+            self.expect(
+                got == want and all(self.same(x, y) for x, y in zip(d.storages(), f.storages(), strict=True)),
+                f"direct_scatter_layer(checksum=True) {p} chunks {[h.shape[2] for h in host]}",
+            )
 
     def check_axis_swap_is_caught(self) -> None:
         """The seed's bug, on the kernel: fed the token-major (logical) strides of an HND cache, the

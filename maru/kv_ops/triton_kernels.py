@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from maru.kv_ops.checksum import mix_words
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import as_bits
 
@@ -33,6 +34,7 @@ __all__ = [
     "TuneParams",
     "as_bits",
     "base_view",
+    "direct_checksum_ok",
     "direct_scatter_layer",
     "direct_table_host",
     "layer_table",
@@ -291,7 +293,7 @@ def place(
 
 # ---------------------------------------------------------------------- direct (zero-copy) layer load
 
-DIRECT_ROWS = 3  # rows of a direct table: source address, plane stride, slot
+DIRECT_ROWS = 6  # source address, plane stride, slot, object (per token), token in object, checksum sums
 
 
 @triton.jit
@@ -315,6 +317,8 @@ def _direct_layer_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ROW_CONTIG: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    ESIZE: tl.constexpr,
 ):
     # One program per (token tile, plane). The table's last column, row 0, says how rows 0 and 1 are
     # indexed (read at run time, so one captured graph serves both):
@@ -322,8 +326,12 @@ def _direct_layer_kernel(
     #   address of chunk k's object (host memory the GPU can address: a registered pool), entry k of
     #   row 1 its elements per plane (its T * ROW); token t is row t - k*C of chunk k = t // C;
     # * 0 ("per token"): entry t of row 0 is the address of token t's row in layer 0, plane 0 of its
-    #   object, entry t of row 1 that object's plane size.
-    # Row 2 is always per token: the slot (-1: not written).
+    #   object, entry t of row 1 that object's plane size, entry t of rows 3 and 4 its object and
+    #   its row in that object (read only with CHECKSUM).
+    # Row 2 is always per token: the slot (-1: not written). The last column of row 1 holds the
+    # call's real token count (the rest of a graph bucket is padding). With CHECKSUM the kernel
+    # also reads the rows it does not write (skipped tokens: part of the object) and adds the
+    # ``maru.checksum`` terms of this layer and plane of each object into its entry of row 5.
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -334,10 +342,15 @@ def _direct_layer_kernel(
     chunk_t = tl.load(tab_ptr + tab_stride - 1)
     per_chunk = chunk_t > 0
     div = tl.maximum(chunk_t, 1)
+    if CHECKSUM:
+        total = tl.load(tab_ptr + 2 * tab_stride - 1)
+        read = tmask & (t < total)
+    else:
+        read = valid
     k = tl.where(per_chunk, t // div, t)
     within = tl.where(per_chunk, t - k * div, 0)
-    addr = tl.load(tab_ptr + k, mask=valid, other=0)
-    plane = tl.load(tab_ptr + tab_stride + k, mask=valid, other=0)
+    addr = tl.load(tab_ptr + k, mask=read, other=0)
+    plane = tl.load(tab_ptr + tab_stride + k, mask=read, other=0)
     src_row = (
         addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
         + (layer * NUM_KV + kv) * plane
@@ -347,18 +360,51 @@ def _direct_layer_kernel(
     off_in_block = slot % BS
     s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
     cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
+    if CHECKSUM:
+        EPW: tl.constexpr = 8 // ESIZE  # elements a word
+        obj = tl.where(per_chunk, k, tl.load(tab_ptr + 3 * tab_stride + t, mask=read, other=0))
+        row_in_obj = tl.where(per_chunk, within, tl.load(tab_ptr + 4 * tab_stride + t, mask=read, other=0))
+        # Word index of the row's first element in its object (ROW * ESIZE % 8 == 0: rows are words).
+        word0 = ((layer * NUM_KV + kv) * plane + row_in_obj * ROW) // EPW
+        sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
+        shifts = (tl.arange(0, EPW) * (8 * ESIZE)).to(tl.uint64)
+        wcol = tl.arange(0, BLOCK_R // EPW)
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
         c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
-        vals = tl.load(src_row[:, None] + c[None, :], mask=m)
+        rm = read[:, None] & (c < ROW)[None, :]
+        vals = tl.load(src_row[:, None] + c[None, :], mask=rm, other=0)
         tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
+        if CHECKSUM:
+            if ESIZE == 1:
+                u = vals.to(tl.uint8, bitcast=True)
+            elif ESIZE == 2:
+                u = vals.to(tl.uint16, bitcast=True)
+            elif ESIZE == 4:
+                u = vals.to(tl.uint32, bitcast=True)
+            else:
+                u = vals.to(tl.uint64, bitcast=True)
+            parts = tl.reshape(u.to(tl.uint64), [BLOCK_T, BLOCK_R // EPW, EPW])
+            words = tl.sum(parts << shifts[None, None, :], axis=2)  # little-endian: element j at 8*ESIZE*j
+            widx = word0[:, None] + (r0 // EPW + wcol)[None, :]
+            terms = mix_words(words, widx.to(tl.uint64))
+            wm = read[:, None] & ((r0 + wcol * EPW) < ROW)[None, :]
+            sums += tl.sum(tl.where(wm, terms, 0).to(tl.uint64), axis=1)
+    if CHECKSUM:
+        acc = tab_ptr + 5 * tab_stride
+        first = tl.min(tl.where(read, obj, 1 << 62), axis=0)
+        last = tl.max(tl.where(read, obj, -1), axis=0)
+        if first == last:  # the usual tile: one object, one atomic
+            tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
+        else:
+            tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
 
 
 def direct_table_host(
     chunks: list[tuple[int, int]], slots: torch.Tensor, row: int, esize: int, width: int | None = None
 ) -> torch.Tensor:
-    """The ``[3, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
+    """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
     ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
     order; ``slots``: one slot per token of all chunks (CPU, int64; negative = not written). Columns
@@ -392,28 +438,46 @@ def direct_table_host(
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         out[0, :total] = np.repeat(ptrs, counts) + within * (row * esize)
         out[1, :total] = np.repeat(counts * row, counts)
+        out[3, :total] = np.repeat(np.arange(n, dtype=np.int64), counts)
+        out[4, :total] = within
         out[0, width] = 0
-    # Rows 0 and 1 past the used entries are never read (their tokens have slot -1): not cleared.
-    out[1, width] = 0
+    # Rows 0, 1, 3 and 4 past the used entries are never read (tokens past the count): not cleared.
+    out[1, width] = total
     out[2, :total] = slots.numpy()
     out[2, total:] = -1
+    out[5, :n] = 0  # the checksum accumulators, zeroed by the upload itself
     return tab
 
 
 def direct_scatter_layer(
-    tab: torch.Tensor, ref: tuple[torch.Tensor, int], layout: KVLayout, layer: int, num_tokens: int
+    tab: torch.Tensor,
+    ref: tuple[torch.Tensor, int],
+    layout: KVLayout,
+    layer: int,
+    num_tokens: int,
+    *,
+    checksum: bool = False,
 ) -> None:
     """Place layer ``layer`` of the chunk objects a direct table names into one layer's cache.
 
     The kernel reads the objects where they are (zero-copy: host memory registered with CUDA, read
     over the bus by the SMs), so one launch per layer places every chunk of the call, with no staging
-    buffer and no per-chunk copy to issue. ``tab``: ``[3, W + 1]`` int64 on the caches' device (see
-    ``direct_table_host``; ``num_tokens`` <= W); ``ref``: (bits tensor over the cache storage, element offset of this
-    layer's base), as ``ops.layer_refs`` gives.
+    buffer and no per-chunk copy to issue. ``tab``: ``[DIRECT_ROWS, W + 1]`` int64 on the caches'
+    device (see ``direct_table_host``; ``num_tokens`` <= W); ``ref``: (bits tensor over the cache
+    storage, element offset of this layer's base), as ``ops.layer_refs`` gives. With ``checksum``
+    it also reads the skipped rows and adds this layer's ``maru.checksum`` terms of every object
+    into row 5 of the table (object k at entry k): after every layer ran, entry k is the raw sum of
+    object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
     """
     if num_tokens == 0:
         return
     cache = base_view(ref)
+    esize = cache.element_size()
+    if checksum and not direct_checksum_ok(layout, esize):
+        raise ValueError(
+            f"the direct kernel checksums whole 64-bit words of each row: a row of {layout.row_size} "
+            f"elements of {esize} bytes is not a multiple of 8 bytes"
+        )
     block_t, block_r, num_warps = tiles(layout, num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
     _direct_layer_kernel[grid](
@@ -436,5 +500,13 @@ def direct_scatter_layer(
         BLOCK_T=block_t,
         BLOCK_R=block_r,
         ROW_CONTIG=row_is_contiguous(layout),
+        CHECKSUM=checksum,
+        ESIZE=esize,
         num_warps=num_warps,
     )
+
+
+def direct_checksum_ok(layout: KVLayout, esize: int) -> bool:
+    """Whether ``direct_scatter_layer`` can checksum objects of ``layout``: rows of whole words
+    (every real model's: head sizes are multiples of 4 elements)."""
+    return esize in (1, 2, 4, 8) and (layout.row_size * esize) % 8 == 0

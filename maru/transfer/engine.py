@@ -12,6 +12,11 @@ Invariants:
   fails to scatter, the request is reported failed, never partially trusted. Every pinned
   handle is released, after the transfers that read its page completed.
 - Maru-side problems never raise out of ``store``/``load``; they come back in the reports.
+- Integrity (``verify``, the default): every placed chunk's bytes, as the path placed them, are
+  checked against the checksum its writer committed (``DataPath.scatter``'s ``expected``); a
+  mismatch fails the request like a missing chunk, and is counted and reported to the server
+  (``client.report_corrupt``). Stores commit the checksums the path computed from the bytes it
+  wrote (device paths), else the client computes them over the pool object.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ class KVTransferEngine:
     ``caches``: the per-layer cache tensors in layer order (or a one-element list holding a
     cross-layer tensor); ``layout``: what ``kv_ops.detect_layouts`` found for them; ``client``: a
     connected ``MaruHandler`` (or anything with its ``batch_alloc``/``batch_store``/``abort``/
-    ``batch_retrieve``/``batch_release``). ``path``: the data path (default: ``choose_path``).
+    ``batch_retrieve``/``batch_release``/``report_corrupt``). ``path``: the data path (default:
+    ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
+    checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class KVTransferEngine:
         backend: str | None = None,
         pipelined: bool = True,
         path: DataPath | None = None,
+        verify: bool = True,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -66,6 +74,7 @@ class KVTransferEngine:
         self.num_layers = self.geometry.num_layers
         self.device = self.caches[0].device
         self.path = path or choose_path(self.caches, layout, client, backend=backend, pipelined=pipelined)
+        self.verify = verify
 
     @property
     def data_path(self) -> str:
@@ -171,18 +180,23 @@ class KVTransferEngine:
                 ig.ok = []
                 self.path.settle()  # no copy may still write a page we hand back
             else:
+                sums = handle.checksums() or [None] * len(ig.ok)
                 failed = handle.failed_items()
                 for i in sorted(failed, reverse=True):
                     c, obj = ig.ok.pop(i)
+                    sums.pop(i)
                     ig.bad.append(obj)
                     prep.report.error = f"gathering chunk {c.key} failed: {failed[i]}"
+                ig.sums = list(sums)
             del handle
         ig.outs = []  # drop the exports of the pool buffers before the client releases them
         ok, bad, ig.ok, ig.bad = ig.ok, ig.bad, [], []
+        sums, ig.sums = ig.sums or [None] * len(ok), []
         rep = prep.report
-        for c, obj in ok:
+        for (c, obj), cs in zip(ok, sums, strict=True):
             prep.keys.append(c.key)
             prep.objects.append(obj)
+            prep.checksums.append(cs)
             rep.tokens += c.num_tokens
             prep.nbytes += obj.size
         if bad:
@@ -197,7 +211,7 @@ class KVTransferEngine:
             rep.tokens = 0
             rep.error = f"{len(prep.objects)} objects {why}"
             self._abort(prep.objects)
-            prep.keys, prep.objects = [], []
+            prep.keys, prep.objects, prep.checksums = [], [], []
         return rep
 
     def _abort(self, objs: list[Any]) -> None:
@@ -212,7 +226,10 @@ class KVTransferEngine:
         rep = prep.report
         if prep.objects:
             try:
-                results = self.client.batch_store(prep.keys, prep.objects)
+                # The path's checksums of the bytes it wrote; where one is missing the client
+                # computes them all over the pool objects.
+                sums = prep.checksums if prep.checksums and None not in prep.checksums else None
+                results = self.client.batch_store(prep.keys, prep.objects, checksums=sums)
             except MaruError as e:
                 rep.failed += len(prep.objects)
                 rep.tokens = 0
@@ -318,7 +335,7 @@ class KVTransferEngine:
         index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
         if handles is None:
             return InflightLoad(self, rep, [], [], t0)
-        issued: list[tuple[RequestTransfer, Any, int, int]] = []
+        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]] = []
         try:
             for req in requests:
                 why = self._check(req, handles, index)
@@ -345,7 +362,8 @@ class KVTransferEngine:
         if not keys:
             return index, None, False
         try:
-            return index, list(self.client.batch_retrieve(keys, pin=True)), False
+            # verify=False: the path checks the bytes it places (after the copy), not a CPU pass here.
+            return index, list(self.client.batch_retrieve(keys, pin=True, verify=not self.verify)), False
         except MaruError as e:
             for req in requests:
                 failed[req.req_id] = f"lookup failed: {e}"
@@ -353,13 +371,13 @@ class KVTransferEngine:
 
     def _parts(
         self, req: RequestTransfer, handles: list[Any], index: dict[str, int]
-    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """(object over the pinned page, host slot mapping, bytes) of each chunk of ``req``."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
+        """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
         for c in req.chunks:
             h = handles[index[c.key]]
             slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, c.placed())
-            out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size)))
+            out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size), h))
         return out
 
     def _issue_scatter(
@@ -367,23 +385,24 @@ class KVTransferEngine:
         req: RequestTransfer,
         handles: list[Any],
         index: dict[str, int],
-        issued: list[tuple[RequestTransfer, Any, int, int]],
+        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]],
     ) -> str | None:
         """Issue ``req``'s scatter on the path; None (``req`` recorded in ``issued``), or why it failed."""
         try:
             parts = self._parts(req, handles, index)
         except Exception as e:
             return f"preparing the chunks failed: {type(e).__name__}: {e}"
-        nbytes = sum(n for _, _, n in parts)
-        placed = [(o, s) for c, (o, s, _) in zip(req.chunks, parts, strict=True) if _places(c)]
+        nbytes = sum(p[2] for p in parts)
+        placed = [p for c, p in zip(req.chunks, parts, strict=True) if _places(c)]
         del parts
         handle = None
-        if placed:  # a chunk with nothing to place is not copied at all
+        if placed:  # a chunk with nothing to place is not copied at all (nor trusted for anything)
+            expected = [p[3].checksum for p in placed] if self.verify else None
             try:
-                handle = self.path.scatter([o for o, _ in placed], [s for _, s in placed])
+                handle = self.path.scatter([p[0] for p in placed], [p[1] for p in placed], expected)
             except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                 return f"placing the chunks failed: {type(e).__name__}: {e}"
-        issued.append((req, handle, len(req.chunks), nbytes))
+        issued.append((req, handle, len(req.chunks), nbytes, [p[3] for p in placed]))
         return None
 
     def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:
@@ -391,12 +410,29 @@ class KVTransferEngine:
             h = handles[index[c.key]]
             if h is None:
                 return f"chunk {c.key} is gone from the pool (evicted or deleted)"
+            if self.verify and h.checksum is None:
+                return (
+                    f"chunk {c.key} was committed without a checksum (an older writer): it cannot be verified"
+                )
             want = self.geometry.nbytes(c.num_tokens)
             if h.size != want:
                 return (
                     f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
                 )
         return None
+
+    def report_corrupt(self, corrupt: list[Any], verified: int) -> None:
+        """Count ``verified`` good chunks and report the ``corrupt`` lookup handles (integrity)."""
+        report = getattr(self.client, "report_corrupt", None)
+        if report is not None:
+            report(corrupt, verified=verified)
+        elif corrupt:
+            logger.warning(
+                "Maru: %d loaded chunks failed their checksum (e.g. %s); %s cannot report them",
+                len(corrupt),
+                corrupt[0].key,
+                type(self.client).__name__,
+            )
 
     # ------------------------------------------------------------------ layer by layer
     def pin(self, requests: Sequence[RequestTransfer]) -> PinnedLoad:

@@ -5,6 +5,10 @@ groups of a layer-by-layer scatter). ``done()`` never blocks. ``wait()`` blocks 
 completed and raises when the whole transfer failed; ``failed_items()`` (after ``wait()``) names
 the items that failed alone, the others are complete. A handle keeps the tensors over pool pages
 alive until it completed: drop it only after ``done()`` or ``wait()``.
+
+Integrity (after ``wait()``): a scatter given the committed checksums of its objects names in
+``mismatched()`` the objects (flat index over every chunk, groups in order) whose bytes, as the
+path placed them, do not match; a gather may give ``checksums()`` of the bytes it wrote.
 """
 
 from __future__ import annotations
@@ -30,12 +34,37 @@ class TransferHandle(ABC):
     def failed_items(self) -> dict[int, str]:
         return {}
 
+    def mismatched(self) -> list[int]:
+        """Objects whose placed bytes failed their committed checksum (flat indices)."""
+        return []
+
+    def checksums(self) -> list[int | None] | None:
+        """``maru.checksum`` of each gathered object's bytes, where the path computed it."""
+        return None
+
+
+def compare(got: list[int] | None, expected: list[int] | None) -> list[int]:
+    """Indices where ``got`` differs from ``expected``; every index when ``got`` is missing (a
+    transfer asked to verify that computed nothing must not pass as verified)."""
+    if expected is None:
+        return []
+    if got is None or len(got) != len(expected):
+        return list(range(len(expected)))
+    return [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
+
 
 class CompletedHandle(TransferHandle):
     """A transfer that ran to its end on the calling thread (CPU and staged paths)."""
 
-    def __init__(self, failed: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        failed: dict[int, str] | None = None,
+        mismatched: list[int] | None = None,
+        sums: list[int | None] | None = None,
+    ) -> None:
         self._failed = failed or {}
+        self._mismatched = mismatched or []
+        self._sums = sums
 
     def done(self) -> bool:
         return True
@@ -46,18 +75,33 @@ class CompletedHandle(TransferHandle):
     def failed_items(self) -> dict[int, str]:
         return dict(self._failed)
 
+    def mismatched(self) -> list[int]:
+        return list(self._mismatched)
+
+    def checksums(self) -> list[int | None] | None:
+        return self._sums
+
 
 class DeviceHandle(TransferHandle):
-    """A transfer queued on a ``DevicePipeline`` (its ``Transfer``); errors surface at done()/wait()."""
+    """A transfer queued on a ``DevicePipeline`` (its ``Transfer``); errors surface at done()/wait().
+    ``expected``: the committed checksums of a verifying load's objects."""
 
-    def __init__(self, transfer: Any) -> None:
+    def __init__(self, transfer: Any, expected: list[int] | None = None) -> None:
         self.transfer = transfer
+        self.expected = expected
 
     def done(self) -> bool:
         return bool(self.transfer.done())
 
     def wait(self) -> None:
         self.transfer.wait()
+
+    def mismatched(self) -> list[int]:
+        return compare(self.transfer.checksums(), self.expected)
+
+    def checksums(self) -> list[int | None] | None:
+        got = self.transfer.checksums()
+        return None if got is None else list(got)
 
 
 class LayerHandle(TransferHandle):
@@ -82,11 +126,16 @@ class LayerHandle(TransferHandle):
 
 
 class DeviceLayerHandle(LayerHandle):
-    """``DevicePipeline.load_layers``' ``LayerLoad``: one event per layer; all items fail together."""
+    """``DevicePipeline.load_layers``' ``LayerLoad``: one event per layer; all items fail together.
+    ``expected``: the committed checksums of every object, flat (a verifying load)."""
 
-    def __init__(self, load: Any, num_layers: int) -> None:
+    def __init__(self, load: Any, num_layers: int, expected: list[int] | None = None) -> None:
         self.load = load
         self.num_layers = num_layers
+        self.expected = expected
+
+    def mismatched(self) -> list[int]:
+        return compare(self.load.checksums(), self.expected)
 
     def wait_for_layer(self, layer: int) -> None:
         self.load.wait_for_layer(layer)
@@ -109,16 +158,26 @@ class ThreadedLayerHandle(LayerHandle):
 
     Invariants: layer i's event is set only after layer i of every item still alive is placed
     (and, on a device, ran); an item whose placement raised is skipped from then on and named by
-    ``failed_items()``; every event is set when the thread ends, so a waiter never hangs.
+    ``failed_items()``; every event is set when the thread ends, so a waiter never hangs. With
+    ``expected`` (committed checksums per group), after the last layer the path checks the bytes
+    it placed from (``path.placed_checksums``) before ``done()`` turns true.
     """
 
-    def __init__(self, path: DataPath, groups: list[list[tuple[Any, Any]]], num_layers: int) -> None:
+    def __init__(
+        self,
+        path: DataPath,
+        groups: list[list[tuple[Any, Any]]],
+        num_layers: int,
+        expected: list[list[int]] | None = None,
+    ) -> None:
         self.num_layers = num_layers
         self._path = path
         self._groups = groups
+        self._expected = expected
         self._events = [threading.Event() for _ in range(num_layers)]
         self._done = threading.Event()
         self._failed: dict[int, str] = {}
+        self._mismatched: list[int] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="maru-layer-load", daemon=True)
         self._thread.start()
@@ -137,6 +196,8 @@ class ThreadedLayerHandle(LayerHandle):
                         self._failed[g] = f"placing layer {i} failed: {type(e).__name__}: {e}"
                 self._path.sync()  # queued kernels are not placed layers
                 self._events[i].set()
+            if self._expected is not None:
+                self._verify()
         except BaseException as e:  # the device itself failed: every item fails
             self._error = e
         finally:
@@ -145,6 +206,18 @@ class ThreadedLayerHandle(LayerHandle):
                 ev.set()
             self.host_seconds = time.perf_counter() - t0
             self._done.set()
+
+    def _verify(self) -> None:
+        flat = 0
+        for g, parts in enumerate(self._groups):
+            want = self._expected[g] if self._expected is not None else []
+            if g not in self._failed:
+                got = self._path.placed_checksums([obj for obj, _ in parts])
+                self._mismatched += [flat + i for i in compare(got, want)]
+            flat += len(parts)
+
+    def mismatched(self) -> list[int]:
+        return list(self._mismatched)
 
     def wait_for_layer(self, layer: int) -> None:
         self._events[layer].wait()

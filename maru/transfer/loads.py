@@ -1,6 +1,8 @@
 """Loads in progress: pinned and checked (``PinnedLoad``), issued chunk by chunk (``InflightLoad``),
 issued layer by layer (``LayerByLayerLoad``). Each releases its pins exactly once, only after every
-transfer that reads the pinned pages completed."""
+transfer that reads the pinned pages completed. A request whose placed bytes failed their
+committed checksum (the handle's ``mismatched()``) is failed like one whose copy failed, before
+it is ever reported loaded, and its corrupt chunks are reported (``engine.report_corrupt``)."""
 
 from __future__ import annotations
 
@@ -25,11 +27,11 @@ class PinnedLoad:
     """A load looked up and pinned, checked, not yet placed (``KVTransferEngine.pin``).
 
     ``ready``: the requests whose every chunk is present with the right size, each with its
-    (object tensor, host slot mapping, bytes) per chunk; ``failed``: req_id -> why. Nothing of a
+    (object tensor, host slot mapping, bytes, lookup handle) per chunk; ``failed``: req_id -> why. Nothing of a
     failed request is ever placed. The pins hold until ``KVTransferEngine.release``.
     """
 
-    ready: list[tuple[RequestTransfer, list[tuple[torch.Tensor, torch.Tensor, int]]]] = field(
+    ready: list[tuple[RequestTransfer, list[tuple[torch.Tensor, torch.Tensor, int, Any]]]] = field(
         default_factory=list
     )
     failed: dict[str, str] = field(default_factory=dict)
@@ -52,13 +54,15 @@ class InflightLoad:
         engine: KVTransferEngine,
         report: LoadReport,
         handles: list[Any],
-        issued: list[tuple[RequestTransfer, Any, int, int]],
+        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]],
         t0: float,
     ) -> None:
         self.engine = engine
         self.report = report  # failures at lookup, check and issue are in it already
         self._handles = handles  # the pinned lookup handles (None: missing key)
-        self._issued = issued  # (request, transfer handle or None when nothing is placed, chunks, bytes)
+        # (request, transfer handle or None when nothing is placed, chunks, bytes, placed chunks'
+        # lookup handles)
+        self._issued = issued
         self._errors: dict[int, BaseException] = {}  # issued index -> error raised by its done()
         self._t0 = t0
         self._collected = False
@@ -66,7 +70,7 @@ class InflightLoad:
 
     def done(self) -> bool:
         """True once every issued transfer completed or failed (non-blocking)."""
-        for k, (_, transfer, _, _) in enumerate(self._issued):
+        for k, (_, transfer, *_) in enumerate(self._issued):
             if transfer is None or k in self._errors:
                 continue
             try:
@@ -83,22 +87,34 @@ class InflightLoad:
         self._collected = True
         rep, settle = self.report, False
         issued, self._issued = self._issued, []
-        for k, (req, transfer, nchunks, nbytes) in enumerate(issued):
+        corrupt: list[Any] = []
+        verified = 0
+        for k, (req, transfer, nchunks, nbytes, placed) in enumerate(issued):
             err = self._errors.get(k)
+            bad: list[int] = []
             if err is None and transfer is not None:
                 try:
                     transfer.wait()
+                    bad = transfer.mismatched()
                 except Exception as e:
                     err = e
             if err is not None:  # reported as a load error: vLLM recomputes these blocks
                 rep.failed[req.req_id] = f"placing the chunks failed: {type(err).__name__}: {err}"
                 settle = True
                 continue
+            if self.engine.verify:
+                verified += len(placed) - len(bad)
+            if bad:  # all or nothing: the request is recomputed, its good chunks included
+                corrupt += [placed[i] for i in bad]
+                rep.failed[req.req_id] = mismatch_reason([placed[i] for i in bad])
+                continue
             rep.loaded_req_ids.append(req.req_id)
             rep.tokens += req.num_placed_tokens()
             rep.chunks += nchunks
             rep.bytes += nbytes
         del issued  # the transfers drop their tensors over the pool pages with it
+        if verified or corrupt:
+            self.engine.report_corrupt(corrupt, verified)
         if settle:
             self.engine.path.settle()  # a failed transfer may leave copies queued: drain before unpinning
         rep.seconds = time.perf_counter() - self._t0
@@ -146,14 +162,17 @@ class LayerByLayerLoad:
         self._released = False
         ready, pinned.ready = pinned.ready, []  # the handle keeps the tensors it needs
         self._reqs = [req for req, _ in ready]
-        self._bytes = {req.req_id: sum(n for _, _, n in parts) for req, parts in ready}
-        groups = []
-        for req, parts in ready:
-            chunks = zip(req.chunks, parts, strict=True)
-            groups.append([(o, s) for c, (o, s, _) in chunks if c.placed()[1] > c.placed()[0]])
+        self._bytes = {req.req_id: sum(p[2] for p in parts) for req, parts in ready}
+        groups, expected = [], []
+        self._placed: list[tuple[int, Any]] = []  # (group, lookup handle) of each placed chunk, flat
+        for g, (req, parts) in enumerate(ready):
+            placed = [p for c, p in zip(req.chunks, parts, strict=True) if c.placed()[1] > c.placed()[0]]
+            groups.append([(p[0], p[1]) for p in placed])
+            expected.append([p[3].checksum for p in placed])
+            self._placed += [(g, p[3]) for p in placed]
         try:
             if any(groups):
-                self.handle = engine.path.scatter_layers(groups)
+                self.handle = engine.path.scatter_layers(groups, expected if engine.verify else None)
         except Exception as e:
             why = f"placing the layers failed: {type(e).__name__}: {e}"
             for req in self._reqs:
@@ -164,7 +183,7 @@ class LayerByLayerLoad:
                 self.report.loaded_req_ids.append(req.req_id)
                 self.report.tokens += req.num_placed_tokens()
                 self.report.chunks += len(parts)
-                self.report.bytes += sum(n for _, _, n in parts)
+                self.report.bytes += sum(p[2] for p in parts)
         del groups, ready
         self.report.seconds = pinned.seconds + time.perf_counter() - t0
 
@@ -173,8 +192,16 @@ class LayerByLayerLoad:
             self.handle.wait_for_layer(layer)
 
     def wait_all(self) -> None:
+        """The caller waits for every layer. A verifying load also blocks the host until its
+        checksums are known, so that ``done()`` is true after it and a mismatch is reported in
+        this step, before vLLM takes the request as loaded."""
         if self.handle is not None:
             self.handle.wait_all()
+            if self.engine.verify:
+                try:
+                    self.handle.wait()
+                except Exception:  # finish() reports it
+                    pass
 
     def layer_done(self, layer: int) -> bool:
         return self.handle is None or self.handle.layer_done(layer)
@@ -200,6 +227,14 @@ class LayerByLayerLoad:
         try:
             handle.wait()
             failed = handle.failed_items()
+            bad = handle.mismatched()
+            corrupt = [self._placed[i][1] for i in bad]
+            for g in sorted({self._placed[i][0] for i in bad}):
+                failed.setdefault(
+                    g, mismatch_reason([h for gg, h in (self._placed[i] for i in bad) if gg == g])
+                )
+            if self.engine.verify:
+                self.engine.report_corrupt(corrupt, len(self._placed) - len(bad))
         except Exception as e:
             why = f"placing the layers failed: {type(e).__name__}: {e}"
             logger.error("Maru: the layer-overlap load of %d requests failed (%s)", len(self._reqs), why)
@@ -232,3 +267,12 @@ class LayerByLayerLoad:
         finally:
             self.handle = None  # drops the tensors over the pool pages before unpinning
             self.engine.release(self._pinned)
+
+
+def mismatch_reason(corrupt: list[Any]) -> str:
+    """Why a request failed whose chunks ``corrupt`` (lookup handles) failed their checksum."""
+    keys = ", ".join(h.key for h in corrupt[:3]) + (", ..." if len(corrupt) > 3 else "")
+    return (
+        f"{len(corrupt)} chunk(s) ({keys}) do not match the checksum their writer committed (another "
+        "process wrote into their pool space); served as a miss, reported to the server"
+    )

@@ -6,6 +6,12 @@
 ``maru.transfer.handles``. Slot mappings come in as host int64 tensors (one per chunk); a path
 moves them where it needs them.
 
+Integrity: a scatter given ``expected`` (each object's committed checksum) checks the bytes it
+actually placed from, after the copy that placed them (the handle's ``mismatched()``): CPU: the
+pool object after the scatter (numpy); staged: the device copy; pipelined: the device staging
+slot after its copy; direct layer load: inside the kernel, over the rows it read. A gather on a
+device path also returns the checksums of what it wrote (``checksums()``), computed on the device.
+
 * ``CpuPath``: kv_ops straight on pool memory (CPU caches).
 * ``PipelinedPath``: a ``kv_ops.DevicePipeline`` over the CUDA-registered pool (copy engine and
   placement kernels overlapped); asynchronous handles.
@@ -25,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from maru import kv_ops
+from maru.kv_ops.checksum import checksum_tensor
 from maru.transfer.handles import (
     CompletedHandle,
     DeviceHandle,
@@ -69,12 +76,16 @@ class DataPath(ABC):
         """Fill each object from the cache at its slots. Bytes are complete only once the handle is."""
 
     @abstractmethod
-    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
-        """Place each object's tokens at its slots (-1: skipped). Raises if it could not be issued."""
+    def scatter(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+    ) -> TransferHandle:
+        """Place each object's tokens at its slots (-1: skipped). Raises if it could not be issued.
+        ``expected``: committed checksums, checked against the placed bytes (``mismatched()``)."""
 
     @abstractmethod
-    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
-        """Place every group (one request's chunks) layer by layer; items of the handle are groups."""
+    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
+        """Place every group (one request's chunks) layer by layer; items of the handle are groups.
+        ``expected``: per group, its objects' committed checksums (``mismatched()`` is flat)."""
 
     def settle(self) -> None:  # noqa: B027 - nothing is queued on a synchronous path
         """After a failed transfer: wait for whatever this path queued (never raises)."""
@@ -105,24 +116,39 @@ class _HostPlacement(DataPath):
 
     def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
         failed: dict[int, str] = {}
+        sums: list[int | None] = []
         for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
             try:
-                self._gather_one(obj, s)
+                sums.append(self._gather_one(obj, s))
             except Exception as e:  # that object is aborted, never published
                 failed[i] = f"{type(e).__name__}: {e}"
-        return CompletedHandle(failed)
+                sums.append(None)
+        return CompletedHandle(failed, sums=sums)
 
-    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
-        for obj, s in zip(objs, slots, strict=True):
-            kv_ops.scatter(
-                self._to_device(obj), self.caches, self.layout, self._to_device(s), backend=self.backend
-            )
+    def scatter(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+    ) -> TransferHandle:
+        bad: list[int] = []
+        for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
+            placed = self._to_device(obj)
+            kv_ops.scatter(placed, self.caches, self.layout, self._to_device(s), backend=self.backend)
+            # After the scatter: a change to the pool object before or during it shows here.
+            if expected is not None and self._checksum(obj, placed) != expected[i]:
+                bad.append(i)
         self.sync()  # complete on return: it may be reported from any thread
-        return CompletedHandle()
+        return CompletedHandle(mismatched=bad)
 
-    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
+    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
         moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]
-        return ThreadedLayerHandle(self, moved, self.num_layers)
+        return ThreadedLayerHandle(self, moved, self.num_layers, expected)
+
+    def placed_checksums(self, objs: list[torch.Tensor]) -> list[int]:
+        """After a layer-by-layer placement: ``maru.checksum`` of each object it placed from."""
+        return [self._checksum(obj, self._to_device(obj)) for obj in objs]
+
+    def _checksum(self, obj: torch.Tensor, placed: torch.Tensor) -> int:
+        """The checksum of the bytes a placement read: the pool object itself on the CPU."""
+        return checksum_tensor(placed)
 
     def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
         """Place layer ``layer`` of one chunk object ``[L, KV, T, ROW]`` at ``slots``."""
@@ -137,7 +163,8 @@ class _HostPlacement(DataPath):
         """Wait until the work this thread queued on the caches' device ran (no-op on CPU)."""
 
     @abstractmethod
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None: ...
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
+        """Gather one object; its checksum where the path computed it (else None)."""
 
 
 class CpuPath(_HostPlacement):
@@ -146,8 +173,9 @@ class CpuPath(_HostPlacement):
     name = "cpu"
     defers_store_gather = True
 
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None:
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
         kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=obj)
+        return None  # batch_store checksums the pool object (numpy, the same pass it would be here)
 
 
 class StagedPath(_HostPlacement):
@@ -168,9 +196,10 @@ class StagedPath(_HostPlacement):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> None:
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
         staged = kv_ops.gather(self.caches, self.layout, slots.to(self.device), backend=self.backend)
         obj.copy_(staged)  # synchronous: the object is complete before it is published
+        return checksum_tensor(staged)  # on the device: no CPU pass over the pool bytes
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -196,29 +225,35 @@ class PipelinedPath(DataPath):
 
     def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
         try:
-            return DeviceHandle(self.pipeline.store(objs, torch.cat(slots)))
+            return DeviceHandle(self.pipeline.store(objs, torch.cat(slots), checksums=True))
         except ValueError:
             raise  # rejected before anything was queued
         except Exception:
             self.settle()  # an issue that failed half way may have queued copies
             raise
 
-    def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+    def scatter(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+    ) -> TransferHandle:
         try:
-            return DeviceHandle(self.pipeline.load(objs, torch.cat(slots)))
+            load = self.pipeline.load(objs, torch.cat(slots), checksums=expected is not None)
+            return DeviceHandle(load, expected)
         except Exception:
             self.settle()  # a failure at issue may leave copies queued
             raise
 
-    def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
+    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
         # One call for every group: they succeed or fail together.
         flat = [c for g in groups for c in g]
         try:
-            load = self.pipeline.load_layers([o for o, _ in flat], torch.cat([s for _, s in flat]))
+            load = self.pipeline.load_layers(
+                [o for o, _ in flat], torch.cat([s for _, s in flat]), checksums=expected is not None
+            )
         except Exception:
             self.settle()
             raise
-        return DeviceLayerHandle(load, self.num_layers)
+        want = None if expected is None else [c for g in expected for c in g]
+        return DeviceLayerHandle(load, self.num_layers, want)
 
     def settle(self) -> None:
         try:
@@ -252,6 +287,7 @@ class PipelinedPath(DataPath):
             use_graphs=False,
             layer_graphs=True,
             lazy_capture=False,
+            layer_checksums=True,  # the engine verifies every load: warm those graphs
         )
         if pipeline.layer_graphs and LAYER_WARM_TOKENS:
             t0 = time.perf_counter()

@@ -20,6 +20,7 @@ class PreparedStore:
     report: StoreReport
     keys: list[str] = field(default_factory=list)
     objects: list[Any] = field(default_factory=list)
+    checksums: list[int | None] = field(default_factory=list)  # of the bytes written, where known
     nbytes: int = 0
 
 
@@ -28,12 +29,14 @@ class IssuedGather:
     """A gather issued on the data path whose copies may still run.
 
     ``outs`` (tensors over the pool pages) stay alive until the copies completed; ``ok`` are the
-    chunks in the gather (with their objects), ``bad`` the objects to abort.
+    chunks in the gather (with their objects), ``bad`` the objects to abort; ``sums`` the
+    checksums the path computed of what it wrote, parallel to ``ok`` (once waited for).
     """
 
     handle: TransferHandle | None = None
     ok: list[tuple[ChunkRef, Any]] = field(default_factory=list)
     bad: list[Any] = field(default_factory=list)
+    sums: list[int | None] = field(default_factory=list)
     outs: list[torch.Tensor] = field(default_factory=list)
 
 

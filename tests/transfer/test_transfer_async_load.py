@@ -186,6 +186,9 @@ class Gated:
     def wait_on(self, stream: Any = None) -> None:
         self.inner.wait_on(stream)
 
+    def checksums(self) -> Any:
+        return self.inner.checksums()
+
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
         self.inner.wait_for_layer(layer, stream)
 

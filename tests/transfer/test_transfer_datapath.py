@@ -41,8 +41,8 @@ class CountingPins:
         self.pinned = 0
         self.released = 0
 
-    def batch_retrieve(self, keys: list[str], pin: bool = True) -> list[Any]:
-        out = self.inner.batch_retrieve(keys, pin=pin)
+    def batch_retrieve(self, keys: list[str], pin: bool = True, verify: bool = True) -> list[Any]:
+        out = self.inner.batch_retrieve(keys, pin=pin, verify=verify)
         self.pinned += sum(h is not None for h in out)
         return out
 
