@@ -14,9 +14,9 @@ timeout 200 python3 -m maru.kv_ops.selfcheck --device cuda --quick 2>&1 | tail -
 PYTEST="python3 -m pytest --noconftest -q -p no:cacheprovider -x -W ignore::DeprecationWarning"
 if [ -n "${SKIP_TESTS:-}" ]; then
   echo "tests skipped (SKIP_TESTS)"
-elif ! timeout 200 $PYTEST ${TESTS:-tests/kv_ops/test_pipeline_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -30; then
+elif ! timeout 200 $PYTEST ${TESTS:-tests/kv_ops/test_device_pipeline_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -30; then
   echo "=== tests failed with the default backend; again with the reference backend (engine vs kernel) ==="
-  MARU_TEST_BACKEND=reference timeout 120 $PYTEST ${TESTS:-tests/kv_ops/test_pipeline_gpu.py} 2>&1 | tee "$OUT/tests_ref.log" | tail -15
+  MARU_TEST_BACKEND=reference timeout 120 $PYTEST ${TESTS:-tests/kv_ops/test_device_pipeline_gpu.py} 2>&1 | tee "$OUT/tests_ref.log" | tail -15
 fi
 echo "tests took $(( $(date +%s) - T0 )) s"
 if ! timeout 300 python3 bench/gpu_datapath.py --json "$OUT/gpu_datapath.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40; then

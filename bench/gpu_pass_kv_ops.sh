@@ -10,6 +10,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv_ops/test_kv_ops_gp
   2>&1 | tee "$OUT/kv_ops_gpu_tests.log" | tail -8
 # --noconftest: the suite's conftest starts ZeroMQ servers; the pipeline GPU tests need none.
 timeout 120 python3 -m pytest --noconftest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-  tests/kv_ops/test_pipeline_gpu.py 2>&1 | tee "$OUT/pipeline_gpu_tests.log" | tail -8
+  tests/kv_ops/test_device_pipeline_gpu.py 2>&1 | tee "$OUT/pipeline_gpu_tests.log" | tail -8
 [ "${KV_OPS_HND:-0}" = 1 ] && timeout 120 python3 bench/kv_ops.py --quick --layout kv_first/HND 2>&1 | tee "$OUT/kv_ops_bench_hnd.log" | tail -12
 timeout 240 python3 bench/kv_ops.py --sweep 2>&1 | tee "$OUT/kv_ops_bench.log"

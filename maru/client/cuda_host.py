@@ -183,7 +183,7 @@ class CudaHostRegistry:
 
         ``slice_bytes=None`` (the default) registers the range in one call and reports progress from
         a ticker while the call runs. ``slice_bytes=n`` registers n-byte slices and reports progress
-        between them, but measured on an H200 (2026-11-29, bench/gpu_datapath.py) a copy that spans
+        between them, but a copy that spans
         two separately registered slices *fails* (cudaErrorInvalidValue): use slices only where no
         object can cross a slice boundary (slices aligned to the server's region size).
         ``progress(done, total, seconds)`` defaults to an info log.

@@ -142,9 +142,8 @@ class GraphedPlacer:
             graph = torch.cuda.CUDAGraph()
             # No Python garbage collection during the capture: torch no longer collects before a
             # capture, and a collection inside it that frees another placer's graphs (a dead reference
-            # cycle) calls cudaGraphExecDestroy, which invalidates this capture (seen on an H200,
-            # 2026-11-29: tests/kv_ops/test_pipeline_gpu.py, "operation failed due to a previous error
-            # during capture" after "operation not permitted when stream is capturing (function reset)").
+            # cycle) calls cudaGraphExecDestroy, which invalidates this capture ("operation failed
+            # due to a previous error during capture").
             gc_was_enabled = gc.isenabled()
             gc.disable()
             try:
