@@ -113,12 +113,16 @@ class _HostPlacement(DataPath):
         return CompletedHandle(failed)
 
     def scatter(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
-        for obj, s in zip(objs, slots, strict=True):
-            kv_ops.scatter(
-                self._to_device(obj), self.caches, self.layout, self._to_device(s), backend=self.backend
-            )
+        failed: dict[int, str] = {}
+        for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
+            try:
+                kv_ops.scatter(
+                    self._to_device(obj), self.caches, self.layout, self._to_device(s), backend=self.backend
+                )
+            except Exception as e:  # this chunk fails alone: only its request is recomputed
+                failed[i] = f"{type(e).__name__}: {e}"
         self.sync()  # complete on return: it may be reported from any thread
-        return CompletedHandle()
+        return CompletedHandle(failed)
 
     def scatter_layers(self, groups: list[Chunks]) -> LayerHandle:
         moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]

@@ -19,7 +19,10 @@ logger = logging.getLogger("maru.vllm")
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_MAX_INFLIGHT_LOADS = 4
+# The asynchronous-load window: requests, and chunks (what bounds the bytes pinned and queued on
+# the bus). A batch of many requests loads at bus speed; the request cap only bounds bookkeeping.
+DEFAULT_MAX_INFLIGHT_LOADS = 64
+DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -91,6 +94,7 @@ class MaruConnectorConfig:
     log_timing: bool = False
     async_load: bool = False
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
+    max_inflight_load_chunks: int = DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS
     overlap_load_with_compute: bool = False
     async_store: bool = False
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
@@ -119,7 +123,7 @@ class MaruConnectorConfig:
             name = key[len("maru_") :]
             if name in ("server_url", "namespace", "model_id", "model_revision"):
                 kw[name] = _as_str(key, value)
-            elif name in ("kv_chunk_tokens", "max_inflight_loads"):
+            elif name in ("kv_chunk_tokens", "max_inflight_loads", "max_inflight_load_chunks"):
                 kw[name] = _as_int(key, value, 1)
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
@@ -143,6 +147,7 @@ class MaruConnectorConfig:
         return {
             "async_load": self.async_load,
             "max_inflight_loads": self.max_inflight_loads,
+            "max_inflight_load_chunks": self.max_inflight_load_chunks,
             "overlap_load_with_compute": self.overlap_load_with_compute,
             "async_store": self.async_store,
         }
@@ -153,8 +158,9 @@ class MaruConnectorConfig:
         if self.async_load:
             out.append(
                 "maru_async_load: prefix hits load on a loader thread while the request waits in "
-                f"WAITING_FOR_REMOTE_KVS (at most {self.max_inflight_loads} loads in flight; more hits "
-                "wait for a free slot); other requests keep running"
+                "WAITING_FOR_REMOTE_KVS, every request parked since the loader's last turn in one "
+                f"batch (at most {self.max_inflight_loads} loads and {self.max_inflight_load_chunks} "
+                "chunks in flight; more hits wait a step); other requests keep running"
             )
         if self.overlap_load_with_compute:
             out.append(
