@@ -96,7 +96,10 @@ class MaruConnectorConfig:
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
     max_inflight_load_chunks: int = DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS
     overlap_load_with_compute: bool = False
-    async_store: bool = False
+    # Write-behind is the default: its safety rests on vLLM's delayed free (finished_sending) and
+    # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
+    # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).
+    async_store: bool = True
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -176,6 +179,18 @@ class MaruConnectorConfig:
                 "(finished_sending); a preempted request's blocks are reused only after the gather read them"
             )
         return out
+
+    def without_write_behind(self, why: str) -> MaruConnectorConfig:
+        """A copy with ``async_store`` off, announced (``why``: what makes write-behind unsafe here)."""
+        if not self.async_store:
+            return self
+        logger.warning(
+            "Maru: write-behind store (maru_async_store) is off: %s. Stores run synchronously after "
+            "the forward (cold prompts pay for the gather). Fix: a vLLM whose connector API has "
+            "handle_preemptions",
+            why,
+        )
+        return MaruConnectorConfig(**{**self.__dict__, "async_store": False})
 
     def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
         """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).

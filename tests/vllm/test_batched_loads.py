@@ -56,6 +56,7 @@ def _stored_requests(srv: Any, tag: str, n: int) -> tuple[CacheCase, list[Reques
     w, _ = _worker(srv, src)
     try:
         w.wait_for_save(MaruConnectorMetadata(stores=reqs))
+        w.flush_stores()  # write-behind (the default): published once drained
         assert w.stats.chunks_stored == 2 * n
     finally:
         stop_worker(w)

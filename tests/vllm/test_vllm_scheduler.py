@@ -357,7 +357,7 @@ def test_async_load_window_counts_chunks_and_always_admits_into_an_empty_window(
     assert tiny.get_num_new_matched_tokens(req("big", toks), 0) == (288, True)  # larger than the window
 
 
-def test_data_path_options_are_validated_off_by_default_and_exclusive() -> None:
+def test_data_path_options_are_validated_write_behind_by_default_and_exclusive() -> None:
     from maru.errors import ConfigError
 
     d = MaruConnectorConfig.from_extra_config({})
@@ -366,9 +366,12 @@ def test_data_path_options_are_validated_off_by_default_and_exclusive() -> None:
         "max_inflight_loads": 64,
         "max_inflight_load_chunks": 256,
         "overlap_load_with_compute": False,
-        "async_store": False,
+        "async_store": True,
     }
-    assert d.data_path_lines() == []
+    assert len(d.data_path_lines()) == 1 and d.data_path_lines()[0].startswith("maru_async_store:")
+    off = d.without_write_behind("a test")
+    assert not off.async_store and off.without_write_behind("again") is off
+    assert not MaruConnectorConfig.from_extra_config({"maru_async_store": "false"}).async_store
     c = MaruConnectorConfig.from_extra_config(
         {"maru_async_load": "true", "maru_max_inflight_loads": "8", "maru_async_store": 1}
     )
