@@ -35,7 +35,9 @@ def __getattr__(name: str) -> Any:
     if name in _OPS:
         from maru.kv_ops import ops
 
-        return getattr(ops, name)
+        fn = getattr(ops, name)
+        globals()[name] = fn  # resolved once: later lookups skip this hook (host time per call)
+        return fn
     if name == "GraphedPlacer":
         from maru.kv_ops.placer import GraphedPlacer
 

@@ -54,10 +54,13 @@ class _RefCache:
     """Validated layer refs of recently used cache sets, so a hot loop does not re-check every
     layer's shape and strides on every call (that host time can exceed a small copy's).
 
-    Keyed by the layout and the ids of the cache tensors; an entry holds the tensors themselves, so
-    an id cannot be reused by another tensor while its entry lives. (A tensor whose metadata is
-    changed in place with ``set_``/``as_strided_`` after a call would not be re-checked; vLLM never
-    does that to its caches.)
+    Keyed by the identity of the layout and of the cache tensors (hashing the layout's fields on
+    every call cost more than the rest of the lookup); an entry holds the layout and the tensors
+    themselves, so an id cannot be reused by another object while its entry lives. An equal but
+    distinct layout object is validated again, which is correct, only slower. (A tensor whose
+    metadata is changed in place with ``set_``/``as_strided_`` after a call would not be re-checked;
+    vLLM never does that to its caches.) The refs list returned is the same object on every hit:
+    backends memoise what they derive from it by its identity.
     """
 
     def __init__(self, size: int = 8) -> None:
@@ -66,11 +69,11 @@ class _RefCache:
 
     def get(self, caches: Any, layout: KVLayout) -> list[LayerRef]:
         if isinstance(caches, torch.Tensor):
-            key: tuple = (layout, id(caches))
+            key: tuple = (id(layout), id(caches))
         elif isinstance(caches, dict):
-            key = (layout, *map(id, caches.values()))
+            key = (id(layout), *map(id, caches.values()))
         else:
-            key = (layout, *map(id, caches))
+            key = (id(layout), *map(id, caches))
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
@@ -81,7 +84,7 @@ class _RefCache:
             if isinstance(caches, torch.Tensor)
             else tuple(caches.values() if isinstance(caches, dict) else caches)
         )
-        self._entries[key] = (keep, refs)
+        self._entries[key] = ((layout, keep), refs)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return refs

@@ -20,6 +20,8 @@ scalar-and-vector mask). ``row_offsets``, ``tiles``, ``row_is_contiguous``, ``la
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import triton
@@ -224,6 +226,38 @@ def layer_table(refs: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, int
     return _TABLES.get(ptrs, cache0.element_size(), cache0.device)
 
 
+class _Prepared:
+    """The host-side launch arguments derived from a refs list (base pointer view, layer table),
+    memoised by the identity of the list: ``ops`` hands the same validated list for the same caches
+    (``ops._RefCache``), and deriving them costs more host time than the launch itself. An entry holds
+    the list, so its id cannot be reused by another list while the entry lives."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._entries: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, int]] = {}
+
+    def get(
+        self, refs: list[tuple[torch.Tensor, int]], table: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        hit = self._entries.get(id(refs))
+        if hit is not None and hit[0] is refs and (hit[2] is not None or not table):
+            return hit[1], hit[2], hit[3]
+        cache0 = base_view(refs[0])
+        tab, align = layer_table(refs) if table else (None, 16)
+        if len(self._entries) >= self.size:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[id(refs)] = (refs, cache0, tab, align)
+        return cache0, tab, align
+
+
+_PREPARED = _Prepared()
+
+
+def prepared(refs: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(base pointer view of layer 0, layer table, alignment) for a multi-layer launch over ``refs``."""
+    return _PREPARED.get(refs, True)
+
+
 def base_view(ref: tuple[torch.Tensor, int]) -> torch.Tensor:
     """A one-element tensor starting at the layer base of ``ref``: the pointer a kernel receives."""
     tensor, base = ref
@@ -251,12 +285,13 @@ def place(
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
         return
-    cache0 = base_view(refs[0])
     if single_layer or num_layers == 1:
+        cache0 = base_view(refs[0])
         table, align, use_table = index, 16, False
     else:
-        table, align = layer_table(refs)
-        use_table = True
+        cache0, tab, align = _PREPARED.get(refs, True)
+        assert tab is not None
+        table, use_table = tab, True
     block_t, block_r, num_warps = tiles(layout, num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
     _place_kernel[grid](

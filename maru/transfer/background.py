@@ -7,6 +7,7 @@ waits (shutdown, tests).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -22,60 +23,102 @@ logger = logging.getLogger("maru.transfer")
 
 
 class AsyncLoader:
-    """``maru_async_load`` without blocking on transfers: issue on a loader thread, poll completion.
+    """``maru_async_load`` without blocking on transfers: batched issue on a loader thread, polled completion.
 
-    ``submit(tag, engine, requests)`` runs ``engine.start_load(requests)`` on one daemon thread: the
-    lookup-and-pin round trip and the issue (CUDA caches: ``pipeline.load``, which returns at once;
-    CPU caches: the placement itself, so the load comes back complete). ``poll()`` never waits for
-    a transfer: it returns ``(tag, LoadReport)`` for every load whose transfers are ``done()`` and
-    hands their unpin (a server round trip) back to the loader thread.
+    ``submit(tag, engine, requests)`` queues requests; each turn of the loader thread takes *every*
+    queued request (of one engine) and runs one ``engine.start_load`` over all of them: one
+    lookup-and-pin round trip and one issue for the batch (CUDA caches: one ``pipeline.load``,
+    which returns at once; CPU caches: the placement itself, so the batch comes back complete).
+    Several batches are in flight at once: the loader thread goes on to the next turn while the
+    copy engine runs. ``poll()`` never waits for a transfer: it returns ``(tags, LoadReport)`` for
+    every batch whose transfers are ``done()`` and hands its unpin (a server round trip) back to
+    the loader thread.
 
-    Invariants: every tag comes back from ``poll``/``drain`` exactly once, with a report that
-    either loads or fails each of its requests (an unexpected exception becomes a failure, never a
-    lost tag: vLLM would wait for the request for ever); a load is reported only once complete;
-    every load's pins are released exactly once, after completion (``InflightLoad.release``).
+    Invariants: every tag comes back from ``poll``/``drain`` exactly once, in a report that either
+    loads or fails each of its requests (an unexpected exception becomes a failure, never a lost
+    tag: vLLM would wait for the request for ever); a batch is reported only once complete; every
+    batch's pins are released exactly once, after completion (``InflightLoad.release``).
     """
 
     def __init__(self, name: str) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._ready: list[tuple[Any, LoadReport]] = []  # failed without a lookup: due at the next poll
-        self._issuing: list[tuple[Any, list[str], Future[InflightLoad]]] = []
-        self._inflight: list[tuple[Any, list[str], InflightLoad]] = []
+        self._lock = threading.Lock()
+        self._queue: list[tuple[Any, KVTransferEngine, list[RequestTransfer]]] = []  # for the next turn
+        self._turns: list[Future[None]] = []
+        self._issued: list[tuple[list[Any], list[str], InflightLoad | BaseException]] = []  # by turns
+        self._ready: list[tuple[list[Any], LoadReport]] = []  # failed without a lookup: due at next poll
+        self._inflight: list[tuple[list[Any], list[str], InflightLoad]] = []
         self._unpins: list[Future[None]] = []
+        self.batches = 0  # batches issued (one lookup round trip each)
 
     def submit(self, tag: Any, engine: KVTransferEngine, requests: Sequence[RequestTransfer]) -> None:
-        reqs = list(requests)
-        self._issuing.append((tag, [r.req_id for r in reqs], self._pool.submit(engine.start_load, reqs)))
+        """Queue ``requests`` (reported together under ``tag``) for the loader's next turn."""
+        self.submit_many(engine, [(tag, requests)])
+
+    def submit_many(
+        self, engine: KVTransferEngine, items: Sequence[tuple[Any, Sequence[RequestTransfer]]]
+    ) -> None:
+        """Queue several (tag, requests) at once: a turn never takes only part of them."""
+        if not items:
+            return
+        with self._lock:
+            scheduled = bool(self._queue)  # a turn is scheduled already and will take these too
+            self._queue.extend((tag, engine, list(reqs)) for tag, reqs in items)
+        if not scheduled:
+            self._turns.append(self._pool.submit(self._turn))
 
     def fail(self, tag: Any, req_id: str, why: str) -> None:
         """Report ``req_id`` failed at the next ``poll`` (nothing was looked up)."""
-        self._ready.append((tag, LoadReport(failed={req_id: why})))
+        self._ready.append(([tag], LoadReport(failed={req_id: why})))
 
     def __len__(self) -> int:
-        """Loads submitted and not yet reported."""
-        return len(self._ready) + len(self._issuing) + len(self._inflight)
+        """Submissions (tags) not yet reported."""
+        with self._lock:
+            queued = len(self._queue) + sum(len(tags) for tags, _, _ in self._issued)
+        return (
+            queued
+            + sum(len(tags) for tags, _ in self._ready)
+            + sum(len(tags) for tags, _, _ in self._inflight)
+        )
 
-    def poll(self) -> list[tuple[Any, LoadReport]]:
-        """(tag, report) of every load that completed or failed since the last call. Never blocks."""
+    def _turn(self) -> None:
+        """Loader thread: issue every queued submission, one ``start_load`` per engine."""
+        with self._lock:
+            queue, self._queue = self._queue, []
+        by_engine: dict[int, tuple[KVTransferEngine, list[Any], list[RequestTransfer]]] = {}
+        for tag, engine, reqs in queue:
+            _, tags, all_reqs = by_engine.setdefault(id(engine), (engine, [], []))
+            tags.append(tag)
+            all_reqs.extend(reqs)
+        for engine, tags, reqs in by_engine.values():
+            result: InflightLoad | BaseException
+            try:
+                result = engine.start_load(reqs)
+            except BaseException as e:  # start_load released its pins before raising
+                result = e
+            self.batches += 1
+            with self._lock:
+                self._issued.append((tags, [r.req_id for r in reqs], result))
+
+    def poll(self) -> list[tuple[list[Any], LoadReport]]:
+        """(tags, report) of every batch that completed or failed since the last call. Never blocks."""
         out, self._ready = self._ready, []
-        issuing, self._issuing = self._issuing, []
-        for tag, req_ids, fut in issuing:
-            if not fut.done():
-                self._issuing.append((tag, req_ids, fut))
-                continue
-            exc = fut.exception()
-            if exc is not None:  # start_load released its pins before raising
-                why = f"issuing the load failed: {type(exc).__name__}: {exc}"
-                out.append((tag, LoadReport(failed=dict.fromkeys(req_ids, why))))
+        with self._lock:
+            issued, self._issued = self._issued, []
+        for tags, req_ids, result in issued:
+            if isinstance(result, BaseException):
+                why = f"issuing the load failed: {type(result).__name__}: {result}"
+                out.append((tags, LoadReport(failed=dict.fromkeys(req_ids, why))))
             else:
-                self._inflight.append((tag, req_ids, fut.result()))
+                self._inflight.append((tags, req_ids, result))
         inflight, self._inflight = self._inflight, []
-        for tag, req_ids, load in inflight:
+        for tags, req_ids, load in inflight:
             if load.done():
-                out.append((tag, self._complete(req_ids, load)))
+                out.append((tags, self._complete(req_ids, load)))
             else:
-                self._inflight.append((tag, req_ids, load))
+                self._inflight.append((tags, req_ids, load))
         self._unpins = [f for f in self._unpins if not f.done()]
+        self._turns = [f for f in self._turns if not f.done()]
         return out
 
     def _complete(self, req_ids: list[str], load: InflightLoad) -> LoadReport:
@@ -88,28 +131,27 @@ class AsyncLoader:
         self._unpins.append(self._pool.submit(_release_logged, load))
         return rep
 
-    def drain(self, timeout: float | None = None) -> list[tuple[Any, LoadReport]]:
+    def drain(self, timeout: float | None = None) -> list[tuple[list[Any], LoadReport]]:
         """Wait for every submitted load (issue up to ``timeout`` seconds, then its transfers) and
         every unpin; the reports not yet returned by ``poll``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait([f for _, _, f in self._issuing], timeout=timeout)
+        wait(self._turns, timeout=timeout)
         out = self.poll()
         inflight, self._inflight = self._inflight, []
-        for tag, req_ids, load in inflight:
-            out.append((tag, self._complete(req_ids, load)))  # collect() waits for the transfers
+        for tags, req_ids, load in inflight:
+            out.append((tags, self._complete(req_ids, load)))  # collect() waits for the transfers
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         wait(self._unpins, timeout=left)
         self._unpins = [f for f in self._unpins if not f.done()]
-        if self._issuing:
+        if self._turns:
             logger.warning(
-                "Maru: %d asynchronous loads were still looking up after %.1f s; their pins are freed "
+                "Maru: asynchronous loads were still looking up after %.1f s; their pins are freed "
                 "with the lease",
-                len(self._issuing),
                 timeout,
             )
         return out
 
-    def close(self, timeout: float | None = None) -> list[tuple[Any, LoadReport]]:
+    def close(self, timeout: float | None = None) -> list[tuple[list[Any], LoadReport]]:
         out = self.drain(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         return out

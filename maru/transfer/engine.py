@@ -32,7 +32,7 @@ from maru.client.objects import Retrieved
 from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
 from maru.kv_ops.geometry import ObjectGeometry
 from maru.protocol import CommitResult
-from maru.transfer.loads import InflightLoad, LayerByLayerLoad, PinnedLoad
+from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, PinnedLoad
 from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import LoadReport, RequestTransfer, StoreReport, slot_mapping, unique_keys
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
@@ -325,7 +325,8 @@ class KVTransferEngine:
         return self.start_load(requests).finish()
 
     def start_load(self, requests: Sequence[RequestTransfer]) -> InflightLoad:
-        """Look up and pin every chunk (one round trip), check each request, issue its scatter.
+        """Look up and pin every chunk (one round trip), check each request, issue one scatter for
+        the chunks of every request that passed (one path call for the whole step).
 
         Returns without waiting where the path is asynchronous (poll ``InflightLoad.done()``). The
         pins are released by ``InflightLoad.release``/``finish``, or here if this raises.
@@ -334,21 +335,31 @@ class KVTransferEngine:
         rep = LoadReport()
         index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
         if handles is None:
-            return InflightLoad(self, rep, [], [], t0)
-        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]] = []
+            return InflightLoad(self, rep, [], IssuedScatter(), t0)
+        batch = IssuedScatter()
         try:
             for req in requests:
                 why = self._check(req, handles, index)
                 if why is None:
-                    why = self._issue_scatter(req, handles, index, issued)
+                    why = self._add_request(req, handles, index, batch)
                 if why is not None:
                     rep.failed[req.req_id] = why
+            if batch.objs:  # a chunk with nothing to place is not copied at all
+                try:
+                    expected = [h.checksum for h in batch.placed] if self.verify else None
+                    batch.transfer = self.path.scatter(batch.objs, batch.slots, expected)
+                except Exception as e:  # reported as a load error: vLLM recomputes these blocks
+                    why = f"placing the chunks failed: {type(e).__name__}: {e}"
+                    for req, _, _ in batch.requests:
+                        rep.failed[req.req_id] = why
+                    batch.requests = []
+                batch.objs, batch.slots = [], []  # the transfer keeps what it reads
         except BaseException:
             self.path.settle()  # unexpected: no copy may still read a page we unpin
-            issued = []
+            batch = IssuedScatter()
             self.unpin(handles)
             raise
-        return InflightLoad(self, rep, handles, issued, t0)
+        return InflightLoad(self, rep, handles, batch, t0)
 
     def _lookup_pinned(
         self, requests: Sequence[RequestTransfer], failed: dict[str, str]
@@ -380,29 +391,19 @@ class KVTransferEngine:
             out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size), h))
         return out
 
-    def _issue_scatter(
-        self,
-        req: RequestTransfer,
-        handles: list[Any],
-        index: dict[str, int],
-        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]],
+    def _add_request(
+        self, req: RequestTransfer, handles: list[Any], index: dict[str, int], batch: IssuedScatter
     ) -> str | None:
-        """Issue ``req``'s scatter on the path; None (``req`` recorded in ``issued``), or why it failed."""
+        """Add ``req``'s placed chunks to ``batch``; None, or why the request cannot be placed."""
         try:
             parts = self._parts(req, handles, index)
         except Exception as e:
             return f"preparing the chunks failed: {type(e).__name__}: {e}"
-        nbytes = sum(p[2] for p in parts)
-        placed = [p for c, p in zip(req.chunks, parts, strict=True) if _places(c)]
-        del parts
-        handle = None
-        if placed:  # a chunk with nothing to place is not copied at all (nor trusted for anything)
-            expected = [p[3].checksum for p in placed] if self.verify else None
-            try:
-                handle = self.path.scatter([p[0] for p in placed], [p[1] for p in placed], expected)
-            except Exception as e:  # reported as a load error: vLLM recomputes these blocks
-                return f"placing the chunks failed: {type(e).__name__}: {e}"
-        issued.append((req, handle, len(req.chunks), nbytes, [p[3] for p in placed]))
+        batch.add(
+            req,
+            [(o, s, h) for c, (o, s, _, h) in zip(req.chunks, parts, strict=True) if _places(c)],
+            sum(p[2] for p in parts),
+        )
         return None
 
     def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:

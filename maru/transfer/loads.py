@@ -40,13 +40,43 @@ class PinnedLoad:
     seconds: float = 0.0
 
 
+@dataclass
+class IssuedScatter:
+    """The placements of one load, issued as one scatter over every chunk of every request.
+
+    ``requests``: (request, chunks, bytes) of each request whose chunks went into the scatter;
+    ``owner[i]``: the position in ``requests`` of the request scatter item i belongs to, so a
+    chunk that fails alone fails only its request. ``objs``/``slots`` are gathered before issue,
+    ``transfer`` is the path's handle once issued (None: nothing to place).
+    """
+
+    requests: list[tuple[RequestTransfer, int, int]] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+    objs: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    placed: list[Any] = field(default_factory=list)  # item i's lookup handle (its committed checksum)
+    transfer: Any = None
+
+    def add(
+        self, req: RequestTransfer, placed: list[tuple[torch.Tensor, torch.Tensor, Any]], nbytes: int
+    ) -> None:
+        k = len(self.requests)
+        self.requests.append((req, len(req.chunks), nbytes))
+        for o, s, h in placed:
+            self.objs.append(o)
+            self.slots.append(s)
+            self.placed.append(h)
+            self.owner.append(k)
+
+
 class InflightLoad:
     """A load looked up, pinned and issued (``KVTransferEngine.start_load``); it may still be running.
 
     Invariants: ``done()`` never blocks. ``collect()`` gives the final report: a request is in
-    ``loaded_req_ids`` only if every transfer of it completed without error; after a transfer
-    error the path is settled before anything is unpinned. ``release()`` unpins exactly once, and
-    never before every issued transfer completed (it collects, i.e. waits, first if needed).
+    ``loaded_req_ids`` only if every transfer of it completed without error (a failure of the
+    whole scatter fails every request in it; a chunk that failed alone fails its request); after a
+    transfer error the path is settled before anything is unpinned. ``release()`` unpins exactly
+    once, and never before the transfer completed (it collects, i.e. waits, first if needed).
     """
 
     def __init__(
@@ -54,68 +84,79 @@ class InflightLoad:
         engine: KVTransferEngine,
         report: LoadReport,
         handles: list[Any],
-        issued: list[tuple[RequestTransfer, Any, int, int, list[Any]]],
+        issued: IssuedScatter,
         t0: float,
     ) -> None:
         self.engine = engine
         self.report = report  # failures at lookup, check and issue are in it already
         self._handles = handles  # the pinned lookup handles (None: missing key)
-        # (request, transfer handle or None when nothing is placed, chunks, bytes, placed chunks'
-        # lookup handles)
         self._issued = issued
-        self._errors: dict[int, BaseException] = {}  # issued index -> error raised by its done()
+        self._error: BaseException | None = None  # raised by the transfer's done()
         self._t0 = t0
         self._collected = False
         self._released = False
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose placement was issued (and not yet collected)."""
+        return len(self._issued.requests)
+
     def done(self) -> bool:
-        """True once every issued transfer completed or failed (non-blocking)."""
-        for k, (_, transfer, *_) in enumerate(self._issued):
-            if transfer is None or k in self._errors:
-                continue
-            try:
-                if not transfer.done():
-                    return False
-            except Exception as e:  # an error at completion: collect() fails the request
-                self._errors[k] = e
-        return True
+        """True once the issued transfer completed or failed (non-blocking)."""
+        transfer = self._issued.transfer
+        if transfer is None or self._error is not None:
+            return True
+        try:
+            return bool(transfer.done())
+        except Exception as e:  # an error at completion: collect() fails the requests
+            self._error = e
+            return True
 
     def collect(self) -> LoadReport:
-        """The final report (idempotent). Waits for transfers still running: none once ``done()``."""
+        """The final report (idempotent). Waits for a transfer still running: none once ``done()``."""
         if self._collected:
             return self.report
         self._collected = True
-        rep, settle = self.report, False
-        issued, self._issued = self._issued, []
-        corrupt: list[Any] = []
+        rep, batch = self.report, self._issued
+        self._issued = IssuedScatter()
+        failed: dict[int, str] = {}
+        bad: list[int] = []  # scatter items whose placed bytes failed their checksum
+        err = self._error
+        if err is None and batch.transfer is not None:
+            try:
+                batch.transfer.wait()
+                for item, why in batch.transfer.failed_items().items():
+                    failed.setdefault(batch.owner[item], f"placing chunk {item} failed: {why}")
+                bad = batch.transfer.mismatched()
+            except Exception as e:
+                err = e
+        if err is not None:  # reported as a load error: vLLM recomputes these blocks
+            why = f"placing the chunks failed: {type(err).__name__}: {err}"
+            failed = dict.fromkeys(range(len(batch.requests)), why)
+            bad = []
+        corrupt_of: dict[int, list[Any]] = {}
+        for item in bad:
+            corrupt_of.setdefault(batch.owner[item], []).append(batch.placed[item])
         verified = 0
-        for k, (req, transfer, nchunks, nbytes, placed) in enumerate(issued):
-            err = self._errors.get(k)
-            bad: list[int] = []
-            if err is None and transfer is not None:
-                try:
-                    transfer.wait()
-                    bad = transfer.mismatched()
-                except Exception as e:
-                    err = e
-            if err is not None:  # reported as a load error: vLLM recomputes these blocks
-                rep.failed[req.req_id] = f"placing the chunks failed: {type(err).__name__}: {err}"
-                settle = True
+        if self.engine.verify:
+            verified = sum(1 for k in batch.owner if k not in failed) - len(bad)
+        corrupt: list[Any] = []
+        for k, (req, nchunks, nbytes) in enumerate(batch.requests):
+            if k in failed:
+                rep.failed[req.req_id] = failed[k]
                 continue
-            if self.engine.verify:
-                verified += len(placed) - len(bad)
-            if bad:  # all or nothing: the request is recomputed, its good chunks included
-                corrupt += [placed[i] for i in bad]
-                rep.failed[req.req_id] = mismatch_reason([placed[i] for i in bad])
+            if k in corrupt_of:  # all or nothing: the request is recomputed, its good chunks included
+                corrupt += corrupt_of[k]
+                rep.failed[req.req_id] = mismatch_reason(corrupt_of[k])
                 continue
             rep.loaded_req_ids.append(req.req_id)
             rep.tokens += req.num_placed_tokens()
             rep.chunks += nchunks
             rep.bytes += nbytes
-        del issued  # the transfers drop their tensors over the pool pages with it
+        del batch  # the transfer drops its tensors over the pool pages with it
         if verified or corrupt:
             self.engine.report_corrupt(corrupt, verified)
-        if settle:
+        if failed:
             self.engine.path.settle()  # a failed transfer may leave copies queued: drain before unpinning
         rep.seconds = time.perf_counter() - self._t0
         return rep

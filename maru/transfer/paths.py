@@ -128,15 +128,20 @@ class _HostPlacement(DataPath):
     def scatter(
         self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
     ) -> TransferHandle:
+        failed: dict[int, str] = {}
         bad: list[int] = []
         for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
-            placed = self._to_device(obj)
-            kv_ops.scatter(placed, self.caches, self.layout, self._to_device(s), backend=self.backend)
+            try:
+                placed = self._to_device(obj)
+                kv_ops.scatter(placed, self.caches, self.layout, self._to_device(s), backend=self.backend)
+            except Exception as e:  # this chunk fails alone: only its request is recomputed
+                failed[i] = f"{type(e).__name__}: {e}"
+                continue
             # After the scatter: a change to the pool object before or during it shows here.
             if expected is not None and self._checksum(obj, placed) != expected[i]:
                 bad.append(i)
         self.sync()  # complete on return: it may be reported from any thread
-        return CompletedHandle(mismatched=bad)
+        return CompletedHandle(failed, mismatched=bad)
 
     def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
         moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]

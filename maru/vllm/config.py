@@ -19,7 +19,10 @@ logger = logging.getLogger("maru.vllm")
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_MAX_INFLIGHT_LOADS = 4
+# The asynchronous-load window: requests, and chunks (what bounds the bytes pinned and queued on
+# the bus). A batch of many requests loads at bus speed; the request cap only bounds bookkeeping.
+DEFAULT_MAX_INFLIGHT_LOADS = 64
+DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -91,8 +94,12 @@ class MaruConnectorConfig:
     log_timing: bool = False
     async_load: bool = False
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
+    max_inflight_load_chunks: int = DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS
     overlap_load_with_compute: bool = False
-    async_store: bool = False
+    # Write-behind is the default: its safety rests on vLLM's delayed free (finished_sending) and
+    # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
+    # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).
+    async_store: bool = True
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -119,7 +126,7 @@ class MaruConnectorConfig:
             name = key[len("maru_") :]
             if name in ("server_url", "namespace", "model_id", "model_revision"):
                 kw[name] = _as_str(key, value)
-            elif name in ("kv_chunk_tokens", "max_inflight_loads"):
+            elif name in ("kv_chunk_tokens", "max_inflight_loads", "max_inflight_load_chunks"):
                 kw[name] = _as_int(key, value, 1)
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
@@ -143,6 +150,7 @@ class MaruConnectorConfig:
         return {
             "async_load": self.async_load,
             "max_inflight_loads": self.max_inflight_loads,
+            "max_inflight_load_chunks": self.max_inflight_load_chunks,
             "overlap_load_with_compute": self.overlap_load_with_compute,
             "async_store": self.async_store,
         }
@@ -153,8 +161,9 @@ class MaruConnectorConfig:
         if self.async_load:
             out.append(
                 "maru_async_load: prefix hits load on a loader thread while the request waits in "
-                f"WAITING_FOR_REMOTE_KVS (at most {self.max_inflight_loads} loads in flight; more hits "
-                "wait for a free slot); other requests keep running"
+                "WAITING_FOR_REMOTE_KVS, every request parked since the loader's last turn in one "
+                f"batch (at most {self.max_inflight_loads} loads and {self.max_inflight_load_chunks} "
+                "chunks in flight; more hits wait a step); other requests keep running"
             )
         if self.overlap_load_with_compute:
             out.append(
@@ -170,6 +179,18 @@ class MaruConnectorConfig:
                 "(finished_sending); a preempted request's blocks are reused only after the gather read them"
             )
         return out
+
+    def without_write_behind(self, why: str) -> MaruConnectorConfig:
+        """A copy with ``async_store`` off, announced (``why``: what makes write-behind unsafe here)."""
+        if not self.async_store:
+            return self
+        logger.warning(
+            "Maru: write-behind store (maru_async_store) is off: %s. Stores run synchronously after "
+            "the forward (cold prompts pay for the gather). Fix: a vLLM whose connector API has "
+            "handle_preemptions",
+            why,
+        )
+        return MaruConnectorConfig(**{**self.__dict__, "async_store": False})
 
     def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
         """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).

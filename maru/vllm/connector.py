@@ -120,6 +120,12 @@ class MaruKVConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         block_size = int(vllm_config.cache_config.block_size)
         self.maru_config = MaruConnectorConfig.from_extra_config(extra).aligned_to_block_size(block_size)
+        if not hasattr(KVConnectorBase_V1, "handle_preemptions"):
+            # Without the hook a preempted request's blocks may be rewritten while a write-behind
+            # gather still reads them: a store of wrong bytes. Never run write-behind there.
+            self.maru_config = self.maru_config.without_write_behind(
+                "this vLLM never calls handle_preemptions (the preemption barrier)"
+            )
         cfg = self.maru_config
         self.key_space = key_space(vllm_config, cfg)
         pc = vllm_config.parallel_config

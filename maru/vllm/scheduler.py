@@ -110,7 +110,8 @@ class MaruSchedulerConnector:
         )
         self.stats = SchedulerStats()
         # maru_async_load: requests whose load is in flight (admitted, not yet in finished_recving).
-        self._inflight: set[str] = set()
+        # req_id -> chunks of its load (the window counts chunks: bytes pinned and queued on the bus).
+        self._inflight: dict[str, int] = {}
         # maru_async_store: finished requests whose free vLLM delays until finished_sending.
         self._delayed: set[str] = set()
 
@@ -233,8 +234,9 @@ class MaruSchedulerConnector:
         """Tokens beyond ``num_computed_tokens`` vLLM can take from Maru (block-aligned).
 
         Synchronous by default. With ``maru_async_load`` a hit is offered asynchronously
-        (``(n, True)``: vLLM parks the request until the worker reports it loaded), and when
-        ``maru_max_inflight_loads`` loads are already in flight the answer is ``(None, False)``:
+        (``(n, True)``: vLLM parks the request until the worker reports it loaded), and when the
+        window is full (``maru_max_inflight_loads`` loads or ``maru_max_inflight_load_chunks``
+        chunks already in flight) the answer is ``(None, False)``:
         vLLM skips the request for this step and asks again next step, while other requests run.
         Waiting for a slot is chosen over offering 0, because offering 0 would make vLLM compute
         the whole prefix now, which costs far more than the few steps a load slot takes to free.
@@ -264,13 +266,27 @@ class MaruSchedulerConnector:
                 return 0, False
             if not self.cfg.async_load:
                 return n, False
-            if len(self._inflight) >= self.cfg.max_inflight_loads:
+            if self._window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False
             return n, True
         except Exception:  # a bug here must not take the engine down: compute instead
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
             return 0, False
+
+    def _chunks_of(self, tokens: int) -> int:
+        """Chunks a load of ``tokens`` tokens touches at most (it may start inside one)."""
+        return -(-tokens // self.chunk) + 1
+
+    def _window_full(self, tokens: int) -> bool:
+        """Whether a new async load of ``tokens`` tokens must wait (``maru_max_inflight_loads``,
+        ``maru_max_inflight_load_chunks``). An empty window always admits: a load larger than the
+        window alone still loads, rather than wait for ever."""
+        if not self._inflight:
+            return False
+        if len(self._inflight) >= self.cfg.max_inflight_loads:
+            return True
+        return sum(self._inflight.values()) + self._chunks_of(tokens) > self.cfg.max_inflight_load_chunks
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -283,7 +299,7 @@ class MaruSchedulerConnector:
         if num_external_tokens > 0:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
             if self.cfg.async_load:
-                self._inflight.add(st.req_id)
+                self._inflight[st.req_id] = self._chunks_of(num_external_tokens)
             self.stats.requests_hit += 1
             self.stats.tokens_offered += num_external_tokens
 
@@ -433,7 +449,7 @@ class MaruSchedulerConnector:
                 self.stats.delayed_frees_released += 1
         for req_id in getattr(output, "finished_recving", None) or ():
             if req_id in self._inflight:
-                self._inflight.discard(req_id)
+                del self._inflight[req_id]
                 self.stats.async_loads_finished += 1
             st = self._reqs.get(req_id)
             if st is not None and st.async_blocks & invalid:

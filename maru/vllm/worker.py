@@ -318,37 +318,40 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ async load
     def _start_async_loads(self, loads: list[RequestTransfer]) -> None:
-        """Hand each parked request's load to the loader thread; ``get_finished`` reports it.
+        """Hand the step's parked requests to the loader thread; ``get_finished`` reports them.
 
-        The loader thread only looks up, pins and issues (``AsyncLoader``): on CUDA caches the
-        transfer runs on the engine's streams while the loader thread goes on to the next request,
-        and ``get_finished`` reports the request once its transfer is ``done()``. On CPU caches the
-        placement runs on the loader thread and the load is complete when it comes back.
+        The loader batches every request queued when its turn comes (``AsyncLoader``): one
+        lookup-and-pin round trip and one issue for all of them. On CUDA caches the transfer runs
+        on the engine's streams while the loader thread takes the next batch, and ``get_finished``
+        reports a batch's requests once its transfer is ``done()``. On CPU caches the placement
+        runs on the loader thread and the batch is complete when it comes back.
         """
         if self._loader is None:
             self._loader = AsyncLoader("maru-loader")
-        for rt in loads:
-            self.stats.async_loads += 1
-            if not self.cfg.enable_load or not self._connect() or self.engine is None:
-                why = "maru_enable_load is false" if not self.cfg.enable_load else None
-                why = why or self.disabled_reason or "maru server not reachable"
+        self.stats.async_loads += len(loads)
+        if not self.cfg.enable_load or not self._connect() or self.engine is None:
+            why = "maru_enable_load is false" if not self.cfg.enable_load else None
+            why = why or self.disabled_reason or "maru server not reachable"
+            for rt in loads:
                 self._loader.fail(rt, rt.req_id, why)
-            else:
-                # The engine object is captured now: a reconnect later builds a new one.
-                self._loader.submit(rt, self.engine, [self._rank(rt)])
+            return
+        # One tag per request (it comes back with the batch's report), queued together so that
+        # one turn takes them all. The engine is captured now: a reconnect later builds a new one.
+        self._loader.submit_many(self.engine, [(rt, [self._rank(rt)]) for rt in loads])
 
     def _collect_async_loads(self) -> set[str]:
         """Requests whose async load completed or failed since the last call (never blocks)."""
         done: set[str] = set()
         if self._loader is None:
             return done
-        for rt, res in self._loader.poll():
-            done.add(rt.req_id)
-            if rt.req_id in res.failed:
-                self.stats.async_load_failures += 1
-                self._fail(rt, res.failed[rt.req_id])
-                if res.server_lost:
-                    self._lost(res.failed[rt.req_id])
+        for tags, res in self._loader.poll():
+            for rt in tags:
+                done.add(rt.req_id)
+                if rt.req_id in res.failed:
+                    self.stats.async_load_failures += 1
+                    self._fail(rt, res.failed[rt.req_id])
+            if res.server_lost and res.failed:
+                self._lost(next(iter(res.failed.values())))
             self._account_load(res, " (async)")
         return done
 

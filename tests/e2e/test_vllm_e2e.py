@@ -243,7 +243,7 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
     workers = [i for i in infos if i.get("role") == "vllm-connector"]
     assert len(workers) == 1, infos
     paths = workers[0]["paths"]
-    assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "sync")
+    assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "write-behind")  # the default
     assert workers[0]["slow"] == []  # the CPU path is the fast path here: nothing for the doctor to flag
 
 

@@ -243,6 +243,7 @@ def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: S
         req = _request("worker", [5, 9, 1, 3], 2 * CHUNK)
         ws.start_load_kv(MaruConnectorMetadata())
         ws.wait_for_save(MaruConnectorMetadata(stores=[req]))
+        ws.flush_stores()  # write-behind (the default): published once drained
         assert ws.stats.chunks_stored == 2
         dreq = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
         wd.start_load_kv(MaruConnectorMetadata(loads=[dreq]))

@@ -102,7 +102,7 @@ def check_connector_load(
             got = loader.poll()  # never blocks: reports the load once its transfer is done()
             time.sleep(0.001)
         got += loader.close(timeout=60)
-        assert [t for t, _ in got] == ["t"]
+        assert [t for t, _ in got] == [["t"]]
         rep = got[0][1]
     else:
         calls = spy(eng.path.pipeline, "load_layers")
@@ -265,14 +265,16 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         real = w.engine.path.pipeline.load
 
         def load(objs: Any, slots: Any, **kw: Any) -> Gated:
-            # The loader thread issues in submission order: the second request fails at completion.
+            # One batch per step here, in step order: the second batch fails at completion.
             err = RuntimeError("injected device fault") if issued else None
             issued.append(Gated(real(objs, slots, **kw), gate, err))
             return issued[-1]
 
         w.engine.path.pipeline.load = load
-        w.start_load_kv(MaruConnectorMetadata(async_loads=[dok, dbad]))
-        _until(lambda: len(issued) == 2)  # both issued: the loader thread did not wait for the first
+        w.start_load_kv(MaruConnectorMetadata(async_loads=[dok]))
+        _until(lambda: len(issued) == 1)
+        w.start_load_kv(MaruConnectorMetadata(async_loads=[dbad]))  # the next step
+        _until(lambda: len(issued) == 2)  # both in flight: the loader thread did not wait for the first
         for _ in range(3):  # vLLM polls every step; nothing is done yet
             assert w.get_finished(set()) == (None, None)
         assert w.get_block_ids_with_load_errors() == set()
@@ -424,6 +426,6 @@ def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_
     loader = AsyncLoader("test-loader")
     loader.submit("tag", Broken(), [req])  # type: ignore[arg-type]
     out = loader.close(timeout=10)
-    assert [t for t, _ in out] == ["tag"] and len(loader) == 0
+    assert [t for t, _ in out] == [["tag"]] and len(loader) == 0
     rep = out[0][1]
     assert rep.loaded_req_ids == [] and "injected bug at issue" in rep.failed[req.req_id]

@@ -38,11 +38,13 @@ class CountingPins:
 
     def __init__(self, inner: MaruHandler) -> None:
         self.inner = inner
+        self.lookups = 0  # batch_retrieve calls
         self.pinned = 0
         self.released = 0
 
-    def batch_retrieve(self, keys: list[str], pin: bool = True, verify: bool = True) -> list[Any]:
-        out = self.inner.batch_retrieve(keys, pin=pin, verify=verify)
+    def batch_retrieve(self, keys: list[str], pin: bool = True, **kw: Any) -> list[Any]:
+        out = self.inner.batch_retrieve(keys, pin=pin, **kw)
+        self.lookups += 1
         self.pinned += sum(h is not None for h in out)
         return out
 

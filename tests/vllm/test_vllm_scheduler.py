@@ -339,22 +339,44 @@ def test_async_load_admission_window_asks_again_later_instead_of_recomputing(ser
     assert s.get_num_new_matched_tokens(req("d", tokens(300, seed=23)), 0) == (0, False)
 
 
-def test_data_path_options_are_validated_off_by_default_and_exclusive() -> None:
+def test_async_load_window_counts_chunks_and_always_admits_into_an_empty_window(
+    server, keyer, client
+) -> None:
+    # 288 tokens offered = two chunks touched (+1 for a load starting inside a chunk): 3 each.
+    s = make_sched(server, keyer, client, async_load=True, max_inflight_load_chunks=5)
+    toks = tokens(300, seed=24)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
+    s.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
+    b = req("b", toks)
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # 3 + 3 chunks > 5
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set()))
+    assert s.get_num_new_matched_tokens(b, 0) == (288, True)
+    tiny = make_sched(server, keyer, client, async_load=True, max_inflight_load_chunks=1)
+    assert tiny.get_num_new_matched_tokens(req("big", toks), 0) == (288, True)  # larger than the window
+
+
+def test_data_path_options_are_validated_write_behind_by_default_and_exclusive() -> None:
     from maru.errors import ConfigError
 
     d = MaruConnectorConfig.from_extra_config({})
     assert d.data_path() == {
         "async_load": False,
-        "max_inflight_loads": 4,
+        "max_inflight_loads": 64,
+        "max_inflight_load_chunks": 256,
         "overlap_load_with_compute": False,
-        "async_store": False,
+        "async_store": True,
     }
-    assert d.data_path_lines() == []
+    assert len(d.data_path_lines()) == 1 and d.data_path_lines()[0].startswith("maru_async_store:")
+    off = d.without_write_behind("a test")
+    assert not off.async_store and off.without_write_behind("again") is off
+    assert not MaruConnectorConfig.from_extra_config({"maru_async_store": "false"}).async_store
     c = MaruConnectorConfig.from_extra_config(
         {"maru_async_load": "true", "maru_max_inflight_loads": "8", "maru_async_store": 1}
     )
     assert (c.async_load, c.max_inflight_loads, c.async_store) == (True, 8, True)
-    assert len(c.data_path_lines()) == 2 and "8 loads in flight" in c.data_path_lines()[0]
+    assert len(c.data_path_lines()) == 2 and "8 loads and 256 chunks in flight" in c.data_path_lines()[0]
     with pytest.raises(ConfigError, match="maru_max_inflight_loads"):
         MaruConnectorConfig.from_extra_config({"maru_max_inflight_loads": 0})
     with pytest.raises(ConfigError, match="maru_async_store"):
