@@ -42,6 +42,8 @@ from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
+from maru.kv_ops.pipeline_inputs import PipelineInputs
+from maru.kv_ops.staging_slot import StagingSlot
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -50,66 +52,10 @@ DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb is
 __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
 
 
-# ---------------------------------------------------------------------- staging slots
-
-
-class _Slot:
-    """One staging slot of the ring: a chunk-sized GPU buffer plus the means to place it.
-
-    With a ``GraphedPlacer`` the buffer is the placer's static staging for T tokens and placement is
-    a graph replay; otherwise the buffer is a plain tensor and placement an eager kv_ops call.
-    ``free`` is recorded when the slot's last user (copy or kernel) finished with it.
-    """
-
-    def __init__(self, engine: DevicePipeline, placer: Any) -> None:
-        self.engine = engine
-        self.placer = placer
-        self.own: torch.Tensor | None = None
-        self.free = engine._sync.event()
-        self.ready = engine._sync.event()
-        self.used = False
-
-    def buffer(self, tokens: int) -> tuple[torch.Tensor, bool]:
-        """``[L, KV, T, ROW]`` staging for ``tokens`` tokens, and whether it is graph-backed."""
-        if self.placer is not None:
-            try:
-                # The placer's buffers hold the cache's bits (an integer dtype of the same width).
-                return self.placer.staging(tokens).view(self.engine.dtype), True
-            except ValueError:
-                announce_once(
-                    log,
-                    "kv_ops.placer-full",
-                    logging.INFO,
-                    "maru.kv_ops: chunk of %d tokens has no graph bucket left; placing it with an eager launch",
-                    tokens,
-                )
-        e = self.engine
-        numel = e.num_layers * e.layout.num_kv * tokens * e.layout.row_size
-        if self.own is None or self.own.numel() < numel:
-            if self.used:
-                e._sync.synchronize(self.free)  # the old buffer may still be read by a queued copy
-            self.own = torch.empty(numel, dtype=e.dtype, device=e.device)
-        return self.own[:numel].view(e.object_shape(tokens)), False
-
-    def place(self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool) -> None:
-        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream."""
-        e = self.engine
-        if graphed:
-            t = self.placer.set_slots(slots)
-            if load:
-                self.placer.scatter(t)
-            else:
-                self.placer.gather(t)
-        elif load:
-            ops.scatter(stage, e.caches, e.layout, slots, backend=e.backend)
-        else:
-            ops.gather(e.caches, e.layout, slots, backend=e.backend, out=stage)
-
-
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(LayerPaths):
+class DevicePipeline(PipelineInputs, LayerPaths):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -185,7 +131,7 @@ class DevicePipeline(LayerPaths):
         self._copy_stream = torch.cuda.Stream(self.device)
         self._place_stream = torch.cuda.Stream(self.device)
         self.graphs = use_graphs and self._graphs_usable()
-        self._ring = [_Slot(self, self._new_placer()) for _ in range(self.ring_slots)]
+        self._ring = [StagingSlot(self, self._new_placer()) for _ in range(self.ring_slots)]
         self._next_slot = 0
         # The layer path may replay graphs while the chunk paths run eagerly (layer_graphs=True,
         # use_graphs=False): per-layer issue cost is what the layer-overlap load is judged on.
@@ -386,106 +332,6 @@ class DevicePipeline(LayerPaths):
             self._copy_stream.synchronize()
             self._place_stream.synchronize()
 
-    # ------------------------------------------------------------------ validation
-
-    def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
-        objs = [objects] if isinstance(objects, torch.Tensor) else list(objects)
-        if not objs:
-            raise ValueError("no chunk objects given")
-        per_token = self.num_layers * self.layout.num_kv * self.layout.row_size
-        out = []
-        for c, obj in enumerate(objs):
-            if obj.device.type != "cpu":
-                raise ValueError(
-                    f"chunk object {c} is on {obj.device}; the engine moves host objects (pool pages) to and "
-                    f"from the caches: pass a tensor over the pool mapping (host_object)"
-                )
-            if obj.dtype != self.dtype:
-                raise ValueError(f"chunk object {c} is {obj.dtype}, the caches are {self.dtype}")
-            if not obj.is_contiguous():
-                raise ValueError(
-                    f"chunk object {c} must be contiguous (one pool page), got strides {obj.stride()}"
-                )
-            if obj.dim() != 4:
-                if obj.numel() % per_token:
-                    raise ValueError(
-                        f"chunk object {c} has {obj.numel()} elements, not a whole number of tokens of "
-                        f"{per_token} elements ([L={self.num_layers}, KV={self.layout.num_kv}, T, "
-                        f"{self.layout.row_size}])"
-                    )
-                obj = obj.view(self.object_shape(obj.numel() // per_token))
-            elif (obj.shape[0], obj.shape[1], obj.shape[3]) != (
-                self.num_layers,
-                self.layout.num_kv,
-                self.layout.row_size,
-            ):
-                raise ValueError(
-                    f"chunk object {c} has shape {list(obj.shape)}, expected "
-                    f"[{self.num_layers}, {self.layout.num_kv}, T, {self.layout.row_size}]"
-                )
-            out.append(obj)
-        return out
-
-    @staticmethod
-    def _check_slots(slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
-        total = sum(o.shape[2] for o in objs)
-        if not isinstance(slot_mapping, torch.Tensor):
-            slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.int64)
-        if slot_mapping.dim() != 1 or slot_mapping.numel() != total:
-            raise ValueError(
-                f"slot_mapping has shape {list(slot_mapping.shape)}, expected [{total}] (one slot per token "
-                f"of the {len(objs)} chunk object(s), in order)"
-            )
-        if skip_tokens < 0 or skip_tokens > total:
-            raise ValueError(f"skip_tokens={skip_tokens} must be in [0, {total}]")
-        return slot_mapping
-
-    def _slots(self, slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
-        """The slot mapping as int64 on the caches' device (moved on the placement stream)."""
-        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
-        if self.on_gpu:
-            caller = torch.cuda.current_stream(self.device)
-            if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
-                # From pageable memory an async copy first syncs the stream: pin (cached) to stay async.
-                slot_mapping = slot_mapping.to(torch.int64).pin_memory()
-            with torch.cuda.stream(self._place_stream):
-                # Wait for whatever produced a device mapping on the caller's stream.
-                self._place_stream.wait_stream(caller)
-                slots = slot_mapping.to(self.device, torch.int64, non_blocking=True)
-                if skip_tokens:  # a negative slot is never written: skipping is masking
-                    slots = slots.clone() if slots is slot_mapping else slots
-                    slots[:skip_tokens] = -1
-            return slots
-        slots = slot_mapping.to(torch.int64)
-        if skip_tokens:
-            slots = slots.clone() if slots is slot_mapping else slots
-            slots[:skip_tokens] = -1
-        return slots
-
-    @staticmethod
-    def _per_chunk(objs: list[torch.Tensor], slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out, token0 = [], 0
-        for obj in objs:
-            t = obj.shape[2]
-            out.append((obj, slots[token0 : token0 + t]))
-            token0 += t
-        return out
-
-    def _check_pinned(self, objs: list[torch.Tensor]) -> None:
-        if self._checked_pinned:
-            return
-        self._checked_pinned = True
-        if not objs[0].is_pinned():
-            announce_once(
-                log,
-                "kv_ops.pageable",
-                logging.WARNING,
-                "maru.kv_ops: SLOW PATH: chunk objects live in pageable host memory (the pool mapping is not "
-                "registered with CUDA): host<->GPU copies run ~11x below the bus (4.9 vs 55 GB/s on an H200). "
-                "Fix: maru.client.cuda_host.register_host_mapping(pool_mapping) once per process "
-                "(see `maru doctor`)",
-            )
-
     # ------------------------------------------------------------------ GPU paths
 
     def _start(self) -> None:
@@ -512,7 +358,7 @@ class DevicePipeline(LayerPaths):
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(stage, non_blocking=True)
 
-    def _take_slot(self) -> _Slot:
+    def _take_slot(self) -> StagingSlot:
         slot = self._ring[self._next_slot]
         self._next_slot = (self._next_slot + 1) % self.ring_slots
         return slot
@@ -525,7 +371,7 @@ class DevicePipeline(LayerPaths):
         self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
         self._start()
-        staged: list[tuple[_Slot, torch.Tensor, bool]] = []
+        staged: list[tuple[StagingSlot, torch.Tensor, bool]] = []
 
         def issue_copy(k: int) -> None:
             slot = self._take_slot()
