@@ -132,6 +132,11 @@ class GraphedPlacer:
                 self.direct_table(key[1])
             else:
                 self._ensure(key[1])
+            # The warm-up launch below really runs: a checksum kernel adds into the table's sums row,
+            # which the caller zeroed for the replay that follows. Keep the row as it was.
+            sums = None
+            if key[0] == "direct+checksum":
+                sums = self.direct_table(key[1])[triton_kernels.DIRECT_SUMS_ROW].clone()
             # Compile and build the layer table outside the capture (neither may run inside it).
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -139,6 +144,8 @@ class GraphedPlacer:
                 self._launch(key)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
+            if sums is not None:
+                self.direct_table(key[1])[triton_kernels.DIRECT_SUMS_ROW].copy_(sums)
             graph = torch.cuda.CUDAGraph()
             # No Python garbage collection during the capture: torch no longer collects before a
             # capture, and a collection inside it that frees another placer's graphs (a dead reference

@@ -33,6 +33,7 @@ from maru.kv_ops.ops import as_bits
 
 __all__ = [
     "DIRECT_ROWS",
+    "DIRECT_SUMS_ROW",
     "TuneParams",
     "as_bits",
     "base_view",
@@ -329,6 +330,7 @@ def place(
 # ---------------------------------------------------------------------- direct (zero-copy) layer load
 
 DIRECT_ROWS = 6  # source address, plane stride, slot, object (per token), token in object, checksum sums
+DIRECT_SUMS_ROW = 5  # where the checksum variant adds each object's terms
 
 
 @triton.jit
