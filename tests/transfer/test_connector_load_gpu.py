@@ -11,8 +11,8 @@ first block (``place_begin``) and stopping one token short of the tail (``place_
 - ``layers``: ``PipelinedLayerLoad`` (``maru_overlap_load_with_compute``): one ``load_layers``
   for the request's chunks, ``wait_for_layer`` for every layer, pins released after ``wait()``.
 
-Checks (``tests/test_transfer_async_load.py::check_connector_load``, which also runs in CI on CPU
-caches with a CPU TransferEngine): one pipelined call for the four chunks; every pin released
+Checks (``tests/transfer/helpers.py::check_connector_load``, which also runs in CI on CPU caches
+with a CPU TransferEngine, in ``test_async_load.py``): one pipelined call for the four chunks; every pin released
 once; the whole storage byte for byte against the staged path into an identical poisoned cache;
 every placed token against its source token (kv_ops reference gather); skipped slots poisoned.
 """
@@ -24,7 +24,7 @@ import torch
 
 from maru.client import MaruHandler
 from tests.pool_fixtures import module_client
-from tests.transfer.test_transfer_async_load import check_connector_load
+from tests.transfer.helpers import check_connector_load
 
 pytestmark = [
     pytest.mark.gpu,

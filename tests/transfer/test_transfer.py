@@ -22,10 +22,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import ChunkRef, RequestTransfer, slot_mapping
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
-
-BS = 4  # block size; heads = 3
-CHUNK = 8
-
+from tests.transfer.helpers import BS, CHUNK, bits_equal, request, worker
 
 server = module_server("transfer")
 client = pool_client()
@@ -69,20 +66,6 @@ def _engine(case: CacheCase, client: MaruHandler) -> KVTransferEngine:
     return KVTransferEngine(caches, layout, client)
 
 
-def _request(tag: str, blocks: list[int], n_tokens: int) -> RequestTransfer:
-    chunks = [ChunkRef(f"test/{tag}/c{i}", i * CHUNK, CHUNK) for i in range(n_tokens // CHUNK)]
-    if n_tokens % CHUNK:
-        s = n_tokens // CHUNK * CHUNK
-        chunks.append(ChunkRef(f"test/{tag}/tail{n_tokens - s}", s, n_tokens - s))
-    return RequestTransfer("r-" + tag, tuple(blocks), tuple(chunks))
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from maru.kv_ops.testing import bits
-
-    return torch.equal(bits(a.cpu()), bits(b.cpu()))
-
-
 @pytest.mark.parametrize("fmt,physical", CASES)
 def test_store_then_load_into_another_cache_places_every_token_byte_exact(
     fmt: str, physical: str, client: MaruHandler
@@ -92,12 +75,12 @@ def test_store_then_load_into_another_cache_places_every_token_byte_exact(
     src_blocks = [9, 3, 14, 0, 7, 11, 5]
     dst_blocks = [2, 15, 6, 10, 1, 13, 8]
     tag = f"{fmt}-{physical}"
-    rep = _engine(src, client).store([_request(tag, src_blocks, n_tokens)])
+    rep = _engine(src, client).store([request(tag, src_blocks, n_tokens)])
     assert (rep.stored, rep.failed) == (4, 0)
 
     before = dst.snapshot()
     # Load everything but the first block (as if vLLM had it locally) and up to the tail's end.
-    base = _request(tag, dst_blocks, n_tokens)
+    base = request(tag, dst_blocks, n_tokens)
     chunks = list(base.chunks)
     chunks[0] = ChunkRef(chunks[0].key, 0, CHUNK, place_begin=BS)
     lrep = _engine(dst, client).load([RequestTransfer(base.req_id, base.block_ids, tuple(chunks))])
@@ -112,7 +95,7 @@ def test_store_then_load_into_another_cache_places_every_token_byte_exact(
         touched.add(s_dst)
         for layer in range(3):
             for kv in range(n_kv):
-                assert _bits_equal(naive_token(dst, layer, kv, s_dst), naive_token(src, layer, kv, s_src)), (
+                assert bits_equal(naive_token(dst, layer, kv, s_dst), naive_token(src, layer, kv, s_src)), (
                     t,
                     layer,
                     kv,
@@ -124,14 +107,14 @@ def test_store_then_load_into_another_cache_places_every_token_byte_exact(
             continue
         for layer in range(3):
             for kv in range(n_kv):
-                assert _bits_equal(naive_token(dst, layer, kv, s), naive_token(after_case, layer, kv, s))
+                assert bits_equal(naive_token(dst, layer, kv, s), naive_token(after_case, layer, kv, s))
     assert len(before) == len(dst.snapshot())
 
 
 def test_stored_object_is_the_canonical_layer_major_gather(client: MaruHandler) -> None:
     src = _case("cpu_attn", "NHD", 3)
     blocks = [4, 1, 12, 7]
-    req = _request("canon", blocks, 2 * CHUNK)
+    req = request("canon", blocks, 2 * CHUNK)
     eng = _engine(src, client)
     eng.store([req])
     h = client.retrieve(req.chunks[1].key)
@@ -144,14 +127,14 @@ def test_stored_object_is_the_canonical_layer_major_gather(client: MaruHandler) 
         slot = blocks[(CHUNK + t) // BS] * BS + (CHUNK + t) % BS
         for layer in range(3):
             for kv in range(2):
-                assert _bits_equal(obj[layer, kv, t], naive_token(src, layer, kv, slot))
+                assert bits_equal(obj[layer, kv, t], naive_token(src, layer, kv, slot))
 
 
 def test_load_is_all_or_nothing_per_request_when_a_chunk_was_evicted(client: MaruHandler) -> None:
     src, dst = _case("blocks_first", "HND", 4), _case("blocks_first", "HND", 5)
     eng_src, eng_dst = _engine(src, client), _engine(dst, client)
-    a = _request("evict-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
-    b = _request("evict-b", [6, 7, 8, 9], 2 * CHUNK)
+    a = request("evict-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    b = request("evict-b", [6, 7, 8, 9], 2 * CHUNK)
     eng_src.store([a, b])
     assert client.delete([a.chunks[2].key]) == [True]
     rep = eng_dst.load([a, b])
@@ -163,7 +146,7 @@ def test_load_is_all_or_nothing_per_request_when_a_chunk_was_evicted(client: Mar
 
 def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
     src = _case("kv_first", "NHD", 6)
-    a = _request("shared", [0, 1, 2, 3], 2 * CHUNK)
+    a = request("shared", [0, 1, 2, 3], 2 * CHUNK)
     b = RequestTransfer("r-other", (0, 1, 5, 6), (a.chunks[0],))
     rep = _engine(src, client).store([a, b])
     assert (rep.stored, rep.present, rep.failed) == (2, 0, 0)
@@ -173,7 +156,7 @@ def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
 
 def test_bfloat16_round_trip_is_byte_exact(client: MaruHandler) -> None:
     src, dst = _case("packed", "HND", 7, torch.bfloat16), _case("packed", "HND", 8, torch.bfloat16)
-    req = _request("bf16", [3, 2, 1, 0], 2 * CHUNK)
+    req = request("bf16", [3, 2, 1, 0], 2 * CHUNK)
     _engine(src, client).store([req])
     dst_req = RequestTransfer(req.req_id, (8, 9, 10, 11), req.chunks)
     assert _engine(dst, client).load([dst_req]).loaded_req_ids == [req.req_id]
@@ -181,7 +164,7 @@ def test_bfloat16_round_trip_is_byte_exact(client: MaruHandler) -> None:
         s1, s2 = req.block_ids[t // BS] * BS + t % BS, dst_req.block_ids[t // BS] * BS + t % BS
         for layer in range(3):
             for kv in range(2):
-                assert _bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1))
+                assert bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1))
 
 
 def test_slot_mapping_marks_unplaced_tokens_and_needs_blocks_only_for_placed_ones() -> None:
@@ -198,7 +181,7 @@ def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_p
     try:
         case = _case("kv_first", "NHD", 9)
         eng = _engine(case, h)
-        req = _request("dead", [0, 1, 2, 3], 2 * CHUNK)
+        req = request("dead", [0, 1, 2, 3], 2 * CHUNK)
         srv.kill()
         rep = eng.store([req])
         assert rep.failed == 2 and rep.server_lost
@@ -240,7 +223,7 @@ def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: S
     ws, wd = _worker(server, src, names), _worker(server, dst, names)
     try:
         assert ws.engine is not None and ws.caches[0] is src.caches[0]
-        req = _request("worker", [5, 9, 1, 3], 2 * CHUNK)
+        req = request("worker", [5, 9, 1, 3], 2 * CHUNK)
         ws.start_load_kv(MaruConnectorMetadata())
         ws.wait_for_save(MaruConnectorMetadata(stores=[req]))
         ws.flush_stores()  # write-behind (the default): published once drained
@@ -251,7 +234,7 @@ def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: S
         for t in range(2 * CHUNK):
             s1, s2 = req.block_ids[t // BS] * BS + t % BS, dreq.block_ids[t // BS] * BS + t % BS
             for layer in range(3):
-                assert _bits_equal(naive_token(dst, layer, 1, s2), naive_token(src, layer, 1, s1))
+                assert bits_equal(naive_token(dst, layer, 1, s2), naive_token(src, layer, 1, s1))
     finally:
         stop_worker(ws)
         stop_worker(wd)
@@ -264,7 +247,7 @@ def test_worker_reports_failed_blocks_and_drops_stores_built_on_them(server: Ser
     names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     w = _worker(server, _case("kv_first", "NHD", 12), names)
     try:
-        missing = _request("never-stored", [3, 4, 5, 6], 2 * CHUNK)
+        missing = request("never-stored", [3, 4, 5, 6], 2 * CHUNK)
         later = RequestTransfer(
             "r-never-stored", (3, 4, 5, 6, 7, 8), (ChunkRef("test/never-stored/c2", 2 * CHUNK, CHUNK),)
         )
@@ -286,6 +269,24 @@ def test_worker_with_an_unsupported_layout_stays_off_and_fails_loads_cleanly(ser
     case.num_kv_heads = 5  # does not match the tensors: detection must refuse, not guess
     w = _worker(server, case, [f"model.layers.{i}.self_attn.attn" for i in range(3)])
     assert w.engine is None and w.disabled_reason and "unsupported" in w.disabled_reason
-    req = _request("off", [0, 1, 2, 3], 2 * CHUNK)
+    req = request("off", [0, 1, 2, 3], 2 * CHUNK)
     w.start_load_kv(MaruConnectorMetadata(loads=[req]))
     assert w.get_block_ids_with_load_errors() == {0, 1, 2, 3}
+
+
+def test_a_lost_server_closes_the_engine_before_the_client_unmaps_the_pool(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """The engine drains its transfers and drops its CUDA registration before the pool is unmapped."""
+    pytest.importorskip("vllm")
+    w = worker(server, _case("kv_first", "NHD", 61))
+    order: list[str] = []
+    engine, real = w.engine, w._client
+    assert engine is not None and real is not None
+    engine_close, client_close = engine.close, real.close
+    engine.close = lambda: (order.append("engine"), engine_close())[1]  # type: ignore[method-assign]
+    real.close = lambda: (order.append("client"), client_close())[1]  # type: ignore[method-assign]
+    w._lost("test: server gone")
+    assert order == ["engine", "client"]
+    assert w.engine is None and w._client is None
+    w.shutdown()

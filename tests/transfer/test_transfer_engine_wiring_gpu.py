@@ -5,7 +5,7 @@ Real geometry (8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a 
 store three chunks and a partial tail, load them into a poisoned cache skipping the first block
 and stopping short of the tail's end; byte for byte against the staged path (``pipelined=False``)
 on an identical cache and against the source tokens. The scenario is shared with the CPU test
-of the same wiring (``tests/test_transfer_wiring.py``).
+of the same wiring (``tests/transfer/test_transfer_wiring.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
 from tests.pool_fixtures import module_client
-from tests.transfer.test_transfer_wiring import check_round_trip, engine, make_case
+from tests.transfer.helpers import check_round_trip, engine, make_case
 
 pytestmark = [
     pytest.mark.gpu,

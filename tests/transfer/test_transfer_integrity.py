@@ -12,8 +12,6 @@ server (``maru stats``) and release every pin. The GPU variants are in
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -28,7 +26,7 @@ from maru.transfer.paths import CpuPath, PipelinedPath, StagedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client
-from tests.transfer.test_transfer import BS, CHUNK, _request
+from tests.transfer.helpers import BS, CHUNK, flip_behind, load_in_mode, request
 
 server = module_server("integrity")
 client = pool_client()
@@ -63,38 +61,6 @@ def _engine(case: CacheCase, client: Any, path: str = "cpu") -> KVTransferEngine
     return KVTransferEngine(caches, layout, client, path=p)
 
 
-def _flip_behind(srv: ServerProcess, client: MaruHandler, key: str, at: int) -> None:
-    """Another process xors one byte at ``at`` of ``key``'s committed object in the pool file."""
-    r = client.retrieve(key, verify=False)
-    assert r is not None
-    offset = r.offset
-    r.release()
-    code = (
-        "import mmap,sys\n"
-        "f=open(sys.argv[1],'r+b'); m=mmap.mmap(f.fileno(),0); o=int(sys.argv[2])\n"
-        "m[o]=m[o]^0x5A; m.flush(); m.close(); f.close()\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(srv.pool_path), str(offset + at)], check=True, timeout=60)
-
-
-def _load(eng: KVTransferEngine, reqs: list[RequestTransfer], mode: str) -> Any:
-    if mode == "sync":
-        return eng.load(reqs)
-    if mode == "async":
-        inflight = eng.start_load(reqs)
-        while not inflight.done():
-            pass
-        rep = inflight.collect()
-        inflight.release()
-        return rep
-    ll = eng.start_layer_load(eng.pin(reqs))
-    ll.wait_all()
-    assert ll.done()  # a verifying layer load knows its checksums once every layer is waited for
-    rep = ll.finish()
-    ll.release()
-    return rep
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_byte_changed_behind_a_committed_chunk_fails_its_request_on_every_load_path(
@@ -105,18 +71,18 @@ def test_a_byte_changed_behind_a_committed_chunk_fails_its_request_on_every_load
     )
     tag = f"integ-{path}-{mode}"
     src = _case(fmt, physical, 1, dtype)
-    victim = _request(tag + "-v", [9, 3, 14, 0, 7], 2 * CHUNK + BS)
-    good = _request(tag + "-g", [1, 12, 5, 10, 6], 2 * CHUNK)
+    victim = request(tag + "-v", [9, 3, 14, 0, 7], 2 * CHUNK + BS)
+    good = request(tag + "-g", [1, 12, 5, 10, 6], 2 * CHUNK)
     store = _engine(src, client).store([victim, good])
     assert store.stored == 5 and store.failed == 0
     nbytes = _engine(src, client).geometry.nbytes(CHUNK)
-    _flip_behind(server, client, victim.chunks[1].key, nbytes // 2 + 3)
+    flip_behind(server, client, victim.chunks[1].key, nbytes // 2 + 3)
 
     before_client = client.integrity()
     before_server = client.stats()["counters"].get("integrity_failures", 0)
     dst, ref = _case(fmt, physical, 2, dtype), _case(fmt, physical, 2, dtype)
     assert _engine(ref, client).load([good]).loaded_req_ids == [good.req_id]
-    rep = _load(_engine(dst, client, path), [victim, good], mode)
+    rep = load_in_mode(_engine(dst, client, path), [victim, good], mode)
 
     assert rep.loaded_req_ids == [good.req_id]
     assert victim.req_id in rep.failed and "checksum" in rep.failed[victim.req_id]
@@ -142,20 +108,20 @@ def test_a_change_in_a_skipped_row_still_fails_the_request(
     """Rows not placed (already computed locally) are part of the object the checksum covers:
     the layer path and the chunk path both read them for the check."""
     src = _case("kv_first", "NHD", 3, torch.bfloat16)
-    req = _request("integ-skip", [4, 8, 2], 2 * CHUNK)
+    req = request("integ-skip", [4, 8, 2], 2 * CHUNK)
     _engine(src, client).store([req])
-    _flip_behind(server, client, req.chunks[0].key, 5)  # layer 0, plane 0, token 0
+    flip_behind(server, client, req.chunks[0].key, 5)  # layer 0, plane 0, token 0
     c0 = req.chunks[0]
     partial = RequestTransfer(
         req.req_id, req.block_ids, (ChunkRef(c0.key, c0.start, c0.num_tokens, BS), req.chunks[1])
     )
     for mode in ("sync", "layers"):
-        rep = _load(_engine(_case("kv_first", "NHD", 4, torch.bfloat16), client), [partial], mode)
+        rep = load_in_mode(_engine(_case("kv_first", "NHD", 4, torch.bfloat16), client), [partial], mode)
         assert rep.failed and not rep.loaded_req_ids, mode
         if mode == "sync":
             # The report deleted it; store it again, corrupt it again for the layer mode.
             _engine(src, client).store([req])
-            _flip_behind(server, client, req.chunks[0].key, 5)
+            flip_behind(server, client, req.chunks[0].key, 5)
 
 
 def test_stores_commit_the_checksum_of_the_bytes_they_wrote(client: MaruHandler) -> None:
@@ -163,7 +129,7 @@ def test_stores_commit_the_checksum_of_the_bytes_they_wrote(client: MaruHandler)
     paths are of the bytes in the pool, not of something else)."""
     for path in PATHS:
         src = _case("kv_first", "HND", 5, torch.bfloat16)
-        req = _request(f"integ-store-{path}", [3, 7, 11, 13, 1], 2 * CHUNK + 1)
+        req = request(f"integ-store-{path}", [3, 7, 11, 13, 1], 2 * CHUNK + 1)
         assert _engine(src, client, path).store([req]).stored == 3
         got = client.batch_retrieve([c.key for c in req.chunks])
         assert all(r is not None and r.verify() for r in got), path
@@ -176,9 +142,9 @@ def test_an_engine_not_verifying_on_its_path_leaves_the_check_to_the_client(
     """``verify=False``: the client checks on the CPU before placing (the slower way); the change
     is still a counted miss, never placed."""
     src = _case("kv_first", "HND", 6, torch.float32)
-    req = _request("integ-noverify", [2, 9], CHUNK)
+    req = request("integ-noverify", [2, 9], CHUNK)
     _engine(src, client).store([req])
-    _flip_behind(server, client, req.chunks[0].key, 17)
+    flip_behind(server, client, req.chunks[0].key, 17)
     dst = _case("kv_first", "HND", 7, torch.float32)
     before = dst.snapshot()
     layout = kv_ops.detect_layouts(dst.caches, **dst.detect_kwargs())

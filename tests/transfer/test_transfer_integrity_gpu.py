@@ -25,8 +25,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.paths import StagedPath
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client
-from tests.transfer.test_transfer import BS, CHUNK, _request
-from tests.transfer.test_transfer_integrity import _flip_behind, _load
+from tests.transfer.helpers import BS, CHUNK, flip_behind, load_in_mode, request
 
 pytestmark = [pytest.mark.gpu]
 
@@ -113,15 +112,15 @@ def test_a_byte_changed_behind_a_chunk_fails_its_request_on_every_gpu_path(
     src = _case(physical, 3)
     layout = kv_ops.detect_layouts(src.caches, **src.detect_kwargs())
     store = KVTransferEngine(list(src.caches), layout, client)
-    victim = _request(tag + "-v", [9, 3, 14, 0, 7], 2 * CHUNK + BS)
-    good = _request(tag + "-g", [1, 12, 5, 10, 6], 2 * CHUNK)
+    victim = request(tag + "-v", [9, 3, 14, 0, 7], 2 * CHUNK + BS)
+    good = request(tag + "-g", [1, 12, 5, 10, 6], 2 * CHUNK)
     assert store.store([victim, good]).stored == 5
     store.close()
     for req in (victim, good):  # the device-computed checksums are those of the pool bytes
         got = client.batch_retrieve([c.key for c in req.chunks])
         assert all(r is not None for r in got)
         client.batch_release(got)
-    _flip_behind(server, client, victim.chunks[1].key, store.geometry.nbytes(CHUNK) // 2 + 3)
+    flip_behind(server, client, victim.chunks[1].key, store.geometry.nbytes(CHUNK) // 2 + 3)
     before = client.integrity()["integrity_failures"]
     dst, ref = _case(physical, 4), _case(physical, 4)
     ref_eng = KVTransferEngine(list(ref.caches), layout, client)
@@ -131,7 +130,7 @@ def test_a_byte_changed_behind_a_chunk_fails_its_request_on_every_gpu_path(
     eng = KVTransferEngine(list(dst.caches), layout, client, path=p)
     try:
         assert eng.data_path == path
-        rep = _load(eng, [victim, good], mode)
+        rep = load_in_mode(eng, [victim, good], mode)
     finally:
         eng.close()
     assert rep.loaded_req_ids == [good.req_id]

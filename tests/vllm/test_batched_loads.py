@@ -17,8 +17,7 @@ from maru.kv_ops.testing import CacheCase, naive_token
 from maru.transfer.records import RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from tests.pool_fixtures import module_server, stop_worker
-from tests.transfer.test_transfer import BS, CHUNK, _bits_equal, _case, _request
-from tests.transfer.test_transfer_datapath import CountingPins
+from tests.transfer.helpers import BS, CHUNK, CountingPins, bits_equal, case, request
 
 pytest.importorskip("vllm")
 
@@ -51,8 +50,8 @@ def _worker(srv: Any, case: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector,
 
 def _stored_requests(srv: Any, tag: str, n: int) -> tuple[CacheCase, list[RequestTransfer]]:
     """``n`` requests of two chunks each, stored from a source cache (disjoint blocks)."""
-    src = _case("blocks_first", "HND", 31)
-    reqs = [_request(f"{tag}-{i}", [2 * i, 2 * i + 1, 2 * i + 8, 2 * i + 9], 2 * CHUNK) for i in range(n)]
+    src = case("blocks_first", "HND", 31)
+    reqs = [request(f"{tag}-{i}", [2 * i, 2 * i + 1, 2 * i + 8, 2 * i + 9], 2 * CHUNK) for i in range(n)]
     w, _ = _worker(srv, src)
     try:
         w.wait_for_save(MaruConnectorMetadata(stores=reqs))
@@ -73,7 +72,7 @@ def _placed_like_source(src: CacheCase, dst: CacheCase, a: RequestTransfer, b: R
         s1, s2 = a.block_ids[t // BS] * BS + t % BS, b.block_ids[t // BS] * BS + t % BS
         for layer in range(3):
             for kv in (0, 1):
-                if not _bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1)):
+                if not bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1)):
                     return False
     return True
 
@@ -87,7 +86,7 @@ def test_a_step_of_concurrent_loads_is_one_lookup_and_a_missing_chunk_fails_only
         assert h.delete([reqs[2].chunks[1].key]) == [True]
     finally:
         h.close()
-    dst = _case("blocks_first", "HND", 32)
+    dst = case("blocks_first", "HND", 32)
     w, clients = _worker(server, dst)
     try:
         loads = [_moved(r) for r in reqs]
@@ -109,7 +108,7 @@ def test_the_async_loader_loads_the_requests_of_a_step_as_one_batch(server: Any)
         assert h.delete([reqs[1].chunks[0].key]) == [True]
     finally:
         h.close()
-    dst = _case("blocks_first", "HND", 33)
+    dst = case("blocks_first", "HND", 33)
     w, clients = _worker(server, dst, async_load=True)
     try:
         loads = [_moved(r) for r in reqs]
@@ -132,7 +131,7 @@ def test_the_async_loader_loads_the_requests_of_a_step_as_one_batch(server: Any)
 
 def test_a_chunk_that_fails_to_place_fails_only_its_request_in_the_batch(server: Any) -> None:
     src, reqs = _stored_requests(server, "place", 2)
-    dst = _case("blocks_first", "HND", 34)
+    dst = case("blocks_first", "HND", 34)
     w, clients = _worker(server, dst)
     try:
         bad = RequestTransfer(reqs[1].req_id, (10, 11, 12, 99), reqs[1].chunks)  # no block 99

@@ -37,8 +37,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from tests.helpers import ServerProcess, free_port
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.transfer.test_transfer import BS, CHUNK, _request
-from tests.transfer.test_transfer_datapath import NAMES, _case, _engine
+from tests.transfer.helpers import BS, CHUNK, NAMES, case, plain_engine, request
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
@@ -96,9 +95,9 @@ def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase
     """Load ``req``'s chunks into a fresh cache; every token must equal ``original`` at ``req``'s slots."""
     n = max(c.end for c in req.chunks)
     dst_blocks = tuple(range(15, 15 - len(req.block_ids), -1))
-    dst = _case(original.fmt, original.physical, 99)
+    dst = case(original.fmt, original.physical, 99)
     dreq = RequestTransfer(req.req_id, dst_blocks, req.chunks)
-    assert _engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
+    assert plain_engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
     for t in range(n):
         s1 = req.block_ids[t // BS] * BS + t % BS
         s2 = dst_blocks[t // BS] * BS + t % BS
@@ -115,8 +114,8 @@ def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase
 def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_bytes_are_right(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src, original = _case("kv_first", "NHD", 21), _case("kv_first", "NHD", 21)
-    req = _request("wb-finish", [5, 9, 1, 3], 2 * CHUNK)
+    src, original = case("kv_first", "NHD", 21), case("kv_first", "NHD", 21)
+    req = request("wb-finish", [5, 9, 1, 3], 2 * CHUNK)
     keys = [c.key for c in req.chunks]
     w = worker(server.url, src)
     gate = gated(w)
@@ -144,8 +143,8 @@ def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_byt
 def test_on_cpu_the_drain_thread_reads_the_blocks_not_the_forward_thread(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src = _case("kv_first", "HND", 22)
-    req = _request("wb-late-read", [2, 7, 11, 4], 2 * CHUNK)
+    src = case("kv_first", "HND", 22)
+    req = request("wb-late-read", [2, 7, 11, 4], 2 * CHUNK)
     w = worker(server.url, src)
     gate = gated(w)
     try:
@@ -164,8 +163,8 @@ def test_on_cpu_the_drain_thread_reads_the_blocks_not_the_forward_thread(
 def test_a_request_with_a_planned_store_is_reported_whatever_became_of_the_store(
     what: str, server: ServerProcess, client: MaruHandler
 ) -> None:
-    src = _case("kv_first", "NHD", 23)
-    req = _request(f"wb-{what}", [1, 2, 3, 4], 2 * CHUNK)
+    src = case("kv_first", "NHD", 23)
+    req = request(f"wb-{what}", [1, 2, 3, 4], 2 * CHUNK)
     url, heads = server.url, None
     if what == "server_down":
         url = f"tcp://127.0.0.1:{free_port()}"
@@ -198,8 +197,8 @@ def test_a_request_with_a_planned_store_is_reported_whatever_became_of_the_store
 def test_every_tensor_parallel_rank_reports_the_request_even_one_without_a_server(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src0, src1 = _case("kv_first", "NHD", 24), _case("kv_first", "NHD", 25)
-    req = _request("wb-tp", [6, 2, 9, 0], 2 * CHUNK)
+    src0, src1 = case("kv_first", "NHD", 24), case("kv_first", "NHD", 25)
+    req = request("wb-tp", [6, 2, 9, 0], 2 * CHUNK)
     w0 = worker(server.url, src0, tp_rank=0, tp_size=2)
     w1 = worker(f"tcp://127.0.0.1:{free_port()}", src1, tp_rank=1, tp_size=2, timeout_s=0.5)
     try:
@@ -217,8 +216,8 @@ def test_every_tensor_parallel_rank_reports_the_request_even_one_without_a_serve
 def test_preemption_barrier_gathers_a_store_the_drain_has_not_reached_then_the_blocks_may_be_reused(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src, original = _case("blocks_first", "HND", 26), _case("blocks_first", "HND", 26)
-    req = _request("wb-preempt", [8, 3, 12, 5], 2 * CHUNK)
+    src, original = case("blocks_first", "HND", 26), case("blocks_first", "HND", 26)
+    req = request("wb-preempt", [8, 3, 12, 5], 2 * CHUNK)
     w = worker(server.url, src)
     gate = gated(w)  # the drain thread is busy: it will not reach this store before the forward
     try:
@@ -240,8 +239,8 @@ def test_preemption_barrier_gathers_a_store_the_drain_has_not_reached_then_the_b
 def test_preemption_barrier_waits_for_a_gather_in_progress_and_cancels_it_at_the_timeout(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src = _case("kv_first", "NHD", 27)
-    req = _request("wb-cancel", [4, 5, 6, 7], 2 * CHUNK)
+    src = case("kv_first", "NHD", 27)
+    req = request("wb-cancel", [4, 5, 6, 7], 2 * CHUNK)
     w = worker(server.url, src, timeout_s=0.3)
     assert w.engine is not None
     entered, gate = threading.Event(), threading.Event()
@@ -274,9 +273,9 @@ def test_preemption_barrier_waits_for_a_gather_in_progress_and_cancels_it_at_the
 def test_shutdown_publishes_every_issued_store_even_from_a_slow_drain(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    src, original = _case("kv_first", "HND", 28), _case("kv_first", "HND", 28)
-    a = _request("wb-shutdown-a", [0, 1, 2, 3], 2 * CHUNK)
-    b = _request("wb-shutdown-b", [9, 10, 11, 12], 2 * CHUNK)
+    src, original = case("kv_first", "HND", 28), case("kv_first", "HND", 28)
+    a = request("wb-shutdown-a", [0, 1, 2, 3], 2 * CHUNK)
+    b = request("wb-shutdown-b", [9, 10, 11, 12], 2 * CHUNK)
     w = worker(server.url, src, store_drain_delay_s=0.2)  # a slow drain
     w.wait_for_save(Meta(stores=[a]))
     w.wait_for_save(Meta(stores=[b]))
@@ -291,8 +290,8 @@ def test_pipelined_write_behind_issues_on_the_forward_thread_and_publishes_after
     client: MaruHandler,
 ) -> None:
     """The CUDA wiring (issue, wait for the copies, commit) driven on CPU through a CPU TransferEngine."""
-    src, original = _case("kv_first", "HND", 29), _case("kv_first", "HND", 29)
-    req = _request("wb-pipelined", [3, 14, 6, 1], 2 * CHUNK)
+    src, original = case("kv_first", "HND", 29), case("kv_first", "HND", 29)
+    req = request("wb-pipelined", [3, 14, 6, 1], 2 * CHUNK)
     layout = kv_ops.detect_layouts(src.caches, **src.detect_kwargs())
     eng = KVTransferEngine(list(src.caches), layout, client)
     eng.path = PipelinedPath(DevicePipeline(list(src.caches), layout))
@@ -364,7 +363,7 @@ def test_the_scheduler_delays_exactly_the_requests_the_worker_reports(
     sched = MaruSchedulerConnector(
         cfg, ChunkKeyer(space), BS, client_factory=lambda: MaruHandler(server.url, timeout_s=2)
     )
-    src = _case("kv_first", "NHD", 30)
+    src = case("kv_first", "NHD", 30)
     w = worker(server.url, src)
     gate = gated(w)
     eng = Engine(sched, w)

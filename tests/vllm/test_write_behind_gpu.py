@@ -26,7 +26,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import release_pool, stop_worker
-from tests.transfer.test_transfer_wiring import engine, make_case, requests
+from tests.transfer.helpers import engine, make_case, requests
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ from maru.transfer.background import BackgroundRunner
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer
 from tests.pool_fixtures import module_client
-from tests.transfer.test_transfer_datapath import CountingPins, _layer_equal, _same
+from tests.transfer.helpers import CountingPins, layer_equal, same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,9 +83,9 @@ def test_layer_overlap_load_on_cuda_reports_each_layer_only_once_placed(
     ll = eng.start_layer_load(eng.pin([dst_req]))
     for layer in reversed(range(LAYERS)):
         ll.wait_for_layer(layer)
-        assert _layer_equal(dst, ref, layer, _slots(dst_req))
+        assert layer_equal(dst, ref, layer, _slots(dst_req))
     assert ll.wait().loaded_req_ids == [dst_req.req_id]
-    assert _same(dst, ref) and pins.pinned == pins.released == 2
+    assert same(dst, ref) and pins.pinned == pins.released == 2
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
@@ -102,4 +102,4 @@ def test_async_load_on_cuda_is_placed_when_the_loader_thread_reports_it(
     runner.submit(dst_req.req_id, _engine(dst, client).load, [dst_req])
     ((tag, rep),) = runner.close(timeout=60)
     assert tag == dst_req.req_id and rep.loaded_req_ids == [dst_req.req_id]
-    assert _same(dst, ref)
+    assert same(dst, ref)

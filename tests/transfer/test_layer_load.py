@@ -1,0 +1,279 @@
+"""The layer-by-layer load (``maru_overlap_load_with_compute``): layer ``i`` placed before attention ``i``.
+
+The engine's ``start_layer_load`` against the synchronous load, and the worker that waits per
+layer, fails a request missing a chunk before the forward, and on CUDA caches issues one
+``load_layers`` per step and unpins once it is ``done()`` (driven here on CPU caches with a CPU
+``TransferEngine`` injected and ``Gated`` handles). Real server, real shared-memory pool; caches
+built the way vLLM builds them (block size 4 != 3 heads, HND caches included).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from maru.client import MaruHandler
+from maru.kv_ops.testing import CacheCase
+from maru.transfer.records import RequestTransfer
+from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server, pool_client, stop_worker
+from tests.transfer.helpers import (
+    BS,
+    CHUNK,
+    NAMES,
+    CountingPins,
+    Gated,
+    MaruConnectorMetadata,
+    blocks_outside,
+    case,
+    inject_pipeline,
+    layer_equal,
+    needs_vllm,
+    plain_engine,
+    request,
+    requests,
+    same,
+    slots_of,
+    worker,
+)
+
+server = module_server("layer-load")
+client = pool_client()
+
+
+@pytest.mark.parametrize(
+    "fmt,physical",
+    [
+        ("kv_first", "HND"),
+        ("blocks_first", "HND"),
+        ("cpu_attn", "NHD"),
+        ("mla", "NHD"),
+        ("cross_layer", "HND"),
+    ],
+)
+def test_layer_by_layer_load_places_the_same_bytes_as_the_synchronous_load(
+    fmt: str, physical: str, client: MaruHandler
+) -> None:
+    tag = f"layers-{fmt}-{physical}"
+    src = case(fmt, physical, 1)
+    n_tokens = 2 * CHUNK + BS  # two chunks and a one-block tail
+    req = request(tag, [9, 3, 14, 0, 7], n_tokens)
+    assert plain_engine(src, client).store([req]).stored == 3
+    dreq = RequestTransfer(req.req_id, (2, 15, 6, 10, 1), req.chunks)
+    ref, dst = case(fmt, physical, 2), case(fmt, physical, 2)
+    assert plain_engine(ref, client).load([dreq]).loaded_req_ids == [req.req_id]
+
+    pins = CountingPins(client)
+    eng = plain_engine(dst, pins)
+    before = case(fmt, physical, 2)
+    ll = eng.start_layer_load(eng.pin([dreq]))
+    rep = ll.wait()
+    assert rep.loaded_req_ids == [req.req_id] and not rep.failed
+    assert rep.tokens == n_tokens and rep.chunks == 3
+    assert same(dst, ref) and not same(dst, before)
+    assert pins.pinned == pins.released == 3
+
+
+def test_wait_for_layer_returns_with_that_layer_placed_for_every_chunk(client: MaruHandler) -> None:
+    src = case("kv_first", "HND", 3)
+    req = request("layer-wait", [4, 1, 12, 7, 0, 9], 3 * CHUNK)
+    plain_engine(src, client).store([req])
+    dreq = RequestTransfer(req.req_id, (8, 2, 11, 5, 13, 3), req.chunks)
+    ref = case("kv_first", "HND", 4)
+    plain_engine(ref, client).load([dreq])
+    dst = case("kv_first", "HND", 4)
+    eng = plain_engine(dst, client)
+    ll = eng.start_layer_load(eng.pin([dreq]))
+    slots = slots_of(dreq, 3 * CHUNK)
+    for layer in (2, 0, 1):  # any order: each wait covers its own layer only
+        ll.wait_for_layer(layer)
+        assert ll.layer_done(layer)
+        assert layer_equal(dst, ref, layer, slots)
+    ll.wait()
+    assert same(dst, ref)
+
+
+def test_layer_load_places_nothing_of_a_request_missing_a_chunk_and_unpins_everything(
+    client: MaruHandler,
+) -> None:
+    src = case("blocks_first", "HND", 5)
+    a = request("layer-miss-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    b = request("layer-miss-b", [6, 7, 8, 9], 2 * CHUNK)
+    plain_engine(src, client).store([a, b])
+    assert client.delete([a.chunks[2].key]) == [True]
+    dst = case("blocks_first", "HND", 6)
+    before = case("blocks_first", "HND", 6)
+    pins = CountingPins(client)
+    eng = plain_engine(dst, pins)
+    pinned = eng.pin([a, b])
+    assert set(pinned.failed) == {a.req_id} and "gone" in pinned.failed[a.req_id]
+    rep = eng.start_layer_load(pinned).wait()
+    assert rep.loaded_req_ids == [b.req_id] and a.req_id in rep.failed
+    for layer in range(3):
+        assert layer_equal(dst, before, layer, slots_of(a, 3 * CHUNK))  # nothing of a placed
+        assert not layer_equal(dst, before, layer, slots_of(b, 2 * CHUNK))
+    assert pins.pinned == pins.released == 4  # a's two present chunks were pinned and released too
+
+
+def test_a_layer_that_fails_to_place_releases_every_waiter_and_reports_the_request(
+    client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = case("kv_first", "NHD", 7)
+    req = request("layer-boom", [0, 1, 2, 3], 2 * CHUNK)
+    plain_engine(src, client).store([req])
+    pins = CountingPins(client)
+    eng = plain_engine(case("kv_first", "NHD", 8), pins)
+    real = eng.path.place_layer
+
+    def place(obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        if layer == 1:
+            raise RuntimeError("kernel fault")
+        real(obj, slots, layer)
+
+    monkeypatch.setattr(eng.path, "place_layer", place)
+    ll = eng.start_layer_load(eng.pin([req]))
+    ll.wait_for_layer(2)  # must not hang
+    rep = ll.wait()
+    assert rep.loaded_req_ids == [] and "kernel fault" in rep.failed[req.req_id]
+    assert pins.pinned == pins.released == 2
+
+
+def test_worker_overlap_load_waits_per_layer_and_reports_a_missing_chunk_after_the_forward(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata
+
+    src = case("kv_first", "HND", 13)
+    ok = request("overlap-ok", [5, 9, 1, 3], 2 * CHUNK)
+    bad = request("overlap-bad", [6, 7, 8, 10], 2 * CHUNK)
+    plain_engine(src, client).store([ok, bad])
+    assert client.delete([bad.chunks[0].key]) == [True]
+    dok = RequestTransfer(ok.req_id, (0, 2, 4, 6), ok.chunks)
+    dbad = RequestTransfer(bad.req_id, (11, 12, 13, 14), bad.chunks)
+    ref = case("kv_first", "HND", 14)
+    plain_engine(ref, client).load([dok])
+    dst = case("kv_first", "HND", 14)
+    w = worker(server, dst, overlap_load_with_compute=True)
+    try:
+        meta = MaruConnectorMetadata(loads=[dok, dbad])
+        w.start_load_kv(meta)
+        for i in range(3):  # what vLLM does before each attention layer
+            w.wait_for_layer_load(NAMES[i])
+            assert layer_equal(dst, ref, i, slots_of(dok, 2 * CHUNK))
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == {11, 12, 13, 14}
+        assert same(dst, ref)
+        assert (w.stats.overlap_loads, w.stats.loads, w.stats.load_errors) == (1, 1, 1)
+        assert w.stats.layer_waits == 3
+    finally:
+        stop_worker(w)
+
+
+def _overlap_setup(
+    server: ServerProcess, client: MaruHandler, tag: str, seed: int
+) -> tuple[Any, CacheCase, CacheCase, CacheCase, RequestTransfer, RequestTransfer]:
+    """A request with skipped head and cut tail (``place_begin``/``place_end``) and one missing a
+    chunk, stored; the worker (overlap on, CUDA code path injected) over a fresh cache."""
+    src_a, dst_a = requests(tag, BS, CHUNK, 16)
+    bad = request(f"{tag}-bad", list(blocks_outside(src_a.block_ids, 4)), 2 * CHUNK)
+    src = case("kv_first", "NHD", seed)
+    assert plain_engine(src, client).store([src_a, bad]).stored == 6
+    assert client.delete([bad.chunks[1].key]) == [True]
+    dbad = RequestTransfer(bad.req_id, blocks_outside(dst_a.block_ids, 4), bad.chunks)
+    ref, dst, before = (case("kv_first", "NHD", seed + 1) for _ in range(3))
+    assert plain_engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
+    w = worker(server, dst, overlap_load_with_compute=True)
+    return w, ref, dst, before, dst_a, dbad
+
+
+@needs_vllm
+def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    w, ref, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-gated", 41)
+    try:
+        pins, _ = inject_pipeline(w)
+        gate = threading.Event()
+        calls: list[tuple[int, int]] = []
+        real = w.engine.path.pipeline.load_layers
+
+        def load_layers(objs: Any, slots: Any, **kw: Any) -> Gated:
+            calls.append((len(objs), int((slots >= 0).sum())))
+            return Gated(real(objs, slots, **kw), gate)
+
+        w.engine.path.pipeline.load_layers = load_layers
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta)
+        # One call for the step: the four chunks of the ready request, only its placed tokens as
+        # slots; the request missing a chunk is failed before the forward and never issued.
+        assert calls == [(4, dst_a.num_placed_tokens())]
+        assert w.stats.load_errors == 1
+        for name in NAMES:  # what vLLM does before each attention layer
+            w.wait_for_layer_load(name)
+        w.wait_for_save(meta)  # after the forward: no host wait for the load
+        assert pins.pinned == 5 and pins.released == 0  # the transfer is not done: pins held
+        assert w.get_finished(set()) == (None, None) and pins.released == 0
+        gate.set()
+        w.get_finished(set())
+        assert pins.released == 5
+        w.get_finished(set())
+        assert pins.released == 5  # exactly once
+
+        assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
+        assert (w.stats.overlap_loads, w.stats.loads, w.stats.layer_waits) == (1, 1, 3)
+        assert same(dst, ref)  # a placed exactly, nothing of the failed request, every other byte kept
+        skipped = [dst_a.block_ids[t // BS] * BS + t % BS for t in range(BS)]  # place_begin = BS
+        tail = dst_a.chunks[-1]
+        last = tail.start + tail.num_tokens - 1  # place_end stops one token short
+        skipped.append(dst_a.block_ids[last // BS] * BS + last % BS)
+        for layer in range(3):
+            assert layer_equal(dst, before, layer, skipped)
+            assert not layer_equal(dst, before, layer, slots_of(dst_a, 2 * CHUNK)[BS:])
+    finally:
+        stop_worker(w)
+
+
+@needs_vllm
+def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_releases_every_pin(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    w, _, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-issue", 51)
+    try:
+        pins, settles = inject_pipeline(w)
+
+        def broken(*a: Any, **kw: Any) -> Any:
+            raise RuntimeError("injected issue failure")
+
+        w.engine.path.pipeline.load_layers = broken
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta)
+        assert w.stats.load_errors == 2 and settles  # both known before the forward runs
+        for name in NAMES:
+            w.wait_for_layer_load(name)  # nothing to wait for; must not raise
+        w.wait_for_save(meta)
+        w.get_finished(set())
+        assert pins.pinned == pins.released == 5
+        assert w.get_block_ids_with_load_errors() == dst_a.placed_block_ids(BS) | set(dbad.block_ids)
+        assert w.stats.loads == 0
+        assert same(dst, before)
+    finally:
+        stop_worker(w)
+
+
+@needs_vllm
+def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerProcess) -> None:
+    from maru.transfer.handles import ThreadedLayerHandle
+    from maru.transfer.loads import PinnedLoad
+
+    w = worker(server, case("kv_first", "NHD", 61), overlap_load_with_compute=True)
+    try:
+        assert w.engine.path.pipeline is None
+        ll = w.engine.start_layer_load(PinnedLoad())
+        assert ll.handle is None and ll.wait().loaded_req_ids == []  # nothing to place: no thread
+        assert isinstance(w.engine.path.scatter_layers([]), ThreadedLayerHandle)
+    finally:
+        stop_worker(w)
