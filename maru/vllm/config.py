@@ -192,6 +192,31 @@ class MaruConnectorConfig:
         )
         return MaruConnectorConfig(**{**self.__dict__, "async_store": False})
 
+    def loading_before_the_request_runs(self, reason: str) -> MaruConnectorConfig:
+        """A copy whose every load uses vLLM's asynchronous-load protocol (``async_load``).
+
+        For engines where vLLM cannot recompute a failed load of a request it is already running
+        (``reason`` says why): a synchronous or layer-overlap load fails in the step that also
+        computes the request, and the request would go on with KV that was never placed. Under the
+        asynchronous protocol a load completes or fails while the request waits in
+        WAITING_FOR_REMOTE_KVS, and vLLM schedules it afterwards from what was really placed.
+        Announced once per connector instance (reason and fix); a no-op when loads are off or
+        already asynchronous.
+        """
+        if self.async_load or not self.enable_load:
+            return self
+        mode = "maru_overlap_load_with_compute" if self.overlap_load_with_compute else "synchronous loads"
+        logger.warning(
+            "Maru: %s replaced by maru_async_load (a hit waits one engine step for its load): %s. "
+            "Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to keep same-step loads, or set "
+            "maru_async_load=true to silence this.",
+            mode,
+            reason,
+        )
+        return MaruConnectorConfig(
+            **{**self.__dict__, "async_load": True, "overlap_load_with_compute": False}
+        )
+
     def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
         """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).
 

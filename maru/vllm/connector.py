@@ -108,6 +108,29 @@ def _recompute_on_load_failure(vllm_config: VllmConfig) -> None:
         )
 
 
+def same_step_load_failures_unrecoverable(vllm_config: Any) -> str | None:
+    """Why vLLM cannot recompute a failed load of a request it is already running; None if it can.
+
+    vLLM's V2 model runner (``vllm_config.use_v2_model_runner``; the default on GPUs for most
+    models) keeps each running request's computed-token count on the device and only ever adds
+    to it. When a load fails in the step that computes the request, the scheduler rewinds the
+    request to recompute the missing blocks, but the runner does not rewind: the recompute reads
+    tokens and positions after the prompt and the output is garbage (vLLM issue #49250, seen on
+    vLLM 0.26 with an H200). Requests that wait for their load (asynchronous protocol) are added
+    to the runner afresh after the load, from what was really placed, so they are unaffected.
+    """
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception as e:  # cannot tell: take the protocol that is correct either way
+        return f"could not tell which vLLM model runner runs ({type(e).__name__}: {e})"
+    if not v2:
+        return None
+    return (
+        "vLLM's V2 model runner does not rewind a running request whose load failed, so its "
+        "recompute would run on KV that was never placed (vLLM issue #49250)"
+    )
+
+
 class MaruKVConnector(KVConnectorBase_V1):
     """Shares KV-cache prefixes between vLLM instances through a Maru pool. See docs/vllm.md."""
 
@@ -140,6 +163,11 @@ class MaruKVConnector(KVConnectorBase_V1):
             )
             cfg = MaruConnectorConfig(**{**cfg.__dict__, "enable_load": False, "enable_store": False})
             self.maru_config = cfg
+
+        unrecoverable = same_step_load_failures_unrecoverable(vllm_config)
+        if unrecoverable is not None:
+            # Both roles read the same vLLM config, so they switch together.
+            cfg = self.maru_config = cfg.loading_before_the_request_runs(unrecoverable)
 
         def client_factory() -> Any:
             from maru.client import MaruHandler

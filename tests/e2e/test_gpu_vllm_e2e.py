@@ -10,7 +10,10 @@ engines, each in its own process, started together (start-up overlaps) and drive
   write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
   B-sync-plain (vLLM's asynchronous scheduling off) meet a chunk evicted between the scheduler's
   lookup and the load (a connector subclass deletes it at ``start_load_kv``); B-overlap computes
-  a batch Y and stores it write-behind, and B-sync loads Y;
+  a batch Y and stores it write-behind, and B-sync loads Y. B-sync-plain and B-overlap run vLLM's
+  V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), the only one where Maru loads in the step that
+  computes (same-step loads; on the V2 runner, vLLM 0.26's default on GPUs, every load uses the
+  asynchronous protocol: vLLM issue #49250, see ``maru.vllm.connector``); on CPU both are V1;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
@@ -59,8 +62,9 @@ MAX_TOKENS = 8
 V = MODEL.vocab
 X = [random_prompt(1500, 100 + i, V) for i in range(4)]  # loaded as a batch of four hits
 Y = [random_prompt(1200, 200 + i, V) for i in range(4)]  # stored write-behind by B-overlap
-# A chunk evicted before the load: E1 under a sync load, E2 an async load, E3 a sync load with
-# vLLM's asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
+# A chunk evicted before the load: E1 under a sync-configured load (on vLLM's V2 runner it runs
+# under the asynchronous protocol), E2 an async load, E3 a same-step sync load on the V1 runner
+# with vLLM's asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
 E1, E2, E3 = (random_prompt(1000, 301 + i, V) for i in range(3))
 P = [random_prompt(1000, 400 + i, V) for i in range(2)]  # preempted under write-behind
 P_TOKENS = 400
@@ -157,17 +161,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         "max_model_len": 1536,
         "kv_cache_memory_bytes": 2400 // BS * BS * MODEL.kv_bytes_per_token(),
     }
+    v1_runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # same-step loads (see the module docstring)
     specs = {
         "A": ({**base, "kv_transfer_config": kv({})}, {}),
         "B-sync": ({**base, "kv_transfer_config": kv({}, **evict)}, {}),
-        "B-sync-plain": ({**base, "async_scheduling": False, "kv_transfer_config": kv({}, **evict)}, {}),
+        "B-sync-plain": (
+            {**base, "async_scheduling": False, "kv_transfer_config": kv({}, **evict)},
+            v1_runner,
+        ),
         "B-async": ({**base, "kv_transfer_config": kv({"maru_async_load": True}, **evict)}, {}),
         "B-overlap": (
             {
                 **base,
                 "kv_transfer_config": kv({"maru_overlap_load_with_compute": True, "maru_async_store": True}),
             },
-            {},
+            v1_runner,
         ),
         "P": (
             {**small, "kv_transfer_config": kv({"maru_async_store": True})},

@@ -1,0 +1,123 @@
+"""Which load protocol the connector uses on which vLLM model runner (vLLM issue #49250).
+
+vLLM's V2 model runner cannot recompute a failed load of a request it is already running (the
+device keeps the request's old position), so on it every load goes through vLLM's asynchronous
+protocol: the request waits until its load is done or failed and is then added to the runner
+afresh. The facade is built here on the parts of a vLLM config it reads, against a real server;
+what the scheduler side then offers and plans is checked step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from maru.vllm.config import MaruConnectorConfig
+from tests.helpers import ServerProcess
+from tests.vllm.test_vllm_scheduler import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from maru.vllm.connector import MaruKVConnector, same_step_load_failures_unrecoverable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("protocol"), pool_size="16M")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+_models = iter(range(10**6))
+
+
+def vllm_config(url: str, v2: Any, **extra: Any) -> SimpleNamespace:
+    """What the facade reads of a ``VllmConfig``; ``v2`` is ``use_v2_model_runner`` (a callable raises)."""
+    mc = SimpleNamespace(
+        model=f"proto-model-{next(_models)}",  # a fresh key space per connector
+        dtype="float32",
+        revision=None,
+        get_num_layers=lambda pc: 2,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 32,
+    )
+    ns = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"maru_server_url": url, "maru_kv_chunk_tokens": C, **extra},
+            kv_load_failure_policy="recompute",
+        ),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        model_config=mc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    if callable(v2):
+        cls = type("RaisingConfig", (SimpleNamespace,), {"use_v2_model_runner": property(lambda self: v2())})
+        ns = cls(**ns.__dict__)
+    elif v2 is not None:
+        ns.use_v2_model_runner = v2
+    return ns
+
+
+def scheduler_side(server: ServerProcess, v2: Any, **extra: Any) -> MaruKVConnector:
+    return MaruKVConnector(vllm_config(server.url, v2, **extra), KVConnectorRole.SCHEDULER)
+
+
+def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed: int) -> tuple[Any, Any]:
+    s = conn.maru_scheduler
+    assert s is not None
+    toks = tokens(300, seed=seed)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    r = req("a", toks)
+    return r, conn.get_num_new_matched_tokens(r, 0)
+
+
+def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_waits(server) -> None:
+    conn = scheduler_side(server, True)
+    assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
+    r, offer = offer_of_a_stored_prompt(server, conn, seed=31)
+    assert offer == (288, True)  # vLLM parks the request until the load is done or failed
+    conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+    meta = conn.build_connector_meta(empty_out())
+    # The load runs while the request is not in the runner: no same-step load to fail.
+    assert not meta.loads and [lt.req_id for lt in meta.async_loads] == ["a"]
+
+
+def test_on_the_v1_model_runner_synchronous_loads_stay_in_the_step_that_computes(server) -> None:
+    for v2 in (False, None):  # None: a vLLM without the V2 runner (no such attribute)
+        conn = scheduler_side(server, v2)
+        assert not conn.maru_config.async_load
+        _, offer = offer_of_a_stored_prompt(server, conn, seed=32)
+        assert offer == (288, False)
+
+
+def test_layer_overlap_and_an_unknown_runner_also_load_before_the_request_runs(server) -> None:
+    conn = scheduler_side(server, True, maru_overlap_load_with_compute=True)
+    assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
+
+    def unknown() -> bool:
+        raise RuntimeError("no platform")
+
+    assert "could not tell" in (same_step_load_failures_unrecoverable(vllm_config("u", unknown)) or "")
+    conn = scheduler_side(server, unknown)
+    assert conn.maru_config.async_load
+    _, offer = offer_of_a_stored_prompt(server, conn, seed=33)
+    assert offer == (288, True)
+
+
+def test_switching_protocol_keeps_every_other_setting_and_skips_configs_without_same_step_loads() -> None:
+    base = MaruConnectorConfig(kv_chunk_tokens=C, max_inflight_loads=7, async_store=True)
+    switched = base.loading_before_the_request_runs("test")
+    assert switched.async_load and {**switched.__dict__, "async_load": False} == base.__dict__
+    already = MaruConnectorConfig(async_load=True)
+    assert already.loading_before_the_request_runs("test") is already
+    off = MaruConnectorConfig(enable_load=False)
+    assert off.loading_before_the_request_runs("test") is off
