@@ -32,7 +32,7 @@ from maru.client.objects import Retrieved
 from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
 from maru.kv_ops.geometry import ObjectGeometry
 from maru.protocol import CommitResult
-from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, PinnedLoad
+from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
 from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import LoadReport, RequestTransfer, StoreReport, slot_mapping, unique_keys
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
@@ -331,14 +331,29 @@ class KVTransferEngine:
         Returns without waiting where the path is asynchronous (poll ``InflightLoad.done()``). The
         pins are released by ``InflightLoad.release``/``finish``, or here if this raises.
         """
+        return self.issue_load(self.look_up(requests))
+
+    def look_up(self, requests: Sequence[RequestTransfer]) -> LookedUp:
+        """The first half of ``start_load``: one lookup-and-pin round trip, no tensor work.
+
+        Safe on a helper thread: it holds the GIL only to send and parse one message. The pins
+        belong to the result until ``issue_load`` hands them to its ``InflightLoad``.
+        """
         t0 = time.perf_counter()
         rep = LoadReport()
         index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
+        return LookedUp(list(requests), rep, index, handles, t0)
+
+    def issue_load(self, looked: LookedUp) -> InflightLoad:
+        """The second half of ``start_load``: check each request and issue one scatter for all.
+
+        Unpins everything (one round trip) if it raises."""
+        rep, index, handles = looked.report, looked.index, looked.handles
         if handles is None:
-            return InflightLoad(self, rep, [], IssuedScatter(), t0)
+            return InflightLoad(self, rep, [], IssuedScatter(), looked.t0)
         batch = IssuedScatter()
         try:
-            for req in requests:
+            for req in looked.requests:
                 why = self._check(req, handles, index)
                 if why is None:
                     why = self._add_request(req, handles, index, batch)
@@ -359,7 +374,7 @@ class KVTransferEngine:
             batch = IssuedScatter()
             self.unpin(handles)
             raise
-        return InflightLoad(self, rep, handles, batch, t0)
+        return InflightLoad(self, rep, handles, batch, looked.t0)
 
     def _lookup_pinned(
         self, requests: Sequence[RequestTransfer], failed: dict[str, str]
