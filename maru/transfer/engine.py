@@ -34,7 +34,14 @@ from maru.kv_ops.geometry import ObjectGeometry
 from maru.protocol import CommitResult
 from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
 from maru.transfer.paths import DataPath, choose_path
-from maru.transfer.records import LoadReport, RequestTransfer, StoreReport, slot_mapping, unique_keys
+from maru.transfer.records import (
+    LoadReport,
+    RequestTransfer,
+    StoreReport,
+    block_table,
+    slot_mapping,
+    unique_keys,
+)
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
 
 _LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
@@ -148,9 +155,13 @@ class KVTransferEngine:
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []
+        tables: dict[str, Any] = {}  # one block table per request
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
-                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
+                table = tables.get(req.req_id)
+                if table is None:
+                    table = tables[req.req_id] = block_table(req.block_ids)
+                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, table=table)
                 o = self.geometry.over(obj.buf, c.num_tokens)
             except Exception as e:
                 ig.bad.append(obj)
@@ -400,9 +411,12 @@ class KVTransferEngine:
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
+        table = block_table(req.block_ids)
         for c in req.chunks:
             h = handles[index[c.key]]
-            slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, c.placed())
+            slots = slot_mapping(
+                req.block_ids, self.block_size, c.start, c.num_tokens, c.placed(), table=table
+            )
             out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size), h))
         return out
 

@@ -148,7 +148,9 @@ def test_async_load_without_a_server_fails_the_request_without_a_lookup(
 
 
 @pytest.mark.parametrize("issued_by", ["loader", "poller"])
-def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one(issued_by: str) -> None:
+def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one(
+    issued_by: str,
+) -> None:
     from maru.transfer.loads import LookedUp
     from maru.transfer.records import LoadReport
 
