@@ -353,6 +353,7 @@ class KVTransferEngine:
         t0 = time.perf_counter()
         rep = LoadReport()
         index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
+        rep.phases["lookup"] = time.perf_counter() - t0
         return LookedUp(list(requests), rep, index, handles, t0)
 
     def issue_load(self, looked: LookedUp) -> InflightLoad:
@@ -363,6 +364,7 @@ class KVTransferEngine:
         if handles is None:
             return InflightLoad(self, rep, [], IssuedScatter(), looked.t0)
         batch = IssuedScatter()
+        t1 = time.perf_counter()
         try:
             for req in looked.requests:
                 why = self._check(req, handles, index)
@@ -370,10 +372,13 @@ class KVTransferEngine:
                     why = self._add_request(req, handles, index, batch)
                 if why is not None:
                     rep.failed[req.req_id] = why
+            t2 = time.perf_counter()
+            rep.phases["prepare"] = t2 - t1
             if batch.objs:  # a chunk with nothing to place is not copied at all
                 try:
                     expected = [h.checksum for h in batch.placed] if self.verify else None
                     batch.transfer = self.path.scatter(batch.objs, batch.slots, expected)
+                    rep.phases["issue"] = time.perf_counter() - t2
                 except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                     why = f"placing the chunks failed: {type(e).__name__}: {e}"
                     for req, _, _ in batch.requests:

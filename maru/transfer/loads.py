@@ -140,7 +140,9 @@ class InflightLoad:
         err = self._error
         if err is None and batch.transfer is not None:
             try:
+                t_wait = time.perf_counter()
                 batch.transfer.wait()
+                rep.phases["wait"] = time.perf_counter() - t_wait
                 for item, why in batch.transfer.failed_items().items():
                     failed.setdefault(batch.owner[item], f"placing chunk {item} failed: {why}")
                 bad = batch.transfer.mismatched()

@@ -89,6 +89,10 @@ class LoadReport:
     bytes: int = 0
     seconds: float = 0.0
     server_lost: bool = False
+    # Where ``seconds`` went (host wall time, seconds): "lookup" (the lookup-and-pin round trip),
+    # "prepare" (checks, object views, slot mappings), "issue" (the path call), "wait" (from issue
+    # to completion, as seen by ``collect``). A benchmark's breakdown, not a contract.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def unique_keys(requests: Sequence[RequestTransfer]) -> tuple[list[str], dict[str, int]]:
