@@ -8,7 +8,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 source "$(dirname "$0")/device_env.sh" || exit 1
-if [ ! -d /tmp/site/vllm ]; then
+if [ ! -d /tmp/site/vllm ] && [ -f .vllmx/install.sh ]; then
   mkdir -p /tmp/vp && mv .vllmx/p2 .vllmx/bundle.sha256 /tmp/vp/ 2>/dev/null
   bash .vllmx/install.sh >/dev/null || echo "vLLM bundle install failed: $(ls /tmp/vp)"
 fi
@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 T0=$(date +%s)
 timeout 120 python3 -m maru.kv_ops.selfcheck --device cuda --quick 2>&1 | tail -2
 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore::DeprecationWarning \
-  --ignore=tests/e2e tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  --ignore=tests/e2e ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 echo "tests took $(( $(date +%s) - T0 )) s"
 timeout 90 python3 bench/gil_contention.py --json "$OUT/gil_contention.json" 2>&1 | tee "$OUT/gil.log" | tail -10
 timeout 60 python3 bench/kv_ops_host.py --cuda 2>&1 | tail -4 | tee "$OUT/kv_ops_host.log"
