@@ -74,7 +74,7 @@ def measure(
     storer: KVTransferEngine, loader: KVTransferEngine, t: int, n: int, gen: torch.Generator, reps: int
 ) -> dict[str, Any]:
     """Store ``n`` fresh requests of ``t`` tokens, then load them back in one call (and layer by layer)."""
-    nbytes = n * storer.object_nbytes(t)
+    nbytes = n * storer.geometry.nbytes(t)
     store_s, load_s, phases = [], [], []
     last: list[RequestTransfer] = []
     for r in range(reps + 1):
@@ -95,11 +95,11 @@ def measure(
     for r in range(reps + 1):
         t0 = time.perf_counter()
         ll = loader.start_layer_load(loader.pin(last))
-        h = ll.handle  # the LayerLoad (release() drops it)
+        h = ll.handle.load  # kv_ops' LayerLoad under the transfer handle (release() drops it)
         rep = ll.wait()
         assert len(rep.loaded_req_ids) == n, rep.failed
         if r:
-            issue.append(h.issue_s)
+            issue.append(h.copy_issue_s + h.place_issue_s)
             total.append(time.perf_counter() - t0)
     return {
         "layer_path": f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}",
