@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--kv-ops", action="store_true", help="profile kv_ops.scatter calls (16 tokens) instead")
     a = ap.parse_args()
+    if a.kv_ops:
+        return profile_kv_ops(a)
     with tempfile.TemporaryDirectory() as tmp:
         srv = ServerProcess(tmp, pool_size=4 << 30, log_level="WARNING")
         srv.start()
@@ -65,6 +68,25 @@ def main() -> None:
         finally:
             client.close()
             srv.cleanup()
+
+
+def profile_kv_ops(a: argparse.Namespace) -> None:
+    caches = make_caches(NB, 1)
+    layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
+    slots = torch.randperm(NB * BS, device="cuda")[:16].to(torch.int64)
+    obj = kv_ops.gather(caches, layout, slots)
+    for _ in range(50):
+        kv_ops.scatter(obj, caches, layout, slots)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.reps):
+        kv_ops.scatter(obj, caches, layout, slots)
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(a.top)
+    st.sort_stats("cumulative").print_stats(a.top)
 
 
 if __name__ == "__main__":
