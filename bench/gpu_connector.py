@@ -135,14 +135,14 @@ def main() -> None:
             src = make_caches(NB, 1)
             layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
             t0 = time.perf_counter()
-            storer = KVTransferEngine(src, layout, client)
+            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
             results["engine_build_s"] = time.perf_counter() - t0
             results["data_path"] = storer.data_path
             results["registration"] = (
                 storer.host_registration.describe() if storer.host_registration else None
             )
             dst = make_caches(NB, 2)
-            loader = KVTransferEngine(dst, layout, client)
+            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
             gen = torch.Generator().manual_seed(0)
             for t in SIZES:
                 row = measure(storer, loader, t, 1, gen, args.reps)

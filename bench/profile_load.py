@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_connector import BS, HS, NB, NH, make_caches, request  # noqa: E402
+from gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request  # noqa: E402
 
 from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
@@ -44,8 +44,8 @@ def main() -> None:
         try:
             src, dst = make_caches(NB, 1), make_caches(NB, 2)
             layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
-            storer = KVTransferEngine(src, layout, client)
-            loader = KVTransferEngine(dst, layout, client)
+            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
             req = request(a.tokens, "profile", torch.Generator().manual_seed(0))
             assert storer.store([req]).stored == len(req.chunks)
             for _ in range(10):

@@ -203,6 +203,10 @@ class GraphedPlacer:
         self._replay(("gather", num_tokens, layer))
         return self._staging[num_tokens][layer]
 
+    def has_chunk_graphs(self, num_tokens: int) -> bool:
+        """Whether the all-layer scatter and gather graphs for T tokens are captured."""
+        return ("scatter", num_tokens, None) in self._graphs and ("gather", num_tokens, None) in self._graphs
+
     def has_direct(self, num_tokens: int, *, checksum: bool = False) -> bool:
         """Whether every layer's direct graph for T tokens is captured (a replay, never a capture)."""
         op = "direct+checksum" if checksum else "direct"

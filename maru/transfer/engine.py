@@ -58,6 +58,7 @@ class KVTransferEngine:
     ``batch_retrieve``/``batch_release``/``report_corrupt``). ``path``: the data path (default:
     ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
     checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
+    ``chunk_tokens``: the chunk size, whose placement graphs the GPU path captures at build.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class KVTransferEngine:
         pipelined: bool = True,
         path: DataPath | None = None,
         verify: bool = True,
+        chunk_tokens: int | None = None,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -80,7 +82,9 @@ class KVTransferEngine:
         self.geometry = ObjectGeometry.of(self.caches[0] if layout.is_cross_layer else self.caches, layout)
         self.num_layers = self.geometry.num_layers
         self.device = self.caches[0].device
-        self.path = path or choose_path(self.caches, layout, client, backend=backend, pipelined=pipelined)
+        self.path = path or choose_path(
+            self.caches, layout, client, backend=backend, pipelined=pipelined, chunk_tokens=chunk_tokens
+        )
         self.verify = verify
 
     @property
