@@ -281,7 +281,7 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
 
 
 def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: RegisteredPool) -> None:
-    """What the connector builds: eager chunk paths, layer graphs warmed at start, no capture later."""
+    """The layer path of what the connector builds: layer graphs warmed at start, no capture later."""
     src = make_caches("flash_attn_HND", 26)
     engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, 3 * CHUNK, 27, negatives=4)
