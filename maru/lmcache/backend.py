@@ -80,8 +80,9 @@ class MaruStorageBackend(StoragePluginInterface):
         client.set_client_info(
             {"role": f"lmcache-{role or 'worker'}", "paths": {"lmcache": "storage plugin"}}
         )
-        if self._cuda and self.maru_config.register_with_cuda:
-            # Copies between the pool and the GPU run at pinned speed only if the mapping is registered.
+        if self._cuda and self.maru_config.zero_copy_get and self.maru_config.register_with_cuda:
+            # Zero-copy gets hand LMCache pool pages, which it copies to the GPU: at pinned speed only
+            # if the mapping is registered. (Copying gets land in LMCache's own pinned buffer instead.)
             from maru.client.cuda_host import register_host_mapping
 
             register_host_mapping(client.pool_mapping)
