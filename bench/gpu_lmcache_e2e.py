@@ -11,9 +11,12 @@ all started at once, then driven one after the other, each closed before the nex
   reference outputs.
 - ``lmc-maru-A`` / ``lmc-maru-B``: vLLM's ``LMCacheConnectorV1`` with Maru as LMCache's storage
   plugin (``local_cpu: false``: nothing is kept in LMCache's own CPU tier, so B's hits come from
-  the pool). A computes and stores; B, a second instance, gets the same prompts: warm.
+  the pool). A computes and stores (waiting after each batch until the pool holds still, so
+  LMCache's buffer never overflows); B, a second instance, gets the same prompts: warm.
 - ``maru-A`` / ``maru-B``: Maru's own ``MaruKVConnector`` (defaults: write-behind store, loads as
   vLLM's V2 runner needs). A stores, B loads.
+- ``lmc-maru-B-nv``: B again (a third instance) with ``maru_verify_on_get: false``: what the CPU
+  checksum check of every chunk read costs (Maru's own connector checks on the GPU).
 - ``lmc-cpu``: LMCache with its own local CPU backend only (each instance its own): cold, then
   vLLM's prefix cache is reset and the same prompts run again, so the hit comes from LMCache's
   CPU tier of the same process.
@@ -49,6 +52,7 @@ from bench.vllm_harness import (  # noqa: E402
     maru_kv_config,
     random_prompt,
     same_greedy,
+    worker_counters,
 )
 
 GiB = 1 << 30
@@ -79,6 +83,7 @@ TINY_SETUP = Setup(
 ROWS = (
     ("cold", "cold, no connector"),
     ("lmc-maru", "warm, LMCache + Maru (2nd instance)"),
+    ("lmc-maru-nv", "same, checksums not checked"),
     ("maru", "warm, Maru's own connector (2nd instance)"),
     ("lmc-cpu", "warm, LMCache local CPU (same instance)"),
     ("hit", "vLLM's own prefix hit (same instance)"),
@@ -89,7 +94,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def lmcache_yaml(path: Path, setup: Setup, maru_url: str | None, namespace: str) -> Path:
+def lmcache_yaml(path: Path, setup: Setup, maru_url: str | None, namespace: str, verify: bool = True) -> Path:
     """LMCache's config file: Maru as its storage plugin (``maru_url``) or its own local CPU tier."""
     cfg: dict[str, Any] = {
         "chunk_size": setup.chunk_tokens,
@@ -108,6 +113,7 @@ def lmcache_yaml(path: Path, setup: Setup, maru_url: str | None, namespace: str)
                 "storage_plugin.maru.class_name": "MaruStorageBackend",
                 "maru_server_url": maru_url,
                 "maru_namespace": namespace,
+                "maru_verify_on_get": verify,
             },
         )
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
@@ -133,7 +139,7 @@ def engine_spec(setup: Setup, model: str, kv: dict | None) -> dict[str, Any]:
     return spec
 
 
-def run_engine(eng: Engine, prompts: dict, mode: str, setup: Setup) -> dict[str, Any]:
+def run_engine(eng: Engine, prompts: dict, mode: str, setup: Setup, after_each: Any = None) -> dict[str, Any]:
     """Per workload and rep: one run (``once``); or a run and the same prompts again, straight away
     (``hit``: vLLM's own prefix cache) or after resetting vLLM's prefix cache (``reset``: the hit
     can only come from the connector)."""
@@ -151,6 +157,8 @@ def run_engine(eng: Engine, prompts: dict, mode: str, setup: Setup) -> dict[str,
         rec["first_cached"] = first["cached"]
         if mode != "hit":
             rec["settle_s"] = eng.settle()["seconds"]
+        if after_each is not None:
+            after_each()
         if mode != "once":
             again = eng.generate(ps, max_tokens=MAX_TOKENS, logprobs=5)
             rec.update(
@@ -162,6 +170,10 @@ def run_engine(eng: Engine, prompts: dict, mode: str, setup: Setup) -> dict[str,
         out.setdefault(wl, []).append(rec)
         log(f"{eng.name:11} {wl:6} rep {rep}: {first['seconds'] * 1e3:8.1f} ms (cached {first['cached']})"
             + (f", again {rec['again_s'] * 1e3:8.1f} ms (cached {rec['again_cached']})" if mode != "once" else ""))  # fmt: skip
+    try:
+        out["final_stats"] = eng.stats()
+    except Exception as e:  # diagnostics only
+        out["final_stats"] = {"error": repr(e)}
     return out
 
 
@@ -193,6 +205,7 @@ def summarize(res: dict, setup: Setup) -> list[dict[str, Any]]:
             "cold": (none, "first_s", "first_out"),
             "hit": (none, "again_s", "again_out"),
             "lmc-maru": (e.get("lmc-maru-B", {}).get(wl, []), "first_s", "first_out"),
+            "lmc-maru-nv": (e.get("lmc-maru-B-nv", {}).get(wl, []), "first_s", "first_out"),
             "maru": (e.get("maru-B", {}).get(wl, []), "first_s", "first_out"),
             "lmc-cpu": (e.get("lmc-cpu", {}).get(wl, []), "again_s", "again_out"),
         }
@@ -218,7 +231,10 @@ def markdown(res: dict, setup: Setup) -> str:
     for r in res["summary"]:
         cells = []
         for col, _ in ROWS:
-            engine = {"lmc-maru": "lmc-maru-B", "maru": "maru-B", "lmc-cpu": "lmc-cpu"}.get(col, "none")
+            engine = {"lmc-maru": "lmc-maru-B", "lmc-maru-nv": "lmc-maru-B-nv", "maru": "maru-B"}.get(
+                col, col
+            )
+            engine = "none" if col in ("cold", "hit") else engine
             if engine in blocked and r.get(col) is None:
                 cells.append("blocked")
                 continue
@@ -233,15 +249,20 @@ def markdown(res: dict, setup: Setup) -> str:
             if o:
                 txt += f", {o['identical'] + o['close']}/{o['n']} same"
             c = r.get(col + " cached")
-            if col != "cold" and c is not None:
-                txt += f", {c} tok hit"
+            if col == "hit" and c is not None:
+                txt += f", {c} tok cached"
             cells.append(txt)
         lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |")
     lines += ["", "Cold prefill while storing (first instance): " + "; ".join(
         f"{r['workload']}: LMCache+Maru {fmt(r['store lmc-maru-A'])}, Maru {fmt(r['store maru-A'])}, "
         f"LMCache CPU {fmt(r['store lmc-cpu'])}" for r in res["summary"])]  # fmt: skip
-    hits = {n: res["engines"].get(n, {}).get("lmcache_hit_tokens") for n in ("lmc-maru-B", "lmc-cpu")}
+    hits = {
+        n: res["engines"].get(n, {}).get("lmcache_hit_tokens")
+        for n in ("lmc-maru-B", "lmc-maru-B-nv", "lmc-cpu")
+    }
     lines.append(f"LMCache hit tokens (its own log): {hits}")
+    mstats = res["engines"].get("maru-B", {}).get("final_stats") or {}
+    lines.append(f"Maru connector, tokens loaded by maru-B: {worker_counters(mstats).get('tokens_loaded')}")
     for name, why in blocked.items():
         lines.append(f"blocked: {name}: {why}")
     return "\n".join(lines)
@@ -363,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     why = lmcache_import_error()
     if why is not None:
         log(f"LMCache cannot be imported here:\n{why}")
-        for name in ("lmc-maru-A", "lmc-maru-B", "lmc-cpu"):
+        for name in ("lmc-maru-A", "lmc-maru-B", "lmc-maru-B-nv", "lmc-cpu"):
             res["blocked"][name] = why.strip().splitlines()[-1]
     model = str(
         make_model(Path(tempfile.gettempdir()) / f"h4-model-{'tiny' if a.tiny else 'l3kv'}", setup.model)
@@ -380,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "none": (None, {}, "hit"),
         "lmc-maru-A": (lmcache_kv_config(), {"LMCACHE_CONFIG_FILE": str(lmcache_yaml(logs / "lmc-maru.yaml", setup, srv.url, "bench"))}, "once"),
         "lmc-maru-B": (lmcache_kv_config(), {"LMCACHE_CONFIG_FILE": str(logs / "lmc-maru.yaml")}, "once"),
+        "lmc-maru-B-nv": (lmcache_kv_config(), {"LMCACHE_CONFIG_FILE": str(lmcache_yaml(logs / "lmc-maru-nv.yaml", setup, srv.url, "bench", verify=False))}, "once"),
         "maru-A": (maru_kv_config({"maru_server_url": srv.url, "maru_kv_chunk_tokens": setup.chunk_tokens, "maru_namespace": "bench"}), {}, "once"),
         "maru-B": (maru_kv_config({"maru_server_url": srv.url, "maru_kv_chunk_tokens": setup.chunk_tokens, "maru_namespace": "bench"}), {}, "once"),
         "lmc-cpu": (lmcache_kv_config(), {"LMCACHE_CONFIG_FILE": str(lmcache_yaml(logs / "lmc-cpu.yaml", setup, None, ""))}, "reset"),
@@ -401,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 eng.wait_ready(timeout=600)
                 log(f"engine {name} ready ({eng.ready['startup_s']:.1f} s)")
-                res["engines"][name] = run_engine(eng, prompts, plans[name][2], setup)
+                quiet = (lambda: wait_pool_quiet(srv.url)) if name.endswith("-A") else None
+                res["engines"][name] = run_engine(eng, prompts, plans[name][2], setup, after_each=quiet)
                 failed = lmcache_init_failure(eng.log_path)
                 if failed:
                     res["blocked"][name] = f"LMCache did not initialise (the engine ran without it): {failed}"
