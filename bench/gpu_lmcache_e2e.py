@@ -121,7 +121,13 @@ def lmcache_yaml(path: Path, setup: Setup, maru_url: str | None, namespace: str,
 
 
 def lmcache_kv_config() -> dict[str, Any]:
-    return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    """vLLM's kv-transfer config for LMCache's connector. ``MARU_LMCACHE_NATIVE=1``: vLLM's own copy
+    of LMCache's adapter (``use_native``), for when LMCache's adapter does not import beside this
+    vLLM (bench/gpu_lmcache_pass.sh decides)."""
+    kv: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if os.environ.get("MARU_LMCACHE_NATIVE") == "1":
+        kv["kv_connector_extra_config"] = {"use_native": True}
+    return kv
 
 
 def engine_spec(setup: Setup, model: str, kv: dict | None) -> dict[str, Any]:
@@ -342,7 +348,10 @@ def lmcache_hits_in_log(log_path: Path) -> int:
 def lmcache_import_error() -> str | None:
     """Why LMCache's vLLM connector or Maru's backend cannot be imported here (None: both import)."""
     try:
-        from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl  # noqa: F401
+        if os.environ.get("MARU_LMCACHE_NATIVE") == "1":
+            from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration import vllm_v1_adapter  # noqa: F401
+        else:
+            from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl  # noqa: F401
 
         from maru.lmcache.backend import MaruStorageBackend  # noqa: F401
     except Exception:
@@ -393,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     from tests.helpers import ServerProcess
 
     largest = max(b * t for _, b, t in setup.workloads) * setup.model.kv_bytes_per_token()
-    psize = max(4 * largest * setup.reps + GiB // 2, 256 << 20) // (1 << 20) << 20
+    # Both connectors' chunks of every rep, with room to spare, capped by what /dev/shm has free.
+    import shutil
+
+    want = max(5 * largest * setup.reps // 2 + GiB // 2, 256 << 20)
+    psize = int(min(want, shutil.disk_usage("/dev/shm").free * 0.8)) // (1 << 20) << 20
     srv = ServerProcess(logs, pool_size=psize, log_level="WARNING").start()
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB")
     hashseed = {"PYTHONHASHSEED": "0"}

@@ -37,10 +37,18 @@ if ! PYTHONPATH=$BASE python3 -c "import numba" 2>/dev/null; then
   echo "numba is not installed here: bench/lmcache_shim stands in for it (LMCache imports numba.njit" \
        "for CPU codec kernels this path never calls; see bench/lmcache_wheels.sh)"
 fi
-CHECK='import lmcache, torch
-from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+# LMCache's own vLLM adapter first; if it does not import beside this vLLM, vLLM's copy of it
+# (kv_connector_extra_config use_native, MARU_LMCACHE_NATIVE=1 below).
+CHECK='import lmcache, torch, traceback
 from maru.lmcache.backend import MaruStorageBackend
-print("lmcache", lmcache.__version__, "imports; torch", torch.__version__)
+print("lmcache", lmcache.__version__, "and maru.lmcache import; torch", torch.__version__)
+try:
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+    print("ADAPTER lmcache")
+except Exception:
+    traceback.print_exc()
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.vllm_v1_adapter import LMCacheConnectorV1Impl
+    print("ADAPTER native (LMCache adapter failed above; vLLM use_native copy imports)")
 try:
     import lmcache.cuda_ops
     print("lmcache.cuda_ops loads")
@@ -53,7 +61,9 @@ for v in $(ls -1 "$WH" | grep -E '^[0-9]+\.[0-9]+\.[0-9]+$' | sort -rV); do
   TRY="/tmp/lsite/$v:/tmp/lsite/deps${SHIM:+:$SHIM}:$BASE"
   echo "== trying lmcache $v" | tee -a "$OUT/lmcache_import.log"
   if PYTHONPATH=$TRY timeout 300 python3 -c "$CHECK" >>"$OUT/lmcache_import.log" 2>&1; then
-    CHOSEN=$v; export PYTHONPATH=$TRY; tail -2 "$OUT/lmcache_import.log"; break
+    CHOSEN=$v; export PYTHONPATH=$TRY; tail -3 "$OUT/lmcache_import.log"
+    if tail -3 "$OUT/lmcache_import.log" | grep -q "ADAPTER native"; then export MARU_LMCACHE_NATIVE=1; fi
+    break
   fi
   tail -25 "$OUT/lmcache_import.log"; TRIED="$TRIED $v"
 done
