@@ -8,7 +8,7 @@
 # not there and .vllmx/ was carried, it is installed here); the LMCache wheels from
 # bench/lmcache_wheels.sh carried as .whl/lmcache/ now, or copied to /tmp/lw by an earlier call.
 # LMCache versions are tried newest first; if none imports, the full errors are printed and the
-# last line says "blocked: ...". Budgets (seconds): TESTS_S (default 200), BENCH_S (330).
+# last line says "blocked: ...". Budgets (seconds): TESTS_S (default 170), BENCH_S (310).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 if [ ! -d /tmp/site/vllm ]; then
@@ -75,9 +75,9 @@ fi
 LOGS=/tmp/lmclogs && mkdir -p "$LOGS"
 export MARU_GPU_E2E_LOG_DIR="$LOGS"
 rc=0
-timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+timeout -s INT -k 30 "${TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   -m gpu tests/lmcache tests/e2e/test_gpu_lmcache_e2e.py 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
-[ "${BENCH_S:-330}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-330}" python3 bench/gpu_lmcache_e2e.py --out "$OUT" \
+[ "${BENCH_S:-310}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-310}" python3 bench/gpu_lmcache_e2e.py --out "$OUT" \
   --log-dir "$LOGS" 2>&1 | grep -v "LMCache INFO" | tee "$OUT/bench.log" || rc=1
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 echo "lmcache $CHOSEN; rc=$rc"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from maru.errors import MaruError
 from maru.lmcache.config import LMCacheMaruConfig
 from maru.lmcache.keys import pool_key
 from maru.lmcache.link import ServerLink
@@ -93,9 +94,11 @@ class MaruStorageBackend(StoragePluginInterface):
             return default
         try:
             return fn(client)
-        except Exception as e:
+        except MaruError as e:
             self.link.failed(client, e)
-            return default
+        except Exception as e:  # never raise into LMCache; not the link's fault, so keep it
+            logger.exception("Maru (LMCache backend): unexpected error (answering as a miss): %s", e)
+        return default
 
     def key(self, cache_key: Any) -> str:
         """The pool key of an LMCache cache key (``maru.lmcache.keys``)."""
@@ -172,14 +175,13 @@ class MaruStorageBackend(StoragePluginInterface):
             if self.maru_config.zero_copy_get:
                 return pool_memory_obj(handle, pool_address, self._releaser)
             return self._copy_out(pool_address, handle)
-        except ValueError as e:
+        except Exception as e:  # never raise into LMCache: a chunk that cannot be read is a miss
             self.get_stats["bad_objects"] += 1
-            logger.warning("Maru (LMCache backend): %s holds no LMCache object (%s); a miss", handle.key, e)
+            logger.warning(
+                "Maru (LMCache backend): cannot read %s as an LMCache object (%s); a miss", handle.key, e
+            )
             handle.release()
             return None
-        except BaseException:
-            handle.release()
-            raise
 
     def _copy_out(self, pool_address: int, handle: Any) -> Any:
         """Copy one pinned pool object into LMCache's local CPU allocator, then unpin it."""
@@ -211,8 +213,13 @@ class MaruStorageBackend(StoragePluginInterface):
         handle.release()
 
     def get_non_blocking(self, key: Any, location: str | None = None) -> Future | None:
+        """A finished future with the memory object, or None when the chunk is absent (LMCache
+        takes any returned future as a hit)."""
+        obj = self.get_blocking(key)
+        if obj is None:
+            return None
         fut: Future = Future()
-        fut.set_result(self.get_blocking(key))
+        fut.set_result(obj)
         return fut
 
     async def batched_get_non_blocking(

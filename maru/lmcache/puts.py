@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from maru.announce import announce_once
-from maru.errors import PoolFullError
+from maru.errors import MaruError, PoolFullError
 from maru.lmcache.link import ServerLink
 from maru.lmcache.objects import HEADER_BYTES, encode_header, payload_bytes, write_object
 from maru.protocol import CommitResult
@@ -170,12 +170,14 @@ class PutQueue:
                 self.stats.stored += stored
                 self.stats.already_present += len(results) - stored
                 self.stats.bytes_stored += sum(int(p.obj.get_size()) for p in todo)
-        except Exception as e:
+        except BaseException as e:
             if allocs:
                 try:
                     client.abort(allocs)
                 except Exception:
                     pass
+            if not isinstance(e, MaruError):
+                raise  # a bug, not the link: _run logs it and drops the batch
             self.stats.dropped_server_down += len(batch)
             self._link.failed(client, e)
             self._finish(batch, stored=False)

@@ -65,7 +65,31 @@ def test_contains_and_batched_contains_count_the_leading_run(make_storage):
 
 def test_a_missing_key_gets_none(make_storage):
     sm = make_storage()
-    assert backend(sm).get_blocking(cache_keys(1, start=50)[0]) is None
+    be = backend(sm)
+    missing = cache_keys(1, start=50)[0]
+    assert be.get_blocking(missing) is None
+    assert be.get_non_blocking(missing) is None
+    keys = cache_keys(2)
+    put_random(sm, keys[:1])
+    assert be.puts.flush(10)
+    fut = be.get_non_blocking(keys[0])
+    assert fut is not None and fut.result() is not None
+    fut.result().ref_count_down()
+
+
+def test_non_blocking_batched_get_returns_the_leading_run_of_hits(make_storage):
+    import asyncio
+
+    sm = make_storage()
+    be = backend(sm)
+    keys = cache_keys(4)
+    put_random(sm, [keys[0], keys[1], keys[3]])
+    assert be.puts.flush(10)
+    got = asyncio.run(be.batched_get_non_blocking("req", keys))
+    assert len(got) == 2
+    for g in got:
+        g.ref_count_down()
+    assert be.link.client().usage()["pinned"] == 0
 
 
 def test_remove_makes_a_chunk_absent(make_storage):
