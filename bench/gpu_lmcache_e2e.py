@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     psize = int(min(want, shutil.disk_usage("/dev/shm").free * 0.8)) // (1 << 20) << 20
     srv = ServerProcess(logs, pool_size=psize, log_level="WARNING").start()
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB")
-    hashseed = {"PYTHONHASHSEED": "0"}
+    hashseed = {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}
     plans: dict[str, tuple[dict | None, dict[str, str], str]] = {
         "none": (None, {}, "hit"),
         "lmc-maru-A": (lmcache_kv_config(), {"LMCACHE_CONFIG_FILE": str(lmcache_yaml(logs / "lmc-maru.yaml", setup, srv.url, "bench"))}, "once"),

@@ -19,7 +19,8 @@ fi
 WH=${LMCACHE_WHEELS:-.whl/lmcache}; [ -d "$WH" ] || WH=/tmp/lw
 [ -d "$WH" ] || { echo "blocked: no LMCache wheels (carry .whl/lmcache from bench/lmcache_wheels.sh)"; exit 1; }
 BASE="$SITE:$PWD"
-export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=0
+# LMCACHE_TRACK_USAGE=false: no usage telemetry (the machine has no network; nothing waits on it).
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 df -h /dev/shm /tmp | tail -2
 PYTHONPATH=$BASE python3 -c "import torch, vllm, numpy; print('torch', torch.__version__, 'vllm', vllm.__version__, 'numpy', numpy.__version__)"
