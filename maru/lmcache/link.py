@@ -61,7 +61,10 @@ class ServerLink:
                 logger.warning("Maru (LMCache backend): reconnected to maru server at %s", self.url)
             client = self._client
         if self._on_connect is not None:
-            self._on_connect(client)
+            try:
+                self._on_connect(client)
+            except Exception as e:  # describing ourselves or registering with CUDA is not vital
+                logger.warning("Maru (LMCache backend): after connecting: %s: %s", type(e).__name__, e)
         return client
 
     def failed(self, client: Any, error: BaseException) -> None:
