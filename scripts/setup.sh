@@ -12,6 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 
+# The LMCache release Maru's backend is tested with (docs/lmcache.md).
+LMCACHE_VERSION=0.5.6
+
 say() { printf '[maru setup] %s\n' "$*"; }
 
 pick_python() {
@@ -51,11 +54,19 @@ else
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
+# LMCache (Maru's LMCache backend, maru/lmcache and tests/lmcache). Its wheel declares CUDA-only
+# and cloud dependencies (cupy-cuda13x, cuda-python, google-cloud-bigtable, grpcio, ...) that would
+# pull a CUDA torch onto a CPU machine and are not on the path Maru's backend uses: install it
+# without them, plus the few small packages that path imports beyond vLLM's (the `lmcache` extra).
+say "installing LMCache ${LMCACHE_VERSION} without its CUDA/cloud dependencies"
+"${PIP[@]}" --no-deps "lmcache==${LMCACHE_VERSION}"
+"${PIP[@]}" -e ".[lmcache]"
+
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("maru", "zmq", "msgpack", "torch"):
     importlib.import_module(name)
-for name in ("triton", "vllm"):
+for name in ("triton", "vllm", "maru.lmcache.backend"):
     try:
         importlib.import_module(name)
     except Exception as e:  # report, don't fail: maru doctor explains what is missing

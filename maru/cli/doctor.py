@@ -229,6 +229,40 @@ def check_vllm(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, f"{dist} {version}; maru.vllm.MaruKVConnector imports")
 
 
+def check_lmcache(ctx: DoctorContext) -> CheckResult:
+    """LMCache's version, and whether ``maru.lmcache.MaruStorageBackend`` loads (in a child: LMCache
+    imports torch and much more)."""
+    name = "LMCache backend"
+    from importlib import metadata
+
+    try:
+        version = metadata.version("lmcache")
+    except metadata.PackageNotFoundError:
+        return CheckResult(
+            name,
+            SKIP,
+            "LMCache not installed",
+            "pip install --no-deps lmcache && pip install 'maru[lmcache]'",
+        )
+    if ctx.quick:
+        return CheckResult(name, SKIP, f"lmcache {version}; backend import skipped (--quick)")
+    code = "from maru.lmcache import lmcache_status; v, why = lmcache_status(); print('LOADS' if why is None else why)"
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return CheckResult(name, WARN, f"lmcache {version}; loading the backend took over 180 s", "")
+    out = (p.stdout.strip().splitlines() or [""])[-1]
+    if p.returncode != 0 or out != "LOADS":
+        why = out or (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return CheckResult(
+            name,
+            WARN,
+            f"lmcache {version}; maru.lmcache.MaruStorageBackend does not load: {why}",
+            "install what the error names (docs/lmcache.md lists the packages)",
+        )
+    return CheckResult(name, OK, f"lmcache {version}; maru.lmcache.MaruStorageBackend loads")
+
+
 def check_cuda_registration(ctx: DoctorContext) -> CheckResult:
     """Can this process pin the pool for the GPU (cudaHostRegister)? Probes: map, register, time, undo."""
     name = "pool registered with CUDA"
@@ -319,6 +353,7 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_kv_ops, False),
     (check_cuda_registration, False),
     (check_vllm, False),
+    (check_lmcache, False),
 ]
 
 
