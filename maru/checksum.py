@@ -27,6 +27,9 @@ makes the numpy version about 1.7x faster (bench/checksum.py).
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -63,18 +66,54 @@ def checksum(buffer: Any) -> int:
     """The checksum (see the module docstring) of ``buffer``'s bytes, an int in ``[0, 2**64)``.
 
     ``buffer`` is anything with the buffer protocol (bytes, memoryview of the pool, a numpy
-    array), C-contiguous. Reads it once; never writes it.
+    array), C-contiguous. Reads it once; never writes it. From ``PARALLEL_BYTES`` up, the words
+    are split over ``_threads()`` threads (numpy releases the GIL in its loops; the sum does not
+    depend on the split): about 1 GB/s a core.
     """
     data = _as_bytes(buffer)
     n = data.size
     full = n // 8
     words = data[: full * 8].view("<u8")
+    threads = _threads() if n >= PARALLEL_BYTES else 1
+    if threads > 1:
+        step = -(-full // threads // _BLOCK_WORDS) * _BLOCK_WORDS  # whole blocks per thread
+        parts = [(a, min(a + step, full)) for a in range(0, full, step)]
+        total = sum(_pool().map(lambda ab: _words_sum(words, *ab), parts))
+    else:
+        total = _words_sum(words, 0, full)
+    if n % 8:
+        tail = bytes(data[full * 8 :]) + bytes(8 - n % 8)
+        total += _mix(int.from_bytes(tail, "little"), full)
+    return (total & MASK64) ^ n
+
+
+PARALLEL_BYTES = 16 << 20  # below this a thread hand-off costs more than it saves
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _threads() -> int:
+    return max(
+        1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="maru-checksum")
+        return _POOL
+
+
+def _words_sum(words: np.ndarray, begin: int, end: int) -> int:
+    """Sum of the mixed terms of ``words[begin:end]`` (word indices are absolute), mod 2**64."""
     total = 0
-    x = np.empty(min(_BLOCK_WORDS, max(full, 1)), dtype=np.uint64)
+    x = np.empty(min(_BLOCK_WORDS, max(end - begin, 1)), dtype=np.uint64)
     t = np.empty_like(x)
     with np.errstate(over="ignore"):
-        for start in range(0, full, _BLOCK_WORDS):
-            m = min(_BLOCK_WORDS, full - start)
+        for start in range(begin, end, _BLOCK_WORDS):
+            m = min(_BLOCK_WORDS, end - start)
             xx, tt = x[:m], t[:m]
             np.add(words[start : start + m], _BASE[:m], out=xx)
             if start:
@@ -87,10 +126,7 @@ def checksum(buffer: Any) -> int:
             np.right_shift(xx, _S29, out=tt)
             np.bitwise_xor(xx, tt, out=xx)
             total += int(xx.sum(dtype=np.uint64))
-    if n % 8:
-        tail = bytes(data[full * 8 :]) + bytes(8 - n % 8)
-        total += _mix(int.from_bytes(tail, "little"), full)
-    return (total & MASK64) ^ n
+    return total & MASK64
 
 
 def _mix(word: int, index: int) -> int:

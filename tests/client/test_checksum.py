@@ -30,3 +30,20 @@ def test_checksum_changes_when_a_word_changes_moves_or_the_length_differs() -> N
 def test_checksum_refuses_a_non_contiguous_buffer() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         checksum(np.zeros((4, 4), dtype=np.uint8)[:, ::2])
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_checksum_split_over_threads_equals_one_thread(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    import maru.checksum as ck
+
+    rng = np.random.default_rng(threads)
+    # Not a multiple of a block nor of 8: the last part is short and a tail word remains.
+    data = rng.integers(0, 256, size=5 * 8 * (1 << 15) + 8 * 1000 + 5, dtype=np.uint8)
+    one = checksum(data)  # below PARALLEL_BYTES: one thread
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(ck, "_threads", lambda: threads)
+    monkeypatch.setattr(ck, "_POOL", None)
+    assert ck.checksum(data) == one
+    flipped = data.copy()
+    flipped[-5000] ^= 1
+    assert ck.checksum(flipped) != one
