@@ -4,31 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from maru import MaruHandler
 from maru.cli import doctor
-from tests.helpers import REPO_ROOT, ServerProcess, free_port
-
-
-def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "maru.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-def flat(out: str) -> str:
-    """Table output as one line of words (cells wrap at spaces; the other cells of a wrapped row are empty)."""
-    return " ".join(re.sub(r"[│┃]", " ", out).split())
+from tests.helpers import ServerProcess, flat, free_port, maru
 
 
 def test_doctor_against_a_running_server_passes_and_shows_the_pool(maru_server: ServerProcess) -> None:
