@@ -9,7 +9,6 @@ what the scheduler side then offers and plans is checked step by step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +19,8 @@ from maru.kv_ops.testing import make_cache
 from maru.protocol import Op
 from maru.vllm.config import MaruConnectorConfig
 from tests.helpers import RawClient, ServerProcess, flat, maru
-from tests.vllm.test_vllm_scheduler import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
+from tests.pool_fixtures import module_server
+from tests.vllm.helpers import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
 
 pytest.importorskip("vllm")
 
@@ -28,15 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from maru.vllm.connector import MaruKVConnector, same_step_load_failures_unrecoverable  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("protocol"), pool_size="16M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
+server = module_server("protocol", pool_size="16M")
 
 
 _models = iter(range(10**6))
