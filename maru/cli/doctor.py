@@ -178,15 +178,23 @@ def _server_stats(ctx: DoctorContext) -> dict[str, Any]:
     return ctx.found["stats"]
 
 
-def check_state_disk(ctx: DoctorContext) -> CheckResult:
-    """Does the server's state database take writes? A full disk refuses stores (``state_unwritable``)."""
-    name = "server state disk"
+def _stats_for(ctx: DoctorContext, name: str) -> dict[str, Any] | CheckResult:
+    """``_server_stats``, or the result check ``name`` gives when there is none (no server, an error)."""
     if ctx.handshake is None:
         return CheckResult(name, SKIP, "needs the server")
     try:
-        state = _server_stats(ctx).get("state")
+        return _server_stats(ctx)
     except MaruError as e:
         return CheckResult(name, WARN, str(e), "check the server's log")
+
+
+def check_state_disk(ctx: DoctorContext) -> CheckResult:
+    """Does the server's state database take writes? A full disk refuses stores (``state_unwritable``)."""
+    name = "server state disk"
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
+    state = snap.get("state")
     if not isinstance(state, dict):
         return CheckResult(name, SKIP, "this maru server does not report its state disk (an older version)")
     path = state.get("path", "?")
@@ -207,12 +215,9 @@ def check_state_disk(ctx: DoctorContext) -> CheckResult:
 def check_quarantine(ctx: DoctorContext) -> CheckResult:
     """Pool space held for clients whose lease expired (quarantine: reservations and pins they may still touch)."""
     name = "quarantined space"
-    if ctx.handshake is None:
-        return CheckResult(name, SKIP, "needs the server")
-    try:
-        snap = _server_stats(ctx)
-    except MaruError as e:
-        return CheckResult(name, WARN, str(e), "check the server's log")
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
     g = snap.get("gauges", {})
     if "quarantined_bytes" not in g:
         return CheckResult(name, SKIP, "this maru server does not report quarantine (an older version)")
@@ -343,12 +348,9 @@ def check_client_paths(ctx: DoctorContext) -> CheckResult:
     from maru.cli.stats import slow_reports
 
     name = "serving clients' data paths"
-    if ctx.handshake is None:
-        return CheckResult(name, SKIP, "needs the server")
-    try:
-        snap = _server_stats(ctx)
-    except MaruError as e:
-        return CheckResult(name, WARN, str(e), "check the server's log")
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
     clients = snap.get("clients")
     if clients is None:
         return CheckResult(
