@@ -13,13 +13,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from maru.kv_ops.testing import make_cache
 from maru.protocol import Op
 from maru.vllm.config import MaruConnectorConfig
 from tests.helpers import RawClient, ServerProcess, flat, maru
 from tests.pool_fixtures import module_server
+from tests.transfer.helpers import case
 from tests.vllm.helpers import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
 
 pytest.importorskip("vllm")
@@ -70,16 +69,8 @@ def worker_side(server: ServerProcess, v2: Any) -> MaruKVConnector:
     cfg = vllm_config(server.url, v2)
     cfg.compilation_config = SimpleNamespace(static_forward_context={})
     conn = MaruKVConnector(cfg, KVConnectorRole.WORKER)
-    g = torch.Generator().manual_seed(5)
-    cache = make_cache(
-        "kv_first",
-        "NHD",
-        num_blocks=8,
-        block_size=BS,
-        num_kv_heads=2,
-        head_size=32,
-        num_layers=2,
-        generator=g,
+    cache = case(
+        "kv_first", "NHD", 5, num_blocks=8, block_size=BS, num_kv_heads=2, head_size=32, num_layers=2
     )
     conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(cache.caches)})
     return conn
