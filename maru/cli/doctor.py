@@ -171,7 +171,7 @@ def check_pool_usage(ctx: DoctorContext) -> CheckResult:
 # -- server health (warn only: the server serves, but less than it could) -------------------------
 
 
-def _server_stats(ctx: DoctorContext) -> dict[str, Any]:
+def server_stats(ctx: DoctorContext) -> dict[str, Any]:
     """The server's STATS reply, asked once per doctor run (raises a MaruError that says what to do)."""
     if "stats" not in ctx.found:
         ctx.found["stats"] = _request(ctx, protocol.Op.STATS, {})
@@ -179,11 +179,11 @@ def _server_stats(ctx: DoctorContext) -> dict[str, Any]:
 
 
 def _stats_for(ctx: DoctorContext, name: str) -> dict[str, Any] | CheckResult:
-    """``_server_stats``, or the result check ``name`` gives when there is none (no server, an error)."""
+    """``server_stats``, or the result check ``name`` gives when there is none (no server, an error)."""
     if ctx.handshake is None:
         return CheckResult(name, SKIP, "needs the server")
     try:
-        return _server_stats(ctx)
+        return server_stats(ctx)
     except MaruError as e:
         return CheckResult(name, WARN, str(e), "check the server's log")
 
