@@ -96,6 +96,8 @@ def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed:
 def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_waits(server) -> None:
     conn = scheduler_side(server, True)
     assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
+    [fallback] = conn.maru_stats()["fallbacks"]  # the replacement is not only a log line
+    assert "vLLM issue #49250" in fallback and "VLLM_USE_V2_MODEL_RUNNER=0" in fallback
     r, offer = offer_of_a_stored_prompt(server, conn, seed=31)
     assert offer == (288, True)  # vLLM parks the request until the load is done or failed
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
@@ -107,7 +109,7 @@ def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_
 def test_on_the_v1_model_runner_synchronous_loads_stay_in_the_step_that_computes(server) -> None:
     for v2 in (False, None):  # None: a vLLM without the V2 runner (no such attribute)
         conn = scheduler_side(server, v2)
-        assert not conn.maru_config.async_load
+        assert not conn.maru_config.async_load and conn.maru_stats()["fallbacks"] == []
         _, offer = offer_of_a_stored_prompt(server, conn, seed=32)
         assert offer == (288, False)
 
