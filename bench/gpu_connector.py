@@ -39,6 +39,7 @@ L, NH, HS, BS = 32, 8, 128, 16
 NB = 4096
 CHUNK = 256
 SIZES = (256, 2048, 16384)
+BATCH, BATCH_TOKENS = 8, 2048  # one batched load: 8 requests of 2048 tokens in one call
 GB = 1e9
 
 
@@ -69,6 +70,53 @@ def pinned_h2d_gbps(nbytes: int) -> float:
     return nbytes / statistics.median(times[1:]) / GB
 
 
+def measure(
+    storer: KVTransferEngine, loader: KVTransferEngine, t: int, n: int, gen: torch.Generator, reps: int
+) -> dict[str, Any]:
+    """Store ``n`` fresh requests of ``t`` tokens, then load them back in one call (and layer by layer)."""
+    nbytes = n * storer.geometry.nbytes(t)
+    store_s, load_s, phases = [], [], []
+    last: list[RequestTransfer] = []
+    for r in range(reps + 1):
+        reqs = [request(t, f"{t}-{r}-{k}-{uuid.uuid4().hex[:6]}", gen) for k in range(n)]
+        rep = storer.store(reqs)
+        assert rep.stored == sum(len(q.chunks) for q in reqs), rep
+        if r:
+            store_s.append(rep.seconds)
+        last = reqs
+    for r in range(reps + 1):
+        rep = loader.load(last)
+        assert sorted(rep.loaded_req_ids) == sorted(q.req_id for q in last), rep.failed
+        if r:
+            load_s.append(rep.seconds)
+            phases.append(rep.phases)
+    # The layer-overlap load as the connector issues it: one pin, one load_layers a step.
+    issue, total = [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        ll = loader.start_layer_load(loader.pin(last))
+        h = ll.handle.load  # kv_ops' LayerLoad under the transfer handle (release() drops it)
+        rep = ll.wait()
+        assert len(rep.loaded_req_ids) == n, rep.failed
+        if r:
+            issue.append(h.copy_issue_s + h.place_issue_s)
+            total.append(time.perf_counter() - t0)
+    return {
+        "layer_path": f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}",
+        "layer_issue_us": statistics.median(issue) / L * 1e6,
+        "layer_load_GBps": nbytes / statistics.median(total) / GB,
+        "tokens": n * t,
+        "requests": n,
+        "MB": nbytes / 1e6,
+        "pinned_h2d_GBps": pinned_h2d_gbps(nbytes),
+        "store_GBps": nbytes / statistics.median(store_s) / GB,
+        "load_GBps": nbytes / statistics.median(load_s) / GB,
+        "store_ms": statistics.median(store_s) * 1e3,
+        "load_ms": statistics.median(load_s) * 1e3,
+        "load_phases_ms": {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in phases[0]},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -76,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
     chunk_bytes = L * 2 * CHUNK * NH * HS * 2
-    stores = sum(SIZES) // CHUNK
+    stores = sum(SIZES) // CHUNK + BATCH * BATCH_TOKENS // CHUNK
     pool_bytes = (stores * (args.reps + 1) + 64) * chunk_bytes
     results: dict[str, Any] = {"device": dev.name, "sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,57 +135,22 @@ def main() -> None:
             src = make_caches(NB, 1)
             layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
             t0 = time.perf_counter()
-            storer = KVTransferEngine(src, layout, client)
+            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
             results["engine_build_s"] = time.perf_counter() - t0
             results["data_path"] = storer.data_path
             results["registration"] = (
                 storer.host_registration.describe() if storer.host_registration else None
             )
             dst = make_caches(NB, 2)
-            loader = KVTransferEngine(dst, layout, client)
+            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
             gen = torch.Generator().manual_seed(0)
             for t in SIZES:
-                nbytes = storer.object_nbytes(t)
-                store_s, load_s = [], []
-                last = None
-                for r in range(args.reps + 1):
-                    req = request(t, f"{t}-{r}-{uuid.uuid4().hex[:6]}", gen)
-                    rep = storer.store([req])
-                    assert rep.stored == len(req.chunks), rep
-                    if r:
-                        store_s.append(rep.seconds)
-                    last = req
-                for r in range(args.reps + 1):
-                    rep = loader.load([last])
-                    assert rep.loaded_req_ids == [last.req_id], rep.failed
-                    if r:
-                        load_s.append(rep.seconds)
-                # The layer-overlap load as the connector issues it: one pin, one load_layers a step.
-                issue, total = [], []
-                for r in range(args.reps + 1):
-                    t0 = time.perf_counter()
-                    ll = loader.start_layer_load(loader.pin([last]))
-                    h = ll.handle  # the LayerLoad (release() drops it)
-                    rep = ll.wait()
-                    assert rep.loaded_req_ids == [last.req_id], rep.failed
-                    if r:
-                        issue.append(h.issue_s)
-                        total.append(time.perf_counter() - t0)
-                layer_path = f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}"
-                row = {
-                    "layer_path": layer_path,
-                    "layer_issue_us": statistics.median(issue) / L * 1e6,
-                    "layer_load_GBps": nbytes / statistics.median(total) / GB,
-                    "tokens": t,
-                    "MB": nbytes / 1e6,
-                    "pinned_h2d_GBps": pinned_h2d_gbps(nbytes),
-                    "store_GBps": nbytes / statistics.median(store_s) / GB,
-                    "load_GBps": nbytes / statistics.median(load_s) / GB,
-                    "store_ms": statistics.median(store_s) * 1e3,
-                    "load_ms": statistics.median(load_s) * 1e3,
-                }
+                row = measure(storer, loader, t, 1, gen, args.reps)
                 results["sizes"][str(t)] = row
                 print(json.dumps(row), flush=True)
+            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps)
+            results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
+            print(json.dumps(row), flush=True)
             storer.close()
             loader.close()
         finally:
@@ -153,15 +166,17 @@ def main() -> None:
     print(f"layer-overlap path: {next(iter(results['sizes'].values()))['layer_path']}")
     print(
         "| tokens | MB | pinned H2D GB/s | store GB/s (ms) | load GB/s (ms) | load % of pinned "
-        "| overlap load GB/s | overlap issue us/layer |"
+        "| load ms: lookup / prepare / issue / wait | overlap load GB/s | overlap issue us/layer |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for row in results["sizes"].values():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, row in results["sizes"].items():
+        ph = row["load_phases_ms"]
         print(
-            f"| {row['tokens']} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['store_GBps']:.1f} "
+            f"| {name} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['store_GBps']:.1f} "
             f"({row['store_ms']:.2f}) | {row['load_GBps']:.1f} ({row['load_ms']:.2f}) | "
-            f"{100 * row['load_GBps'] / row['pinned_h2d_GBps']:.1f}% | {row['layer_load_GBps']:.1f} | "
-            f"{row['layer_issue_us']:.1f} |"
+            f"{100 * row['load_GBps'] / row['pinned_h2d_GBps']:.1f}% | "
+            f"{' / '.join(f'{ph.get(k, 0.0):.2f}' for k in ('lookup', 'prepare', 'issue', 'wait'))} | "
+            f"{row['layer_load_GBps']:.1f} | {row['layer_issue_us']:.1f} |"
         )
 
 

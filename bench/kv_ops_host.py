@@ -6,7 +6,11 @@ the host before any byte moves, on every backend), plus the Triton path's host-s
 (layer table and base pointer, ``triton_kernels.prepared``) where it can be measured without a GPU.
 Geometry: 32 layers, 8 KV heads x 128, bf16, block 16 (Llama-3-8B's KV), FlashInfer-order NHD.
 
-Usage: python bench/kv_ops_host.py
+Usage: python bench/kv_ops_host.py [--cuda]
+
+``--cuda`` (a GPU machine) instead times the real calls on CUDA caches at 256 tokens (Triton backend):
+host time per call is the loop's wall time with the launches queued (the GPU runs behind), and the
+GPU's own time per call from events, so a call is host-bound when the first exceeds the second.
 """
 
 from __future__ import annotations
@@ -37,7 +41,44 @@ def per_call_us(f: Any, n: int = 2000) -> float:
     return best * 1e6
 
 
+def cuda_main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    case = make_cache(
+        "blocks_first", "NHD", device="cuda", num_blocks=4096, block_size=16, num_kv_heads=8,
+        head_size=128, num_layers=32, dtype=torch.bfloat16, generator=g,
+    )  # fmt: skip
+    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    print(f"{torch.cuda.get_device_name()}, kv_ops backend {kv_ops.backend('cuda')}, 32 layers")
+    print(f"{'call':30s} {'host us/call':>12s} {'GPU us/call':>12s}")
+    calls = []
+    for tokens in (16, 256):  # at 16 tokens the GPU is faster than any launch: the host is timed
+        slots = torch.randperm(4096 * 16, device="cuda")[:tokens].to(torch.int64)
+        obj = kv_ops.gather(case.caches, layout, slots)
+        calls.append(
+            (f"scatter, {tokens} tokens", lambda o=obj, s=slots: kv_ops.scatter(o, case.caches, layout, s))
+        )
+        calls.append(
+            (f"gather, {tokens} tokens", lambda o=obj, s=slots: kv_ops.gather(case.caches, layout, s, out=o))
+        )
+    for name, f in calls:
+        for _ in range(20):
+            f()
+        torch.cuda.synchronize()
+        n = 200
+        host = per_call_us(f, n)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            f()
+        b.record()
+        b.synchronize()
+        print(f"{name:30s} {host:12.1f} {a.elapsed_time(b) * 1e3 / n:12.1f}")
+
+
 def main() -> None:
+    if "--cuda" in sys.argv[1:]:
+        return cuda_main()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     case = make_cache(

@@ -2,7 +2,15 @@
 
 ``RawSync`` calls the process's libcudart through ctypes (about a microsecond a call, against 3-6
 through torch), because the layer-overlap load's per-layer issue budget is about 10 us; ``TorchSync``
-does the same through torch and is always available. Both expose one interface (event, record,
+does the same through torch and is always available.
+
+The GIL: a plain ``ctypes.CDLL`` call releases the GIL and takes it back afterwards. When another
+Python thread is busy (vLLM's engine loop polls with an empty step while asynchronous loads run),
+taking it back waits for that thread to yield, up to the interpreter's switch interval: measured on
+the CPU machine, 600 calls took 0.3 ms alone and 123 ms beside one busy thread. A load issues a
+few hundred such calls, so the calls that return at once (queueing a copy, an event, a graph launch,
+a query) go through a ``ctypes.PyDLL`` handle of the same library, which keeps the GIL; only the
+calls that block (``synchronize``) release it. Both expose one interface (event, record,
 wait, query, synchronize); only ``RawSync`` has the raw copies (``raw`` says which one runs).
 """
 
@@ -49,30 +57,39 @@ class RawSync(TorchSync):
 
     raw = True
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, quick: ctypes.CDLL | None = None) -> None:
+        """``lib`` releases the GIL around a call (``CDLL``); ``quick`` (default: ``lib``) is the
+        handle for calls that return at once: a ``PyDLL`` of the same library keeps the GIL."""
         vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
         self._lib = lib
-        self._memcpy = self._fn("cudaMemcpyAsync", [vp, vp, sz, i, vp])
-        self._memcpy2d = self._fn("cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
-        self._record = self._fn("cudaEventRecord", [vp, vp])
-        self._wait = self._fn("cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
-        self._query = self._fn("cudaEventQuery", [vp])
-        self._sync = self._fn("cudaEventSynchronize", [vp])
-        self._create = self._fn("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
-        self._devptr = self._fn("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint])
-        self._last_error = self._fn("cudaGetLastError", [])
+        self.keeps_gil = quick is not None and quick is not lib
+        q = quick or lib
+        self._memcpy = self._fn(q, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
+        self._memcpy2d = self._fn(q, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
+        self._record = self._fn(q, "cudaEventRecord", [vp, vp])
+        self._wait = self._fn(q, "cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
+        self._query = self._fn(q, "cudaEventQuery", [vp])
+        self._launch = self._fn(q, "cudaGraphLaunch", [vp, vp])
+        self._sync = self._fn(lib, "cudaEventSynchronize", [vp])  # blocks: lets other threads run
+        self._create = self._fn(lib, "cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
+        self._devptr = self._fn(q, "cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint])
+        self._last_error = self._fn(q, "cudaGetLastError", [])
 
-    def _fn(self, name: str, argtypes: list[Any]) -> Any:
-        f = getattr(self._lib, name)
+    @staticmethod
+    def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
+        f = getattr(lib, name)
         f.argtypes = argtypes
         f.restype = ctypes.c_int
         return f
 
     @classmethod
-    def load(cls) -> RawSync | None:
-        """The libcudart torch already loaded (the same runtime and context), or None."""
+    def load(cls, *, keep_gil: bool = True) -> RawSync | None:
+        """The libcudart torch already loaded (the same runtime and context), or None.
+
+        ``keep_gil=False`` releases the GIL on every call (the benchmarks' comparison only)."""
         try:
-            return cls(ctypes.CDLL(find_cudart()))
+            path = find_cudart()
+            return cls(ctypes.CDLL(path), ctypes.PyDLL(path) if keep_gil else None)
         except (OSError, AttributeError):
             return None
 
@@ -101,6 +118,10 @@ class RawSync(TorchSync):
 
     def synchronize(self, event: int) -> None:
         self._check(self._sync(event), "cudaEventSynchronize")
+
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        """Queue an instantiated CUDA graph (``cudaGraphExec_t``) on ``stream``; returns at once."""
+        self._check(self._launch(graph_exec, stream), "cudaGraphLaunch")
 
     def device_pointer(self, host_ptr: int) -> int | None:
         """The device address of registered/pinned host memory, or None if CUDA cannot map it."""

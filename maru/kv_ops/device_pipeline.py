@@ -170,7 +170,7 @@ class DevicePipeline(PipelineInputs, LayerPaths):
             return None
         from maru.kv_ops.placer import GraphedPlacer
 
-        return GraphedPlacer(self.caches, self.layout)
+        return GraphedPlacer(self.caches, self.layout, launcher=self._sync if self._sync.raw else None)
 
     def _layer_events(self) -> tuple[list[Any], list[Any]]:
         """(copied, placed) event lists for one layer-path call, recycled over 4 calls."""

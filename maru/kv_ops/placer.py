@@ -30,8 +30,14 @@ from maru.kv_ops.selection import resolve
 class GraphedPlacer:
     """Gather/scatter between static staging buffers and fixed CUDA caches, replayed from CUDA graphs."""
 
-    def __init__(self, caches: Any, layout: KVLayout, *, max_token_counts: int = 8) -> None:
+    def __init__(
+        self, caches: Any, layout: KVLayout, *, max_token_counts: int = 8, launcher: Any = None
+    ) -> None:
+        """``launcher``: a ``cuda_sync.RawSync`` to replay graphs through ``cudaGraphLaunch`` while
+        keeping the GIL (see ``cuda_sync``); None replays through torch, which releases it."""
         self.layout = layout
+        self._launcher = launcher
+        self._execs: dict[tuple, int] = {}  # key -> raw cudaGraphExec_t (0: replay through torch)
         self._refs = layer_refs(caches, layout)
         self.device = self._refs[0][0].device
         if self.device.type != "cuda":
@@ -164,22 +170,42 @@ class GraphedPlacer:
             self._graphs[key] = graph
         return graph
 
+    def _replay(self, key: tuple) -> None:
+        """Replay the graph of ``key`` on the current stream (captured on first use).
+
+        Through the launcher when there is one and torch exposes the graph's executable: our graphs
+        use no random numbers, so a launch on the current stream is all that torch's ``replay``
+        does for them."""
+        graph = self._graph(key)
+        if self._launcher is not None:
+            exe = self._execs.get(key)
+            if exe is None:
+                exe = self._execs[key] = _raw_exec(graph)
+            if exe:
+                self._launcher.launch_graph(exe, torch.cuda.current_stream(self.device).cuda_stream)
+                return
+        graph.replay()
+
     def scatter(self, num_tokens: int) -> None:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
-        self._graph(("scatter", num_tokens, None)).replay()
+        self._replay(("scatter", num_tokens, None))
 
     def gather(self, num_tokens: int) -> torch.Tensor:
         """All layers: caches at ``slots(T)`` -> ``staging(T)`` (returned; valid once the stream reaches it)."""
-        self._graph(("gather", num_tokens, None)).replay()
+        self._replay(("gather", num_tokens, None))
         return self._staging[num_tokens]
 
     def scatter_layer(self, layer: int, num_tokens: int) -> None:
         """One layer: ``staging(T)[layer]`` -> that layer's cache (the layer-overlap load)."""
-        self._graph(("scatter", num_tokens, layer)).replay()
+        self._replay(("scatter", num_tokens, layer))
 
     def gather_layer(self, layer: int, num_tokens: int) -> torch.Tensor:
-        self._graph(("gather", num_tokens, layer)).replay()
+        self._replay(("gather", num_tokens, layer))
         return self._staging[num_tokens][layer]
+
+    def has_chunk_graphs(self, num_tokens: int) -> bool:
+        """Whether the all-layer scatter and gather graphs for T tokens are captured."""
+        return ("scatter", num_tokens, None) in self._graphs and ("gather", num_tokens, None) in self._graphs
 
     def has_direct(self, num_tokens: int, *, checksum: bool = False) -> bool:
         """Whether every layer's direct graph for T tokens is captured (a replay, never a capture)."""
@@ -189,7 +215,7 @@ class GraphedPlacer:
     def scatter_layer_direct(self, layer: int, num_tokens: int, *, checksum: bool = False) -> None:
         """One layer, zero-copy: the chunk objects ``direct_table(T)`` names -> that layer's cache;
         with ``checksum`` the kernel also sums the objects into the table's row 5."""
-        self._graph(("direct+checksum" if checksum else "direct", num_tokens, layer)).replay()
+        self._replay(("direct+checksum" if checksum else "direct", num_tokens, layer))
 
     def warm_direct(self, num_tokens: int, *, checksum: bool = False) -> None:
         """Capture the direct layer graphs for T tokens now (one per layer)."""
@@ -203,3 +229,14 @@ class GraphedPlacer:
             if per_layer:
                 for layer in range(self.num_layers):
                     self._graph((op, num_tokens, layer))
+
+
+def _raw_exec(graph: torch.cuda.CUDAGraph) -> int:
+    """The graph's ``cudaGraphExec_t``, or 0 where this torch does not expose it (replay through torch)."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None:
+        return 0
+    try:
+        return int(raw())
+    except Exception:  # an older torch or a graph kept for re-instantiation: torch replays it
+        return 0

@@ -34,7 +34,9 @@ class StagingSlot:
 
     def buffer(self, tokens: int) -> tuple[torch.Tensor, bool]:
         """``[L, KV, T, ROW]`` staging for ``tokens`` tokens, and whether it is graph-backed."""
-        if self.placer is not None:
+        e = self.engine
+        # Without lazy capture only warmed sizes replay graphs: nothing is captured while serving.
+        if self.placer is not None and (e.lazy_capture or self.placer.has_chunk_graphs(tokens)):
             try:
                 # The placer's buffers hold the cache's bits (an integer dtype of the same width).
                 return self.placer.staging(tokens).view(self.engine.dtype), True
@@ -46,7 +48,6 @@ class StagingSlot:
                     "maru.kv_ops: chunk of %d tokens has no graph bucket left; placing it with an eager launch",
                     tokens,
                 )
-        e = self.engine
         numel = e.num_layers * e.layout.num_kv * tokens * e.layout.row_size
         if self.own is None or self.own.numel() < numel:
             if self.used:

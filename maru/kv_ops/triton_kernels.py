@@ -152,7 +152,31 @@ def tiles(
     layout: KVLayout, num_tokens: int, block_t: int | None = None, num_warps: int | None = None
 ) -> tuple[int, int, int]:
     """(tokens a program, row elements a step, warps) for ``num_tokens`` tokens of ``layout``;
-    ``block_t``/``num_warps`` override ``TuneParams``."""
+    ``block_t``/``num_warps`` override ``TuneParams``. Memoised (a launch's host time is the budget
+    of a small call); the key holds ``TuneParams``' values, so a sweep that changes them is seen."""
+    key = (
+        layout.row_size,
+        num_tokens,
+        block_t,
+        num_warps,
+        TuneParams.block_t,
+        TuneParams.max_block_r,
+        TuneParams.num_warps,
+    )
+    hit = _TILES.get(key)
+    if hit is None:
+        if len(_TILES) > 4096:  # token counts are few in practice; never grow without bound
+            _TILES.clear()
+        hit = _TILES[key] = _tiles(layout, num_tokens, block_t, num_warps)
+    return hit
+
+
+_TILES: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _tiles(
+    layout: KVLayout, num_tokens: int, block_t: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
     row = layout.row_size
     block_r = min(triton.next_power_of_2(row), TuneParams.max_block_r)
     base_t = TuneParams.block_t if block_t is None else block_t

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from maru.transfer.loads import InflightLoad
+from maru.transfer.loads import InflightLoad, LookedUp
 from maru.transfer.records import LoadReport, RequestTransfer
 
 if TYPE_CHECKING:
@@ -26,9 +26,17 @@ class AsyncLoader:
     """``maru_async_load`` without blocking on transfers: batched issue on a loader thread, polled completion.
 
     ``submit(tag, engine, requests)`` queues requests; each turn of the loader thread takes *every*
-    queued request (of one engine) and runs one ``engine.start_load`` over all of them: one
-    lookup-and-pin round trip and one issue for the batch (CUDA caches: one ``pipeline.load``,
-    which returns at once; CPU caches: the placement itself, so the batch comes back complete).
+    queued request (of one engine) and makes one lookup-and-pin round trip for all of them.
+
+    Who issues the copies depends on the path. Where a scatter only queues device work
+    (``path.scatter_returns_at_once``: CUDA caches), the loader thread does the round trip alone
+    and the next ``poll()``, on the caller's thread, issues the batch (``engine.issue_load``, one
+    ``pipeline.load`` that returns at once). Issuing on the loader thread was measured 2-3x slower
+    on the H200: each of its few hundred CUDA calls gave up the GIL and had to win it back from
+    vLLM's engine loop, which spins while loads are pending. Where the scatter is the copy itself
+    (CPU caches), the loader thread runs the whole ``engine.start_load``, so the batch comes back
+    complete and the caller never copies.
+
     Several batches are in flight at once: the loader thread goes on to the next turn while the
     copy engine runs. ``poll()`` never waits for a transfer: it returns ``(tags, LoadReport)`` for
     every batch whose transfers are ``done()`` and hands its unpin (a server round trip) back to
@@ -45,7 +53,10 @@ class AsyncLoader:
         self._lock = threading.Lock()
         self._queue: list[tuple[Any, KVTransferEngine, list[RequestTransfer]]] = []  # for the next turn
         self._turns: list[Future[None]] = []
-        self._issued: list[tuple[list[Any], list[str], InflightLoad | BaseException]] = []  # by turns
+        # by turns: looked up (the caller issues it), issued, or failed
+        self._issued: list[
+            tuple[list[Any], list[str], KVTransferEngine, LookedUp | InflightLoad | BaseException]
+        ] = []
         self._ready: list[tuple[list[Any], LoadReport]] = []  # failed without a lookup: due at next poll
         self._inflight: list[tuple[list[Any], list[str], InflightLoad]] = []
         self._unpins: list[Future[None]] = []
@@ -91,21 +102,29 @@ class AsyncLoader:
             tags.append(tag)
             all_reqs.extend(reqs)
         for engine, tags, reqs in by_engine.values():
-            result: InflightLoad | BaseException
+            result: LookedUp | InflightLoad | BaseException
             try:
-                result = engine.start_load(reqs)
+                if engine.path.scatter_returns_at_once:
+                    result = engine.look_up(reqs)
+                else:
+                    result = engine.start_load(reqs)
             except BaseException as e:  # start_load released its pins before raising
                 result = e
             self.batches += 1
             with self._lock:
-                self._issued.append((tags, [r.req_id for r in reqs], result))
+                self._issued.append((tags, [r.req_id for r in reqs], engine, result))
 
     def poll(self) -> list[tuple[list[Any], LoadReport]]:
         """(tags, report) of every batch that completed or failed since the last call. Never blocks."""
         out, self._ready = self._ready, []
         with self._lock:
             issued, self._issued = self._issued, []
-        for tags, req_ids, result in issued:
+        for tags, req_ids, engine, result in issued:
+            if isinstance(result, LookedUp):
+                try:
+                    result = engine.issue_load(result)  # unpins before raising
+                except Exception as e:
+                    result = e
             if isinstance(result, BaseException):
                 why = f"issuing the load failed: {type(result).__name__}: {result}"
                 out.append((tags, LoadReport(failed=dict.fromkeys(req_ids, why))))

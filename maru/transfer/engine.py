@@ -32,9 +32,16 @@ from maru.client.objects import Retrieved
 from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
 from maru.kv_ops.geometry import ObjectGeometry
 from maru.protocol import CommitResult
-from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, PinnedLoad
+from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
 from maru.transfer.paths import DataPath, choose_path
-from maru.transfer.records import LoadReport, RequestTransfer, StoreReport, slot_mapping, unique_keys
+from maru.transfer.records import (
+    LoadReport,
+    RequestTransfer,
+    StoreReport,
+    block_table,
+    slot_mapping,
+    unique_keys,
+)
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
 
 _LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
@@ -51,6 +58,7 @@ class KVTransferEngine:
     ``batch_retrieve``/``batch_release``/``report_corrupt``). ``path``: the data path (default:
     ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
     checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
+    ``chunk_tokens``: the chunk size, whose placement graphs the GPU path captures at build.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class KVTransferEngine:
         pipelined: bool = True,
         path: DataPath | None = None,
         verify: bool = True,
+        chunk_tokens: int | None = None,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -73,7 +82,9 @@ class KVTransferEngine:
         self.geometry = ObjectGeometry.of(self.caches[0] if layout.is_cross_layer else self.caches, layout)
         self.num_layers = self.geometry.num_layers
         self.device = self.caches[0].device
-        self.path = path or choose_path(self.caches, layout, client, backend=backend, pipelined=pipelined)
+        self.path = path or choose_path(
+            self.caches, layout, client, backend=backend, pipelined=pipelined, chunk_tokens=chunk_tokens
+        )
         self.verify = verify
 
     @property
@@ -148,9 +159,13 @@ class KVTransferEngine:
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []
+        tables: dict[str, Any] = {}  # one block table per request
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
-                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
+                table = tables.get(req.req_id)
+                if table is None:
+                    table = tables[req.req_id] = block_table(req.block_ids)
+                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, table=table)
                 o = self.geometry.over(obj.buf, c.num_tokens)
             except Exception as e:
                 ig.bad.append(obj)
@@ -331,23 +346,43 @@ class KVTransferEngine:
         Returns without waiting where the path is asynchronous (poll ``InflightLoad.done()``). The
         pins are released by ``InflightLoad.release``/``finish``, or here if this raises.
         """
+        return self.issue_load(self.look_up(requests))
+
+    def look_up(self, requests: Sequence[RequestTransfer]) -> LookedUp:
+        """The first half of ``start_load``: one lookup-and-pin round trip, no tensor work.
+
+        Safe on a helper thread: it holds the GIL only to send and parse one message. The pins
+        belong to the result until ``issue_load`` hands them to its ``InflightLoad``.
+        """
         t0 = time.perf_counter()
         rep = LoadReport()
         index, handles, rep.server_lost = self._lookup_pinned(requests, rep.failed)
+        rep.phases["lookup"] = time.perf_counter() - t0
+        return LookedUp(list(requests), rep, index, handles, t0)
+
+    def issue_load(self, looked: LookedUp) -> InflightLoad:
+        """The second half of ``start_load``: check each request and issue one scatter for all.
+
+        Unpins everything (one round trip) if it raises."""
+        rep, index, handles = looked.report, looked.index, looked.handles
         if handles is None:
-            return InflightLoad(self, rep, [], IssuedScatter(), t0)
+            return InflightLoad(self, rep, [], IssuedScatter(), looked.t0)
         batch = IssuedScatter()
+        t1 = time.perf_counter()
         try:
-            for req in requests:
+            for req in looked.requests:
                 why = self._check(req, handles, index)
                 if why is None:
                     why = self._add_request(req, handles, index, batch)
                 if why is not None:
                     rep.failed[req.req_id] = why
+            t2 = time.perf_counter()
+            rep.phases["prepare"] = t2 - t1
             if batch.objs:  # a chunk with nothing to place is not copied at all
                 try:
                     expected = [h.checksum for h in batch.placed] if self.verify else None
                     batch.transfer = self.path.scatter(batch.objs, batch.slots, expected)
+                    rep.phases["issue"] = time.perf_counter() - t2
                 except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                     why = f"placing the chunks failed: {type(e).__name__}: {e}"
                     for req, _, _ in batch.requests:
@@ -359,7 +394,7 @@ class KVTransferEngine:
             batch = IssuedScatter()
             self.unpin(handles)
             raise
-        return InflightLoad(self, rep, handles, batch, t0)
+        return InflightLoad(self, rep, handles, batch, looked.t0)
 
     def _lookup_pinned(
         self, requests: Sequence[RequestTransfer], failed: dict[str, str]
@@ -385,9 +420,12 @@ class KVTransferEngine:
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
+        table = block_table(req.block_ids)
         for c in req.chunks:
             h = handles[index[c.key]]
-            slots = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, c.placed())
+            slots = slot_mapping(
+                req.block_ids, self.block_size, c.start, c.num_tokens, c.placed(), table=table
+            )
             out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size), h))
         return out
 

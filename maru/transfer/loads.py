@@ -41,6 +41,22 @@ class PinnedLoad:
 
 
 @dataclass
+class LookedUp:
+    """A load looked up and pinned (``KVTransferEngine.look_up``), nothing checked or issued yet.
+
+    ``handles`` is None when nothing was looked up or the lookup failed (every request is then in
+    ``report.failed``); otherwise one pinned handle (or None: missing) per key, ``index`` giving each
+    key's position. The pins pass to the ``InflightLoad`` that ``issue_load`` makes of it.
+    """
+
+    requests: list[RequestTransfer]
+    report: LoadReport
+    index: dict[str, int]
+    handles: list[Any] | None
+    t0: float
+
+
+@dataclass
 class IssuedScatter:
     """The placements of one load, issued as one scatter over every chunk of every request.
 
@@ -124,7 +140,9 @@ class InflightLoad:
         err = self._error
         if err is None and batch.transfer is not None:
             try:
+                t_wait = time.perf_counter()
                 batch.transfer.wait()
+                rep.phases["wait"] = time.perf_counter() - t_wait
                 for item, why in batch.transfer.failed_items().items():
                     failed.setdefault(batch.owner[item], f"placing chunk {item} failed: {why}")
                 bad = batch.transfer.mismatched()

@@ -60,6 +60,10 @@ class DataPath(ABC):
 
     name: ClassVar[str]
     defers_store_gather: ClassVar[bool] = False
+    # Whether ``scatter`` only queues the work and returns (device copies): such a scatter is
+    # issued on the thread that polls it, not on a helper thread that would have to win the GIL
+    # back from vLLM's busy engine loop for every CUDA call (``transfer.background``).
+    scatter_returns_at_once: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
 
     def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
@@ -222,6 +226,7 @@ class PipelinedPath(DataPath):
     caches, ordered after the work on the caller's stream; handles complete asynchronously."""
 
     name = "pipelined"
+    scatter_returns_at_once = True
 
     def __init__(self, pipeline: Any, *, backend: str | None = None) -> None:
         caches = pipeline.caches if isinstance(pipeline.caches, list) else [pipeline.caches]
@@ -279,21 +284,32 @@ class PipelinedPath(DataPath):
         return {"layer_graphs": "on" if graphs else "off"}, slow
 
     @classmethod
-    def build(cls, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> PipelinedPath:
-        """The pipeline over ``caches``, its layer-overlap graphs captured now (never while serving)."""
+    def build(
+        cls,
+        caches: list[torch.Tensor],
+        layout: Any,
+        *,
+        backend: str | None = None,
+        chunk_tokens: int | None = None,
+    ) -> PipelinedPath:
+        """The pipeline over ``caches``, its graphs captured now (never while serving): the layer-
+        overlap graphs, and the chunk graphs for ``chunk_tokens`` (chunks of other sizes, and every
+        chunk when it is None, are placed by eager launches)."""
         from maru.kv_ops.device_pipeline import DevicePipeline
 
         pipeline = DevicePipeline(
             caches[0] if layout.is_cross_layer else caches,
             layout,
             backend=backend,
-            # Chunk paths launch eagerly (a graph captured on first use could be captured on the
-            # loader thread while the forward runs); the layer path replays graphs warmed here.
-            use_graphs=False,
+            # Chunk paths replay the graphs of the chunk size warmed here and launch other sizes
+            # eagerly: a graph captured on first use could be captured while the forward runs.
+            use_graphs=bool(chunk_tokens),
             layer_graphs=True,
             lazy_capture=False,
             layer_checksums=True,  # the engine verifies every load: warm those graphs
         )
+        if chunk_tokens and pipeline.graphs:
+            pipeline.warm(int(chunk_tokens))
         if pipeline.layer_graphs and LAYER_WARM_TOKENS:
             t0 = time.perf_counter()
             pipeline.warm(0, layer_tokens=_buckets_up_to(LAYER_WARM_TOKENS))
@@ -312,6 +328,7 @@ def choose_path(
     *,
     backend: str | None = None,
     pipelined: bool = True,
+    chunk_tokens: int | None = None,
 ) -> DataPath:
     """The data path for ``caches``: CPU, else pipelined (pool registered with CUDA), else staged.
 
@@ -327,7 +344,7 @@ def choose_path(
     if device.type == "cuda" and pipelined:
         try:
             registration, mapping = _register_pool(client)
-            path = PipelinedPath.build(caches, layout, backend=backend)
+            path = PipelinedPath.build(caches, layout, backend=backend, chunk_tokens=chunk_tokens)
         except Exception as e:  # any problem here must leave a working (slower) connector
             logger.warning(
                 "Maru: the pipelined GPU transfer engine could not be built (%s: %s); using the staged "

@@ -147,7 +147,9 @@ class MaruWorkerConnector:
             warn_unreachable(self.cfg.server_url, f"{type(e).__name__}: {e}", _RECONNECT_S)
             return False
         reconnected(self.cfg.server_url)
-        self.engine = KVTransferEngine(self.caches, self.layout, self._client)
+        self.engine = KVTransferEngine(
+            self.caches, self.layout, self._client, chunk_tokens=self.cfg.kv_chunk_tokens
+        )
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path)
         self._report_paths()

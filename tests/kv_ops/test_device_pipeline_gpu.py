@@ -25,6 +25,7 @@ pytestmark = [
 ]
 
 from maru import kv_ops  # noqa: E402
+from maru.checksum import checksum  # noqa: E402
 from maru.client import cuda_host  # noqa: E402
 from maru.kv_ops import device_pipeline as pl  # noqa: E402
 
@@ -280,7 +281,7 @@ def test_layer_load_with_a_device_slot_mapping_and_skip_tokens(
 
 
 def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: RegisteredPool) -> None:
-    """What the connector builds: eager chunk paths, layer graphs warmed at start, no capture later."""
+    """The layer path of what the connector builds: layer graphs warmed at start, no capture later."""
     src = make_caches("flash_attn_HND", 26)
     engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, 3 * CHUNK, 27, negatives=4)
@@ -309,6 +310,41 @@ def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: Regi
     loader.warm(0, layer_tokens=[2 * CHUNK])
     torch.cuda.synchronize()
     assert torch.equal(fresh.bits(), snapshot.bits())
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+def test_chunk_graphs_without_lazy_capture_replay_the_warmed_size_and_capture_nothing_later(
+    pool: RegisteredPool, checksums: bool
+) -> None:
+    """What the connector builds now: the chunk size's graphs warmed at start; other sizes eager."""
+    src = make_caches("flashinfer_HND", 41)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    sizes = [CHUNK, CHUNK, 100, CHUNK]  # 100 tokens: never warmed
+    slots = _slots(src, sum(sizes), 42, negatives=6)
+    objs = [pool.alloc(engine, t) for t in sizes]
+    engine.store(objs, slots).wait()
+    fresh = make_caches("flashinfer_HND", 43)
+    expected = fresh.clone()
+    kv_ops.scatter(
+        _reference_gather(src, slots), expected.layers, fresh.layout(), slots.cuda(), backend="reference",
+        skip_tokens=30,
+    )  # fmt: skip
+    loader = pl.DevicePipeline(
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=True, lazy_capture=False
+    )
+    loader.warm(CHUNK)
+    placers = [slot.placer for slot in loader._ring if slot.placer is not None]
+    captured = [len(p._graphs) for p in placers]
+    for _ in range(2):  # the second pass replays the same graphs over a placed cache
+        h = loader.load(objs, slots, skip_tokens=30, checksums=checksums)
+        h.wait()
+    assert torch.equal(fresh.bits(), expected.bits())
+    assert [len(p._graphs) for p in placers] == captured  # nothing captured while serving
+    if BACKEND != "reference":
+        assert placers and all(p.has_chunk_graphs(CHUNK) and not p.has_chunk_graphs(100) for p in placers)
+    if checksums:
+        want = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+        assert h.checksums() == want
 
 
 def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: RegisteredPool) -> None:

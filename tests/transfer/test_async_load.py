@@ -91,17 +91,26 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         issued: list[Gated] = []
         real = w.engine.path.pipeline.load
 
+        issuers: set[int] = set()
+
         def load(objs: Any, slots: Any, **kw: Any) -> Gated:
             # One batch per step here, in step order: the second batch fails at completion.
+            issuers.add(threading.get_ident())
             err = RuntimeError("injected device fault") if issued else None
             issued.append(Gated(real(objs, slots, **kw), gate, err))
             return issued[-1]
 
+        def polled_until(cond: Any) -> None:  # vLLM calls get_finished every step
+            until(lambda: w.get_finished(set()) == (None, None) and cond())
+
         w.engine.path.pipeline.load = load
         w.start_load_kv(MaruConnectorMetadata(async_loads=[dok]))
-        until(lambda: len(issued) == 1)
+        polled_until(lambda: len(issued) == 1)
         w.start_load_kv(MaruConnectorMetadata(async_loads=[dbad]))  # the next step
-        until(lambda: len(issued) == 2)  # both in flight: the loader thread did not wait for the first
+        polled_until(lambda: len(issued) == 2)  # both in flight: nothing waited for the first
+        # The loader thread only looked up; the copies were issued by the polling thread, which
+        # holds the GIL already (on a GPU, a helper thread issuing them lost it on every CUDA call).
+        assert issuers == {threading.get_ident()}
         for _ in range(3):  # vLLM polls every step; nothing is done yet
             assert w.get_finished(set()) == (None, None)
         assert w.get_block_ids_with_load_errors() == set()
@@ -138,9 +147,24 @@ def test_async_load_without_a_server_fails_the_request_without_a_lookup(
         stop_worker(w)
 
 
-def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one() -> None:
+@pytest.mark.parametrize("issued_by", ["loader", "poller"])
+def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one(
+    issued_by: str,
+) -> None:
+    from maru.transfer.loads import LookedUp
+    from maru.transfer.records import LoadReport
+
     class Broken:
+        class path:  # noqa: N801 - stands in for a DataPath
+            scatter_returns_at_once = issued_by == "poller"
+
         def start_load(self, requests: Any) -> Any:
+            raise RuntimeError("injected bug at issue")
+
+        def look_up(self, requests: Any) -> LookedUp:
+            return LookedUp(list(requests), LoadReport(), {}, [], 0.0)
+
+        def issue_load(self, looked: LookedUp) -> Any:
             raise RuntimeError("injected bug at issue")
 
     req = request("loader-bug", [0, 1, 2, 3], 2 * CHUNK)

@@ -9,6 +9,7 @@ checks every placed token through the naive per-format oracle and every other by
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, naive_token
-from maru.transfer.records import ChunkRef, RequestTransfer, slot_mapping
+from maru.transfer.records import ChunkRef, RequestTransfer, block_table, slot_mapping
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 from tests.transfer.helpers import BS, CHUNK, bits_equal, case, plain_engine, request, worker
@@ -151,6 +152,23 @@ def test_slot_mapping_marks_unplaced_tokens_and_needs_blocks_only_for_placed_one
     assert s.tolist() == [-1, 9, 10, -1, -1, -1, -1, -1]
     with pytest.raises(ValueError):
         slot_mapping([5], 4, 0, 8)
+
+
+@pytest.mark.parametrize("with_table", [False, True])
+def test_slot_mapping_matches_a_per_token_reference_on_random_requests(with_table: bool) -> None:
+    rng = random.Random(7 + with_table)
+    for _ in range(200):
+        bs = rng.choice([1, 3, 16])
+        nblocks = rng.randint(1, 12)
+        ids = rng.sample(range(1000), nblocks)
+        start = rng.randint(0, nblocks * bs - 1)
+        num = rng.randint(1, nblocks * bs - start)
+        pb = rng.randint(0, num)
+        pe = rng.randint(pb, num)
+        want = [ids[(start + i) // bs] * bs + (start + i) % bs if pb <= i < pe else -1 for i in range(num)]
+        table = block_table(ids) if with_table else None
+        got = slot_mapping(ids, bs, start, num, (pb, pe), table=table)
+        assert got.dtype == torch.int64 and got.tolist() == want
 
 
 def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_path: Path) -> None:

@@ -1,0 +1,93 @@
+"""Where a small connector-level load spends its host time: cProfile over repeated 256-token loads.
+
+Builds what ``bench/gpu_connector.py`` builds (a real ``maru server``, a ``KVTransferEngine`` over
+CUDA caches, the pool registered with CUDA), stores one request of ``--tokens`` tokens, then loads it
+``--reps`` times under cProfile and prints the functions with the most own time, then the most
+cumulative time. Usage (GPU): python bench/profile_load.py [--tokens 256] [--reps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request  # noqa: E402
+
+from maru import kv_ops  # noqa: E402
+from maru.client import MaruHandler  # noqa: E402
+from maru.demo.server import ServerProcess  # noqa: E402
+from maru.transfer.engine import KVTransferEngine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--kv-ops", action="store_true", help="profile kv_ops.scatter calls (16 tokens) instead")
+    a = ap.parse_args()
+    if a.kv_ops:
+        return profile_kv_ops(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProcess(tmp, pool_size=4 << 30, log_level="WARNING")
+        srv.start()
+        client = MaruHandler(srv.url, timeout_s=30)
+        try:
+            src, dst = make_caches(NB, 1), make_caches(NB, 2)
+            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
+            req = request(a.tokens, "profile", torch.Generator().manual_seed(0))
+            assert storer.store([req]).stored == len(req.chunks)
+            for _ in range(10):
+                loader.load([req])
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.reps):
+                rep = loader.load([req])
+            prof.disable()
+            assert rep.loaded_req_ids == [req.req_id], rep.failed
+            print(
+                f"{a.tokens} tokens, last load phases (ms):",
+                {k: round(v * 1e3, 3) for k, v in rep.phases.items()},
+            )
+            st = pstats.Stats(prof)
+            st.sort_stats("tottime").print_stats(a.top)
+            st.sort_stats("cumulative").print_stats(a.top)
+            storer.close()
+            loader.close()
+        finally:
+            client.close()
+            srv.cleanup()
+
+
+def profile_kv_ops(a: argparse.Namespace) -> None:
+    caches = make_caches(NB, 1)
+    layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
+    slots = torch.randperm(NB * BS, device="cuda")[:16].to(torch.int64)
+    obj = kv_ops.gather(caches, layout, slots)
+    for _ in range(50):
+        kv_ops.scatter(obj, caches, layout, slots)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.reps):
+        kv_ops.scatter(obj, caches, layout, slots)
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(a.top)
+    st.sort_stats("cumulative").print_stats(a.top)
+
+
+if __name__ == "__main__":
+    main()
