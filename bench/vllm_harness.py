@@ -1,15 +1,18 @@
 """Pieces of the real-vLLM benchmark and GPU end-to-end tests: a generated model, engines in child processes.
 
-Self-contained on purpose (it uses Maru only through vLLM's kv-transfer config and the
-connector's ``maru_stats()``), so it keeps working while Maru's packages move around:
+Maru is used through vLLM's kv-transfer config and the connector's ``maru_stats()``; the engine
+process is ``maru.demo.runner`` (the one the demo and the CPU tests drive):
 
 - ``ModelSpec`` / ``make_model``: a Llama model with random weights and a word-level tokenizer
-  built locally (no downloads). ``GPU_MODEL`` has Llama-3-8B's KV geometry (32 layers, 8 KV
+  built locally (no downloads). Not ``maru.demo.tiny_model``: this one draws the weights on the
+  GPU straight into a safetensors file (``GPU_MODEL`` has 3B parameters; the demo's builds the
+  model in CPU memory) and its word-level tokenizer makes every id a word. ``GPU_MODEL`` has Llama-3-8B's KV geometry (32 layers, 8 KV
   heads of 128, bf16; hidden 4096, intermediate 4096: about 3B parameters); ``TINY_MODEL`` is
   small enough for vLLM's CPU build on two cores.
-- ``Engine``: one ``vllm.LLM`` in its own process (``python bench/vllm_harness.py --child``,
-  in-process engine mode inside), driven by JSON lines. Several can be started at once (their
-  start-up overlaps) and driven one after the other.
+- ``Engine``: one ``vllm.LLM`` in its own process, driven by JSON lines: the demo's runner
+  (``maru.demo.runner.EngineProcess``, in-process engine mode inside) with a name and the GPU
+  engines' settings. Several can be started at once (their start-ups overlap) and driven one
+  after the other.
 - ``ApiServer``: ``python -m vllm.entrypoints.openai.api_server`` in its own process group, and
   ``stream_ttft``, one streaming completion timed to its first token.
 - ``same_greedy``: greedy outputs compared the way vLLM's own tests do (see its docstring).
@@ -20,18 +23,17 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from maru.demo.runner import EngineProcess
+
 REPO = Path(__file__).resolve().parent.parent
-MARK = "H4-ENGINE "
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -168,249 +170,59 @@ def maru_kv_config(extra: dict[str, Any], module: str = "maru.vllm", name: str =
     }
 
 
-# ----------------------------------------------------------------------------- engine (child side)
-def _child_env() -> None:
-    for k, v in (
-        ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-        ("HF_HUB_OFFLINE", "1"),
-        ("TRANSFORMERS_OFFLINE", "1"),
-        ("VLLM_NO_USAGE_STATS", "1"),
-        ("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-        ("VLLM_HOST_IP", "127.0.0.1"),
-        ("TOKENIZERS_PARALLELISM", "false"),
-    ):
-        os.environ.setdefault(k, v)
+# ------------------------------------------------------------------------------------- engine
+# Settings of the GPU engines that the demo's runner does not set itself.
+ENGINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj, default=str) + "\n")
-    sys.stdout.flush()
+class Engine(EngineProcess):
+    """One ``vllm.LLM`` in its own process: ``maru.demo.runner``, named, logging to ``log_path``.
 
-
-def _build_llm(spec: dict[str, Any]) -> Any:
-    from vllm import LLM
-
-    kw: dict[str, Any] = {
-        "model": spec["model"],
-        "dtype": spec.get("dtype", "auto"),
-        "max_model_len": int(spec["max_model_len"]),
-        "block_size": int(spec["block_size"]),
-        "enforce_eager": True,
-        "seed": 0,
-        "enable_prefix_caching": True,
-        "kv_cache_memory_bytes": int(spec["kv_cache_memory_bytes"]),
-        "max_num_batched_tokens": int(spec["max_num_batched_tokens"]),
-        "enable_chunked_prefill": True,
-    }
-    for k in ("gpu_memory_utilization", "max_num_seqs", "async_scheduling"):
-        if spec.get(k) is not None:
-            kw[k] = spec[k]
-    if spec.get("kv_transfer_config"):
-        from vllm.config import KVTransferConfig
-
-        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
-    return LLM(**kw)
-
-
-def _connector_stats(llm: Any) -> dict[str, Any]:
-    """Both connector instances' ``maru_stats()`` (both live in this process in in-process mode)."""
-    out: dict[str, Any] = {}
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "maru_stats"):
-            out["worker"] = get_kv_transfer_group().maru_stats()
-    except Exception as e:  # diagnostics only: a missing counter must not fail the run
-        out["worker_error"] = repr(e)
-    try:
-        core = llm.llm_engine.engine_core
-        core = getattr(core, "engine_core", core)
-        conn = core.scheduler.connector
-        if conn is not None and hasattr(conn, "maru_stats"):
-            out["scheduler"] = conn.maru_stats()
-    except Exception as e:
-        out["scheduler_error"] = repr(e)
-    return out
-
-
-def _settle(llm: Any, timeout_s: float) -> dict[str, Any]:
-    """Reset vLLM's prefix cache, stepping the engine until it succeeds.
-
-    The reset fails while a finished request's blocks are still held for a write-behind store
-    (they are freed a step after the store drained); so a successful reset also means every
-    store of the finished requests was published. Afterwards nothing is cached locally: the next
-    prompt can only hit Maru.
-    """
-    t = time.perf_counter()
-    steps = 0
-    while True:
-        if llm.reset_prefix_cache():
-            return {"ok": True, "steps": steps, "seconds": time.perf_counter() - t}
-        if time.perf_counter() - t > timeout_s:
-            return {"ok": False, "steps": steps, "seconds": time.perf_counter() - t}
-        llm.llm_engine.step()
-        steps += 1
-        time.sleep(0.002)  # let the drain thread run
-
-
-def _outputs(outs: list[Any]) -> dict[str, Any]:
-    toks, lps, cached = [], [], []
-    for o in outs:
-        c = o.outputs[0]
-        toks.append([int(t) for t in c.token_ids])
-        per_pos = []
-        for pos in c.logprobs or []:
-            items = [(int(t), float(getattr(lp, "logprob", lp))) for t, lp in pos.items()]
-            per_pos.append(sorted(items, key=lambda x: -x[1]))
-        lps.append(per_pos)
-        cached.append(int(o.num_cached_tokens or 0))
-    return {"tokens": toks, "logprobs": lps, "cached": cached}
-
-
-def child_main(spec_json: str) -> None:
-    """The child process: build the engine, answer one JSON command per stdin line."""
-    _child_env()
-    spec = json.loads(spec_json)
-    t0 = time.perf_counter()
-    llm = _build_llm(spec)
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    _reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd.get("op")
-        try:
-            if op == "generate":
-                sp = SamplingParams(
-                    temperature=0.0,
-                    max_tokens=int(cmd.get("max_tokens", 1)),
-                    ignore_eos=True,
-                    logprobs=cmd.get("logprobs"),
-                )
-                prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
-                t = time.perf_counter()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-                dt = time.perf_counter() - t
-                _reply({"seconds": dt, **_outputs(outs)})
-            elif op == "settle":
-                _reply(_settle(llm, float(cmd.get("timeout_s", 60))))
-            elif op == "stats":
-                _reply(_connector_stats(llm))
-            elif op == "quit":
-                _reply({"bye": True})
-                break
-            else:
-                _reply({"error": f"unknown op {op!r}"})
-        except Exception as e:
-            _reply({"error": f"{type(e).__name__}: {e}"})
-    os._exit(0)  # vLLM's interpreter-exit cleanup is slow and has nothing left to flush
-
-
-# ---------------------------------------------------------------------------- engine (parent side)
-class Engine:
-    """A handle on one child engine: ``start()`` (returns at once), ``wait_ready()``, ``call()``, ``close()``.
-
-    The child's own output (vLLM's logging) goes to ``log_path``; replies come on stdout lines
-    marked ``H4-ENGINE``. The child runs in its own process group, killed whole by ``close()``.
+    ``start()`` returns at once (start several, their start-ups overlap), ``wait_ready()`` waits;
+    ``call()`` raises on an error reply. The runner runs in its own process group, killed whole by
+    ``close()``.
     """
 
     def __init__(self, name: str, spec: dict[str, Any], log_path: Path, env: dict[str, str] | None = None):
-        self.name, self.spec, self.log_path, self.env = name, spec, Path(log_path), env or {}
-        self.proc: subprocess.Popen[str] | None = None
-        self.ready: dict[str, Any] = {}
-        self._q: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._log: Any = None
-
-    def start(self) -> Engine:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "a")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(self.spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            cwd=str(REPO),
-            text=True,
-            bufsize=1,
-            start_new_session=True,
+        child_env = dict(ENGINE_ENV)
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
         )
+        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env.update(env or {})
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(spec, env=child_env, log_path=log_path, cwd=str(REPO))
+        self.name = name
 
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if line.startswith(MARK):
-                    self._q.put(json.loads(line[len(MARK) :]))
-                else:
-                    self._log.write(line)
-                    self._log.flush()
-            self._q.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
+    def start(self, timeout: float = 600.0, wait: bool = False) -> Engine:
+        super().start(timeout, wait=wait)
         return self
 
-    def _next(self, timeout: float) -> dict[str, Any]:
-        try:
-            msg = self._q.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(
-                f"engine {self.name}: no answer in {timeout:.0f} s (log {self.log_path})"
-            ) from None
-        if msg is None:
-            raise RuntimeError(f"engine {self.name} exited (log {self.log_path}):\n{tail(self.log_path)}")
-        return msg
-
     def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
-        if not self.ready:
-            self.ready = self._next(timeout)
-        return self.ready
+        try:
+            return super().wait_ready(timeout)
+        except (TimeoutError, RuntimeError) as e:
+            raise type(e)(f"engine {self.name}: {e}") from None
 
     def call(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None
         self.wait_ready()
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        r = self._next(timeout)
+        r = super().call(cmd, timeout)
         if "error" in r:
             raise RuntimeError(f"engine {self.name}: {cmd.get('op')} failed: {r['error']}")
         return r
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None) -> dict:
-        return self.call(
-            {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}
-        )
+        """``{"tokens", "logprobs", "cached", "seconds"}`` of one greedy batch."""
+        r = self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs})
+        r["tokens"] = r.pop("outputs")
+        r.setdefault("logprobs", [[] for _ in prompts])
+        return r
 
     def settle(self, timeout_s: float = 60.0) -> dict[str, Any]:
         return self.call({"op": "settle", "timeout_s": timeout_s}, timeout=timeout_s + 30)
 
     def stats(self) -> dict[str, Any]:
         return self.call({"op": "stats"})
-
-    def close(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            if self.proc.poll() is None and self.ready and self.proc.stdin is not None:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=20)
-        except Exception:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
 
 
 def tail(path: str | os.PathLike[str], lines: int = 30) -> str:
@@ -562,13 +374,3 @@ def same_greedy(out: list[int], lps: list[list[Any]], ref: list[int], ref_lps: l
             theirs = {int(t) for t, _ in ref_lps[i]}
             return "close" if (b in mine and a in theirs) else "different"
     return "different"  # one is a strict prefix of the other (lengths differ)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child_main(sys.argv[2])
-    else:
-        print(
-            "usage: python bench/vllm_harness.py --child '<engine json>' (started by Engine)", file=sys.stderr
-        )
-        raise SystemExit(2)

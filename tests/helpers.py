@@ -10,6 +10,9 @@ through the ``maru_server`` fixture.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,24 @@ from maru.demo.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "RawClient", "ServerProcess", "free_port"]
+__all__ = ["REPO_ROOT", "RawClient", "ServerProcess", "flat", "free_port", "maru"]
+
+
+def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run the ``maru`` command (this checkout's) as a child process; 200 columns, output captured."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "maru.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def flat(out: str) -> str:
+    """Table output as one line of words (cells wrap at spaces; the other cells of a wrapped row are empty)."""
+    return " ".join(re.sub(r"[│┃]", " ", out).split())
 
 
 class ServerProcess(_server.ServerProcess):

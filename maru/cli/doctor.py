@@ -168,6 +168,88 @@ def check_pool_usage(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, detail)
 
 
+# -- server health (warn only: the server serves, but less than it could) -------------------------
+
+
+def server_stats(ctx: DoctorContext) -> dict[str, Any]:
+    """The server's STATS reply, asked once per doctor run (raises a MaruError that says what to do)."""
+    if "stats" not in ctx.found:
+        ctx.found["stats"] = _request(ctx, protocol.Op.STATS, {})
+    return ctx.found["stats"]
+
+
+def _stats_for(ctx: DoctorContext, name: str) -> dict[str, Any] | CheckResult:
+    """``server_stats``, or the result check ``name`` gives when there is none (no server, an error)."""
+    if ctx.handshake is None:
+        return CheckResult(name, SKIP, "needs the server")
+    try:
+        return server_stats(ctx)
+    except MaruError as e:
+        return CheckResult(name, WARN, str(e), "check the server's log")
+
+
+def check_state_disk(ctx: DoctorContext) -> CheckResult:
+    """Does the server's state database take writes? A full disk refuses stores (``state_unwritable``)."""
+    name = "server state disk"
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
+    state = snap.get("state")
+    if not isinstance(state, dict):
+        return CheckResult(name, SKIP, "this maru server does not report its state disk (an older version)")
+    path = state.get("path", "?")
+    if state.get("writable", True):
+        return CheckResult(name, OK, f"{path} takes writes")
+    return CheckResult(
+        name,
+        WARN,
+        f"the state database {path} refuses writes ({state.get('error') or 'no error text'}): every store "
+        "and delete is refused with state_unwritable, so nothing new is shared; lookups, loads and "
+        "heartbeats still work",
+        f"free space on the filesystem of {os.path.dirname(path) or path} (or move --state-dir to a "
+        "larger disk and restart); the server retries by itself and resumes writes without a restart "
+        "(docs/reliability.md, A full state disk)",
+    )
+
+
+def check_quarantine(ctx: DoctorContext) -> CheckResult:
+    """Pool space held for clients whose lease expired (quarantine: reservations and pins they may still touch)."""
+    name = "quarantined space"
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
+    g = snap.get("gauges", {})
+    if "quarantined_bytes" not in g:
+        return CheckResult(name, SKIP, "this maru server does not report quarantine (an older version)")
+    nbytes, n_clients = int(g["quarantined_bytes"]), int(g.get("quarantined_clients", 0))
+    if nbytes == 0 and n_clients == 0:
+        return CheckResult(name, OK, "none (no expired client holds pool space)")
+    q = snap.get("quarantine") if isinstance(snap.get("quarantine"), dict) else {}
+    lines = [
+        f"{format_size(nbytes)} in {int(g.get('quarantined_extents', 0)):,} extents held for {n_clients} "
+        "client(s) whose lease expired: unusable (never evicted) until released"
+    ]
+    for h in q.get("holders", []):
+        where = "exit watched" if h.get("local") else "exit not watchable: another host or PID namespace"
+        lines.append(
+            f"{h.get('host', '?')} pid {h.get('pid', '?')} ({where}), held {float(h.get('held_s', 0)):.0f} s"
+        )
+    timeout = q.get("timeout_s")
+    if timeout is None:
+        when = "after --quarantine-timeout"
+    elif timeout == 0:
+        when = "never by timeout (--quarantine-timeout 0)"
+    else:
+        when = f"after --quarantine-timeout ({float(timeout):g} s)"
+    fix = (
+        "the space returns by itself when a watched holder exits, when the holder reconnects (it "
+        f"fences its old session first), or {when}. To free it sooner, stop the stalled holder "
+        "process; one whose exit is not watchable is released only by a reconnect, the timeout or "
+        "a server restart (docs/reliability.md, Quarantine)"
+    )
+    return CheckResult(name, WARN, "\n".join(lines), fix)
+
+
 # -- optional checks (components that may be absent; they never fail the doctor) -------------------
 
 
@@ -300,12 +382,9 @@ def check_client_paths(ctx: DoctorContext) -> CheckResult:
     from maru.cli.stats import slow_reports
 
     name = "serving clients' data paths"
-    if ctx.handshake is None:
-        return CheckResult(name, SKIP, "needs the server")
-    try:
-        snap = _request(ctx, protocol.Op.STATS, {})
-    except MaruError as e:
-        return CheckResult(name, WARN, str(e), "check the server's log")
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
     clients = snap.get("clients")
     if clients is None:
         return CheckResult(
@@ -349,6 +428,8 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_protocol, True),
     (check_pool_mapping, True),
     (check_pool_usage, True),
+    (check_state_disk, False),
+    (check_quarantine, False),
     (check_client_paths, False),
     (check_kv_ops, False),
     (check_cuda_registration, False),

@@ -7,11 +7,19 @@ config or none, ...), prints ``MARU-RUNNER {"ready": ...}`` and then answers one
 stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging goes around it):
 
 - ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8}`` ->
-  ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``
+  ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``; with
+  ``"logprobs": k`` also ``"logprobs"``: per output, per position, ``[[id, logprob], ...]``
+  best first
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
 - ``{"op": "reset_prefix_cache"}``, ``{"op": "stats"}`` (the connector's counters, both sides),
   ``{"op": "quit"}``.
+- ``{"op": "settle", "timeout_s": 60}``: step until vLLM's prefix cache resets (every finished
+  request's write-behind stores published, nothing cached locally) ->
+  ``{"ok": bool, "steps": n, "seconds": wall}``.
+
+Engine settings beyond the demo's: ``kv_transfer_config`` (vLLM's dict, instead of
+``connector``), ``gpu_memory_utilization``, ``async_scheduling`` (the GPU benchmark's).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so one engine per
 runner process: vLLM's in-process mode changes process-wide state (threads, seeds).
@@ -24,6 +32,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 MARK = "MARU-RUNNER "
@@ -38,7 +47,7 @@ def _env() -> None:
 
 
 def reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.write(MARK + json.dumps(obj, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -62,8 +71,15 @@ def build_llm(spec: dict[str, Any]) -> Any:
         kw["disable_log_stats"] = False
     if spec.get("max_num_seqs"):
         kw["max_num_seqs"] = int(spec["max_num_seqs"])
+    for k in ("gpu_memory_utilization", "async_scheduling"):
+        if spec.get(k) is not None:
+            kw[k] = spec[k]
     conn = spec.get("connector")
-    if conn is not None:
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    elif conn is not None:
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -121,6 +137,38 @@ def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
     return len(held.delayed_frees)
 
 
+def settle(llm: Any, timeout_s: float) -> dict[str, Any]:
+    """Reset vLLM's prefix cache, stepping the engine until it succeeds.
+
+    The reset fails while a finished request's blocks are still held for a write-behind store
+    (they are freed a step after the store drained); so a successful reset also means every
+    store of the finished requests was published. Afterwards nothing is cached locally: the next
+    prompt can only hit Maru.
+    """
+    t = time.perf_counter()
+    steps = 0
+    while True:
+        if llm.reset_prefix_cache():
+            return {"ok": True, "steps": steps, "seconds": time.perf_counter() - t}
+        if time.perf_counter() - t > timeout_s:
+            return {"ok": False, "steps": steps, "seconds": time.perf_counter() - t}
+        llm.llm_engine.step()
+        steps += 1
+        time.sleep(0.002)  # let the drain thread run
+
+
+def _logprobs(outs: list[Any]) -> list[list[list[tuple[int, float]]]]:
+    """Per output, per position: the ``(token id, logprob)`` pairs vLLM returned, best first."""
+    out = []
+    for o in outs:
+        per_pos = []
+        for pos in o.outputs[0].logprobs or []:
+            items = [(int(t), float(getattr(lp, "logprob", lp))) for t, lp in pos.items()]
+            per_pos.append(sorted(items, key=lambda x: -x[1]))
+        out.append(per_pos)
+    return out
+
+
 def serve(spec: dict[str, Any]) -> None:
     _env()
     t0 = time.perf_counter()
@@ -138,19 +186,23 @@ def serve(spec: dict[str, Any]) -> None:
         try:
             if op == "generate":
                 sp = SamplingParams(
-                    temperature=0.0, max_tokens=int(cmd.get("max_tokens", 8)), ignore_eos=True
+                    temperature=0.0,
+                    max_tokens=int(cmd.get("max_tokens", 8)),
+                    ignore_eos=True,
+                    logprobs=cmd.get("logprobs"),
                 )
                 prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
                 t = time.perf_counter()
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 dt = time.perf_counter() - t
-                reply(
-                    {
-                        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-                        "cached": [int(o.num_cached_tokens or 0) for o in outs],
-                        "seconds": dt,
-                    }
-                )
+                r = {
+                    "outputs": [[int(t) for t in o.outputs[0].token_ids] for o in outs],
+                    "cached": [int(o.num_cached_tokens or 0) for o in outs],
+                    "seconds": dt,
+                }
+                if cmd.get("logprobs"):
+                    r["logprobs"] = _logprobs(outs)
+                reply(r)
             elif op == "ttft":
                 sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
                 t = time.perf_counter()
@@ -166,6 +218,8 @@ def serve(spec: dict[str, Any]) -> None:
             elif op == "reset_prefix_cache":
                 settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
                 reply({"ok": bool(llm.reset_prefix_cache())})
+            elif op == "settle":
+                reply(settle(llm, float(cmd.get("timeout_s", 60))))
             elif op == "stats":
                 reply(connector_stats(llm))
             elif op == "flush_stores":
@@ -220,7 +274,11 @@ class EngineProcess:
         self._lines: Any = None
         self._log: Any = None
 
-    def start(self, timeout: float = 300.0) -> EngineProcess:
+    def start(self, timeout: float = 300.0, wait: bool = True) -> EngineProcess:
+        """Start the runner; with ``wait`` (the default) return once its engine is ready.
+
+        ``wait=False`` returns at once: start several, then ``wait_ready()`` each (start-ups overlap).
+        """
         import queue
         import subprocess
         import threading
@@ -253,8 +311,15 @@ class EngineProcess:
             self._lines.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
-        self.ready = self._next(timeout)
+        if wait:
+            self.wait_ready(timeout)
         return self
+
+    def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The runner's ready line (``startup_s``, ``pid``), waiting for it the first time."""
+        if not self.ready:
+            self.ready = self._next(timeout)
+        return self.ready
 
     def _next(self, timeout: float) -> dict[str, Any]:
         import queue
@@ -267,8 +332,20 @@ class EngineProcess:
             ) from None
         if msg is None:
             code = self.proc.wait(timeout=30)
-            raise RuntimeError(f"vLLM runner exited with code {code} (log: {self.log_path})")
+            raise RuntimeError(
+                f"vLLM runner exited with code {code} (log: {self.log_path}){self._log_tail()}"
+            )
         return msg
+
+    def _log_tail(self, lines: int = 30) -> str:
+        if not self.log_path:
+            return ""
+        self._log.flush()
+        try:
+            text = Path(self.log_path).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return ":\n" + "\n".join(text)
 
     def call(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
@@ -280,13 +357,13 @@ class EngineProcess:
         if self.proc is None:
             return
         try:
-            if self.proc.poll() is None:
+            # A runner still starting reads no commands: it is killed at once.
+            if self.proc.poll() is None and self.ready:
                 self.call({"op": "quit"}, timeout=30)
+                self.proc.wait(timeout=30)
         except Exception:
             pass
-        try:
-            self.proc.wait(timeout=30)
-        except Exception:
+        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         try:  # whatever the runner left behind in its group (vLLM's multi-process children)

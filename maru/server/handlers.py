@@ -263,7 +263,9 @@ class RequestHandlers:
     def _stats(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         # ``clients`` is only in the STATS reply, not in ``snapshot`` (the Prometheus thread reads
         # that one, and must not walk the lease table while the event loop changes it).
-        return P.ok(**self.snapshot(), **self.clients_view(viewer=client))
+        return P.ok(
+            **self.snapshot(), **self.clients_view(viewer=client), **self.quarantine_view(viewer=client)
+        )
 
     def _usage(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         return P.ok(**self.usage())

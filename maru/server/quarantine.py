@@ -68,6 +68,11 @@ class QuarantineBook:
     def __len__(self) -> int:
         return len(self._held)
 
+    def holders(self) -> list[tuple[Held, float]]:
+        """Each holder with the seconds its space has been held, longest first."""
+        now = self._clock()
+        return sorted(((h, now - h.since) for h in self._held.values()), key=lambda x: -x[1])
+
     def due(self) -> list[tuple[Held, str]]:
         """Remove and return the holders whose space may be reused now, each with the reason."""
         now = self._clock()

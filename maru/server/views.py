@@ -57,6 +57,25 @@ class ServerViews:
         ]
         return {"clients": clients, "clients_total": len(leases), "clients_truncated": len(leases) > limit}
 
+    def quarantine_view(
+        self, limit: int = P.MAX_STATS_CLIENTS, viewer: Caller | None = None
+    ) -> dict[str, Any]:
+        """Who holds quarantined space (for STATS; like ``clients_view``, on the loop thread only)."""
+        held = self.quarantine.holders()
+        if viewer is not None:
+            held = [(h, s) for h, s in held if self._access.may_see(viewer, h.lease.client)]
+        holders = [
+            {
+                "client_id": V.client_id_text(h.lease.client),
+                "host": h.lease.host,
+                "pid": h.lease.pid,
+                "held_s": round(held_s, 3),
+                "local": h.local,  # its death is observable: the space returns once it exits
+            }
+            for h, held_s in held[:limit]
+        ]
+        return {"quarantine": {"timeout_s": self.quarantine.timeout_s, "holders": holders}}
+
     def snapshot(self) -> dict[str, Any]:
         """The STATS reply less ``clients`` (also what the Prometheus collector reads)."""
         snap = self.stats.snapshot()

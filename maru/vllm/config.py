@@ -9,7 +9,7 @@ An unknown ``maru_*`` key is an error that names the valid ones, because a typo 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from maru.config import DEFAULT_SERVER_URL
@@ -103,10 +103,14 @@ class MaruConnectorConfig:
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
+    # Not a key: one sentence (reason and fix) per setting the connector replaced with a slower
+    # one (``without_write_behind``, ``loading_before_the_request_runs``). The worker reports
+    # them as its ``slow`` paths, so ``maru stats`` and ``maru doctor`` show them.
+    fallbacks: tuple[str, ...] = field(default=(), metadata={"key": False})
 
     @classmethod
     def valid_keys(cls) -> list[str]:
-        return sorted("maru_" + f.name for f in fields(cls))
+        return sorted("maru_" + f.name for f in fields(cls) if f.metadata.get("key", True))
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> MaruConnectorConfig:
@@ -184,13 +188,13 @@ class MaruConnectorConfig:
         """A copy with ``async_store`` off, announced (``why``: what makes write-behind unsafe here)."""
         if not self.async_store:
             return self
-        logger.warning(
-            "Maru: write-behind store (maru_async_store) is off: %s. Stores run synchronously after "
+        sentence = (
+            f"write-behind store (maru_async_store) is off: {why}. Stores run synchronously after "
             "the forward (cold prompts pay for the gather). Fix: a vLLM whose connector API has "
-            "handle_preemptions",
-            why,
+            "handle_preemptions"
         )
-        return MaruConnectorConfig(**{**self.__dict__, "async_store": False})
+        logger.warning("Maru: %s", sentence)
+        return self._replaced(sentence, async_store=False)
 
     def loading_before_the_request_runs(self, reason: str) -> MaruConnectorConfig:
         """A copy whose every load uses vLLM's asynchronous-load protocol (``async_load``).
@@ -206,16 +210,17 @@ class MaruConnectorConfig:
         if self.async_load or not self.enable_load:
             return self
         mode = "maru_overlap_load_with_compute" if self.overlap_load_with_compute else "synchronous loads"
-        logger.warning(
-            "Maru: %s replaced by maru_async_load (a hit waits one engine step for its load): %s. "
+        sentence = (
+            f"{mode} replaced by maru_async_load (a hit waits one engine step for its load): {reason}. "
             "Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to keep same-step loads, or set "
-            "maru_async_load=true to silence this.",
-            mode,
-            reason,
+            "maru_async_load=true to silence this."
         )
-        return MaruConnectorConfig(
-            **{**self.__dict__, "async_load": True, "overlap_load_with_compute": False}
-        )
+        logger.warning("Maru: %s", sentence)
+        return self._replaced(sentence, async_load=True, overlap_load_with_compute=False)
+
+    def _replaced(self, sentence: str, **changes: Any) -> MaruConnectorConfig:
+        """A copy with ``changes`` applied and ``sentence`` (reason and fix) added to ``fallbacks``."""
+        return MaruConnectorConfig(**{**self.__dict__, **changes, "fallbacks": (*self.fallbacks, sentence)})
 
     def aligned_to_block_size(self, block_size: int) -> MaruConnectorConfig:
         """Return a copy whose chunk size is a multiple of ``block_size`` (rounded down, at least one block).

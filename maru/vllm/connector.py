@@ -239,6 +239,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             out = self._worker.stats.as_dict()
             out["write_behind"] = self._worker.write_behind_mode
         out["data_path"] = self.maru_config.data_path()
+        out["fallbacks"] = list(self.maru_config.fallbacks)  # settings replaced, each with reason and fix
         return out
 
     @property

@@ -170,7 +170,7 @@ class MaruWorkerConnector:
             "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
             "store": "write-behind" if self.cfg.async_store else "sync",
         }
-        slow: list[str] = []
+        slow: list[str] = list(self.cfg.fallbacks)  # settings the connector replaced, with the fix
         if eng is not None:
             paths["load"] = eng.data_path
             reg = eng.host_registration

@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from maru import MaruHandler
 from maru.cli import doctor
-from tests.helpers import REPO_ROOT, ServerProcess, free_port
-
-
-def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "maru.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-def flat(out: str) -> str:
-    """Table output as one line of words (cells wrap at spaces; the other cells of a wrapped row are empty)."""
-    return " ".join(re.sub(r"[│┃]", " ", out).split())
+from maru.protocol import Op
+from tests.helpers import RawClient, ServerProcess, flat, free_port, maru
 
 
 def test_doctor_against_a_running_server_passes_and_shows_the_pool(maru_server: ServerProcess) -> None:
@@ -143,3 +127,26 @@ def test_stats_rates_are_counter_deltas_over_the_refresh_interval(maru_server: S
     text = console.export_text()
     assert re.search(r"│ stores\s*│\s*10 │\s*5\.0 │", text), text
     assert re.search(r"│ bytes stored\s*│\s*9\.8 KiB │\s*4\.9 KiB/s │", text), text
+
+
+def test_doctor_warns_about_quarantined_space_naming_the_holder_and_when_it_returns(tmp_path: Path) -> None:
+    args = ["--quarantine-timeout", "300"]
+    with ServerProcess(tmp_path, lease_timeout=1.0, extra_args=args) as srv:
+        before = flat(maru("doctor", "--url", srv.url, "--quick").stdout)
+        assert "quarantined space (optional) ok none" in before, before
+        with RawClient(srv.url) as silent:
+            silent.handshake()
+            assert silent.call(Op.RESERVE, sizes=[4096, 8192])["ok"]
+            # Silent past its lease: the server quarantines its two reservations.
+            with RawClient(srv.url) as watcher:
+                deadline = time.monotonic() + 30
+                while watcher.call(Op.USAGE)["quarantined"] == 0:
+                    assert time.monotonic() < deadline, "the silent client's lease never expired"
+                    time.sleep(0.1)
+            p = maru("doctor", "--url", srv.url, "--quick")
+        out = flat(p.stdout)
+        assert p.returncode == 0, p.stdout + p.stderr  # held space is a warning, not a failure
+        assert "quarantined space (optional) warn 12.0 KiB in 2 extents held for 1 client(s)" in out, out
+        # A RawClient sends no boot id: the server cannot watch its pid.
+        assert f"test pid {os.getpid()} (exit not watchable: another host or PID namespace)" in out, out
+        assert "after --quarantine-timeout (300 s)" in out and "stop the stalled holder process" in out, out

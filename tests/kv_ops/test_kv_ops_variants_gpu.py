@@ -3,7 +3,7 @@ every layout, and every scatter store cache operator the benchmark sweeps; and g
 garbage collection.
 
 Skipped where no CUDA device is visible (CI); the CPU suite runs the same variant checks under the
-interpreter (``test_kernel_variants.py``).
+interpreter (``test_kernel_variants.py``; both run ``variant_checks.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from bench.kernel_variants import CACHE_OPERATORS, Variant, place_variant  # noq
 from maru import kv_ops  # noqa: E402
 from maru.kv_ops.ops import as_bits, layer_refs  # noqa: E402
 from maru.kv_ops.testing import bits, make_cache, random_bits_, random_slots  # noqa: E402
-from tests.kv_ops.test_kernel_variants import _run_checks  # noqa: E402
+from tests.kv_ops.variant_checks import run_checks  # noqa: E402
 
 
 def test_ordered_variant_matches_reference_on_every_layout_on_the_gpu() -> None:
-    failures = _run_checks("cuda", seed=3)
+    failures = run_checks("cuda", seed=3)
     assert not failures, "\n".join(failures)
 
 

@@ -21,8 +21,7 @@ from maru import MaruHandler
 from maru import protocol as P
 from maru.cli import doctor
 from maru.protocol import Op
-from tests.cli.test_cli import flat, maru
-from tests.helpers import RawClient, ServerProcess
+from tests.helpers import RawClient, ServerProcess, flat, maru
 
 FAST = {"role": "vllm-connector", "paths": {"load": "pipelined-gpu", "pool": "cuda-registered"}, "slow": []}
 SLOW_SENTENCE = (

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from maru.protocol import Op
-from tests.helpers import RawClient, ServerProcess
+from maru.server.state import STATE_FILE
+from tests.helpers import RawClient, ServerProcess, flat, maru
 
 
 def map_pool(path: str) -> mmap.mmap:
@@ -172,6 +173,15 @@ def test_the_server_recovers_by_itself_when_space_returns(tmp_path: Path, small_
         fill(filler, leave=300 << 10)
         s = Store(c, pool)
         s.until_refused()
+        # maru doctor says so, with what to do; the server still serves reads, so it only warns.
+        p = maru("doctor", "--url", srv.url, "--quick")
+        out = flat(p.stdout)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "server state disk (optional) warn" in out, out
+        assert f"the state database {srv.state_dir / STATE_FILE} refuses writes" in out, out
+        assert "state_unwritable" in out and f"fix: free space on the filesystem of {srv.state_dir}" in out, (
+            out
+        )
         filler.unlink()
         deadline = time.monotonic() + 20
         while not s.one():  # no restart: the server notices the space by itself
@@ -180,6 +190,7 @@ def test_the_server_recovers_by_itself_when_space_returns(tmp_path: Path, small_
         for _ in range(50):
             assert s.one(), s.errors[-1]
         assert c.call(Op.STATS)["state"]["writable"] is True
+        assert "server state disk (optional) ok" in flat(maru("doctor", "--url", srv.url, "--quick").stdout)
         assert "writable again" in srv.log()
         pool.close()
         srv.kill()

@@ -34,22 +34,28 @@ CHUNK = 8
 
 
 def case(
-    fmt: str, physical: str, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    fmt: str,
+    physical: str,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    **geometry: int,
 ) -> CacheCase:
-    """A 3-layer cache of 16 blocks of ``BS`` tokens, 3 KV heads of 8, random contents from ``seed``."""
+    """A 3-layer cache of 16 blocks of ``BS`` tokens, 3 KV heads of 8, random contents from ``seed``.
+
+    ``geometry`` overrides any of ``num_blocks``, ``block_size``, ``num_kv_heads``, ``head_size``,
+    ``num_layers`` (a cache for a model of another shape).
+    """
     g = torch.Generator().manual_seed(seed)
-    return make_cache(
-        fmt,
-        physical,
-        device=device,
-        num_blocks=16,
-        block_size=BS,
-        num_kv_heads=3,
-        head_size=8,
-        num_layers=3,
-        dtype=dtype,
-        generator=g,
-    )
+    geom = {
+        "num_blocks": 16,
+        "block_size": BS,
+        "num_kv_heads": 3,
+        "head_size": 8,
+        "num_layers": 3,
+        **geometry,
+    }
+    return make_cache(fmt, physical, device=device, dtype=dtype, generator=g, **geom)
 
 
 def request(tag: str, blocks: list[int], n_tokens: int) -> RequestTransfer:

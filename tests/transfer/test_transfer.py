@@ -11,19 +11,16 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from maru import kv_ops
 from maru.client import MaruHandler
-from maru.kv_ops.testing import CacheCase, make_cache, naive_token
-from maru.transfer.engine import KVTransferEngine
+from maru.kv_ops.testing import CacheCase, naive_token
 from maru.transfer.records import ChunkRef, RequestTransfer, block_table, slot_mapping
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
-from tests.transfer.helpers import BS, CHUNK, bits_equal, request, worker
+from tests.transfer.helpers import BS, CHUNK, bits_equal, case, plain_engine, request, worker
 
 server = module_server("transfer")
 client = pool_client()
@@ -46,25 +43,7 @@ DEVICE = os.environ.get("MARU_TEST_DEVICE", "cpu")  # "cuda" runs the same tests
 
 
 def _case(fmt: str, physical: str, seed: int, dtype: torch.dtype = torch.float32) -> CacheCase:
-    g = torch.Generator().manual_seed(seed)
-    return make_cache(
-        fmt,
-        physical,
-        device=DEVICE,
-        num_blocks=16,
-        block_size=BS,
-        num_kv_heads=3,
-        head_size=8,
-        num_layers=3,
-        dtype=dtype,
-        generator=g,
-    )
-
-
-def _engine(case: CacheCase, client: MaruHandler) -> KVTransferEngine:
-    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
-    caches = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
-    return KVTransferEngine(caches, layout, client)
+    return case(fmt, physical, seed, dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("fmt,physical", CASES)
@@ -76,7 +55,7 @@ def test_store_then_load_into_another_cache_places_every_token_byte_exact(
     src_blocks = [9, 3, 14, 0, 7, 11, 5]
     dst_blocks = [2, 15, 6, 10, 1, 13, 8]
     tag = f"{fmt}-{physical}"
-    rep = _engine(src, client).store([request(tag, src_blocks, n_tokens)])
+    rep = plain_engine(src, client).store([request(tag, src_blocks, n_tokens)])
     assert (rep.stored, rep.failed) == (4, 0)
 
     before = dst.snapshot()
@@ -84,7 +63,7 @@ def test_store_then_load_into_another_cache_places_every_token_byte_exact(
     base = request(tag, dst_blocks, n_tokens)
     chunks = list(base.chunks)
     chunks[0] = ChunkRef(chunks[0].key, 0, CHUNK, place_begin=BS)
-    lrep = _engine(dst, client).load([RequestTransfer(base.req_id, base.block_ids, tuple(chunks))])
+    lrep = plain_engine(dst, client).load([RequestTransfer(base.req_id, base.block_ids, tuple(chunks))])
     assert lrep.loaded_req_ids == [base.req_id] and not lrep.failed
     assert lrep.tokens == n_tokens - BS
 
@@ -116,7 +95,7 @@ def test_stored_object_is_the_canonical_layer_major_gather(client: MaruHandler) 
     src = _case("cpu_attn", "NHD", 3)
     blocks = [4, 1, 12, 7]
     req = request("canon", blocks, 2 * CHUNK)
-    eng = _engine(src, client)
+    eng = plain_engine(src, client)
     eng.store([req])
     h = client.retrieve(req.chunks[1].key)
     assert h is not None
@@ -133,7 +112,7 @@ def test_stored_object_is_the_canonical_layer_major_gather(client: MaruHandler) 
 
 def test_load_is_all_or_nothing_per_request_when_a_chunk_was_evicted(client: MaruHandler) -> None:
     src, dst = _case("blocks_first", "HND", 4), _case("blocks_first", "HND", 5)
-    eng_src, eng_dst = _engine(src, client), _engine(dst, client)
+    eng_src, eng_dst = plain_engine(src, client), plain_engine(dst, client)
     a = request("evict-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
     b = request("evict-b", [6, 7, 8, 9], 2 * CHUNK)
     eng_src.store([a, b])
@@ -149,18 +128,18 @@ def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
     src = _case("kv_first", "NHD", 6)
     a = request("shared", [0, 1, 2, 3], 2 * CHUNK)
     b = RequestTransfer("r-other", (0, 1, 5, 6), (a.chunks[0],))
-    rep = _engine(src, client).store([a, b])
+    rep = plain_engine(src, client).store([a, b])
     assert (rep.stored, rep.present, rep.failed) == (2, 0, 0)
-    rep2 = _engine(src, client).store([a])
+    rep2 = plain_engine(src, client).store([a])
     assert (rep2.stored, rep2.present) == (0, 2)
 
 
 def test_bfloat16_round_trip_is_byte_exact(client: MaruHandler) -> None:
     src, dst = _case("packed", "HND", 7, torch.bfloat16), _case("packed", "HND", 8, torch.bfloat16)
     req = request("bf16", [3, 2, 1, 0], 2 * CHUNK)
-    _engine(src, client).store([req])
+    plain_engine(src, client).store([req])
     dst_req = RequestTransfer(req.req_id, (8, 9, 10, 11), req.chunks)
-    assert _engine(dst, client).load([dst_req]).loaded_req_ids == [req.req_id]
+    assert plain_engine(dst, client).load([dst_req]).loaded_req_ids == [req.req_id]
     for t in range(2 * CHUNK):
         s1, s2 = req.block_ids[t // BS] * BS + t % BS, dst_req.block_ids[t // BS] * BS + t % BS
         for layer in range(3):
@@ -197,8 +176,7 @@ def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_p
     srv.start()
     h = MaruHandler(srv.url, timeout_s=0.5)
     try:
-        case = _case("kv_first", "NHD", 9)
-        eng = _engine(case, h)
+        eng = plain_engine(_case("kv_first", "NHD", 9), h)
         req = request("dead", [0, 1, 2, 3], 2 * CHUNK)
         srv.kill()
         rep = eng.store([req])
@@ -214,31 +192,12 @@ def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_p
 # ---------------------------------------------------------------------------- the worker side
 
 
-def _worker(server: ServerProcess, case: CacheCase, names: list[str]) -> Any:
-    from maru.vllm.config import MaruConnectorConfig
-    from maru.vllm.worker import MaruWorkerConnector
-
-    cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK)
-    w = MaruWorkerConnector(
-        cfg,
-        block_size=BS,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        client_factory=lambda: MaruHandler(server.url, timeout_s=5),
-    )
-    assert isinstance(case.caches, list)
-    # vLLM's dict order is not guaranteed to be layer order: register them shuffled.
-    w.register_kv_caches({names[i]: case.caches[i] for i in (2, 0, 1)})
-    return w
-
-
 def test_worker_orders_layers_by_name_and_round_trips_through_metadata(server: ServerProcess) -> None:
     pytest.importorskip("vllm")
     from maru.vllm.metadata import MaruConnectorMetadata
 
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     src, dst = _case("blocks_first", "HND", 10), _case("blocks_first", "HND", 11)
-    ws, wd = _worker(server, src, names), _worker(server, dst, names)
+    ws, wd = worker(server, src), worker(server, dst)
     try:
         assert ws.engine is not None and ws.caches[0] is src.caches[0]
         req = request("worker", [5, 9, 1, 3], 2 * CHUNK)
@@ -262,8 +221,7 @@ def test_worker_reports_failed_blocks_and_drops_stores_built_on_them(server: Ser
     pytest.importorskip("vllm")
     from maru.vllm.metadata import MaruConnectorMetadata
 
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
-    w = _worker(server, _case("kv_first", "NHD", 12), names)
+    w = worker(server, _case("kv_first", "NHD", 12))
     try:
         missing = request("never-stored", [3, 4, 5, 6], 2 * CHUNK)
         later = RequestTransfer(
@@ -285,7 +243,7 @@ def test_worker_with_an_unsupported_layout_stays_off_and_fails_loads_cleanly(ser
 
     case = _case("kv_first", "NHD", 13)
     case.num_kv_heads = 5  # does not match the tensors: detection must refuse, not guess
-    w = _worker(server, case, [f"model.layers.{i}.self_attn.attn" for i in range(3)])
+    w = worker(server, case)
     assert w.engine is None and w.disabled_reason and "unsupported" in w.disabled_reason
     req = request("off", [0, 1, 2, 3], 2 * CHUNK)
     w.start_load_kv(MaruConnectorMetadata(loads=[req]))

@@ -20,34 +20,19 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
-from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
+from maru.kv_ops.testing import CacheCase, bits, naive_token
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.paths import CpuPath, PipelinedPath, StagedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client
-from tests.transfer.helpers import BS, CHUNK, flip_behind, load_in_mode, request
+from tests.transfer.helpers import BS, CHUNK, case, flip_behind, load_in_mode, request
 
 server = module_server("integrity")
 client = pool_client()
 
 PATHS = ("cpu", "staged", "pipelined")
 MODES = ("sync", "async", "layers")
-
-
-def _case(fmt: str, physical: str, seed: int, dtype: torch.dtype) -> CacheCase:
-    g = torch.Generator().manual_seed(seed)
-    return make_cache(
-        fmt,
-        physical,
-        num_blocks=16,
-        block_size=BS,
-        num_kv_heads=3,
-        head_size=8,
-        num_layers=3,
-        dtype=dtype,
-        generator=g,
-    )
 
 
 def _engine(case: CacheCase, client: Any, path: str = "cpu") -> KVTransferEngine:
@@ -70,7 +55,7 @@ def test_a_byte_changed_behind_a_committed_chunk_fails_its_request_on_every_load
         ("kv_first", "HND", torch.bfloat16) if path != "cpu" else ("cpu_attn", "NHD", torch.float16)
     )
     tag = f"integ-{path}-{mode}"
-    src = _case(fmt, physical, 1, dtype)
+    src = case(fmt, physical, 1, dtype)
     victim = request(tag + "-v", [9, 3, 14, 0, 7], 2 * CHUNK + BS)
     good = request(tag + "-g", [1, 12, 5, 10, 6], 2 * CHUNK)
     store = _engine(src, client).store([victim, good])
@@ -80,7 +65,7 @@ def test_a_byte_changed_behind_a_committed_chunk_fails_its_request_on_every_load
 
     before_client = client.integrity()
     before_server = client.stats()["counters"].get("integrity_failures", 0)
-    dst, ref = _case(fmt, physical, 2, dtype), _case(fmt, physical, 2, dtype)
+    dst, ref = case(fmt, physical, 2, dtype), case(fmt, physical, 2, dtype)
     assert _engine(ref, client).load([good]).loaded_req_ids == [good.req_id]
     rep = load_in_mode(_engine(dst, client, path), [victim, good], mode)
 
@@ -107,7 +92,7 @@ def test_a_change_in_a_skipped_row_still_fails_the_request(
 ) -> None:
     """Rows not placed (already computed locally) are part of the object the checksum covers:
     the layer path and the chunk path both read them for the check."""
-    src = _case("kv_first", "NHD", 3, torch.bfloat16)
+    src = case("kv_first", "NHD", 3, torch.bfloat16)
     req = request("integ-skip", [4, 8, 2], 2 * CHUNK)
     _engine(src, client).store([req])
     flip_behind(server, client, req.chunks[0].key, 5)  # layer 0, plane 0, token 0
@@ -116,7 +101,7 @@ def test_a_change_in_a_skipped_row_still_fails_the_request(
         req.req_id, req.block_ids, (ChunkRef(c0.key, c0.start, c0.num_tokens, BS), req.chunks[1])
     )
     for mode in ("sync", "layers"):
-        rep = load_in_mode(_engine(_case("kv_first", "NHD", 4, torch.bfloat16), client), [partial], mode)
+        rep = load_in_mode(_engine(case("kv_first", "NHD", 4, torch.bfloat16), client), [partial], mode)
         assert rep.failed and not rep.loaded_req_ids, mode
         if mode == "sync":
             # The report deleted it; store it again, corrupt it again for the layer mode.
@@ -128,7 +113,7 @@ def test_stores_commit_the_checksum_of_the_bytes_they_wrote(client: MaruHandler)
     """Every path's stored objects verify on a plain ``retrieve`` (checksums from the device
     paths are of the bytes in the pool, not of something else)."""
     for path in PATHS:
-        src = _case("kv_first", "HND", 5, torch.bfloat16)
+        src = case("kv_first", "HND", 5, torch.bfloat16)
         req = request(f"integ-store-{path}", [3, 7, 11, 13, 1], 2 * CHUNK + 1)
         assert _engine(src, client, path).store([req]).stored == 3
         got = client.batch_retrieve([c.key for c in req.chunks])
@@ -141,11 +126,11 @@ def test_an_engine_not_verifying_on_its_path_leaves_the_check_to_the_client(
 ) -> None:
     """``verify=False``: the client checks on the CPU before placing (the slower way); the change
     is still a counted miss, never placed."""
-    src = _case("kv_first", "HND", 6, torch.float32)
+    src = case("kv_first", "HND", 6, torch.float32)
     req = request("integ-noverify", [2, 9], CHUNK)
     _engine(src, client).store([req])
     flip_behind(server, client, req.chunks[0].key, 17)
-    dst = _case("kv_first", "HND", 7, torch.float32)
+    dst = case("kv_first", "HND", 7, torch.float32)
     before = dst.snapshot()
     layout = kv_ops.detect_layouts(dst.caches, **dst.detect_kwargs())
     eng = KVTransferEngine(list(dst.caches), layout, client, verify=False)

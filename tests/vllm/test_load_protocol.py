@@ -9,15 +9,17 @@ what the scheduler side then offers and plans is checked step by step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from maru.protocol import Op
 from maru.vllm.config import MaruConnectorConfig
-from tests.helpers import ServerProcess
-from tests.vllm.test_vllm_scheduler import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
+from tests.helpers import RawClient, ServerProcess, flat, maru
+from tests.pool_fixtures import module_server
+from tests.transfer.helpers import case
+from tests.vllm.helpers import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
 
 pytest.importorskip("vllm")
 
@@ -25,15 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from maru.vllm.connector import MaruKVConnector, same_step_load_failures_unrecoverable  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("protocol"), pool_size="16M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
+server = module_server("protocol", pool_size="16M")
 
 
 _models = iter(range(10**6))
@@ -70,6 +64,25 @@ def scheduler_side(server: ServerProcess, v2: Any, **extra: Any) -> MaruKVConnec
     return MaruKVConnector(vllm_config(server.url, v2, **extra), KVConnectorRole.SCHEDULER)
 
 
+def worker_side(server: ServerProcess, v2: Any) -> MaruKVConnector:
+    """The worker side over CPU caches of the config's geometry, connected (it reports its paths)."""
+    cfg = vllm_config(server.url, v2)
+    cfg.compilation_config = SimpleNamespace(static_forward_context={})
+    conn = MaruKVConnector(cfg, KVConnectorRole.WORKER)
+    cache = case(
+        "kv_first", "NHD", 5, num_blocks=8, block_size=BS, num_kv_heads=2, head_size=32, num_layers=2
+    )
+    conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(cache.caches)})
+    return conn
+
+
+def reported_slow(server: ServerProcess) -> dict[str, list[str]]:
+    """Client id -> its ``slow`` list, for the clients that report info, as STATS lists them."""
+    with RawClient(server.url) as c:
+        reply = c.call(Op.STATS)
+    return {e["client_id"]: e["info"]["slow"] for e in reply["clients"] if e.get("info")}
+
+
 def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed: int) -> tuple[Any, Any]:
     s = conn.maru_scheduler
     assert s is not None
@@ -83,6 +96,8 @@ def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed:
 def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_waits(server) -> None:
     conn = scheduler_side(server, True)
     assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
+    [fallback] = conn.maru_stats()["fallbacks"]  # the replacement is not only a log line
+    assert "vLLM issue #49250" in fallback and "VLLM_USE_V2_MODEL_RUNNER=0" in fallback
     r, offer = offer_of_a_stored_prompt(server, conn, seed=31)
     assert offer == (288, True)  # vLLM parks the request until the load is done or failed
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
@@ -94,7 +109,7 @@ def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_
 def test_on_the_v1_model_runner_synchronous_loads_stay_in_the_step_that_computes(server) -> None:
     for v2 in (False, None):  # None: a vLLM without the V2 runner (no such attribute)
         conn = scheduler_side(server, v2)
-        assert not conn.maru_config.async_load
+        assert not conn.maru_config.async_load and conn.maru_stats()["fallbacks"] == []
         _, offer = offer_of_a_stored_prompt(server, conn, seed=32)
         assert offer == (288, False)
 
@@ -116,8 +131,39 @@ def test_layer_overlap_and_an_unknown_runner_also_load_before_the_request_runs(s
 def test_switching_protocol_keeps_every_other_setting_and_skips_configs_without_same_step_loads() -> None:
     base = MaruConnectorConfig(kv_chunk_tokens=C, max_inflight_loads=7, async_store=True)
     switched = base.loading_before_the_request_runs("test")
-    assert switched.async_load and {**switched.__dict__, "async_load": False} == base.__dict__
+    assert (
+        switched.async_load and {**switched.__dict__, "async_load": False, "fallbacks": ()} == base.__dict__
+    )
+    # The replacement is a fallback the worker reports (reason and fix), not only a log line.
+    assert len(switched.fallbacks) == 1 and "test" in switched.fallbacks[0]
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in switched.fallbacks[0]
+    assert "maru_fallbacks" not in MaruConnectorConfig.valid_keys()  # not a setting
     already = MaruConnectorConfig(async_load=True)
     assert already.loading_before_the_request_runs("test") is already
     off = MaruConnectorConfig(enable_load=False)
     assert off.loading_before_the_request_runs("test") is off
+
+
+def test_the_v2_runner_fallback_is_a_reported_slow_path_that_maru_doctor_shows(server) -> None:
+    before = reported_slow(server)
+    conn = worker_side(server, True)
+    try:
+        [slow] = [v for k, v in reported_slow(server).items() if k not in before]
+        assert len(slow) == 1 and "vLLM issue #49250" in slow[0], slow
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in slow[0]
+        p = maru("doctor", "--url", server.url, "--quick")
+        out = flat(p.stdout)
+        assert p.returncode == 0, p.stdout + p.stderr  # a slow path warns; it is not a failure
+        assert "serving clients' data paths (optional) warn" in out, out
+        assert "(1 slow)" in out and "fix: vllm-connector" in out and "VLLM_USE_V2_MODEL_RUNNER=0" in out
+    finally:
+        conn.shutdown()
+
+
+def test_on_the_v1_runner_the_worker_reports_no_slow_path(server) -> None:
+    before = reported_slow(server)
+    conn = worker_side(server, False)
+    try:
+        assert [v for k, v in reported_slow(server).items() if k not in before] == [[]]
+    finally:
+        conn.shutdown()

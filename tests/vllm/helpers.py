@@ -1,0 +1,114 @@
+"""Stand-ins for what vLLM's scheduler hands the connector, shared by the scheduler-side tests.
+
+Requests with token ids, block lists and per-step scheduler outputs (``new_out``, ``cached_out``,
+``empty_out``), so each rule can be driven exactly; ``publish`` puts keys on a real server and
+``CountingClient`` counts the EXISTS round trips. No tests here: test modules import this, never
+each other.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+from maru.client import MaruHandler
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer
+from maru.vllm.scheduler import MaruSchedulerConnector
+from tests.helpers import ServerProcess
+
+BS, C = 32, 64
+
+
+class CountingClient:
+    """A real MaruHandler that counts exists round trips."""
+
+    def __init__(self, url: str) -> None:
+        self.h = MaruHandler(url, timeout_s=2)
+        self.exists_calls = 0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.exists_calls += 1
+        return self.h.exists(keys)
+
+    def close(self) -> None:
+        self.h.close()
+
+
+def make_sched(server: ServerProcess, keyer: ChunkKeyer, client: Any, **cfg: Any) -> MaruSchedulerConnector:
+    conf = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=C, **cfg)
+    return MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: client)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def req(rid: str, toks: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=toks, num_tokens=len(toks), lora_request=None, mm_features=[]
+    )
+
+
+def publish(server: ServerProcess, keys: list[str]) -> None:
+    with MaruHandler(server.url, timeout_s=2) as h:
+        objs = h.batch_alloc([8] * len(keys))
+        for o in objs:
+            o.buf[:] = b"\0" * 8
+        h.batch_store(keys, objs)
+
+
+def stored_keys_of(sched: MaruSchedulerConnector, toks: list[int]) -> tuple[list[str], str | None]:
+    st = sched._state(req("probe", toks))
+    full, tail = st.keys.full, (st.own_tail[1] if st.own_tail else None)
+    sched._reqs.pop("probe")
+    return full, tail
+
+
+def new_out(rid: str, blocks: list[int], computed: int, scheduled: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        preempted_req_ids=set(),
+    )
+
+
+def cached_out(
+    rid: str,
+    new_blocks: list[int] | None,
+    computed: int,
+    scheduled: int,
+    resumed: bool = False,
+    preempted: set[str] | None = None,
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid],
+            resumed_req_ids={rid} if resumed else set(),
+            new_block_ids=[(new_blocks,) if new_blocks is not None else None],
+            num_computed_tokens=[computed],
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        preempted_req_ids=preempted or set(),
+    )
+
+
+def blocks_obj(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def empty_out() -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+        preempted_req_ids=set(),
+    )
