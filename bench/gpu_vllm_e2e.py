@@ -148,6 +148,10 @@ OFFLINE: dict[str, dict[str, Any] | None] = {
     "async": {"maru_async_store": True, "maru_async_load": True},
     "overlap": {"maru_async_store": True, "maru_overlap_load_with_compute": True},
 }
+# Same-step loads (sync, layer overlap) run on vLLM's V1 model runner: on the V2 runner (vLLM's
+# default on GPUs) the connector replaces them by asynchronous loads (vLLM #49250, docs/vllm.md), so
+# the "async" engine is also what the default configuration runs there.
+ENGINE_ENV = {"sync": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "overlap": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 STORE_MODE = {"sync": "sync store", "async": "write-behind", "overlap": "write-behind"}
 LOAD_MODE = {"sync": "sync load", "async": "async load", "overlap": "layer overlap"}
 
@@ -528,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                 else maru_kv_config(maru_extra(srv.url, setup, name, OFFLINE[name]))
             )
             spec = engine_spec(setup, model, kv, setup.kv_cache_bytes)
-            engines[name] = Engine(name, spec, logs / f"engine-{name}.log").start()
+            engines[name] = Engine(name, spec, logs / f"engine-{name}.log", env=ENGINE_ENV.get(name)).start()
         if not a.no_api:
             api_specs = {
                 "none": None,
