@@ -365,8 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="lmc-bench-"))
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument(
+        "--v1-runner",
+        action="store_true",
+        help="run the LMCache engines on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0); "
+        "LMCACHE_V1_RUNNER=1 in the environment does the same",
+    )
     a = ap.parse_args(argv)
     setup = TINY_SETUP if a.tiny else GPU_SETUP
+    v1_runner = a.v1_runner or os.environ.get("LMCACHE_V1_RUNNER") == "1"
     if a.reps:
         setup = Setup(**{**setup.__dict__, "reps": a.reps})
     out = Path(a.out)
@@ -382,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "model": f"{setup.model.layers} layers, {setup.model.kv_heads} KV heads x {setup.model.head_size}, {setup.model.dtype}",
+        "lmcache_engines_runner": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)" if v1_runner else "vLLM's default",
     }
     try:
         from importlib import metadata
@@ -429,8 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (kv, env, _) in plans.items():
             if name in res["blocked"]:
                 continue
+            runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if v1_runner and name.startswith("lmc") else {}
             engines[name] = Engine(
-                name, engine_spec(setup, model, kv), logs / f"engine-{name}.log", env={**hashseed, **env}
+                name,
+                engine_spec(setup, model, kv),
+                logs / f"engine-{name}.log",
+                env={**hashseed, **env, **runner},
             ).start()
         for name, eng in engines.items():
             try:

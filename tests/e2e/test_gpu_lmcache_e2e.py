@@ -50,6 +50,8 @@ def test_second_instance_gets_the_prefix_from_maru_through_lmcache_with_identica
     srv = ServerProcess(logs, pool_size="4G", log_level="WARNING").start()
     yaml = lmcache_yaml(logs / "e2e-lmc-maru.yaml", GPU_SETUP, srv.url, "e2e")
     env = {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CONFIG_FILE": str(yaml)}
+    if os.environ.get("LMCACHE_V1_RUNNER") == "1":  # LMCache's connector on vLLM's V1 model runner
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     engines = {
         "none": Engine("e2e-none", engine_spec(GPU_SETUP, model, None), logs / "e2e-none.log"),
         "A": Engine("e2e-A", engine_spec(GPU_SETUP, model, lmcache_kv_config()), logs / "e2e-A.log", env=env),
