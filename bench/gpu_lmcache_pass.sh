@@ -51,11 +51,18 @@ except Exception:
     traceback.print_exc()
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.vllm_v1_adapter import LMCacheConnectorV1Impl
     print("ADAPTER native (LMCache adapter failed above; vLLM use_native copy imports)")
-try:
-    import lmcache.cuda_ops
-    print("lmcache.cuda_ops loads")
-except Exception as e:
-    print("lmcache.cuda_ops does NOT load (LMCache falls back to torch ops):", type(e).__name__, e)'
+for ops in ("lmcache.cuda_ops", "lmcache.c_ops"):  # 0.5.4 and later / 0.5.3 and earlier
+    try:
+        __import__(ops)
+        print(ops, "loads")
+        break
+    except ModuleNotFoundError:
+        continue
+    except Exception as e:
+        print(ops, "does NOT load (LMCache falls back to torch ops):", type(e).__name__, e)
+        break
+else:
+    print("no compiled LMCache ops in this release")'
 CHOSEN=""; TRIED=""
 for v in $(ls -1 "$WH" | grep -E '^[0-9]+\.[0-9]+\.[0-9]+$' | sort -rV); do
   rm -rf "/tmp/lsite/$v"
