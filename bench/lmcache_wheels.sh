@@ -3,7 +3,8 @@
 # manylinux x86_64; no network there) into .whl/lmcache/ (git-ignored), for bench/gpu_lmcache_pass.sh.
 #   bash bench/lmcache_wheels.sh            # from the repo root; prints the total size
 # What and why (the vLLM 0.26 bundle, ../shared/tools/gpu-vllm, brings vLLM's own dependencies):
-#   lmcache 0.5.6 (newest) and 0.5.5 (tried if 0.5.6 does not import), both --no-deps: their declared
+#   lmcache 0.5.6 (newest) and 0.5.3 (the newest whose compiled ops resolve against torch 2.11; 0.5.4-0.5.6
+#     miss a c10 symbol), both --no-deps: their declared
 #     dependencies include cupy-cuda13x, cuda-python, grpcio, google-cloud-bigtable, ..., none of
 #     which the in-process vLLM connector + storage-plugin path imports;
 #   aiofile + caio, sortedcontainers: imported on that path, not in the vLLM bundle.
@@ -16,7 +17,7 @@ dest=.whl/lmcache
 rm -rf "$dest" && mkdir -p "$dest"
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
-for spec in lmcache==0.5.6 lmcache==0.5.5; do
+for spec in lmcache==0.5.6 lmcache==0.5.3; do
   v=${spec#lmcache==}
   mkdir -p "$dest/$v"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
