@@ -23,7 +23,7 @@ logger = logging.getLogger("maru.transfer")
 
 
 class AsyncLoader:
-    """``maru_async_load`` without blocking on transfers: batched issue on a loader thread, polled completion.
+    """``maru_async_load`` without blocking on transfers: batched lookups on a loader thread, polled completion.
 
     ``submit(tag, engine, requests)`` queues requests; each turn of the loader thread takes *every*
     queued request (of one engine) and makes one lookup-and-pin round trip for all of them.
@@ -31,9 +31,10 @@ class AsyncLoader:
     Who issues the copies depends on the path. Where a scatter only queues device work
     (``path.scatter_returns_at_once``: CUDA caches), the loader thread does the round trip alone
     and the next ``poll()``, on the caller's thread, issues the batch (``engine.issue_load``, one
-    ``pipeline.load`` that returns at once). Issuing on the loader thread was measured 2-3x slower
-    on the H200: each of its few hundred CUDA calls gave up the GIL and had to win it back from
-    vLLM's engine loop, which spins while loads are pending. Where the scatter is the copy itself
+    ``pipeline.load`` that returns at once). Issued on the loader thread, the same loads reached
+    26-41% of pinned bandwidth in real vLLM on an H200, against 72-87% issued by ``poll``: each
+    of a batch's few hundred CUDA calls gave up the GIL and had to win it back from vLLM's engine
+    loop, which spins while loads are pending (bench/gil_contention.py). Where the scatter is the copy itself
     (CPU caches), the loader thread runs the whole ``engine.start_load``, so the batch comes back
     complete and the caller never copies.
 
