@@ -31,3 +31,21 @@ def test_triton_kernels_match_the_reference_byte_for_byte_under_the_interpreter(
     assert "FAIL" not in proc.stdout, report
     assert proc.returncode == 0, report
     assert "comparisons matched on cpu" in proc.stdout, report
+
+
+def test_tile_sizes_are_memoised_per_tuning_and_follow_a_change_of_it() -> None:
+    from maru.kv_ops import triton_kernels as tk
+
+    row = type("L", (), {"row_size": 1024})()  # tiles reads only the row size
+    saved = (tk.TuneParams.block_t, tk.TuneParams.num_warps)
+    try:
+        for tokens in (1, 3, 16, 256, 4096):
+            assert tk.tiles(row, tokens) == tk._tiles(row, tokens, None, None)  # type: ignore[arg-type]
+            assert tk.tiles(row, tokens) == tk.tiles(row, tokens)  # type: ignore[arg-type]
+        before = tk.tiles(row, 4096)  # type: ignore[arg-type]
+        tk.TuneParams.block_t, tk.TuneParams.num_warps = 16, 8
+        after = tk.tiles(row, 4096)  # type: ignore[arg-type]
+        assert after == tk._tiles(row, 4096, None, None) != before  # type: ignore[arg-type]
+        assert tk.tiles(row, 4096, block_t=2, num_warps=2) == tk._tiles(row, 4096, 2, 2)  # type: ignore[arg-type]
+    finally:
+        tk.TuneParams.block_t, tk.TuneParams.num_warps = saved

@@ -66,6 +66,9 @@ def test_start_load_on_cpu_caches_is_complete_at_once_and_unpins_exactly_once(cl
     assert same(dst, ref) and pins.released == 0
     rep = load.collect()
     assert rep.loaded_req_ids == [req.req_id] and (rep.chunks, rep.tokens) == (2, 2 * CHUNK)
+    # Where the time went: each phase measured, none longer than the whole.
+    assert {"lookup", "prepare", "issue", "wait"} <= set(rep.phases)
+    assert all(0 <= v <= rep.seconds for v in rep.phases.values())
     load.release()
     load.release()
     assert pins.pinned == pins.released == 2
