@@ -89,6 +89,7 @@ def checksum(buffer: Any) -> int:
 
 PARALLEL_BYTES = 16 << 20  # below this a thread hand-off costs more than it saves
 _POOL: ThreadPoolExecutor | None = None
+_POOL_PID = 0  # the process that made _POOL: a forked child must not use its parent's (dead) threads
 _POOL_LOCK = threading.Lock()
 
 
@@ -99,10 +100,11 @@ def _threads() -> int:
 
 
 def _pool() -> ThreadPoolExecutor:
-    global _POOL
+    global _POOL, _POOL_PID
     with _POOL_LOCK:
-        if _POOL is None:
+        if _POOL is None or _POOL_PID != os.getpid():
             _POOL = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="maru-checksum")
+            _POOL_PID = os.getpid()
         return _POOL
 
 

@@ -22,7 +22,7 @@ from maru.demo.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "RawClient", "ServerProcess", "flat", "free_port", "maru"]
+__all__ = ["REPO_ROOT", "RawClient", "ServerProcess", "flat", "free_port", "maru", "reported_slow"]
 
 
 def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -114,3 +114,12 @@ class RawClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def reported_slow(server: Any) -> dict[str, list[str]]:
+    """Client id -> its ``slow`` list, for the clients that report info, as STATS lists them."""
+    from maru.protocol import Op
+
+    with RawClient(server.url) as c:
+        reply = c.call(Op.STATS)
+    return {e["client_id"]: e["info"].get("slow", []) for e in reply["clients"] if e.get("info")}

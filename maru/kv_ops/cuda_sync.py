@@ -62,7 +62,6 @@ class RawSync(TorchSync):
         handle for calls that return at once: a ``PyDLL`` of the same library keeps the GIL."""
         vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
         self._lib = lib
-        self.keeps_gil = quick is not None and quick is not lib
         q = quick or lib
         self._memcpy = self._fn(q, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
         self._memcpy2d = self._fn(q, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])

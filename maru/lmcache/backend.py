@@ -70,7 +70,19 @@ class MaruStorageBackend(StoragePluginInterface):
         self.puts = PutQueue(self.link, cfg.max_pending_puts)
         self._releaser = PinReleaser(self._release)
         self.get_stats = {"hits": 0, "misses": 0, "bad_objects": 0, "no_local_memory": 0}
+        for why in self._weaker():
+            logger.warning("Maru (LMCache backend): %s", why)
         self.link.client()  # connect now if we can (else: warned once, retried later)
+
+    def _weaker(self) -> list[str]:
+        """Settings that serve bytes Maru does not check, each with its fix (log, ``maru doctor``)."""
+        if self.maru_config.verify_on_get:
+            return []
+        return [
+            "maru_verify_on_get is false: chunks are handed to LMCache without checking the checksum "
+            "their writer committed, so bytes a stalled or foreign writer changed would be served. "
+            "Fix: maru_verify_on_get: true (or run only trusted writers on this pool)"
+        ]
 
     def __str__(self) -> str:
         return "MaruStorageBackend"
@@ -79,7 +91,11 @@ class MaruStorageBackend(StoragePluginInterface):
     def _on_connect(self, client: Any) -> None:
         role = getattr(self.metadata, "role", None)
         client.set_client_info(
-            {"role": f"lmcache-{role or 'worker'}", "paths": {"lmcache": "storage plugin"}}
+            {
+                "role": f"lmcache-{role or 'worker'}",
+                "paths": {"lmcache": "storage plugin"},
+                "slow": self._weaker(),
+            }
         )
         if self._cuda and self.maru_config.zero_copy_get and self.maru_config.register_with_cuda:
             # Zero-copy gets hand LMCache pool pages, which it copies to the GPU: at pinned speed only

@@ -47,3 +47,18 @@ def test_checksum_split_over_threads_equals_one_thread(monkeypatch: pytest.Monke
     flipped = data.copy()
     flipped[-5000] ^= 1
     assert ck.checksum(flipped) != one
+
+
+def test_a_forked_child_computes_with_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after the parent made its thread pool must not wait on the parent's threads."""
+    import multiprocessing as mp
+
+    import maru.checksum as ck
+
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(ck, "_threads", lambda: 2)
+    data = np.random.default_rng(5).integers(0, 256, size=3 * 8 * (1 << 15) + 11, dtype=np.uint8)
+    want = ck.checksum(data)  # the parent's pool exists now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(ck.checksum, (data,)).get(timeout=30) == want

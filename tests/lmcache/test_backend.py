@@ -181,6 +181,20 @@ def test_a_corrupted_chunk_is_a_miss(make_storage):
     assert be.get_blocking(keys[0]) is None
 
 
+def test_unchecked_gets_are_announced_and_reported_for_maru_doctor(make_storage, maru_server, caplog):
+    from tests.helpers import reported_slow
+
+    caplog.set_level(logging.WARNING, logger="maru.lmcache")
+    checked = backend(make_storage())
+    assert checked._weaker() == []
+    unchecked = backend(make_storage(maru_verify_on_get=False))
+    assert any("maru_verify_on_get is false" in r.getMessage() for r in caplog.records)
+    me = unchecked.link.client().client_id
+    slow = reported_slow(maru_server)
+    assert any("maru_verify_on_get: true" in s for s in slow[me])
+    assert slow[checked.link.client().client_id] == []
+
+
 def test_server_down_lmcache_keeps_serving_and_maru_warns_once(make_storage, maru_server, caplog):
     sm = make_storage(local_cpu=True, maru_retry_s=60.0)
     be = backend(sm)

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from maru.protocol import Op
 from maru.vllm.config import MaruConnectorConfig
-from tests.helpers import RawClient, ServerProcess, flat, maru
+from tests.helpers import ServerProcess, flat, maru, reported_slow
 from tests.pool_fixtures import module_server
 from tests.transfer.helpers import case
 from tests.vllm.helpers import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
@@ -74,13 +73,6 @@ def worker_side(server: ServerProcess, v2: Any) -> MaruKVConnector:
     )
     conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(cache.caches)})
     return conn
-
-
-def reported_slow(server: ServerProcess) -> dict[str, list[str]]:
-    """Client id -> its ``slow`` list, for the clients that report info, as STATS lists them."""
-    with RawClient(server.url) as c:
-        reply = c.call(Op.STATS)
-    return {e["client_id"]: e["info"]["slow"] for e in reply["clients"] if e.get("info")}
 
 
 def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed: int) -> tuple[Any, Any]:
