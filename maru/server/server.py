@@ -145,6 +145,13 @@ class MaruServer(RequestHandlers, ServerViews):
         sock = self._sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not raise on reply
+        # HANDOVER: a client that reconnects (after a timeout it drops its socket) keeps its routing
+        # id, since its session is keyed by it. Without handover a reconnect that arrives before we
+        # have retired the old connection is "ignored as a duplicate", and libzmq then swallows its
+        # first request as a routing id: the request is lost and the client times out. With it the
+        # newest connection takes the id. Routing ids are 17 random bytes a client never shows, and
+        # reservations also belong to the CURVE user, so this hands nothing to another client.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Per peer: a request/reply client has a few requests in flight, so 1000 queued messages
         # is plenty, and it bounds what one flooding peer can make us buffer.
         sock.setsockopt(zmq.RCVHWM, 1000)
