@@ -13,7 +13,9 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,26 @@ from maru.demo.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "RawClient", "ServerProcess", "flat", "free_port", "maru", "reported_slow"]
+__all__ = [
+    "REPO_ROOT",
+    "RawClient",
+    "ServerProcess",
+    "flat",
+    "free_port",
+    "maru",
+    "reported_slow",
+    "wait_until",
+]
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``pred`` until true; fail the test naming ``what`` after ``timeout_s`` (a hang guard)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for: {what}")
 
 
 def maru(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -10,10 +10,16 @@ Invariant: a request either gets its own reply or raises within ``timeout_s`` se
 the request went out but no reply came back). After either failure the socket is replaced,
 so a request queued while the server was away is never delivered later by surprise.
 
+Posted requests (``post``): sent without waiting, for requests whose answer changes nothing for
+the caller (UNPIN on the load path: one round trip less per load). The server answers requests of
+one connection in order, so anything this channel sends later sees a posted request applied. Its
+reply is read by whichever later exchange meets it and handed to ``on_reply``; if the socket is
+replaced before that, ``on_lost`` gets the request back (it may or may not have been applied).
+
 Identity. The server owns sessions by connection (its routing id, and its CURVE key when the server
 authenticates), not by the ``client_id`` in the body. A channel picks one random 16-byte routing id
-and keeps it across socket replacements, so its session survives a reconnect; nobody else can
-present it while this channel is connected (a ROUTER refuses a second peer with a live id).
+and keeps it across socket replacements, so its session survives a reconnect: the server hands the
+id over to the newest connection (``ROUTER_HANDOVER``); nobody else knows the id.
 With ``curve`` (``CurveKeys``) the connection is encrypted and the server sees this client's key.
 """
 
@@ -25,6 +31,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,16 @@ from maru import protocol
 from maru.errors import ConfigError, HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
 
 log = logging.getLogger("maru.client")
+
+
+PostedCallback = Callable[[int, dict[str, Any]], None]
+
+
+def _run_callback(cb: PostedCallback, op: int, body: dict[str, Any]) -> None:
+    try:
+        cb(op, body)
+    except Exception:  # a callback's bug must not break the exchange that happened to meet it
+        log.exception("a posted %s request's callback failed", protocol.Op(op).name)
 
 
 def _start_hint() -> str:
@@ -104,6 +121,8 @@ class RpcChannel:
         self._sock: zmq.Socket | None = None
         self._rcvtimeo_ms = -1
         self._closed = False
+        # Posted requests whose reply has not been read: req id -> (op, body, on_reply, on_lost).
+        self._posted: dict[int, tuple[int, dict[str, Any], PostedCallback, PostedCallback]] = {}
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -135,6 +154,63 @@ class RpcChannel:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        # Their replies can no longer arrive: the owners decide (e.g. send again later).
+        posted, self._posted = self._posted, {}
+        for op, body, _, on_lost in posted.values():
+            _run_callback(on_lost, op, body)
+
+    def post(self, op: int, body: dict[str, Any], on_reply: PostedCallback, on_lost: PostedCallback) -> bool:
+        """Send one request without waiting for its reply; False (nothing sent) when not connected.
+
+        ``on_reply(op, reply_body)`` runs when a later exchange reads the reply; ``on_lost(op,
+        body)`` when the socket is replaced first. Both run in the thread that holds this channel,
+        under its lock, and must not call it.
+        """
+        with self._lock:
+            if self._closed:
+                raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
+            sock = self._socket()
+            req_id = next(self._ids)
+            try:
+                sock.send(protocol.encode(op, req_id, body), zmq.NOBLOCK)
+            except zmq.Again:
+                return False  # IMMEDIATE: no live connection; the caller sends it the usual way
+            self._posted[req_id] = (op, body, on_reply, on_lost)
+            return True
+
+    def settle_posted(self, timeout_s: float) -> int:
+        """Read the replies of posted requests for up to ``timeout_s``; returns how many are still
+        unanswered (then the socket is replaced and their ``on_lost`` ran)."""
+        with self._lock:
+            deadline = time.monotonic() + timeout_s
+            while self._posted and self._sock is not None:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+                    break
+                self._take_reply(self._sock.recv(), None)
+            left = len(self._posted)
+            if left:
+                self._drop_socket()
+            return left
+
+    def _take_reply(self, reply: bytes, req_id: int | None) -> tuple[int, int] | None:
+        """(op, id) of ``reply`` when it answers ``req_id``; a posted request's reply goes to its
+        callback, anything else (unreadable, the late reply of a timed-out request) is dropped."""
+        try:
+            _version, reply_op, reply_id = protocol.decode_header(reply)
+        except ProtocolError as e:
+            log.warning("dropping an unreadable frame from %s: %s", self.url, e)
+            return None
+        if reply_id == req_id:
+            return reply_op, reply_id
+        posted = self._posted.pop(reply_id, None)
+        if posted is not None:
+            try:
+                body = protocol.decode_body(reply)
+            except ProtocolError as e:
+                body = {"ok": False, "error": f"unreadable reply: {e}"}
+            _run_callback(posted[2], posted[0], body)
+        return None
 
     def request(self, op: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send one request and return its reply body (``ok`` may be False: the caller decides)."""
@@ -183,13 +259,10 @@ class RpcChannel:
                     f"no reply from maru server at {self.url} within {timeout_s:g} s "
                     f"(op {protocol.Op(op).name}): {_start_hint()}"
                 ) from None
-            try:
-                _version, reply_op, reply_id = protocol.decode_header(reply)
-            except ProtocolError as e:
-                log.warning("dropping an unreadable frame from %s: %s", self.url, e)
-                continue
-            if reply_id != req_id:
-                continue  # the late reply of a request that timed out earlier
+            got = self._take_reply(reply, req_id)
+            if got is None:
+                continue  # a posted request's reply, or the late reply of a timed-out request
+            reply_op = got[0]
             if reply_op != (op | protocol.REPLY_BIT):
                 raise ProtocolError(
                     f"server at {self.url} answered request {req_id} ({protocol.Op(op).name}) "

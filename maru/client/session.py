@@ -248,6 +248,30 @@ class SessionClient:
         finally:
             self._lock.release()
 
+    def _post_unpin(self, keys: list[str]) -> bool:
+        """Send UNPIN for ``keys`` without waiting (``RpcChannel.post``); False if not sent. Call
+        with ``_lock`` held. A lost UNPIN goes to ``_pending_unpins`` (the heartbeat sends it)
+        unless its session ended meanwhile (its pins ended with it)."""
+        if self._closed or not self._connected or os.getpid() != self._pid:
+            return False
+        token = self._token
+
+        def on_reply(op: int, reply: Mapping[str, Any]) -> None:
+            if not reply.get("ok") and reply.get("code") != ErrorCode.UNKNOWN_CLIENT.value:
+                # Only a bug or a protocol mismatch gets here: the lease frees the pins at the end.
+                log.warning(
+                    "maru server at %s refused an UNPIN of %d keys: %s",
+                    self.url,
+                    len(keys),
+                    reply.get("error", reply.get("code")),
+                )
+
+        def on_lost(op: int, body: Mapping[str, Any]) -> None:
+            if token is self._token:
+                self._pending_unpins += keys
+
+        return self._rpc.post(Op.UNPIN, {"keys": keys, "client_id": self.client_id}, on_reply, on_lost)
+
     def _beat(self) -> None:
         """One heartbeat (from the heartbeat thread): renew the lease, notice a lost session."""
         if not self._lock.acquire(timeout=self._heartbeat_interval_s):

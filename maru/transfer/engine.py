@@ -508,13 +508,16 @@ class KVTransferEngine:
         self.unpin(handles)
 
     def unpin(self, handles: list[Any]) -> None:
-        """Release pinned lookup handles (None entries skipped) in one round trip; never raises a
-        ``MaruError`` (logged: the lease frees them). Callers drop their tensors over the pages first."""
+        """Release pinned lookup handles (None entries skipped) with one UNPIN sent without waiting
+        for its reply; never raises a ``MaruError`` (logged: the heartbeat or the lease frees them).
+        Callers drop their tensors over the pages first."""
         handles = [h for h in handles if h is not None]
         if not handles:
             return
         try:
-            self.client.batch_release(handles)
+            # Without waiting for the reply: the server applies it before our next request, and
+            # the load is done once its bytes are placed (one round trip less per load).
+            self.client.batch_release(handles, wait=False)
         except MaruError as e:
             logger.warning(
                 "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e

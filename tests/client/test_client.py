@@ -13,7 +13,7 @@ from maru import MaruHandler
 from maru.client import Allocation, CommitResult
 from maru.errors import HandlerClosedError, PoolError, PoolFullError, ServerError
 from maru.protocol import MAX_BATCH, MAX_KEY_BYTES
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_until
 
 
 @pytest.fixture
@@ -95,6 +95,63 @@ def test_batch_calls_match_keys_to_results_in_order(h: MaruHandler) -> None:
     assert h.usage()["pinned"] == 0
     assert h.exists_prefix(["b0", "b1", "missing", "b2"]) == 2
     assert h.exists_prefix(["missing", "b0"]) == 0
+
+
+def test_a_release_without_waiting_is_applied_before_the_next_request(maru_server: ServerProcess) -> None:
+    with MaruHandler(maru_server.url) as h, MaruHandler(maru_server.url) as other:
+        for i in range(20):
+            put(h, f"nw{i}", bytes([i]) * 100)
+        for _ in range(30):
+            rs = h.batch_retrieve([f"nw{i}" for i in range(20)])
+            assert other.usage()["pinned"] == 20
+            h.batch_release(rs, wait=False)
+            assert all(r.released and r.view is None for r in rs)
+            # The same connection: the server answers in order, so the next request sees no pin.
+            assert h.usage()["pinned"] == 0
+            assert not h._rpc._posted  # its reply was read (and checked) by that request
+        assert h._pending_unpins == []
+
+
+def test_a_release_without_waiting_lost_with_its_connection_is_sent_again(
+    maru_server: ServerProcess,
+) -> None:
+    with MaruHandler(maru_server.url, heartbeat_interval_s=0.2) as h:
+        put(h, "lost", b"x" * 64)
+        rs = h.batch_retrieve(["lost"])
+        with h._lock:  # no heartbeat may read the reply before the socket goes
+            h.batch_release(rs, wait=False)
+            assert list(h._rpc._posted.values())[0][1]["keys"] == ["lost"]
+            h._rpc._drop_socket()  # what a timed-out request does
+            assert h._pending_unpins == ["lost"]  # it may or may not have arrived
+        wait_until(lambda: not h._pending_unpins, 10.0, "the heartbeat to send the lost UNPIN")
+        assert h.usage()["pinned"] == 0
+
+
+def test_a_refused_posted_request_reaches_its_callback_and_the_exchange_goes_on(h: MaruHandler) -> None:
+    from maru.client.rpc import RpcChannel
+    from maru.protocol import Op
+
+    put(h, "posted", b"p" * 10)
+    assert h.retrieve("posted") is not None  # pinned, not released: the good UNPIN has work to do
+    me = {"client_id": h.client_id}
+    got: list[tuple[int, dict]] = []
+    with h._lock:  # the channel alone, as the session uses it
+        ch = h._rpc
+        assert ch.post(Op.UNPIN, {"keys": 5, **me}, lambda op, b: got.append((op, b)), lambda op, b: None)
+        assert ch.post(
+            Op.UNPIN, {"keys": ["posted"], **me}, lambda op, b: got.append((op, b)), lambda op, b: None
+        )
+        usage = ch.request(Op.USAGE, dict(me), 5.0)
+        assert usage["ok"] and usage["pinned"] == 0, usage  # its own reply, after both posts applied
+        assert [(op, b["ok"]) for op, b in got] == [(Op.UNPIN, False), (Op.UNPIN, True)]
+        assert got[0][1]["code"] == "bad_request" and got[1][1]["unpinned"] == [True]
+        assert ch.settle_posted(1.0) == 0
+    # Nothing listening: a post sends nothing and says so (the caller then waits the usual way).
+    idle = RpcChannel("tcp://127.0.0.1:9")
+    try:
+        assert idle.post(Op.UNPIN, {"keys": ["k"]}, lambda op, b: None, lambda op, b: None) is False
+    finally:
+        idle.close()
 
 
 def test_batches_over_the_protocol_limit_are_split_transparently(h: MaruHandler) -> None:

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 
 from maru import MaruHandler
 from maru.errors import MaruTimeoutError, NotConnectedError, StaleAllocationError
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_until
 
 SPAWN = mp.get_context("spawn")
 
@@ -41,16 +40,6 @@ def content(key: str, size: int | None = None) -> bytes:
 
 def sha(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``pred`` until true; fail the test naming ``what`` after ``timeout_s`` (a hang guard)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for: {what}")
 
 
 # -- a client in its own process, driven over a pipe ----------------------------------------------

@@ -90,9 +90,9 @@ class CountingPins:
         self.pinned += sum(h is not None for h in out)
         return out
 
-    def batch_release(self, handles: list[Any]) -> Any:
+    def batch_release(self, handles: list[Any], **kw: Any) -> Any:
         self.released += sum(h is not None for h in handles)
-        return self.inner.batch_release(handles)
+        return self.inner.batch_release(handles, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
