@@ -72,6 +72,9 @@ for name in ("triton", "vllm", "maru.lmcache.backend"):
     except Exception as e:  # report, don't fail: maru doctor explains what is missing
         print(f"[maru setup] note: {name} not importable: {e}")
 PY
+# The checksum's C loop (maru.native): built now so the first request does not wait for the
+# compiler; without a compiler Maru runs the numpy checksum and says so (maru doctor).
+"$VENV/bin/python" -m maru.native || say "note: the numpy checksum will run (see above)"
 sha=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 echo "$sha" > "$VENV/.maru-setup"
 say "ready: $VENV ($("$VENV/bin/python" --version))"

@@ -273,6 +273,21 @@ def check_kv_ops(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, OK, str(choice))
 
 
+def check_checksum(ctx: DoctorContext) -> CheckResult:
+    """Whether this host runs the compiled checksum (maru.native) or the slower numpy one."""
+    from maru import native
+
+    nat = native.load()
+    if nat.words_sum is not None:
+        return CheckResult("checksum", OK, f"compiled C ({nat.library})")
+    return CheckResult(
+        "checksum",
+        WARN,
+        f"numpy, 2-4x slower and stalled by busy Python threads: {nat.reason}",
+        nat.fix,
+    )
+
+
 def _vllm_version() -> tuple[str, str] | None:
     from importlib import metadata
 
@@ -432,6 +447,7 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_quarantine, False),
     (check_client_paths, False),
     (check_kv_ops, False),
+    (check_checksum, False),
     (check_cuda_registration, False),
     (check_vllm, False),
     (check_lmcache, False),

@@ -506,12 +506,8 @@ class MaruHandler(SessionClient):
 
     def batch_release(self, handles: Iterable[Retrieved | None], wait: bool = True) -> None:
         """Release many retrieve handles with one UNPIN round trip (None entries are skipped).
-
-        ``wait=False`` (the transfer engine's load path): send the UNPIN and return without its
-        reply, one round trip less. The server applies it before anything this handler sends
-        later; another client may see the pins for a moment longer. A reply that says it failed is
-        logged; an UNPIN lost with its connection is sent again by the heartbeat.
-        """
+        ``wait=False``: return without the reply (applied before this handler's next request; a
+        refusal is logged, an UNPIN lost with its connection is resent by the heartbeat)."""
         held: list[Retrieved] = []
         for r in handles:
             if r is None or r.released:

@@ -178,21 +178,6 @@ class RpcChannel:
             self._posted[req_id] = (op, body, on_reply, on_lost)
             return True
 
-    def settle_posted(self, timeout_s: float) -> int:
-        """Read the replies of posted requests for up to ``timeout_s``; returns how many are still
-        unanswered (then the socket is replaced and their ``on_lost`` ran)."""
-        with self._lock:
-            deadline = time.monotonic() + timeout_s
-            while self._posted and self._sock is not None:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
-                    break
-                self._take_reply(self._sock.recv(), None)
-            left = len(self._posted)
-            if left:
-                self._drop_socket()
-            return left
-
     def _take_reply(self, reply: bytes, req_id: int | None) -> tuple[int, int] | None:
         """(op, id) of ``reply`` when it answers ``req_id``; a posted request's reply goes to its
         callback, anything else (unreadable, the late reply of a timed-out request) is dropped."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from maru import checksum
 from maru.errors import MaruError
 from maru.lmcache.config import LMCacheMaruConfig
 from maru.lmcache.keys import pool_key
@@ -70,12 +71,18 @@ class MaruStorageBackend(StoragePluginInterface):
         self.puts = PutQueue(self.link, cfg.max_pending_puts)
         self._releaser = PinReleaser(self._release)
         self.get_stats = {"hits": 0, "misses": 0, "bad_objects": 0, "no_local_memory": 0}
-        for why in self._weaker():
+        checksum.implementation()  # build the C loop now, not in the first get (or announce numpy once)
+        for why in self._unchecked():
             logger.warning("Maru (LMCache backend): %s", why)
         self.link.client()  # connect now if we can (else: warned once, retried later)
 
     def _weaker(self) -> list[str]:
-        """Settings that serve bytes Maru does not check, each with its fix (log, ``maru doctor``)."""
+        """What ``maru doctor`` lists for this backend: the numpy checksum (puts and checked gets
+        compute checksums on the CPU) and settings that serve unchecked bytes, each with its fix."""
+        return checksum.slow_reasons() + self._unchecked()
+
+    def _unchecked(self) -> list[str]:
+        """Settings that serve bytes Maru does not check, each with its fix (logged at start)."""
         if self.maru_config.verify_on_get:
             return []
         return [

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from maru import kv_ops
+from maru import checksum, kv_ops
 from maru.errors import UnsupportedLayout
 from maru.transfer.background import AsyncLoader
 from maru.transfer.engine import KVTransferEngine
@@ -182,6 +182,9 @@ class MaruWorkerConnector:
                         f"pool not registered with CUDA ({why}): pool<->GPU copies are pageable, ~11x "
                         "slower. Fix: see `maru doctor` (pool registered with CUDA) and docs/gpu.md"
                     )
+            if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
+                paths["checksum"] = checksum.implementation()
+                slow.extend(checksum.slow_reasons())
             extra, path_slow = eng.path.report(self.cfg.overlap_load_with_compute)
             paths.update(extra)
             slow.extend(path_slow)

@@ -1,5 +1,5 @@
-"""``maru.checksum``: the numpy version equals the word-by-word definition, and it notices the
-changes a stale writer makes (a changed, zeroed or moved word, a different length)."""
+"""``maru.checksum``: the compiled and the numpy versions equal the word-by-word definition, and it
+notices the changes a stale writer makes (a changed, zeroed or moved word, a different length)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,29 @@ import pytest
 from maru.checksum import checksum, reference_checksum
 
 
+@pytest.fixture(params=["native", "numpy"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the compiled loop (required here: CI has a C compiler) and with numpy."""
+    import maru.checksum as ck
+
+    if request.param == "numpy":
+        monkeypatch.setattr(ck, "_native", lambda: None)
+    else:
+        assert ck.implementation() == "native", ck.native.load().reason
+    return request.param
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 8 * (1 << 15) + 3, 2 * 8 * (1 << 15) + 17])
-def test_checksum_equals_the_reference_definition_on_random_bytes(n: int) -> None:
+def test_checksum_equals_the_reference_definition_on_random_bytes(n: int, impl: str) -> None:
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     assert checksum(data) == reference_checksum(data)
     assert checksum(memoryview(data)) == checksum(np.frombuffer(data, dtype=np.uint8)) == checksum(data)
+    # A view that starts off an 8-byte boundary (an object at an odd offset of a buffer).
+    odd = np.frombuffer(b"\x00" + data, dtype=np.uint8)[1:]
+    assert checksum(odd) == reference_checksum(data)
 
 
-def test_checksum_changes_when_a_word_changes_moves_or_the_length_differs() -> None:
+def test_checksum_changes_when_a_word_changes_moves_or_the_length_differs(impl: str) -> None:
     data = bytearray(np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8).tobytes())
     base = checksum(data)
     changed = bytearray(data)
@@ -33,7 +48,9 @@ def test_checksum_refuses_a_non_contiguous_buffer() -> None:
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
-def test_checksum_split_over_threads_equals_one_thread(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+def test_checksum_split_over_threads_equals_one_thread(
+    monkeypatch: pytest.MonkeyPatch, threads: int, impl: str
+) -> None:
     import maru.checksum as ck
 
     rng = np.random.default_rng(threads)

@@ -4,7 +4,7 @@ Creates a fresh venv (no system site-packages), installs the torch build this in
 (from pip's usual sources: this machine's wheel folder, the package index, pip's cache), then a copy
 of the package with its ``gpu`` extra, and runs a gather and a scatter through the Triton kernels
 under ``TRITON_INTERPRET=1`` against the PyTorch reference, plus the direct-load table builder
-(numpy). A dependency the code imports but ``pyproject.toml`` does not declare fails here with its
+(numpy), and the compiled checksum (its C source is package data). A dependency the code imports but ``pyproject.toml`` does not declare fails here with its
 ImportError. Skipped, with the reason, when pip cannot reach a package index.
 """
 
@@ -46,6 +46,9 @@ back = kv_ops.gather(case.caches, layout, slots, backend="reference")
 assert torch.equal(as_bits(back)[:, :, slots >= 0], as_bits(want.flip(2))[:, :, slots >= 0])
 tab = triton_kernels.direct_table_host([(4096, 8), (8192, 3)], torch.arange(11), layout.row_size, 2)
 assert tab.shape == (triton_kernels.DIRECT_ROWS, 12) and int(tab[0, 11]) == 8
+# The checksum's C source ships with the package (package data) and builds here.
+from maru import checksum, native
+assert checksum.implementation() == "native", native.load().reason
 print("clean install ok:", maru.__file__)
 """
 

@@ -195,6 +195,7 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
     assert len(workers) == 1, infos
     paths = workers[0]["paths"]
     assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "write-behind")  # the default
+    assert paths["checksum"] == "native"  # the compiled loop (this machine has a C compiler)
     assert workers[0]["slow"] == []  # the CPU path is the fast path here: nothing for the doctor to flag
 
 
