@@ -184,8 +184,14 @@ class MaruStorageBackend(StoragePluginInterface):
         client, found = handles
         base = client.pool_address if any(h is not None for h in found) else 0
         out: list[Any] = []
+        done: list[Any] = []  # pins no object holds (copied out, or unreadable): released together
         for h in found:
-            out.append(None if h is None else self._memory_obj(base, h))
+            obj = None if h is None else self._memory_obj(base, h)
+            out.append(obj)
+            if h is not None and (obj is None or not self.maru_config.zero_copy_get):
+                done.append(h)
+        if done:
+            self._unpin(client, done)
         hits = sum(o is not None for o in out)
         self.get_stats["hits"] += hits
         self.get_stats["misses"] += len(out) - hits
@@ -203,37 +209,52 @@ class MaruStorageBackend(StoragePluginInterface):
             logger.warning(
                 "Maru (LMCache backend): cannot read %s as an LMCache object (%s); a miss", handle.key, e
             )
-            handle.release()
             return None
 
     def _copy_out(self, pool_address: int, handle: Any) -> Any:
-        """Copy one pinned pool object into LMCache's local CPU allocator, then unpin it."""
-        try:
-            doc = decode_header(handle.view)
-            alloc = getattr(self.local_cpu_backend, "allocate", None)
-            obj = None
-            if alloc is not None:
-                shapes = [torch.Size(s) for s in doc["shapes"]] if doc["shapes"] else torch.Size(doc["shape"])
-                dtypes = (
-                    [dtype_from_name(d) for d in doc["dtypes"]]
-                    if doc["dtypes"]
-                    else dtype_from_name(doc["dtype"])
-                )
-                from lmcache.v1.memory_management import MemoryFormat
+        """Copy one pinned pool object into LMCache's local CPU allocator (the caller unpins it)."""
+        doc = decode_header(handle.view)
+        alloc = getattr(self.local_cpu_backend, "allocate", None)
+        obj = None
+        if alloc is not None:
+            shapes = [torch.Size(s) for s in doc["shapes"]] if doc["shapes"] else torch.Size(doc["shape"])
+            dtypes = (
+                [dtype_from_name(d) for d in doc["dtypes"]]
+                if doc["dtypes"]
+                else dtype_from_name(doc["dtype"])
+            )
+            from lmcache.v1.memory_management import MemoryFormat
 
-                obj = alloc(shapes, dtypes, fmt=MemoryFormat(doc["fmt"]), eviction=True, busy_loop=False)
-            if obj is None:
-                self.get_stats["no_local_memory"] += 1
-                return None
+            obj = alloc(shapes, dtypes, fmt=MemoryFormat(doc["fmt"]), eviction=True, busy_loop=False)
+        if obj is None:
+            self.get_stats["no_local_memory"] += 1
+            return None
+        try:
             size = int(doc["size"])
             src = tensor_at(pool_address + handle.offset + HEADER_BYTES, size)
             obj.raw_data.view(-1).view(torch.uint8)[:size].copy_(src)
-            return obj
-        finally:
-            handle.release()
+        except BaseException:
+            obj.ref_count_down()  # back to LMCache's allocator: nothing half-copied is handed out
+            raise
+        return obj
+
+    def _unpin(self, client: Any, handles: list[Any]) -> None:
+        """Unpin ``handles`` with one UNPIN that LMCache's thread does not wait for (the server
+        applies it before this client's next request)."""
+        try:
+            client.batch_release(handles, wait=False)
+        except MaruError as e:
+            for h in handles:
+                h.release()  # drop the views; the pins end with the session
+            self.link.failed(client, e)
 
     def _release(self, handle: Any) -> None:
-        handle.release()
+        """LMCache freed a zero-copy object: unpin its page (without waiting, where connected)."""
+        client = self.link.client()
+        if client is None:
+            handle.release()
+        else:
+            self._unpin(client, [handle])
 
     def get_non_blocking(self, key: Any, location: str | None = None) -> Future | None:
         """A finished future with the memory object, or None when the chunk is absent (LMCache

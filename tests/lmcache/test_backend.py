@@ -92,6 +92,29 @@ def test_non_blocking_batched_get_returns_the_leading_run_of_hits(make_storage):
     assert be.link.client().usage()["pinned"] == 0
 
 
+def test_a_copying_get_unpins_its_batch_with_one_unpin_it_does_not_wait_for(make_storage, monkeypatch):
+    sm = make_storage()
+    be = backend(sm)
+    keys = cache_keys(4)
+    data = put_random(sm, keys)
+    assert be.puts.flush(10)
+    client = be.link.client()
+    calls: list[tuple[int, bool]] = []
+    real = client.batch_release
+
+    def counting(handles, wait=True):
+        calls.append((len(handles), wait))
+        return real(handles, wait=wait)
+
+    monkeypatch.setattr(client, "batch_release", counting)
+    got = be.batched_get_blocking(keys)
+    assert calls == [(4, False)]  # one UNPIN for the batch, not one round trip per chunk
+    assert client.usage()["pinned"] == 0  # applied before this client's next request
+    for g, t in zip(got, data, strict=True):
+        assert torch.equal(g.tensor, t)
+        g.ref_count_down()
+
+
 def test_remove_makes_a_chunk_absent(make_storage):
     sm = make_storage()
     keys = cache_keys(3)
