@@ -12,6 +12,8 @@ settings (block size 32, enforce_eager, chunked prefill off up to the longest pr
 - ``store``: Maru connector, cold TTFT while storing every chunk (instance A).
 - ``load``: Maru connector, a fresh process: TTFT of the same prompts loaded from Maru (B);
   before each sample vLLM's own prefix cache is reset, so every sample loads from Maru.
+- ``load-async`` (with ``--async-load``): the same with ``maru_async_load: true`` (the request
+  waits in ``WAITING_FOR_REMOTE_KVS`` while the worker loads it, vLLM's engine loop spinning).
 
 TTFT is the wall time of ``generate(max_tokens=1)`` for one prompt. Each engine first serves a
 warm-up prompt. Every prompt is fresh random token ids, so no run sees another's cache except
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--async-load", action="store_true", help="also load with maru_async_load: true")
     a = ap.parse_args(argv)
 
     model = str(build_tiny_model(a.model_dir, BENCH_SPEC))
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {(n, r): _prompt(n, 1000 * r + n) for n in a.lengths for r in range(a.reps)}
     warm = _prompt(512, 7)
     res: dict[str, dict[int, list[float]]] = {
-        k: {n: [] for n in a.lengths} for k in ("cold", "hit", "store", "load")
+        k: {n: [] for n in a.lengths} for k in ("cold", "hit", "store", "load", "load_async")
     }
     cached: dict[int, list[int]] = {n: [] for n in a.lengths}
     same: list[bool] = []
@@ -103,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                 c = e.call({"op": "ttft", "prompt": p})
                 res["store"][n].append(c["seconds"])
                 print(f"store  n={n} r={r}: cold+store {c['seconds']:.3f}s")
-        for label, conn, key in (("load", maru, "load"),):
+        modes = [("load", maru, "load")]
+        if a.async_load:
+            extra = {**maru["extra"], "maru_async_load": True}
+            modes.append(("load-async", {**maru, "extra": extra}, "load_async"))
+        for label, conn, key in modes:
             with EngineProcess({**base, "connector": conn}, log_path=tmp / f"{label}.log") as e:
                 e.call({"op": "ttft", "prompt": warm})
                 for (n, r), p in prompts.items():
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         res[key][n].append(w["seconds"])
                         if key == "load":
                             cached[n].append(w["cached"])
+                        elif w["cached"] != cached[n][-1]:
+                            print(f"  ({label}: {w['cached']} tokens from Maru, sync loaded {cached[n][-1]})")
                         same.append(w["token"] == first_tok[(n, r)])
                         print(
                             f"{label:10} n={n} r={r}: warm {w['seconds']:.3f}s ({w['cached']} tokens from Maru)"
@@ -122,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.cleanup()  # type: ignore[attr-defined]
 
-    med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in res.items()}
-    best = {k: {n: min(v) for n, v in d.items()} for k, d in res.items()}
+    med = {k: {n: statistics.median(v) for n, v in d.items() if v} for k, d in res.items()}
+    best = {k: {n: min(v) for n, v in d.items() if v} for k, d in res.items()}
     try:
         from rich.console import Console
         from rich.table import Table
@@ -154,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         Console().print(t)
     except ImportError:  # pragma: no cover
         print(med)
+    if a.async_load:
+        for n in a.lengths:
+            print(
+                f"async load n={n}: median {statistics.median(res['load_async'][n]):.3f} s, "
+                f"min {min(res['load_async'][n]):.3f} s (sync {med['load'][n]:.3f} s)"
+            )
     print("first tokens identical (warm vs cold):", all(same))
     print("loader stats:", stats.get("worker"))
     if a.markdown:

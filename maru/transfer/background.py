@@ -28,15 +28,15 @@ class AsyncLoader:
     ``submit(tag, engine, requests)`` queues requests; each turn of the loader thread takes *every*
     queued request (of one engine) and makes one lookup-and-pin round trip for all of them.
 
-    Who issues the copies depends on the path. Where a scatter only queues device work
-    (``path.scatter_returns_at_once``: CUDA caches), the loader thread does the round trip alone
-    and the next ``poll()``, on the caller's thread, issues the batch (``engine.issue_load``, one
-    ``pipeline.load`` that returns at once). Issued on the loader thread, the same loads reached
-    26-41% of pinned bandwidth in real vLLM on an H200, against 72-87% issued by ``poll``: each
-    of a batch's few hundred CUDA calls gave up the GIL and had to win it back from vLLM's engine
-    loop, which spins while loads are pending (bench/gil_contention.py). Where the scatter is the copy itself
-    (CPU caches), the loader thread runs the whole ``engine.start_load``, so the batch comes back
-    complete and the caller never copies.
+    The loader thread only does the round trip; the next ``poll()``, on the caller's thread (vLLM's),
+    issues the batch (``engine.issue_load``). Issued on the loader thread, each of a batch's many
+    calls that give the GIL up (CUDA calls, torch copies) had to win it back from vLLM's engine loop,
+    which spins while loads are pending: on an H200 the loads reached 26-41% of pinned bandwidth
+    against 72-87% issued by ``poll`` (bench/gil_contention.py); on the CPU build a 2k-token load
+    took 9.2-10.0 s against 0.2 s for the same load done synchronously (bench/e2e_cpu.py
+    --async-load), slower than recomputing. On CUDA caches ``issue_load`` only queues device work
+    (one ``pipeline.load``); on CPU caches it is the copy itself, so ``poll`` returns that batch
+    complete.
 
     Several batches are in flight at once: the loader thread goes on to the next turn while the
     copy engine runs. ``poll()`` never waits for a transfer: it returns ``(tags, LoadReport)`` for
@@ -105,11 +105,8 @@ class AsyncLoader:
         for engine, tags, reqs in by_engine.values():
             result: LookedUp | InflightLoad | BaseException
             try:
-                if engine.path.scatter_returns_at_once:
-                    result = engine.look_up(reqs)
-                else:
-                    result = engine.start_load(reqs)
-            except BaseException as e:  # start_load released its pins before raising
+                result = engine.look_up(reqs)  # the copies are issued by poll(), on the caller's thread
+            except BaseException as e:  # look_up holds no pins when it raises
                 result = e
             self.batches += 1
             with self._lock:

@@ -60,10 +60,6 @@ class DataPath(ABC):
 
     name: ClassVar[str]
     defers_store_gather: ClassVar[bool] = False
-    # Whether ``scatter`` only queues the work and returns (device copies): such a scatter is
-    # issued on the thread that polls it, not on a helper thread that would have to win the GIL
-    # back from vLLM's busy engine loop for every CUDA call (``transfer.background``).
-    scatter_returns_at_once: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
 
     def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
@@ -226,7 +222,6 @@ class PipelinedPath(DataPath):
     caches, ordered after the work on the caller's stream; handles complete asynchronously."""
 
     name = "pipelined"
-    scatter_returns_at_once = True
 
     def __init__(self, pipeline: Any, *, backend: str | None = None) -> None:
         caches = pipeline.caches if isinstance(pipeline.caches, list) else [pipeline.caches]

@@ -150,21 +150,17 @@ def test_async_load_without_a_server_fails_the_request_without_a_lookup(
         stop_worker(w)
 
 
-@pytest.mark.parametrize("issued_by", ["loader", "poller"])
+@pytest.mark.parametrize("fails_in", ["look_up", "issue_load"])
 def test_async_loader_turns_an_exception_at_issue_into_a_failed_request_never_a_lost_one(
-    issued_by: str,
+    fails_in: str,
 ) -> None:
     from maru.transfer.loads import LookedUp
     from maru.transfer.records import LoadReport
 
     class Broken:
-        class path:  # noqa: N801 - stands in for a DataPath
-            scatter_returns_at_once = issued_by == "poller"
-
-        def start_load(self, requests: Any) -> Any:
-            raise RuntimeError("injected bug at issue")
-
         def look_up(self, requests: Any) -> LookedUp:
+            if fails_in == "look_up":
+                raise RuntimeError("injected bug at issue")
             return LookedUp(list(requests), LoadReport(), {}, [], 0.0)
 
         def issue_load(self, looked: LookedUp) -> Any:
