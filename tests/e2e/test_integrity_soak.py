@@ -63,5 +63,9 @@ def test_32_clients_for_60_s_with_stalls_never_read_wrong_bytes(tmp_path: Path) 
         with MaruHandler(srv.url) as h:
             c = h.stats()["counters"]
         assert c["integrity_failures"] == 0, c
-        assert c["leases_expired"] >= 1 and c["quarantines"] >= 1, c  # the stalls did happen
+        # The stalls did happen. Whether a stalled worker held a reservation at that moment (then
+        # quarantined) is chance: with the compiled checksum a reservation is short-lived, and one
+        # CI run saw 5 expired leases and 0 quarantines. The quarantine path has deterministic
+        # tests of its own (tests/e2e/test_multiprocess.py, tests/server/test_server_process.py).
+        assert c["leases_expired"] >= 1, c
         print("soak totals:", total, {k: c[k] for k in ("leases_expired", "quarantines", "evictions")})
