@@ -2,7 +2,7 @@
 
 A quick probe next to bench/gpu_datapath.py (which measures everything): the same geometry
 (32 layers, 8 KV heads, head size 128, bf16, block 16, 256-token chunks in a registered mapping),
-median over 30 calls after warm-up, split into the part before the first replay (table build and
+median over 30 calls after warm-up, per-layer graph replays against one launch for all layers, split into the part before the first replay (table build and
 upload) and the replays with their events. Usage (on a GPU): python bench/layer_issue.py
 """
 
@@ -26,25 +26,22 @@ from maru.kv_ops import device_pipeline as pl  # noqa: E402
 def main() -> None:
     caches = make_caches(NB)
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
-    engine = pl.DevicePipeline(caches, layout)
-    cb = engine.object_bytes(256)
-    mm = mmap.mmap(-1, 64 * cb, flags=mmap.MAP_SHARED)
-    torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
-    cuda_host.register_host_mapping(mm, name="layer-issue probe")
-    gen = torch.Generator().manual_seed(0)
+    mm = None
     print(
         "| variant | tokens (chunks) | issue us/layer | table+upload us/layer | replays+events us/layer | path |"
     )
     print("|---|---|---|---|---|---|")
-    raw_wait = engine._after_caller
-    for variant in ("raw wait", "torch wait_stream", "raw wait"):
-        # torch's wait_stream instead of the engine's raw event wait (what the first version did)
-        engine._after_caller = raw_wait if variant == "raw wait" else _torch_wait  # type: ignore[method-assign]
-        run(engine, mm, cb, gen, variant)
-
-
-def _torch_wait(stream: torch.cuda.Stream) -> None:
-    stream.wait_stream(torch.cuda.current_stream())
+    for variant in ("per-layer replays", "one launch", "per-layer replays", "one launch"):
+        # What the connector builds: graphs warmed at start for every bucket, none captured later.
+        engine = pl.DevicePipeline(caches, layout, use_graphs=False, layer_graphs=True, lazy_capture=False)
+        engine.one_launch_layers = variant == "one launch"
+        engine.warm(0, layer_tokens=[256, 2048, 16384])
+        cb = engine.object_bytes(256)
+        if mm is None:
+            mm = mmap.mmap(-1, 64 * cb, flags=mmap.MAP_SHARED)
+            torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
+            cuda_host.register_host_mapping(mm, name="layer-issue probe")
+        run(engine, mm, cb, torch.Generator().manual_seed(0), variant)
 
 
 def run(engine: pl.DevicePipeline, mm: mmap.mmap, cb: int, gen: torch.Generator, variant: str) -> None:
@@ -56,7 +53,14 @@ def run(engine: pl.DevicePipeline, mm: mmap.mmap, cb: int, gen: torch.Generator,
         hs = []
         for _ in range(30):
             h = engine.load_layers(objs, slots)
-            hs.append((h.issue_s, h.copy_issue_s, h.place_issue_s, h.path))
+            hs.append(
+                (
+                    h.issue_s,
+                    h.copy_issue_s,
+                    h.place_issue_s,
+                    h.path + (" (one launch)" if getattr(h, "one_launch", False) else ""),
+                )
+            )
             h.wait()
         med = [statistics.median(x[i] for x in hs) / L * 1e6 for i in range(3)]
         print(

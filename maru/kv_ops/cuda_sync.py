@@ -48,6 +48,7 @@ class TorchSync:
 H2D = 1  # cudaMemcpyHostToDevice
 D2H = 2  # cudaMemcpyDeviceToHost
 _EVENT_DISABLE_TIMING = 2
+_EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady
 
 
@@ -66,6 +67,7 @@ class RawSync(TorchSync):
         self._memcpy = self._fn(q, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
         self._memcpy2d = self._fn(q, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
         self._record = self._fn(q, "cudaEventRecord", [vp, vp])
+        self._record_flags = self._fn(q, "cudaEventRecordWithFlags", [vp, vp, ctypes.c_uint])
         self._wait = self._fn(q, "cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
         self._query = self._fn(q, "cudaEventQuery", [vp])
         self._launch = self._fn(q, "cudaGraphLaunch", [vp, vp])
@@ -107,6 +109,12 @@ class RawSync(TorchSync):
 
     def wait(self, stream: torch.cuda.Stream, event: int) -> None:
         self._check(self._wait(stream.cuda_stream, event, 0), "cudaStreamWaitEvent")
+
+    def record_external(self, event: int, stream: int) -> None:
+        """Record ``event`` on raw ``stream``; inside a stream capture this becomes an event-record
+        node of the graph (``cudaEventRecordExternal``): each replay records the event where the
+        node runs, and waits queued after the replay's launch wait for it."""
+        self._check(self._record_flags(event, stream, _EVENT_RECORD_EXTERNAL), "cudaEventRecordWithFlags")
 
     def query(self, event: int) -> bool:
         err = self._query(event)

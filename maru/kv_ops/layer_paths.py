@@ -334,13 +334,18 @@ class LayerPaths:
                 if skip_tokens:
                     tab[2, :skip_tokens].fill_(-1)
             t_place = time.perf_counter()
-            refs = None if graphed else ops.layer_refs(self.caches, self.layout)
-            for i in range(self.num_layers):
-                if graphed:
-                    self._layer_placer.scatter_layer_direct(i, tb, checksum=checksums)
-                else:
-                    tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb, checksum=checksums)
-                sync.record(placed[i], place)
+            one_launch = graphed and self._layer_placer.has_direct_all(tb, checksum=checksums)
+            if one_launch:
+                # One launch: every layer's kernel, each followed by its event (recorded in the graph).
+                placed = self._layer_placer.scatter_direct_all(tb, checksum=checksums)
+            else:
+                refs = None if graphed else ops.layer_refs(self.caches, self.layout)
+                for i in range(self.num_layers):
+                    if graphed:
+                        self._layer_placer.scatter_layer_direct(i, tb, checksum=checksums)
+                    else:
+                        tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb, checksum=checksums)
+                    sync.record(placed[i], place)
             done = sums = None
             if checksums:  # the kernels summed every object into row 5 of the table
                 sums = torch.empty(len(objs), dtype=torch.int64, pin_memory=True)
@@ -353,6 +358,7 @@ class LayerPaths:
             handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
         handle.path = "layers-direct"
         handle.graphed = graphed
+        handle.one_launch = one_launch
         handle.issue_s = t_end - t0
         handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
         handle.place_issue_s = t_end - t_place

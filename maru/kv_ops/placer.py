@@ -53,6 +53,10 @@ class GraphedPlacer:
         self._direct: dict[int, torch.Tensor] = {}  # T -> static [3, T] direct table
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by all graphs of this placer
+        # The one-launch layer load: per (T, checksum), ALL_LAYER_GRAPHS graphs of every layer's
+        # direct kernel, each followed by an event-record node of that graph's own events.
+        self._all_events: dict[tuple, list[int]] = {}
+        self._all_next: dict[tuple[int, bool], int] = {}
 
     # -- static buffers ---------------------------------------------------------------------------
     def _ensure(self, num_tokens: int) -> None:
@@ -110,6 +114,15 @@ class GraphedPlacer:
     # -- graphs -----------------------------------------------------------------------------------
     def _launch(self, key: tuple) -> None:
         op, num_tokens, layer = key
+        if op in ("direct-all", "direct-all+checksum"):
+            tab = self.direct_table(num_tokens)
+            events = self._all_events[key]
+            for i in range(self.num_layers):
+                triton_kernels.direct_scatter_layer(
+                    tab, self._refs[i], self.layout, i, num_tokens, checksum=op.endswith("+checksum")
+                )
+                self._launcher.record_external(events[i], torch.cuda.current_stream(self.device).cuda_stream)
+            return
         if op in ("direct", "direct+checksum"):
             tab = self.direct_table(num_tokens)
             triton_kernels.direct_scatter_layer(
@@ -141,7 +154,7 @@ class GraphedPlacer:
             # The warm-up launch below really runs: a checksum kernel adds into the table's sums row,
             # which the caller zeroed for the replay that follows. Keep the row as it was.
             sums = None
-            if key[0] == "direct+checksum":
+            if key[0].startswith("direct") and key[0].endswith("+checksum"):
                 sums = self.direct_table(key[1])[triton_kernels.DIRECT_SUMS_ROW].clone()
             # Compile and build the layer table outside the capture (neither may run inside it).
             side = torch.cuda.Stream(self.device)
@@ -221,6 +234,42 @@ class GraphedPlacer:
         """Capture the direct layer graphs for T tokens now (one per layer)."""
         for layer in range(self.num_layers):
             self._graph(("direct+checksum" if checksum else "direct", num_tokens, layer))
+
+    # -- the one-launch layer load -----------------------------------------------------------------
+    ALL_LAYER_GRAPHS = 4  # graphs (event sets) per size, used in turn: a load's events live 3 loads on
+
+    def can_launch_all(self) -> bool:
+        """Whether this placer can capture one-launch layer loads (needs the raw launcher)."""
+        return self._launcher is not None and hasattr(self._launcher, "record_external")
+
+    def _all_key(self, num_tokens: int, checksum: bool, k: int) -> tuple:
+        return ("direct-all+checksum" if checksum else "direct-all", num_tokens, k)
+
+    def has_direct_all(self, num_tokens: int, *, checksum: bool = False) -> bool:
+        return all(
+            self._all_key(num_tokens, checksum, k) in self._graphs for k in range(self.ALL_LAYER_GRAPHS)
+        )
+
+    def warm_direct_all(self, num_tokens: int, *, checksum: bool = False) -> None:
+        """Capture the one-launch layer loads for T tokens now: ``ALL_LAYER_GRAPHS`` graphs, each
+        every layer's direct kernel (in layer order) with an event-record node after each layer."""
+        if not self.can_launch_all():
+            raise RuntimeError("one-launch layer loads need the raw CUDA launcher (cuda_sync.RawSync)")
+        for k in range(self.ALL_LAYER_GRAPHS):
+            key = self._all_key(num_tokens, checksum, k)
+            if key not in self._all_events:
+                self._all_events[key] = [self._launcher.event() for _ in range(self.num_layers)]
+            self._graph(key)
+
+    def scatter_direct_all(self, num_tokens: int, *, checksum: bool = False) -> list[int]:
+        """Every layer of ``direct_table(T)``, one graph launch on the current stream; returns the
+        per-layer events (layer i's is recorded once layer i is placed). Only warmed sizes: a
+        capture never happens here. The events are reused by the load ``ALL_LAYER_GRAPHS`` later."""
+        k = self._all_next.get((num_tokens, checksum), 0)
+        self._all_next[(num_tokens, checksum)] = (k + 1) % self.ALL_LAYER_GRAPHS
+        key = self._all_key(num_tokens, checksum, k)
+        self._replay(key)
+        return self._all_events[key]
 
     def warm(self, num_tokens: int, *, per_layer: bool = False) -> None:
         """Capture the graphs for T tokens now (about a millisecond each) instead of on first use."""

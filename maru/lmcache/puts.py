@@ -53,6 +53,21 @@ class _Put:
     cache_key: Any
     obj: Any
     on_done: Callable[[Any], None] | None
+    ready: Any = None  # CUDA objects: an event after the submitter's queued work on them
+
+
+def _ready_event(obj: Any) -> Any:
+    """For a memory object in CUDA memory, an event recorded on the submitting thread's current
+    stream: the drain thread copies on its own stream, and without it could read the object before
+    the work the submitter queued on it (filling it) ran. None for host objects."""
+    tensor = getattr(obj, "raw_data", None)
+    if tensor is None or not getattr(tensor, "is_cuda", False):
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
 
 
 class PutQueue:
@@ -87,7 +102,7 @@ class PutQueue:
                     )
                     continue
                 obj.ref_count_up()
-                self._queue.append(_Put(key, cache_key, obj, on_done))
+                self._queue.append(_Put(key, cache_key, obj, on_done, _ready_event(obj)))
                 self._pending[key] = self._pending.get(key, 0) + 1
                 queued += 1
             self._cv.notify()
@@ -163,6 +178,8 @@ class PutQueue:
                     self._finish(batch, stored=False)
                     return
                 for p, a in zip(todo, allocs, strict=True):
+                    if p.ready is not None:
+                        p.ready.synchronize()
                     write_object(a.buf, encode_header(p.obj), payload_bytes(p.obj))
                 results = client.batch_store([p.key for p in todo], allocs)
                 allocs = []

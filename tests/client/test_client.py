@@ -154,6 +154,38 @@ def test_a_refused_posted_request_reaches_its_callback_and_the_exchange_goes_on(
         idle.close()
 
 
+@pytest.mark.parametrize("spin_us", [0, 3000])
+def test_a_spinning_receive_gets_every_reply_and_still_times_out(
+    h: MaruHandler, monkeypatch: pytest.MonkeyPatch, spin_us: int
+) -> None:
+    """MARU_RPC_SPIN_US: a request polls for its reply without sleeping first; replies that come
+    within the spin and after it are read alike, posted replies included, and a dead server still
+    times out with the usual error."""
+    from maru.client import rpc
+    from maru.errors import MaruTimeoutError
+    from maru.protocol import Op
+
+    monkeypatch.setattr(rpc, "SPIN_S", spin_us / 1e6)
+    put(h, "spun", b"s" * 64)
+    for _ in range(30):
+        assert h.exists(["spun", "nope"]) == [True, False]
+        r = h.retrieve("spun")
+        assert r is not None and r.view == b"s" * 64
+        h.batch_release([r], wait=False)
+    assert h.usage()["pinned"] == 0
+    import zmq
+
+    mute = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the connection, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    silent = rpc.RpcChannel(f"tcp://127.0.0.1:{mute.bind_to_random_port('tcp://127.0.0.1')}")
+    try:
+        with pytest.raises(MaruTimeoutError, match="no reply"):
+            silent.request(Op.USAGE, {}, 0.2)
+    finally:
+        silent.close()
+        mute.close()
+
+
 def test_batches_over_the_protocol_limit_are_split_transparently(h: MaruHandler) -> None:
     put(h, "last", b"z")
     keys = [f"absent-{i}" for i in range(MAX_BATCH + 5)] + ["last"]

@@ -386,6 +386,50 @@ def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool:
         assert torch.equal(got.view(torch.int16), want[i].view(torch.int16))
 
 
+@pytest.mark.parametrize("checksums", [False, True])
+def test_one_launch_layer_loads_order_each_layer_and_reuse_their_graphs_in_turn(
+    pool: RegisteredPool, checksums: bool
+) -> None:
+    """A warmed size loads every layer with one graph launch whose event-record nodes stand for the
+    per-layer events: a reader stream that waits for layer i sees layer i placed. Six loads in a row
+    over different blocks use all four graphs and come round again; each is checked."""
+    src = make_caches("flashinfer_HND", 61)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    loads = []
+    for k in range(6):
+        slots = _slots(src, 2 * CHUNK, 62 + k)
+        objs = [pool.alloc(engine, CHUNK) for _ in range(2)]
+        engine.store(objs, slots).wait()
+        loads.append((objs, slots))
+    fresh = make_caches("flashinfer_HND", 70)
+    loader = pl.DevicePipeline(
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True,
+        lazy_capture=False, layer_checksums=checksums,
+    )  # fmt: skip
+    loader.warm(0, layer_tokens=[2 * CHUNK])
+    reader = torch.cuda.Stream()
+    last = L - 1
+    for objs, slots in loads:
+        handle = loader.load_layers(objs, slots, checksums=checksums)
+        if BACKEND != "reference" and loader._sync.raw:
+            assert handle.one_launch
+        seen = []
+        for i in (0, 13, last):
+            handle.wait_for_layer(i, reader)
+            with torch.cuda.stream(reader):
+                seen.append(
+                    kv_ops.gather_layer(fresh.layers[i], fresh.layout(), slots.cuda(), backend="reference")
+                )
+        reader.synchronize()
+        handle.wait()
+        want = _reference_gather(src, slots)
+        for got, i in zip(seen, (0, 13, last), strict=True):
+            assert torch.equal(got.view(torch.int16), want[i].view(torch.int16)), f"layer {i}"
+        if checksums:
+            sums = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+            assert handle.checksums() == sums
+
+
 def test_an_hnd_cache_read_in_its_logical_order_would_be_caught(pool: RegisteredPool) -> None:
     """The seed issue's trap: treating an HND cache as if its shape were its memory order writes other
     bytes. A loader given such a view must fail the comparison the tests above make."""

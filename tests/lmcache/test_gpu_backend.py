@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from maru.lmcache.objects import HEADER_BYTES
 from tests.lmcache.conftest import NEEDS, WHY, backend, cache_keys
 
 pytest.importorskip(NEEDS, reason=WHY)
@@ -41,12 +42,23 @@ def test_cuda_memory_objects_come_back_byte_for_byte(make_storage, zero_copy, dt
     be.batched_submit_put_task(keys, objs)
     assert be.puts.flush(30)
     assert be.batched_contains(keys) == 4
+    # The pool's bytes first (read through Maru's own client), so a failure says which side broke.
+    client = be.link.client()
+    stored = client.batch_retrieve([be.key(k) for k in keys], pin=True, verify=True)
+    for i, (h, t) in enumerate(zip(stored, data, strict=True)):
+        assert h is not None, f"chunk {i} is not readable from the pool"
+        n = t.numel() * t.element_size()
+        pool_bytes = torch.frombuffer(bytearray(h.view[HEADER_BYTES : HEADER_BYTES + n]), dtype=torch.uint8)
+        assert torch.equal(pool_bytes, t.view(torch.uint8).flatten().cpu()), (
+            f"the put stored wrong bytes (chunk {i})"
+        )
+    client.batch_release(stored)
     got = be.batched_get_blocking(keys)
-    for g, t in zip(got, data, strict=True):
+    for i, (g, t) in enumerate(zip(got, data, strict=True)):
         assert g is not None
-        on_gpu = g.tensor.to("cuda", non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(on_gpu.view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(g.tensor.cpu().view(torch.uint8), t.view(torch.uint8).cpu()), (
+            f"the get returned wrong bytes (chunk {i}; its tensor on {g.tensor.device}, pool bytes were right)"
+        )
         g.ref_count_down()
     for o in objs:
         o.ref_count_down()
