@@ -101,9 +101,6 @@ def default_pool_path(port: int = DEFAULT_PORT) -> str:
     return f"/dev/shm/maru-pool-{port}"
 
 
-DEFAULT_SPIN_US = int(os.environ.get("MARU_SERVER_SPIN_US", "0"))
-
-
 @dataclass
 class MaruConfig:
     """Settings of one ``maru server``. Defaults are the embedded single-machine setup."""
@@ -127,14 +124,9 @@ class MaruConfig:
     tenants: str | None = None  # JSON file: namespaces, rights per client key, quotas
     max_clients: int = DEFAULT_MAX_CLIENTS  # live leases at most
     group: str | None = None  # None: files 0600; a group name: files 0660 owned by that group
-    # After each request the loop polls without sleeping this long before it blocks again: the
-    # next request of a burst (a load's lookup, then its unpin) finds the server awake.
-    spin_us: int = DEFAULT_SPIN_US
 
     def __post_init__(self) -> None:
         self.lease_timeout_s = check_lease_timeout(self.lease_timeout_s)
-        if not 0 <= self.spin_us <= 100_000:
-            raise ConfigError(f"--spin-us {self.spin_us} must be between 0 (never spin) and 100000")
 
     @property
     def url(self) -> str:

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import stat
+import sys
 
 from maru.errors import PoolError
 from maru.pool.header import HEADER_BYTES, PoolHeader
@@ -211,11 +212,33 @@ class PoolMapping:
         finally:
             os.close(fd)
 
+    def _unregister_from_cuda(self) -> None:
+        cuda_host = sys.modules.get("maru.client.cuda_host")
+        if cuda_host is None or self._view is None:
+            return  # nothing in this process registered anything, or closed already
+        try:
+            cuda_host.default_registry().unregister(self._base, self.size)
+        except Exception as e:  # never keep a mapping open over this; say what may follow
+            log.warning(
+                "pool %s: ending its CUDA registration failed (%s: %s); a pool mapped later at the same "
+                "address may have its GPU copies go to the old pages",
+                self.path,
+                type(e).__name__,
+                e,
+            )
+
     def _is_fenced(self, start: int, end: int) -> bool:
         return any(s <= start and end <= e for s, e in self._fenced)
 
     def close(self) -> None:
-        """Unmap, unless views are still alive (then the OS unmaps when the last one goes)."""
+        """Unregister from CUDA, then unmap, unless views are still alive (then the OS unmaps when
+        the last one goes).
+
+        The CUDA registration must end before the unmap: the driver keeps the old pages pinned and
+        its DMA keeps using them, so a later mapping at the same address (the next pool this process
+        maps) would read and write stale pages behind every copy while the CPU sees its own, and a
+        checksum taken on the CPU would vouch for bytes the GPU never wrote."""
+        self._unregister_from_cuda()
         for v in (self._ro_view, self._view):
             if v is not None:
                 v.release()

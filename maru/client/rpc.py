@@ -106,9 +106,6 @@ class CurveKeys:
         return cls(server_public, public, secret)
 
 
-SPIN_S = float(os.environ.get("MARU_RPC_SPIN_US", "0")) / 1e6
-
-
 class RpcChannel:
     """A thread-safe request/reply channel to one server URL."""
 
@@ -241,9 +238,7 @@ class RpcChannel:
             try:
                 if remaining_ms <= 0:
                     raise zmq.Again()
-                reply = self._spin_recv(sock) if SPIN_S > 0 else None
-                if reply is None:
-                    reply = sock.recv()
+                reply = sock.recv()
             except zmq.Again:
                 raise MaruTimeoutError(
                     f"no reply from maru server at {self.url} within {timeout_s:g} s "
@@ -259,17 +254,6 @@ class RpcChannel:
                     f"with op {reply_op:#x}; client and server disagree on the protocol"
                 )
             return protocol.decode_body(reply)
-
-    @staticmethod
-    def _spin_recv(sock: zmq.Socket) -> bytes | None:
-        """The reply if it arrives within ``SPIN_S`` while this thread polls without sleeping."""
-        end = time.perf_counter() + SPIN_S
-        while True:
-            try:
-                return sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                if time.perf_counter() >= end:
-                    return None
 
     def _hint(self) -> str:
         if self._curve is None:

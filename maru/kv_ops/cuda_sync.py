@@ -130,6 +130,10 @@ class RawSync(TorchSync):
         """Queue an instantiated CUDA graph (``cudaGraphExec_t``) on ``stream``; returns at once."""
         self._check(self._launch(graph_exec, stream), "cudaGraphLaunch")
 
+    def clear_error(self) -> None:
+        """Reset the runtime's last error (after a refused call whose failure was handled)."""
+        self._last_error()
+
     def device_pointer(self, host_ptr: int) -> int | None:
         """The device address of registered/pinned host memory, or None if CUDA cannot map it."""
         out = ctypes.c_void_p()

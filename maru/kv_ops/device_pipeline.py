@@ -337,6 +337,8 @@ class DevicePipeline(PipelineInputs, LayerPaths):
             self._layer_placer.warm_direct_all(tb, checksum=self.layer_checksums)
         except Exception as e:  # a driver without event-record nodes in captures, say
             self.one_launch_layers = False
+            if self._sync.raw:
+                self._sync.clear_error()  # torch's next launch check would otherwise report it
             announce_once(
                 log,
                 "kv_ops.one-launch",

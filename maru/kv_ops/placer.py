@@ -117,11 +117,18 @@ class GraphedPlacer:
         if op in ("direct-all", "direct-all+checksum"):
             tab = self.direct_table(num_tokens)
             events = self._all_events[key]
+            stream = torch.cuda.current_stream(self.device)
+            # An event-record node inside the capture; the warm-up launch before it records plainly
+            # (CUDA refuses the external flag outside a capture).
+            capturing = torch.cuda.is_current_stream_capturing()
             for i in range(self.num_layers):
                 triton_kernels.direct_scatter_layer(
                     tab, self._refs[i], self.layout, i, num_tokens, checksum=op.endswith("+checksum")
                 )
-                self._launcher.record_external(events[i], torch.cuda.current_stream(self.device).cuda_stream)
+                if capturing:
+                    self._launcher.record_external(events[i], stream.cuda_stream)
+                else:
+                    self._launcher.record(events[i], stream)
             return
         if op in ("direct", "direct+checksum"):
             tab = self.direct_table(num_tokens)

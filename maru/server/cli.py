@@ -19,7 +19,6 @@ from maru.config import (
     DEFAULT_POOL_SIZE,
     DEFAULT_PORT,
     DEFAULT_QUARANTINE_TIMEOUT_S,
-    DEFAULT_SPIN_US,
     MaruConfig,
     check_lease_timeout,
     default_pool_path,
@@ -64,14 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_QUARANTINE_TIMEOUT_S,
         help="space of an expired lease is reused only once its holder is known dead or fenced, or this "
         f"long after expiry (0: never by time; default {DEFAULT_QUARANTINE_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--spin-us",
-        metavar="US",
-        type=int,
-        default=DEFAULT_SPIN_US,
-        help="after each request, poll this long without sleeping before blocking again: a burst's next "
-        f"request finds the server awake (0: never; up to one core busy while requests flow; default {DEFAULT_SPIN_US})",
     )
     parser.add_argument(
         "--max-object-size",
@@ -157,7 +148,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         tenants=args.tenants,
         max_clients=args.max_clients,
         group=args.group,
-        spin_us=args.spin_us,
     )
     if alignment is not None:
         cfg.alignment = alignment

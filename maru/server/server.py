@@ -244,20 +244,15 @@ class MaruServer(RequestHandlers, ServerViews):
         recv = partial(sock.recv_multipart, copy=False) if self._auth.enabled else sock.recv_multipart
         on_message = self._on_message
         monotonic = time.monotonic
-        spin_s = self.cfg.spin_us / 1e6
-        spin_until = 0.0
         try:
             while not self._stop:
                 try:
-                    frames = self._spin_recv(sock, spin_until) if spin_s else None
-                    if frames is None:
-                        self._in_recv = True
-                        try:
-                            frames = recv()
-                        finally:
-                            self._in_recv = False
+                    self._in_recv = True
+                    try:
+                        frames = recv()
+                    finally:
+                        self._in_recv = False
                     on_message(frames)
-                    spin_until = time.perf_counter() + spin_s
                 except _StopServing:
                     break
                 except zmq.Again:
@@ -276,18 +271,6 @@ class MaruServer(RequestHandlers, ServerViews):
                     next_ticks = now + TICK_FLUSH_S
         finally:
             self.close()
-
-    def _spin_recv(self, sock: zmq.Socket, until: float) -> list[Any] | None:
-        """The next request if one arrives before ``until`` (perf_counter) while the loop polls
-        without sleeping; None once that passed (the loop then blocks in ``recv``). One request at
-        most, so housekeeping keeps its turn under steady traffic."""
-        copy = not self._auth.enabled
-        while not self._stop and time.perf_counter() < until:
-            try:
-                return sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-            except zmq.Again:
-                continue
-        return None
 
     def close(self) -> None:
         """Close the socket and checkpoint SQLite. Idempotent."""

@@ -375,32 +375,3 @@ def test_an_evicted_key_stays_gone_after_sigkill_and_restart(tmp_path: Path) -> 
         pool = map_pool(srv.pool_path)
         assert pool[look[2][0] : look[2][0] + 4096] == b"n" * 4096
         pool.close()
-
-
-def test_a_spinning_server_serves_bursts_and_stops_on_sigterm(tmp_path: Path) -> None:
-    """--spin-us: after each request the loop polls without sleeping; requests that arrive while it
-    spins, and while it blocks after, are answered alike, and SIGTERM still stops it."""
-    srv = ServerProcess(tmp_path, extra_args=["--spin-us", "2000"])
-    srv.start()
-    try:
-        pool = map_pool(srv.pool_path)
-        with RawClient(srv.url) as c:
-            c.handshake()
-            data = {f"s{i}": os.urandom(300 + i) for i in range(20)}
-            put(c, pool, data)
-            for i in range(20):  # back to back: each lands inside the last one's spin
-                assert c.call(Op.EXISTS, keys=[f"s{i}", "none"])["present"] == [True, False]
-            time.sleep(0.05)  # past the spin: the loop is blocked in recv again
-            assert c.call(Op.LOOKUP, keys=["s3"], pin=False)["entries"][0] is not None
-        pool.close()
-        assert srv.stop() == 0
-        assert "stopped" in srv.log()
-    finally:
-        srv.cleanup()
-
-
-def test_a_spin_out_of_range_is_a_clear_error(tmp_path: Path) -> None:
-    res = run_server_cli(
-        ["--spin-us", "-1", "--pool-path", str(tmp_path / "pool"), "--state-dir", str(tmp_path)]
-    )
-    assert res.returncode == 2 and "--spin-us" in res.stderr and "Traceback" not in res.stderr
