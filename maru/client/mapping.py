@@ -28,6 +28,7 @@ import mmap
 import os
 import stat
 import sys
+import weakref
 
 from maru.errors import PoolError
 from maru.pool.header import HEADER_BYTES, PoolHeader
@@ -58,6 +59,23 @@ def _remap(address: int, length: int, flags: int, fd: int, offset: int) -> None:
         raise PoolError(f"cannot remap {length} bytes at {address:#x}: {os.strerror(err)}")
 
 
+def _end_cuda_registration(path: str, address: int, size: int) -> None:
+    """End a CUDA registration of ``[address, address + size)`` made in this process, if any."""
+    cuda_host = sys.modules.get("maru.client.cuda_host")
+    if cuda_host is None:
+        return  # nothing in this process registered anything
+    try:
+        cuda_host.default_registry().unregister(address, size)
+    except Exception as e:  # never keep a mapping open over this; say what may follow
+        log.warning(
+            "pool %s: ending its CUDA registration failed (%s: %s); a pool mapped later at the same "
+            "address may have its GPU copies go to the old pages",
+            path,
+            type(e).__name__,
+            e,
+        )
+
+
 class PoolMapping:
     """A shared read/write mapping of one pool, checked against the server's pool UUID."""
 
@@ -76,6 +94,10 @@ class PoolMapping:
         self._ro_view: memoryview | None = self._view.toreadonly()
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self._fenced: list[tuple[int, int]] = []  # sorted [start, end) page ranges, private now
+        # Runs once: at close(), or when a mapping nobody closed is collected (before its unmap).
+        self._end_registration = weakref.finalize(
+            self, _end_cuda_registration, self.path, self._base, pool_size
+        )
 
     @staticmethod
     def _map(path: str, pool_size: int) -> mmap.mmap:
@@ -212,21 +234,6 @@ class PoolMapping:
         finally:
             os.close(fd)
 
-    def _unregister_from_cuda(self) -> None:
-        cuda_host = sys.modules.get("maru.client.cuda_host")
-        if cuda_host is None or self._view is None:
-            return  # nothing in this process registered anything, or closed already
-        try:
-            cuda_host.default_registry().unregister(self._base, self.size)
-        except Exception as e:  # never keep a mapping open over this; say what may follow
-            log.warning(
-                "pool %s: ending its CUDA registration failed (%s: %s); a pool mapped later at the same "
-                "address may have its GPU copies go to the old pages",
-                self.path,
-                type(e).__name__,
-                e,
-            )
-
     def _is_fenced(self, start: int, end: int) -> bool:
         return any(s <= start and end <= e for s, e in self._fenced)
 
@@ -238,7 +245,7 @@ class PoolMapping:
         its DMA keeps using them, so a later mapping at the same address (the next pool this process
         maps) would read and write stale pages behind every copy while the CPU sees its own, and a
         checksum taken on the CPU would vouch for bytes the GPU never wrote."""
-        self._unregister_from_cuda()
+        self._end_registration()
         for v in (self._ro_view, self._view):
             if v is not None:
                 v.release()

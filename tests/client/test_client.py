@@ -361,3 +361,39 @@ def test_closing_a_handler_ends_the_cuda_registration_of_its_pool_before_unmappi
     with MaruHandler(maru_server.url) as again:  # the next mapping registers afresh
         assert cuda_host.register_host_mapping(again.pool_mapping).state == "registered"
         assert calls[-1] == ("register", again.pool_mapping.address)
+
+
+def test_a_pool_mapping_nobody_closed_ends_its_cuda_registration_when_collected(
+    h: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    from maru.client import cuda_host
+    from maru.client.mapping import PoolMapping
+
+    calls: list[tuple[str, int]] = []
+
+    class Runtime:
+        def register(self, address: int, size: int, flags: int) -> int:
+            calls.append(("register", address))
+            return 0
+
+        def unregister(self, address: int) -> int:
+            calls.append(("unregister", address))
+            return 0
+
+        def error_name(self, code: int) -> str:
+            return f"cudaError {code}"
+
+    monkeypatch.setattr(cuda_host, "_DEFAULT", cuda_host.CudaHostRegistry(Runtime))
+    own = h.pool_mapping
+    extra = PoolMapping(own.path, own.uuid, own.size, own.data_offset)
+    address = extra.address
+    assert cuda_host.register_host_mapping(extra).state == "registered"
+    del extra
+    gc.collect()
+    assert calls == [("register", address), ("unregister", address)]
+    extra = PoolMapping(own.path, own.uuid, own.size, own.data_offset)
+    extra.close()
+    extra.close()  # idempotent, and nothing was registered: nothing to end
+    assert calls == [("register", address), ("unregister", address)]
