@@ -84,13 +84,13 @@ def checksum(buffer: Any) -> int:
     words = data[: full * 8].view("<u8")
     threads = _threads() if n >= PARALLEL_BYTES else 1
     nat = _native()
-    if nat is not None and nat.words_sum is not None and nat.words_sum_parallel is not None:
+    if nat is not None:
         # Small objects keep the GIL for the call; large ones give it up once and split in C
         # (taking the GIL back beside a busy thread costs up to 5 ms: maru.native).
         if threads > 1:
-            total = int(nat.words_sum_parallel(data.ctypes.data, 0, full, threads))
+            total = int(nat.words_sum_parallel(data.ctypes.data, 0, full, threads))  # type: ignore[misc]
         else:
-            total = int(nat.words_sum(data.ctypes.data, 0, full))
+            total = int(nat.words_sum(data.ctypes.data, 0, full))  # type: ignore[misc]
     elif threads > 1:
         step = -(-full // threads // _BLOCK_WORDS) * _BLOCK_WORDS  # whole blocks per thread
         parts = [(a, min(a + step, full)) for a in range(0, full, step)]
@@ -140,9 +140,9 @@ def slow_reasons() -> list[str]:
 
 
 def _native() -> native.Native | None:
-    """The compiled loop, or None (the numpy path, announced once)."""
+    """The compiled loops (both entry points present), or None (the numpy path, announced once)."""
     nat = native.load()
-    if nat.words_sum is None:
+    if nat.words_sum is None or nat.words_sum_parallel is None:
         announce_once(
             log,
             "maru.checksum.numpy",

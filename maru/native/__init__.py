@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,7 @@ def build() -> Path:
             res = subprocess.run([*cmd, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
             if res.returncode == 0:
                 os.replace(tmp, out)  # atomic: another process loads the old or the whole new file
+                _prune(out)
                 return out
             errors.append(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-400:] or res.returncode}")
         except FileNotFoundError as e:
@@ -157,6 +159,21 @@ def build() -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError("cannot build the compiled checksum: " + "; ".join(errors))
+
+
+STALE_S = 30 * 86400
+
+
+def _prune(keep: Path) -> None:
+    """Remove other builds in the cache not modified for ``STALE_S`` (older sources, compilers or
+    CPUs; a build in use by a running process stays mapped in it). Best effort."""
+    cutoff = time.time() - STALE_S
+    for old in keep.parent.glob("maru-checksum-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass
 
 
 def _bind(path: Path) -> tuple[WordsSum, ParallelSum]:

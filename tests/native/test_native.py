@@ -125,3 +125,22 @@ def test_an_unusable_loop_switches_every_checksum_to_numpy_with_the_same_values(
         "checksums run in numpy, 2-4x slower and stalled by busy Python threads (a test said so). "
         f"Fix: {native.FIX}"
     ]
+
+
+def test_a_build_removes_other_builds_untouched_for_30_days_and_keeps_recent_ones(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old, recent, other = (
+        cache / "maru-checksum-0ld.so",
+        cache / "maru-checksum-recent.so",
+        cache / "notes.txt",
+    )
+    for p in (old, recent, other):
+        p.write_bytes(b"x")
+    month_ago = os.path.getmtime(old) - native.STALE_S - 60
+    os.utime(old, (month_ago, month_ago))
+    os.utime(other, (month_ago, month_ago))
+    first, _ = probe(tmp_path)
+    assert first["impl"] == "native", first
+    names = sorted(p.name for p in cache.iterdir())
+    assert names == sorted([Path(first["library"]).name, recent.name, other.name]), names
