@@ -13,6 +13,7 @@ vLLM's CPU build ("No supported cpu connector found"), so this test has no CPU v
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import tempfile
@@ -46,7 +47,12 @@ MAX_TOKENS = 8
 def test_second_instance_gets_the_prefix_from_maru_through_lmcache_with_identical_output():
     logs = Path(os.environ.get("MARU_GPU_E2E_LOG_DIR") or tempfile.mkdtemp(prefix="lmc-e2e-"))
     logs.mkdir(parents=True, exist_ok=True)
-    model = str(make_model(Path(tempfile.gettempdir()) / "h4-model-l3kv", GPU_SETUP.model))
+    spec = GPU_SETUP.model
+    heads = os.environ.get("LMCACHE_TEST_KV_HEADS")  # e.g. 16: block size == KV heads (see docs/lmcache.md)
+    if heads:
+        spec = dataclasses.replace(spec, kv_heads=int(heads))
+    name = f"h4-model-kv{heads}" if heads else "h4-model-l3kv"  # the benchmark's model by default
+    model = str(make_model(Path(tempfile.gettempdir()) / name, spec))
     srv = ServerProcess(logs, pool_size="4G", log_level="WARNING").start()
     yaml = lmcache_yaml(logs / "e2e-lmc-maru.yaml", GPU_SETUP, srv.url, "e2e")
     env = {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CONFIG_FILE": str(yaml)}
