@@ -343,12 +343,22 @@ def check_lmcache(ctx: DoctorContext) -> CheckResult:
         )
     if ctx.quick:
         return CheckResult(name, SKIP, f"lmcache {version}; backend import skipped (--quick)")
-    code = "from maru.lmcache import lmcache_status; v, why = lmcache_status(); print('LOADS' if why is None else why)"
+    code = (
+        "from maru.lmcache import lmcache_status; v, why = lmcache_status(); print('LOADS' if why is None else why)\n"
+        "if why is None:\n"
+        "    import torch; from maru.lmcache.compat import installed_known_wrong\n"
+        "    w = installed_known_wrong() if torch.cuda.is_available() else None\n"
+        "    print('WRONG ' + w if w else 'LOADS')"
+    )
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
         return CheckResult(name, WARN, f"lmcache {version}; loading the backend took over 180 s", "")
     out = (p.stdout.strip().splitlines() or [""])[-1]
+    if p.returncode == 0 and out.startswith("WRONG "):  # loads, on a GPU, beside a vLLM it serves wrongly
+        return CheckResult(
+            name, WARN, f"lmcache {version}; the backend loads, but {out[6:]}", "serve with MaruKVConnector"
+        )
     if p.returncode != 0 or out != "LOADS":
         why = out or (p.stderr.strip().splitlines() or ["(no output)"])[-1]
         return CheckResult(

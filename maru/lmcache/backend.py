@@ -29,6 +29,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from maru import checksum
 from maru.errors import MaruError
+from maru.lmcache.compat import installed_known_wrong
 from maru.lmcache.config import LMCacheMaruConfig
 from maru.lmcache.keys import pool_key
 from maru.lmcache.link import ServerLink
@@ -74,12 +75,17 @@ class MaruStorageBackend(StoragePluginInterface):
         checksum.implementation()  # build the C loop now, not in the first get (or announce numpy once)
         for why in self._unchecked():
             logger.warning("Maru (LMCache backend): %s", why)
+        self._known_wrong = installed_known_wrong() if self._cuda else None
+        if self._known_wrong:
+            logger.error("Maru (LMCache backend): %s", self._known_wrong)
         self.link.client()  # connect now if we can (else: warned once, retried later)
 
     def _weaker(self) -> list[str]:
         """What ``maru doctor`` lists for this backend: the numpy checksum (puts and checked gets
         compute checksums on the CPU) and settings that serve unchecked bytes, each with its fix."""
-        return checksum.slow_reasons() + self._unchecked()
+        return (
+            checksum.slow_reasons() + self._unchecked() + ([self._known_wrong] if self._known_wrong else [])
+        )
 
     def _unchecked(self) -> list[str]:
         """Settings that serve bytes Maru does not check, each with its fix (logged at start)."""

@@ -21,3 +21,20 @@ def test_doctor_quick_names_the_version_without_importing():
     r = doctor.check_lmcache(doctor.DoctorContext(quick=True))
     assert r.status == doctor.SKIP
     assert "lmcache" in r.detail.lower()
+
+
+def test_measured_wrong_lmcache_and_vllm_releases_are_named_and_later_ones_are_not():
+    from maru.lmcache.compat import known_wrong_outputs
+
+    for lmc, vllm in (("0.5.3", "0.26.0"), ("0.5.6", "0.26.0+cu130"), ("0.5.6", "0.32.0")):
+        why = known_wrong_outputs(lmc, vllm)
+        assert why and lmc in why and "MaruKVConnector" in why and "docs/lmcache.md" in why
+    for lmc, vllm in (
+        ("0.5.7", "0.26.0"),
+        ("0.6.0", "0.26.0"),
+        ("0.5.6", "0.25.1"),
+        (None, "0.26.0"),
+        ("0.5.6", None),
+        ("dev", "x"),
+    ):
+        assert known_wrong_outputs(lmc, vllm) is None, (lmc, vllm)
