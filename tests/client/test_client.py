@@ -6,6 +6,7 @@ import os
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -324,6 +325,28 @@ def test_pool_path_override_maps_the_same_pool_under_another_name(maru_server: S
         os.unlink(alias)
 
 
+class RecordingRuntime:
+    """Stands in for cudart's host registration: records (call, address); ``on_unregister`` runs
+    inside each unregister call (to look at the mapping while the driver lets go of it)."""
+
+    def __init__(self, on_unregister: Any = None) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.on_unregister = on_unregister
+
+    def register(self, address: int, size: int, flags: int) -> int:
+        self.calls.append(("register", address))
+        return 0
+
+    def unregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        if self.on_unregister is not None:
+            self.on_unregister()
+        return 0
+
+    def error_name(self, code: int) -> str:
+        return f"cudaError {code}"
+
+
 def test_closing_a_handler_ends_the_cuda_registration_of_its_pool_before_unmapping(
     maru_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,34 +356,22 @@ def test_closing_a_handler_ends_the_cuda_registration_of_its_pool_before_unmappi
     and the range is unregistered before it is unmapped."""
     from maru.client import cuda_host
 
-    calls: list[tuple[str, int]] = []
+    def still_mapped() -> None:
+        assert mapping._view is not None, "unregistered after the unmap"
 
-    class Runtime:
-        def register(self, address: int, size: int, flags: int) -> int:
-            calls.append(("register", address))
-            return 0
-
-        def unregister(self, address: int) -> int:
-            # Still mapped: the handler's mapping reads fine while the driver lets go of it.
-            calls.append(("unregister", address))
-            assert mapping._view is not None, "unregistered after the unmap"
-            return 0
-
-        def error_name(self, code: int) -> str:
-            return f"cudaError {code}"
-
-    monkeypatch.setattr(cuda_host, "_DEFAULT", cuda_host.CudaHostRegistry(Runtime))
+    rt = RecordingRuntime(still_mapped)
+    monkeypatch.setattr(cuda_host, "_DEFAULT", cuda_host.CudaHostRegistry(lambda: rt))
     h = MaruHandler(maru_server.url)
     mapping = h.pool_mapping
     record = cuda_host.register_host_mapping(mapping)
-    assert record.state == "registered" and calls == [("register", mapping.address)]
+    assert record.state == "registered" and rt.calls == [("register", mapping.address)]
     address = mapping.address
     h.close()
-    assert calls == [("register", address), ("unregister", address)]
+    assert rt.calls == [("register", address), ("unregister", address)]
     assert record.state == "unregistered"
     with MaruHandler(maru_server.url) as again:  # the next mapping registers afresh
         assert cuda_host.register_host_mapping(again.pool_mapping).state == "registered"
-        assert calls[-1] == ("register", again.pool_mapping.address)
+        assert rt.calls[-1] == ("register", again.pool_mapping.address)
 
 
 def test_a_pool_mapping_nobody_closed_ends_its_cuda_registration_when_collected(
@@ -371,29 +382,16 @@ def test_a_pool_mapping_nobody_closed_ends_its_cuda_registration_when_collected(
     from maru.client import cuda_host
     from maru.client.mapping import PoolMapping
 
-    calls: list[tuple[str, int]] = []
-
-    class Runtime:
-        def register(self, address: int, size: int, flags: int) -> int:
-            calls.append(("register", address))
-            return 0
-
-        def unregister(self, address: int) -> int:
-            calls.append(("unregister", address))
-            return 0
-
-        def error_name(self, code: int) -> str:
-            return f"cudaError {code}"
-
-    monkeypatch.setattr(cuda_host, "_DEFAULT", cuda_host.CudaHostRegistry(Runtime))
+    rt = RecordingRuntime()
+    monkeypatch.setattr(cuda_host, "_DEFAULT", cuda_host.CudaHostRegistry(lambda: rt))
     own = h.pool_mapping
     extra = PoolMapping(own.path, own.uuid, own.size, own.data_offset)
     address = extra.address
     assert cuda_host.register_host_mapping(extra).state == "registered"
     del extra
     gc.collect()
-    assert calls == [("register", address), ("unregister", address)]
+    assert rt.calls == [("register", address), ("unregister", address)]
     extra = PoolMapping(own.path, own.uuid, own.size, own.data_offset)
     extra.close()
     extra.close()  # idempotent, and nothing was registered: nothing to end
-    assert calls == [("register", address), ("unregister", address)]
+    assert rt.calls == [("register", address), ("unregister", address)]
