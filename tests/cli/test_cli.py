@@ -12,6 +12,7 @@ import pytest
 from maru import MaruHandler
 from maru.cli import doctor
 from maru.protocol import Op
+from maru.versions import vllm_version
 from tests.helpers import RawClient, ServerProcess, flat, free_port, maru
 
 
@@ -46,7 +47,7 @@ def test_doctor_optional_checks_report_kv_ops_backend_and_vllm_version() -> None
     assert kv.status in (doctor.OK, doctor.WARN) and kv.detail
     ctx.quick = True  # the connector import (vLLM) takes tens of seconds; the version is enough here
     v = doctor.check_vllm(ctx)
-    found = doctor._vllm_version()
+    found = vllm_version()
     if found is None:
         assert v.status == doctor.WARN and "not installed" in v.detail
     else:
