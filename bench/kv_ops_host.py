@@ -49,7 +49,7 @@ def cuda_main() -> None:
     )  # fmt: skip
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
     print(f"{torch.cuda.get_device_name()}, kv_ops backend {kv_ops.backend('cuda')}, 32 layers")
-    print(f"{'call':30s} {'host us/call':>12s} {'GPU us/call':>12s}")
+    print(f"{'call':45s} {'host us/call':>12s} {'GPU us/call':>12s}")
     calls = []
     for tokens in (16, 256):  # at 16 tokens the GPU is faster than any launch: the host is timed
         slots = torch.randperm(4096 * 16, device="cuda")[:tokens].to(torch.int64)
@@ -60,7 +60,9 @@ def cuda_main() -> None:
         calls.append(
             (f"gather, {tokens} tokens", lambda o=obj, s=slots: kv_ops.gather(case.caches, layout, s, out=o))
         )
-    for name, f in calls:
+    from maru.kv_ops import triton_kernels
+
+    def timed(name: str, f: Any) -> None:
         for _ in range(20):
             f()
         torch.cuda.synchronize()
@@ -73,7 +75,15 @@ def cuda_main() -> None:
             f()
         b.record()
         b.synchronize()
-        print(f"{name:30s} {host:12.1f} {a.elapsed_time(b) * 1e3 / n:12.1f}")
+        print(f"{name:45s} {host:12.1f} {a.elapsed_time(b) * 1e3 / n:12.1f}")
+
+    for name, f in calls:
+        timed(name, f)
+    print("launcher:", triton_kernels._PLACE.stats())
+    # The same calls through Triton's own per-call binding (what the launcher saves).
+    triton_kernels._PLACE.unavailable = "forced by bench/kv_ops_host.py"
+    for name, f in calls:
+        timed(f"{name}, Triton's binding", f)
 
 
 def main() -> None:

@@ -100,6 +100,11 @@ if triton is not None:
             s = _block_sum(src, nbytes, start, first_word, BLOCK)
             tl.atomic_add(acc_ptr + which, s.to(tl.int64, bitcast=True))
 
+    from maru.kv_ops.launch import Launcher
+
+    _CHECKSUM = Launcher(_checksum_kernel)
+    _CHECKSUM_PIECES = Launcher(_checksum_pieces_kernel)
+
 
 def finalize(raw: int, nbytes: int) -> int:
     """The checksum from a raw accumulated sum (an int64 or uint64 value) and the byte length."""
@@ -144,7 +149,7 @@ def accumulate(t: torch.Tensor, acc: torch.Tensor, k: int = 0, first_word: int =
     if not _triton_runs_on(t.device):
         raise ValueError(f"device checksums need triton on {t.device}; use checksums()")
     grid = (triton.cdiv((n + 7) // 8, BLOCK_WORDS),)
-    _checksum_kernel[grid](t, acc[k:], n, first_word, BLOCK=BLOCK_WORDS)
+    _CHECKSUM.launch(grid, 4, t, acc[k:], n, first_word, BLOCK_WORDS)
 
 
 def pieces_table(pieces: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:
@@ -172,7 +177,7 @@ def accumulate_pieces(
     if most <= 0:
         return
     grid = (triton.cdiv((most + 7) // 8, BLOCK_WORDS), n)
-    _checksum_pieces_kernel[grid](tab, acc, tab.stride(0), like, BLOCK=BLOCK_WORDS)
+    _CHECKSUM_PIECES.launch(grid, 4, tab, acc, tab.stride(0), like, BLOCK_WORDS)
 
 
 def accumulate_many(ts: Sequence[torch.Tensor], acc: torch.Tensor) -> None:

@@ -317,7 +317,6 @@ class LayerPaths:
             graphed, tb = False, total  # eager: no capture while serving, no padding
         chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
         host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
-        _copied, placed = self._layer_events()
         sync, place = self._sync, self._place_stream
         self._after_caller(place)
         with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
@@ -338,7 +337,8 @@ class LayerPaths:
             if one_launch:
                 # One launch: every layer's kernel, each followed by its event (recorded in the graph).
                 placed = self._layer_placer.scatter_direct_all(tb, checksum=checksums)
-            else:
+            else:  # per-layer launches, each followed by an event of a recycled set
+                _copied, placed = self._layer_events()
                 refs = None if graphed else ops.layer_refs(self.caches, self.layout)
                 for i in range(self.num_layers):
                     if graphed:

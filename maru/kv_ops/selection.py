@@ -96,8 +96,25 @@ def _announce(choice: BackendChoice) -> None:
         announce_once(log, key, logging.INFO, "maru.kv_ops: placing KV with %s", choice)
 
 
+_RESOLVED: dict[tuple, str] = {}
+
+
 def resolve(requested: str | None, device_type: str) -> str:
-    """The backend name one call uses; raises ``BackendUnavailable`` when the request cannot run."""
+    """The backend name one call uses; raises ``BackendUnavailable`` when the request cannot run.
+
+    Answers are memoised (every public call asks, and the answer is fixed for a process: triton
+    imports or not, the interpreter flag is read before triton is imported); the key holds the
+    import check itself, so a test's stand-in for it is asked again. Refusals are not memoised."""
+    key = (requested, device_type, triton_import_error)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    name = _resolve(requested, device_type)
+    _RESOLVED[key] = name
+    return name
+
+
+def _resolve(requested: str | None, device_type: str) -> str:
     if requested is None:
         choice = choose(device_type)
         _announce(choice)

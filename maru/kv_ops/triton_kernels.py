@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from maru.kv_ops.checksum import mix_words
+from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import as_bits
 
@@ -319,7 +320,9 @@ def place(
         table, use_table = tab, True
     block_t, block_r, num_warps = tiles(layout, num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
-    _place_kernel[grid](
+    _PLACE.launch(
+        grid,
+        num_warps,
         obj,
         cache0,
         table,
@@ -334,21 +337,23 @@ def place(
         layout.kv_stride,
         layout.k_token_stride,
         layout.v_token_stride,
-        K_S_DIM=layout.k_dim_stride,
-        V_S_DIM=layout.v_dim_stride,
-        BS=layout.block_size,
-        HS=layout.head_size,
-        ROW=row,
-        NUM_KV=num_kv,
-        BLOCK_T=block_t,
-        BLOCK_R=block_r,
-        GATHER=gather,
-        BLOCKWISE=blockwise,
-        USE_TABLE=use_table,
-        LAYER_ALIGN=align,
-        ROW_CONTIG=row_is_contiguous(layout),
-        num_warps=num_warps,
+        layout.k_dim_stride,  # K_S_DIM and the rest: the constexprs, in the kernel's order
+        layout.v_dim_stride,
+        layout.block_size,
+        layout.head_size,
+        row,
+        num_kv,
+        block_t,
+        block_r,
+        gather,
+        blockwise,
+        use_table,
+        align,
+        row_is_contiguous(layout),
     )
+
+
+_PLACE = Launcher(_place_kernel)
 
 
 # ---------------------------------------------------------------------- direct (zero-copy) layer load
@@ -541,7 +546,9 @@ def direct_scatter_layer(
         )
     block_t, block_r, num_warps = tiles(layout, num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
-    _direct_layer_kernel[grid](
+    _DIRECT.launch(
+        grid,
+        num_warps,
         tab,
         cache,
         layer,
@@ -552,19 +559,21 @@ def direct_scatter_layer(
         layout.kv_stride,
         layout.k_token_stride,
         layout.v_token_stride,
-        K_S_DIM=layout.k_dim_stride,
-        V_S_DIM=layout.v_dim_stride,
-        BS=layout.block_size,
-        HS=layout.head_size,
-        ROW=layout.row_size,
-        NUM_KV=layout.num_kv,
-        BLOCK_T=block_t,
-        BLOCK_R=block_r,
-        ROW_CONTIG=row_is_contiguous(layout),
-        CHECKSUM=checksum,
-        ESIZE=esize,
-        num_warps=num_warps,
+        layout.k_dim_stride,  # K_S_DIM and the rest: the constexprs, in the kernel's order
+        layout.v_dim_stride,
+        layout.block_size,
+        layout.head_size,
+        layout.row_size,
+        layout.num_kv,
+        block_t,
+        block_r,
+        row_is_contiguous(layout),
+        checksum,
+        esize,
     )
+
+
+_DIRECT = Launcher(_direct_layer_kernel)
 
 
 def direct_checksum_ok(layout: KVLayout, esize: int) -> bool:

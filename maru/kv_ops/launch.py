@@ -1,0 +1,221 @@
+"""Launching a Triton kernel without paying Triton's per-call binding: ``Launcher``.
+
+``kernel[grid](...)`` binds and specialises every argument on every call before it launches: on the
+H200 host about two thirds of a public ``kv_ops.scatter`` call's 43-57 us went there, more than a
+small placement's GPU time. What Triton specialises a compiled kernel on is known and small:
+
+* a tensor argument: its dtype (the pointer type) and whether its address is 16-byte aligned;
+* an integer argument: its width (32 or 64 bit), whether it is 1, whether it divides by 16;
+* every constexpr's value, the launch options (``num_warps``), the current device.
+
+``Launcher`` keys compiled kernels by those facts (a superset: a bool is told from an int, an
+integer's alignment is kept whole), gets each kernel once through Triton's own ``kernel[grid]``
+call (which compiles or picks it, and launches that first call), and launches it directly after
+that, with the very arguments Triton passes its launcher. Invariant: two calls with the same key
+are calls Triton itself would serve with the same compiled kernel; a call whose facts differ in
+any way takes Triton's path and adds a kernel.
+
+Where the direct launch is not available (Triton's interpreter on the CPU, which the tests use, or
+a Triton whose compiled kernels lack the launch entry), every call takes Triton's path; on a GPU
+that is announced once as a slower path with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from maru.announce import announce_once
+
+log = logging.getLogger("maru.kv_ops")
+
+MAX_KERNELS = 256  # compiled kernels kept per Triton function; a new key past it starts over
+
+# The key part of one argument, by its kind (fixed per position at the first call). An integer's
+# (type, residue mod 16, == 1, value >> 31) tells apart everything Triton does (bool or int, 32 or
+# 64 bit, divisible by 16, equal to 1) and more; a tensor's (dtype, address mod 16) likewise; a
+# constexpr is its type and value (True is not 1); anything else (a float, None) its type: Triton does not specialise those.
+_FACTS = {
+    "c": "type({a}), {a}",
+    "t": "{a}.dtype, {a}.data_ptr() & 15",
+    "i": "type({a}), {a} & 15, {a} == 1, {a} >> 31",
+    "o": "type({a})",
+}
+
+
+def kinds_of(args: Sequence[Any], constexpr: Sequence[bool]) -> str:
+    """One letter per argument: c(onstexpr), t(ensor), i(nteger or bool), o(ther)."""
+    out = []
+    for a, c in zip(args, constexpr, strict=True):
+        if c:
+            out.append("c")
+        elif isinstance(a, int):
+            out.append("i")
+        elif hasattr(a, "data_ptr"):
+            out.append("t")
+        else:
+            out.append("o")
+    return "".join(out)
+
+
+def key_function(kinds: str) -> Callable[..., tuple]:
+    """``key(device, num_warps, *args)`` for arguments of these kinds, generated once: a call's host
+    budget is a few microseconds, and a loop over the arguments with type tests costs several."""
+    names = [f"a{i}" for i in range(len(kinds))]
+    parts = ", ".join(_FACTS[k].format(a=n) for k, n in zip(kinds, names, strict=True))
+    src = f"def key(device, num_warps, {', '.join(names)}):\n    return (device, num_warps, {parts})\n"
+    scope: dict[str, Any] = {}
+    exec(compile(src, f"<maru.kv_ops.launch key {kinds}>", "exec"), scope)  # noqa: S102 - our own text
+    return scope["key"]
+
+
+class Launcher:
+    """Direct launches of one ``@triton.jit`` function ``fn`` (see the module docstring).
+
+    ``launch(grid, num_warps, *args)`` takes every parameter of ``fn`` positionally, constexprs
+    included, in ``fn``'s order. Not thread-safe for the first call of a key (two threads may both
+    take Triton's path, which is harmless); later calls only read.
+    """
+
+    def __init__(
+        self, fn: Any, *, device_hooks: tuple[Callable[[], int], Callable[[int], int]] | None = None
+    ):
+        self.fn = fn
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
+        params = getattr(fn, "params", None)
+        self._constexpr: tuple[bool, ...] | None = (
+            tuple(bool(p.is_constexpr) for p in params) if params is not None else None
+        )
+        self._kernels: dict[tuple, Any] = {}
+        self._hooks = device_hooks
+        self._kinds: str | None = None
+        self._key: Callable[..., tuple] | None = None
+        self.direct_calls = 0
+        self.triton_calls = 0
+        self.unavailable: str | None = None
+        from maru.kv_ops.selection import triton_interpreted
+
+        if triton_interpreted():  # the CPU interpreter (tests): no compiled kernels, nothing to announce
+            self.unavailable = "Triton's CPU interpreter (TRITON_INTERPRET=1)"
+
+    def _device_hooks(self) -> tuple[Callable[[], int], Callable[[int], int]]:
+        if self._hooks is None:
+            from triton.runtime import driver
+
+            active = driver.active
+            self._hooks = (active.get_current_device, active.get_current_stream)
+        return self._hooks
+
+    def key(self, device: int, num_warps: int, args: Sequence[Any]) -> tuple | None:
+        """The specialisation key of a call, None when an argument's kind differs from the first
+        call's (that call takes Triton's path). Public for the tests."""
+        flags = self._constexpr
+        assert flags is not None
+        if self._key is None:
+            self._kinds = kinds_of(args, flags)
+            self._key = key_function(self._kinds)
+        try:
+            return self._key(device, num_warps, *args)
+        except (AttributeError, TypeError):  # a tensor where an int was, or the reverse
+            return None
+
+    def launch(self, grid: Sequence[int], num_warps: int, *args: Any) -> None:
+        if self.unavailable is None and self._constexpr is None:
+            self._give_up(f"{self.name} has no parameter list (an unknown Triton)")
+        if self.unavailable is not None:
+            self._triton(grid, num_warps, args)
+            return
+        get_device, get_stream = self._device_hooks()
+        device = get_device()
+        key = self.key(device, num_warps, args)
+        kernel = self._kernels.get(key) if key is not None else None
+        if kernel is None:
+            self._triton(grid, num_warps, args, keep=key)
+            return
+        n = len(grid)
+        g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+        enter, leave = _launch_hooks()
+        stream = get_stream(device)
+        meta = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
+        if self.direct_calls:
+            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args)
+        else:
+            # The first direct launch proves the argument convention of this Triton: its launcher
+            # parses the arguments before anything is queued, so a refusal launched nothing.
+            try:
+                kernel.run(
+                    g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args
+                )
+            except TypeError as exc:
+                self._give_up(f"its compiled kernel refused Triton's launch arguments ({exc})")
+                self._triton(grid, num_warps, args)
+                return
+        self.direct_calls += 1
+
+    def _triton(
+        self, grid: Sequence[int], num_warps: int, args: Sequence[Any], keep: tuple | None = None
+    ) -> None:
+        """Triton's own call; with ``keep``, the kernel it returns is kept under that key when it can
+        be launched directly."""
+        self.triton_calls += 1
+        kernel = self.fn[grid](*args, num_warps=num_warps)
+        if keep is None or self.unavailable is not None:
+            return
+        reason = _direct_unavailable(kernel)
+        if reason is not None:
+            self._give_up(reason)
+            return
+        if len(self._kernels) >= MAX_KERNELS:
+            self._kernels.clear()
+        self._kernels[keep] = kernel
+
+    def _give_up(self, reason: str) -> None:
+        """Every later call takes Triton's path: announced once (a slower path, on a GPU)."""
+        self.unavailable = reason
+        self._kernels.clear()
+        announce_once(
+            log,
+            f"kv_ops.launch:{self.name}",
+            logging.WARNING,
+            "maru.kv_ops: SLOWER PATH: %s launches through Triton's per-call argument binding (about "
+            "30 us of host time a call more): %s. Triton 3.3 to 3.9 have the direct launch (the GPU "
+            "kit's 3.6 has); report this Triton version to Maru",
+            self.name,
+            reason,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kernel": self.name,
+            "compiled": len(self._kernels),
+            "direct_calls": self.direct_calls,
+            "triton_calls": self.triton_calls,
+            "direct": self.unavailable is None,
+            "reason": self.unavailable,
+        }
+
+
+_RUNTIME: list[Any] = []
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch enter/exit hooks (profilers set them), passed on as Triton passes them."""
+    if not _RUNTIME:
+        import triton
+
+        _RUNTIME.append(triton.knobs.runtime)
+    rt = _RUNTIME[0]
+    return rt.launch_enter_hook, rt.launch_exit_hook
+
+
+def _direct_unavailable(kernel: Any) -> str | None:
+    """None when ``kernel`` (what ``fn[grid](...)`` returned) can be launched directly, else why not."""
+    import triton
+
+    if getattr(triton, "knobs", None) is None:
+        return f"Triton {triton.__version__} has no triton.knobs (launch hooks)"
+    missing = [a for a in ("run", "function", "packed_metadata", "launch_metadata") if not hasattr(kernel, a)]
+    if kernel is None or missing:
+        return f"Triton {triton.__version__}'s launch returned {type(kernel).__name__} without {missing or 'a kernel'}"
+    return None
