@@ -71,9 +71,16 @@ def pinned_h2d_gbps(nbytes: int) -> float:
 
 
 def measure(
-    storer: KVTransferEngine, loader: KVTransferEngine, t: int, n: int, gen: torch.Generator, reps: int
+    storer: KVTransferEngine,
+    loader: KVTransferEngine,
+    t: int,
+    n: int,
+    gen: torch.Generator,
+    reps: int,
+    load_reps: int,
 ) -> dict[str, Any]:
-    """Store ``n`` fresh requests of ``t`` tokens, then load them back in one call (and layer by layer)."""
+    """Store ``n`` fresh requests of ``t`` tokens ``reps`` times, then load the last ones back
+    ``load_reps`` times in one call (and as many times layer by layer); medians, first call dropped."""
     nbytes = n * storer.geometry.nbytes(t)
     store_s, load_s, phases = [], [], []
     last: list[RequestTransfer] = []
@@ -84,7 +91,7 @@ def measure(
         if r:
             store_s.append(rep.seconds)
         last = reqs
-    for r in range(reps + 1):
+    for r in range(load_reps + 1):
         rep = loader.load(last)
         assert sorted(rep.loaded_req_ids) == sorted(q.req_id for q in last), rep.failed
         if r:
@@ -92,7 +99,7 @@ def measure(
             phases.append(rep.phases)
     # The layer-overlap load as the connector issues it: one pin, one load_layers a step.
     issue, total = [], []
-    for r in range(reps + 1):
+    for r in range(load_reps + 1):
         t0 = time.perf_counter()
         ll = loader.start_layer_load(loader.pin(last))
         h = ll.handle.load  # kv_ops' LayerLoad under the transfer handle (release() drops it)
@@ -113,14 +120,36 @@ def measure(
         "load_GBps": nbytes / statistics.median(load_s) / GB,
         "store_ms": statistics.median(store_s) * 1e3,
         "load_ms": statistics.median(load_s) * 1e3,
+        "first_key": last[0].chunks[0].key,
         "load_phases_ms": {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in phases[0]},
     }
+
+
+def last_key(results: dict[str, Any]) -> str:
+    return results["sizes"]["256"]["first_key"]
+
+
+def rpc_floor(client: MaruHandler, key: str, n: int = 50) -> dict[str, float]:
+    """p50 of the bare round trips a load makes (one key): what the load's lookup phase cannot beat."""
+    out: dict[str, list[float]] = {"exists": [], "lookup+pin, UNPIN posted": []}
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        client.exists([key])
+        t1 = time.perf_counter()
+        hs = list(client.batch_retrieve([key], pin=True, verify=False))
+        t2 = time.perf_counter()
+        client.batch_release(hs, wait=False)
+        if i >= 5:
+            out["exists"].append(t1 - t0)
+            out["lookup+pin, UNPIN posted"].append(t2 - t1)
+    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="stores per size (the pool holds them all)")
+    ap.add_argument("--load-reps", type=int, default=10, help="loads per size and path")
     args = ap.parse_args()
     dev = torch.cuda.get_device_properties(0)
     chunk_bytes = L * 2 * CHUNK * NH * HS * 2
@@ -145,12 +174,13 @@ def main() -> None:
             loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
             gen = torch.Generator().manual_seed(0)
             for t in SIZES:
-                row = measure(storer, loader, t, 1, gen, args.reps)
+                row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps)
                 results["sizes"][str(t)] = row
                 print(json.dumps(row), flush=True)
-            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps)
+            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
             results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
             print(json.dumps(row), flush=True)
+            results["rpc_us"] = rpc_floor(client, last_key(results))
             storer.close()
             loader.close()
         finally:
@@ -164,6 +194,7 @@ def main() -> None:
     print(f"registration: {results['registration']}")
     print(f"KVTransferEngine build (registration + layer graph warm-up): {results['engine_build_s']:.2f} s")
     print(f"layer-overlap path: {next(iter(results['sizes'].values()))['layer_path']}")
+    print("bare round trips, p50 us: " + ", ".join(f"{k} {v:.0f}" for k, v in results["rpc_us"].items()))
     print(
         "| tokens | MB | pinned H2D GB/s | store GB/s (ms) | load GB/s (ms) | load % of pinned "
         "| load ms: lookup / prepare / issue / wait | overlap load GB/s | overlap issue us/layer |"
