@@ -43,7 +43,14 @@ def lmcache_config(url: str, **extra: Any) -> Any:
 
 
 def lmcache_metadata(dtype: torch.dtype = torch.bfloat16) -> Any:
-    from lmcache.v1.metadata import LMCacheMetadata
+    try:
+        from lmcache.v1.metadata import LMCacheMetadata
+    except ImportError:  # LMCache before 0.5 (0.3.x, what vLLM 0.26's bundled adapter imports)
+        from lmcache.config import LMCacheEngineMetadata
+
+        return LMCacheEngineMetadata(
+            model_name=MODEL, world_size=1, worker_id=0, fmt="vllm", kv_dtype=dtype, kv_shape=(2, 2, 16, 2, 16)
+        )
 
     return LMCacheMetadata(
         model_name=MODEL,
@@ -57,10 +64,14 @@ def lmcache_metadata(dtype: torch.dtype = torch.bfloat16) -> Any:
 
 
 def cache_keys(n: int, start: int = 0, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
+    import dataclasses
+
     from lmcache.utils import CacheEngineKey
 
+    # LMCache before 0.5 puts the KV format first in its keys.
+    head = ("vllm",) if "fmt" in {f.name for f in dataclasses.fields(CacheEngineKey)} else ()
     return [
-        CacheEngineKey(MODEL, 1, 0, 0x9E3779B97F4A7C15 * (i + 1) % (1 << 63), dtype)
+        CacheEngineKey(*head, MODEL, 1, 0, 0x9E3779B97F4A7C15 * (i + 1) % (1 << 63), dtype)
         for i in range(start, start + n)
     ]
 
