@@ -7,7 +7,9 @@ placement kernels:
 
 * LOAD: the copy of chunk i into slot ``i % R`` runs while chunk i-1 is scattered out of its slot;
   events order each placement after its copy and each copy after the slot's previous placement.
-* STORE mirrors it (gather into a slot, then copy to the pool page). Commit (publish keys) only
+* STORE: the gather kernel writes the pool pages in place (``kv_ops.store_paths``: the copy engine
+  stays free for the inference engine's own copies); where the GPU cannot address the objects it
+  mirrors the load (gather into a slot, then copy to the pool page). Commit (publish keys) only
   after ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
 * LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
 
@@ -44,6 +46,7 @@ from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
+from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -55,7 +58,7 @@ __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "hos
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(PipelineInputs, LayerPaths):
+class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -65,7 +68,9 @@ class DevicePipeline(PipelineInputs, LayerPaths):
 
     ``use_graphs``: replay placements from CUDA graphs (kv_ops's ``GraphedPlacer``) when Triton runs;
     ``raw_cuda``: issue the layer path's copies and events through libcudart directly;
-    ``layer_checksums``: the layer loads will ask for checksums (``warm`` captures those graphs).
+    ``layer_checksums``: the layer loads will ask for checksums (``warm`` captures those graphs);
+    ``store_path``: "auto" (stores write the objects in place where the GPU addresses them, see
+    ``kv_ops.store_paths``, else the staging ring, announced), "direct" (or raise), "staged".
 
     Checksums (``checksums=True`` on ``load``/``store``/``load_layers``): the handle's
     ``checksums()`` gives, once complete, ``maru.checksum`` of each object as the transfer saw it:
@@ -86,9 +91,14 @@ class DevicePipeline(PipelineInputs, LayerPaths):
         layer_graphs: bool | None = None,
         lazy_capture: bool = True,
         layer_checksums: bool = False,
+        store_path: str = "auto",
     ) -> None:
         if layer_path not in ("auto", "direct", "staged"):
             raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")
+        if store_path not in STORE_PATHS:
+            raise ValueError(f"store_path must be one of {STORE_PATHS}, got {store_path!r}")
+        self.store_path = store_path
+        self._direct_store_ok: bool | None = None  # decided on the first store (needs an object)
         if isinstance(caches, dict):
             caches = list(caches.values())
         self.layout = layout
@@ -252,6 +262,8 @@ class DevicePipeline(PipelineInputs, LayerPaths):
                     ops.gather(self.caches, self.layout, s, backend=self.backend, out=obj)
                 return ck.attach_host_checksums(Transfer("store", "cpu-direct", nbytes), objs, checksums)
             self._check_pinned(objs)
+            if pipelined and self._use_direct_store(objs[0]):
+                return self._issue_store_direct(objs, slots, nbytes, checksums)
             if pipelined:
                 return self._issue_store(objs, slots, nbytes, checksums)
             return self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)

@@ -181,6 +181,7 @@ def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> No
     [
         "sync",
         "pipelined",
+        "pipelined_ringstore",
         "layers",
         "pipelined_eager",
         "layers_eager",
@@ -196,11 +197,20 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     src = make_caches(name, 1)
     layout = src.layout()
     # _eager: kv_ops launches instead of graph replays; _torch: copies and events through torch, not ctypes
-    # _staged: the layer path through staging copies instead of the direct (zero-copy) kernel
+    # _staged: the layer path through staging copies instead of the direct (zero-copy) kernel;
+    # _ringstore: the store through the staging ring and the copy engine instead of in place
     graphs, raw = not path.endswith("_eager"), not path.endswith("_torch")
     layer_path = "staged" if "_staged" in path else "auto"
+    store_path = "staged" if "_ringstore" in path else "auto"
     path = path.split("_")[0]
-    kw = dict(ring_slots=2, backend=BACKEND, use_graphs=graphs, raw_cuda=raw, layer_path=layer_path)
+    kw = dict(
+        ring_slots=2,
+        backend=BACKEND,
+        use_graphs=graphs,
+        raw_cuda=raw,
+        layer_path=layer_path,
+        store_path=store_path,
+    )
     engine = pl.DevicePipeline(src.layers, layout, **kw)
     chunk = CHUNK if name != "mla" else 64 * 4
     sizes = [chunk, chunk, chunk, 100]  # a short last chunk
@@ -208,6 +218,9 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     objs = [pool.alloc(engine, t) for t in sizes]
 
     store = engine.store(objs, slots, pipelined=path != "sync")
+    if path != "sync":
+        in_place = store_path == "auto" and BACKEND != "reference"
+        assert store.path == ("direct" if in_place else "pipelined")
     store.wait()
     expected_obj = _reference_gather(src, slots).cpu()
     token0 = 0

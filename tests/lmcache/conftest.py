@@ -49,7 +49,12 @@ def lmcache_metadata(dtype: torch.dtype = torch.bfloat16) -> Any:
         from lmcache.config import LMCacheEngineMetadata
 
         return LMCacheEngineMetadata(
-            model_name=MODEL, world_size=1, worker_id=0, fmt="vllm", kv_dtype=dtype, kv_shape=(2, 2, 16, 2, 16)
+            model_name=MODEL,
+            world_size=1,
+            worker_id=0,
+            fmt="vllm",
+            kv_dtype=dtype,
+            kv_shape=(2, 2, 16, 2, 16),
         )
 
     return LMCacheMetadata(

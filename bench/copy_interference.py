@@ -1,0 +1,130 @@
+"""How long a small copy of the inference engine waits behind Maru's chunk copies on a GPU.
+
+vLLM copies a few bytes between host and GPU every step (sampled token ids to the host, inputs to
+the GPU). Maru's stores and loads move whole chunks (33.5 MB at 256 tokens of a Llama-3-8B-shaped
+cache) on the copy engines. Copies of one direction run in order on an engine, so a step's small
+copy issued right after Maru queued N chunk copies may wait for all N to finish.
+
+Measured here, without vLLM: the latency of a 4 KiB pinned copy on its own stream (the engine's),
+issued right after Maru's ``DevicePipeline`` was given 16 chunks (4096 tokens, 0.5 GB):
+
+* idle: nothing else queued;
+* store in place (the default, ``kv_ops.store_paths``): ``DevicePipeline.store`` of all 16 chunks
+  (what a write-behind store issues at the end of a forward), the kernel writing the objects;
+* store through the ring (``store_path="staged"``): the same through GPU staging and the copy
+  engine, in one call, then paced from a helper thread (``window`` chunks at a time, the next
+  window queued before or only after the one before it completed);
+* load, one call: ``DevicePipeline.load`` of 16 chunks, then a small host-to-device copy.
+
+Usage (GPU machine, repo root): python bench/copy_interference.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maru import kv_ops  # noqa: E402
+from maru.kv_ops.device_pipeline import DevicePipeline  # noqa: E402
+
+L, NH, HS, BS, NB, CHUNK, CHUNKS = 32, 8, 128, 16, 4096, 256, 16
+
+
+def small_copy_ms(direction: str, stream: torch.cuda.Stream, host: torch.Tensor, dev: torch.Tensor) -> float:
+    """Wall time from issuing a 4 KiB copy on ``stream`` to its completion."""
+    ev = torch.cuda.Event()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        if direction == "d2h":
+            host.copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(host, non_blocking=True)
+        ev.record(stream)
+    ev.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    caches = [
+        t for t in torch.zeros((L, NB, 2, BS, NH, HS), dtype=torch.bfloat16, device="cuda")
+    ]  # fmt: skip
+    layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
+    pipe = DevicePipeline(caches, layout)
+    pipe.warm(CHUNK)
+    ring = DevicePipeline(caches, layout, store_path="staged")
+    ring.warm(CHUNK)
+    objs = [
+        torch.empty(pipe.object_shape(CHUNK), dtype=torch.bfloat16, pin_memory=True) for _ in range(CHUNKS)
+    ]
+    slots = torch.arange(CHUNKS * CHUNK, dtype=torch.int64)
+    eng = torch.cuda.Stream()
+    host = torch.empty(1024, dtype=torch.int32, pin_memory=True)
+    dev = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    nbytes = sum(o.numel() for o in objs) * 2
+
+    def paced(window: int, overlap: bool) -> threading.Thread:
+        def run() -> None:
+            prev = None
+            for i in range(0, CHUNKS, window):
+                if prev is not None and not overlap:
+                    prev.wait()  # the copy stream runs dry before the next window: others get the engine
+                h = ring.store(objs[i : i + window], slots[i * CHUNK : (i + window) * CHUNK])
+                if prev is not None and overlap:
+                    prev.wait()
+                prev = h
+            if prev is not None:
+                prev.wait()
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    rows = []
+    names = (
+        "idle d2h", "store in place (default)", "store, ring, one call", "store, ring, paced 1 overlapped",
+        "store, ring, paced 1 with gaps", "store, ring, paced 2 with gaps", "idle h2d", "load, one call",
+    )  # fmt: skip
+    for name in names:
+        lat, total = [], []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            thread = handle = None
+            if name == "store in place (default)":
+                handle = pipe.store(objs, slots)
+            elif name == "store, ring, one call":
+                handle = ring.store(objs, slots)
+            elif name.startswith("store, ring, paced"):
+                thread = paced(int(name.split()[3]), "overlapped" in name)
+                time.sleep(0.0005)  # the first window is queued
+            elif name == "load, one call":
+                handle = pipe.load(objs, slots)
+            lat.append(small_copy_ms("h2d" if "h2d" in name or "load" in name else "d2h", eng, host, dev))
+            if handle is not None:
+                handle.wait()
+            if thread is not None:
+                thread.join()
+            torch.cuda.synchronize()
+            total.append((time.perf_counter() - t0) * 1e3)
+        rows.append((name, statistics.median(lat[2:]), max(lat[2:]), statistics.median(total[2:])))
+    print(f"{torch.cuda.get_device_name()}: {CHUNKS} chunks of {CHUNK} tokens, {nbytes / 1e9:.2f} GB")
+    print(
+        f"store paths: default {pipe.store(objs[:1], slots[:CHUNK]).path}, ring {ring.store(objs[:1], slots[:CHUNK]).path}"
+    )
+    print(
+        "| background | small copy waits ms (p50 / max) | background done ms | GB/s |\n|---|---:|---:|---:|"
+    )
+    for name, p50, mx, tot in rows:
+        gbps = nbytes / (tot / 1e3) / 1e9 if "idle" not in name else float("nan")
+        print(f"| {name} | {p50:.2f} / {mx:.2f} | {tot:.1f} | {gbps:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
