@@ -12,8 +12,9 @@ pool registered with CUDA, or pinned memory, under unified addressing), the same
 51 GB/s (52 through the copy engine) and the small copy waited 0.25 ms. Nothing is staged, and one
 launch per chunk is all the host issues.
 
-Checksums (``checksums=True``): after the last chunk's kernel, one launch reads every object back
-from the pool and sums it (``kv_ops.checksum.accumulate_pieces``): the checksum committed with a
+Checksums (``checksums=True``): behind each chunk's kernel, on a second stream, one launch reads
+the object back from the pool and sums it (``kv_ops.checksum.accumulate_pieces``), while the next
+chunks are written (reads and writes go opposite ways on the bus): the checksum committed with a
 key vouches for the bytes that landed in the pool, not for a copy of them on the GPU.
 
 Invariant: as for every store, ``Transfer.wait()`` (or ``done()``) before the keys are published.
@@ -80,6 +81,13 @@ class StorePaths:
                 )
         return self._direct_store_ok
 
+    def _checksum_stream(self) -> Any:
+        """The stream of the read-back checksums, and the event that orders it (made on first use)."""
+        if getattr(self, "_ck_stream", None) is None:
+            self._ck_stream = torch.cuda.Stream(self.device)
+            self._written = self._sync.event()
+        return self._ck_stream
+
     def _issue_store_direct(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
     ) -> Transfer:
@@ -90,20 +98,34 @@ class StorePaths:
         self._after_caller(place)  # type: ignore[attr-defined]  # read what the forward wrote
         refs = ops.layer_refs(self.caches, self.layout)
         acc = tab = None
-        with torch.cuda.stream(place):
-            for host, chunk_slots in self._per_chunk(objs, slots):  # type: ignore[attr-defined]
-                tk.place(refs, self.layout, chunk_slots, ops.as_bits(host), gather=True)
-            if checksums:
+        sizes = [o.numel() * self.esize for o in objs]
+        if checksums:
+            # Read back on a stream of its own, chunk by chunk behind the kernel that wrote it: the
+            # reads (host to GPU) overlap the later chunks' writes (GPU to host) on the bus.
+            ck_stream = self._checksum_stream()
+            with torch.cuda.stream(place):
                 acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device)
-                sizes = [o.numel() * self.esize for o in objs]
                 pieces = [(o.data_ptr(), n, 0, k) for k, (o, n) in enumerate(zip(objs, sizes, strict=True))]
                 tab = ck.pieces_table(pieces).pin_memory().to(self.device, non_blocking=True)
-                ck.accumulate_pieces(tab, acc, acc, max(sizes))
+        with torch.cuda.stream(place):
+            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
+                tk.place(refs, self.layout, chunk_slots, ops.as_bits(host), gather=True)
+                if tab is not None:
+                    # One event re-recorded per chunk: each wait is queued at once and captures
+                    # the record just made (as LayerPaths._after_caller does).
+                    sync.record(self._written, place)
+                    sync.wait(ck_stream, self._written)
+                    with torch.cuda.stream(ck_stream):
+                        ck.accumulate_pieces(tab[:, k : k + 1], acc, acc, sizes[k])
+        end = place
+        if tab is not None:
+            end = ck_stream
+        with torch.cuda.stream(end):
             sums = ck.to_host(acc)
         done = self._done_event()  # type: ignore[attr-defined]
-        sync.record(done, place)
+        sync.record(done, end)  # the checksum stream ran behind every chunk's kernel
         handle = Transfer("store", "direct", nbytes, done, sync, (objs, slots, acc, tab))
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
+            handle.set_checksums(sums, sizes)
         handle.issue_s = time.perf_counter() - t0
         return handle
