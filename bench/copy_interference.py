@@ -9,11 +9,11 @@ Measured here, without vLLM: the latency of a 4 KiB pinned copy on its own strea
 issued right after Maru's ``DevicePipeline`` was given 16 chunks (4096 tokens, 0.5 GB):
 
 * idle: nothing else queued;
-* store in place (the default, ``kv_ops.store_paths``): ``DevicePipeline.store`` of all 16 chunks
-  (what a write-behind store issues at the end of a forward), the kernel writing the objects;
-* store through the ring (``store_path="staged"``): the same through GPU staging and the copy
-  engine, in one call, then paced from a helper thread (``window`` chunks at a time, the next
+* store through the ring (the default): ``DevicePipeline.store`` of all 16 chunks (what a
+  write-behind store issues at the end of a forward) through GPU staging and the copy engine, in
+  one call, then paced from a helper thread (``window`` chunks at a time, the next
   window queued before or only after the one before it completed);
+* store in place (``store_path="direct"``, ``kv_ops.store_paths``): the kernel writes the objects;
 * load, one call: ``DevicePipeline.load`` of 16 chunks, then a small host-to-device copy.
 
 Usage (GPU machine, repo root): python bench/copy_interference.py
@@ -56,9 +56,9 @@ def main() -> None:
         t for t in torch.zeros((L, NB, 2, BS, NH, HS), dtype=torch.bfloat16, device="cuda")
     ]  # fmt: skip
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
-    pipe = DevicePipeline(caches, layout)
+    pipe = DevicePipeline(caches, layout, store_path="direct")
     pipe.warm(CHUNK)
-    ring = DevicePipeline(caches, layout, store_path="staged")
+    ring = DevicePipeline(caches, layout)
     ring.warm(CHUNK)
     objs = [
         torch.empty(pipe.object_shape(CHUNK), dtype=torch.bfloat16, pin_memory=True) for _ in range(CHUNKS)
@@ -88,7 +88,7 @@ def main() -> None:
 
     rows = []
     names = (
-        "idle d2h", "store in place (default)", "store, ring, one call", "store, ring, paced 1 overlapped",
+        "idle d2h", "store in place (direct)", "store, ring, one call", "store, ring, paced 1 overlapped",
         "store, ring, paced 1 with gaps", "store, ring, paced 2 with gaps", "idle h2d", "load, one call",
     )  # fmt: skip
     for name in names:
@@ -97,7 +97,7 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             thread = handle = None
-            if name == "store in place (default)":
+            if name == "store in place (direct)":
                 handle = pipe.store(objs, slots)
             elif name == "store, ring, one call":
                 handle = ring.store(objs, slots)
@@ -116,7 +116,7 @@ def main() -> None:
         rows.append((name, statistics.median(lat[2:]), max(lat[2:]), statistics.median(total[2:])))
     print(f"{torch.cuda.get_device_name()}: {CHUNKS} chunks of {CHUNK} tokens, {nbytes / 1e9:.2f} GB")
     print(
-        f"store paths: default {pipe.store(objs[:1], slots[:CHUNK]).path}, ring {ring.store(objs[:1], slots[:CHUNK]).path}"
+        f"store paths: direct {pipe.store(objs[:1], slots[:CHUNK]).path}, ring (default) {ring.store(objs[:1], slots[:CHUNK]).path}"
     )
     print(
         "| background | small copy waits ms (p50 / max) | background done ms | GB/s |\n|---|---:|---:|---:|"

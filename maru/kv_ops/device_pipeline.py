@@ -7,10 +7,9 @@ placement kernels:
 
 * LOAD: the copy of chunk i into slot ``i % R`` runs while chunk i-1 is scattered out of its slot;
   events order each placement after its copy and each copy after the slot's previous placement.
-* STORE: the gather kernel writes the pool pages in place (``kv_ops.store_paths``: the copy engine
-  stays free for the inference engine's own copies); where the GPU cannot address the objects it
-  mirrors the load (gather into a slot, then copy to the pool page). Commit (publish keys) only
-  after ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
+* STORE mirrors it (gather into a slot, then copy to the pool page); ``store_path="direct"`` has the
+  gather kernel write the pool pages in place instead (``kv_ops.store_paths``). Commit (publish
+  keys) only after ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
 * LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
 
 Invariants:
@@ -69,8 +68,8 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
     ``use_graphs``: replay placements from CUDA graphs (kv_ops's ``GraphedPlacer``) when Triton runs;
     ``raw_cuda``: issue the layer path's copies and events through libcudart directly;
     ``layer_checksums``: the layer loads will ask for checksums (``warm`` captures those graphs);
-    ``store_path``: "auto" (stores write the objects in place where the GPU addresses them, see
-    ``kv_ops.store_paths``, else the staging ring, announced), "direct" (or raise), "staged".
+    ``store_path``: "staged" (the staging ring and the copy engine) or "direct" (the gather kernel
+    writes the objects in place, ``kv_ops.store_paths``; raises where the GPU cannot address them).
 
     Checksums (``checksums=True`` on ``load``/``store``/``load_layers``): the handle's
     ``checksums()`` gives, once complete, ``maru.checksum`` of each object as the transfer saw it:
@@ -91,7 +90,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
         layer_graphs: bool | None = None,
         lazy_capture: bool = True,
         layer_checksums: bool = False,
-        store_path: str = "auto",
+        store_path: str = "staged",
     ) -> None:
         if layer_path not in ("auto", "direct", "staged"):
             raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")

@@ -1,21 +1,24 @@
-"""The direct store of ``DevicePipeline``: the gather kernel writes the chunk objects in place.
+"""The in-place store of ``DevicePipeline`` (``store_path="direct"``, opt-in): the gather kernel
+writes the chunk objects where they lie.
 
-Why not the staging ring (gather into a GPU slot, then a copy-engine copy to the pool page): copies
-of one direction share the copy engine, and the engine keeps serving a stream that has copies
-queued. A store of 16 chunks (0.5 GB) queued at the end of a forward held back the inference
-engine's next small device-to-host copy (vLLM's sampled token ids) by 9.3 ms on an H200, close to
-the whole store; so the write-behind store cost a 4k-token request +21% of its time to first token
-although nothing waited for the store itself (bench/copy_interference.py, bench/RESULTS.md).
+What it was built against: copies of one direction share the copy engine, and the engine keeps
+serving a stream that has copies queued. A store of 16 chunks (0.5 GB) queued through the staging
+ring (the default: gather into a GPU slot, then a copy-engine copy to the pool page) holds back
+another stream's small device-to-host copy by 9.3 ms on an H200, close to the whole store; the same
+store written by the kernel over the bus, from the SMs into host memory the GPU addresses (a pool
+registered with CUDA, or pinned memory, under unified addressing), ran at 51 GB/s and the small
+copy waited 0.25 ms (bench/copy_interference.py).
 
-Written by the kernel instead, over the bus from the SMs into host memory the GPU addresses (a
-pool registered with CUDA, or pinned memory, under unified addressing), the same store ran at
-51 GB/s (52 through the copy engine) and the small copy waited 0.25 ms. Nothing is staged, and one
-launch per chunk is all the host issues.
+Why it is not the default: in real vLLM (bench/gpu_vllm_pass.sh, 2026-12-01) the write-behind store
+cost as much or more of the time to first token in place as through the ring (1 x 4k +24% against
++21%, 8 x 4k +19% against +6%): the kernel holds SMs for the whole store, and the step after it
+waits for them instead of for the copy engine; with checksums the store ran at 24 GB/s, not 47.
+Kept for engines whose steps wait on copies rather than on SMs, and measured beside the ring.
 
 Checksums (``checksums=True``): behind each chunk's kernel, on a second stream, one launch reads
-the object back from the pool and sums it (``kv_ops.checksum.accumulate_pieces``), while the next
-chunks are written (reads and writes go opposite ways on the bus): the checksum committed with a
-key vouches for the bytes that landed in the pool, not for a copy of them on the GPU.
+the object back from the pool and sums it (``kv_ops.checksum.accumulate_pieces``) while the next
+chunks are written: the checksum committed with a key vouches for the bytes that landed in the
+pool, not for a copy of them on the GPU.
 
 Invariant: as for every store, ``Transfer.wait()`` (or ``done()``) before the keys are published.
 """
@@ -35,7 +38,7 @@ from maru.kv_ops.device_handles import Transfer
 
 log = logging.getLogger("maru.kv_ops")
 
-STORE_PATHS = ("auto", "direct", "staged")
+STORE_PATHS = ("staged", "direct")  # the first is the default
 
 
 class StorePaths:
@@ -52,34 +55,23 @@ class StorePaths:
     _place_stream: Any
 
     def _use_direct_store(self, obj: torch.Tensor) -> bool:
-        """Whether stores write the chunk objects in place: decided once, announced once."""
-        if self.store_path == "staged":
+        """Whether stores write the chunk objects in place (``store_path="direct"``); raises with
+        the reason when asked for where it cannot run. Decided on the first store, announced once."""
+        if self.store_path != "direct":
             return False
         if self._direct_store_ok is None:
             why = self._direct_blocker(obj)  # type: ignore[attr-defined]
-            self._direct_store_ok = why is None
-            if why is None:
-                announce_once(
-                    log,
-                    "kv_ops.store-direct",
-                    logging.INFO,
-                    "maru.kv_ops: stores write chunk objects in place (the gather kernel writes the pool "
-                    "over the bus; the copy engine stays free for the inference engine's own copies)",
-                )
-            elif self.store_path == "direct":
-                raise RuntimeError(f"store_path='direct' cannot run: {why}")
-            else:
-                announce_once(
-                    log,
-                    "kv_ops.store-staged",
-                    logging.WARNING,
-                    "maru.kv_ops: SLOWER PATH: stores go through GPU staging and the copy engine, where a "
-                    "store queued behind a forward delays the inference engine's next device-to-host copy "
-                    "(its sampled tokens) until the store finished: %s. Fix: register the pool with CUDA "
-                    "(maru doctor) and use the triton backend",
-                    why,
-                )
-        return self._direct_store_ok
+            if why is not None:
+                raise RuntimeError(f"store_path='direct' cannot run: {why}; use store_path='staged'")
+            self._direct_store_ok = True
+            announce_once(
+                log,
+                "kv_ops.store-direct",
+                logging.INFO,
+                "maru.kv_ops: stores write chunk objects in place (store_path='direct': the gather kernel "
+                "writes the pool over the bus; no copy-engine copies, the SMs busy for the whole store)",
+            )
+        return True
 
     def _checksum_stream(self) -> Any:
         """The stream of the read-back checksums, and the event that orders it (made on first use)."""

@@ -30,8 +30,8 @@ logger = logging.getLogger("maru.vllm")
 
 _MODES = {
     "cpu": "the drain thread reserves, gathers and publishes",
-    "pipelined": "the gather is queued after the forward (it writes the pool pages in place, or through the "
-    "copy engine where it cannot); the drain thread waits for it, then publishes",
+    "pipelined": "the gather is queued on the copy engine after the forward; the drain thread waits for "
+    "it, then publishes",
     "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
 }
 

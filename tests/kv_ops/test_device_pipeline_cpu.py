@@ -174,6 +174,9 @@ def test_bad_inputs_get_errors_that_name_the_problem(pool: ShmPool) -> None:
         engine.load([obj.view(-1)[:100]], torch.arange(8))
     with pytest.raises(ValueError, match="skip_tokens=9"):
         engine.load([obj], torch.arange(8), skip_tokens=9)
+    layout = detect_layouts(case.caches, **case.detect_kwargs())
+    with pytest.raises(ValueError, match=r"store_path must be one of \('staged', 'direct'\), got 'inplace'"):
+        pl.DevicePipeline(case.caches, layout, store_path="inplace")
 
 
 def test_flat_pool_pages_are_accepted_as_objects(pool: ShmPool) -> None:

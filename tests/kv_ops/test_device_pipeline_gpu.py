@@ -181,7 +181,7 @@ def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> No
     [
         "sync",
         "pipelined",
-        "pipelined_ringstore",
+        "pipelined_directstore",
         "layers",
         "pipelined_eager",
         "layers_eager",
@@ -198,10 +198,10 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     layout = src.layout()
     # _eager: kv_ops launches instead of graph replays; _torch: copies and events through torch, not ctypes
     # _staged: the layer path through staging copies instead of the direct (zero-copy) kernel;
-    # _ringstore: the store through the staging ring and the copy engine instead of in place
+    # _directstore: the store written in place by the gather kernel instead of through the ring
     graphs, raw = not path.endswith("_eager"), not path.endswith("_torch")
     layer_path = "staged" if "_staged" in path else "auto"
-    store_path = "staged" if "_ringstore" in path else "auto"
+    store_path = "direct" if "_directstore" in path else "staged"
     path = path.split("_")[0]
     kw = dict(
         ring_slots=2,
@@ -219,8 +219,7 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
 
     store = engine.store(objs, slots, pipelined=path != "sync")
     if path != "sync":
-        in_place = store_path == "auto" and BACKEND != "reference"
-        assert store.path == ("direct" if in_place else "pipelined")
+        assert store.path == ("direct" if store_path == "direct" else "pipelined")
     store.wait()
     expected_obj = _reference_gather(src, slots).cpu()
     token0 = 0

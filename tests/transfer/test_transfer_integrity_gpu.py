@@ -1,8 +1,8 @@
 """Integrity on CUDA caches: the device checksums and every GPU load path (H200; marked gpu).
 
 * ``kv_ops.checksum`` on CUDA equals ``maru.checksum`` bit for bit;
-* ``DevicePipeline`` with ``checksums=True``: chunk load (the staging slot) and store (read back from
-  the objects written in place, or the staging slot of the ring store), the direct
+* ``DevicePipeline`` with ``checksums=True``: chunk load (the staging slot) and store (the staging slot
+  of the ring store, or read back from the objects written in place), the direct
   layer load (fused into the kernel) and the staged layer load give each object's checksum; a
   byte changed in a host object shows;
 * the engine against a real server, bf16, NHD and HND, block size 4 != 3 heads: a byte changed
@@ -65,14 +65,14 @@ def test_the_kernel_on_cuda_matches_maru_checksum(size: int) -> None:
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
-@pytest.mark.parametrize("how", ["chunks", "chunks-ring-store", "direct", "staged-layers"])
+@pytest.mark.parametrize("how", ["chunks", "chunks-direct-store", "direct", "staged-layers"])
 def test_device_pipeline_checksums_are_of_the_bytes_it_moved(physical: str, how: str) -> None:
     from maru.kv_ops.device_pipeline import DevicePipeline
 
     case = _case(physical, 1)
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
     lp = {"direct": "direct", "staged-layers": "staged"}.get(how, "auto")
-    sp = "staged" if how == "chunks-ring-store" else "direct"  # the store in place, or staged + copy
+    sp = "direct" if how == "chunks-direct-store" else "staged"  # the store in place, or the ring
     pipe = DevicePipeline(case.caches, layout, layer_path=lp, layer_checksums=True, store_path=sp)
     tokens = [16, 16, 5]
     objs = [torch.empty(pipe.object_shape(t), dtype=torch.bfloat16).pin_memory() for t in tokens]
