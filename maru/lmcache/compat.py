@@ -12,7 +12,10 @@ import re
 from maru.versions import installed_version, vllm_version
 
 # Measured on an NVIDIA H200 (2026-12-01): LMCache 0.5.3 and 0.5.6 under vLLM 0.26, with LMCache's own
-# CPU tier as with Maru under it. Up to the newest LMCache measured; from the vLLM that packs K|V.
+# CPU tier as with Maru under it. From the oldest to the newest LMCache measured (0.3.12, the one
+# release vLLM 0.26's bundled adapter matches, does not load beside torch 2.11 at all: not named);
+# from the vLLM that packs K|V.
+LMCACHE_FROM = (0, 5, 3)
 LMCACHE_UP_TO = (0, 5, 6)
 VLLM_FROM = (0, 26)
 
@@ -28,7 +31,7 @@ def known_wrong_outputs(lmcache_version: str | None, vllm_version: str | None) -
     if not lmcache_version or not vllm_version:
         return None
     lmc, vllm = _release(lmcache_version), _release(vllm_version)
-    if not lmc or not vllm or lmc > LMCACHE_UP_TO or vllm < VLLM_FROM:
+    if not lmc or not vllm or not LMCACHE_FROM <= lmc <= LMCACHE_UP_TO or vllm < VLLM_FROM:
         return None
     return (
         f"LMCache {lmcache_version} under vLLM {vllm_version} on a GPU: LMCache's vLLM connector served "

@@ -44,7 +44,12 @@ PROMPTS = [random_prompt(3000, 700 + i, GPU_SETUP.model.vocab) for i in range(2)
 MAX_TOKENS = 8
 
 
-def test_second_instance_gets_the_prefix_from_maru_through_lmcache_with_identical_output():
+def test_second_instance_gets_the_prefix_from_maru_through_lmcache_with_identical_output(request):
+    from maru.lmcache.compat import installed_known_wrong
+
+    known = installed_known_wrong()
+    if known:  # it runs and reports XFAIL, or XPASS once LMCache serves right under this vLLM
+        request.applymarker(pytest.mark.xfail(reason=known, strict=False))
     logs = Path(os.environ.get("MARU_GPU_E2E_LOG_DIR") or tempfile.mkdtemp(prefix="lmc-e2e-"))
     logs.mkdir(parents=True, exist_ok=True)
     spec = GPU_SETUP.model

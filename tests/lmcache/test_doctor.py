@@ -32,6 +32,7 @@ def test_measured_wrong_lmcache_and_vllm_releases_are_named_and_later_ones_are_n
     for lmc, vllm in (
         ("0.5.7", "0.26.0"),
         ("0.6.0", "0.26.0"),
+        ("0.3.12", "0.26.0"),  # not measured serving (it does not load beside torch 2.11)
         ("0.5.6", "0.25.1"),
         (None, "0.26.0"),
         ("0.5.6", None),
