@@ -20,10 +20,10 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.kv_ops_host import cuda_case  # noqa: E402
 from maru import kv_ops  # noqa: E402
 from maru.kv_ops import launch, ops, triton_kernels  # noqa: E402
 from maru.kv_ops.selection import resolve  # noqa: E402
-from maru.kv_ops.testing import make_cache  # noqa: E402
 
 
 def us(f: Any, n: int = 3000) -> float:
@@ -41,12 +41,7 @@ def us(f: Any, n: int = 3000) -> float:
 
 
 def main() -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    case = make_cache(
-        "blocks_first", "NHD", device="cuda", num_blocks=4096, block_size=16, num_kv_heads=8,
-        head_size=128, num_layers=32, dtype=torch.bfloat16, generator=g,
-    )  # fmt: skip
-    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    case, layout = cuda_case()
     slots = torch.randperm(4096 * 16, device="cuda")[:16].to(torch.int64)
     obj = kv_ops.gather(case.caches, layout, slots)
     caches = case.caches

@@ -41,13 +41,18 @@ def per_call_us(f: Any, n: int = 2000) -> float:
     return best * 1e6
 
 
-def cuda_main() -> None:
+def cuda_case() -> tuple[Any, Any]:
+    """Llama-3-8B's KV geometry on the GPU (32 layers, 8 KV heads x 128, bf16, block 16): (case, layout)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     case = make_cache(
         "blocks_first", "NHD", device="cuda", num_blocks=4096, block_size=16, num_kv_heads=8,
         head_size=128, num_layers=32, dtype=torch.bfloat16, generator=g,
     )  # fmt: skip
-    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    return case, kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+
+
+def cuda_main() -> None:
+    case, layout = cuda_case()
     print(f"{torch.cuda.get_device_name()}, kv_ops backend {kv_ops.backend('cuda')}, 32 layers")
     print(f"{'call':45s} {'host us/call':>12s} {'GPU us/call':>12s}")
     calls = []
