@@ -34,6 +34,7 @@ from maru.announce import announce_once
 log = logging.getLogger("maru.kv_ops")
 
 MAX_KERNELS = 256  # compiled kernels kept per Triton function; a new key past it starts over
+_LAUNCHERS: list[Launcher] = []  # every launcher made (module-level, one per kernel): for the stats
 
 # The key part of one argument, by its kind (fixed per position at the first call). An integer's
 # (type, residue mod 16, == 1, value >> 31) tells apart everything Triton does (bool or int, 32 or
@@ -99,8 +100,10 @@ class Launcher:
         self.unavailable: str | None = None
         from maru.kv_ops.selection import triton_interpreted
 
-        if triton_interpreted():  # the CPU interpreter (tests): no compiled kernels, nothing to announce
+        self.interpreted = triton_interpreted()
+        if self.interpreted:  # the CPU interpreter (tests): no compiled kernels, nothing to announce
             self.unavailable = "Triton's CPU interpreter (TRITON_INTERPRET=1)"
+        _LAUNCHERS.append(self)
 
     def _device_hooks(self) -> tuple[Callable[[], int], Callable[[int], int]]:
         if self._hooks is None:
@@ -197,6 +200,12 @@ class Launcher:
             "direct": self.unavailable is None,
             "reason": self.unavailable,
         }
+
+
+def slower_launches() -> list[str]:
+    """One line per kernel that launches through Triton's per-call binding on a GPU, with the reason
+    (the interpreter's launchers excluded): what ``maru stats`` and ``maru doctor`` show."""
+    return [f"{x.name}: {x.unavailable}" for x in _LAUNCHERS if x.unavailable and not x.interpreted]
 
 
 _RUNTIME: list[Any] = []

@@ -267,8 +267,18 @@ class PipelinedPath(DataPath):
             logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
 
     def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+        from maru.kv_ops.launch import slower_launches
+
+        given_up = slower_launches()
+        entries = {"kernel_launch": "triton binding" if given_up else "direct"}
+        slow = []
+        if given_up:
+            slow.append(
+                "Triton kernels launch through Triton's per-call argument binding (about 5 us of host "
+                f"time a call more): {'; '.join(given_up)}. Fix: Triton 3.6 (the release measured)"
+            )
         if not layer_overlap:
-            return {}, []
+            return entries, slow
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))
         placer = getattr(self.pipeline, "_layer_placer", None)
         one_launch = (
@@ -277,7 +287,6 @@ class PipelinedPath(DataPath):
             and placer is not None
             and placer.can_launch_all()
         )
-        slow = []
         if not graphs:
             slow.append(
                 "layer-overlap load without CUDA graphs: ~30 us of host time a layer instead of ~5-8. "
@@ -290,10 +299,9 @@ class PipelinedPath(DataPath):
                 "reachable (the worker log says which). Fix: a CUDA runtime with event-record nodes "
                 "in stream capture (11.1 or later), loaded by torch"
             )
-        return {
-            "layer_graphs": "on" if graphs else "off",
-            "layer_launch": "one" if one_launch else "per layer",
-        }, slow
+        entries["layer_graphs"] = "on" if graphs else "off"
+        entries["layer_launch"] = "one" if one_launch else "per layer"
+        return entries, slow
 
     @classmethod
     def build(

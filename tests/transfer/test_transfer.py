@@ -268,23 +268,33 @@ def test_a_lost_server_closes_the_engine_before_the_client_unmaps_the_pool(
     w.shutdown()
 
 
-def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_one() -> None:
+def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_one(monkeypatch) -> None:
     """``maru stats`` / ``maru doctor`` (client info): one launch for all layers, or per-layer replays
-    with the reason and the fix, or no graphs at all."""
+    with the reason and the fix, or no graphs at all; and whether kernels launch directly."""
     from types import SimpleNamespace
 
+    from maru.kv_ops import launch
     from maru.transfer.paths import PipelinedPath
+
+    monkeypatch.setattr(launch, "_LAUNCHERS", [])  # only the launchers of this test
 
     def report(graphs: bool, one: bool, can: bool) -> tuple[dict, list[str]]:
         placer = SimpleNamespace(can_launch_all=lambda: can)
         pipe = SimpleNamespace(layer_graphs=graphs, one_launch_layers=one, _layer_placer=placer)
         return PipelinedPath.report(SimpleNamespace(pipeline=pipe), True)  # type: ignore[arg-type]
 
-    assert report(True, True, True) == ({"layer_graphs": "on", "layer_launch": "one"}, [])
+    want = {"kernel_launch": "direct", "layer_graphs": "on", "layer_launch": "one"}
+    assert report(True, True, True) == (want, [])
     for one, can in ((False, True), (True, False)):
         paths, slow = report(True, one, can)
         assert paths["layer_launch"] == "per layer" and len(slow) == 1
         assert "one graph per layer" in slow[0] and "Fix:" in slow[0]
     paths, slow = report(False, True, True)
     assert paths["layer_graphs"] == "off" and "without CUDA graphs" in slow[0]
-    assert PipelinedPath.report(SimpleNamespace(pipeline=None), False) == ({}, [])  # type: ignore[arg-type]
+    assert PipelinedPath.report(SimpleNamespace(pipeline=None), False) == ({"kernel_launch": "direct"}, [])  # type: ignore[arg-type]
+    # A kernel that gave up on the direct launch (an unknown Triton) shows, with its reason and fix.
+    gave_up = launch.Launcher(SimpleNamespace(params=None, fn=SimpleNamespace(__name__="_k")))
+    gave_up.unavailable, gave_up.interpreted = "no parameter list", False
+    paths, slow = PipelinedPath.report(SimpleNamespace(pipeline=None), False)  # type: ignore[arg-type]
+    assert paths == {"kernel_launch": "triton binding"}
+    assert len(slow) == 1 and "_k: no parameter list" in slow[0] and "Fix:" in slow[0]
