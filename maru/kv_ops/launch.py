@@ -39,11 +39,14 @@ _LAUNCHERS: list[Launcher] = []  # every launcher made (module-level, one per ke
 # The key part of one argument, by its kind (fixed per position at the first call). An integer's
 # (type, residue mod 16, == 1, value >> 31) tells apart everything Triton does (bool or int, 32 or
 # 64 bit, divisible by 16, equal to 1) and more; a tensor's (dtype, address mod 16) likewise; a
-# constexpr is its type and value (True is not 1); anything else (a float, None) its type: Triton does not specialise those.
+# constexpr is its type and value (True is not 1); anything else (a float, None) its type: Triton
+# does not specialise those. ``int.__and__`` raises TypeError for anything but an int (a tensor's
+# ``&`` would not), and ``.data_ptr`` AttributeError for anything but a tensor: a call whose kinds
+# differ from the first call's gets no key.
 _FACTS = {
     "c": "type({a}), {a}",
     "t": "{a}.dtype, {a}.data_ptr() & 15",
-    "i": "type({a}), {a} & 15, {a} == 1, {a} >> 31",
+    "i": "type({a}), int.__and__({a}, 15), {a} == 1, {a} >> 31",
     "o": "type({a})",
 }
 
@@ -93,7 +96,6 @@ class Launcher:
         )
         self._kernels: dict[tuple, Any] = {}
         self._hooks = device_hooks
-        self._kinds: str | None = None
         self._key: Callable[..., tuple] | None = None
         self.direct_calls = 0
         self.triton_calls = 0
@@ -119,8 +121,7 @@ class Launcher:
         flags = self._constexpr
         assert flags is not None
         if self._key is None:
-            self._kinds = kinds_of(args, flags)
-            self._key = key_function(self._kinds)
+            self._key = key_function(kinds_of(args, flags))
         try:
             return self._key(device, num_warps, *args)
         except (AttributeError, TypeError):  # a tensor where an int was, or the reverse

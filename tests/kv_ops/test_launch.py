@@ -125,8 +125,11 @@ def test_an_argument_of_another_kind_takes_tritons_path(fake) -> None:  # noqa: 
     launcher.launch((1,), 4, t, 3, 5, 16)
     launcher.launch((1,), 4, t, 3, 5, 16)
     assert [e[0] for e in fn.log] == ["triton", "direct"]
-    launcher.launch((1,), 4, 3, t, 5, 16)  # swapped: a tensor where the int was
-    assert fn.log[-1][0] == "triton" and fn.log[-1][1] is fn.pick((3, t, 5, 16), 4)
+    for swapped in ((3, t, 5, 16), (t, t, 5, 16)):  # an int where the tensor was; a tensor where an int was
+        assert launcher.key(0, 4, swapped) is None
+        launcher.launch((1,), 4, *swapped)
+        assert fn.log[-1][0] == "triton" and fn.log[-1][1] is fn.pick(swapped, 4)
+    assert len(launcher._kernels) == 1  # nothing kept under a key of the wrong kinds
 
 
 def test_a_kernel_without_the_direct_entry_is_announced_and_served_by_triton(fake, caplog) -> None:  # noqa: ANN001
