@@ -2,7 +2,8 @@
 # One device call, no vLLM: the connector-level figures (bench/gpu_connector.py), the public kv_ops
 # call's host time (bench/kv_ops_host.py --cuda, step by step: bench/kv_ops_breakdown.py), the
 # layer-overlap issue, per-layer replays against one launch (bench/layer_issue.py), and how long
-# the engine's small copies wait behind Maru's chunk copies (bench/copy_interference.py). Results to $OUT. Carry `.whl` (pyzmq).
+# the engine's small copies wait behind Maru's chunk copies (bench/copy_interference.py).
+# Results to $OUT. Carry `.whl` (pyzmq).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
