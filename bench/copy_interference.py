@@ -14,6 +14,8 @@ issued right after Maru's ``DevicePipeline`` was given 16 chunks (4096 tokens, 0
   one call, then paced from a helper thread (``window`` chunks at a time, the next
   window queued before or only after the one before it completed);
 * store in place (``store_path="direct"``, ``kv_ops.store_paths``): the kernel writes the objects;
+* paced store (``store(..., paced=True)``, ``kv_ops.paced_store``, the write-behind default): its
+  ``wait()`` on a helper thread issues one chunk copy at a time, the next gather queued ahead;
 * load, one call: ``DevicePipeline.load`` of 16 chunks, then a small host-to-device copy.
 
 Usage (GPU machine, repo root): python bench/copy_interference.py
@@ -89,8 +91,26 @@ def main() -> None:
     rows = []
     names = (
         "idle d2h", "store in place (direct)", "store, ring, one call", "store, ring, paced 1 overlapped",
-        "store, ring, paced 1 with gaps", "store, ring, paced 2 with gaps", "idle h2d", "load, one call",
+        "store, ring, paced 1 with gaps", "store, ring, paced 2 with gaps", "store, paced (kv_ops.paced_store)",
+        "raw copies, back to back", "raw copies, 5 us kernel between", "raw copies, 50 us kernel between",
+        "idle h2d", "load, one call",
     )  # fmt: skip
+    # Pacing on the device alone (no host wake-up between chunks): the copies of staged chunks on one
+    # stream with a short spin kernel queued between each two. Does the copy engine serve another
+    # stream's copy while the stream's head is a kernel?
+    stages = [torch.empty(o.shape, dtype=o.dtype, device="cuda") for o in objs]
+    raw_stream = torch.cuda.Stream()
+    cycles_per_us = torch.cuda.get_device_properties(0).clock_rate / 1e3 if hasattr(
+        torch.cuda.get_device_properties(0), "clock_rate") else 1980.0  # fmt: skip
+
+    def raw_copies(spin_us: float) -> None:
+        with torch.cuda.stream(raw_stream):
+            for k, (o, st) in enumerate(zip(objs, stages, strict=True)):
+                if k and spin_us:
+                    torch.cuda._sleep(int(spin_us * cycles_per_us))
+                o.copy_(st, non_blocking=True)
+
+    gaps: list[float] = []
     for name in names:
         lat, total = [], []
         for _ in range(8):
@@ -101,14 +121,30 @@ def main() -> None:
                 handle = pipe.store(objs, slots)
             elif name == "store, ring, one call":
                 handle = ring.store(objs, slots)
+            elif name == "store, paced (kv_ops.paced_store)":
+                paced_handle = ring.store(objs, slots, paced=True)  # issued by wait(), on the drain thread
+
+                def drain(h=paced_handle) -> None:
+                    h.wait()
+                    gaps.append(h.gap_s / max(CHUNKS - 1, 1) * 1e6)
+
+                thread = threading.Thread(target=drain)
+                thread.start()
+                time.sleep(0.0005)  # the first chunk is queued
             elif name.startswith("store, ring, paced"):
                 thread = paced(int(name.split()[3]), "overlapped" in name)
                 time.sleep(0.0005)  # the first window is queued
+            elif name.startswith("raw copies"):
+                spin = 0.0 if "back to back" in name else float(name.split(", ")[1].split()[0])
+                raw_copies(spin)
+                done_ev = torch.cuda.Event()
+                done_ev.record(raw_stream)
+                handle = done_ev  # waited below like a handle
             elif name == "load, one call":
                 handle = pipe.load(objs, slots)
             lat.append(small_copy_ms("h2d" if "h2d" in name or "load" in name else "d2h", eng, host, dev))
             if handle is not None:
-                handle.wait()
+                handle.synchronize() if isinstance(handle, torch.cuda.Event) else handle.wait()
             if thread is not None:
                 thread.join()
             torch.cuda.synchronize()
@@ -124,6 +160,9 @@ def main() -> None:
     for name, p50, mx, tot in rows:
         gbps = nbytes / (tot / 1e3) / 1e9 if "idle" not in name else float("nan")
         print(f"| {name} | {p50:.2f} / {mx:.2f} | {tot:.1f} | {gbps:.1f} |")
+    if gaps:
+        print(f"paced store: host gap between one chunk's copy completing and the next queued, p50 "
+              f"{statistics.median(gaps):.1f} us (the copy engine idle meanwhile)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,5 +22,8 @@ timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:c
   -W ignore::DeprecationWarning -m gpu tests/e2e/test_gpu_vllm_e2e.py 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
 [ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
   2>&1 | tee "$OUT/bench.log" || rc=1
+# The write-behind store queued all at once (maru_paced_store false), on its own: what pacing is worth.
+[ "${UNPACED_S:-100}" = 0 ] || timeout -s INT -k 30 "${UNPACED_S:-100}" python3 bench/gpu_vllm_e2e.py --out "$OUT/unpaced" \
+  --log-dir "$LOGS/unpaced" --engines none unpaced --no-api --reps 2 2>&1 | tee "$OUT/bench_unpaced.log" | tail -12 || rc=1
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $rc

@@ -8,8 +8,10 @@ placement kernels:
 * LOAD: the copy of chunk i into slot ``i % R`` runs while chunk i-1 is scattered out of its slot;
   events order each placement after its copy and each copy after the slot's previous placement.
 * STORE mirrors it (gather into a slot, then copy to the pool page); ``store_path="direct"`` has the
-  gather kernel write the pool pages in place instead (``kv_ops.store_paths``). Commit (publish
-  keys) only after ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
+  gather kernel write the pool pages in place instead (``kv_ops.store_paths``); ``paced=True``
+  issues the chunks from ``wait()``, one copy at a time, so that the inference engine's own copies
+  are not held behind the store (``kv_ops.paced_store``). Commit (publish keys) only after
+  ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
 * LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
 
 Invariants:
@@ -43,6 +45,7 @@ from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
+from maru.kv_ops.paced_store import PacedStore, PacedStores
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
@@ -51,13 +54,13 @@ log = logging.getLogger("maru.kv_ops")
 
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
-__all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
+__all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "PacedStore", "Transfer", "host_object"]
 
 
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
+class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -245,12 +248,15 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
         *,
         pipelined: bool = True,
         checksums: bool = False,
+        paced: bool = False,
     ) -> Transfer:
         """Gather the caches' KV at ``slot_mapping`` into chunk objects (host, e.g. pool pages).
 
         The objects' bytes are complete only after ``wait()`` (or once ``done()`` is True): commit
         (publish the keys) after that, never before. ``checksums``: see the class docstring (of
-        the gathered bytes, the checksum to commit with them).
+        the gathered bytes, the checksum to commit with them). ``paced`` (GPU, staged store path):
+        a ``PacedStore``, issued by its ``wait()`` one chunk copy at a time (a store behind the
+        engine's back, ``kv_ops.paced_store``); ``done()`` stays False until ``wait()`` ran.
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
@@ -263,6 +269,8 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
             self._check_pinned(objs)
             if pipelined and self._use_direct_store(objs[0]):
                 return self._issue_store_direct(objs, slots, nbytes, checksums)
+            if pipelined and paced:
+                return self._issue_store_paced(objs, slots, nbytes, checksums)
             if pipelined:
                 return self._issue_store(objs, slots, nbytes, checksums)
             return self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)
@@ -366,6 +374,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
         if self.on_gpu:
             self._copy_stream.synchronize()
             self._place_stream.synchronize()
+            self._settle_paced()
 
     # ------------------------------------------------------------------ GPU paths
 
@@ -385,12 +394,14 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths):
             with torch.cuda.stream(self._copy_stream):
                 stage.copy_(host, non_blocking=True)
 
-    def _d2h(self, host: torch.Tensor, stage: torch.Tensor) -> None:
+    def _d2h(self, host: torch.Tensor, stage: torch.Tensor, stream: Any = None) -> None:
+        """Queue ``host <- stage`` on ``stream`` (default: the copy stream)."""
+        stream = stream or self._copy_stream
         if self._sync.raw:
             n = host.numel() * self.esize
-            self._sync.copy(host.data_ptr(), stage.data_ptr(), n, self._copy_stream.cuda_stream, D2H)
+            self._sync.copy(host.data_ptr(), stage.data_ptr(), n, stream.cuda_stream, D2H)
         else:
-            with torch.cuda.stream(self._copy_stream):
+            with torch.cuda.stream(stream):
                 host.copy_(stage, non_blocking=True)
 
     def _take_slot(self) -> StagingSlot:

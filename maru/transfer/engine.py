@@ -59,6 +59,8 @@ class KVTransferEngine:
     ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
     checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
     ``chunk_tokens``: the chunk size, whose placement graphs the GPU path captures at build.
+    ``paced_store``: write-behind stores (``issue_store``) yield the copy engine between chunks
+    (``kv_ops.paced_store``: the engine's own small copies are not held behind a whole store).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class KVTransferEngine:
         path: DataPath | None = None,
         verify: bool = True,
         chunk_tokens: int | None = None,
+        paced_store: bool = True,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -86,6 +89,7 @@ class KVTransferEngine:
             self.caches, layout, client, backend=backend, pipelined=pipelined, chunk_tokens=chunk_tokens
         )
         self.verify = verify
+        self.paced_store = paced_store
 
     @property
     def data_path(self) -> str:
@@ -153,9 +157,15 @@ class KVTransferEngine:
         return todo, list(objs)
 
     def issue_gather(
-        self, todo: list[tuple[RequestTransfer, Any]], objs: list[Any], prep: PreparedStore
+        self,
+        todo: list[tuple[RequestTransfer, Any]],
+        objs: list[Any],
+        prep: PreparedStore,
+        *,
+        paced: bool = False,
     ) -> IssuedGather:
-        """Issue the gather of every chunk into its reserved object on the data path (may be queued)."""
+        """Issue the gather of every chunk into its reserved object on the data path (may be queued;
+        ``paced``: issued by the handle's ``wait()``, see ``DataPath.gather``)."""
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []
@@ -176,7 +186,7 @@ class KVTransferEngine:
             ig.ok.append((c, obj))
         if ig.ok:
             try:
-                ig.handle = self.path.gather(ig.outs, slots)
+                ig.handle = self.path.gather(ig.outs, slots, paced=paced)
             except Exception as e:  # nothing of it is published
                 rep.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
                 ig.bad.extend(obj for _, obj in ig.ok)
@@ -275,7 +285,7 @@ class KVTransferEngine:
         t0 = time.perf_counter()
         reserved = self._reserve(requests, pending.prep)
         if reserved is not None:
-            pending.issued = self.issue_gather(*reserved, pending.prep)
+            pending.issued = self.issue_gather(*reserved, pending.prep, paced=self.paced_store)
         else:
             pending.read_done.set()
         pending.prep.report.seconds += time.perf_counter() - t0

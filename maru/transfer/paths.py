@@ -72,8 +72,13 @@ class DataPath(ABC):
         self._registered_mapping: Any = None
 
     @abstractmethod
-    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
-        """Fill each object from the cache at its slots. Bytes are complete only once the handle is."""
+    def gather(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], *, paced: bool = False
+    ) -> TransferHandle:
+        """Fill each object from the cache at its slots. Bytes are complete only once the handle is.
+
+        ``paced``: the store runs behind the inference engine (write-behind); where the path can, it
+        yields the copy engine between chunks and issues them from the handle's ``wait()``."""
 
     @abstractmethod
     def scatter(
@@ -114,8 +119,10 @@ class _HostPlacement(DataPath):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
-        failed: dict[int, str] = {}
+    def gather(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], *, paced: bool = False
+    ) -> TransferHandle:
+        failed: dict[int, str] = {}  # host placement has no copy engine to share: ``paced`` changes nothing
         sums: list[int | None] = []
         for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
             try:
@@ -228,9 +235,11 @@ class PipelinedPath(DataPath):
         super().__init__(caches, pipeline.layout, backend=backend)
         self.pipeline = pipeline
 
-    def gather(self, objs: list[torch.Tensor], slots: list[torch.Tensor]) -> TransferHandle:
+    def gather(
+        self, objs: list[torch.Tensor], slots: list[torch.Tensor], *, paced: bool = False
+    ) -> TransferHandle:
         try:
-            return DeviceHandle(self.pipeline.store(objs, torch.cat(slots), checksums=True))
+            return DeviceHandle(self.pipeline.store(objs, torch.cat(slots), checksums=True, paced=paced))
         except ValueError:
             raise  # rejected before anything was queued
         except Exception:

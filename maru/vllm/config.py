@@ -100,6 +100,9 @@ class MaruConnectorConfig:
     # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
     # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).
     async_store: bool = True
+    # Write-behind stores on a GPU yield the copy engine between chunks (kv_ops.paced_store): the
+    # engine's own small copies (sampled tokens) wait for one chunk at most, not the whole store.
+    paced_store: bool = True
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -157,6 +160,7 @@ class MaruConnectorConfig:
             "max_inflight_load_chunks": self.max_inflight_load_chunks,
             "overlap_load_with_compute": self.overlap_load_with_compute,
             "async_store": self.async_store,
+            "paced_store": self.paced_store,
         }
 
     def data_path_lines(self) -> list[str]:
@@ -181,6 +185,12 @@ class MaruConnectorConfig:
                 "the gather is issued on the copy engine); a drain thread gathers or waits for it and "
                 "publishes the keys. vLLM keeps a finished request's blocks until its stores drained "
                 "(finished_sending); a preempted request's blocks are reused only after the gather read them"
+                + (
+                    "; on a GPU the drain issues the store one chunk copy at a time (maru_paced_store), so "
+                    "vLLM's own copies never queue behind a whole store"
+                    if self.paced_store
+                    else ""
+                )
             )
         return out
 

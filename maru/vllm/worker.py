@@ -148,10 +148,14 @@ class MaruWorkerConnector:
             return False
         reconnected(self.cfg.server_url)
         self.engine = KVTransferEngine(
-            self.caches, self.layout, self._client, chunk_tokens=self.cfg.kv_chunk_tokens
+            self.caches,
+            self.layout,
+            self._client,
+            chunk_tokens=self.cfg.kv_chunk_tokens,
+            paced_store=self.cfg.paced_store,
         )
         if self.cfg.async_store:
-            self.write_behind.announce(self.engine.data_path)
+            self.write_behind.announce(self.engine.data_path, paced=self.cfg.paced_store)
         self._report_paths()
         return True
 
@@ -168,7 +172,7 @@ class MaruWorkerConnector:
             "layout": self.layout.describe() if self.layout is not None else "?",
             "async_load": "on" if self.cfg.async_load else "off",
             "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
-            "store": "write-behind" if self.cfg.async_store else "sync",
+            "store": _store_mode(self.cfg, eng.data_path if eng else None),
         }
         slow: list[str] = list(self.cfg.fallbacks)  # settings the connector replaced, with the fix
         if eng is not None:
@@ -587,3 +591,10 @@ def _kv_ops_backend() -> str:
         return str(kv_ops.backend())
     except Exception:
         return "unknown"
+
+
+def _store_mode(cfg: MaruConnectorConfig, data_path: str | None) -> str:
+    """How stores run, as ``maru stats`` shows it (pacing exists on the pipelined GPU path only)."""
+    if not cfg.async_store:
+        return "sync"
+    return "write-behind, paced" if cfg.paced_store and data_path == "pipelined" else "write-behind"

@@ -33,6 +33,8 @@ _MODES = {
     "pipelined": "the gather is queued on the copy engine after the forward; the drain thread waits for "
     "it, then publishes",
     "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
+    "pipelined, paced": "the drain thread gathers and copies one chunk at a time on the copy engine, idle "
+    "in between (vLLM's own copies wait for one chunk at most, not a whole store), then publishes",
 }
 
 
@@ -62,8 +64,11 @@ class WriteBehind:
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
         self.mode = "not connected yet"
 
-    def announce(self, data_path: str) -> None:
-        """Log how the store runs on ``data_path`` (once per change of path)."""
+    def announce(self, data_path: str, *, paced: bool = False) -> None:
+        """Log how the store runs on ``data_path`` (once per change of path); ``paced``: the engine
+        paces write-behind stores (``maru_paced_store``, the pipelined path only)."""
+        if paced and data_path == "pipelined":
+            data_path = "pipelined, paced"
         mode = _MODES.get(data_path, data_path)
         if mode != self.mode:
             self.mode = mode

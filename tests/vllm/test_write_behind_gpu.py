@@ -125,17 +125,20 @@ def hold_the_gathers(eng: KVTransferEngine, client: MaruHandler) -> None:
         torch.cuda._sleep(200_000_000)
 
 
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "queued-at-once"])
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
 def test_write_behind_store_survives_block_reuse_after_the_preemption_barrier(
-    physical: str, client: MaruHandler
+    physical: str, paced: bool, client: MaruHandler
 ) -> None:
-    src_req, dst_req = requests(f"wb-gpu-{physical}", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
+    src_req, dst_req = requests(f"wb-gpu-{physical}-{paced}", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
     src, want = make_case(physical, 1, GEOM), make_case(physical, 1, GEOM)
     eng = engine(src, client)
+    eng.paced_store = paced
     assert eng.data_path == "pipelined"
     hold_the_gathers(eng, client)
     pending = eng.issue_store([src_req])  # forward thread: must not block on the device
     assert pending.issued is not None and pending.issued.handle is not None
+    assert pending.issued.handle.transfer.path == ("paced" if paced else "pipelined")
     assert client.exists([c.key for c in src_req.chunks]) == [False] * 4  # nothing published yet
     held = not pending.issued.handle.done()  # the gather waits behind the held placement stream
     assert eng.wait_store_read(pending, 30)  # the preemption barrier
@@ -225,7 +228,8 @@ def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemp
     w.register_kv_caches(dict(zip(NAMES, src.caches, strict=True)))
     try:
         assert w.engine is not None and w.engine.data_path == "pipelined"
-        assert "copy engine" in (w.write_behind_mode or "")
+        assert "one chunk at a time on the copy engine" in (w.write_behind_mode or "")  # paced: the default
+        assert w.data_paths()["store"] == "write-behind, paced"
         overwrite_behind_a_device_sleep(src, want)
         w.wait_for_save(Meta(stores=[a_src]))
         w.wait_for_save(Meta(stores=[b_src]))
