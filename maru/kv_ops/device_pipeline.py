@@ -9,8 +9,8 @@ placement kernels:
   events order each placement after its copy and each copy after the slot's previous placement.
 * STORE mirrors it (gather into a slot, then copy to the pool page); ``store_path="direct"`` has the
   gather kernel write the pool pages in place instead (``kv_ops.store_paths``); ``paced=True``
-  issues the chunks from ``wait()``, one copy at a time, so that the inference engine's own copies
-  are not held behind the store (``kv_ops.paced_store``). Commit (publish keys) only after
+  runs it on streams and slots of its own with a short kernel between chunk copies, so that the
+  inference engine's own copies are not held behind it (``kv_ops.paced_store``). Commit (publish keys) only after
   ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
 * LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
 
@@ -45,7 +45,7 @@ from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
-from maru.kv_ops.paced_store import PacedStore, PacedStores
+from maru.kv_ops.paced_store import PacedStores
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
@@ -54,7 +54,7 @@ log = logging.getLogger("maru.kv_ops")
 
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
-__all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "PacedStore", "Transfer", "host_object"]
+__all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
 
 
 # ---------------------------------------------------------------------- the engine
@@ -255,8 +255,8 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         The objects' bytes are complete only after ``wait()`` (or once ``done()`` is True): commit
         (publish the keys) after that, never before. ``checksums``: see the class docstring (of
         the gathered bytes, the checksum to commit with them). ``paced`` (GPU, staged store path):
-        a ``PacedStore``, issued by its ``wait()`` one chunk copy at a time (a store behind the
-        engine's back, ``kv_ops.paced_store``); ``done()`` stays False until ``wait()`` ran.
+        a store behind the inference engine's back (write-behind) that yields the copy engine
+        between chunks and shares nothing with loads (``kv_ops.paced_store``; path "paced").
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
@@ -270,7 +270,9 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
             if pipelined and self._use_direct_store(objs[0]):
                 return self._issue_store_direct(objs, slots, nbytes, checksums)
             if pipelined and paced:
-                return self._issue_store_paced(objs, slots, nbytes, checksums)
+                handle = self._issue_store_paced(objs, slots, nbytes, checksums)
+                if handle is not None:
+                    return handle
             if pipelined:
                 return self._issue_store(objs, slots, nbytes, checksums)
             return self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)
@@ -330,6 +332,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                     raise RuntimeError("DevicePipeline.warm(chunk_tokens) must run before the first transfer")
                 for slot in self._ring:
                     slot.placer.warm(int(chunk_tokens))
+                self._warm_paced(int(chunk_tokens))
             if self._layer_placer is None:
                 return
             for tokens in layer_tokens:

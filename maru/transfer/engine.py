@@ -59,8 +59,9 @@ class KVTransferEngine:
     ``choose_path``). ``verify``: the path checks the bytes it placed (see above); False: the client
     checks them on the CPU before placing (``batch_retrieve(verify=True)``, ~1 GB/s a core).
     ``chunk_tokens``: the chunk size, whose placement graphs the GPU path captures at build.
-    ``paced_store``: write-behind stores (``issue_store``) yield the copy engine between chunks
-    (``kv_ops.paced_store``: the engine's own small copies are not held behind a whole store).
+    ``paced_store``: write-behind stores (``issue_store``) yield the copy engine between chunks and
+    share no stream with loads (``kv_ops.paced_store``: the inference engine's own small copies and
+    the next step's loads are not held behind a whole store).
     """
 
     def __init__(
@@ -165,7 +166,7 @@ class KVTransferEngine:
         paced: bool = False,
     ) -> IssuedGather:
         """Issue the gather of every chunk into its reserved object on the data path (may be queued;
-        ``paced``: issued by the handle's ``wait()``, see ``DataPath.gather``)."""
+        ``paced``: see ``DataPath.gather``)."""
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []

@@ -78,7 +78,7 @@ class DataPath(ABC):
         """Fill each object from the cache at its slots. Bytes are complete only once the handle is.
 
         ``paced``: the store runs behind the inference engine (write-behind); where the path can, it
-        yields the copy engine between chunks and issues them from the handle's ``wait()``."""
+        yields the copy engine between chunks and shares no stream with loads."""
 
     @abstractmethod
     def scatter(

@@ -100,8 +100,8 @@ class MaruConnectorConfig:
     # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
     # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).
     async_store: bool = True
-    # Write-behind stores on a GPU yield the copy engine between chunks (kv_ops.paced_store): the
-    # engine's own small copies (sampled tokens) wait for one chunk at most, not the whole store.
+    # Write-behind stores on a GPU yield the copy engine between chunks and share no stream with
+    # loads (kv_ops.paced_store): vLLM's own small copies wait for one chunk at most, not a whole store.
     paced_store: bool = True
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
@@ -186,7 +186,7 @@ class MaruConnectorConfig:
                 "publishes the keys. vLLM keeps a finished request's blocks until its stores drained "
                 "(finished_sending); a preempted request's blocks are reused only after the gather read them"
                 + (
-                    "; on a GPU the drain issues the store one chunk copy at a time (maru_paced_store), so "
+                    "; on a GPU the store yields the copy engine between chunks (maru_paced_store), so "
                     "vLLM's own copies never queue behind a whole store"
                     if self.paced_store
                     else ""

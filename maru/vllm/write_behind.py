@@ -33,8 +33,9 @@ _MODES = {
     "pipelined": "the gather is queued on the copy engine after the forward; the drain thread waits for "
     "it, then publishes",
     "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
-    "pipelined, paced": "the drain thread gathers and copies one chunk at a time on the copy engine, idle "
-    "in between (vLLM's own copies wait for one chunk at most, not a whole store), then publishes",
+    "pipelined, paced": "the gather and the copies are queued after the forward on streams of their own, "
+    "yielding the copy engine between chunks (vLLM's own copies wait for one chunk at most, not a whole "
+    "store); the drain thread waits for them, then publishes",
 }
 
 

@@ -280,7 +280,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "paced_store": True,
     }
     assert len(d.data_path_lines()) == 1 and d.data_path_lines()[0].startswith("maru_async_store:")
-    assert "one chunk copy at a time (maru_paced_store)" in d.data_path_lines()[0]
+    assert "yields the copy engine between chunks (maru_paced_store)" in d.data_path_lines()[0]
     unpaced = MaruConnectorConfig.from_extra_config({"maru_paced_store": "false"})
     assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[0]
     off = d.without_write_behind("a test")
