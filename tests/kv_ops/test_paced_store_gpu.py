@@ -147,7 +147,12 @@ def test_a_load_issued_while_a_paced_store_drains_does_not_wait_for_it(pool: Reg
         token0 += t
     expected = src.clone()
     kv_ops.scatter(got.cuda(), expected.layers, layout, load_slots.cuda(), backend="reference")
-    engine.store(objs[:1], store_slots[: SIZES[0]], paced=True).wait()  # the paced streams exist
+    # Both paths once first: a size's first use captures its graphs, and a capture syncs the device
+    # (the engine's build warms the chunk size; a tail size is captured on first use).
+    engine.store(objs, store_slots, paced=True).wait()
+    engine.load(incoming, load_slots).wait()
+    for o in objs:
+        o.view(torch.uint8).fill_(0xA5)  # poison again: the store below must write them
     _, d2h, _ = engine._paced_state
     with torch.cuda.stream(d2h):
         torch.cuda._sleep(400_000_000)  # the store's copies are held ~0.2 s behind this

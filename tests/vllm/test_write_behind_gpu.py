@@ -229,7 +229,7 @@ def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemp
     try:
         assert w.engine is not None and w.engine.data_path == "pipelined"
         assert "yielding the copy engine between chunks" in (w.write_behind_mode or "")  # paced: the default
-        assert w.data_paths()["store"] == "write-behind, paced"
+        assert w.data_paths()["paths"]["store"] == "write-behind, paced"
         overwrite_behind_a_device_sleep(src, want)
         w.wait_for_save(Meta(stores=[a_src]))
         w.wait_for_save(Meta(stores=[b_src]))
