@@ -382,10 +382,20 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
     # ------------------------------------------------------------------ GPU paths
 
     def _start(self) -> None:
-        """Both engine streams start after the work queued so far on the caller's stream."""
+        """Both engine streams start after the work queued so far on the caller's stream.
+
+        Through libcudart when available: one engine-owned event recorded on the caller's stream,
+        two waits on it (a few us, against ~15 us for each of torch's ``wait_stream``)."""
         caller = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(caller)
-        self._place_stream.wait_stream(caller)
+        if not self._sync.raw:
+            self._copy_stream.wait_stream(caller)
+            self._place_stream.wait_stream(caller)
+            return
+        if getattr(self, "_caller_event", None) is None:
+            self._caller_event = self._sync.event()
+        self._sync.record(self._caller_event, caller)  # re-recorded later: each wait captured this one
+        self._sync.wait(self._copy_stream, self._caller_event)
+        self._sync.wait(self._place_stream, self._caller_event)
 
     def _h2d(self, stage: torch.Tensor, host: torch.Tensor) -> None:
         """Queue ``stage <- host`` on the copy stream (raw cudaMemcpyAsync when available)."""

@@ -38,7 +38,7 @@ from maru.transfer.records import (
     LoadReport,
     RequestTransfer,
     StoreReport,
-    block_table,
+    chunk_slots,
     slot_mapping,
     unique_keys,
 )
@@ -170,13 +170,12 @@ class KVTransferEngine:
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []
-        tables: dict[str, Any] = {}  # one block table per request
+        per_req = self._store_slots(todo)
         for (req, c), obj in zip(todo, objs, strict=True):
             try:
-                table = tables.get(req.req_id)
-                if table is None:
-                    table = tables[req.req_id] = block_table(req.block_ids)
-                s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens, table=table)
+                s = per_req.get(id(c))
+                if s is None:  # its request's slots failed as a whole: this chunk's own error
+                    s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
                 o = self.geometry.over(obj.buf, c.num_tokens)
             except Exception as e:
                 ig.bad.append(obj)
@@ -193,6 +192,24 @@ class KVTransferEngine:
                 ig.bad.extend(obj for _, obj in ig.ok)
                 ig.ok, ig.outs = [], []
         return ig
+
+    def _store_slots(self, todo: list[tuple[RequestTransfer, Any]]) -> dict[int, torch.Tensor]:
+        """Every chunk's slots (whole chunks), computed once per request (``chunk_slots``); keyed by
+        ``id(chunk)``. A request whose slots cannot be computed as a whole is left out."""
+        by_req: dict[str, tuple[RequestTransfer, list[Any]]] = {}
+        for req, c in todo:
+            by_req.setdefault(req.req_id, (req, []))[1].append(c)
+        out: dict[int, torch.Tensor] = {}
+        for req, chunks in by_req.values():
+            try:
+                flat = chunk_slots(req.block_ids, self.block_size, chunks, whole=True)
+            except Exception:
+                continue
+            o = 0
+            for c in chunks:
+                out[id(c)] = flat[o : o + c.num_tokens]
+                o += c.num_tokens
+        return out
 
     def finish_gather(self, ig: IssuedGather, prep: PreparedStore) -> None:
         """Wait for an issued gather, then record its complete objects in ``prep``; abort the others."""
@@ -431,13 +448,12 @@ class KVTransferEngine:
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
-        table = block_table(req.block_ids)
+        flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
+        o = 0
         for c in req.chunks:
             h = handles[index[c.key]]
-            slots = slot_mapping(
-                req.block_ids, self.block_size, c.start, c.num_tokens, c.placed(), table=table
-            )
-            out.append((self.geometry.over(h.view, c.num_tokens), slots, int(h.size), h))
+            out.append((self.geometry.over(h.view, c.num_tokens), flat[o : o + c.num_tokens], int(h.size), h))
+            o += c.num_tokens
         return out
 
     def _add_request(

@@ -149,6 +149,63 @@ def slot_mapping(
     return torch.from_numpy(slots)
 
 
+def chunk_slots(
+    block_ids: Sequence[int],
+    block_size: int,
+    chunks: Sequence[ChunkRef],
+    *,
+    whole: bool = False,
+    table: Any = None,
+) -> Any:
+    """Slots of every token of ``chunks`` (one request's, in order), concatenated: an int64 tensor.
+
+    Chunk k's tokens are rows ``[o_k, o_k + T_k)`` (``o_k`` the tokens of the chunks before it).
+    A token outside its chunk's ``placed()`` range is -1 (``whole``: every token is placed, as a
+    store gathers). Equal to concatenating ``slot_mapping`` of each chunk, in one numpy pass for the
+    whole request: a chunk costs a slice assignment, not ~30 us of small numpy and torch calls.
+    """
+    import numpy as np
+    import torch
+
+    n = len(chunks)
+    total, last, full, contiguous = 0, 0, True, True
+    for i, c in enumerate(chunks):
+        pb, pe = (0, c.num_tokens) if whole else c.placed()
+        full = full and pb == 0 and pe == c.num_tokens
+        contiguous = contiguous and (i == 0 or c.start == chunks[i - 1].end)
+        if pe > pb:
+            last = max(last, c.start + pe)
+        total += c.num_tokens
+    nblocks = (last + block_size - 1) // block_size
+    if nblocks > len(block_ids):
+        raise ValueError(
+            f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"
+        )
+    if total and full and contiguous:
+        # The usual step: whole chunks one after the other. Only their blocks are converted.
+        first = chunks[0].start
+        lo = first // block_size
+        tab = np.asarray(block_ids[lo:nblocks], dtype=np.int64) if table is None else table[lo:nblocks]
+        rows = (tab[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)
+        skip = first - lo * block_size
+        return torch.from_numpy(np.ascontiguousarray(rows[skip : skip + total]))
+    counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+    offs = np.cumsum(counts) - counts
+    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - offs, counts)
+    placed = np.zeros(total, dtype=bool)
+    for c, o in zip(chunks, offs.tolist(), strict=True):
+        pb, pe = (0, c.num_tokens) if whole else c.placed()
+        placed[o + pb : o + pe] = True
+    table = block_table(block_ids) if table is None else table
+    blocks, within = np.divmod(pos, block_size)
+    if not len(table):
+        return torch.full((total,), -1, dtype=torch.int64)
+    np.minimum(blocks, len(table) - 1, out=blocks)  # unplaced tokens may have no block
+    out = np.where(placed, table[blocks] * block_size + within, -1)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.int64))
+
+
 def block_table(block_ids: Sequence[int]) -> Any:
     """``block_ids`` as an int64 numpy array (``slot_mapping``'s ``table``)."""
     import numpy as np

@@ -17,7 +17,7 @@ import torch
 
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, naive_token
-from maru.transfer.records import ChunkRef, RequestTransfer, block_table, slot_mapping
+from maru.transfer.records import ChunkRef, RequestTransfer, block_table, chunk_slots, slot_mapping
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 from tests.transfer.helpers import BS, CHUNK, bits_equal, case, plain_engine, request, worker
@@ -169,6 +169,43 @@ def test_slot_mapping_matches_a_per_token_reference_on_random_requests(with_tabl
         table = block_table(ids) if with_table else None
         got = slot_mapping(ids, bs, start, num, (pb, pe), table=table)
         assert got.dtype == torch.int64 and got.tolist() == want
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_chunk_slots_equal_each_chunks_slot_mapping_concatenated_on_random_requests(whole: bool) -> None:
+    rng = random.Random(11 + whole)
+    for _ in range(300):
+        bs = rng.choice([1, 3, 16])
+        nblocks = rng.randint(1, 12)
+        ids = rng.sample(range(1000), nblocks)
+        chunks, start = [], rng.randint(0, bs)
+        usual = rng.random() < 0.4  # whole chunks one after the other (the fast path)
+        while start < nblocks * bs and len(chunks) < 5:
+            num = rng.randint(1, nblocks * bs - start)
+            pb = 0 if usual else rng.randint(0, num)
+            pe = num if usual else rng.randint(pb, num)
+            chunks.append(
+                ChunkRef(f"k{len(chunks)}", start, num, pb, pe if pe < num or rng.random() < 0.5 else -1)
+            )
+            start += num + (0 if usual else rng.choice([0, 0, 0, bs]))  # mostly contiguous, sometimes a gap
+        if not chunks:
+            continue
+        if whole and max(c.end for c in chunks) > nblocks * bs:
+            with pytest.raises(ValueError):
+                chunk_slots(ids, bs, chunks, whole=True)
+            continue
+        parts = [
+            slot_mapping(
+                ids, bs, c.start, c.num_tokens, None if whole else c.placed(), table=block_table(ids)
+            )
+            for c in chunks
+        ]
+        got = chunk_slots(ids, bs, chunks, whole=whole)
+        assert got.dtype == torch.int64 and got.tolist() == torch.cat(parts).tolist()
+    # a placed token without a block is an error, an unplaced one is not
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        chunk_slots([5, 2], 4, [ChunkRef("a", 0, 12)])
+    assert chunk_slots([5, 2], 4, [ChunkRef("a", 4, 8, 1, 3)]).tolist() == [-1, 9, 10, -1, -1, -1, -1, -1]
 
 
 def test_unreachable_server_comes_back_as_a_failed_report_not_an_exception(tmp_path: Path) -> None:
