@@ -286,6 +286,12 @@ class PipelinedPath(DataPath):
                 "Triton kernels launch through Triton's per-call argument binding (about 5 us of host "
                 f"time a call more): {'; '.join(given_up)}. Fix: Triton 3.6 (the release measured)"
             )
+        if getattr(self.pipeline, "_paced_state", None) is False:
+            slow.append(
+                "write-behind stores are queued back to back (this torch has no torch.cuda._sleep to pace "
+                "them): a small copy of vLLM's may wait for a whole store (~10 ms per 0.5 GB). Fix: torch "
+                "2.x as measured (2.11)"
+            )
         if not layer_overlap:
             return entries, slow
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))

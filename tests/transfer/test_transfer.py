@@ -335,3 +335,10 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     paths, slow = PipelinedPath.report(SimpleNamespace(pipeline=None), False)  # type: ignore[arg-type]
     assert paths == {"kernel_launch": "triton binding"}
     assert len(slow) == 1 and "_k: no parameter list" in slow[0] and "Fix:" in slow[0]
+    # Write-behind stores that cannot be paced (no device sleep in this torch) show too.
+    monkeypatch.setattr(launch, "_LAUNCHERS", [])
+    unpaced = SimpleNamespace(pipeline=SimpleNamespace(_paced_state=False))
+    paths, slow = PipelinedPath.report(unpaced, False)  # type: ignore[arg-type]
+    assert len(slow) == 1 and "queued back to back" in slow[0] and "Fix:" in slow[0]
+    paced = SimpleNamespace(pipeline=SimpleNamespace(_paced_state=None))  # not decided yet, or paced
+    assert PipelinedPath.report(paced, False)[1] == []  # type: ignore[arg-type]
