@@ -458,13 +458,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                 if k + ahead < n:
                     issue_copy(k + ahead)
             sums = ck.to_host(acc)
-        done = self._done_event()
-        sync.record(done, place)
-        handle = Transfer("load", "pipelined", nbytes, done, sync, (objs, slots, acc))
-        if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
-        handle.issue_s = time.perf_counter() - t0
-        return handle
+        return self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
 
     def _issue_store(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
@@ -492,9 +486,26 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
             sums = ck.to_host(acc)
             if sums is not None:
                 copy.wait_stream(place)  # done (recorded on the copy stream) covers the sums too
+        return self._handle("store", "pipelined", nbytes, copy, t0, objs, slots, acc, sums)
+
+    def _handle(
+        self,
+        kind: str,
+        path: str,
+        nbytes: int,
+        stream: Any,
+        t0: float,
+        objs: list[torch.Tensor],
+        slots: Any,
+        acc: Any,
+        sums: Any,
+        *keep: Any,
+    ) -> Transfer:
+        """The handle of a transfer whose last work is queued on ``stream``: its done event recorded
+        there, the checksums attached, the tensors its work reads kept alive (``keep``: more)."""
         done = self._done_event()
-        sync.record(done, copy)
-        handle = Transfer("store", "pipelined", nbytes, done, sync, (objs, slots, acc))
+        self._sync.record(done, stream)
+        handle = Transfer(kind, path, nbytes, done, self._sync, (objs, slots, acc, *keep))
         if sums is not None:
             handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
         handle.issue_s = time.perf_counter() - t0

@@ -116,13 +116,7 @@ class PacedStores:
             sums = ck.to_host(acc)
         if sums is not None:
             ds.wait_stream(gs)  # the done event covers the sums too
-        done = self._done_event()  # type: ignore[attr-defined]
-        sync.record(done, ds)
-        handle = Transfer("store", "paced", nbytes, done, sync, (objs, slots, acc))
-        if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
-        handle.issue_s = time.perf_counter() - t0
-        return handle
+        return self._handle("store", "paced", nbytes, ds, t0, objs, slots, acc, sums)  # type: ignore[attr-defined]
 
     def _warm_paced(self, chunk_tokens: int) -> None:
         """Capture the paced slots' gather graphs for ``chunk_tokens`` (``DevicePipeline.warm``)."""

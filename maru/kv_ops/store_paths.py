@@ -114,10 +114,5 @@ class StorePaths:
             end = ck_stream
         with torch.cuda.stream(end):
             sums = ck.to_host(acc)
-        done = self._done_event()  # type: ignore[attr-defined]
-        sync.record(done, end)  # the checksum stream ran behind every chunk's kernel
-        handle = Transfer("store", "direct", nbytes, done, sync, (objs, slots, acc, tab))
-        if sums is not None:
-            handle.set_checksums(sums, sizes)
-        handle.issue_s = time.perf_counter() - t0
-        return handle
+        # Recorded on ``end``: the checksum stream ran behind every chunk's kernel.
+        return self._handle("store", "direct", nbytes, end, t0, objs, slots, acc, sums, tab)  # type: ignore[attr-defined]

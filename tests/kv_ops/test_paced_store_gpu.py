@@ -11,7 +11,6 @@ against the kv_ops reference gather. Skipped where no CUDA device is visible (CI
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from maru import kv_ops  # noqa: E402
 from maru.checksum import checksum  # noqa: E402
 from maru.kv_ops import device_pipeline as pl  # noqa: E402
 from maru.kv_ops import paced_store  # noqa: E402
+from tests.kv_ops import test_device_pipeline_gpu as base  # noqa: E402
 from tests.kv_ops.test_device_pipeline_gpu import (  # noqa: E402
     CHUNK,
     RegisteredPool,
@@ -32,19 +32,9 @@ from tests.kv_ops.test_device_pipeline_gpu import (  # noqa: E402
     make_caches,
 )
 
+pool, _rewind = base.pool, base._rewind  # the same fixtures: one registered pool a module, rewound
+
 SIZES = [CHUNK, CHUNK, CHUNK, 100]  # a short last chunk
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RegisteredPool]:
-    p = RegisteredPool(1 << 30)
-    yield p
-    p.close()
-
-
-@pytest.fixture(autouse=True)
-def _rewind(pool: RegisteredPool) -> None:
-    pool.next = 0
 
 
 def _check_objects(objs: list[Any], want: Any, slots: Any) -> None:
