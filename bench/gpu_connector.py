@@ -16,6 +16,7 @@ Usage (on a GPU machine, from the repo root): python bench/gpu_connector.py [--j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +51,33 @@ def make_caches(nb: int, seed: int) -> list[torch.Tensor]:
         -(2**15), 2**15 - 1, (L, nb, 2, BS, NH, HS), dtype=torch.int16, device="cuda", generator=g
     )
     return [b for b in buf.view(torch.bfloat16)]
+
+
+@contextlib.contextmanager
+def stored_request(
+    tokens: int, tag: str, pool_size: int = 4 << 30
+) -> Iterator[tuple[Any, Any, RequestTransfer]]:
+    """A real server, a storing and a loading ``KVTransferEngine`` over CUDA caches, and one request of
+    ``tokens`` tokens stored through the first: ``(storer, loader, request)``; closed on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProcess(tmp, pool_size=pool_size, log_level="WARNING")
+        srv.start()
+        client = MaruHandler(srv.url, timeout_s=30)
+        try:
+            src, dst = make_caches(NB, 1), make_caches(NB, 2)
+            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
+            req = request(tokens, tag, torch.Generator().manual_seed(0))
+            assert storer.store([req]).stored == len(req.chunks)
+            try:
+                yield storer, loader, req
+            finally:
+                storer.close()
+                loader.close()
+        finally:
+            client.close()
+            srv.cleanup()
 
 
 def request(tokens: int, tag: str, gen: torch.Generator) -> RequestTransfer:

@@ -17,7 +17,6 @@ import argparse
 import functools
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
@@ -26,12 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request  # noqa: E402
-
-from maru import kv_ops  # noqa: E402
-from maru.client import MaruHandler  # noqa: E402
-from maru.demo.server import ServerProcess  # noqa: E402
-from maru.transfer.engine import KVTransferEngine  # noqa: E402
+from gpu_connector import stored_request  # noqa: E402
 
 # (module path, owner attribute or None, function name): each call becomes a named range.
 MARKED = [
@@ -83,43 +77,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProcess(tmp, pool_size=2 << 30, log_level="WARNING")
-        srv.start()
-        client = MaruHandler(srv.url, timeout_s=30)
-        try:
-            src, dst = make_caches(NB, 1), make_caches(NB, 2)
-            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
-            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
-            req = request(a.tokens, "timeline", torch.Generator().manual_seed(0))
-            assert storer.store([req]).stored == len(req.chunks)
-            mark_all()
-            for _ in range(20):
-                loader.load([req])
+    with stored_request(a.tokens, "timeline", 2 << 30) as (_storer, loader, req):
+        mark_all()
+        for _ in range(20):
+            loader.load([req])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            reps = []
+            for i in range(3):
+                with record_function(f"LOAD {i}"):
+                    reps.append(loader.load([req]))
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                reps = []
-                for i in range(3):
-                    with record_function(f"LOAD {i}"):
-                        reps.append(loader.load([req]))
-                torch.cuda.synchronize()
-            print(f"{a.tokens} tokens; phases of the 3 profiled loads (ms):")
-            for r in reps:
-                print(
-                    "  ",
-                    {k: round(v * 1e3, 3) for k, v in r.phases.items()},
-                    "total",
-                    round(r.seconds * 1e3, 3),
-                )
-            if a.trace:
-                prof.export_chrome_trace(a.trace)
-            print_window(prof, "LOAD 1")
-            storer.close()
-            loader.close()
-        finally:
-            client.close()
-            srv.cleanup()
+        print(f"{a.tokens} tokens; phases of the 3 profiled loads (ms):")
+        for r in reps:
+            print(
+                "  ", {k: round(v * 1e3, 3) for k, v in r.phases.items()}, "total", round(r.seconds * 1e3, 3)
+            )
+        if a.trace:
+            prof.export_chrome_trace(a.trace)
+        print_window(prof, "LOAD 1")
 
 
 def _ns(e: Any) -> tuple[int, int]:

@@ -13,19 +13,15 @@ import cProfile
 import os
 import pstats
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request  # noqa: E402
+from gpu_connector import BS, HS, NB, NH, make_caches, stored_request  # noqa: E402
 
 from maru import kv_ops  # noqa: E402
-from maru.client import MaruHandler  # noqa: E402
-from maru.demo.server import ServerProcess  # noqa: E402
-from maru.transfer.engine import KVTransferEngine  # noqa: E402
 
 
 def main() -> None:
@@ -37,37 +33,22 @@ def main() -> None:
     a = ap.parse_args()
     if a.kv_ops:
         return profile_kv_ops(a)
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProcess(tmp, pool_size=4 << 30, log_level="WARNING")
-        srv.start()
-        client = MaruHandler(srv.url, timeout_s=30)
-        try:
-            src, dst = make_caches(NB, 1), make_caches(NB, 2)
-            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
-            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
-            req = request(a.tokens, "profile", torch.Generator().manual_seed(0))
-            assert storer.store([req]).stored == len(req.chunks)
-            for _ in range(10):
-                loader.load([req])
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(a.reps):
-                rep = loader.load([req])
-            prof.disable()
-            assert rep.loaded_req_ids == [req.req_id], rep.failed
-            print(
-                f"{a.tokens} tokens, last load phases (ms):",
-                {k: round(v * 1e3, 3) for k, v in rep.phases.items()},
-            )
-            st = pstats.Stats(prof)
-            st.sort_stats("tottime").print_stats(a.top)
-            st.sort_stats("cumulative").print_stats(a.top)
-            storer.close()
-            loader.close()
-        finally:
-            client.close()
-            srv.cleanup()
+    with stored_request(a.tokens, "profile") as (_storer, loader, req):
+        for _ in range(10):
+            loader.load([req])
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.reps):
+            rep = loader.load([req])
+        prof.disable()
+        assert rep.loaded_req_ids == [req.req_id], rep.failed
+        print(
+            f"{a.tokens} tokens, last load phases (ms):",
+            {k: round(v * 1e3, 3) for k, v in rep.phases.items()},
+        )
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(a.top)
+        st.sort_stats("cumulative").print_stats(a.top)
 
 
 def profile_kv_ops(a: argparse.Namespace) -> None:
