@@ -8,7 +8,7 @@ start order: microseconds from the load's start, duration, where (host or GPU), 
 where a 256-token load loses its time against the bus: when the copy starts on the GPU, what the
 host does meanwhile, what the wait waits for.
 
-Usage (GPU): python bench/load_timeline.py [--tokens 256] [--trace out.json]
+Usage (GPU): python bench/load_timeline.py [--tokens 256] [--layers] [--trace out.json]
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ MARKED = [
     ("maru.kv_ops.checksum", None, "to_host"),
     ("maru.kv_ops.device_handles", "Transfer", "wait"),
     ("maru.kv_ops.device_handles", "Transfer", "checksums"),
+    # the layer-overlap load (--layers)
+    ("maru.transfer.engine", "KVTransferEngine", "pin"),
+    ("maru.transfer.engine", "KVTransferEngine", "start_layer_load"),
+    ("maru.kv_ops.device_pipeline", "DevicePipeline", "load_layers"),
+    ("maru.kv_ops.layer_paths", "LayerPaths", "_issue_layers_direct"),
+    ("maru.kv_ops.triton_kernels", None, "direct_table_host"),
+    ("maru.kv_ops.placer", "GraphedPlacer", "scatter_direct_all"),
 ]
 
 
@@ -76,23 +83,39 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    ap.add_argument("--layers", action="store_true", help="the layer-overlap load (pin, then load_layers)")
     a = ap.parse_args()
     with stored_request(a.tokens, "timeline", 2 << 30) as (_storer, loader, req):
         mark_all()
+
+        def one() -> Any:
+            if not a.layers:
+                return loader.load([req])
+            ll = loader.start_layer_load(loader.pin([req]))  # what the connector issues a step
+            h = ll.handle.load
+            ll.wait()
+            return h
+
         for _ in range(20):
-            loader.load([req])
+            one()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             reps = []
             for i in range(3):
                 with record_function(f"LOAD {i}"):
-                    reps.append(loader.load([req]))
+                    reps.append(one())
             torch.cuda.synchronize()
-        print(f"{a.tokens} tokens; phases of the 3 profiled loads (ms):")
+        print(f"{a.tokens} tokens{' (layer by layer)' if a.layers else ''}; the 3 profiled loads:")
         for r in reps:
-            print(
-                "  ", {k: round(v * 1e3, 3) for k, v in r.phases.items()}, "total", round(r.seconds * 1e3, 3)
-            )
+            if a.layers:
+                print(f"   issue {r.issue_s * 1e6:.0f} us ({r.issue_s / 32 * 1e6:.1f} a layer)")
+            else:
+                print(
+                    "  ",
+                    {k: round(v * 1e3, 3) for k, v in r.phases.items()},
+                    "total",
+                    round(r.seconds * 1e3, 3),
+                )
         if a.trace:
             prof.export_chrome_trace(a.trace)
         print_window(prof, "LOAD 1")
