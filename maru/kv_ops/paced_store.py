@@ -58,7 +58,6 @@ class PacedStores:
     # Set by DevicePipeline.__init__.
     device: Any
     esize: int
-    graphs: bool
     _sync: Any
     _place_stream: Any
 

@@ -93,6 +93,11 @@ class KVTransferEngine:
         self.paced_store = paced_store
 
     @property
+    def paces_stores(self) -> bool:
+        """Write-behind stores are paced: asked for (``paced_store``) and the path really paces them."""
+        return self.paced_store and self.path.paces_stores
+
+    @property
     def data_path(self) -> str:
         """Which path moves the bytes: "cpu", "pipelined" or "staged"."""
         return self.path.name

@@ -95,8 +95,14 @@ class DataPath(ABC):
     def settle(self) -> None:  # noqa: B027 - nothing is queued on a synchronous path
         """After a failed transfer: wait for whatever this path queued (never raises)."""
 
-    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
-        """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is)."""
+    @property
+    def paces_stores(self) -> bool:
+        """Whether ``gather(..., paced=True)`` really paces (yields the copy engine between chunks)."""
+        return False
+
+    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
+        """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is).
+        ``paced_store``: write-behind stores are asked to be paced (``maru_paced_store``)."""
         return {}, []
 
     def close(self) -> None:
@@ -217,7 +223,7 @@ class StagedPath(_HostPlacement):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
         return {}, [
             "KV moves through the staged per-chunk path (the pipelined GPU engine could not be built; "
             "the worker log says why). Fix: CUDA caches and a working triton install"
@@ -275,7 +281,12 @@ class PipelinedPath(DataPath):
         except Exception as e:  # a sticky CUDA error: the context runs nothing any more
             logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
 
-    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+    @property
+    def paces_stores(self) -> bool:
+        # False only once the pipeline found it cannot pace (no torch.cuda._sleep; decided at warm-up).
+        return getattr(self.pipeline, "_paced_state", None) is not False
+
+    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
         from maru.kv_ops.launch import slower_launches
 
         given_up = slower_launches()
@@ -286,7 +297,7 @@ class PipelinedPath(DataPath):
                 "Triton kernels launch through Triton's per-call argument binding (about 5 us of host "
                 f"time a call more): {'; '.join(given_up)}. Fix: Triton 3.6 (the release measured)"
             )
-        if getattr(self.pipeline, "_paced_state", None) is False:
+        if paced_store and not self.paces_stores:
             slow.append(
                 "write-behind stores are queued back to back (this torch has no torch.cuda._sleep to pace "
                 "them): a small copy of vLLM's may wait for a whole store (~10 ms per 0.5 GB). Fix: torch "

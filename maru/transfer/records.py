@@ -155,7 +155,6 @@ def chunk_slots(
     chunks: Sequence[ChunkRef],
     *,
     whole: bool = False,
-    table: Any = None,
 ) -> Any:
     """Slots of every token of ``chunks`` (one request's, in order), concatenated: an int64 tensor.
 
@@ -185,7 +184,7 @@ def chunk_slots(
         # The usual step: whole chunks one after the other. Only their blocks are converted.
         first = chunks[0].start
         lo = first // block_size
-        tab = np.asarray(block_ids[lo:nblocks], dtype=np.int64) if table is None else table[lo:nblocks]
+        tab = np.asarray(block_ids[lo:nblocks], dtype=np.int64)
         rows = (tab[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)
         skip = first - lo * block_size
         return torch.from_numpy(np.ascontiguousarray(rows[skip : skip + total]))
@@ -197,7 +196,7 @@ def chunk_slots(
     for c, o in zip(chunks, offs.tolist(), strict=True):
         pb, pe = (0, c.num_tokens) if whole else c.placed()
         placed[o + pb : o + pe] = True
-    table = block_table(block_ids) if table is None else table
+    table = block_table(block_ids)
     blocks, within = np.divmod(pos, block_size)
     if not len(table):
         return torch.full((total,), -1, dtype=torch.int64)

@@ -155,7 +155,7 @@ class MaruWorkerConnector:
             paced_store=self.cfg.paced_store,
         )
         if self.cfg.async_store:
-            self.write_behind.announce(self.engine.data_path, paced=self.cfg.paced_store)
+            self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
         self._report_paths()
         return True
 
@@ -172,7 +172,9 @@ class MaruWorkerConnector:
             "layout": self.layout.describe() if self.layout is not None else "?",
             "async_load": "on" if self.cfg.async_load else "off",
             "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
-            "store": _store_mode(self.cfg, eng.data_path if eng else None),
+            "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
+            if self.cfg.async_store
+            else "sync",
         }
         slow: list[str] = list(self.cfg.fallbacks)  # settings the connector replaced, with the fix
         if eng is not None:
@@ -189,7 +191,9 @@ class MaruWorkerConnector:
             if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
                 paths["checksum"] = checksum.implementation()
                 slow.extend(checksum.slow_reasons())
-            extra, path_slow = eng.path.report(self.cfg.overlap_load_with_compute)
+            extra, path_slow = eng.path.report(
+                self.cfg.overlap_load_with_compute, self.cfg.async_store and self.cfg.paced_store
+            )
             paths.update(extra)
             slow.extend(path_slow)
         return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
@@ -591,10 +595,3 @@ def _kv_ops_backend() -> str:
         return str(kv_ops.backend())
     except Exception:
         return "unknown"
-
-
-def _store_mode(cfg: MaruConnectorConfig, data_path: str | None) -> str:
-    """How stores run, as ``maru stats`` shows it (pacing exists on the pipelined GPU path only)."""
-    if not cfg.async_store:
-        return "sync"
-    return "write-behind, paced" if cfg.paced_store and data_path == "pipelined" else "write-behind"

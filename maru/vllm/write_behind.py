@@ -66,10 +66,10 @@ class WriteBehind:
         self.mode = "not connected yet"
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
-        """Log how the store runs on ``data_path`` (once per change of path); ``paced``: the engine
-        paces write-behind stores (``maru_paced_store``, the pipelined path only)."""
-        if paced and data_path == "pipelined":
-            data_path = "pipelined, paced"
+        """Log how the store runs on ``data_path`` (once per change of path); ``paced``: the path
+        paces write-behind stores (``maru_paced_store``; only the pipelined path can)."""
+        if paced:
+            data_path += ", paced"
         mode = _MODES.get(data_path, data_path)
         if mode != self.mode:
             self.mode = mode

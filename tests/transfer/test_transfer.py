@@ -337,8 +337,20 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     assert len(slow) == 1 and "_k: no parameter list" in slow[0] and "Fix:" in slow[0]
     # Write-behind stores that cannot be paced (no device sleep in this torch) show too.
     monkeypatch.setattr(launch, "_LAUNCHERS", [])
-    unpaced = SimpleNamespace(pipeline=SimpleNamespace(_paced_state=False))
-    paths, slow = PipelinedPath.report(unpaced, False)  # type: ignore[arg-type]
+
+    def pacing(state: bool | None) -> SimpleNamespace:
+        path = SimpleNamespace(pipeline=SimpleNamespace(_paced_state=state))
+        path.paces_stores = PipelinedPath.paces_stores.fget(path)  # type: ignore[attr-defined]
+        return path
+
+    paths, slow = PipelinedPath.report(pacing(False), False, True)  # type: ignore[arg-type]
     assert len(slow) == 1 and "queued back to back" in slow[0] and "Fix:" in slow[0]
-    paced = SimpleNamespace(pipeline=SimpleNamespace(_paced_state=None))  # not decided yet, or paced
-    assert PipelinedPath.report(paced, False)[1] == []  # type: ignore[arg-type]
+    assert PipelinedPath.report(pacing(False), False, False)[1] == []  # type: ignore[arg-type]  # not asked for
+    assert pacing(None).paces_stores and not pacing(False).paces_stores  # None: not decided yet
+    assert PipelinedPath.report(pacing(None), False, True)[1] == []  # type: ignore[arg-type]
+    # The engine paces write-behind stores only where asked for and the path really paces.
+    from maru.transfer.engine import KVTransferEngine
+
+    for asked, path_paces in ((True, True), (True, False), (False, True)):
+        eng = SimpleNamespace(paced_store=asked, path=SimpleNamespace(paces_stores=path_paces))
+        assert KVTransferEngine.paces_stores.fget(eng) == (asked and path_paces)  # type: ignore[attr-defined]
