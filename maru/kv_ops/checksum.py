@@ -28,6 +28,7 @@ is zero-padded, as in ``maru.checksum``). ``checksums`` of CPU tensors uses nump
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -261,12 +262,51 @@ def torch_checksum(t: torch.Tensor) -> int:
     return finalize(int(x.sum()), n)
 
 
-def to_host(acc: torch.Tensor | None) -> torch.Tensor | None:
-    """Queue the copy of device sums into a new pinned host tensor on the current stream."""
+class HostSums:
+    """Pinned host buffers for the raw sums transfers copy back from the device, reused.
+
+    A fresh pinned tensor costs a ``cudaHostAlloc`` (~35 us on the H200 host) whenever torch's
+    caching host allocator still sees the last one alive, which it is while the last transfer's
+    handle is (bench/RESULTS.md, the layer-load timeline). Ownership, the invariant that makes reuse
+    safe: a buffer belongs to one transfer from ``take`` until that transfer's handle read it
+    after completing (``Transfer.checksums`` gives it back then); a handle dropped unread keeps
+    its buffer to the garbage collector. So no device-to-host copy still in flight can write into
+    a buffer that was handed out again. Thread-safe (``take`` and ``give_back`` are deque ops).
+    """
+
+    MIN_CAPACITY = 64  # objects: a step's chunks fit one buffer, whatever the request count
+
+    def __init__(self, keep: int = 8, pin: bool = True) -> None:
+        self._free: deque[torch.Tensor] = deque()
+        self._keep = keep
+        self._pin = pin  # False only in tests without CUDA (the ownership rules are the same)
+
+    def take(self, n: int) -> torch.Tensor:
+        """A pinned int64 tensor of ``n`` entries (a view of a reused buffer); contents undefined."""
+        try:
+            base = self._free.pop()
+        except IndexError:
+            base = None
+        if base is None or base.numel() < n:
+            cap = max(self.MIN_CAPACITY, 1 << max(int(n) - 1, 0).bit_length())
+            base = torch.empty(cap, dtype=torch.int64, pin_memory=self._pin)
+        return base[:n]
+
+    def give_back(self, sums: torch.Tensor) -> None:
+        """Return the buffer under ``sums`` (from ``take``); only once no copy writes into it."""
+        base = sums._base if sums._base is not None else sums
+        if len(self._free) < self._keep:
+            self._free.append(base)
+
+
+def to_host(acc: torch.Tensor | None, pool: HostSums | None = None) -> torch.Tensor | None:
+    """Queue the copy of device sums into a pinned host tensor (from ``pool``: see ``HostSums``,
+    else a new one) on the current stream."""
     if acc is None:
         return None
-    host = torch.empty(acc.shape, dtype=torch.int64, pin_memory=True)
-    host.copy_(acc, non_blocking=True)
+    n = acc.numel()
+    host = pool.take(n) if pool is not None else torch.empty(n, dtype=torch.int64, pin_memory=True)
+    host.copy_(acc.view(-1), non_blocking=True)
     return host
 
 

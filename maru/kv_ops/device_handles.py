@@ -34,10 +34,12 @@ class Transfer:
         # host tensor written by the transfer itself (valid once done), and each object's length.
         self._sums: torch.Tensor | list[int] | None = None
         self._sizes: list[int] = []
+        self._sums_pool: Any = None
 
-    def set_checksums(self, sums: torch.Tensor | list[int], sizes: list[int]) -> None:
-        """Attach the raw checksum sums (``kv_ops.checksum``) the transfer writes, per object."""
-        self._sums, self._sizes = sums, list(sizes)
+    def set_checksums(self, sums: torch.Tensor | list[int], sizes: list[int], pool: Any = None) -> None:
+        """Attach the raw checksum sums (``kv_ops.checksum``) the transfer writes, per object.
+        ``pool``: the ``HostSums`` that ``sums`` came from (given back once read after completion)."""
+        self._sums, self._sizes, self._sums_pool = sums, list(sizes), pool
 
     def checksums(self) -> list[int] | None:
         """``maru.checksum`` of each object's bytes as this transfer saw them (the staging slot
@@ -47,7 +49,15 @@ class Transfer:
             return None
         from maru.kv_ops.checksum import finalize
 
-        raw = self._sums.tolist() if isinstance(self._sums, torch.Tensor) else self._sums
+        if isinstance(self._sums, torch.Tensor):
+            raw = self._sums.tolist()
+            if self.done():  # nothing writes into the buffer any more: keep the values, free it
+                buf, self._sums, pool = self._sums, raw, self._sums_pool
+                if pool is not None:
+                    self._sums_pool = None
+                    pool.give_back(buf)
+        else:
+            raw = self._sums
         return [finalize(r, n) for r, n in zip(raw, self._sizes, strict=True)]
 
     def done(self) -> bool:

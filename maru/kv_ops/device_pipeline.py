@@ -144,6 +144,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         self._place_stream = torch.cuda.Stream(self.device)
         self.graphs = use_graphs and self._graphs_usable()
         self._ring = [StagingSlot(self, self._new_placer()) for _ in range(self.ring_slots)]
+        self._host_sums = ck.HostSums()  # the checksums' device-to-host buffers, reused
         self._next_slot = 0
         # The layer path may replay graphs while the chunk paths run eagerly (layer_graphs=True,
         # use_graphs=False): per-layer issue cost is what the layer-overlap load is judged on.
@@ -382,20 +383,30 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
     # ------------------------------------------------------------------ GPU paths
 
     def _start(self) -> None:
-        """Both engine streams start after the work queued so far on the caller's stream.
+        """Both engine streams start after the work queued so far on the caller's stream."""
+        self._after_caller(self._copy_stream, self._place_stream)
 
-        Through libcudart when available: one engine-owned event recorded on the caller's stream,
-        two waits on it (a few us, against ~15 us for each of torch's ``wait_stream``)."""
-        caller = torch.cuda.current_stream(self.device)
+    def _after_caller(self, *streams: Any) -> None:
+        """Each of ``streams`` waits for the work queued so far on the caller's current stream."""
+        self._follow(torch.cuda.current_stream(self.device), *streams)
+
+    def _follow(self, source: Any, *streams: Any) -> None:
+        """Each of ``streams`` waits for the work queued so far on ``source``.
+
+        Through libcudart when available: one engine-owned event recorded on ``source``, one wait on
+        it per stream (a few us, against ~15 us for each of torch's ``wait_stream``). Re-recording
+        the event later (here, or for another source) is safe: each wait captured the recording it
+        saw, and every record and wait is queued under the engine's lock.
+        """
         if not self._sync.raw:
-            self._copy_stream.wait_stream(caller)
-            self._place_stream.wait_stream(caller)
+            for s in streams:
+                s.wait_stream(source)
             return
-        if getattr(self, "_caller_event", None) is None:
-            self._caller_event = self._sync.event()
-        self._sync.record(self._caller_event, caller)  # re-recorded later: each wait captured this one
-        self._sync.wait(self._copy_stream, self._caller_event)
-        self._sync.wait(self._place_stream, self._caller_event)
+        if getattr(self, "_follow_event", None) is None:
+            self._follow_event = self._sync.event()
+        self._sync.record(self._follow_event, source)
+        for s in streams:
+            self._sync.wait(s, self._follow_event)
 
     def _h2d(self, stage: torch.Tensor, host: torch.Tensor) -> None:
         """Queue ``stage <- host`` on the copy stream (raw cudaMemcpyAsync when available)."""
@@ -457,7 +468,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                 sync.record(slot.free, place)
                 if k + ahead < n:
                     issue_copy(k + ahead)
-            sums = ck.to_host(acc)
+            sums = ck.to_host(acc, self._host_sums)
         return self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
 
     def _issue_store(
@@ -483,7 +494,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                     # After ``ready``: the copy to the pool does not wait for it; the slot's next
                     # gather is queued behind it on this stream.
                     ck.accumulate(stage, acc, k)
-            sums = ck.to_host(acc)
+            sums = ck.to_host(acc, self._host_sums)
             if sums is not None:
                 copy.wait_stream(place)  # done (recorded on the copy stream) covers the sums too
         return self._handle("store", "pipelined", nbytes, copy, t0, objs, slots, acc, sums)
@@ -507,7 +518,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         self._sync.record(done, stream)
         handle = Transfer(kind, path, nbytes, done, self._sync, (objs, slots, acc, *keep))
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
         handle.issue_s = time.perf_counter() - t0
         return handle
 

@@ -9,7 +9,8 @@ a buffer (a pool page) as one, without a copy.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ class ObjectGeometry:
 
     @property
     def elem(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def layer_token_bytes(self) -> int:
@@ -57,17 +58,34 @@ class ObjectGeometry:
         """A chunk object of ``tokens`` tokens over ``buffer`` at byte ``offset`` (no copy)."""
         return host_object(buffer, self.shape(tokens), self.dtype, offset)
 
+    def over_many(self, parts: Iterable[tuple[Any, int]]) -> list[torch.Tensor]:
+        """``over`` of each ``(buffer, tokens)`` (a request's retrieved pages): one warnings scope
+        for all of them, where ``over`` on a read-only buffer enters one each (~4 us a chunk)."""
+        with _readonly_ok():
+            return [_view(buf, self.shape(t), self.dtype, 0) for buf, t in parts]
+
 
 def host_object(buffer: Any, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over ``buffer`` (an mmap, a pool memoryview), no copy.
 
     Read-only buffers (a retrieved entry's view) are allowed: loads only read them.
     """
+    if getattr(buffer, "readonly", None) is False:  # a writable memoryview: nothing to silence
+        return _view(buffer, shape, dtype, offset)
+    with _readonly_ok():
+        return _view(buffer, shape, dtype, offset)
+
+
+def _view(buffer: Any, shape: Sequence[int], dtype: torch.dtype, offset: int) -> torch.Tensor:
     count = 1
     for n in shape:
         count *= int(n)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(*shape)
+
+
+@contextmanager
+def _readonly_ok() -> Iterator[None]:
     with warnings.catch_warnings():
         # torch warns that writing through a tensor over a read-only buffer is undefined; loads never do.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-    return flat.view(*shape)
+        yield

@@ -57,6 +57,7 @@ class LayerPaths:
     layer_path: str
     lazy_capture: bool
     _sync: Any
+    _host_sums: Any
     _copy_stream: Any
     _place_stream: Any
     _layer_placer: Any
@@ -168,7 +169,7 @@ class LayerPaths:
         self._layer_free = done if done is not None else placed[-1]
         handle = LayerLoad(nbytes, placed, sync, (objs, slots, keep), done)
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * es for o in objs])
+            handle.set_checksums(sums, [o.numel() * es for o in objs], self._host_sums)
         handle.graphed = graphed
         handle.issue_s = time.perf_counter() - t0
         handle.copy_issue_s = t_copies - t0  # includes the fixed per-call setup
@@ -207,8 +208,7 @@ class LayerPaths:
         dev_tab = host.to(self.device, non_blocking=True)
         acc = torch.zeros(n, dtype=torch.int64, device=self.device)
         ck.accumulate_pieces(dev_tab, acc, staging, int(lengths.max()) * row * es)
-        sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        sums.copy_(acc, non_blocking=True)
+        sums = ck.to_host(acc, self._host_sums)
         done = self._done_event()
         self._sync.record(done, torch.cuda.current_stream(self.device))
         return done, sums, (host, dev_tab, acc)
@@ -259,21 +259,6 @@ class LayerPaths:
             if dev != obj.data_ptr():
                 return f"CUDA maps the pool at another device address ({dev}); in-place reads need UVA"
         return None
-
-    def _after_caller(self, stream: torch.cuda.Stream) -> None:
-        """``stream`` waits for the work queued so far on the caller's current stream.
-
-        Through libcudart when available (an engine-owned event: ~2 us against ~15 us for
-        ``wait_stream``); re-recording the event later is safe, the wait already captured it.
-        """
-        caller = torch.cuda.current_stream(self.device)
-        if not self._sync.raw:
-            stream.wait_stream(caller)
-            return
-        if getattr(self, "_caller_event", None) is None:
-            self._caller_event = self._sync.event()
-        self._sync.record(self._caller_event, caller)
-        self._sync.wait(stream, self._caller_event)
 
     def _issue_layers_direct(
         self,
@@ -348,14 +333,17 @@ class LayerPaths:
                     sync.record(placed[i], place)
             done = sums = None
             if checksums:  # the kernels summed every object into row 5 of the table
-                sums = torch.empty(len(objs), dtype=torch.int64, pin_memory=True)
+                sums = self._host_sums.take(len(objs))
                 sums.copy_(tab[5, : len(objs)], non_blocking=True)
                 done = self._done_event()
                 sync.record(done, place)
         t_end = time.perf_counter()
-        handle = LayerLoad(nbytes, placed, sync, (objs, host_tab, tab, slot_mapping), done)
+        # Not ``host_tab``: torch's caching host allocator holds its block until the upload that
+        # reads it ran (the copy records an event on it), so dropping it now lets the next call
+        # reuse it instead of a fresh cudaHostAlloc (hundreds of us for a 16k-token table).
+        handle = LayerLoad(nbytes, placed, sync, (objs, tab, slot_mapping), done)
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs])
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
         handle.path = "layers-direct"
         handle.graphed = graphed
         handle.one_launch = one_launch

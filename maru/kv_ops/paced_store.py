@@ -78,7 +78,6 @@ class PacedStores:
                 return None
             slots = [StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS)]  # type: ignore[arg-type, attr-defined]
             self._paced_state = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device), slots)
-            self._paced_after = self._sync.event()
         return self._paced_state or None
 
     def _issue_store_paced(
@@ -91,10 +90,8 @@ class PacedStores:
         t0 = time.perf_counter()
         gs, ds, ring = state
         sync = self._sync
-        # The placement stream waited for the caller's stream, then moved the slot mapping
-        # (``_slots``); re-recording this event later is safe, the wait below captured it.
-        sync.record(self._paced_after, self._place_stream)
-        sync.wait(gs, self._paced_after)
+        # The placement stream waited for the caller's stream, then moved the slot mapping (``_slots``).
+        self._follow(self._place_stream, gs)  # type: ignore[attr-defined]
         with torch.cuda.stream(gs):  # gathers (graph replays or launches) run on the current stream
             acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
             for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
@@ -112,7 +109,7 @@ class PacedStores:
                 slot.used = True
                 if acc is not None:  # after ``ready``: the copy does not wait for the sum
                     ck.accumulate(stage, acc, k)
-            sums = ck.to_host(acc)
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
         if sums is not None:
             ds.wait_stream(gs)  # the done event covers the sums too
         return self._handle("store", "paced", nbytes, ds, t0, objs, slots, acc, sums)  # type: ignore[attr-defined]

@@ -104,7 +104,7 @@ class StorePaths:
                 tk.place(refs, self.layout, chunk_slots, ops.as_bits(host), gather=True)
                 if tab is not None:
                     # One event re-recorded per chunk: each wait is queued at once and captures
-                    # the record just made (as LayerPaths._after_caller does).
+                    # the record just made (as DevicePipeline._follow does).
                     sync.record(self._written, place)
                     sync.wait(ck_stream, self._written)
                     with torch.cuda.stream(ck_stream):
@@ -113,6 +113,6 @@ class StorePaths:
         if tab is not None:
             end = ck_stream
         with torch.cuda.stream(end):
-            sums = ck.to_host(acc)
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
         # Recorded on ``end``: the checksum stream ran behind every chunk's kernel.
         return self._handle("store", "direct", nbytes, end, t0, objs, slots, acc, sums, tab)  # type: ignore[attr-defined]

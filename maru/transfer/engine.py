@@ -454,10 +454,11 @@ class KVTransferEngine:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
         flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
+        hs = [handles[index[c.key]] for c in req.chunks]
+        objs = self.geometry.over_many((h.view, c.num_tokens) for h, c in zip(hs, req.chunks, strict=True))
         o = 0
-        for c in req.chunks:
-            h = handles[index[c.key]]
-            out.append((self.geometry.over(h.view, c.num_tokens), flat[o : o + c.num_tokens], int(h.size), h))
+        for c, h, obj in zip(req.chunks, hs, objs, strict=True):
+            out.append((obj, flat[o : o + c.num_tokens], int(h.size), h))
             o += c.num_tokens
         return out
 

@@ -462,3 +462,39 @@ def test_an_hnd_cache_read_in_its_logical_order_would_be_caught(pool: Registered
     assert wrong_layout.physical == "NHD" and fresh.layout().physical == "HND"
     pl.DevicePipeline(wrong, wrong_layout, backend=BACKEND).load([obj], slots).wait()
     assert not torch.equal(fresh.bits(), expected.bits())
+
+
+@pytest.mark.parametrize("layers", [False, True])
+def test_checksum_host_buffers_are_reused_only_after_their_load_was_read(
+    pool: RegisteredPool, layers: bool
+) -> None:
+    """Loads with checksums share a few pinned host buffers (``HostSums``): one load's handle kept
+    unread while later loads run must still read its own objects' sums, and a buffer comes back
+    (and is reused) only after its handle read it once the load completed."""
+    src = make_caches("flash_attn_NHD", 81)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    fresh = make_caches("flash_attn_NHD", 82)
+    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, layer_checksums=True)
+    loader.warm(CHUNK, layer_tokens=[2 * CHUNK] if layers else ())
+    batches = []
+    for k in range(4):
+        slots = _slots(src, 2 * CHUNK, 83 + k)
+        objs = [pool.alloc(engine, CHUNK) for _ in range(2)]
+        engine.store(objs, slots).wait()
+        want = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+        batches.append((objs, slots, want))
+
+    def issue(objs: list[torch.Tensor], slots: torch.Tensor) -> pl.Transfer:
+        if layers:
+            return loader.load_layers(objs, slots, checksums=True)
+        return loader.load(objs, slots, checksums=True)
+
+    kept = issue(*batches[0][:2])  # read only at the end
+    for objs, slots, want in batches[1:]:
+        h = issue(objs, slots)
+        h.wait()
+        before = len(loader._host_sums._free)
+        assert h.checksums() == want
+        assert len(loader._host_sums._free) == min(before + 1, 8)  # given back once read
+    kept.wait()
+    assert kept.checksums() == batches[0][2]
