@@ -20,7 +20,8 @@ and repetition (fresh random prompts, the same for every engine):
 
 TTFT is the wall time of ``LLM.generate(prompts, max_tokens=1)`` for the whole batch (all
 prompts submitted together). Load GB/s is the worker's ``bytes_loaded / load_seconds`` over the
-warm runs, shown against pinned host-to-device bandwidth measured in the same process.
+warm runs, shown against pinned host-to-device bandwidth measured in the same process; none for
+the layer-overlap load, which runs under the forward (no transfer time of its own to divide by).
 "Outputs" compares each warm first token (greedy) with vLLM's own prefix hit of the same
 prompts in the ``none`` engine (see ``vllm_harness.same_greedy``).
 
@@ -167,6 +168,12 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def waited_bytes(load: dict) -> float:
+    """Bytes of the loads a step waited for: layer loads run under the forward, with no transfer
+    time of their own (a GB/s over their host time would exceed the bus)."""
+    return load.get("bytes_loaded", 0) - load.get("bytes_loaded_under_forward", 0)
+
+
 def pinned_h2d_gbps() -> float | None:
     """Pinned host-to-device copy bandwidth (1 GiB, best of 5), or None without CUDA."""
     import torch
@@ -262,7 +269,7 @@ def run_offline(name: str, eng: Engine, setup: Setup, prompts: dict, res: dict) 
                 s.update(store_s=c["seconds"], warm_s=w["seconds"], warm_cached=w["cached"], settle=st)
                 s.update(store_out=[c["tokens"], c["logprobs"]], warm_out=[w["tokens"], w["logprobs"]])
                 s.update(load=ld, store=sd)
-                gbps = ld.get("bytes_loaded", 0) / max(ld.get("load_seconds", 0), 1e-9) / 1e9
+                gbps = waited_bytes(ld) / max(ld.get("load_seconds", 0), 1e-9) / 1e9
                 log(f"{name:8} {wl.name:6} rep {rep}: cold+store {c['seconds'] * 1e3:8.1f} ms  "
                     f"warm {w['seconds'] * 1e3:7.1f} ms ({int(ld.get('tokens_loaded', 0))} tokens loaded, "
                     f"{gbps:.1f} GB/s, {int(ld.get('load_errors', 0))} errors; "
@@ -375,11 +382,11 @@ def summarize(res: dict, setup: Setup) -> dict[str, Any]:
             rs = off.get(n, {}).get(wl.name, [])
             row[mode] = med([r["warm_s"] for r in rs])
             loaded = [r["load"].get("tokens_loaded", 0) for r in rs]
-            b = sum(r["load"].get("bytes_loaded", 0) for r in rs)
+            b = sum(waited_bytes(r["load"]) for r in rs)
             t = sum(r["load"].get("load_seconds", 0) for r in rs)
             row[mode + " tokens"] = min(loaded) if loaded else None
             row[mode + " errors"] = sum(r["load"].get("load_errors", 0) for r in rs)
-            row[mode + " GBps"] = b / t / 1e9 if t else None
+            row[mode + " GBps"] = b / t / 1e9 if t and b else None  # None: layer loads (under the forward)
             row[mode + " outputs"] = compare_outputs(res, n, wl.name) if rs else None
         row["pinned"] = pinned
         rows.append(row)

@@ -16,6 +16,7 @@ COUNTERS = (
     "tokens_loaded",
     "chunks_loaded",
     "bytes_loaded",
+    "bytes_loaded_under_forward",
     "load_errors",
     "load_seconds",
     "chunks_stored",
@@ -50,8 +51,10 @@ class MaruKVConnectorStats(KVConnectorStats):
             "chunks_present": int(d.get("chunks_present", 0)),
             "store_failures": int(d.get("store_failures", 0)) + int(d.get("stores_dropped", 0)),
         }
-        if d.get("load_seconds"):
-            out["load_GBps"] = round(d.get("bytes_loaded", 0) / d["load_seconds"] / 1e9, 2)
+        waited = d.get("bytes_loaded", 0) - d.get("bytes_loaded_under_forward", 0)
+        if d.get("load_seconds") and waited > 0:
+            # Layer loads run under the forward: their bytes have no transfer time of their own.
+            out["load_GBps"] = round(waited / d["load_seconds"] / 1e9, 2)
         if d.get("store_seconds"):
             out["store_GBps"] = round(d.get("bytes_stored", 0) / d["store_seconds"] / 1e9, 2)
         return out

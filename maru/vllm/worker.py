@@ -311,13 +311,13 @@ class MaruWorkerConnector:
         ll.wait_all()
         if not ll.done():
             self._layer_releases.append(ll)
-            self._account_load(ll.report, " (layer by layer)")
+            self._account_load(ll.report, " (layer by layer)", True)
             return
         rep = ll.finish()
         for req_id, why in ll.late_failures.items():
             self._fail(by_id[req_id], why)
         ll.release()
-        self._account_load(rep, " (layer by layer)")
+        self._account_load(rep, " (layer by layer)", True)
 
     def _release_layer_loads(self, wait: bool = False) -> None:
         """Unpin the finished layer loads (every one with ``wait``: shutdown)."""
@@ -368,22 +368,23 @@ class MaruWorkerConnector:
             self._account_load(res, " (async)")
         return done
 
-    def _account_load(self, rep: LoadReport, how: str = "") -> None:
-        """Add a load's report to the stats (and the timing log line, labelled ``how``)."""
-        self.stats.loads += len(rep.loaded_req_ids)
-        self.stats.tokens_loaded += rep.tokens
-        self.stats.chunks_loaded += rep.chunks
-        self.stats.bytes_loaded += rep.bytes
-        self.stats.load_seconds += rep.seconds
+    def _account_load(self, rep: LoadReport, how: str = "", under_forward: bool = False) -> None:
+        """Add a load's report to the stats (and the timing log line, labelled ``how``). A layer load
+        runs ``under_forward``: its bytes count, its host time is no transfer time (no GB/s)."""
+        st = self.stats
+        st.loads, st.tokens_loaded = st.loads + len(rep.loaded_req_ids), st.tokens_loaded + rep.tokens
+        st.chunks_loaded, st.bytes_loaded = st.chunks_loaded + rep.chunks, st.bytes_loaded + rep.bytes
+        st.bytes_loaded_under_forward += rep.bytes if under_forward else 0
+        st.load_seconds += 0.0 if under_forward else rep.seconds
         if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
-                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms (%.2f GB/s)%s%s",
+                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms %s%s%s",
                 len(rep.loaded_req_ids),
                 rep.tokens,
                 rep.chunks,
                 rep.bytes / 2**20,
                 rep.seconds * 1e3,
-                rep.bytes / max(rep.seconds, 1e-9) / 1e9,
+                "of host time" if under_forward else f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s)",
                 how,
                 f", {len(rep.failed)} failed" if rep.failed else "",
             )

@@ -15,7 +15,8 @@ class WorkerStats:
     chunks_loaded: int = 0
     bytes_loaded: int = 0
     load_errors: int = 0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # of the loads the step waited for (not the layer loads)
+    bytes_loaded_under_forward: int = 0  # of bytes_loaded: layer loads, placed under the forward
     chunks_stored: int = 0
     chunks_present: int = 0
     tokens_stored: int = 0

@@ -114,6 +114,7 @@ def test_overlap_load_serves_a_stored_prompt_with_identical_output(runs: dict[st
     w = runs["g_after_p1"]["worker"]
     assert w["overlap_loads"] >= 1 and w["tokens_loaded"] == USABLE and w["load_errors"] == 0
     assert w["layer_waits"] >= 2  # vLLM waited before each of the 2 attention layers
+    assert 0 < w["bytes_loaded_under_forward"] <= w["bytes_loaded"]  # layer loads: no rate of their own
     assert w["data_path"]["overlap_load_with_compute"] and w["data_path"]["async_store"]
 
 

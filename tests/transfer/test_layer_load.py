@@ -225,6 +225,9 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
 
         assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
         assert (w.stats.overlap_loads, w.stats.loads, w.stats.layer_waits) == (1, 1, 3)
+        # Placed under the forward: its bytes count, but not toward the load rate (no load_seconds).
+        assert w.stats.bytes_loaded == w.stats.bytes_loaded_under_forward > 0
+        assert w.stats.load_seconds == 0.0
         assert same(dst, ref)  # a placed exactly, nothing of the failed request, every other byte kept
         skipped = [dst_a.block_ids[t // BS] * BS + t % BS for t in range(BS)]  # place_begin = BS
         tail = dst_a.chunks[-1]

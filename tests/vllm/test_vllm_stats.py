@@ -35,3 +35,14 @@ def test_aggregate_sums_workers_and_steps_and_reduce_summarizes() -> None:
 def test_stats_survive_pickling_between_processes() -> None:
     s = MaruKVConnectorStats(data={"chunks_stored": 3})
     assert pickle.loads(pickle.dumps(s)).data == {"chunks_stored": 3}
+
+
+def test_layer_loads_count_their_bytes_but_not_toward_the_load_rate() -> None:
+    """A layer load runs under the forward: its host time is no transfer time, so a rate over it
+    would exceed the bus. The rate is that of the loads the steps waited for."""
+    waited = MaruKVConnectorStats(data={"bytes_loaded": 3e9, "load_seconds": 0.06})
+    layered = MaruKVConnectorStats(data={"bytes_loaded": 5e9, "bytes_loaded_under_forward": 5e9})
+    r = waited.aggregate(layered).reduce()
+    assert r["load_GBps"] == pytest.approx(50.0)
+    only = MaruKVConnectorStats(data={"bytes_loaded": 5e9, "bytes_loaded_under_forward": 5e9}).reduce()
+    assert "load_GBps" not in only
