@@ -27,6 +27,7 @@ class Transfer:
         self.path = path  # "pipelined" | "sync" | "cpu-direct" | "layers"
         self.nbytes = nbytes
         self.issue_s = 0.0  # host seconds spent issuing
+        self.copies_shared = 0  # objects placed from another object's copy (the same host page)
         self._event = done_event  # None when complete at return (CPU, sync)
         self._sync = sync
         self._keepalive = keepalive

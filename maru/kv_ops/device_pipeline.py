@@ -54,6 +54,12 @@ log = logging.getLogger("maru.kv_ops")
 
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
+
+def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two chunk objects are the same bytes: one host address, one shape."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
 __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
 
 
@@ -436,40 +442,55 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
     def _issue_load(
         self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int, checksums: bool
     ) -> Transfer:
-        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else."""
+        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else.
+
+        Consecutive objects over the same host page (one prefix chunk wanted by several requests of
+        a step, e.g. a shared system prompt) share one copy: the staged chunk is placed once per
+        object, and its slot is freed after the last of them. Each object keeps its own checksum.
+        """
         t0 = time.perf_counter()
         self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
         self._start()
+        n = len(objs)
+        # lead[j]: the first object of copy j; later objects up to lead[j + 1] are the same page.
+        lead = [k for k in range(n) if k == 0 or not _same_page(objs[k], objs[k - 1])]
         staged: list[tuple[StagingSlot, torch.Tensor, bool]] = []
 
-        def issue_copy(k: int) -> None:
+        def issue_copy(j: int) -> None:
+            obj = objs[lead[j]]
             slot = self._take_slot()
-            stage, graphed = slot.buffer(objs[k].shape[2])
+            stage, graphed = slot.buffer(obj.shape[2])
             if slot.used:
                 sync.wait(copy, slot.free)  # its previous placement must have read it
-            self._h2d(stage, objs[k])
+            self._h2d(stage, obj)
             sync.record(slot.ready, copy)
             slot.used = True
             staged.append((slot, stage, graphed))
 
-        n, ahead = len(objs), min(self.ring_slots, len(objs))
-        for k in range(ahead):
-            issue_copy(k)
+        copies, ahead = len(lead), min(self.ring_slots, len(lead))
+        for j in range(ahead):
+            issue_copy(j)
         slots = self._slots(slot_mapping, objs, skip_tokens)  # validated and moved while the bus is busy
         with torch.cuda.stream(place):  # placements launch on the current stream
             acc = torch.zeros(n, dtype=torch.int64, device=self.device) if checksums else None
+            j = -1
             for k, (_obj, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
-                slot, stage, graphed = staged[k]
-                sync.wait(place, slot.ready)
+                if j + 1 < copies and lead[j + 1] == k:  # the first object of copy j + 1
+                    j += 1
+                    slot, stage, graphed = staged[j]
+                    sync.wait(place, slot.ready)
                 slot.place(stage, graphed, chunk_slots, load=True)
                 if acc is not None:  # the bytes in the slot are the bytes just placed (HBM read)
                     ck.accumulate(stage, acc, k)
-                sync.record(slot.free, place)
-                if k + ahead < n:
-                    issue_copy(k + ahead)
+                if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
+                    sync.record(slot.free, place)
+                    if j + ahead < copies:
+                        issue_copy(j + ahead)
             sums = ck.to_host(acc, self._host_sums)
-        return self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
+        handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
+        handle.copies_shared = n - copies
+        return handle
 
     def _issue_store(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool

@@ -413,8 +413,10 @@ class KVTransferEngine:
             rep.phases["prepare"] = t2 - t1
             if batch.objs:  # a chunk with nothing to place is not copied at all
                 try:
+                    batch.group_by_chunk()  # a chunk several requests want: adjacent, copied once
                     expected = [h.checksum for h in batch.placed] if self.verify else None
                     batch.transfer = self.path.scatter(batch.objs, batch.slots, expected)
+                    rep.copies_shared = batch.transfer.copies_shared
                     rep.phases["issue"] = time.perf_counter() - t2
                 except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                     why = f"placing the chunks failed: {type(e).__name__}: {e}"

@@ -42,6 +42,11 @@ class TransferHandle(ABC):
         """``maru.checksum`` of each gathered object's bytes, where the path computed it."""
         return None
 
+    @property
+    def copies_shared(self) -> int:
+        """Items placed from another item's copy (the same pool entry): bus bytes not moved."""
+        return 0
+
 
 def compare(got: list[int] | None, expected: list[int] | None) -> list[int]:
     """Indices where ``got`` differs from ``expected``; every index when ``got`` is missing (a
@@ -102,6 +107,10 @@ class DeviceHandle(TransferHandle):
     def checksums(self) -> list[int | None] | None:
         got = self.transfer.checksums()
         return None if got is None else list(got)
+
+    @property
+    def copies_shared(self) -> int:
+        return int(getattr(self.transfer, "copies_shared", 0))
 
 
 class LayerHandle(TransferHandle):

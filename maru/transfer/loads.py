@@ -84,6 +84,23 @@ class IssuedScatter:
             self.placed.append(h)
             self.owner.append(k)
 
+    def group_by_chunk(self) -> int:
+        """Reorder the items so the ones of the same pool entry (one prefix chunk wanted by several
+        requests) are adjacent, groups in first-seen order; the path then copies it once for all
+        (``DevicePipeline`` shares a copy between consecutive objects over one page). Items keep
+        their own slots, owner and handle. Returns how many items repeat an earlier one's chunk."""
+        first: dict[int, int] = {}
+        for i, h in enumerate(self.placed):
+            first.setdefault(id(h), i)  # one lookup handle per unique key (one pin per key)
+        repeats = len(self.placed) - len(first)
+        if repeats:
+            order = sorted(range(len(self.placed)), key=lambda i: (first[id(self.placed[i])], i))
+            self.objs = [self.objs[i] for i in order]
+            self.slots = [self.slots[i] for i in order]
+            self.placed = [self.placed[i] for i in order]
+            self.owner = [self.owner[i] for i in order]
+        return repeats
+
 
 class InflightLoad:
     """A load looked up, pinned and issued (``KVTransferEngine.start_load``); it may still be running.
@@ -172,6 +189,7 @@ class InflightLoad:
             rep.chunks += nchunks
             rep.bytes += nbytes
         del batch  # the transfer drops its tensors over the pool pages with it
+        corrupt = list({id(h): h for h in corrupt}.values())  # a chunk shared by requests: once
         if verified or corrupt:
             self.engine.report_corrupt(corrupt, verified)
         if failed:

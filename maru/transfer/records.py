@@ -89,6 +89,9 @@ class LoadReport:
     bytes: int = 0
     seconds: float = 0.0
     server_lost: bool = False
+    # Chunks placed from another request's copy of the same pool entry (one copy served several
+    # requests of the step: a shared prefix); counted in ``chunks``/``bytes`` like the others.
+    copies_shared: int = 0
     # Where ``seconds`` went (host wall time, seconds): "lookup" (the lookup-and-pin round trip),
     # "prepare" (checks, object views, slot mappings), "issue" (the path call), "wait" (from issue
     # to completion, as seen by ``collect``). A benchmark's breakdown, not a contract.

@@ -375,13 +375,15 @@ class MaruWorkerConnector:
         st.loads, st.tokens_loaded = st.loads + len(rep.loaded_req_ids), st.tokens_loaded + rep.tokens
         st.chunks_loaded, st.bytes_loaded = st.chunks_loaded + rep.chunks, st.bytes_loaded + rep.bytes
         st.bytes_loaded_under_forward += rep.bytes if under_forward else 0
+        st.load_copies_shared += rep.copies_shared
         st.load_seconds += 0.0 if under_forward else rep.seconds
         if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
-                "Maru timing: load %d req %d tokens %d chunks %.1f MiB in %.2f ms %s%s%s",
+                "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB in %.2f ms %s%s%s",
                 len(rep.loaded_req_ids),
                 rep.tokens,
                 rep.chunks,
+                f" ({rep.copies_shared} placed from a shared copy)" if rep.copies_shared else "",
                 rep.bytes / 2**20,
                 rep.seconds * 1e3,
                 "of host time" if under_forward else f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s)",

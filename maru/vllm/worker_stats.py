@@ -15,6 +15,7 @@ class WorkerStats:
     chunks_loaded: int = 0
     bytes_loaded: int = 0
     load_errors: int = 0
+    load_copies_shared: int = 0  # chunks placed from another request's copy in the same step
     load_seconds: float = 0.0  # of the loads the step waited for (not the layer loads)
     bytes_loaded_under_forward: int = 0  # of bytes_loaded: layer loads, placed under the forward
     chunks_stored: int = 0

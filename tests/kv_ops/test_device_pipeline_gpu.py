@@ -498,3 +498,38 @@ def test_checksum_host_buffers_are_reused_only_after_their_load_was_read(
         assert len(loader._host_sums._free) == min(before + 1, 8)  # given back once read
     kept.wait()
     assert kept.checksums() == batches[0][2]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_consecutive_loads_of_one_page_share_a_copy_and_each_lands_at_its_slots(
+    pool: RegisteredPool, graphs: bool
+) -> None:
+    """A step where several requests want the same chunk (a shared prefix): consecutive objects over
+    one pool page are copied once and placed once per object (a ring of 2 slots, so groups wrap
+    around it); a page that comes back later is copied again. Every object lands at its own slots,
+    byte for byte against the reference placement, and each keeps its own checksum."""
+    src = make_caches("flashinfer_HND", 91)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    pages = []
+    for k in range(3):
+        obj = pool.alloc(engine, CHUNK)
+        engine.store([obj], _slots(src, CHUNK, 92 + k)).wait()
+        pages.append(obj)
+    a, b, c = pages
+    over = [a, a, a, b, a, c, c]  # a x3, b, a again (a new copy), c x2
+    base = torch.frombuffer(pool.mm, dtype=torch.uint8, count=1).data_ptr()
+    objs = [engine.host_object(pool.mm, CHUNK, o.data_ptr() - base) for o in over]  # new tensors
+    assert objs[0].data_ptr() == objs[1].data_ptr() and objs[0] is not objs[1]
+    fresh = make_caches("flashinfer_HND", 93)
+    expected = fresh.clone()
+    slots = _slots(fresh, CHUNK * len(objs), 94)
+    for k, o in enumerate(objs):
+        part = slots[k * CHUNK : (k + 1) * CHUNK].cuda()
+        kv_ops.scatter(o.cuda(), expected.layers, fresh.layout(), part, backend="reference")
+    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, ring_slots=2, use_graphs=graphs)
+    handle = loader.load(objs, slots, checksums=True)
+    handle.wait()
+    assert handle.copies_shared == 3  # a twice, c once
+    assert torch.equal(fresh.bits(), expected.bits())
+    sums = {o.data_ptr(): checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in pages}
+    assert handle.checksums() == [sums[o.data_ptr()] for o in objs]

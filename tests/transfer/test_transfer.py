@@ -134,6 +134,46 @@ def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
     assert (rep2.stored, rep2.present) == (0, 2)
 
 
+def test_requests_sharing_chunks_in_one_step_each_get_them_placed(client: MaruHandler) -> None:
+    """Three requests of one load share prefix chunks (a system prompt): each is placed into its
+    own blocks, byte exact, whatever order the path copies them in; on a GPU every shared chunk
+    crosses the bus once (``copies_shared``: the repeats)."""
+    src, dst = _case("blocks_first", "HND", 21), _case("blocks_first", "HND", 22)
+    a = request("share-a", [5, 0, 9, 2, 12, 7], 3 * CHUNK)  # chunks k0 k1 k2
+    b_own = request("share-b", [1, 3, 4, 6], 2 * CHUNK)
+    c_own = request("share-c", [8, 10, 11, 13], 2 * CHUNK)
+    eng = plain_engine(src, client)
+    assert eng.store([a, b_own, c_own]).stored == 7
+    k = a.chunks
+    # b: k0 k1 then its own second chunk; c: k0 then its own; each in other destination blocks.
+    b = RequestTransfer(
+        "r-b", (0, 1, 2, 3, 4, 5), (k[0], k[1], ChunkRef(b_own.chunks[1].key, 2 * CHUNK, CHUNK))
+    )
+    c = RequestTransfer("r-c", (6, 7, 8, 9), (k[0], ChunkRef(c_own.chunks[1].key, CHUNK, CHUNK)))
+    a_dst = RequestTransfer("r-a", (10, 11, 12, 13, 14, 15), k)
+    rep = plain_engine(dst, client).load([b, a_dst, c])
+    assert sorted(rep.loaded_req_ids) == ["r-a", "r-b", "r-c"] and not rep.failed
+    assert rep.chunks == 8
+    assert rep.copies_shared == (3 if DEVICE == "cuda" else 0)  # k0 twice, k1 once on the GPU path
+    # (request placed, source request of each chunk, source chunk index) -> every token checked
+    plan = [
+        (a_dst, [(a, 0), (a, 1), (a, 2)]),
+        (b, [(a, 0), (a, 1), (b_own, 1)]),
+        (c, [(a, 0), (c_own, 1)]),
+    ]
+    for dst_req, sources in plan:
+        for ci, (sreq, sci) in enumerate(sources):
+            for t in range(CHUNK):
+                ts, td = sci * CHUNK + t, ci * CHUNK + t
+                s_src = sreq.block_ids[ts // BS] * BS + ts % BS
+                s_dst = dst_req.block_ids[td // BS] * BS + td % BS
+                for layer in range(3):
+                    for kv in range(2):
+                        got, want = naive_token(dst, layer, kv, s_dst), naive_token(src, layer, kv, s_src)
+                        assert bits_equal(got, want), (dst_req.req_id, ci, t, layer, kv)
+    assert client.usage()["pinned"] == 0
+
+
 def test_bfloat16_round_trip_is_byte_exact(client: MaruHandler) -> None:
     src, dst = _case("packed", "HND", 7, torch.bfloat16), _case("packed", "HND", 8, torch.bfloat16)
     req = request("bf16", [3, 2, 1, 0], 2 * CHUNK)
