@@ -95,6 +95,12 @@ class MaruConnectorConfig:
     async_load: bool = False
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
     max_inflight_load_chunks: int = DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS
+    # With maru_async_load: a hit of fewer tokens beyond what vLLM holds is computed, not loaded.
+    # An asynchronous load parks the request for at least one engine step (10-30 ms under load on
+    # an H200), more than computing a short remainder costs (256 tokens of an 8B model: ~3 ms):
+    # the later turns of a conversation, a prompt that differs after its shared prefix. None: one
+    # chunk (``kv_chunk_tokens``); 0: every hit loads.
+    async_min_load_tokens: int | None = None
     overlap_load_with_compute: bool = False
     # Write-behind is the default: its safety rests on vLLM's delayed free (finished_sending) and
     # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
@@ -135,6 +141,8 @@ class MaruConnectorConfig:
                 kw[name] = _as_str(key, value)
             elif name in ("kv_chunk_tokens", "max_inflight_loads", "max_inflight_load_chunks"):
                 kw[name] = _as_int(key, value, 1)
+            elif name == "async_min_load_tokens":
+                kw[name] = _as_int(key, value, 0)
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
             elif name == "store_drain_delay_s":
@@ -158,10 +166,15 @@ class MaruConnectorConfig:
             "async_load": self.async_load,
             "max_inflight_loads": self.max_inflight_loads,
             "max_inflight_load_chunks": self.max_inflight_load_chunks,
+            "async_min_load_tokens": self.min_async_load(),
             "overlap_load_with_compute": self.overlap_load_with_compute,
             "async_store": self.async_store,
             "paced_store": self.paced_store,
         }
+
+    def min_async_load(self) -> int:
+        """Fewest tokens an asynchronous load is made for (``async_min_load_tokens``; None: a chunk)."""
+        return self.kv_chunk_tokens if self.async_min_load_tokens is None else self.async_min_load_tokens
 
     def data_path_lines(self) -> list[str]:
         """One sentence per optional path that is on: what it does (logged once at startup)."""
@@ -171,7 +184,8 @@ class MaruConnectorConfig:
                 "maru_async_load: prefix hits load on a loader thread while the request waits in "
                 "WAITING_FOR_REMOTE_KVS, every request parked since the loader's last turn in one "
                 f"batch (at most {self.max_inflight_loads} loads and {self.max_inflight_load_chunks} "
-                "chunks in flight; more hits wait a step); other requests keep running"
+                "chunks in flight; more hits wait a step); other requests keep running; a hit of fewer "
+                f"than {self.min_async_load()} tokens is computed (maru_async_min_load_tokens)"
             )
         if self.overlap_load_with_compute:
             out.append(

@@ -79,6 +79,7 @@ class SchedulerStats:
     async_loads_planned: int = 0
     async_loads_finished: int = 0
     async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
+    async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
 
@@ -266,6 +267,9 @@ class MaruSchedulerConnector:
                 return 0, False
             if not self.cfg.async_load:
                 return n, False
+            if n < self.cfg.min_async_load():  # parking it a step would cost more than computing it
+                self.stats.async_hits_computed += 1
+                return 0, False
             if self._window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False

@@ -249,6 +249,31 @@ def test_async_load_admission_window_asks_again_later_instead_of_recomputing(ser
     assert s.get_num_new_matched_tokens(req("d", tokens(300, seed=23)), 0) == (0, False)
 
 
+def test_a_short_async_hit_is_computed_and_the_threshold_is_configurable(server, keyer, client) -> None:
+    """An asynchronous load parks its request a step: a hit shorter than ``async_min_load_tokens``
+    (default: one chunk) beyond what vLLM holds is computed instead; sync loads are not affected."""
+    toks = tokens(300, seed=25)
+    s = make_sched(server, keyer, client, async_load=True)
+    assert s.cfg.min_async_load() == s.cfg.kv_chunk_tokens
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    c = s.cfg.kv_chunk_tokens
+    assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)  # 288 >= one chunk
+    # vLLM holds all but the last 32 tokens locally: 32 < one chunk, so it computes them.
+    assert s.get_num_new_matched_tokens(req("b", toks), 288 - 32) == (0, False)
+    assert s.stats.async_hits_computed == 1
+    assert s.get_num_new_matched_tokens(req("e", toks), 288 - c) == (c, True)  # exactly one chunk loads
+    every = make_sched(server, keyer, client, async_load=True, async_min_load_tokens=0)
+    assert every.get_num_new_matched_tokens(req("b2", toks), 288 - 32) == (32, True)
+    sync = make_sched(server, keyer, client)
+    assert sync.get_num_new_matched_tokens(req("b3", toks), 288 - 32) == (32, False)
+    from maru.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="maru_async_min_load_tokens"):
+        MaruConnectorConfig.from_extra_config({"maru_async_min_load_tokens": -1})
+    assert MaruConnectorConfig.from_extra_config({"maru_async_min_load_tokens": "0"}).min_async_load() == 0
+
+
 def test_async_load_window_counts_chunks_and_always_admits_into_an_empty_window(
     server, keyer, client
 ) -> None:
@@ -275,6 +300,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "async_load": False,
         "max_inflight_loads": 64,
         "max_inflight_load_chunks": 256,
+        "async_min_load_tokens": 256,  # one chunk by default
         "overlap_load_with_compute": False,
         "async_store": True,
         "paced_store": True,
