@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -58,6 +59,11 @@ DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb is
 def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two chunk objects are the same bytes: one host address, one shape."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _lead_of(lead: list[int], k: int) -> int:
+    """The first object of the copy object ``k`` is placed from (``lead`` ascending, lead[0] = 0)."""
+    return lead[bisect.bisect_right(lead, k) - 1]
 
 
 __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
@@ -480,13 +486,16 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                     j += 1
                     slot, stage, graphed = staged[j]
                     sync.wait(place, slot.ready)
+                    if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
+                        ck.accumulate(stage, acc, k)
                 slot.place(stage, graphed, chunk_slots, load=True)
-                if acc is not None:  # the bytes in the slot are the bytes just placed (HBM read)
-                    ck.accumulate(stage, acc, k)
                 if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
                     sync.record(slot.free, place)
                     if j + ahead < copies:
                         issue_copy(j + ahead)
+            if acc is not None and copies < n:  # an object sharing a copy shares its sum (one launch)
+                src = torch.tensor([_lead_of(lead, k) for k in range(n)], dtype=torch.int64)
+                acc = acc.index_select(0, src.to(self.device, non_blocking=True))
             sums = ck.to_host(acc, self._host_sums)
         handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
         handle.copies_shared = n - copies
