@@ -196,14 +196,18 @@ def pinned_h2d_gbps() -> float | None:
 
 
 def pool_size(setup: Setup) -> int:
-    """Room for the largest workload's KV and a quarter more, capped by what /dev/shm has free (80%).
+    """Room for the largest workload's KV (or the multi-round pass's, if larger: its shared system
+    prompt and every user's turns, each round's tail a chunk object of its own) and a quarter more,
+    capped by what /dev/shm has free (80%).
 
     Each workload is stored and loaded back before the next one is stored, so older prompts can
     be evicted (least recently used first); the server's eviction count is reported. A smaller
     pool also registers with CUDA faster (about 1.8 GiB/s, in every engine).
     """
-    largest = max(w.batch * w.tokens for w in setup.workloads) * setup.model.kv_bytes_per_token()
-    want = max(largest * 5 // 4 + GiB // 4, 256 << 20)
+    largest = max(w.batch * w.tokens for w in setup.workloads)
+    per_round = setup.turn_tokens + setup.api_max_tokens + setup.chunk_tokens
+    api = setup.system_tokens + setup.users * setup.rounds * per_round
+    want = max(max(largest, api) * setup.model.kv_bytes_per_token() * 5 // 4 + GiB // 4, 256 << 20)
     free = shutil.disk_usage("/dev/shm").free
     return int(min(want, free * 0.8)) // (1 << 20) << 20
 
