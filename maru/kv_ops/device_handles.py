@@ -6,9 +6,12 @@ has completed; drop it only after ``done()`` or ``wait()``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+
+_SUMS_LOCK = threading.Lock()
 
 
 class Transfer:
@@ -35,7 +38,7 @@ class Transfer:
         # host tensor written by the transfer itself (valid once done), and each object's length.
         self._sums: torch.Tensor | list[int] | None = None
         self._sizes: list[int] = []
-        self._sums_pool: Any = None
+        self._sums_pool: Any = None  # the HostSums the sums buffer came from, while this handle owns it
 
     def set_checksums(self, sums: torch.Tensor | list[int], sizes: list[int], pool: Any = None) -> None:
         """Attach the raw checksum sums (``kv_ops.checksum``) the transfer writes, per object.
@@ -50,15 +53,19 @@ class Transfer:
             return None
         from maru.kv_ops.checksum import finalize
 
-        if isinstance(self._sums, torch.Tensor):
-            raw = self._sums.tolist()
-            if self.done():  # nothing writes into the buffer any more: keep the values, free it
-                buf, self._sums, pool = self._sums, raw, self._sums_pool
-                if pool is not None:
-                    self._sums_pool = None
-                    pool.give_back(buf)
-        else:
-            raw = self._sums
+        # One lock for every handle (each reads its sums once or twice): two threads reading one
+        # handle's sums must not give its buffer back twice, nor read it after it was handed out.
+        with _SUMS_LOCK:
+            sums = self._sums
+            if isinstance(sums, torch.Tensor):
+                raw = sums.tolist()
+                if self.done():  # nothing writes into the buffer any more: keep the values, free it
+                    self._sums = raw
+                    pool, self._sums_pool = self._sums_pool, None
+                    if pool is not None:
+                        pool.give_back(sums)
+            else:
+                raw = sums
         return [finalize(r, n) for r, n in zip(raw, self._sizes, strict=True)]
 
     def done(self) -> bool:

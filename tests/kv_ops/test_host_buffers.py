@@ -121,3 +121,27 @@ def test_host_sums_grow_past_capacity_and_keep_a_bounded_free_list() -> None:
     pool.give_back(small)
     grown = pool.take(HostSums.MIN_CAPACITY * 2)  # the free buffer is too small: a new one
     assert grown.numel() == HostSums.MIN_CAPACITY * 2
+
+
+def test_host_sums_two_threads_reading_one_handle_give_its_buffer_back_once() -> None:
+    import threading
+
+    for round_ in range(50):
+        pool = HostSums(pin=False)
+        t, sync, _ = _transfer(pool, [round_, 2 * round_ + 1])
+        sync.finished = True
+        want = [round_ ^ 8, (2 * round_ + 1) ^ 8]
+        got: list[list[int] | None] = []
+        start = threading.Barrier(2)
+
+        def read(t: Transfer = t, got: list = got, start: threading.Barrier = start) -> None:
+            start.wait()
+            got.append(t.checksums())
+
+        threads = [threading.Thread(target=read) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert got == [want, want]
+        assert len(pool._free) == 1  # given back exactly once
