@@ -100,7 +100,7 @@ def main() -> None:
             assert client.usage()["pinned"] == 0
         finally:
             client.close()
-            srv.stop()
+            srv.cleanup()  # stop() keeps the pool file (for restarts): remove it
     print(f"{a.tokens} tokens ({n_chunks} chunks), {len(times[next(iter(times))])} loads per mode\n")
     print("| mode | p50 (us) | mean (us) |\n| --- | ---: | ---: |")
     for mode, ts in times.items():
