@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                 with con.status(f"instance {name}: serving the prompt"):
                     # Warm-up on unrelated tokens (the engine's first step is slower).
                     eng.call({"op": "generate", "prompts": [prompt[::-1][:64]], "max_tokens": 1})
+                    eng.call({"op": "flush_stores"})  # the warm-up's own stores are not the prompt's
                     before = eng.call({"op": "stats"}).get("worker", {})
                     first = eng.call({"op": "ttft", "prompt": prompt})
+                    # Write-behind (the default) publishes after the request: count what it stored.
+                    eng.call({"op": "flush_stores"})
                     during = eng.call({"op": "stats"}).get("worker", {})
                     full = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": a.max_tokens})
                     stats = eng.call({"op": "stats"})
