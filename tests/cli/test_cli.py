@@ -105,6 +105,23 @@ def test_demo_objects_shares_objects_between_two_processes_and_cleans_up() -> No
     assert not leftover
 
 
+def test_demo_vllm_second_instance_loads_what_the_first_stored_with_identical_output() -> None:
+    """The README's first command: two real vLLM instances (CPU build), B loads A's prefix; the
+    table's counts are the published ones (write-behind stores drained before counting)."""
+    pytest.importorskip("vllm")
+    before = set(os.listdir("/dev/shm"))
+    p = maru("demo", "vllm", "--port", str(free_port()), timeout=600)
+    out = flat(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    loaded = re.search(r"instance B: time to first token [0-9.]+ s, (\d+) prompt tokens loaded", out)
+    assert loaded and int(loaded.group(1)) > 1024, out
+    counts = re.search(r"chunks stored / loaded\W+(\d+) stored\W+(\d+) loaded", out)
+    assert counts and int(counts.group(1)) >= int(counts.group(2)) > 0, out  # B loads what A stored
+    assert re.search(r"outputs identical \(greedy\)\W+yes", out), out
+    leftover = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("maru-embedded-")}
+    assert not leftover
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["server", "--help"], ["demo", "--help"]])
 def test_help_of_every_entry_point_works(argv: list[str]) -> None:
     p = maru(*argv)
