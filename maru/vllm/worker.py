@@ -371,12 +371,7 @@ class MaruWorkerConnector:
     def _account_load(self, rep: LoadReport, how: str = "", under_forward: bool = False) -> None:
         """Add a load's report to the stats (and the timing log line, labelled ``how``). A layer load
         runs ``under_forward``: its bytes count, its host time is no transfer time (no GB/s)."""
-        st = self.stats
-        st.loads, st.tokens_loaded = st.loads + len(rep.loaded_req_ids), st.tokens_loaded + rep.tokens
-        st.chunks_loaded, st.bytes_loaded = st.chunks_loaded + rep.chunks, st.bytes_loaded + rep.bytes
-        st.bytes_loaded_under_forward += rep.bytes if under_forward else 0
-        st.load_copies_shared += rep.copies_shared
-        st.load_seconds += 0.0 if under_forward else rep.seconds
+        self.stats.add_load(rep, under_forward)
         if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
                 "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB in %.2f ms %s%s%s",

@@ -36,5 +36,18 @@ class WorkerStats:
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
+    def add_load(self, rep: Any, under_forward: bool = False) -> None:
+        """Count a load's ``LoadReport``. A layer load runs ``under_forward``: its bytes count, its
+        host time is no transfer time (``load_seconds`` are those of the loads a step waited for)."""
+        self.loads += len(rep.loaded_req_ids)
+        self.tokens_loaded += rep.tokens
+        self.chunks_loaded += rep.chunks
+        self.bytes_loaded += rep.bytes
+        self.load_copies_shared += rep.copies_shared
+        if under_forward:
+            self.bytes_loaded_under_forward += rep.bytes
+        else:
+            self.load_seconds += rep.seconds
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

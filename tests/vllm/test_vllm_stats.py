@@ -46,3 +46,16 @@ def test_layer_loads_count_their_bytes_but_not_toward_the_load_rate() -> None:
     assert r["load_GBps"] == pytest.approx(50.0)
     only = MaruKVConnectorStats(data={"bytes_loaded": 5e9, "bytes_loaded_under_forward": 5e9}).reduce()
     assert "load_GBps" not in only
+
+
+def test_worker_stats_count_a_layer_loads_bytes_but_not_its_host_time() -> None:
+    from maru.transfer.records import LoadReport
+    from maru.vllm.worker_stats import WorkerStats
+
+    st = WorkerStats()
+    st.add_load(
+        LoadReport(loaded_req_ids=["a"], chunks=4, tokens=64, bytes=4096, seconds=0.5, copies_shared=2)
+    )
+    st.add_load(LoadReport(loaded_req_ids=["b", "c"], chunks=2, tokens=32, bytes=1024, seconds=9.0), True)
+    assert (st.loads, st.chunks_loaded, st.tokens_loaded, st.bytes_loaded) == (3, 6, 96, 5120)
+    assert (st.load_seconds, st.bytes_loaded_under_forward, st.load_copies_shared) == (0.5, 1024, 2)
