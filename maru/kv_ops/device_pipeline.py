@@ -501,34 +501,6 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         handle.copies_shared = n - copies
         return handle
 
-    def _issue_store(
-        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
-    ) -> Transfer:
-        t0 = time.perf_counter()
-        sync, copy, place = self._sync, self._copy_stream, self._place_stream
-        self._start()
-        with torch.cuda.stream(place):  # placements launch on the current stream
-            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
-            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
-                slot = self._take_slot()
-                stage, graphed = slot.buffer(host.shape[2])
-                if slot.used:
-                    sync.wait(place, slot.free)  # its previous copy to the pool must have read it
-                slot.place(stage, graphed, chunk_slots, load=False)
-                sync.record(slot.ready, place)
-                sync.wait(copy, slot.ready)
-                self._d2h(host, stage)
-                sync.record(slot.free, copy)
-                slot.used = True
-                if acc is not None:
-                    # After ``ready``: the copy to the pool does not wait for it; the slot's next
-                    # gather is queued behind it on this stream.
-                    ck.accumulate(stage, acc, k)
-            sums = ck.to_host(acc, self._host_sums)
-            if sums is not None:
-                copy.wait_stream(place)  # done (recorded on the copy stream) covers the sums too
-        return self._handle("store", "pipelined", nbytes, copy, t0, objs, slots, acc, sums)
-
     def _handle(
         self,
         kind: str,

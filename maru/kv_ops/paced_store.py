@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,8 +53,23 @@ def yield_copy_engine(stream: Any) -> None:
         torch.cuda._sleep(YIELD_CYCLES)
 
 
+@dataclass(frozen=True)
+class StoreLane:
+    """Where a staged store runs (``DevicePipeline._queue_store``): the gathers on ``gather`` into
+    ``slots`` (chunk k into ``slots[k % len(slots)]``, or the pipeline's ring when empty), the
+    copies to the pool on ``copy``, a short kernel between two copies when ``paced``; ``path``
+    names it in the handle."""
+
+    gather: Any
+    copy: Any
+    slots: tuple[StagingSlot, ...]
+    paced: bool
+    path: str
+
+
 class PacedStores:
-    """The paced half of ``DevicePipeline``'s stores (a mixin; see the module docstring)."""
+    """``DevicePipeline``'s staged stores (a mixin): one routine, ``_queue_store``, on the ring's lane
+    (``_issue_store``) or the paced lane (``_issue_store_paced``, see the module docstring)."""
 
     # Set by DevicePipeline.__init__.
     device: Any
@@ -61,9 +77,55 @@ class PacedStores:
     _sync: Any
     _place_stream: Any
 
-    def _paced(self) -> tuple[Any, Any, list[StagingSlot]] | None:
-        """(gather stream, device-to-host stream, staging slots) of the paced stores, made on first
-        use; None (announced once) where torch has no device sleep to pace with."""
+    def _issue_store(
+        self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
+    ) -> Transfer:
+        """The ring store: gathers on the placement stream, copies on the copy stream."""
+        t0 = time.perf_counter()
+        self._start()  # type: ignore[attr-defined]
+        lane = StoreLane(self._place_stream, self._copy_stream, (), paced=False, path="pipelined")  # type: ignore[attr-defined]
+        return self._queue_store(lane, objs, slots, nbytes, checksums, t0)
+
+    def _queue_store(
+        self,
+        lane: StoreLane,
+        objs: list[torch.Tensor],
+        slots: torch.Tensor,
+        nbytes: int,
+        checksums: bool,
+        t0: float,
+    ) -> Transfer:
+        """Queue a staged store on ``lane``: per chunk, the gather into a staging slot, then its copy
+        to the pool page behind it (the kernel runs up to a slot ahead of the copy engine). Its
+        streams already wait for what the gathers must read after."""
+        sync, gather, copy = self._sync, lane.gather, lane.copy
+        with torch.cuda.stream(gather):  # gathers (graph replays or launches) run on the current stream
+            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
+            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
+                slot = lane.slots[k % len(lane.slots)] if lane.slots else self._take_slot()  # type: ignore[attr-defined]
+                stage, graphed = slot.buffer(host.shape[2])
+                if slot.used:
+                    sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
+                slot.place(stage, graphed, chunk_slots, load=False)
+                sync.record(slot.ready, gather)
+                sync.wait(copy, slot.ready)
+                if k and lane.paced:
+                    yield_copy_engine(copy)  # the copy engine serves other streams in between
+                self._d2h(host, stage, copy)  # type: ignore[attr-defined]
+                sync.record(slot.free, copy)
+                slot.used = True
+                if acc is not None:
+                    # After ``ready``: the copy to the pool does not wait for it; the slot's next
+                    # gather is queued behind it on this stream.
+                    ck.accumulate(stage, acc, k)
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
+        if sums is not None:
+            copy.wait_stream(gather)  # done (recorded on the copy stream) covers the sums too
+        return self._handle("store", lane.path, nbytes, copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
+
+    def _paced(self) -> StoreLane | None:
+        """The paced stores' lane (a gather stream, a device-to-host stream and staging slots of
+        their own), made on first use; None (announced once) where torch has no device sleep."""
         if getattr(self, "_paced_state", None) is None:
             if not hasattr(torch.cuda, "_sleep"):
                 announce_once(
@@ -76,55 +138,34 @@ class PacedStores:
                 )
                 self._paced_state = False
                 return None
-            slots = [StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS)]  # type: ignore[arg-type, attr-defined]
-            self._paced_state = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device), slots)
+            slots = tuple(StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS))  # type: ignore[arg-type, attr-defined]
+            gs, ds = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            self._paced_state = StoreLane(gs, ds, slots, paced=True, path="paced")
         return self._paced_state or None
 
     def _issue_store_paced(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
     ) -> Transfer | None:
-        """Queue the whole store on the paced streams (returns at once); None where it cannot pace."""
-        state = self._paced()
-        if state is None:
+        """Queue the whole store on the paced lane (returns at once); None where it cannot pace."""
+        lane = self._paced()
+        if lane is None:
             return None
         t0 = time.perf_counter()
-        gs, ds, ring = state
-        sync = self._sync
         # The placement stream waited for the caller's stream, then moved the slot mapping (``_slots``).
-        self._follow(self._place_stream, gs)  # type: ignore[attr-defined]
-        with torch.cuda.stream(gs):  # gathers (graph replays or launches) run on the current stream
-            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
-            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
-                slot = ring[k % PACED_SLOTS]
-                stage, graphed = slot.buffer(host.shape[2])
-                if slot.used:
-                    sync.wait(gs, slot.free)  # its copy to the pool has read it
-                slot.place(stage, graphed, chunk_slots, load=False)
-                sync.record(slot.ready, gs)
-                sync.wait(ds, slot.ready)
-                if k:
-                    yield_copy_engine(ds)
-                self._d2h(host, stage, ds)  # type: ignore[attr-defined]
-                sync.record(slot.free, ds)
-                slot.used = True
-                if acc is not None:  # after ``ready``: the copy does not wait for the sum
-                    ck.accumulate(stage, acc, k)
-            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
-        if sums is not None:
-            ds.wait_stream(gs)  # the done event covers the sums too
-        return self._handle("store", "paced", nbytes, ds, t0, objs, slots, acc, sums)  # type: ignore[attr-defined]
+        self._follow(self._place_stream, lane.gather)  # type: ignore[attr-defined]
+        return self._queue_store(lane, objs, slots, nbytes, checksums, t0)  # type: ignore[attr-defined, no-any-return]
 
     def _warm_paced(self, chunk_tokens: int) -> None:
         """Capture the paced slots' gather graphs for ``chunk_tokens`` (``DevicePipeline.warm``)."""
-        state = self._paced()
-        if state is not None:
-            for slot in state[2]:
+        lane = self._paced()
+        if lane is not None:
+            for slot in lane.slots:
                 if slot.placer is not None and not slot.used:  # a used slot's static slots are real
                     slot.placer.warm(int(chunk_tokens))
 
     def _settle_paced(self) -> None:
         """Wait for the paced streams (the pipeline's ``synchronize``)."""
-        if getattr(self, "_paced_state", None):
-            gs, ds, _ = self._paced_state
-            gs.synchronize()
-            ds.synchronize()
+        lane = getattr(self, "_paced_state", None)
+        if lane:
+            lane.gather.synchronize()
+            lane.copy.synchronize()

@@ -143,7 +143,7 @@ def test_a_load_issued_while_a_paced_store_drains_does_not_wait_for_it(pool: Reg
     engine.load(incoming, load_slots).wait()
     for o in objs:
         o.view(torch.uint8).fill_(0xA5)  # poison again: the store below must write them
-    _, d2h, _ = engine._paced_state
+    d2h = engine._paced_state.copy
     with torch.cuda.stream(d2h):
         torch.cuda._sleep(400_000_000)  # the store's copies are held ~0.2 s behind this
     h = engine.store(objs, store_slots, paced=True)
