@@ -162,6 +162,20 @@ STORE_MODE = {
     "unpaced": "write-behind, not paced",
 }
 LOAD_MODE = {"sync": "sync load", "async": "async load", "overlap": "layer overlap"}
+# Warm API instances: load mode -> Maru extra config (each a fresh instance loading the same pass
+# from Maru; "default" is the configuration a user gets, async loads on vLLM's V2 runner).
+API_LOADS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "sync": {},
+    "async": {"maru_async_load": True},
+    "overlap": {"maru_overlap_load_with_compute": True},
+}
+
+
+def api_load_key(mode: str) -> str:
+    """Server key of the warm API instance of a load mode ("load" for the default one); a key
+    "load-<mode>" picks up the mode's environment (the V1 runner for sync and overlap)."""
+    return "load" if mode == "default" else f"load-{mode}"
 
 
 def log(msg: str) -> None:
@@ -320,8 +334,10 @@ def pct(xs: list[float], q: float) -> float:
 def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict) -> None:
     system = random_prompt(setup.system_tokens, 5555, setup.model.vocab)
     out = res["api"]
-    passes = (("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
-              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)"))  # fmt: skip
+    passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
+              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
+    passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
+               for k in servers if k.startswith("load-")]  # fmt: skip
     for key, label in passes:
         srv = servers.get(key)
         if srv is None:
@@ -495,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-api", action="store_true", help="skip the multi-round API-server workload")
+    ap.add_argument(
+        "--api-loads", nargs="*", default=["default"], choices=list(API_LOADS),
+        help="load modes of the warm API instances (each a fresh instance; default: the default config)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
@@ -561,12 +581,18 @@ def main(argv: list[str] | None = None) -> int:
             api_specs = {
                 "none": None,
                 "store": maru_kv_config(maru_extra(srv.url, setup, "api", {"maru_async_store": True})),
-                "load": maru_kv_config(maru_extra(srv.url, setup, "api", {})),
+                **{
+                    api_load_key(m): maru_kv_config(maru_extra(srv.url, setup, "api", API_LOADS[m]))
+                    for m in a.api_loads
+                },
             }
             for key, kv in api_specs.items():
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256
-                servers[key] = ApiServer(f"api-{key}", spec, free_port(), logs / f"api-{key}.log").start()
+                env = ENGINE_ENV.get(key.removeprefix("load-"))
+                servers[key] = ApiServer(
+                    f"api-{key}", spec, free_port(), logs / f"api-{key}.log", env=env
+                ).start()
         for name, eng in engines.items():
             try:
                 r = eng.wait_ready(timeout=600)

@@ -247,8 +247,11 @@ def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
 class ApiServer:
     """vLLM's OpenAI-compatible server in its own process group (``start()`` returns at once)."""
 
-    def __init__(self, name: str, spec: dict[str, Any], port: int, log_path: Path):
+    def __init__(
+        self, name: str, spec: dict[str, Any], port: int, log_path: Path, env: dict[str, str] | None = None
+    ):
         self.name, self.spec, self.port, self.log_path = name, spec, port, Path(log_path)
+        self.env = dict(env or {})  # on top of this process's environment (e.g. the model runner)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
@@ -273,6 +276,7 @@ class ApiServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        env.update(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
