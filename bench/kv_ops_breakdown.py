@@ -64,6 +64,8 @@ def main() -> None:
     key = lau.key(dev, warps, args)
     kernel = lau._kernels[key]
     hooks = launch._launch_hooks()
+    run_args = lau.prep(dev, warps, args)[1]
+    print("launch hooks passed:", hooks)
     stream = get_stream(dev)
     steps = [
         ("ops.layer_refs (cache hit)", lambda: ops.layer_refs(caches, layout)),
@@ -79,11 +81,18 @@ def main() -> None:
         ("launcher: current device", get_device),
         ("launcher: current stream", lambda: get_stream(dev)),
         ("launcher: key", lambda: lau.key(dev, warps, args)),
+        ("launcher: prep (key and launch arguments)", lambda: lau.prep(dev, warps, args)),
         ("launcher: hooks", launch._launch_hooks),
         (
             "kernel.run (Triton's C launcher)",
             lambda: kernel.run(
                 grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, *hooks, *args
+            ),
+        ),  # fmt: skip
+        (
+            "kernel.run, CUDA tensors as addresses",
+            lambda: kernel.run(
+                grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, *hooks, *run_args
             ),
         ),  # fmt: skip
         ("Launcher.launch (whole)", lambda: lau.launch(grid, warps, *args)),

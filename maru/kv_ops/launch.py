@@ -10,9 +10,13 @@ Triton specialises a compiled kernel on is known and small:
 ``Launcher`` keys compiled kernels by those facts (a superset: a bool is told from an int, an
 integer's alignment is kept whole), gets each kernel once through Triton's own ``kernel[grid]``
 call (which compiles or picks it, and launches that first call), and launches it directly after
-that, with the very arguments Triton passes its launcher. Invariant: two calls with the same key
-are calls Triton itself would serve with the same compiled kernel; a call whose facts differ in
-any way takes Triton's path and adds a kernel.
+that, with the arguments Triton passes its launcher, but each CUDA tensor as its address (Triton's
+launcher would call ``data_ptr()`` and ask the driver to translate it, about 1 us a tensor). Empty
+launch hook chains are passed as None (no launch metadata built for nobody). Invariant: two calls
+with the same key are calls Triton itself would serve with the same compiled kernel (with
+``triton_view``, Triton's call sees each tensor through it: e.g. the integer view of a float
+tensor, so one kernel compiled for integers moves the bits of every dtype of that width); a call
+whose facts differ in any way takes Triton's path and adds a kernel.
 
 Where the direct launch is not available (Triton's interpreter on the CPU, which the tests use, or
 a Triton whose compiled kernels lack the launch entry), every call takes Triton's path; on a GPU
@@ -45,7 +49,7 @@ _LAUNCHERS: list[Launcher] = []  # every launcher made (module-level, one per ke
 # differ from the first call's gets no key.
 _FACTS = {
     "c": "type({a}), {a}",
-    "t": "{a}.dtype, {a}.data_ptr() & 15",
+    "t": "{a}.dtype, {p} & 15",
     "i": "type({a}), int.__and__({a}, 15), {a} == 1, {a} >> 31",
     "o": "type({a})",
 }
@@ -67,14 +71,35 @@ def kinds_of(args: Sequence[Any], constexpr: Sequence[bool]) -> str:
 
 
 def key_function(kinds: str) -> Callable[..., tuple]:
-    """``key(device, num_warps, *args)`` for arguments of these kinds, generated once: a call's host
-    budget is a few microseconds, and a loop over the arguments with type tests costs several."""
+    """``key(device, num_warps, *args)`` for arguments of these kinds (see ``prep_function``)."""
+    prep = prep_function(kinds)
+    return lambda device, num_warps, *args: prep(device, num_warps, *args)[0]
+
+
+def prep_function(kinds: str) -> Callable[..., tuple[tuple, tuple]]:
+    """``prep(device, num_warps, *args) -> (key, run_args)`` for arguments of these kinds, generated
+    once: a call's host budget is a few microseconds, and a loop over the arguments with type tests
+    costs several.
+
+    ``run_args`` are the arguments for the compiled kernel's launcher: a CUDA tensor is passed as its
+    address (an int), which Triton's launcher takes as the device pointer as it is, where for a
+    tensor it calls ``data_ptr()`` and asks the driver to translate the address (about 1 us a
+    tensor on an H200 host); every other argument (a host tensor included) is passed unchanged.
+    """
     names = [f"a{i}" for i in range(len(kinds))]
-    parts = ", ".join(_FACTS[k].format(a=n) for k, n in zip(kinds, names, strict=True))
-    src = f"def key(device, num_warps, {', '.join(names)}):\n    return (device, num_warps, {parts})\n"
+    ptrs = {i: f"p{i}" for i, k in enumerate(kinds) if k == "t"}
+    body = "".join(f"    p{i} = a{i}.data_ptr()\n" for i in ptrs)
+    parts = ", ".join(
+        _FACTS[k].format(a=n, p=ptrs.get(i)) for i, (k, n) in enumerate(zip(kinds, names, strict=True))
+    )
+    run = ", ".join(f"p{i} if a{i}.is_cuda else a{i}" if i in ptrs else n for i, n in enumerate(names))
+    src = (
+        f"def prep(device, num_warps, {', '.join(names)}):\n{body}"
+        f"    return (device, num_warps, {parts}), ({run},)\n"
+    )
     scope: dict[str, Any] = {}
-    exec(compile(src, f"<maru.kv_ops.launch key {kinds}>", "exec"), scope)  # noqa: S102 - our own text
-    return scope["key"]
+    exec(compile(src, f"<maru.kv_ops.launch prep {kinds}>", "exec"), scope)  # noqa: S102 - our own text
+    return scope["prep"]
 
 
 class Launcher:
@@ -86,7 +111,11 @@ class Launcher:
     """
 
     def __init__(
-        self, fn: Any, *, device_hooks: tuple[Callable[[], int], Callable[[int], int]] | None = None
+        self,
+        fn: Any,
+        *,
+        device_hooks: tuple[Callable[[], int], Callable[[int], int]] | None = None,
+        triton_view: Callable[[Any], Any] | None = None,
     ):
         self.fn = fn
         self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
@@ -96,7 +125,8 @@ class Launcher:
         )
         self._kernels: dict[tuple, Any] = {}
         self._hooks = device_hooks
-        self._key: Callable[..., tuple] | None = None
+        self._view = triton_view
+        self._prep: Callable[..., tuple[tuple, tuple]] | None = None
         self.direct_calls = 0
         self.triton_calls = 0
         self.unavailable: str | None = None
@@ -118,12 +148,18 @@ class Launcher:
     def key(self, device: int, num_warps: int, args: Sequence[Any]) -> tuple | None:
         """The specialisation key of a call, None when an argument's kind differs from the first
         call's (that call takes Triton's path). Public for the tests."""
-        flags = self._constexpr
-        assert flags is not None
-        if self._key is None:
-            self._key = key_function(kinds_of(args, flags))
+        prepped = self.prep(device, num_warps, args)
+        return None if prepped is None else prepped[0]
+
+    def prep(self, device: int, num_warps: int, args: Sequence[Any]) -> tuple[tuple, tuple] | None:
+        """(key, the arguments of a direct launch) of a call (``prep_function``), None when an
+        argument's kind differs from the first call's."""
+        if self._prep is None:
+            flags = self._constexpr
+            assert flags is not None
+            self._prep = prep_function(kinds_of(args, flags))
         try:
-            return self._key(device, num_warps, *args)
+            return self._prep(device, num_warps, *args)
         except (AttributeError, TypeError):  # a tensor where an int was, or the reverse
             return None
 
@@ -135,24 +171,28 @@ class Launcher:
             return
         get_device, get_stream = self._device_hooks()
         device = get_device()
-        key = self.key(device, num_warps, args)
-        kernel = self._kernels.get(key) if key is not None else None
+        prepped = self.prep(device, num_warps, args)
+        kernel = self._kernels.get(prepped[0]) if prepped is not None else None
         if kernel is None:
-            self._triton(grid, num_warps, args, keep=key)
+            self._triton(grid, num_warps, args, keep=None if prepped is None else prepped[0])
             return
+        run_args = prepped[1]  # type: ignore[index]
         n = len(grid)
         g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
         enter, leave = _launch_hooks()
         stream = get_stream(device)
-        meta = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
+        hooked = enter is not None or leave is not None
+        meta = kernel.launch_metadata(grid, stream, *self._triton_args(args)) if hooked else None
         if self.direct_calls:
-            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args)
+            kernel.run(
+                g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
+            )
         else:
             # The first direct launch proves the argument convention of this Triton: its launcher
             # parses the arguments before anything is queued, so a refusal launched nothing.
             try:
                 kernel.run(
-                    g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args
+                    g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
                 )
             except TypeError as exc:
                 self._give_up(f"its compiled kernel refused Triton's launch arguments ({exc})")
@@ -166,7 +206,7 @@ class Launcher:
         """Triton's own call; with ``keep``, the kernel it returns is kept under that key when it can
         be launched directly."""
         self.triton_calls += 1
-        kernel = self.fn[grid](*args, num_warps=num_warps)
+        kernel = self.fn[grid](*self._triton_args(args), num_warps=num_warps)
         if keep is None or self.unavailable is not None:
             return
         reason = _direct_unavailable(kernel)
@@ -176,6 +216,15 @@ class Launcher:
         if len(self._kernels) >= MAX_KERNELS:
             self._kernels.clear()
         self._kernels[keep] = kernel
+
+    def _triton_args(self, args: Sequence[Any]) -> Sequence[Any]:
+        """The arguments as Triton's own call sees them: each tensor through ``triton_view`` (e.g.
+        its same-width integer view, so a kernel compiled for integers serves every dtype of that
+        width: the key tells the dtypes apart, the direct launch passes only addresses)."""
+        view = self._view
+        if view is None:
+            return args
+        return tuple(view(a) if hasattr(a, "data_ptr") else a for a in args)
 
     def _give_up(self, reason: str) -> None:
         """Every later call takes Triton's path: announced once (a slower path, on a GPU)."""
@@ -213,13 +262,22 @@ _RUNTIME: list[Any] = []
 
 
 def _launch_hooks() -> tuple[Any, Any]:
-    """Triton's launch enter/exit hooks (profilers set them), passed on as Triton passes them."""
+    """Triton's launch enter/exit hooks (profilers set them), each None when there is none to call.
+
+    Newer Tritons keep each hook as a ``HookChain`` that is never None, even empty; passed on, its
+    launcher would build the launch metadata and call two empty chains on every launch (Triton's
+    own call does). An empty chain calls nothing, so None is the same launch without that cost.
+    """
     if not _RUNTIME:
         import triton
 
         _RUNTIME.append(triton.knobs.runtime)
     rt = _RUNTIME[0]
-    return rt.launch_enter_hook, rt.launch_exit_hook
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    # ``calls``: a HookChain's hooks; a plain hook (older Tritons) has no such attribute.
+    return (enter if getattr(enter, "calls", True) else None), (
+        leave if getattr(leave, "calls", True) else None
+    )
 
 
 def _direct_unavailable(kernel: Any) -> str | None:

@@ -304,9 +304,9 @@ def place(
     """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
 
     ``refs`` are (bits tensor over the cache storage, absolute element offset of the layer base);
-    ``obj`` is already reinterpreted as integers of the cache's element width. ``index``: one slot
-    per token (or one block id per block with ``blockwise``); negative entries are skipped, and so
-    are the first ``skip`` tokens.
+    ``obj`` is of the cache's dtype or its same-width integer view (the kernel moves bits either
+    way). ``index``: one slot per token (or one block id per block with ``blockwise``); negative
+    entries are skipped, and so are the first ``skip`` tokens.
     """
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
@@ -329,9 +329,7 @@ def place(
         index,
         num_tokens,
         skip,
-        obj.stride(0),
-        obj.stride(1),
-        obj.stride(2),
+        *obj.stride()[:3],
         layout.block_stride,
         layout.head_stride,
         layout.kv_stride,
@@ -353,7 +351,8 @@ def place(
     )
 
 
-_PLACE = Launcher(_place_kernel)
+# Triton compiles for the tensors' integer views; the direct launch passes addresses (no views per call).
+_PLACE = Launcher(_place_kernel, triton_view=as_bits)
 
 
 # ---------------------------------------------------------------------- direct (zero-copy) layer load

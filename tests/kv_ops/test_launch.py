@@ -199,3 +199,88 @@ def test_the_kernels_are_launched_through_launchers() -> None:
     for lau in (triton_kernels._PLACE, triton_kernels._DIRECT, checksum._CHECKSUM, checksum._CHECKSUM_PIECES):
         assert isinstance(lau, Launcher)
         assert lau._constexpr is not None and any(lau._constexpr), lau.name
+
+
+class _CudaLike:
+    """What the launcher reads of a CUDA tensor (no GPU here): its address, dtype and device kind."""
+
+    is_cuda = True
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def test_a_cuda_tensor_is_launched_directly_as_its_address(fake) -> None:  # noqa: ANN001
+    fn, launcher, _, _ = fake
+    a, b = _CudaLike(0x7F0000001000, torch.int16), _CudaLike(0x7F0000002000, torch.int16)
+    host = torch.zeros(4, dtype=torch.int16)
+    launcher.launch((1,), 4, a, 3, 5, 16)
+    launcher.launch((1,), 4, b, 3, 5, 16)
+    launcher.launch((1,), 4, host, 3, 5, 16)
+    launcher.launch((1,), 4, host, 3, 5, 16)
+    (how0, k0, _, _, args0), (how1, k1, _, _, args1), (_, _, _, _, _), (how3, _, _, _, args3) = fn.log
+    assert (how0, how1) == ("triton", "direct") and k1 is k0  # same facts: one kernel
+    assert args0[0] is a, "Triton's own call gets the tensor"
+    assert args1 == (0x7F0000002000, 3, 5, 16) and type(args1[0]) is int, "the direct launch, its address"
+    assert how3 == "direct" and args3[0] is host, "a host tensor is passed as it is (Triton translates it)"
+
+
+def test_triton_compiles_for_the_view_and_the_key_tells_dtypes_apart() -> None:
+    device, stream = [0], [7]
+    fn = _FakeJit(device, stream)
+    views: list[Any] = []
+
+    def as_ints(t: Any) -> Any:
+        views.append(t)
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+    launcher = Launcher(fn, device_hooks=(lambda: 0, lambda d: 7), triton_view=as_ints)
+    buf = torch.zeros(8, dtype=torch.bfloat16)
+    launcher.launch((1,), 4, buf, 3, 5, 16)
+    launcher.launch((1,), 4, buf, 3, 5, 16)
+    launcher.launch((1,), 4, buf.view(torch.int16), 3, 5, 16)
+    hows = [e[0] for e in fn.log]
+    assert hows == ["triton", "direct", "triton"]  # an int16 tensor is another key, though the same kernel
+    assert fn.log[0][4][0].dtype == torch.int16, "Triton's call sees the integer view"
+    assert fn.log[1][4][0] is buf, "the direct launch passes the tensor (a host one) as given"
+    assert fn.log[2][1] is fn.log[0][1], "both keys run the kernel compiled for int16"
+    assert len(views) == 2, "views only on Triton's path"
+
+
+class _Chain:
+    """Triton's HookChain as the launcher sees it: ``calls``, never None."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def __call__(self, *a: Any) -> None:
+        for c in self.calls:
+            c(*a)
+
+
+def test_empty_hook_chains_launch_without_metadata_and_a_profilers_hook_gets_it(fake, monkeypatch) -> None:  # noqa: ANN001
+    fn, launcher, _, _ = fake
+
+    class Runtime:
+        launch_enter_hook = _Chain()
+        launch_exit_hook = _Chain()
+
+    monkeypatch.setattr(launch, "_RUNTIME", [Runtime])
+    metas: list[Any] = []
+    t = torch.zeros(4, dtype=torch.int64)
+    launcher.launch((1,), 4, t, 3, 5, 16)
+    kernel = fn.log[-1][1]
+    kernel.launch_metadata = lambda grid, stream, *args: metas.append(args) or "meta"
+    runs: list[tuple] = []
+    real_run = kernel.run
+    kernel.run = lambda *a: (runs.append(a[6:9]), real_run(*a))
+    launcher.launch((1,), 4, t, 3, 5, 16)
+    assert runs[-1] == (None, None, None) and not metas, "empty chains: no metadata, no hooks passed"
+    Runtime.launch_enter_hook.calls.append(lambda *a: None)  # a profiler attaches
+    launcher.launch((1,), 4, t, 3, 5, 16)
+    meta, enter, leave = runs[-1]
+    assert meta == "meta" and enter is Runtime.launch_enter_hook and leave is None and len(metas) == 1
+    assert [e[0] for e in fn.log] == ["triton", "direct", "direct"]
