@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.hook_times import HookTimes, timed
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.scheduler import MaruSchedulerConnector
@@ -155,6 +156,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
         self._last_reported: dict[str, Any] = {}
+        self.hook_times = HookTimes()  # host time inside each vLLM hook (``timed``)
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             logger.warning(
                 "Maru: pipeline parallelism (pipeline_parallel_size=%d) is not supported; the connector "
@@ -238,6 +240,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             assert self._worker is not None
             out = self._worker.stats.as_dict()
             out["write_behind"] = self._worker.write_behind_mode
+        out["hook_ms"] = self.hook_times.as_dict()
         out["data_path"] = self.maru_config.data_path()
         out["fallbacks"] = list(self.maru_config.fallbacks)  # settings replaced, each with reason and fix
         return out
@@ -263,10 +266,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._worker.disabled_reason = "registration failed"
             logger.exception("Maru: registering the KV caches failed; the connector stays off")
 
+    @timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())
 
+    @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Only maru_overlap_load_with_compute has anything in flight here; otherwise a no-op.
         if self._worker is not None:
@@ -275,6 +280,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             except Exception:  # never raise into the forward
                 logger.exception("Maru: waiting for layer %s failed", layer_name)
 
+    @timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before each forward: wait until no write-behind store reads a preempted request's blocks."""
         if self._worker is None:
@@ -285,6 +291,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         except Exception:  # never raise into the forward
             logger.exception("Maru: handling this step's preemptions failed")
 
+    @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
@@ -295,6 +302,7 @@ class MaruKVConnector(KVConnectorBase_V1):
     ) -> None:
         return  # stores happen once per step in wait_for_save, all layers at a time
 
+    @timed
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.wait_for_save(self._meta())
@@ -323,6 +331,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self.maru_config.log_timing and self.hook_times.calls:
+            side = "scheduler" if self._scheduler is not None else "worker"
+            logger.info("Maru: host time in vLLM's hooks (%s): %s", side, self.hook_times.line())
         if self._worker is not None:
             if self.maru_config.log_timing:
                 logger.info("Maru: worker stats %s", self._worker.stats.as_dict())
@@ -331,22 +342,27 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
 
     # ------------------------------------------------------------------ scheduler side
+    @timed
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @timed
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @timed
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
+    @timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None

@@ -159,3 +159,22 @@ def test_on_the_v1_runner_the_worker_reports_no_slow_path(server) -> None:
         assert [v for k, v in reported_slow(server).items() if k not in before] == [[]]
     finally:
         conn.shutdown()
+
+
+def test_the_facade_counts_the_host_time_of_each_hook_it_serves(server, caplog) -> None:  # noqa: ANN001
+    conn = scheduler_side(server, None, maru_log_timing=True)
+    r, _ = offer_of_a_stored_prompt(server, conn, seed=37)
+    conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+    conn.build_connector_meta(empty_out())
+    conn.build_connector_meta(empty_out())
+    hooks = conn.maru_stats()["hook_ms"]
+    assert {k: v["calls"] for k, v in hooks.items()} == {
+        "get_num_new_matched_tokens": 1,
+        "update_state_after_alloc": 1,
+        "build_connector_meta": 2,
+    }
+    assert all(v["ms"] > 0 for v in hooks.values())
+    with caplog.at_level("INFO", logger="maru"):
+        conn.shutdown()
+    [line] = [r.getMessage() for r in caplog.records if "host time in vLLM's hooks" in r.getMessage()]
+    assert "(scheduler)" in line and "build_connector_meta 2 calls" in line

@@ -109,9 +109,14 @@ def test_a_prompt_extending_a_stored_one_reuses_its_tail_only_if_the_tokens_matc
     full, tail = stored_keys_of(s, a)
     publish(server, full + [tail])
     longer = a + tokens(200, seed=5)  # a's tail tokens 256..287 are also tokens 256..287 of longer
+    calls = client.exists_calls
     assert s.get_num_new_matched_tokens(req("l", longer), 0) == (288, False)
+    # The hit ends at chunk 4 of longer's 7: its tails there take a second round trip.
+    assert client.exists_calls == calls + 2
     different = a[:280] + tokens(220, seed=6)  # diverges inside the tail
     assert s.get_num_new_matched_tokens(req("d", different), 0) == (256, False)
+    again = s.get_num_new_matched_tokens(req("a2", a), 0)
+    assert again == (288, False) and client.exists_calls == calls + 5  # the same prompt: one trip
 
 
 def test_chunked_prefill_plans_every_full_chunk_exactly_once_and_the_tail_at_the_end(
@@ -150,9 +155,10 @@ def test_preempted_request_is_probed_again_and_does_not_store_twice(server, keye
     assert [c.key for rt in meta.stores for c in rt.chunks] == full[:2]
     publish(server, full[:2])  # what the worker did in that step
     s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"a"}))
-    # Resumed: matched again (one more exists), loads the two stored chunks, stores only what is new.
+    # Resumed: matched again (two more exists: the chunks, then the tails after the last hit one,
+    # chunk 2 of 4), loads the two stored chunks, stores only what is new.
     assert s.get_num_new_matched_tokens(r, 0) == (128, False)
-    assert client.exists_calls == 2
+    assert client.exists_calls == 3
     s.update_state_after_alloc(r, blocks_obj([7, 6, 5, 4, 3, 2, 1, 0, 8, 9]), 128)
     meta = s.build_connector_meta(cached_out("a", [7, 6, 5, 4, 3, 2, 1, 0, 8, 9], 128, 172, resumed=True))
     assert [c.key for c in meta.loads[0].chunks] == full[:2]

@@ -1,0 +1,56 @@
+"""Host time the connector spends inside each of vLLM's hooks: what Maru costs a step off the bus.
+
+vLLM calls the scheduler-side hooks on its scheduling thread and the worker-side ones around the
+forward; time spent there delays every request of the step, cold ones included. ``HookTimes``
+sums the wall time and calls per hook; ``timed`` wraps a connector method so it counts itself.
+The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
+line per process at shutdown.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class HookTimes:
+    """Seconds and calls per hook name. Invariant: only ever grows (a process-lifetime sum)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{hook: {"calls": n, "ms": total}}``, the costliest first."""
+        order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
+        return {k: {"calls": self.calls[k], "ms": round(self.seconds[k] * 1e3, 3)} for k in order}
+
+    def line(self) -> str:
+        """One log line: ``hook N calls X ms (Y us each), ...``."""
+        return ", ".join(
+            f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each)"
+            for k, v in self.as_dict().items()
+        )
+
+
+def timed(method: F) -> F:
+    """Count the wrapped method's wall time into ``self.hook_times`` under its name."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.hook_times.add(name, time.perf_counter() - t0)
+
+    return wrapper  # type: ignore[return-value]
