@@ -31,7 +31,9 @@ r-1 by a synthetic answer and a new question; a round's requests are sent togeth
 TTFT p50/p95 over all requests. Servers: ``api-none`` (pass 1: a cold instance, vLLM's own
 prefix cache within the pass; pass 2 the same requests again: all local hits), ``api-store``
 (pass 1 with Maru storing, write-behind) and ``api-load`` (a second instance: the same pass,
-loading from Maru).
+loading from Maru), plus ``api-load-<mode>`` per ``--api-loads`` mode. Every server answers one
+warm-up prompt first; ``--api-reps`` repetitions (3 on the GPU) take turns, each with its own
+system prompt, and the table shows each repetition's p50 beside the pooled figures.
 
 Writes ``gpu_vllm_e2e.json`` (every sample), ``gpu_vllm_e2e.md`` (the tables) and
 ``gpu_vllm_e2e.png`` (when matplotlib is there) to ``--out``; engine logs to ``--log-dir``.
@@ -99,6 +101,7 @@ class Setup:
     turn_tokens: int
     api_max_tokens: int
     warmup_tokens: int
+    api_reps: int = 1
 
 
 GPU_SETUP = Setup(
@@ -123,6 +126,7 @@ GPU_SETUP = Setup(
     turn_tokens=128,
     api_max_tokens=16,
     warmup_tokens=1024,
+    api_reps=3,
 )
 TINY_SETUP = Setup(
     model=TINY_MODEL,
@@ -331,34 +335,57 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict) -> None:
-    system = random_prompt(setup.system_tokens, 5555, setup.model.vocab)
+def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict, reps: int = 1) -> None:
+    """``reps`` repetitions of every pass, interleaved (the instances take turns on the GPU within a
+    repetition), each repetition with a system prompt of its own (no instance's own prefix cache
+    carries one repetition into the next). Each server first answers one unrelated warm-up prompt:
+    what a process pays once (kernels loaded, buffers made) is not a round's TTFT."""
     out = res["api"]
     passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
               ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
     passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
                for k in servers if k.startswith("load-")]  # fmt: skip
-    for key, label in passes:
-        srv = servers.get(key)
-        if srv is None:
-            continue
+    live: dict[str, ApiServer] = {}
+    for i, (key, srv) in enumerate(servers.items()):
         try:
             srv.wait_ready(timeout=300)
-            before = loaded_tokens_in_log(srv.log_path)
-            recs = api_pass(srv.port, setup, system)
-            if key == "store":
-                time.sleep(2.0)  # let the last write-behind stores publish before the next instance
-            ttft = [r["ttft"] for r in recs]
-            row = {"label": label, "server": key, "n": len(recs), "p50_s": pct(ttft, 0.5),
-                   "p95_s": pct(ttft, 0.95), "mean_s": statistics.mean(ttft),
-                   "tokens_loaded": loaded_tokens_in_log(srv.log_path) - before,
-                   "texts": [r["text"] for r in recs], "records": recs}  # fmt: skip
-            out["passes"].append(row)
-            log(f"api {label:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
-                f"({row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
+            stream_ttft(srv.port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
+            live[key] = srv
         except Exception as e:
-            out["errors"].append(f"{label}: {e!r}")
-            log(f"api {label}: FAILED {e!r}")
+            out["errors"].append(f"{srv.name}: {e!r}")
+            log(f"api {srv.name}: FAILED {e!r}")
+    rows: dict[str, dict[str, Any]] = {}
+    for rep in range(reps):
+        system = random_prompt(setup.system_tokens, 5555 + rep, setup.model.vocab)
+        for key, label in passes:
+            srv = live.get(key)
+            if srv is None:
+                continue
+            row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
+            try:
+                before = loaded_tokens_in_log(srv.log_path)
+                recs = api_pass(srv.port, setup, system)
+                if key == "store":
+                    time.sleep(2.0)  # let the last write-behind stores publish before the next instance
+                row["records"] += [{**r, "rep": rep} for r in recs]
+                row["tokens_loaded"] += loaded_tokens_in_log(srv.log_path) - before
+            except Exception as e:
+                out["errors"].append(f"{label} (repetition {rep}): {e!r}")
+                log(f"api {label} (repetition {rep}): FAILED {e!r}")
+    for row in rows.values():
+        recs = row["records"]
+        if not recs:
+            continue
+        ttft = [r["ttft"] for r in recs]
+        per_rep = [
+            pct([r["ttft"] for r in recs if r["rep"] == k], 0.5) for k in sorted({r["rep"] for r in recs})
+        ]
+        row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
+                   rep_p50_s=per_rep, texts=[r["text"] for r in recs])  # fmt: skip
+        out["passes"].append(row)
+        log(f"api {row['label']:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
+            f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; "
+            f"{row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------- summary
@@ -457,13 +484,14 @@ def markdown(res: dict, setup: Setup) -> str:
             f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server, streaming):",
             "",
-            "| instance | requests | TTFT p50 | TTFT p95 | mean | tokens loaded from Maru |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition | tokens loaded from Maru |",
+            "|---|---:|---:|---:|---:|---|---:|",
         ]
         for p in api:
             lines.append(
                 f"| {p['label']} | {p['n']} | {fmt_ms(p['p50_s'])} | {fmt_ms(p['p95_s'])} "
-                f"| {fmt_ms(p['mean_s'])} | {p['tokens_loaded']} |"
+                f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
+                f"| {p['tokens_loaded']} |"
             )
     return "\n".join(lines)
 
@@ -511,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-api", action="store_true", help="skip the multi-round API-server workload")
+    ap.add_argument("--api-reps", type=int, default=None, help="repetitions of the multi-round passes")
     ap.add_argument(
         "--api-loads", nargs="*", default=["default"], choices=list(API_LOADS),
         help="load modes of the warm API instances (each a fresh instance; default: the default config)",
@@ -605,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng.close()  # frees its GPU memory for what follows
             (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
         if servers:
-            run_api(servers, setup, res)
+            run_api(servers, setup, res, a.api_reps or setup.api_reps)
     except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured
         res["errors"].append("interrupted (time budget)")
         log("interrupted: summarizing what was measured")

@@ -327,7 +327,8 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
             return self._issue_layers(objs, slots, nbytes, placer, checksums)
 
     def warm(self, chunk_tokens: int, layer_tokens: Sequence[int] = ()) -> None:
-        """Capture the CUDA graphs now (about a millisecond each, with a device sync), not on first use.
+        """Capture the CUDA graphs and compile the checksum kernels now (about a millisecond each, with
+        a device sync; a fresh host's first Triton compile ~0.6 s), not on a request's first use.
 
         ``chunk_tokens``: the chunk size of the pipelined paths (every ring slot); ``layer_tokens``:
         request sizes the layer-overlap load will see (rounded up to their power-of-two bucket).
@@ -338,6 +339,10 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         if not self.on_gpu:
             return
         with self._lock, torch.cuda.stream(self._place_stream):
+            if chunk_tokens and self.backend != "reference":  # the kernels launched eagerly, compiled now
+                ck.warm(
+                    torch.empty(self.object_shape(int(chunk_tokens)), dtype=self.dtype, device=self.device)
+                )
             if chunk_tokens and self.graphs:
                 if any(slot.used for slot in self._ring):
                     # A capture replays its op once eagerly; after a transfer the static slots hold

@@ -344,7 +344,14 @@ def test_chunk_graphs_without_lazy_capture_replay_the_warmed_size_and_capture_no
     loader = pl.DevicePipeline(
         fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=True, lazy_capture=False
     )
+    from maru.kv_ops import checksum as ck
+
+    launchers = [ck._CHECKSUM, ck._CHECKSUM_PIECES] if BACKEND != "reference" else []
+    for lau in launchers:
+        lau._kernels.clear()  # as in a fresh process: the warm-up must get them again
     loader.warm(CHUNK)
+    compiled = [lau.triton_calls for lau in launchers]
+    assert all(lau._kernels for lau in launchers), "warm() gets the checksum kernels"
     placers = [slot.placer for slot in loader._ring if slot.placer is not None]
     captured = [len(p._graphs) for p in placers]
     for _ in range(2):  # the second pass replays the same graphs over a placed cache
@@ -352,6 +359,7 @@ def test_chunk_graphs_without_lazy_capture_replay_the_warmed_size_and_capture_no
         h.wait()
     assert torch.equal(fresh.bits(), expected.bits())
     assert [len(p._graphs) for p in placers] == captured  # nothing captured while serving
+    assert [lau.triton_calls for lau in launchers] == compiled, "no kernel compiled while serving"
     if BACKEND != "reference":
         assert placers and all(p.has_chunk_graphs(CHUNK) and not p.has_chunk_graphs(100) for p in placers)
     if checksums:
