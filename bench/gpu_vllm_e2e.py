@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
+    SERVER_TIMINGS,
     TINY_MODEL,
     ApiServer,
     Engine,
@@ -69,7 +70,9 @@ from bench.vllm_harness import (  # noqa: E402
     maru_kv_config,
     random_prompt,
     same_greedy,
+    server_timings,
     stream_ttft,
+    timing_means,
 )
 
 GiB = 1 << 30
@@ -364,11 +367,15 @@ def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict, reps: int = 
             row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
             try:
                 before = loaded_tokens_in_log(srv.log_path)
+                t0 = server_timings(srv.port)
                 recs = api_pass(srv.port, setup, system)
+                means = timing_means(server_timings(srv.port), t0)
                 if key == "store":
                     time.sleep(2.0)  # let the last write-behind stores publish before the next instance
                 row["records"] += [{**r, "rep": rep} for r in recs]
                 row["tokens_loaded"] += loaded_tokens_in_log(srv.log_path) - before
+                for k, v in means.items():  # per-request means of vLLM's own timings, by repetition
+                    row.setdefault(f"server_{k}_s", []).append(v)
             except Exception as e:
                 out["errors"].append(f"{label} (repetition {rep}): {e!r}")
                 log(f"api {label} (repetition {rep}): FAILED {e!r}")
@@ -383,8 +390,13 @@ def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict, reps: int = 
         row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
                    rep_p50_s=per_rep, texts=[r["text"] for r in recs])  # fmt: skip
         out["passes"].append(row)
+        server = " ".join(
+            f"{k} {statistics.mean(row[f'server_{k}_s']) * 1e3:.1f}"
+            for k in SERVER_TIMINGS
+            if row.get(f"server_{k}_s")
+        )
         log(f"api {row['label']:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
-            f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; "
+            f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; server means, ms: {server}; "
             f"{row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
 
 
@@ -484,13 +496,15 @@ def markdown(res: dict, setup: Setup) -> str:
             f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server, streaming):",
             "",
-            "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition | tokens loaded from Maru |",
-            "|---|---:|---:|---:|---:|---|---:|",
+            "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition "
+            "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru |",
+            "|---|---:|---:|---:|---:|---|---|---:|",
         ]
         for p in api:
             lines.append(
                 f"| {p['label']} | {p['n']} | {fmt_ms(p['p50_s'])} | {fmt_ms(p['p95_s'])} "
                 f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
+                f"| {' / '.join(fmt_ms(statistics.mean(p[f'server_{k}_s'])) if p.get(f'server_{k}_s') else '-' for k in SERVER_TIMINGS)} "
                 f"| {p['tokens_loaded']} |"
             )
     return "\n".join(lines)

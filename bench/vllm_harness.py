@@ -359,6 +359,45 @@ def stream_ttft(port: int, prompt: list[int], max_tokens: int, timeout: float = 
 
 
 # ------------------------------------------------------------------------------- output checks
+# vLLM's own per-request timings (Prometheus histograms of its OpenAI server): measured inside the
+# server, so neither the HTTP client nor the streaming of other requests is in them.
+SERVER_TIMINGS = {
+    "ttft": "vllm:time_to_first_token_seconds",  # arrival in the server to the first token
+    "queue": "vllm:request_queue_time_seconds",  # waiting to be scheduled (a parked async load too)
+    "prefill": "vllm:request_prefill_time_seconds",  # first scheduled to the first token
+}
+
+
+def server_timings(port: int, timeout: float = 10.0) -> dict[str, tuple[float, float]]:
+    """``{name: (sum of seconds, count)}`` of ``SERVER_TIMINGS`` from the server's ``/metrics``
+    (summed over label sets); subtract two scrapes for the requests in between."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode(errors="replace")
+    out: dict[str, list[float]] = {k: [0.0, 0.0] for k in SERVER_TIMINGS}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for key, metric in SERVER_TIMINGS.items():
+            for i, suffix in enumerate(("_sum", "_count")):
+                head = metric + suffix
+                if line.startswith(head) and line[len(head) : len(head) + 1] in ("{", " "):
+                    out[key][i] += float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def timing_means(
+    after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean seconds per request of each server timing between two scrapes (absent when none)."""
+    out = {}
+    for k, (s1, n1) in after.items():
+        s0, n0 = before.get(k, (0.0, 0.0))
+        if n1 > n0:
+            out[k] = (s1 - s0) / (n1 - n0)
+    return out
+
+
 def same_greedy(out: list[int], lps: list[list[Any]], ref: list[int], ref_lps: list[list[Any]]) -> str:
     """Compare two greedy outputs of one prompt: ``"identical"``, ``"close"`` or ``"different"``.
 

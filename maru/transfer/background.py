@@ -112,9 +112,9 @@ class AsyncLoader:
             with self._lock:
                 self._issued.append((tags, [r.req_id for r in reqs], engine, result))
 
-    def poll(self) -> list[tuple[list[Any], LoadReport]]:
-        """(tags, report) of every batch that completed or failed since the last call. Never blocks."""
-        out, self._ready = self._ready, []
+    def _issue_looked_up(self) -> list[tuple[list[Any], LoadReport]]:
+        """Issue (caller's thread) every batch the loader thread looked up; the ones that failed."""
+        failed = []
         with self._lock:
             issued, self._issued = self._issued, []
         for tags, req_ids, engine, result in issued:
@@ -125,9 +125,28 @@ class AsyncLoader:
                     result = e
             if isinstance(result, BaseException):
                 why = f"issuing the load failed: {type(result).__name__}: {result}"
-                out.append((tags, LoadReport(failed=dict.fromkeys(req_ids, why))))
+                failed.append((tags, LoadReport(failed=dict.fromkeys(req_ids, why))))
             else:
                 self._inflight.append((tags, req_ids, result))
+        return failed
+
+    def issue_now(self, wait_s: float) -> None:
+        """Issue, on the caller's thread, every batch whose lookup comes back within ``wait_s``
+        seconds (one round trip); the rest are issued by a later ``poll``. Never reports.
+
+        Called before the step's forward, so a batch's copies run under that forward and ``poll``
+        after it can report the batch done in the same step: vLLM schedules the request a step
+        earlier than when the batch was issued only by the ``poll`` after the forward.
+        """
+        pending = [f for f in self._turns if not f.done()]
+        if pending:
+            wait(pending, timeout=wait_s)
+        self._ready.extend(self._issue_looked_up())
+
+    def poll(self) -> list[tuple[list[Any], LoadReport]]:
+        """(tags, report) of every batch that completed or failed since the last call. Never blocks."""
+        out, self._ready = self._ready, []
+        out += self._issue_looked_up()
         inflight, self._inflight = self._inflight, []
         for tags, req_ids, load in inflight:
             if load.done():

@@ -38,6 +38,9 @@ from maru.vllm.write_behind import WriteBehind
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
+# How long the forward thread waits for an async load's lookup (one round trip, ~0.1-0.3 ms) to
+# issue it before the forward; a slower answer is issued after the forward, a step later.
+ASYNC_ISSUE_WAIT_S = 0.005
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -331,13 +334,13 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ async load
     def _start_async_loads(self, loads: list[RequestTransfer]) -> None:
-        """Hand the step's parked requests to the loader thread; ``get_finished`` reports them.
+        """Hand the step's parked requests to the loader; ``get_finished`` reports them.
 
-        The loader batches every request queued when its turn comes (``AsyncLoader``): one
-        lookup-and-pin round trip and one issue for all of them. On CUDA caches the transfer runs
-        on the engine's streams while the loader thread takes the next batch, and ``get_finished``
-        reports a batch's requests once its transfer is ``done()``. On CPU caches the placement
-        runs on the loader thread and the batch is complete when it comes back.
+        The loader thread makes one lookup-and-pin round trip for every request queued when its
+        turn comes (``AsyncLoader``); the batch is issued on this thread, before the forward when
+        the answer is back within ``ASYNC_ISSUE_WAIT_S`` (else by ``get_finished``). On CUDA caches
+        the transfer runs on the engine's streams and ``get_finished`` reports a batch's requests
+        once it is ``done()``; on CPU caches the issue is the copy itself.
         """
         if self._loader is None:
             self._loader = AsyncLoader("maru-loader")
@@ -351,6 +354,8 @@ class MaruWorkerConnector:
         # One tag per request (it comes back with the batch's report), queued together so that
         # one turn takes them all. The engine is captured now: a reconnect later builds a new one.
         self._loader.submit_many(self.engine, [(rt, [self._rank(rt)]) for rt in loads])
+        # Issued before the forward when the lookup is back in time: done by the step's end.
+        self._loader.issue_now(ASYNC_ISSUE_WAIT_S)
 
     def _collect_async_loads(self) -> set[str]:
         """Requests whose async load completed or failed since the last call (never blocks)."""

@@ -136,6 +136,54 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         stop_worker(w)
 
 
+@pytest.mark.parametrize("lookup_s", [0.0, 0.3])
+def test_async_load_is_issued_before_the_forward_when_its_lookup_is_back_in_time(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch, lookup_s: float
+) -> None:
+    """start_load_kv issues the batch itself (its copies run under the step's forward) unless the
+    lookup takes longer than ``ASYNC_ISSUE_WAIT_S``; then the next get_finished issues it."""
+    import time
+
+    import maru.vllm.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "ASYNC_ISSUE_WAIT_S", 0.1)
+    src = case("kv_first", "NHD", 24)
+    req = request(f"early-{lookup_s}", [5, 9, 1, 3], 2 * CHUNK)
+    assert plain_engine(src, client).store([req]).stored == 2
+    dst_req = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
+    ref = case("kv_first", "NHD", 25)
+    assert plain_engine(ref, client).load([dst_req]).loaded_req_ids == [req.req_id]
+    dst = case("kv_first", "NHD", 25)
+    w = worker(server, dst, async_load=True)
+    try:
+        inject_pipeline(w)
+        real_look_up = w.engine.look_up
+
+        def slow_look_up(requests: Any) -> Any:
+            time.sleep(lookup_s)
+            return real_look_up(requests)
+
+        w.engine.look_up = slow_look_up  # type: ignore[method-assign]
+        issued: list[int] = []
+        real = w.engine.path.pipeline.load
+
+        def load(objs: Any, slots: Any, **kw: Any) -> Any:
+            issued.append(threading.get_ident())
+            return real(objs, slots, **kw)
+
+        w.engine.path.pipeline.load = load
+        w.start_load_kv(MaruConnectorMetadata(async_loads=[dst_req]))
+        early = lookup_s < 0.1
+        assert len(issued) == (1 if early else 0), "issued before the forward only if the lookup was back"
+        seen = until_finished(w, {req.req_id})
+        assert sum(len(x) for x in seen) == 1 and issued == [threading.get_ident()]  # once, this thread
+        assert w.get_block_ids_with_load_errors() == set()
+        for layer in range(3):
+            assert layer_equal(dst, ref, layer, slots_of(dst_req, 2 * CHUNK))
+    finally:
+        stop_worker(w)
+
+
 @needs_vllm
 def test_async_load_without_a_server_fails_the_request_without_a_lookup(
     server: ServerProcess, client: MaruHandler
