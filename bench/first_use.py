@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 import uuid
 
@@ -23,49 +22,40 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request  # noqa: E402
+from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request, server_client  # noqa: E402
 from maru import kv_ops  # noqa: E402
-from maru.client import MaruHandler  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
 
 TOKENS = 2048
 
 
 def main() -> None:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProcess(tmp, pool_size=2 << 30, log_level="WARNING")
-        srv.start()
-        client = MaruHandler(srv.url, timeout_s=30)
-        try:
-            src = make_caches(NB, 1)
-            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+    with server_client(2 << 30) as client:
+        src = make_caches(NB, 1)
+        layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+        t0 = time.perf_counter()
+        engine = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+        build = time.perf_counter() - t0
+        gen = torch.Generator().manual_seed(0)
+        for rnd in range(3):
+            reqs = [request(TOKENS, f"first-{rnd}-{uuid.uuid4().hex[:6]}", gen)]
             t0 = time.perf_counter()
-            engine = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-            build = time.perf_counter() - t0
-            gen = torch.Generator().manual_seed(0)
-            for rnd in range(3):
-                reqs = [request(TOKENS, f"first-{rnd}-{uuid.uuid4().hex[:6]}", gen)]
-                t0 = time.perf_counter()
-                pending = engine.issue_store(reqs)
-                issue = time.perf_counter() - t0
-                rep = engine.complete_store(pending)
-                store = time.perf_counter() - t0
-                assert rep.stored == len(reqs[0].chunks), rep
-                t0 = time.perf_counter()
-                lrep = engine.load(reqs)
-                load = time.perf_counter() - t0
-                assert not lrep.failed, lrep
-                t0 = time.perf_counter()
-                lrep = engine.start_layer_load(engine.pin(reqs)).wait()
-                layer = time.perf_counter() - t0
-                assert len(lrep.loaded_req_ids) == 1, lrep.failed
-                rows.append((rnd, issue, store, load, layer))
-            engine.close()
-        finally:
-            client.close()
-            srv.cleanup()
+            pending = engine.issue_store(reqs)
+            issue = time.perf_counter() - t0
+            rep = engine.complete_store(pending)
+            store = time.perf_counter() - t0
+            assert rep.stored == len(reqs[0].chunks), rep
+            t0 = time.perf_counter()
+            lrep = engine.load(reqs)
+            load = time.perf_counter() - t0
+            assert not lrep.failed, lrep
+            t0 = time.perf_counter()
+            lrep = engine.start_layer_load(engine.pin(reqs)).wait()
+            layer = time.perf_counter() - t0
+            assert len(lrep.loaded_req_ids) == 1, lrep.failed
+            rows.append((rnd, issue, store, load, layer))
+        engine.close()
     print(f"{torch.cuda.get_device_name()}, TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR')}")
     print(f"engine build (registration, warm-up): {build * 1e3:.0f} ms")
     print("| round | store issue ms | store ms | load ms | layer load ms |\n|---|---:|---:|---:|---:|")

@@ -54,30 +54,38 @@ def make_caches(nb: int, seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def stored_request(
-    tokens: int, tag: str, pool_size: int = 4 << 30
-) -> Iterator[tuple[Any, Any, RequestTransfer]]:
-    """A real server, a storing and a loading ``KVTransferEngine`` over CUDA caches, and one request of
-    ``tokens`` tokens stored through the first: ``(storer, loader, request)``; closed on exit."""
+def server_client(pool_size: int) -> Iterator[MaruHandler]:
+    """A real ``maru server`` with a ``/dev/shm`` pool of ``pool_size`` bytes and a client of it;
+    both gone (the pool file removed) on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         srv = ServerProcess(tmp, pool_size=pool_size, log_level="WARNING")
         srv.start()
         client = MaruHandler(srv.url, timeout_s=30)
         try:
-            src, dst = make_caches(NB, 1), make_caches(NB, 2)
-            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
-            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
-            req = request(tokens, tag, torch.Generator().manual_seed(0))
-            assert storer.store([req]).stored == len(req.chunks)
-            try:
-                yield storer, loader, req
-            finally:
-                storer.close()
-                loader.close()
+            yield client
         finally:
             client.close()
             srv.cleanup()
+
+
+@contextlib.contextmanager
+def stored_request(
+    tokens: int, tag: str, pool_size: int = 4 << 30
+) -> Iterator[tuple[Any, Any, RequestTransfer]]:
+    """A real server, a storing and a loading ``KVTransferEngine`` over CUDA caches, and one request of
+    ``tokens`` tokens stored through the first: ``(storer, loader, request)``; closed on exit."""
+    with server_client(pool_size) as client:
+        src, dst = make_caches(NB, 1), make_caches(NB, 2)
+        layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+        storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+        loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
+        req = request(tokens, tag, torch.Generator().manual_seed(0))
+        assert storer.store([req]).stored == len(req.chunks)
+        try:
+            yield storer, loader, req
+        finally:
+            storer.close()
+            loader.close()
 
 
 def request(tokens: int, tag: str, gen: torch.Generator) -> RequestTransfer:
@@ -195,36 +203,28 @@ def main() -> None:
     stores = sum(SIZES) // CHUNK + BATCH * BATCH_TOKENS // CHUNK
     pool_bytes = (stores * (args.reps + 3) + 64) * chunk_bytes  # + 2 write-behind stores a size
     results: dict[str, Any] = {"device": dev.name, "sizes": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProcess(tmp, pool_size=pool_bytes, log_level="WARNING")
-        srv.start()
-        client = MaruHandler(srv.url, timeout_s=30)
-        try:
-            src = make_caches(NB, 1)
-            layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
-            t0 = time.perf_counter()
-            storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-            results["engine_build_s"] = time.perf_counter() - t0
-            results["data_path"] = storer.data_path
-            results["registration"] = (
-                storer.host_registration.describe() if storer.host_registration else None
-            )
-            dst = make_caches(NB, 2)
-            loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
-            gen = torch.Generator().manual_seed(0)
-            for t in SIZES:
-                row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps)
-                results["sizes"][str(t)] = row
-                print(json.dumps(row), flush=True)
-            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
-            results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
+    with server_client(pool_bytes) as client:
+        src = make_caches(NB, 1)
+        layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+        t0 = time.perf_counter()
+        storer = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
+        results["engine_build_s"] = time.perf_counter() - t0
+        results["data_path"] = storer.data_path
+        results["registration"] = storer.host_registration.describe() if storer.host_registration else None
+        dst = make_caches(NB, 2)
+        loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
+        gen = torch.Generator().manual_seed(0)
+        for t in SIZES:
+            row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps)
+            results["sizes"][str(t)] = row
             print(json.dumps(row), flush=True)
-            results["rpc_us"] = rpc_floor(client, last_key(results))
-            storer.close()
-            loader.close()
-        finally:
-            client.close()
-            srv.cleanup()
+        row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
+        results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
+        print(json.dumps(row), flush=True)
+        results["rpc_us"] = rpc_floor(client, last_key(results))
+        storer.close()
+        loader.close()
+
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

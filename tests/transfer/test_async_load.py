@@ -45,6 +45,17 @@ server = module_server("async-load")
 client = pool_client()
 
 
+def loaded_reference(
+    client: MaruHandler, req: RequestTransfer, blocks: tuple[int, ...], physical: str, seed: int
+) -> tuple[RequestTransfer, Any, Any]:
+    """``req`` (stored) aimed at ``blocks`` of a destination, the reference cache it loaded into
+    synchronously, and an identical fresh destination: (request, reference, destination)."""
+    dreq = RequestTransfer(req.req_id, blocks, req.chunks)
+    ref = case("kv_first", physical, seed)
+    assert plain_engine(ref, client).load([dreq]).loaded_req_ids == [req.req_id]
+    return dreq, ref, case("kv_first", physical, seed)
+
+
 @pytest.mark.parametrize("path", ["async", "layers"])
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
 def test_connector_load_paths_round_trip_byte_exact_and_leave_skipped_slots_poisoned(
@@ -82,11 +93,8 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
     ok = request("gated-ok", [5, 9, 1, 3], 2 * CHUNK)
     bad = request("gated-bad", [6, 7, 8, 10], 2 * CHUNK)
     assert plain_engine(src, client).store([ok, bad]).stored == 4
-    dok = RequestTransfer(ok.req_id, (0, 2, 4, 6), ok.chunks)
+    dok, ref, dst = loaded_reference(client, ok, (0, 2, 4, 6), "HND", 22)
     dbad = RequestTransfer(bad.req_id, (11, 12, 13, 14), bad.chunks)
-    ref = case("kv_first", "HND", 22)
-    assert plain_engine(ref, client).load([dok]).loaded_req_ids == [ok.req_id]
-    dst = case("kv_first", "HND", 22)
     w = worker(server, dst, async_load=True)
     try:
         pins, settles = inject_pipeline(w)
@@ -150,10 +158,7 @@ def test_async_load_is_issued_before_the_forward_when_its_lookup_is_back_in_time
     src = case("kv_first", "NHD", 24)
     req = request(f"early-{lookup_s}", [5, 9, 1, 3], 2 * CHUNK)
     assert plain_engine(src, client).store([req]).stored == 2
-    dst_req = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
-    ref = case("kv_first", "NHD", 25)
-    assert plain_engine(ref, client).load([dst_req]).loaded_req_ids == [req.req_id]
-    dst = case("kv_first", "NHD", 25)
+    dst_req, ref, dst = loaded_reference(client, req, (0, 2, 4, 6), "NHD", 25)
     w = worker(server, dst, async_load=True)
     try:
         inject_pipeline(w)
