@@ -4,6 +4,8 @@
 ``start_load_kv`` places this step's loads before the forward; ``wait_for_save`` stores the
 chunks this step completed after the forward (every layer's KV of the step is written by
 then), with one multi-layer gather per chunk straight into pool memory and one commit.
+The layer-overlap load (``LayerLoads``), the asynchronous load (``AsyncLoads``) and the
+write-behind store (``WriteBehind``) each live in a class of their own that the worker owns.
 
 Failure policy: nothing Maru-side ever raises into vLLM. An unsupported layout disables the
 connector for good (one warning naming the layout and what to do); an unreachable server
@@ -24,12 +26,12 @@ import torch
 
 from maru import checksum, kv_ops
 from maru.errors import UnsupportedLayout
-from maru.transfer.background import AsyncLoader
 from maru.transfer.engine import KVTransferEngine
-from maru.transfer.loads import LayerByLayerLoad
 from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer, StoreReport
+from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import rank_keys
+from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.worker_stats import WorkerStats
@@ -38,9 +40,6 @@ from maru.vllm.write_behind import WriteBehind
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
-# How long the forward thread waits for an async load's lookup (one round trip, ~0.1-0.3 ms) to
-# issue it before the forward; a slower answer is issued after the forward, a step later.
-ASYNC_ISSUE_WAIT_S = 0.005
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -87,12 +86,24 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
-        self._layer_load: LayerByLayerLoad | None = None
-        self._layer_load_reqs: dict[str, RequestTransfer] = {}
-        # Layer loads after their forward, still running on the device: unpinned once done()
-        # (get_finished polls them).
-        self._layer_releases: list[LayerByLayerLoad] = []
-        self._loader: AsyncLoader | None = None  # maru_async_load
+        self.layer_loads = LayerLoads(  # maru_overlap_load_with_compute
+            self.stats,
+            connect=self._engine_or_why,
+            rank=self._rank,
+            fail=self._fail,
+            lost=self._lost,
+            account=self._account_load,
+        )
+        self.async_loads = AsyncLoads(  # maru_async_load
+            self.stats,
+            enable_load=cfg.enable_load,
+            timeout_s=cfg.timeout_s,
+            connect=self._engine_or_why,
+            rank=self._rank,
+            fail=self._fail,
+            lost=self._lost,
+            account=self._account_load,
+        )
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -161,6 +172,12 @@ class MaruWorkerConnector:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
         self._report_paths()
         return True
+
+    def _engine_or_why(self) -> KVTransferEngine | str:
+        """The engine (connecting first where needed), or why there is none."""
+        if self._connect() and self.engine is not None:
+            return self.engine
+        return self.disabled_reason or "maru server not reachable"
 
     def data_paths(self) -> dict[str, Any]:
         """The client-info map (role, paths, slow) this worker reports to the server.
@@ -245,12 +262,12 @@ class MaruWorkerConnector:
         if meta is None:
             return
         if meta.async_loads:
-            self._start_async_loads(meta.async_loads)
+            self.async_loads.start(meta.async_loads)
         if not meta.loads:
             return
         try:
             if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
-                self._start_layer_load(meta)
+                self.layer_loads.start(meta.loads)
             else:
                 self._load(meta)
         except Exception as e:  # never raise into the forward; recompute instead
@@ -258,120 +275,9 @@ class MaruWorkerConnector:
             for rt in meta.loads:
                 self._fail(rt, f"{type(e).__name__}: {e}")
 
-    # ------------------------------------------------------------------ layer overlap
-    def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:
-        """Pin every chunk of the step now (the lookup decides), then place layer by layer behind.
-
-        A failure at issue is reported at once, before the forward reads anything.
-        """
-        self._release_layer_loads()
-        if not self._connect() or self.engine is None:
-            why = self.disabled_reason or "maru server not reachable"
-            for rt in meta.loads:
-                self._fail(rt, why)
-            return
-        by_id = {rt.req_id: rt for rt in meta.loads}
-        pinned = self.engine.pin([self._rank(rt) for rt in meta.loads])
-        for req_id, why in pinned.failed.items():
-            self._fail(by_id[req_id], why)
-        if pinned.server_lost:
-            self._lost(next(iter(pinned.failed.values())))
-            return
-        if not pinned.ready:
-            self.engine.release(pinned)
-            return
-        pinned.failed = {}  # reported above; the layer load reports only its own failures
-        self._layer_load_reqs = by_id
-        ll = self.engine.start_layer_load(pinned)
-        self._layer_load = ll
-        self.stats.overlap_loads += 1
-        for req_id, why in ll.report.failed.items():
-            self._fail(by_id[req_id], why)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
-        ll = self._layer_load
-        if ll is None:
-            return
-        self.stats.layer_waits += 1
-        i = self._layer_index.get(layer_name)
-        if i is None or i >= ll.num_layers:
-            ll.wait_all()  # a name we do not know: every layer rather than risk a partial read
-        else:
-            ll.wait_for_layer(i)
-
-    def _finish_layer_load(self) -> None:
-        """After the forward: account for the step's layer load; failures known now -> recompute.
-
-        Everything queued after the forward waits for every layer (GPU-side on CUDA: the host
-        does not block). A load still running on the device keeps its pins until ``done()``
-        (``get_finished`` polls it) rather than stall the forward thread here.
-        """
-        ll, self._layer_load = self._layer_load, None
-        if ll is None:
-            return
-        by_id, self._layer_load_reqs = self._layer_load_reqs, {}
-        ll.wait_all()
-        if not ll.done():
-            self._layer_releases.append(ll)
-            self._account_load(ll.report, " (layer by layer)", True)
-            return
-        rep = ll.finish()
-        for req_id, why in ll.late_failures.items():
-            self._fail(by_id[req_id], why)
-        ll.release()
-        self._account_load(rep, " (layer by layer)", True)
-
-    def _release_layer_loads(self, wait: bool = False) -> None:
-        """Unpin the finished layer loads (every one with ``wait``: shutdown)."""
-        keep: list[LayerByLayerLoad] = []
-        for ll in self._layer_releases:
-            if wait or ll.done():
-                ll.release()  # waits only when not done (wait=True); a late failure is logged
-            else:
-                keep.append(ll)
-        self._layer_releases = keep
-
-    # ------------------------------------------------------------------ async load
-    def _start_async_loads(self, loads: list[RequestTransfer]) -> None:
-        """Hand the step's parked requests to the loader; ``get_finished`` reports them.
-
-        The loader thread makes one lookup-and-pin round trip for every request queued when its
-        turn comes (``AsyncLoader``); the batch is issued on this thread, before the forward when
-        the answer is back within ``ASYNC_ISSUE_WAIT_S`` (else by ``get_finished``). On CUDA caches
-        the transfer runs on the engine's streams and ``get_finished`` reports a batch's requests
-        once it is ``done()``; on CPU caches the issue is the copy itself.
-        """
-        if self._loader is None:
-            self._loader = AsyncLoader("maru-loader")
-        self.stats.async_loads += len(loads)
-        if not self.cfg.enable_load or not self._connect() or self.engine is None:
-            why = "maru_enable_load is false" if not self.cfg.enable_load else None
-            why = why or self.disabled_reason or "maru server not reachable"
-            for rt in loads:
-                self._loader.fail(rt, rt.req_id, why)
-            return
-        # One tag per request (it comes back with the batch's report), queued together so that
-        # one turn takes them all. The engine is captured now: a reconnect later builds a new one.
-        self._loader.submit_many(self.engine, [(rt, [self._rank(rt)]) for rt in loads])
-        # Issued before the forward when the lookup is back in time: done by the step's end.
-        self._loader.issue_now(ASYNC_ISSUE_WAIT_S)
-
-    def _collect_async_loads(self) -> set[str]:
-        """Requests whose async load completed or failed since the last call (never blocks)."""
-        done: set[str] = set()
-        if self._loader is None:
-            return done
-        for tags, res in self._loader.poll():
-            for rt in tags:
-                done.add(rt.req_id)
-                if rt.req_id in res.failed:
-                    self.stats.async_load_failures += 1
-                    self._fail(rt, res.failed[rt.req_id])
-            if res.server_lost and res.failed:
-                self._lost(next(iter(res.failed.values())))
-            self._account_load(res, " (async)")
-        return done
+        self.layer_loads.wait_for_layer(self._layer_index.get(layer_name))
 
     def _account_load(self, rep: LoadReport, how: str = "", under_forward: bool = False) -> None:
         """Add a load's report to the stats (and the timing log line, labelled ``how``). A layer load
@@ -408,12 +314,12 @@ class MaruWorkerConnector:
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished write-behind stores failed")
         try:
-            self._release_layer_loads()
+            self.layer_loads.release()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: releasing finished layer loads failed")
         recving: set[str] = set()
         try:
-            recving = self._collect_async_loads()
+            recving = self.async_loads.collect()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished transfers failed")
         return (sending or None), (recving or None)
@@ -455,7 +361,7 @@ class MaruWorkerConnector:
         try:
             # The layer load must be complete (and its failures known) before this step's stores
             # are filtered, and before the step ends.
-            self._finish_layer_load()
+            self.layer_loads.finish()
         except Exception:
             logger.exception("Maru: finishing the layer-by-layer load failed")
         if meta is not None and self.cfg.async_store:
@@ -551,10 +457,9 @@ class MaruWorkerConnector:
 
     def shutdown(self) -> None:
         try:
-            self._finish_layer_load()
-            self._release_layer_loads(wait=True)
-            if self._loader is not None:
-                self._loader.close(timeout=self.cfg.timeout_s)
+            self.layer_loads.finish()
+            self.layer_loads.release(wait=True)
+            self.async_loads.close()
             # Every store issued is completed and published (or fails, each bounded by the
             # client's timeout): a clean shutdown loses no store.
             self.write_behind.close()

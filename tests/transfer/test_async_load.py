@@ -134,7 +134,7 @@ def test_async_load_reports_only_once_done_releases_pins_once_and_fails_a_transf
         assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
         assert (w.stats.async_loads, w.stats.async_load_failures, w.stats.loads) == (2, 1, 1)
         assert settles  # the failed transfer's streams were drained before its pins went
-        assert w._loader.drain(10) == []  # the unpins run on the loader thread
+        assert w.async_loads.loader.drain(10) == []  # the unpins run on the loader thread
         assert pins.pinned == pins.released == 4
         assert w.get_finished(set()) == (None, None)
         assert pins.released == 4  # never twice
@@ -152,9 +152,9 @@ def test_async_load_is_issued_before_the_forward_when_its_lookup_is_back_in_time
     lookup takes longer than ``ASYNC_ISSUE_WAIT_S``; then the next get_finished issues it."""
     import time
 
-    import maru.vllm.worker as worker_mod
+    import maru.vllm.async_loads as async_loads_mod
 
-    monkeypatch.setattr(worker_mod, "ASYNC_ISSUE_WAIT_S", 0.1)
+    monkeypatch.setattr(async_loads_mod, "ASYNC_ISSUE_WAIT_S", 0.1)
     src = case("kv_first", "NHD", 24)
     req = request(f"early-{lookup_s}", [5, 9, 1, 3], 2 * CHUNK)
     assert plain_engine(src, client).store([req]).stored == 2

@@ -119,11 +119,12 @@ def test_the_async_loader_loads_the_requests_of_a_step_as_one_batch(server: Any)
             finished |= w.get_finished()[1] or set()
             time.sleep(0.005)
         assert finished == {r.req_id for r in reqs}
-        assert w._loader is not None and w._loader.batches == 1 and clients[0].lookups == 1
+        loader = w.async_loads.loader
+        assert loader is not None and loader.batches == 1 and clients[0].lookups == 1
         assert w.get_block_ids_with_load_errors() == set(loads[1].block_ids)
         for i in (0, 2, 3):
             assert _placed_like_source(src, dst, reqs[i], loads[i])
-        assert w._loader.drain(10) == []  # unpins run on the loader thread
+        assert loader.drain(10) == []  # unpins run on the loader thread
         assert clients[0].pinned == clients[0].released == 7
     finally:
         stop_worker(w)

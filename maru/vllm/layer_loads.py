@@ -1,0 +1,122 @@
+"""``maru_overlap_load_with_compute`` on one worker: a step's loads placed layer by layer under the forward.
+
+``LayerLoads`` pins every chunk of the step before the forward and places the layers behind it;
+the forward waits per layer (``wait_for_layer``). Invariants: a request that cannot be loaded
+completely is failed through the worker (recomputed) before the step's stores are filtered (at
+issue when known then, else in ``finish`` after the forward); a layer load's pins are released
+exactly once, after its transfer is ``done()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from maru.transfer.engine import KVTransferEngine
+from maru.transfer.loads import LayerByLayerLoad
+from maru.transfer.records import LoadReport, RequestTransfer
+from maru.vllm.worker_stats import WorkerStats
+
+
+class LayerLoads:
+    """The layer-overlap loads of one worker (see the module docstring for the invariants).
+
+    The worker's callbacks: ``connect()`` the engine (connecting first where needed) or why there is
+    none; ``rank(rt)`` the request as this tensor-parallel rank stores it; ``fail(rt, why)`` reports
+    a request's blocks for recompute; ``lost(why)`` drops the connection to a server that went away;
+    ``account(report, how, under_forward)`` counts a step's load.
+    """
+
+    def __init__(
+        self,
+        stats: WorkerStats,
+        *,
+        connect: Callable[[], KVTransferEngine | str],
+        rank: Callable[[RequestTransfer], RequestTransfer],
+        fail: Callable[[RequestTransfer, str], None],
+        lost: Callable[[str], None],
+        account: Callable[[LoadReport, str, bool], None],
+    ) -> None:
+        self.stats = stats
+        self._connect = connect
+        self._rank = rank
+        self._fail = fail
+        self._lost = lost
+        self._account = account
+        self._load: LayerByLayerLoad | None = None
+        self._reqs: dict[str, RequestTransfer] = {}
+        # Layer loads after their forward, still running on the device: unpinned once done()
+        # (get_finished polls them).
+        self._releases: list[LayerByLayerLoad] = []
+
+    def start(self, loads: list[RequestTransfer]) -> None:
+        """Pin every chunk of the step now (the lookup decides), then place layer by layer behind.
+
+        A failure at issue is reported at once, before the forward reads anything.
+        """
+        self.release()
+        engine = self._connect()
+        if isinstance(engine, str):
+            for rt in loads:
+                self._fail(rt, engine)
+            return
+        by_id = {rt.req_id: rt for rt in loads}
+        pinned = engine.pin([self._rank(rt) for rt in loads])
+        for req_id, why in pinned.failed.items():
+            self._fail(by_id[req_id], why)
+        if pinned.server_lost:
+            self._lost(next(iter(pinned.failed.values())))
+            return
+        if not pinned.ready:
+            engine.release(pinned)
+            return
+        pinned.failed = {}  # reported above; the layer load reports only its own failures
+        self._reqs = by_id
+        ll = engine.start_layer_load(pinned)
+        self._load = ll
+        self.stats.overlap_loads += 1
+        for req_id, why in ll.report.failed.items():
+            self._fail(by_id[req_id], why)
+
+    def wait_for_layer(self, index: int | None) -> None:
+        """The forward waits until layer ``index`` of the step's load is placed (GPU-side on CUDA);
+        None (a layer name the worker does not know): every layer rather than risk a partial read."""
+        ll = self._load
+        if ll is None:
+            return
+        self.stats.layer_waits += 1
+        if index is None or index >= ll.num_layers:
+            ll.wait_all()
+        else:
+            ll.wait_for_layer(index)
+
+    def finish(self) -> None:
+        """After the forward: account for the step's layer load; failures known now -> recompute.
+
+        Everything queued after the forward waits for every layer (GPU-side on CUDA: the host
+        does not block). A load still running on the device keeps its pins until ``done()``
+        (``get_finished`` polls it) rather than stall the forward thread here.
+        """
+        ll, self._load = self._load, None
+        if ll is None:
+            return
+        by_id, self._reqs = self._reqs, {}
+        ll.wait_all()
+        if not ll.done():
+            self._releases.append(ll)
+            self._account(ll.report, " (layer by layer)", True)
+            return
+        rep = ll.finish()
+        for req_id, why in ll.late_failures.items():
+            self._fail(by_id[req_id], why)
+        ll.release()
+        self._account(rep, " (layer by layer)", True)
+
+    def release(self, wait: bool = False) -> None:
+        """Unpin the finished layer loads (every one with ``wait``: shutdown)."""
+        keep: list[LayerByLayerLoad] = []
+        for ll in self._releases:
+            if wait or ll.done():
+                ll.release()  # waits only when not done (wait=True); a late failure is logged
+            else:
+                keep.append(ll)
+        self._releases = keep
