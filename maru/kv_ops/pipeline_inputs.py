@@ -25,36 +25,33 @@ class PipelineInputs:
         if not objs:
             raise ValueError("no chunk objects given")
         per_token = self.num_layers * self.layout.num_kv * self.layout.row_size
+        # Per object a handful of cheap reads (``is_cpu``, one ``shape``): this runs on every load's
+        # issue path, once per chunk (64 for a 16k-token step), and ``device.type`` or a sliced
+        # shape tuple cost several times more.
+        L, KV, ROW, dtype = self.num_layers, self.layout.num_kv, self.layout.row_size, self.dtype
         out = []
         for c, obj in enumerate(objs):
-            if obj.device.type != "cpu":
+            if not obj.is_cpu:
                 raise ValueError(
                     f"chunk object {c} is on {obj.device}; the engine moves host objects (pool pages) to and "
                     f"from the caches: pass a tensor over the pool mapping (host_object)"
                 )
-            if obj.dtype != self.dtype:
-                raise ValueError(f"chunk object {c} is {obj.dtype}, the caches are {self.dtype}")
+            if obj.dtype != dtype:
+                raise ValueError(f"chunk object {c} is {obj.dtype}, the caches are {dtype}")
             if not obj.is_contiguous():
                 raise ValueError(
                     f"chunk object {c} must be contiguous (one pool page), got strides {obj.stride()}"
                 )
-            if obj.dim() != 4:
+            shape = obj.shape
+            if len(shape) != 4:
                 if obj.numel() % per_token:
                     raise ValueError(
                         f"chunk object {c} has {obj.numel()} elements, not a whole number of tokens of "
-                        f"{per_token} elements ([L={self.num_layers}, KV={self.layout.num_kv}, T, "
-                        f"{self.layout.row_size}])"
+                        f"{per_token} elements ([L={L}, KV={KV}, T, {ROW}])"
                     )
                 obj = obj.view(self.object_shape(obj.numel() // per_token))
-            elif (obj.shape[0], obj.shape[1], obj.shape[3]) != (
-                self.num_layers,
-                self.layout.num_kv,
-                self.layout.row_size,
-            ):
-                raise ValueError(
-                    f"chunk object {c} has shape {list(obj.shape)}, expected "
-                    f"[{self.num_layers}, {self.layout.num_kv}, T, {self.layout.row_size}]"
-                )
+            elif shape[0] != L or shape[1] != KV or shape[3] != ROW:
+                raise ValueError(f"chunk object {c} has shape {list(shape)}, expected [{L}, {KV}, T, {ROW}]")
             out.append(obj)
         return out
 

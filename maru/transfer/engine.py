@@ -474,7 +474,7 @@ class KVTransferEngine:
             return f"preparing the chunks failed: {type(e).__name__}: {e}"
         batch.add(
             req,
-            [(o, s, h) for c, (o, s, _, h) in zip(req.chunks, parts, strict=True) if _places(c)],
+            [(o, s, h) for c, (o, s, _, h) in zip(req.chunks, parts, strict=True) if c.places()],
             sum(p[2] for p in parts),
         )
         return None
@@ -557,8 +557,3 @@ class KVTransferEngine:
             logger.warning(
                 "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e
             )
-
-
-def _places(c: Any) -> bool:
-    pb, pe = c.placed()
-    return pe > pb

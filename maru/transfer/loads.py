@@ -243,7 +243,7 @@ class LayerByLayerLoad:
         groups, expected = [], []
         self._placed: list[tuple[int, Any]] = []  # (group, lookup handle) of each placed chunk, flat
         for g, (req, parts) in enumerate(ready):
-            placed = [p for c, p in zip(req.chunks, parts, strict=True) if c.placed()[1] > c.placed()[0]]
+            placed = [p for c, p in zip(req.chunks, parts, strict=True) if c.places()]
             groups.append([(p[0], p[1]) for p in placed])
             expected.append([p[3].checksum for p in placed])
             self._placed += [(g, p[3]) for p in placed]

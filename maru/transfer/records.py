@@ -35,6 +35,10 @@ class ChunkRef:
         pe = self.num_tokens if self.place_end < 0 else self.place_end
         return self.place_begin, pe
 
+    def places(self) -> bool:
+        """Whether any token of this chunk is placed (a chunk with none is not copied at all)."""
+        return (self.num_tokens if self.place_end < 0 else self.place_end) > self.place_begin
+
 
 @dataclass(frozen=True)
 class RequestTransfer:

@@ -174,6 +174,16 @@ def test_bad_inputs_get_errors_that_name_the_problem(pool: ShmPool) -> None:
         engine.load([obj.view(-1)[:100]], torch.arange(8))
     with pytest.raises(ValueError, match="skip_tokens=9"):
         engine.load([obj], torch.arange(8), skip_tokens=9)
+    L, KV, T, ROW = engine.object_shape(8)
+    wrong = torch.zeros((L, KV + 1, T, ROW), dtype=obj.dtype)
+    with pytest.raises(
+        ValueError, match=rf"chunk object 1 has shape \[{L}, {KV + 1}, {T}, {ROW}\], expected"
+    ):
+        engine.load([obj, wrong], torch.arange(16))
+    with pytest.raises(ValueError, match="chunk object 0 must be contiguous"):
+        engine.load([obj.transpose(0, 1)], torch.arange(8))
+    with pytest.raises(ValueError, match="chunk object 0 is on meta"):
+        engine.load([torch.zeros(engine.object_shape(8), dtype=obj.dtype, device="meta")], torch.arange(8))
     layout = detect_layouts(case.caches, **case.detect_kwargs())
     with pytest.raises(ValueError, match=r"store_path must be one of \('staged', 'direct'\), got 'inplace'"):
         pl.DevicePipeline(case.caches, layout, store_path="inplace")
