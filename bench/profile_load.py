@@ -3,7 +3,9 @@
 Builds what ``bench/gpu_connector.py`` builds (a real ``maru server``, a ``KVTransferEngine`` over
 CUDA caches, the pool registered with CUDA), stores one request of ``--tokens`` tokens, then loads it
 ``--reps`` times under cProfile and prints the functions with the most own time, then the most
-cumulative time. Usage (GPU): python bench/profile_load.py [--tokens 256] [--reps 200]
+cumulative time. ``--layers``: the layer-overlap load instead (one pin, then ``start_layer_load``
+and its wait, as the connector issues it); only the issue is profiled.
+Usage (GPU): python bench/profile_load.py [--tokens 256] [--reps 200] [--layers]
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--kv-ops", action="store_true", help="profile kv_ops.scatter calls (16 tokens) instead")
+    ap.add_argument("--layers", action="store_true", help="profile the layer-overlap load's issue instead")
     a = ap.parse_args()
     if a.kv_ops:
         return profile_kv_ops(a)
+    if a.layers:
+        return profile_layers(a)
     with stored_request(a.tokens, "profile") as (_storer, loader, req):
         for _ in range(10):
             loader.load([req])
@@ -46,6 +51,31 @@ def main() -> None:
             f"{a.tokens} tokens, last load phases (ms):",
             {k: round(v * 1e3, 3) for k, v in rep.phases.items()},
         )
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(a.top)
+        st.sort_stats("cumulative").print_stats(a.top)
+
+
+def profile_layers(a: argparse.Namespace) -> None:
+    """The layer-overlap load's issue (``start_layer_load``) under cProfile; pin and wait outside it."""
+    with stored_request(a.tokens, "profile-layers") as (_storer, loader, req):
+        for _ in range(10):
+            ll = loader.start_layer_load(loader.pin([req]))
+            ll.finish()
+            ll.release()
+        prof = cProfile.Profile()
+        issue = []
+        for _ in range(a.reps):
+            pinned = loader.pin([req])
+            prof.enable()
+            ll = loader.start_layer_load(pinned)
+            prof.disable()
+            issue.append(ll.handle.load.issue_s)
+            rep = ll.finish()
+            ll.release()
+        assert rep.loaded_req_ids == [req.req_id], rep.failed
+        issue.sort()
+        print(f"{a.tokens} tokens, layer load issue (kv_ops) p50 {issue[len(issue) // 2] * 1e6:.0f} us")
         st = pstats.Stats(prof)
         st.sort_stats("tottime").print_stats(a.top)
         st.sort_stats("cumulative").print_stats(a.top)
