@@ -61,6 +61,7 @@ class AsyncLoader:
         self._ready: list[tuple[list[Any], LoadReport]] = []  # failed without a lookup: due at next poll
         self._inflight: list[tuple[list[Any], list[str], InflightLoad]] = []
         self._unpins: list[Future[None]] = []
+        self._counted_late: set[Future[None]] = set()  # turns issue_now returned as left for later
         self.batches = 0  # batches issued (one lookup round trip each)
 
     def submit(self, tag: Any, engine: KVTransferEngine, requests: Sequence[RequestTransfer]) -> None:
@@ -130,18 +131,27 @@ class AsyncLoader:
                 self._inflight.append((tags, req_ids, result))
         return failed
 
-    def issue_now(self, wait_s: float) -> None:
+    def issue_now(self, wait_s: float) -> int:
         """Issue, on the caller's thread, every batch whose lookup comes back within ``wait_s``
         seconds (one round trip); the rest are issued by a later ``poll``. Never reports.
 
         Called before the step's forward, so a batch's copies run under that forward and ``poll``
         after it can report the batch done in the same step: vLLM schedules the request a step
         earlier than when the batch was issued only by the ``poll`` after the forward.
+
+        Returns how many batches it left for later: loader turns still looking up (or queued
+        behind one) after the wait, each counted by one call only (a turn left for later by an
+        earlier call is not counted again). A turn is one batch per engine its submissions name:
+        one for a worker, whose submissions all name its current engine.
         """
         pending = [f for f in self._turns if not f.done()]
         if pending:
             wait(pending, timeout=wait_s)
+        late = {f for f in pending if not f.done()}
+        left = len(late - self._counted_late)
+        self._counted_late = late  # the turns done since drop out
         self._ready.extend(self._issue_looked_up())
+        return left
 
     def poll(self) -> list[tuple[list[Any], LoadReport]]:
         """(tags, report) of every batch that completed or failed since the last call. Never blocks."""

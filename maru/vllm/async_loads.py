@@ -57,9 +57,11 @@ class AsyncLoads:
 
         The loader thread makes one lookup-and-pin round trip for every request queued when its
         turn comes (``AsyncLoader``); the batch is issued on this thread, before the forward when
-        the answer is back within ``ASYNC_ISSUE_WAIT_S`` (else by ``collect``, from ``get_finished``).
-        On CUDA caches the transfer runs on the engine's streams and ``collect`` reports a batch's
-        requests once it is ``done()``; on CPU caches the issue is the copy itself.
+        the answer is back within ``ASYNC_ISSUE_WAIT_S``, else by ``collect`` (from ``get_finished``,
+        after the forward: vLLM schedules the request a step later), counted in
+        ``async_issued_late``. On CUDA caches the transfer runs on the engine's streams and
+        ``collect`` reports a batch's requests once it is ``done()``; on CPU caches the issue is the
+        copy itself.
         """
         if self.loader is None:
             self.loader = AsyncLoader("maru-loader")
@@ -73,7 +75,7 @@ class AsyncLoads:
         # one turn takes them all. The engine is captured now: a reconnect later builds a new one.
         self.loader.submit_many(engine, [(rt, [self._rank(rt)]) for rt in loads])
         # Issued before the forward when the lookup is back in time: done by the step's end.
-        self.loader.issue_now(ASYNC_ISSUE_WAIT_S)
+        self.stats.async_issued_late += self.loader.issue_now(ASYNC_ISSUE_WAIT_S)
 
     def collect(self) -> set[str]:
         """Requests whose async load completed or failed since the last call (never blocks)."""

@@ -27,6 +27,7 @@ class WorkerStats:
     store_seconds: float = 0.0
     async_loads: int = 0  # maru_async_load: loads started on the loader thread
     async_load_failures: int = 0
+    async_issued_late: int = 0  # async batches issued after the forward (slow lookup): a step later
     overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
     layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
