@@ -25,15 +25,17 @@ the layer-overlap load, which runs under the forward (no transfer time of its ow
 "Outputs" compares each warm first token (greedy) with vLLM's own prefix hit of the same
 prompts in the ``none`` engine (see ``vllm_harness.same_greedy``).
 
-Multi-round (``python -m vllm.entrypoints.openai.api_server``, vLLM's default multi-process
-mode): U users x R rounds sharing an S-token system prompt; round r of a user extends round
-r-1 by a synthetic answer and a new question; a round's requests are sent together, streaming;
-TTFT p50/p95 over all requests. Servers: ``api-none`` (pass 1: a cold instance, vLLM's own
-prefix cache within the pass; pass 2 the same requests again: all local hits), ``api-store``
-(pass 1 with Maru storing, write-behind) and ``api-load`` (a second instance: the same pass,
-loading from Maru), plus ``api-load-<mode>`` per ``--api-loads`` mode. Every server answers one
-warm-up prompt first; ``--api-reps`` repetitions (3 on the GPU) take turns, each with its own
-system prompt, and the table shows each repetition's p50 beside the pooled figures.
+Multi-round (``bench/api_workload.py``; ``python -m vllm.entrypoints.openai.api_server``, vLLM's
+default multi-process mode): U users x R rounds sharing an S-token system prompt, a round's
+requests sent together, streaming; TTFT p50/p95 over all requests and vLLM's own TTFT / queue /
+prefill means. Instances: ``api-none`` (cold, then the same requests again: vLLM's own hits),
+``api-store`` (cold, Maru storing) and ``api-load`` (a new instance loading that pass from Maru),
+plus ``api-load-<mode>`` per ``--api-loads`` mode, ``api-store-<variant>`` per ``--api-stores``
+variant (``probe``: the connector without stores or hits), and with ``--api-pair`` two pairs of
+instances that users alternate between every round (without a connector / sharing through Maru).
+Every server answers one warm-up prompt first; ``--api-reps`` repetitions (3 on the GPU) take
+turns, each with its own system prompt, and the table shows each repetition's p50 beside the
+pooled figures.
 
 Writes ``gpu_vllm_e2e.json`` (every sample), ``gpu_vllm_e2e.md`` (the tables) and
 ``gpu_vllm_e2e.png`` (when matplotlib is there) to ``--out``; engine logs to ``--log-dir``.
@@ -44,20 +46,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.api_workload import API_LOADS, API_STORES, api_instances, run_api  # noqa: E402
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     SERVER_TIMINGS,
@@ -66,13 +67,11 @@ from bench.vllm_harness import (  # noqa: E402
     Engine,
     ModelSpec,
     delta,
+    log,
     make_model,
     maru_kv_config,
     random_prompt,
     same_greedy,
-    server_timings,
-    stream_ttft,
-    timing_means,
 )
 
 GiB = 1 << 30
@@ -169,24 +168,6 @@ STORE_MODE = {
     "unpaced": "write-behind, not paced",
 }
 LOAD_MODE = {"sync": "sync load", "async": "async load", "overlap": "layer overlap"}
-# Warm API instances: load mode -> Maru extra config (each a fresh instance loading the same pass
-# from Maru; "default" is the configuration a user gets, async loads on vLLM's V2 runner).
-API_LOADS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "sync": {},
-    "async": {"maru_async_load": True},
-    "overlap": {"maru_overlap_load_with_compute": True},
-}
-
-
-def api_load_key(mode: str) -> str:
-    """Server key of the warm API instance of a load mode ("load" for the default one); a key
-    "load-<mode>" picks up the mode's environment (the V1 runner for sync and overlap)."""
-    return "load" if mode == "default" else f"load-{mode}"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def waited_bytes(load: dict) -> float:
@@ -304,102 +285,6 @@ def run_offline(name: str, eng: Engine, setup: Setup, prompts: dict, res: dict) 
 
 
 # -------------------------------------------------------------------------------- multi-round API
-def conversation(setup: Setup, user: int, rnd: int, system: list[int]) -> list[int]:
-    """User ``user``'s prompt in round ``rnd``: system prompt, then questions and synthetic answers."""
-    p = list(system)
-    for r in range(rnd + 1):
-        p += random_prompt(setup.turn_tokens, 10_000 + 100 * user + 2 * r, setup.model.vocab)
-        if r < rnd:
-            p += random_prompt(setup.turn_tokens, 10_001 + 100 * user + 2 * r, setup.model.vocab)
-    return p
-
-
-def api_pass(port: int, setup: Setup, system: list[int]) -> list[dict[str, Any]]:
-    """All rounds, each round's requests concurrently; returns one record per request."""
-    recs = []
-    with ThreadPoolExecutor(max_workers=setup.users) as ex:
-        for rnd in range(setup.rounds):
-            ps = [conversation(setup, u, rnd, system) for u in range(setup.users)]
-            for u, r in enumerate(ex.map(lambda p: stream_ttft(port, p, setup.api_max_tokens), ps)):
-                recs.append({"round": rnd, "user": u, "prompt_tokens": len(ps[u]), **r})
-    return recs
-
-
-def loaded_tokens_in_log(path: Path) -> int:
-    pat = re.compile(r"Maru timing: load \d+ req (\d+) tokens")
-    try:
-        return sum(int(m.group(1)) for m in pat.finditer(path.read_text(errors="replace")))
-    except OSError:
-        return 0
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def run_api(servers: dict[str, ApiServer], setup: Setup, res: dict, reps: int = 1) -> None:
-    """``reps`` repetitions of every pass, interleaved (the instances take turns on the GPU within a
-    repetition), each repetition with a system prompt of its own (no instance's own prefix cache
-    carries one repetition into the next). Each server first answers one unrelated warm-up prompt:
-    what a process pays once (kernels loaded, buffers made) is not a round's TTFT."""
-    out = res["api"]
-    passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
-              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
-    passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
-               for k in servers if k.startswith("load-")]  # fmt: skip
-    live: dict[str, ApiServer] = {}
-    for i, (key, srv) in enumerate(servers.items()):
-        try:
-            srv.wait_ready(timeout=300)
-            stream_ttft(srv.port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
-            live[key] = srv
-        except Exception as e:
-            out["errors"].append(f"{srv.name}: {e!r}")
-            log(f"api {srv.name}: FAILED {e!r}")
-    rows: dict[str, dict[str, Any]] = {}
-    for rep in range(reps):
-        system = random_prompt(setup.system_tokens, 5555 + rep, setup.model.vocab)
-        for key, label in passes:
-            srv = live.get(key)
-            if srv is None:
-                continue
-            row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
-            try:
-                before = loaded_tokens_in_log(srv.log_path)
-                t0 = server_timings(srv.port)
-                recs = api_pass(srv.port, setup, system)
-                means = timing_means(server_timings(srv.port), t0)
-                if key == "store":
-                    time.sleep(2.0)  # let the last write-behind stores publish before the next instance
-                row["records"] += [{**r, "rep": rep} for r in recs]
-                row["tokens_loaded"] += loaded_tokens_in_log(srv.log_path) - before
-                for k, v in means.items():  # per-request means of vLLM's own timings, by repetition
-                    row.setdefault(f"server_{k}_s", []).append(v)
-            except Exception as e:
-                out["errors"].append(f"{label} (repetition {rep}): {e!r}")
-                log(f"api {label} (repetition {rep}): FAILED {e!r}")
-    for row in rows.values():
-        recs = row["records"]
-        if not recs:
-            continue
-        ttft = [r["ttft"] for r in recs]
-        per_rep = [
-            pct([r["ttft"] for r in recs if r["rep"] == k], 0.5) for k in sorted({r["rep"] for r in recs})
-        ]
-        row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
-                   rep_p50_s=per_rep, texts=[r["text"] for r in recs])  # fmt: skip
-        out["passes"].append(row)
-        server = " ".join(
-            f"{k} {statistics.mean(row[f'server_{k}_s']) * 1e3:.1f}"
-            for k in SERVER_TIMINGS
-            if row.get(f"server_{k}_s")
-        )
-        log(f"api {row['label']:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
-            f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; server means, ms: {server}; "
-            f"{row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
-
-
 # -------------------------------------------------------------------------------------- summary
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
@@ -558,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         "--api-loads", nargs="*", default=["default"], choices=list(API_LOADS),
         help="load modes of the warm API instances (each a fresh instance; default: the default config)",
     )  # fmt: skip
+    ap.add_argument(
+        "--api-pair", action="store_true",
+        help="two-instance passes: users alternate between two instances, without a connector and with Maru",
+    )  # fmt: skip
+    ap.add_argument(
+        "--api-stores", nargs="*", default=[], choices=list(API_STORES),
+        help="more cold API instances, one per store variant (each storing under a namespace of its own)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
@@ -621,14 +514,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = engine_spec(setup, model, kv, setup.kv_cache_bytes)
             engines[name] = Engine(name, spec, logs / f"engine-{name}.log", env=ENGINE_ENV.get(name)).start()
         if not a.no_api:
-            api_specs = {
-                "none": None,
-                "store": maru_kv_config(maru_extra(srv.url, setup, "api", {"maru_async_store": True})),
-                **{
-                    api_load_key(m): maru_kv_config(maru_extra(srv.url, setup, "api", API_LOADS[m]))
-                    for m in a.api_loads
-                },
-            }
+            api_specs = api_instances(
+                lambda ns, extra: maru_extra(srv.url, setup, ns, extra), a.api_loads, a.api_stores, a.api_pair
+            )
             for key, kv in api_specs.items():
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256

@@ -5,6 +5,7 @@
 # Before: the bundle pieces p0, p1 in /tmp/vp (earlier calls, see docs/gpu.md); p2, bundle.sha256
 # and install.sh in .vllmx/ (carried). Budgets (seconds): TESTS_S (default 200), BENCH_S (300).
 # Example: API_LOADS="default sync overlap async" BENCH_S=420 bash bench/gpu_vllm_pass.sh
+#          API_STORES="sync unpaced probe" API_PAIR=1 bash bench/gpu_vllm_pass.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 if [ ! -d /tmp/site/vllm ]; then
@@ -22,9 +23,12 @@ rc=0
 timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning -m gpu tests/e2e/test_gpu_vllm_e2e.py 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
 # API_LOADS: load modes of the warm API instances (default: the default configuration only);
+# API_STORES: store variants of extra cold API instances (e.g. "sync unpaced probe"; default none);
+# API_PAIR=1: the two-instance passes (users alternate between two instances every round);
 # API_REPS: repetitions of the multi-round passes (default: the setup's, 3 on the GPU).
 [ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
-  --api-loads ${API_LOADS:-default} ${API_REPS:+--api-reps "$API_REPS"} 2>&1 | tee "$OUT/bench.log" || rc=1
+  --api-loads ${API_LOADS:-default} ${API_STORES:+--api-stores $API_STORES} ${API_PAIR:+--api-pair} \
+  ${API_REPS:+--api-reps "$API_REPS"} 2>&1 | tee "$OUT/bench.log" || rc=1
 # The write-behind store queued all at once (maru_paced_store false), on its own: what pacing is worth.
 [ "${UNPACED_S:-100}" = 0 ] || timeout -s INT -k 30 "${UNPACED_S:-100}" python3 bench/gpu_vllm_e2e.py --out "$OUT/unpaced" \
   --log-dir "$LOGS/unpaced" --engines none unpaced --no-api --reps 2 2>&1 | tee "$OUT/bench_unpaced.log" | tail -12 || rc=1

@@ -152,6 +152,11 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec) -> Path:
     return out
 
 
+def log(msg: str) -> None:
+    """A progress line with the wall-clock time, flushed (the device pass streams it)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
     """``n`` token ids drawn from a seeded generator (prompts of different seeds share no prefix)."""
     import random

@@ -1,0 +1,219 @@
+"""The multi-round API workload of ``bench/gpu_vllm_e2e.py``: its instances, passes and TTFT table rows.
+
+U users x R rounds sharing an S-token system prompt; round r of a user extends round r-1 by a
+synthetic answer and a new question; a round's requests are sent together, streaming. Every
+instance is vLLM's OpenAI API server in its own process (``vllm_harness.ApiServer``).
+
+Instances (a key each; ``api_instances`` builds their Maru configs):
+
+- ``none``: no connector. Pass 1 is cold (vLLM's own prefix cache within the pass), pass 2 sends
+  the same requests again (all local hits).
+- ``store``: cold, Maru storing (write-behind, the default); ``load``: a new instance running the
+  same pass, loading from Maru (the default configuration); ``load-<mode>``: one per load mode.
+- ``store-<variant>``: cold, one per store variant, each under a namespace of its own so that it
+  stores the whole pass afresh; ``store-probe`` stores nothing and finds nothing (the connector's
+  scheduler-side cost alone).
+- ``pair-none-a``/``-b`` and ``pair-maru-a``/``-b``: two instances each, every user moving to the
+  other instance every round (a router without session affinity): a user's history is always on
+  the instance it is not sent to. Without a connector the new instance recomputes it; with Maru
+  it loads what the other one stored. This is the case Maru exists for; the single-instance passes
+  above mostly hit vLLM's own cache after each round's first request.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.vllm_harness import (
+    SERVER_TIMINGS,
+    ApiServer,
+    log,
+    maru_kv_config,
+    random_prompt,
+    server_timings,
+    stream_ttft,
+    timing_means,
+)
+
+# Warm API instances: load mode -> Maru extra config (each a fresh instance loading the same pass
+# from Maru; "default" is the configuration a user gets, async loads on vLLM's V2 runner).
+API_LOADS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "sync": {},
+    "async": {"maru_async_load": True},
+    "overlap": {"maru_overlap_load_with_compute": True},
+}
+
+# Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so
+# each stores the whole pass afresh (with the shared one a later instance would find it all present).
+# "probe" stores nothing and finds nothing: the connector's scheduler-side cost alone.
+API_STORES: dict[str, dict[str, Any]] = {
+    "sync": {"maru_async_store": False},
+    "unpaced": {"maru_async_store": True, "maru_paced_store": False},
+    "probe": {"maru_enable_store": False},
+}
+
+# Two-instance passes: key -> table label (servers "<key>-a" and "<key>-b").
+PAIRS = {
+    "pair-none": "2 instances, users alternate, no connector",
+    "pair-maru": "2 instances, users alternate, sharing through Maru",
+}
+
+
+def api_load_key(mode: str) -> str:
+    """Server key of the warm API instance of a load mode ("load" for the default one); a key
+    "load-<mode>" picks up the mode's environment (the V1 runner for sync and overlap)."""
+    return "load" if mode == "default" else f"load-{mode}"
+
+
+def api_instances(
+    extra: Callable[[str, dict[str, Any]], dict[str, Any]],
+    loads: Sequence[str],
+    stores: Sequence[str],
+    pair: bool,
+) -> dict[str, dict | None]:
+    """Server key -> vLLM kv-transfer config (None: no connector). ``extra(namespace, config)``
+    makes a Maru extra config for a namespace (``gpu_vllm_e2e.maru_extra``)."""
+    out: dict[str, dict | None] = {
+        "none": None,
+        "store": maru_kv_config(extra("api", {"maru_async_store": True})),
+        **{api_load_key(m): maru_kv_config(extra("api", API_LOADS[m])) for m in loads},
+        **{f"store-{v}": maru_kv_config(extra(f"api-{v}", API_STORES[v])) for v in stores},
+    }
+    if pair:
+        for side in ("a", "b"):
+            out[f"pair-none-{side}"] = None
+            out[f"pair-maru-{side}"] = maru_kv_config(extra("api-pair", {}))
+    return out
+
+
+def conversation(setup: Any, user: int, rnd: int, system: list[int]) -> list[int]:
+    """User ``user``'s prompt in round ``rnd``: system prompt, then questions and synthetic answers."""
+    p = list(system)
+    for r in range(rnd + 1):
+        p += random_prompt(setup.turn_tokens, 10_000 + 100 * user + 2 * r, setup.model.vocab)
+        if r < rnd:
+            p += random_prompt(setup.turn_tokens, 10_001 + 100 * user + 2 * r, setup.model.vocab)
+    return p
+
+
+def pair_instance(user: int, rnd: int) -> int:
+    """Which of two instances serves ``user`` in round ``rnd``: every user moves to the other one
+    each round, so its history (the previous round's prompt) is on the instance it is not sent to."""
+    return (user + rnd) % 2
+
+
+def api_pass(ports: Sequence[int], setup: Any, system: list[int]) -> list[dict[str, Any]]:
+    """All rounds, each round's requests concurrently, on one instance (one port) or alternating
+    between two (``pair_instance``); one record per request."""
+    recs = []
+    with ThreadPoolExecutor(max_workers=setup.users) as ex:
+        for rnd in range(setup.rounds):
+            ps = [conversation(setup, u, rnd, system) for u in range(setup.users)]
+            where = [pair_instance(u, rnd) % len(ports) for u in range(setup.users)]
+            jobs = [(ports[i], p) for i, p in zip(where, ps, strict=True)]
+            for u, r in enumerate(ex.map(lambda j: stream_ttft(j[0], j[1], setup.api_max_tokens), jobs)):
+                recs.append({"round": rnd, "user": u, "instance": where[u], "prompt_tokens": len(ps[u]), **r})
+    return recs
+
+
+def loaded_tokens_in_log(path: Path) -> int:
+    pat = re.compile(r"Maru timing: load \d+ req (\d+) tokens")
+    try:
+        return sum(int(m.group(1)) for m in pat.finditer(path.read_text(errors="replace")))
+    except OSError:
+        return 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def _scrape(servers: Sequence[ApiServer]) -> dict[str, tuple[float, float]]:
+    """vLLM's timing histograms (sum, count), added over ``servers``."""
+    out: dict[str, tuple[float, float]] = {}
+    for srv in servers:
+        for k, (s, n) in server_timings(srv.port).items():
+            s0, n0 = out.get(k, (0.0, 0.0))
+            out[k] = (s0 + s, n0 + n)
+    return out
+
+
+def _passes(servers: dict[str, ApiServer]) -> list[tuple[str, str]]:
+    passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
+              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
+    passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
+               for k in servers if k.startswith("load-")]  # fmt: skip
+    passes += [(k, f"cold, Maru {'probing only' if k == 'store-probe' else 'storing (' + k[6:] + ')'}")
+               for k in servers if k.startswith("store-")]  # fmt: skip
+    return passes + list(PAIRS.items())
+
+
+def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1) -> None:
+    """``reps`` repetitions of every pass, interleaved (the instances take turns on the GPU within a
+    repetition), each repetition with a system prompt of its own (no instance's own prefix cache
+    carries one repetition into the next). Each server first answers one unrelated warm-up prompt:
+    what a process pays once (kernels loaded, buffers made) is not a round's TTFT."""
+    out = res["api"]
+    live: dict[str, ApiServer] = {}
+    for i, (key, srv) in enumerate(servers.items()):
+        try:
+            srv.wait_ready(timeout=300)
+            stream_ttft(srv.port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
+            live[key] = srv
+        except Exception as e:
+            out["errors"].append(f"{srv.name}: {e!r}")
+            log(f"api {srv.name}: FAILED {e!r}")
+    rows: dict[str, dict[str, Any]] = {}
+    for rep in range(reps):
+        system = random_prompt(setup.system_tokens, 5555 + rep, setup.model.vocab)
+        for key, label in _passes(servers):
+            group = [live.get(f"{key}-a"), live.get(f"{key}-b")] if key in PAIRS else [live.get(key)]
+            if None in group:
+                continue
+            srvs: list[ApiServer] = [s for s in group if s is not None]
+            row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
+            try:
+                before = sum(loaded_tokens_in_log(s.log_path) for s in srvs)
+                t0 = _scrape(srvs)
+                recs = api_pass([s.port for s in srvs], setup, system)
+                means = timing_means(_scrape(srvs), t0)
+                if key.startswith("store") or key == "pair-maru":
+                    time.sleep(2.0)  # let the last write-behind stores publish before the next instance
+                row["records"] += [{**r, "rep": rep} for r in recs]
+                row["tokens_loaded"] += sum(loaded_tokens_in_log(s.log_path) for s in srvs) - before
+                for k, v in means.items():  # per-request means of vLLM's own timings, by repetition
+                    row.setdefault(f"server_{k}_s", []).append(v)
+            except Exception as e:
+                out["errors"].append(f"{label} (repetition {rep}): {e!r}")
+                log(f"api {label} (repetition {rep}): FAILED {e!r}")
+    for row in rows.values():
+        _finish_row(row)
+        if row.get("n"):
+            out["passes"].append(row)
+
+
+def _finish_row(row: dict[str, Any]) -> None:
+    """TTFT p50 / p95 / mean over every request of the pass, and each repetition's p50; logged."""
+    recs = row["records"]
+    if not recs:
+        return
+    ttft = [r["ttft"] for r in recs]
+    per_rep = [pct([r["ttft"] for r in recs if r["rep"] == k], 0.5) for k in sorted({r["rep"] for r in recs})]
+    row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
+               rep_p50_s=per_rep, texts=[r["text"] for r in recs])  # fmt: skip
+    server = " ".join(
+        f"{k} {statistics.mean(row[f'server_{k}_s']) * 1e3:.1f}"
+        for k in SERVER_TIMINGS
+        if row.get(f"server_{k}_s")
+    )
+    log(f"api {row['label']:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
+        f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; server means, ms: {server}; "
+        f"{row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip
