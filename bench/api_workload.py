@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.vllm_harness import (
+    SERVER_COUNTERS,
     SERVER_TIMINGS,
     ApiServer,
     log,
     maru_kv_config,
     random_prompt,
+    server_counters,
     server_timings,
     stream_ttft,
     timing_means,
@@ -146,6 +148,15 @@ def _scrape(servers: Sequence[ApiServer]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _count(servers: Sequence[ApiServer]) -> dict[str, float]:
+    """vLLM's token counters (``SERVER_COUNTERS``), added over ``servers``."""
+    out = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for srv in servers:
+        for k, v in server_counters(srv.port).items():
+            out[k] += v
+    return out
+
+
 def _passes(servers: dict[str, ApiServer]) -> list[tuple[str, str]]:
     passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
               ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
@@ -182,9 +193,12 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
             row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
             try:
                 before = sum(loaded_tokens_in_log(s.log_path) for s in srvs)
-                t0 = _scrape(srvs)
+                t0, c0 = _scrape(srvs), _count(srvs)
                 recs = api_pass([s.port for s in srvs], setup, system)
                 means = timing_means(_scrape(srvs), t0)
+                counts = row.setdefault("server_counts", dict.fromkeys(SERVER_COUNTERS, 0.0))
+                for k, v in _count(srvs).items():  # prompt tokens by where they came from
+                    counts[k] += v - c0[k]
                 if key.startswith("store") or key == "pair-maru":
                     time.sleep(2.0)  # let the last write-behind stores publish before the next instance
                 row["records"] += [{**r, "rep": rep} for r in recs]

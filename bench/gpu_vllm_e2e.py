@@ -382,17 +382,27 @@ def markdown(res: dict, setup: Setup) -> str:
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server, streaming):",
             "",
             "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition "
-            "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru |",
-            "|---|---:|---:|---:|---:|---|---|---:|",
+            "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
+            "| prompt tokens: computed / vLLM's cache / Maru (vLLM's count); preemptions |",
+            "|---|---:|---:|---:|---:|---|---|---:|---|",
         ]
         for p in api:
             lines.append(
                 f"| {p['label']} | {p['n']} | {fmt_ms(p['p50_s'])} | {fmt_ms(p['p95_s'])} "
                 f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
                 f"| {' / '.join(fmt_ms(statistics.mean(p[f'server_{k}_s'])) if p.get(f'server_{k}_s') else '-' for k in SERVER_TIMINGS)} "
-                f"| {p['tokens_loaded']} |"
+                f"| {p['tokens_loaded']} | {token_sources(p.get('server_counts'))} |"
             )
     return "\n".join(lines)
+
+
+def token_sources(c: dict[str, float] | None) -> str:
+    """``computed / local hits / connector hits; preemptions`` of a pass's prompt tokens (vLLM's
+    counters; '-' without them)."""
+    if not c or not c.get("prompt"):
+        return "-"
+    computed = c["prompt"] - c["local_hit"] - c["external_hit"]
+    return f"{computed:.0f} / {c['local_hit']:.0f} / {c['external_hit']:.0f}; {c['preempted']:.0f}"
 
 
 def plot(res: dict, path: Path) -> bool:

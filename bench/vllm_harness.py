@@ -373,22 +373,48 @@ SERVER_TIMINGS = {
 }
 
 
-def server_timings(port: int, timeout: float = 10.0) -> dict[str, tuple[float, float]]:
-    """``{name: (sum of seconds, count)}`` of ``SERVER_TIMINGS`` from the server's ``/metrics``
-    (summed over label sets); subtract two scrapes for the requests in between."""
+# vLLM's token counters (same ``/metrics``): where each prompt token came from, and preemptions.
+# A counter this vLLM does not export reads 0.
+SERVER_COUNTERS = {
+    "prompt": "vllm:prompt_tokens",  # prompt tokens of the requests that started
+    "local_hit": "vllm:prefix_cache_hits",  # of those, found in vLLM's own prefix cache
+    "external_hit": "vllm:external_prefix_cache_hits",  # found through the connector (Maru)
+    "preempted": "vllm:num_preemptions",
+}
+
+
+def metrics_text(port: int, timeout: float = 10.0) -> str:
+    """The server's ``/metrics`` page (Prometheus text format)."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     c.request("GET", "/metrics")
-    text = c.getresponse().read().decode(errors="replace")
-    out: dict[str, list[float]] = {k: [0.0, 0.0] for k in SERVER_TIMINGS}
+    return c.getresponse().read().decode(errors="replace")
+
+
+def _metric_sums(text: str, names: dict[str, str], suffixes: tuple[str, ...]) -> dict[str, list[float]]:
+    """Per key of ``names``: each suffix's value summed over the metric's label sets."""
+    out: dict[str, list[float]] = {k: [0.0] * len(suffixes) for k in names}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        for key, metric in SERVER_TIMINGS.items():
-            for i, suffix in enumerate(("_sum", "_count")):
+        for key, metric in names.items():
+            for i, suffix in enumerate(suffixes):
                 head = metric + suffix
                 if line.startswith(head) and line[len(head) : len(head) + 1] in ("{", " "):
                     out[key][i] += float(line.rsplit(" ", 1)[1])
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    return out
+
+
+def server_timings(port: int, timeout: float = 10.0) -> dict[str, tuple[float, float]]:
+    """``{name: (sum of seconds, count)}`` of ``SERVER_TIMINGS`` from the server's ``/metrics``
+    (summed over label sets); subtract two scrapes for the requests in between."""
+    sums = _metric_sums(metrics_text(port, timeout), SERVER_TIMINGS, ("_sum", "_count"))
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def server_counters(port: int, timeout: float = 10.0) -> dict[str, float]:
+    """``{name: value}`` of ``SERVER_COUNTERS`` (summed over label sets); subtract two scrapes."""
+    sums = _metric_sums(metrics_text(port, timeout), SERVER_COUNTERS, ("_total",))
+    return {k: v[0] for k, v in sums.items()}
 
 
 def timing_means(
