@@ -63,6 +63,16 @@ class PendingStore:
     def req_ids(self) -> frozenset[str]:
         return frozenset(r.req_id for r in self.requests)
 
+    def reading_done(self) -> bool:
+        """Whether the paged cache is no longer read for this store, without blocking: the read is
+        known to be over (``read_done``), or the issued gather's device work completed (its copies
+        out of the blocks ran; publishing may still be ahead). The blocks may be reused then."""
+        if self.read_done.is_set():
+            return True
+        issued = self.issued
+        handle = issued.handle if issued is not None else None  # None once the drain thread took it
+        return handle is not None and handle.done()
+
     def take(self) -> bool:
         """True for the one caller that runs the deferred gather."""
         with self.lock:

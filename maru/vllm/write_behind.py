@@ -6,8 +6,12 @@
   exactly the ones the scheduler delays the free of (``MaruSchedulerConnector._track_sending``:
   a step's preemptions clear a request, then the step's stores mark it).
 * Exactly once: each owed request is reported in ``finished_sending`` once, after it appeared in
-  vLLM's ``finished_req_ids`` and every store batch naming it drained, whatever became of the
-  stores (published, failed, dropped, connector off), on every tensor-parallel rank.
+  vLLM's ``finished_req_ids`` and every store batch naming it finished reading its blocks
+  (``PendingStore.reading_done``: the gather's device work completed, or on CPU the drain
+  thread's gather; the publish may still be ahead, it reads the pool pages, not the blocks),
+  whatever became of the stores (published, failed, dropped, connector off), on every
+  tensor-parallel rank. Holding the blocks until the publish would keep them from vLLM for the
+  drain thread's queue of commits.
 * Preemption barrier: before a step's forward no store still reads a preempted request's blocks
   (its gather completed, or it is cancelled and publishes nothing).
 """
@@ -60,8 +64,7 @@ class WriteBehind:
         self._drain_delay_s = drain_delay_s
         self._drain: BackgroundRunner | None = None
         self._owed: set[str] = set()
-        self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still in flight
-        self._inflight: dict[str, int] = {}  # req_id -> store batches in flight naming it
+        self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still reading
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
         self.mode = "not connected yet"
 
@@ -75,7 +78,7 @@ class WriteBehind:
             self.mode = mode
             logger.info(
                 "Maru: write-behind store (%s data path): %s; a finished request's blocks are freed once "
-                "its stores drained (finished_sending), a preempted request's once its gather read them",
+                "its stores read them (finished_sending), a preempted request's before the next forward",
                 data_path,
                 mode,
             )
@@ -97,8 +100,6 @@ class WriteBehind:
         pending = engine.issue_store(stores)
         if self._drain is None:
             self._drain = BackgroundRunner("maru-store-drain")
-        for r in pending.req_ids:
-            self._inflight[r] = self._inflight.get(r, 0) + 1
         self._batches.append((pending, engine))
         self._drain.submit(pending, self._drain_one, engine, pending)
         self.stats.deferred_commits += 1
@@ -137,23 +138,22 @@ class WriteBehind:
     def _batch_drained(self, pending: PendingStore) -> None:
         self._batches = [b for b in self._batches if b[0] is not pending]
         self.stats.stores_in_flight = len(self._batches)
-        for r in pending.req_ids:
-            n = self._inflight.get(r, 0) - 1
-            if n > 0:
-                self._inflight[r] = n
-            else:
-                self._inflight.pop(r, None)
+
+    def _reading(self, req_id: str) -> bool:
+        """Whether a store batch still reads (or has yet to read) ``req_id``'s blocks."""
+        return any(req_id in p.req_ids and not p.reading_done() for p, _ in self._batches)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose blocks vLLM may free now: finished, and every store naming them drained.
+        """Requests whose blocks vLLM may free now: finished, and every store naming them done
+        reading them (see the module docstring; never blocks).
 
         vLLM reports a finished request in ``finished_req_ids`` one step after it finished (and
         requires a reported id to be one of those); ids seen there wait until their last store
-        batch is collected.
+        batch read their blocks.
         """
         self.collect()
         self._finished |= finished_req_ids & self._owed
-        done = {r for r in self._finished if not self._inflight.get(r)}
+        done = {r for r in self._finished if not self._reading(r)}
         self._finished -= done
         self._owed -= done
         self.stats.sending_reported += len(done)

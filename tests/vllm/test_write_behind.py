@@ -8,7 +8,7 @@ What must hold:
 - the forward thread does not gather on CPU caches: the drain thread reads the blocks, so vLLM
   must keep them until the worker reports the request in ``finished_sending``;
 - a request is reported once, only after it appeared in ``finished_req_ids`` and every store
-  naming it drained; the scheduler delays the free of exactly the requests the worker reports
+  naming it read its blocks (not later: a publish still queued does not hold them); the scheduler delays the free of exactly the requests the worker reports
   (whatever became of the store: dropped, failed, server down, layout unsupported);
 - the preemption barrier returns only once no store reads the preempted request's blocks: it
   gathers a store the drain thread has not reached itself, waits for one being gathered (or
@@ -130,12 +130,46 @@ def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_byt
         gate.set()
         assert finished_sending(w, set()) == {req.req_id}  # the id given earlier was kept
         assert w.get_finished(set()) == (None, None)  # reported once
+        w.write_behind.collect(None)  # the report may come before the publish (blocks read is enough)
         assert client.exists(keys) == [True, True]
         s = w.stats
         assert (s.sending_reported, s.sending_held, s.stores_in_flight) == (1, 0, 0)
         assert (s.deferred_commits, s.chunks_stored, s.store_failures) == (1, 2, 0)
     finally:
         gate.set()
+        stop_worker(w)
+    assert_stored(client, req, original)
+
+
+def test_a_finished_request_is_reported_once_its_blocks_are_read_not_when_published(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish (a commit round trip, queued on the drain thread behind other batches) does not
+    hold the blocks: the request is reported once its store read them, and blocks vLLM reuses right
+    after the report do not change the published bytes."""
+    src, original = case("kv_first", "NHD", 23), case("kv_first", "NHD", 23)
+    req = request("wb-read", [2, 7, 4, 11], 2 * CHUNK)
+    keys = [c.key for c in req.chunks]
+    publish = threading.Event()
+    real = KVTransferEngine.commit_store
+
+    def held(self: KVTransferEngine, prep: Any) -> Any:
+        assert publish.wait(30), "test gate never opened"
+        return real(self, prep)
+
+    monkeypatch.setattr(KVTransferEngine, "commit_store", held)
+    w = worker(server.url, src)
+    try:
+        w.wait_for_save(Meta(stores=[req]))
+        assert finished_sending(w, {req.req_id}) == {req.req_id}  # read; the publish is held
+        assert client.exists(keys) == [False, False] and w.stats.stores_in_flight == 1
+        for cache in src.caches:  # vLLM frees the blocks and a new request writes them
+            cache.fill_(-3.0)
+        publish.set()
+        w.write_behind.collect(None)
+        assert client.exists(keys) == [True, True] and w.stats.stores_in_flight == 0
+    finally:
+        publish.set()
         stop_worker(w)
     assert_stored(client, req, original)
 
@@ -355,7 +389,7 @@ def vreq(rid: str, toks: list[int]) -> SimpleNamespace:
 def test_the_scheduler_delays_exactly_the_requests_the_worker_reports(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    """a: stores, finishes (delayed, reported after the drain); b: stores, preempted, then aborted
+    """a: stores, finishes (delayed, reported once its store read the blocks); b: stores, preempted, then aborted
     (not delayed, never reported); c: aborted before it ran (not delayed); d: everything already
     stored (nothing planned: not delayed)."""
     space = KeySpace(f"wb-model-{time.time_ns()}", "", "float32", 3, 3, 8, CHUNK)
@@ -392,6 +426,7 @@ def test_the_scheduler_delays_exactly_the_requests_the_worker_reports(
             eng.step(so_of(), finished={"b"} if _ == 0 else set())
             time.sleep(0.01)
         assert eng.reported == ["a"] and sched.delayed_frees == set()
+        w.write_behind.collect(None)  # a's report needs its blocks read, not its chunks published
         # d: a's chunks are all in the pool now, so nothing is planned and nothing delayed.
         assert sched.get_num_new_matched_tokens(vreq("d", prompts["d"]), 0) == (20, False)
         sched.update_state_after_alloc(vreq("d", prompts["d"]), None, 20)
