@@ -37,8 +37,7 @@ from bench.vllm_harness import (
     log,
     maru_kv_config,
     random_prompt,
-    server_counters,
-    server_timings,
+    server_metrics,
     stream_ttft,
     timing_means,
 )
@@ -138,23 +137,18 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def _scrape(servers: Sequence[ApiServer]) -> dict[str, tuple[float, float]]:
-    """vLLM's timing histograms (sum, count), added over ``servers``."""
-    out: dict[str, tuple[float, float]] = {}
+def _scrape(servers: Sequence[ApiServer]) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """vLLM's timing histograms (sum, count) and token counters, each added over ``servers``."""
+    timings: dict[str, tuple[float, float]] = {}
+    counts = dict.fromkeys(SERVER_COUNTERS, 0.0)
     for srv in servers:
-        for k, (s, n) in server_timings(srv.port).items():
-            s0, n0 = out.get(k, (0.0, 0.0))
-            out[k] = (s0 + s, n0 + n)
-    return out
-
-
-def _count(servers: Sequence[ApiServer]) -> dict[str, float]:
-    """vLLM's token counters (``SERVER_COUNTERS``), added over ``servers``."""
-    out = dict.fromkeys(SERVER_COUNTERS, 0.0)
-    for srv in servers:
-        for k, v in server_counters(srv.port).items():
-            out[k] += v
-    return out
+        t, c = server_metrics(srv.port)
+        for k, (s, n) in t.items():
+            s0, n0 = timings.get(k, (0.0, 0.0))
+            timings[k] = (s0 + s, n0 + n)
+        for k, v in c.items():
+            counts[k] += v
+    return timings, counts
 
 
 def _passes(servers: dict[str, ApiServer]) -> list[tuple[str, str]]:
@@ -193,11 +187,12 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
             row = rows.setdefault(label, {"label": label, "server": key, "records": [], "tokens_loaded": 0})
             try:
                 before = sum(loaded_tokens_in_log(s.log_path) for s in srvs)
-                t0, c0 = _scrape(srvs), _count(srvs)
+                t0, c0 = _scrape(srvs)
                 recs = api_pass([s.port for s in srvs], setup, system)
-                means = timing_means(_scrape(srvs), t0)
+                t1, c1 = _scrape(srvs)
+                means = timing_means(t1, t0)
                 counts = row.setdefault("server_counts", dict.fromkeys(SERVER_COUNTERS, 0.0))
-                for k, v in _count(srvs).items():  # prompt tokens by where they came from
+                for k, v in c1.items():  # prompt tokens by where they came from
                     counts[k] += v - c0[k]
                 if key.startswith("store") or key == "pair-maru":
                     time.sleep(2.0)  # let the last write-behind stores publish before the next instance

@@ -383,13 +383,6 @@ SERVER_COUNTERS = {
 }
 
 
-def metrics_text(port: int, timeout: float = 10.0) -> str:
-    """The server's ``/metrics`` page (Prometheus text format)."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    c.request("GET", "/metrics")
-    return c.getresponse().read().decode(errors="replace")
-
-
 def _metric_sums(text: str, names: dict[str, str], suffixes: tuple[str, ...]) -> dict[str, list[float]]:
     """Per key of ``names``: each suffix's value summed over the metric's label sets."""
     out: dict[str, list[float]] = {k: [0.0] * len(suffixes) for k in names}
@@ -404,17 +397,18 @@ def _metric_sums(text: str, names: dict[str, str], suffixes: tuple[str, ...]) ->
     return out
 
 
-def server_timings(port: int, timeout: float = 10.0) -> dict[str, tuple[float, float]]:
-    """``{name: (sum of seconds, count)}`` of ``SERVER_TIMINGS`` from the server's ``/metrics``
-    (summed over label sets); subtract two scrapes for the requests in between."""
-    sums = _metric_sums(metrics_text(port, timeout), SERVER_TIMINGS, ("_sum", "_count"))
-    return {k: (v[0], v[1]) for k, v in sums.items()}
-
-
-def server_counters(port: int, timeout: float = 10.0) -> dict[str, float]:
-    """``{name: value}`` of ``SERVER_COUNTERS`` (summed over label sets); subtract two scrapes."""
-    sums = _metric_sums(metrics_text(port, timeout), SERVER_COUNTERS, ("_total",))
-    return {k: v[0] for k, v in sums.items()}
+def server_metrics(
+    port: int, timeout: float = 10.0
+) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """One read of the server's ``/metrics``: ``({timing: (sum of seconds, count)}`` of
+    ``SERVER_TIMINGS``, ``{counter: value}`` of ``SERVER_COUNTERS})``, each summed over label sets;
+    subtract two reads for the requests in between."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode(errors="replace")
+    timings = _metric_sums(text, SERVER_TIMINGS, ("_sum", "_count"))
+    counters = _metric_sums(text, SERVER_COUNTERS, ("_total",))
+    return {k: (v[0], v[1]) for k, v in timings.items()}, {k: v[0] for k, v in counters.items()}
 
 
 def timing_means(
