@@ -12,11 +12,12 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   best first
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
-- ``{"op": "reset_prefix_cache"}``, ``{"op": "stats"}`` (the connector's counters, both sides),
-  ``{"op": "quit"}``.
-- ``{"op": "settle", "timeout_s": 60}``: step until vLLM's prefix cache resets (every finished
-  request's write-behind stores published, nothing cached locally) ->
-  ``{"ok": bool, "steps": n, "seconds": wall}``.
+- ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first),
+  ``{"op": "stats"}`` (the connector's counters, both sides; a store counts once published),
+  ``{"op": "flush_stores"}`` (wait until every write-behind store is published), ``{"op": "quit"}``.
+- ``{"op": "settle", "timeout_s": 60}``: publish every write-behind store, then step until vLLM's
+  prefix cache resets (nothing cached locally) ->
+  ``{"ok": bool, "steps": n, "seconds": wall, "flushed": bool}``.
 
 Engine settings beyond the demo's: ``kv_transfer_config`` (vLLM's dict, instead of
 ``connector``), ``gpu_memory_utilization``, ``async_scheduling`` (the GPU benchmark's).
@@ -137,21 +138,42 @@ def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
     return len(held.delayed_frees)
 
 
+def flush_write_behind(timeout_s: float = 60.0) -> bool:
+    """In-process mode: wait until every write-behind store submitted so far is published.
+
+    A finished request is reported (and its blocks freed) once its stores have *read* the
+    blocks; the publish may still be queued on the drain thread. Whoever needs the stores
+    visible (counters, another instance, a reset meant to force Maru hits) waits here.
+    Returns False where the worker is not in this process (multi-process mode).
+    """
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        w = getattr(get_kv_transfer_group(), "maru_worker", None) if has_kv_transfer_group() else None
+    except Exception:
+        return False
+    if w is None:
+        return False
+    w.flush_stores(timeout_s)
+    return True
+
+
 def settle(llm: Any, timeout_s: float) -> dict[str, Any]:
-    """Reset vLLM's prefix cache, stepping the engine until it succeeds.
+    """Publish every write-behind store, then reset vLLM's prefix cache, stepping until it succeeds.
 
     The reset fails while a finished request's blocks are still held for a write-behind store
-    (they are freed a step after the store drained); so a successful reset also means every
-    store of the finished requests was published. Afterwards nothing is cached locally: the next
-    prompt can only hit Maru.
+    (they are freed a step after the store read them). Afterwards every store of the finished
+    requests is published (in-process mode; ``flushed`` says whether it was) and nothing is
+    cached locally: the next prompt can only hit Maru.
     """
     t = time.perf_counter()
+    flushed = flush_write_behind(timeout_s)
     steps = 0
     while True:
         if llm.reset_prefix_cache():
-            return {"ok": True, "steps": steps, "seconds": time.perf_counter() - t}
+            return {"ok": True, "steps": steps, "seconds": time.perf_counter() - t, "flushed": flushed}
         if time.perf_counter() - t > timeout_s:
-            return {"ok": False, "steps": steps, "seconds": time.perf_counter() - t}
+            return {"ok": False, "steps": steps, "seconds": time.perf_counter() - t, "flushed": flushed}
         llm.llm_engine.step()
         steps += 1
         time.sleep(0.002)  # let the drain thread run
@@ -216,6 +238,8 @@ def serve(spec: dict[str, Any]) -> None:
                     }
                 )
             elif op == "reset_prefix_cache":
+                # The next prompt should find in Maru what this engine stored: publish first.
+                flush_write_behind()
                 settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
                 reply({"ok": bool(llm.reset_prefix_cache())})
             elif op == "settle":
@@ -224,12 +248,8 @@ def serve(spec: dict[str, Any]) -> None:
                 reply(connector_stats(llm))
             elif op == "flush_stores":
                 # In-process mode only: wait for write-behind commits, so a test can rely on them.
-                from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-                w = getattr(get_kv_transfer_group(), "maru_worker", None)
-                if w is not None:
-                    w.flush_stores()
-                reply({"ok": w is not None, "delayed_frees_left": settle_delayed_frees(llm)})
+                ok = flush_write_behind()
+                reply({"ok": ok, "delayed_frees_left": settle_delayed_frees(llm)})
             elif op == "quit":
                 reply({"bye": True})
                 break

@@ -124,6 +124,9 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     with engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
         res.a["p1"] = gen(a, P1)
         res.a["p3"] = gen(a, P3)
+        # A request is reported finished once its write-behind stores have read its blocks; the
+        # publish (which the counters follow) may still be queued: wait for it before counting.
+        assert a.call({"op": "flush_stores"})["ok"]
         res.a["stats"] = a.call({"op": "stats"})
         # What the server (hence `maru stats` / `maru doctor`) knows of A's data paths.
         probe = MaruHandler(server.url, timeout_s=5)
@@ -165,6 +168,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
 
     with engine("E", tmp, model_dir, {"extra": extra}, dtype="bfloat16") as e:
         res.e["p1"] = gen(e, P1)
+        assert e.call({"op": "flush_stores"})["ok"]
         res.e["stats"] = e.call({"op": "stats"})
 
     # F: a KV cache of 24 blocks (768 tokens) for two requests growing to 550 tokens each.
@@ -173,6 +177,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         r = f.call({"op": "generate", "prompts": [P5, P6], "max_tokens": 250})
         assert "error" not in r, r
         res.f["outputs"] = r["outputs"]
+        assert f.call({"op": "flush_stores"})["ok"]
         res.f["stats"] = f.call({"op": "stats"})
 
     for name in "NABMDEF":
