@@ -124,6 +124,7 @@ class MaruConfig:
     tenants: str | None = None  # JSON file: namespaces, rights per client key, quotas
     max_clients: int = DEFAULT_MAX_CLIENTS  # live leases at most
     group: str | None = None  # None: files 0600; a group name: files 0660 owned by that group
+    key_index: bool = True  # publish the committed keys for round-trip-free EXISTS (maru.pool.key_index)
 
     def __post_init__(self) -> None:
         self.lease_timeout_s = check_lease_timeout(self.lease_timeout_s)

@@ -213,6 +213,39 @@ def check_state_disk(ctx: DoctorContext) -> CheckResult:
     )
 
 
+def check_key_index(ctx: DoctorContext) -> CheckResult:
+    """Can clients answer EXISTS (vLLM's prefix probe of each new request) without a round trip?"""
+    name = "key index"
+    snap = _stats_for(ctx, name)
+    if isinstance(snap, CheckResult):
+        return snap
+    ki = snap.get("key_index")
+    if not isinstance(ki, dict):
+        return CheckResult(name, SKIP, "this maru server does not publish a key index (an older version)")
+    if not ki.get("on"):
+        why = str(ki.get("why_off") or "no reason given")
+        fix = (
+            "by design with --tenants (each EXISTS checks the caller's read right)"
+            if "--tenants" in why
+            else "restart the server without --no-key-index"
+            if "--no-key-index" in why
+            else "see the server's log for why it could not make the index"
+        )
+        return CheckResult(
+            name, WARN, f"off ({why}): every EXISTS, one per new vLLM request, is a server round trip", fix
+        )
+    where, keys, slots = ki.get("where"), int(ki.get("keys", 0)), int(ki.get("slots", 0))
+    if ki.get("full"):
+        return CheckResult(
+            name,
+            WARN,
+            f"full: {keys:,} keys for {slots:,} slots ({where}); clients ask the server until keys are "
+            "deleted or evicted",
+            "store fewer, larger objects (a larger maru_kv_chunk_tokens), or use a larger --alignment",
+        )
+    return CheckResult(name, OK, f"{keys:,} keys in {slots:,} slots ({where}); clients answer EXISTS from it")
+
+
 def check_quarantine(ctx: DoctorContext) -> CheckResult:
     """Pool space held for clients whose lease expired (quarantine: reservations and pins they may still touch)."""
     name = "quarantined space"
@@ -443,6 +476,7 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_pool_usage, True),
     (check_state_disk, False),
     (check_quarantine, False),
+    (check_key_index, False),
     (check_client_paths, False),
     (check_kv_ops, False),
     (check_checksum, False),

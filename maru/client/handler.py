@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 import weakref
 from collections import Counter
@@ -42,6 +41,7 @@ from typing import Any
 
 from maru.checksum import checksum
 from maru.client.integrity import IntegrityLog
+from maru.client.local_exists import LocalExists
 from maru.client.mapping import PoolMapping
 from maru.client.objects import Allocation, AllocState, Retrieved, SessionToken
 from maru.client.replies import (
@@ -105,6 +105,7 @@ class MaruHandler(SessionClient):
         self._info: ServerInfo | None = None
         self._mapping: PoolMapping | None = None
         self._old_mappings: list[PoolMapping] = []
+        self.local_exists = LocalExists()  # EXISTS from the server's key index, no round trip
         self._reserved: dict[int, Allocation] = {}
         self._pins: Counter[str] = Counter()
         self._pinned_extents: Counter[tuple[int, int]] = Counter()  # (offset, size) of held pins
@@ -166,24 +167,6 @@ class MaruHandler(SessionClient):
         if self._mapping is None or self._closed:
             raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
         return self._mapping
-
-    def ping(self) -> float:
-        """One heartbeat round trip; returns its latency in seconds."""
-        t0 = time.perf_counter()
-        self._call(Op.HEARTBEAT, {}, retry=False)
-        return time.perf_counter() - t0
-
-    def stats(self) -> dict[str, Any]:
-        """The server's counters and gauges (hits, misses, stores, evictions, bytes...)."""
-        reply = self._call(Op.STATS, {})
-        reply.pop("ok", None)
-        return reply
-
-    def usage(self) -> dict[str, Any]:
-        """Pool occupancy: pool_size, data_size, used, free, largest_free, reserved, committed, entries, pinned, clients."""
-        reply = self._call(Op.USAGE, {})
-        reply.pop("ok", None)
-        return reply
 
     # ----------------------------------------------------------------- write path
     def alloc(self, size: int) -> Allocation:
@@ -388,9 +371,12 @@ class MaruHandler(SessionClient):
 
     # ----------------------------------------------------------------- read path
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, whether it is committed now."""
+        """Per key, whether it is committed now (from the server's key index when it has one)."""
         keys = check_keys(keys)
-        out: list[bool] = []
+        out = self.local_exists.answer(keys, self.connected and os.getpid() == self._pid)
+        if out is not None:
+            return out
+        out = []
         for chunk in chunks(keys):
             out += map(bool, reply_list(self._call(Op.EXISTS, {"keys": chunk}), "present", len(chunk)))
         return out
@@ -398,6 +384,8 @@ class MaruHandler(SessionClient):
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed (stops at the first miss): a prefix match."""
         keys = check_keys(keys)
+        if (local := self.local_exists.answer(keys, self.connected and os.getpid() == self._pid)) is not None:
+            return next((i for i, p in enumerate(local) if not p), len(local))
         total = 0
         for chunk in chunks(keys):
             n = int(self._call(Op.EXISTS, {"keys": chunk})["prefix"])
@@ -584,6 +572,7 @@ class MaruHandler(SessionClient):
         if self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.timeout_s)
         self._rpc.close()
+        self.local_exists.close()
         for m in [*self._old_mappings, *([self._mapping] if self._mapping else [])]:
             m.close()
 

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,25 @@ def _own_start_time() -> int:
 
 class SessionClient:
     """Session management shared by every ``MaruHandler`` call (see the module docstring)."""
+
+    # ----------------------------------------------------------------- the server itself
+    def ping(self) -> float:
+        """One heartbeat round trip; returns its latency in seconds."""
+        t0 = time.perf_counter()
+        self._call(Op.HEARTBEAT, {}, retry=False)
+        return time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters and gauges (hits, misses, stores, evictions, bytes...)."""
+        reply = self._call(Op.STATS, {})
+        reply.pop("ok", None)
+        return reply
+
+    def usage(self) -> dict[str, Any]:
+        """Pool occupancy: pool_size, data_size, used, free, largest_free, reserved, committed, entries, pinned, clients."""
+        reply = self._call(Op.USAGE, {})
+        reply.pop("ok", None)
+        return reply
 
     # ----------------------------------------------------------------- session
     def _pick_interval(self, wanted: float) -> float:
@@ -154,6 +174,7 @@ class SessionClient:
                     log.warning("maru server now serves another pool (%s); remapped", info.pool_uuid)
                     self._old_mappings.append(self._mapping)
                 self._mapping = new
+            self.local_exists.update(reply, self._mapping.path, info.pool_path)
             first = self._info is None
             self._info = info
             self._session += 1

@@ -233,10 +233,12 @@ class ServerProcess:
             self.stop()
         finally:
             if self._own_pool:
-                try:
-                    os.unlink(self.pool_path)
-                except FileNotFoundError:
-                    pass
+                # The key index's side file goes with the server on a clean stop, not on a kill.
+                for path in (self.pool_path, self.pool_path + ".keyindex"):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
 
     def __enter__(self) -> ServerProcess:
         if self.proc is None or self.proc.poll() is not None:

@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most live client leases; more handshakes get too_many_clients (default {DEFAULT_MAX_CLIENTS})",
     )
     parser.add_argument(
+        "--no-key-index",
+        dest="key_index",
+        action="store_false",
+        help="do not publish the committed keys in shared memory: every client EXISTS (the vLLM "
+        "scheduler's prefix probe) is then a round trip to this server",
+    )
+    parser.add_argument(
         "--sysfs-root", default="/sys", help="where sysfs is mounted (default /sys; tests fake it)"
     )
     parser.add_argument(
@@ -148,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         tenants=args.tenants,
         max_clients=args.max_clients,
         group=args.group,
+        key_index=args.key_index,
     )
     if alignment is not None:
         cfg.alignment = alignment

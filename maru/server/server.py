@@ -38,6 +38,7 @@ from maru.protocol import ErrorCode, Op
 from maru.server import validate as V
 from maru.server.auth import Caller, auth_from_config
 from maru.server.handlers import RequestHandlers
+from maru.server.key_index import ServerKeyIndex
 from maru.server.leases import LeaseTable
 from maru.server.locks import FileLock
 from maru.server.quarantine import QuarantineBook
@@ -82,6 +83,7 @@ class MaruServer(RequestHandlers, ServerViews):
         self.pool: PoolInfo
         self.state: StateStore
         self.registry: KeyRegistry
+        self.key_index: ServerKeyIndex
         self.max_object_size: int
         self._dispatch: dict[int, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
             Op.HANDSHAKE: self._handshake,
@@ -204,12 +206,26 @@ class MaruServer(RequestHandlers, ServerViews):
         # never hit a reservation made after the restart.
         self.registry = KeyRegistry(alloc, self.state, first_alloc_id=secrets.randbits(40) << 20)
         self.registry.load(rows)
+        if not cfg.key_index:
+            self.key_index = ServerKeyIndex.off("--no-key-index")
+        elif cfg.tenants:
+            self.key_index = ServerKeyIndex.off("--tenants (EXISTS checks each caller's read right)")
+        else:
+            self.key_index = ServerKeyIndex.open(pool, access, self.housekeeping_s)
+        if self.key_index.writer is not None:
+            self.key_index.writer.add_many(r[0] for r in rows)
+        self.registry.journal = self.key_index.journal(self.registry.journal)
         log.info(
             "loaded %d committed entries (%s) from %s",
             len(rows),
             format_size(alloc.used_bytes),
             self.state.path,
         )
+
+    @property
+    def housekeeping_s(self) -> float:
+        """The longest the event loop goes between two housekeeping turns (reaping, index beats)."""
+        return max(0.05, min(1.0, self.cfg.lease_timeout_s / 4))
 
     def ready_line(self) -> str:
         p = self.pool
@@ -233,7 +249,7 @@ class MaruServer(RequestHandlers, ServerViews):
             signal.signal(signal.SIGINT, self.request_stop)
         sock = self._sock
         assert sock is not None
-        housekeeping_s = max(0.05, min(1.0, self.cfg.lease_timeout_s / 4))
+        housekeeping_s = self.housekeeping_s
         poll_ms = int(housekeeping_s * 1000)
         next_reap = time.monotonic() + housekeeping_s
         next_ticks = time.monotonic() + TICK_FLUSH_S
@@ -264,6 +280,7 @@ class MaruServer(RequestHandlers, ServerViews):
                     log.exception("unexpected error in the event loop; the server keeps serving")
                 now = monotonic()
                 if now >= next_reap:
+                    self.key_index.beat()  # readers of the key index see the server alive
                     self.reap()
                     next_reap = now + housekeeping_s
                 if now >= next_ticks:
@@ -283,6 +300,9 @@ class MaruServer(RequestHandlers, ServerViews):
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        key_index = getattr(self, "key_index", None)
+        if key_index is not None:
+            key_index.close()
         state = getattr(self, "state", None)
         if state is not None:
             try:

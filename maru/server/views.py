@@ -102,6 +102,7 @@ class ServerViews:
             "writable": self.state.writable,
             "error": self.state.error,
         }
+        snap["key_index"] = self.key_index.snapshot()
         p = self.pool
         snap.update(
             server_id=self.server_id,

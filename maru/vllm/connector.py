@@ -236,6 +236,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             out = dict(self._scheduler.stats.__dict__)
             out["inflight_loads"] = len(self._scheduler.inflight_loads)
             out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
+            out.update(self._scheduler.probe_view())
         else:
             assert self._worker is not None
             out = self._worker.stats.as_dict()

@@ -122,6 +122,18 @@ class MaruSchedulerConnector:
         """Finished requests whose blocks vLLM holds until the worker reports their stores drained."""
         return set(self._delayed)
 
+    def probe_view(self) -> dict[str, Any]:
+        """How prefix probes reach the pool (the key index, or a server round trip, and why)."""
+        local = getattr(self._client, "local_exists", None)
+        if local is None:
+            return {"probe_path": "no server connection"}
+        n = local.counts()
+        return {
+            "probe_path": local.path,
+            "probes_local": n["exists_local"],
+            "probes_remote": n["exists_remote"],
+        }
+
     # ------------------------------------------------------------------ server
     def _get_client(self) -> Any:
         if self._client is not None:

@@ -22,6 +22,16 @@ def test_doctor_against_a_running_server_passes_and_shows_the_pool(maru_server: 
     assert maru_server.pool_path in p.stdout
     assert "mapped read-write, header UUID matches" in flat(p.stdout)
     assert "all required checks passed" in p.stdout
+    assert "key index (optional) ok 0 keys in 32,768 slots" in flat(p.stdout)  # 64 MiB / 4 KiB * 2
+
+
+def test_doctor_warns_when_the_key_index_is_off_and_names_the_fix(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path, pool_size="4M", extra_args=["--no-key-index"]) as srv:
+        p = maru("doctor", "--url", srv.url, "--quick")
+    out = flat(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr  # a slower path, not a failure
+    assert "key index (optional) warn off (--no-key-index): every EXISTS" in out, out
+    assert "restart the server without --no-key-index" in out, out
 
 
 def test_doctor_without_a_server_fails_and_says_how_to_fix_it() -> None:

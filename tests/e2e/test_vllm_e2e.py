@@ -190,6 +190,9 @@ def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs
     assert runs.b["p1"]["cached"] == 288  # everything but the last token, block-aligned (tail included)
     w = runs.b["after_p1"]["worker"]
     assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
+    # vLLM's scheduler found the prompt through the server's key index: no EXISTS round trip.
+    sched = runs.b["after_p1"]["scheduler"]
+    assert sched["probe_path"] == "key index" and sched["probes_local"] >= 1 and sched["probes_remote"] == 0
     assert runs.b["p1"]["out"] == runs.a["p1"]["out"] == runs.n["p1"]["out"]
     assert len(set(runs.n["p1"]["out"])) > 1  # greedy output is not one repeated token: the check can fail
 
