@@ -100,12 +100,22 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) 
             f"{int(g['quarantined_clients']):,} clients",
         )
     pool.add_row("clients", f"{int(g['clients']):,}")
+    ki = snap.get("key_index")
+    if isinstance(ki, dict):  # absent from older servers
+        pool.add_row("key index (EXISTS without a round trip)", _key_index_text(ki))
     header = (
         f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "
         f"{format_size(int(snap.get('pool_size', 0)))})  uptime {float(snap.get('uptime_s', 0)):.0f} s"
     )
     clients = render_clients(snap)
     return Group(header, counters, pool) if clients is None else Group(header, counters, pool, clients)
+
+
+def _key_index_text(ki: dict[str, Any]) -> str:
+    if not ki.get("on"):
+        return f"off: {ki.get('why_off', '?')}"
+    full = " FULL: clients ask the server" if ki.get("full") else ""
+    return f"{int(ki.get('keys', 0)):,} keys in {int(ki.get('slots', 0)):,} slots{full}"
 
 
 def _info_cells(info: Any) -> tuple[str, str, str]:

@@ -97,6 +97,7 @@ def test_stats_once_shows_counters_that_moved(maru_server: ServerProcess) -> Non
     assert row("lookup misses") == "1"
     assert row("hit rate (lookups)") == "66.7%"
     assert row("entries") == "3"
+    assert row("key index (EXISTS without a round trip)") == "3 keys in 32,768 slots"
 
 
 def test_stats_without_a_server_exits_non_zero_with_the_fix() -> None:
