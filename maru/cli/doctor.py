@@ -189,15 +189,23 @@ def _stats_for(ctx: DoctorContext, name: str) -> dict[str, Any] | CheckResult:
         return CheckResult(name, WARN, str(e), "check the server's log")
 
 
-def check_state_disk(ctx: DoctorContext) -> CheckResult:
-    """Does the server's state database take writes? A full disk refuses stores (``state_unwritable``)."""
-    name = "server state disk"
+def _stats_section(ctx: DoctorContext, name: str, key: str, what: str) -> dict[str, Any] | CheckResult:
+    """Section ``key`` of the server's STATS, or the result check ``name`` gives without it."""
     snap = _stats_for(ctx, name)
     if isinstance(snap, CheckResult):
         return snap
-    state = snap.get("state")
-    if not isinstance(state, dict):
-        return CheckResult(name, SKIP, "this maru server does not report its state disk (an older version)")
+    section = snap.get(key)
+    if not isinstance(section, dict):
+        return CheckResult(name, SKIP, f"this maru server does not report {what} (an older version)")
+    return section
+
+
+def check_state_disk(ctx: DoctorContext) -> CheckResult:
+    """Does the server's state database take writes? A full disk refuses stores (``state_unwritable``)."""
+    name = "server state disk"
+    state = _stats_section(ctx, name, "state", "its state disk")
+    if isinstance(state, CheckResult):
+        return state
     path = state.get("path", "?")
     if state.get("writable", True):
         return CheckResult(name, OK, f"{path} takes writes")
@@ -216,12 +224,9 @@ def check_state_disk(ctx: DoctorContext) -> CheckResult:
 def check_key_index(ctx: DoctorContext) -> CheckResult:
     """Can clients answer EXISTS (vLLM's prefix probe of each new request) without a round trip?"""
     name = "key index"
-    snap = _stats_for(ctx, name)
-    if isinstance(snap, CheckResult):
-        return snap
-    ki = snap.get("key_index")
-    if not isinstance(ki, dict):
-        return CheckResult(name, SKIP, "this maru server does not publish a key index (an older version)")
+    ki = _stats_section(ctx, name, "key_index", "a key index")
+    if isinstance(ki, CheckResult):
+        return ki
     if not ki.get("on"):
         why = str(ki.get("why_off") or "no reason given")
         fix = (
