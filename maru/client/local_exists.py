@@ -80,8 +80,9 @@ class LocalExists:
         self.local = 0
         self.remote = 0
 
-    def update(self, reply: dict[str, Any], mapped_pool_path: str, server_pool_path: str) -> None:
-        """After a handshake: open the index the server announced (keep it if unchanged)."""
+    def update(self, reply: dict[str, Any], pool: Any, server_pool_path: str) -> None:
+        """After a handshake: open the index the server announced (keep it if unchanged).
+        ``pool``: this client's ``PoolMapping`` of the server's pool."""
         place = IndexPlace.from_wire(reply.get("key_index"))
         old = self._reader
         if old is not None and place == old.place:
@@ -95,13 +96,15 @@ class LocalExists:
                 "older server); `maru doctor` says which"
             )
             return
-        path = mapped_pool_path
-        if place.path is not None:
-            # A side file sits beside the pool: beside this process's path of it when it differs.
-            side = server_pool_path + SIDE_SUFFIX
-            path = mapped_pool_path + SIDE_SUFFIX if place.path == side else place.path
+        path = pool.path
         try:
-            self._reader = KeyIndexReader(path, place)
+            if place.path is None:  # in the pool's header unit: read through the pool's own mapping
+                self._reader = KeyIndexReader(place, pool=pool.mmap)
+            else:
+                # A side file sits beside the pool: beside this process's path of it when it differs.
+                side = server_pool_path + SIDE_SUFFIX
+                path = pool.path + SIDE_SUFFIX if place.path == side else place.path
+                self._reader = KeyIndexReader(place, path=path)
             self._watch = ServerWatch(self._reader)
             self.why_remote = None
         except (OSError, ValueError) as e:

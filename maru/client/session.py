@@ -174,7 +174,7 @@ class SessionClient:
                     log.warning("maru server now serves another pool (%s); remapped", info.pool_uuid)
                     self._old_mappings.append(self._mapping)
                 self._mapping = new
-            self.local_exists.update(reply, self._mapping.path, info.pool_path)
+            self.local_exists.update(reply, self._mapping, info.pool_path)
             first = self._info is None
             self._info = info
             self._session += 1

@@ -270,19 +270,34 @@ class KeyIndexWriter:
 
 
 class KeyIndexReader:
-    """A client's side: answers EXISTS from a read-only mapping of the server's index."""
+    """A client's side: answers EXISTS from the server's index.
 
-    def __init__(self, path: str, place: IndexPlace) -> None:
-        page = mmap.ALLOCATIONGRANULARITY
-        start = place.offset - place.offset % page
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self._mm = mmap.mmap(
-                fd, place.offset - start + place.size, mmap.MAP_SHARED, mmap.PROT_READ, offset=start
+    ``pool`` is the client's own mapping of the whole pool, for an index in its header unit (a DAX
+    device maps only in whole alignment units, which that mapping already is); an index in a side
+    file is mapped here, read-only.
+    """
+
+    def __init__(self, place: IndexPlace, pool: mmap.mmap | None = None, path: str | None = None) -> None:
+        self._mm: mmap.mmap | None = None
+        if pool is not None:
+            view = memoryview(pool)[place.offset :]
+        else:
+            if path is None:
+                raise ValueError("a key index needs the pool's mapping or its side file's path")
+            page = mmap.ALLOCATIONGRANULARITY
+            start = place.offset - place.offset % page
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                self._mm = mmap.mmap(
+                    fd, place.offset - start + place.size, mmap.MAP_SHARED, mmap.PROT_READ, offset=start
+                )
+            finally:
+                os.close(fd)
+            view = memoryview(self._mm)[place.offset - start :]
+        if len(view) < table_bytes(place.slots):
+            raise ValueError(
+                f"the key index needs {table_bytes(place.slots)} bytes, the mapping has {len(view)}"
             )
-        finally:
-            os.close(fd)
-        view = memoryview(self._mm)[place.offset - start :]
         self.place = place
         self.nonce = place.nonce
         self._mask = place.slots - 1
@@ -335,9 +350,11 @@ class KeyIndexReader:
         return out
 
     def close(self) -> None:
+        """Drop the views (the pool's mapping can then be unmapped) and a side file's mapping."""
         try:
             self._h.release()
             self._s.release()
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
         except (BufferError, ValueError):
             pass  # a view still in use: the mapping goes with the object

@@ -83,7 +83,8 @@ class ServerKeyIndex:
         room = pool.data_offset - start
         if room >= table_bytes(MIN_SLOTS):
             slots = min(want, 1 << ((room - table_bytes(0)) // 8).bit_length() - 1)
-            return cls._made(pool.path, None, start, slots, os.O_RDWR, None, beat_s)
+            # Mapped as the whole header unit: a DAX device maps only whole alignment units.
+            return cls._made(pool.path, None, start, slots, os.O_RDWR, None, beat_s, pool.data_offset)
         if pool.kind != "file":
             return cls.off(
                 f"the pool's header unit ({format_size(pool.data_offset)}) has no room for it and a "
@@ -93,7 +94,8 @@ class ServerKeyIndex:
         # A new file every start: a reader still mapping the last run's file keeps that inode
         # (it reads "closed" or a stale nonce), never a file shrunk under it (SIGBUS).
         _unlink(side)
-        return cls._made(side, side, 0, want, os.O_RDWR | os.O_CREAT | os.O_EXCL, access, beat_s)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        return cls._made(side, side, 0, want, flags, access, beat_s, table_bytes(want))
 
     @classmethod
     def _made(
@@ -105,6 +107,7 @@ class ServerKeyIndex:
         fd_flags: int,
         access: FileAccess | None,
         beat_s: float,
+        map_len: int,
     ) -> ServerKeyIndex:
         size = table_bytes(slots)
         try:
@@ -115,7 +118,7 @@ class ServerKeyIndex:
             if access is not None:
                 access.apply_fd(fd, path)
                 os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, offset + size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, map_len, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except Exception as e:
             os.close(fd)
             if side is not None:

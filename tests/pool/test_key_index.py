@@ -30,7 +30,7 @@ from maru.pool.key_index import (
 class Table:
     """A writer on a file and a reader of the same file (a second, read-only mapping)."""
 
-    def __init__(self, tmp: Path, slots: int, offset: int = 0) -> None:
+    def __init__(self, tmp: Path, slots: int, offset: int = 0, through_pool_mapping: bool = False) -> None:
         self.path = str(tmp / "index")
         size = table_bytes(slots)
         with open(self.path, "wb") as f:
@@ -39,7 +39,14 @@ class Table:
         self.mm = mmap.mmap(fd, offset + size)
         os.close(fd)
         self.w = KeyIndexWriter(memoryview(self.mm)[offset:], slots)
-        self.r = KeyIndexReader(self.path, IndexPlace(None, offset, size, slots, self.w.nonce))
+        place = IndexPlace(None, offset, size, slots, self.w.nonce)
+        if through_pool_mapping:  # an index in the pool's header unit: the client's pool mapping
+            fd = os.open(self.path, os.O_RDWR)
+            self.pool = mmap.mmap(fd, offset + size)
+            os.close(fd)
+            self.r = KeyIndexReader(place, pool=self.pool)
+        else:
+            self.r = KeyIndexReader(place, path=self.path)
 
     def header(self, word: int, value: int | None = None) -> int:
         view = memoryview(self.mm)[self.r.place.offset : self.r.place.offset + 64].cast("Q")
@@ -54,7 +61,8 @@ def keys(n: int, seed: int) -> list[str]:
 
 
 def test_the_reader_agrees_with_a_reference_set_through_adds_deletes_and_rebuilds(tmp_path: Path) -> None:
-    t = Table(tmp_path, MIN_SLOTS, offset=8192)  # not at the start of the file: offsets are honoured
+    # Not at the start of the file (offsets are honoured), read through a whole-pool mapping.
+    t = Table(tmp_path, MIN_SLOTS, offset=8192, through_pool_mapping=True)
     rng = random.Random(7)
     pool = keys(6000, 1)  # more keys than fit at once: deletes must make room (tombstones, rebuilds)
     present: set[str] = set()
@@ -146,6 +154,13 @@ def test_fingerprints_avoid_the_empty_and_tombstone_markers_and_sizes_follow_the
     assert IndexPlace.from_wire({"offset": 0}) is None and IndexPlace.from_wire("x") is None
     good = IndexPlace(None, 4096, table_bytes(4096), 4096, 3)
     assert IndexPlace.from_wire(good.to_wire()) == good
+
+
+def test_a_reader_refuses_a_mapping_too_short_for_the_table(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs"):
+        KeyIndexReader(IndexPlace(None, 0, table_bytes(4096), 4096, 1), pool=mmap.mmap(-1, 4096))
+    with pytest.raises(ValueError, match="mapping or its side file"):
+        KeyIndexReader(IndexPlace(None, 0, table_bytes(4096), 4096, 1))
 
 
 def test_the_writer_refuses_a_table_that_does_not_fit() -> None:
