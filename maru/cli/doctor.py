@@ -248,7 +248,40 @@ def check_key_index(ctx: DoctorContext) -> CheckResult:
             "deleted or evicted",
             "store fewer, larger objects (a larger maru_kv_chunk_tokens), or use a larger --alignment",
         )
+    why = _key_index_unreadable(ctx)
+    if why is not None:
+        return CheckResult(
+            name,
+            WARN,
+            f"the server publishes it ({where}) but this process cannot use it: {why}; its EXISTS go to "
+            "the server, one round trip each",
+            "run clients as the server's user, or start the server with --group GROUP for a group they are "
+            "in (the index file gets the pool's mode and group)",
+        )
     return CheckResult(name, OK, f"{keys:,} keys in {slots:,} slots ({where}); clients answer EXISTS from it")
+
+
+def _key_index_unreadable(ctx: DoctorContext) -> str | None:
+    """Why a client here could not read the server's key index (the client's own code decides)."""
+    from maru.client.local_exists import LocalExists
+    from maru.client.mapping import PoolMapping
+
+    hs = ctx.handshake
+    if hs is None:
+        return None
+    try:
+        m = PoolMapping(
+            ctx.pool_path or hs["pool_path"], hs["pool_uuid"], int(hs["pool_size"]), int(hs["data_offset"])
+        )
+    except MaruError:
+        return None  # the pool check says why
+    local = LocalExists()
+    try:
+        local.update(hs, m, hs["pool_path"])
+        return local.why_remote
+    finally:
+        local.close()
+        m.close()
 
 
 def check_quarantine(ctx: DoctorContext) -> CheckResult:

@@ -370,10 +370,14 @@ class MaruHandler(SessionClient):
         return out
 
     # ----------------------------------------------------------------- read path
+    def _exists_locally(self, keys: list[str]) -> list[bool] | None:
+        """From the key index; None: ask the server (never from a forked child's inherited copy)."""
+        return self.local_exists.answer(keys, self.connected and os.getpid() == self._pid)
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it is committed now (from the server's key index when it has one)."""
         keys = check_keys(keys)
-        out = self.local_exists.answer(keys, self.connected and os.getpid() == self._pid)
+        out = self._exists_locally(keys)
         if out is not None:
             return out
         out = []
@@ -384,7 +388,7 @@ class MaruHandler(SessionClient):
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed (stops at the first miss): a prefix match."""
         keys = check_keys(keys)
-        if (local := self.local_exists.answer(keys, self.connected and os.getpid() == self._pid)) is not None:
+        if (local := self._exists_locally(keys)) is not None:
             return next((i for i, p in enumerate(local) if not p), len(local))
         total = 0
         for chunk in chunks(keys):

@@ -21,14 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from maru.pool.key_index import IndexPlace, KeyIndexReader
+from maru.pool.key_index import SIDE_SUFFIX, IndexPlace, KeyIndexReader
 from maru.procinfo import read_boot_id, read_pid_ns
 from maru.protocol import MAX_KEY_BYTES
 
 log = logging.getLogger("maru.client")
-
-SIDE_SUFFIX = ".keyindex"  # the server's side file (maru.server.key_index): <pool>.keyindex
-
 
 _SHORT = MAX_KEY_BYTES // 4  # a str this short is under the byte limit in any encoding
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from maru.config import DEFAULT_HOST, DEFAULT_PORT
 from maru.errors import MaruError
+from maru.pool.key_index import SIDE_SUFFIX
 
 READY_MARK = "maru server ready on "
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ class ServerProcess:
         finally:
             if self._own_pool:
                 # The key index's side file goes with the server on a clean stop, not on a kill.
-                for path in (self.pool_path, self.pool_path + ".keyindex"):
+                for path in (self.pool_path, self.pool_path + SIDE_SUFFIX):
                     try:
                         os.unlink(path)
                     except FileNotFoundError:

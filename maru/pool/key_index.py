@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MAGIC = int.from_bytes(b"MARUKIX1", "little")
+SIDE_SUFFIX = ".keyindex"  # an index beside a pool file: <pool path>.keyindex
 HEADER_BYTES = 64
 EMPTY, TOMBSTONE = 0, 1
 MAX_PROBE = 256
@@ -165,7 +166,9 @@ class KeyIndexWriter:
 
     @property
     def keys(self) -> int:
-        return sum(self._fps.values())
+        """Distinct fingerprints held (a collision counts once). ``len`` of a dict is one read,
+        so the metrics thread may ask while the event loop changes the table."""
+        return len(self._fps)
 
     def add_many(self, keys: Iterable[str]) -> None:
         for k in keys:

@@ -23,6 +23,7 @@ from maru.pool.backing import PoolInfo
 from maru.pool.header import HEADER_BYTES as POOL_HEADER_BYTES
 from maru.pool.key_index import (
     MIN_SLOTS,
+    SIDE_SUFFIX,
     STATE_FULL,
     IndexPlace,
     KeyIndexWriter,
@@ -34,8 +35,6 @@ from maru.procinfo import read_boot_id, read_pid_ns
 from maru.server.registry import Journal
 
 log = logging.getLogger("maru.server")
-
-SIDE_SUFFIX = ".keyindex"
 
 
 class IndexedJournal:

@@ -34,6 +34,20 @@ def test_doctor_warns_when_the_key_index_is_off_and_names_the_fix(tmp_path: Path
     assert "restart the server without --no-key-index" in out, out
 
 
+def test_doctor_warns_when_this_process_cannot_read_the_key_index(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path, pool_size="4M") as srv:
+        # The same pool under another path, without the index file beside it (as on a host that
+        # mounts the pool elsewhere): the client's own code decides, and says why.
+        alias = tmp_path / "pool-alias"
+        alias.symlink_to(srv.pool_path)
+        p = maru("doctor", "--url", srv.url, "--quick", "--pool-path", str(alias))
+    out = flat(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "key index (optional) warn the server publishes it" in out, out
+    assert f"cannot map the server's key index {alias}.keyindex" in out, out
+    assert "start the server with --group" in out, out
+
+
 def test_doctor_without_a_server_fails_and_says_how_to_fix_it() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     p = maru("doctor", "--url", url, "--quick", "--timeout", "0.5")
