@@ -118,7 +118,7 @@ class LocalExists:
             if got is not None:
                 self.local += 1
                 return got
-            why = r.why_unusable()  # None: a rebuild was under way, nothing to announce
+            why = r.why_unusable()  # None: slots kept moving under the reads, nothing to announce
         elif dead is not None:
             why = dead
         else:

@@ -152,6 +152,7 @@ class ServerKeyIndex:
             "slots": w.slots,
             "keys": w.keys,
             "rebuilds": w.rebuilds,
+            "shifts": w.shifts,
             "where": self.place.path or "pool header unit",
         }
 
