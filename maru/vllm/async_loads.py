@@ -9,11 +9,9 @@ the same call that reports it finished.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from maru.transfer.background import AsyncLoader
-from maru.transfer.engine import KVTransferEngine
-from maru.transfer.records import LoadReport, RequestTransfer
+from maru.transfer.records import RequestTransfer
+from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.worker_stats import WorkerStats
 
 # How long the forward thread waits for an async load's lookup (one round trip, ~0.1-0.3 ms) to
@@ -24,32 +22,14 @@ ASYNC_ISSUE_WAIT_S = 0.005
 class AsyncLoads:
     """The asynchronous loads of one worker (see the module docstring for the invariants).
 
-    The worker's callbacks: ``connect()`` the engine (connecting first where needed) or why there is
-    none; ``rank(rt)`` the request as this tensor-parallel rank stores it; ``fail(rt, why)`` reports
-    a request's blocks for recompute; ``lost(why)`` drops the connection to a server that went away;
-    ``account(report, how)`` counts a completed batch.
+    ``hooks`` are the worker's (``LoadHooks``); a completed batch is accounted as " (async)".
     """
 
-    def __init__(
-        self,
-        stats: WorkerStats,
-        *,
-        enable_load: bool,
-        timeout_s: float,
-        connect: Callable[[], KVTransferEngine | str],
-        rank: Callable[[RequestTransfer], RequestTransfer],
-        fail: Callable[[RequestTransfer, str], None],
-        lost: Callable[[str], None],
-        account: Callable[[LoadReport, str], None],
-    ) -> None:
+    def __init__(self, stats: WorkerStats, hooks: LoadHooks, *, enable_load: bool, timeout_s: float) -> None:
         self.stats = stats
+        self._hooks = hooks
         self._enable_load = enable_load
         self._timeout_s = timeout_s
-        self._connect = connect
-        self._rank = rank
-        self._fail = fail
-        self._lost = lost
-        self._account = account
         self.loader: AsyncLoader | None = None  # started by the first async load
 
     def start(self, loads: list[RequestTransfer]) -> None:
@@ -66,14 +46,14 @@ class AsyncLoads:
         if self.loader is None:
             self.loader = AsyncLoader("maru-loader")
         self.stats.async_loads += len(loads)
-        engine = self._connect() if self._enable_load else "maru_enable_load is false"
+        engine = self._hooks.connect() if self._enable_load else "maru_enable_load is false"
         if isinstance(engine, str):
             for rt in loads:
                 self.loader.fail(rt, rt.req_id, engine)
             return
         # One tag per request (it comes back with the batch's report), queued together so that
         # one turn takes them all. The engine is captured now: a reconnect later builds a new one.
-        self.loader.submit_many(engine, [(rt, [self._rank(rt)]) for rt in loads])
+        self.loader.submit_many(engine, [(rt, [self._hooks.rank(rt)]) for rt in loads])
         # Issued before the forward when the lookup is back in time: done by the step's end.
         self.stats.async_issued_late += self.loader.issue_now(ASYNC_ISSUE_WAIT_S)
 
@@ -87,10 +67,10 @@ class AsyncLoads:
                 done.add(rt.req_id)
                 if rt.req_id in res.failed:
                     self.stats.async_load_failures += 1
-                    self._fail(rt, res.failed[rt.req_id])
+                    self._hooks.fail(rt, res.failed[rt.req_id])
             if res.server_lost and res.failed:
-                self._lost(next(iter(res.failed.values())))
-            self._account(res, " (async)")
+                self._hooks.lost(next(iter(res.failed.values())))
+            self._hooks.account(res, " (async)", False)
         return done
 
     def close(self) -> None:

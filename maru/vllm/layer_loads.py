@@ -9,39 +9,22 @@ exactly once, after its transfer is ``done()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from maru.transfer.engine import KVTransferEngine
 from maru.transfer.loads import LayerByLayerLoad
-from maru.transfer.records import LoadReport, RequestTransfer
+from maru.transfer.records import RequestTransfer
+from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.worker_stats import WorkerStats
 
 
 class LayerLoads:
     """The layer-overlap loads of one worker (see the module docstring for the invariants).
 
-    The worker's callbacks: ``connect()`` the engine (connecting first where needed) or why there is
-    none; ``rank(rt)`` the request as this tensor-parallel rank stores it; ``fail(rt, why)`` reports
-    a request's blocks for recompute; ``lost(why)`` drops the connection to a server that went away;
-    ``account(report, how, under_forward)`` counts a step's load.
+    ``hooks`` are the worker's (``LoadHooks``); a step's load is accounted as " (layer by layer)",
+    under the forward.
     """
 
-    def __init__(
-        self,
-        stats: WorkerStats,
-        *,
-        connect: Callable[[], KVTransferEngine | str],
-        rank: Callable[[RequestTransfer], RequestTransfer],
-        fail: Callable[[RequestTransfer, str], None],
-        lost: Callable[[str], None],
-        account: Callable[[LoadReport, str, bool], None],
-    ) -> None:
+    def __init__(self, stats: WorkerStats, hooks: LoadHooks) -> None:
         self.stats = stats
-        self._connect = connect
-        self._rank = rank
-        self._fail = fail
-        self._lost = lost
-        self._account = account
+        self._hooks = hooks
         self._load: LayerByLayerLoad | None = None
         self._reqs: dict[str, RequestTransfer] = {}
         # Layer loads after their forward, still running on the device: unpinned once done()
@@ -54,17 +37,17 @@ class LayerLoads:
         A failure at issue is reported at once, before the forward reads anything.
         """
         self.release()
-        engine = self._connect()
+        engine = self._hooks.connect()
         if isinstance(engine, str):
             for rt in loads:
-                self._fail(rt, engine)
+                self._hooks.fail(rt, engine)
             return
         by_id = {rt.req_id: rt for rt in loads}
-        pinned = engine.pin([self._rank(rt) for rt in loads])
+        pinned = engine.pin([self._hooks.rank(rt) for rt in loads])
         for req_id, why in pinned.failed.items():
-            self._fail(by_id[req_id], why)
+            self._hooks.fail(by_id[req_id], why)
         if pinned.server_lost:
-            self._lost(next(iter(pinned.failed.values())))
+            self._hooks.lost(next(iter(pinned.failed.values())))
             return
         if not pinned.ready:
             engine.release(pinned)
@@ -75,7 +58,7 @@ class LayerLoads:
         self._load = ll
         self.stats.overlap_loads += 1
         for req_id, why in ll.report.failed.items():
-            self._fail(by_id[req_id], why)
+            self._hooks.fail(by_id[req_id], why)
 
     def wait_for_layer(self, index: int | None) -> None:
         """The forward waits until layer ``index`` of the step's load is placed (GPU-side on CUDA);
@@ -103,13 +86,13 @@ class LayerLoads:
         ll.wait_all()
         if not ll.done():
             self._releases.append(ll)
-            self._account(ll.report, " (layer by layer)", True)
+            self._hooks.account(ll.report, " (layer by layer)", True)
             return
         rep = ll.finish()
         for req_id, why in ll.late_failures.items():
-            self._fail(by_id[req_id], why)
+            self._hooks.fail(by_id[req_id], why)
         ll.release()
-        self._account(rep, " (layer by layer)", True)
+        self._hooks.account(rep, " (layer by layer)", True)
 
     def release(self, wait: bool = False) -> None:
         """Unpin the finished layer loads (every one with ``wait``: shutdown)."""

@@ -32,6 +32,7 @@ from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import rank_keys
 from maru.vllm.layer_loads import LayerLoads
+from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.worker_stats import WorkerStats
@@ -86,23 +87,16 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
-        self.layer_loads = LayerLoads(  # maru_overlap_load_with_compute
-            self.stats,
+        hooks = LoadHooks(
             connect=self._engine_or_why,
             rank=self._rank,
             fail=self._fail,
             lost=self._lost,
             account=self._account_load,
         )
+        self.layer_loads = LayerLoads(self.stats, hooks)  # maru_overlap_load_with_compute
         self.async_loads = AsyncLoads(  # maru_async_load
-            self.stats,
-            enable_load=cfg.enable_load,
-            timeout_s=cfg.timeout_s,
-            connect=self._engine_or_why,
-            rank=self._rank,
-            fail=self._fail,
-            lost=self._lost,
-            account=self._account_load,
+            self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
