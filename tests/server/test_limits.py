@@ -86,10 +86,12 @@ def test_a_flooding_client_does_not_starve_another(tmp_path: Path) -> None:
         served = []
         for _ in range(5):
             served.append(other.call(Op.STATS)["requests"].get("lookup", 0))
-        # Each of the other's requests waited for at most a few of the flooder's (one per turn);
-        # it was not queued behind the whole flood.
-        gaps = [b - a for a, b in zip(served, served[1:], strict=False)]
-        assert served[-1] < len(heavy) and max(gaps) <= 4, served
+        # A server taking requests in arrival order answers the other's first request after all
+        # 400 heavy ones; taking one request per client per turn, the other's five round trips end
+        # while most of the flood still waits. (How many heavy ones fit between two of the other's
+        # requests is its own turnaround time over the server's, so no tighter bound holds on a
+        # loaded machine: a gap of 6 was seen on 2 busy cores.)
+        assert served[-1] < len(heavy) // 2, served
         for _ in heavy:
             assert flooder.recv_raw(timeout_s=60) is not None
 
