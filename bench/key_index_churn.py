@@ -106,7 +106,8 @@ def main() -> None:
         r = churn(load(path, f"kix{i}"), a.keys, a.slots, a.ops, seed=1, freeze_gc=a.freeze_gc)
         print(
             f"{label:<28} {r['mean_us']:>10.2f} {r['p9999_us']:>10.1f} {r['max_ms']:>10.1f} "
-            f"{r['rebuilds']:>8.0f} {r['shifts']:>8.0f} {r['miss_scan']:>9.2f}" + ("  (full)" if r["full"] else ""),
+            f"{r['rebuilds']:>8.0f} {r['shifts']:>8.0f} {r['miss_scan']:>9.2f}"
+            + ("  (full)" if r["full"] else ""),
             flush=True,
         )
 

@@ -244,6 +244,13 @@ def _depth(value: Any, limit: int) -> int:
     return 1 + deepest
 
 
+def namespace_of(key: str) -> str:
+    """The namespace of ``key``: the text before its first ``/`` ("" when it has none). Rights under
+    ``--tenants`` and the key index's per-namespace fingerprints follow it."""
+    i = key.find("/")
+    return key[:i] if i > 0 else ""
+
+
 def encode(op: int, req_id: int, body: dict[str, Any]) -> bytes:
     """Encode one frame. ``op`` already carries ``REPLY_BIT`` for a reply."""
     payload = msgpack.packb(body, use_bin_type=True)

@@ -230,9 +230,7 @@ def check_key_index(ctx: DoctorContext) -> CheckResult:
     if not ki.get("on"):
         why = str(ki.get("why_off") or "no reason given")
         fix = (
-            "by design with --tenants (each EXISTS checks the caller's read right)"
-            if "--tenants" in why
-            else "restart the server without --no-key-index"
+            "restart the server without --no-key-index"
             if "--no-key-index" in why
             else "see the server's log for why it could not make the index"
         )
@@ -258,7 +256,12 @@ def check_key_index(ctx: DoctorContext) -> CheckResult:
             "run clients as the server's user, or start the server with --group GROUP for a group they are "
             "in (the index file gets the pool's mode and group)",
         )
-    return CheckResult(name, OK, f"{keys:,} keys in {slots:,} slots ({where}); clients answer EXISTS from it")
+    whom = (
+        "clients answer EXISTS from it for the namespaces they may read (fingerprints keyed per namespace)"
+        if ki.get("keyed")
+        else "clients answer EXISTS from it"
+    )
+    return CheckResult(name, OK, f"{keys:,} keys in {slots:,} slots ({where}); {whom}")
 
 
 def _key_index_unreadable(ctx: DoctorContext) -> str | None:

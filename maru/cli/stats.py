@@ -115,7 +115,8 @@ def _key_index_text(ki: dict[str, Any]) -> str:
     if not ki.get("on"):
         return f"off: {ki.get('why_off', '?')}"
     full = " FULL: clients ask the server" if ki.get("full") else ""
-    return f"{int(ki.get('keys', 0)):,} keys in {int(ki.get('slots', 0)):,} slots{full}"
+    keyed = ", keyed per namespace" if ki.get("keyed") else ""
+    return f"{int(ki.get('keys', 0)):,} keys in {int(ki.get('slots', 0)):,} slots{keyed}{full}"
 
 
 def _info_cells(info: Any) -> tuple[str, str, str]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from maru.pool.key_index import SIDE_SUFFIX, IndexPlace, KeyIndexReader
+from maru.pool.key_index import SIDE_SUFFIX, Fingerprints, IndexPlace, KeyedFingerprints, KeyIndexReader
 from maru.procinfo import read_boot_id, read_pid_ns
 from maru.protocol import MAX_KEY_BYTES
 
@@ -36,6 +36,13 @@ def _plain(keys: Sequence[str]) -> bool:
 
 
 _HOST = (read_boot_id(), read_pid_ns())
+
+
+def _same(new: Fingerprints | None, old: Fingerprints) -> bool:
+    """Whether a handshake's fingerprints are those the open reader already has."""
+    if isinstance(old, KeyedFingerprints):
+        return isinstance(new, KeyedFingerprints) and new.secrets == old.secrets
+    return new is None
 
 
 class ServerWatch:
@@ -81,27 +88,36 @@ class LocalExists:
         """After a handshake: open the index the server announced (keep it if unchanged).
         ``pool``: this client's ``PoolMapping`` of the server's pool."""
         place = IndexPlace.from_wire(reply.get("key_index"))
+        fps: Fingerprints | None = None
+        if place is not None and place.keyed:
+            # --tenants: the secrets of the namespaces this client may read (maybe none).
+            fps = KeyedFingerprints.from_wire(reply.get("key_index_secrets"))
         old = self._reader
-        if old is not None and place == old.place:
+        if old is not None and place == old.place and _same(fps, old.fingerprints):
             return
         self._reader = self._watch = None
         if old is not None:
             old.close()
         if place is None:
             self.why_remote = (
-                "the server publishes no key index (started with --no-key-index or --tenants, or an "
+                "the server publishes no key index (started with --no-key-index, or an "
                 "older server); `maru doctor` says which"
+            )
+            return
+        if place.keyed and fps is None:
+            self.why_remote = (
+                "the server's key index is keyed per namespace and its handshake gave no secrets"
             )
             return
         path = pool.path
         try:
             if place.path is None:  # in the pool's header unit: read through the pool's own mapping
-                self._reader = KeyIndexReader(place, pool=pool.mmap)
+                self._reader = KeyIndexReader(place, pool=pool.mmap, fingerprints=fps)
             else:
                 # A side file sits beside the pool: beside this process's path of it when it differs.
                 side = server_pool_path + SIDE_SUFFIX
                 path = pool.path + SIDE_SUFFIX if place.path == side else place.path
-                self._reader = KeyIndexReader(place, path=path)
+                self._reader = KeyIndexReader(place, path=path, fingerprints=fps)
             self._watch = ServerWatch(self._reader)
             self.why_remote = None
         except (OSError, ValueError) as e:
@@ -113,7 +129,10 @@ class LocalExists:
         if keys and not _plain(keys):
             return None  # the server names what is wrong with them (type, length), as ever
         dead = self._watch.why_dead() if self._watch is not None and connected else None
-        if r is not None and connected and dead is None:
+        ns = r.fingerprints.missing(keys) if r is not None else None
+        if ns is not None:
+            why = f"this client holds no key-index secret for namespace {ns!r} (no read right on it)"
+        elif r is not None and connected and dead is None:
             got = r.contains_many(keys)
             if got is not None:
                 self.local += 1

@@ -8,7 +8,7 @@ where every client can read it.
 
 Layout (little-endian u64 words; ``HEADER_BYTES`` then ``slots`` slot words)::
 
-    word 0  magic   "MARUKIX1"
+    word 0  magic   "MARUKIX1" (fingerprints anyone can compute) or "MARUKIK1" (keyed per namespace)
     word 1  nonce   random per server start: a reader from another server's era sees a mismatch
     word 2  seq     even: stable; odd: the server is moving slots (a delete's shift, a rebuild)
     word 3  slots   a power of two
@@ -38,6 +38,13 @@ Invariants:
    64-bit fingerprint collision (~n^2 / 2^65) can only make a key look present, never corrupt
    bytes: loads are by key, and the server's LOOKUP answers for the key itself.
 
+Fingerprints. Without ``--tenants`` a fingerprint is blake2b of the key, which any client can
+compute (``PlainFingerprints``). Under ``--tenants`` it is blake2b keyed with a random secret of the
+key's namespace (``KeyedFingerprints``): the server draws one per namespace at start and hands a
+client, in its handshake, the secrets of the namespaces it may read. So the one shared table
+answers each client for its own namespaces and tells it nothing about the others (it cannot
+compute their fingerprints; it sees only how many slots are taken, which USAGE tells anyway).
+
 Memory order: x86-64 keeps stores in order and loads in order, which invariant 2 needs; on a
 weaker memory model this table would need fences, and Maru targets x86 CXL hosts.
 """
@@ -49,10 +56,13 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from maru.protocol import namespace_of
+
 MAGIC = int.from_bytes(b"MARUKIX1", "little")
+MAGIC_KEYED = int.from_bytes(b"MARUKIK1", "little")  # an older client reads it as another server's
 SIDE_SUFFIX = ".keyindex"  # an index beside a pool file: <pool path>.keyindex
 HEADER_BYTES = 64
 EMPTY, TOMBSTONE = 0, 1  # TOMBSTONE: never a fingerprint (no longer written, see the layout)
@@ -70,10 +80,84 @@ _MOVED = object()  # a read that slots moved under: read again
 _W_MAGIC, _W_NONCE, _W_SEQ, _W_SLOTS, _W_STATE, _W_KEYS, _W_PID, _W_BEAT = range(8)
 
 
-def fingerprint(key: str) -> int:
-    """The 64-bit fingerprint a key is stored under (never EMPTY or TOMBSTONE)."""
-    v = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+def fingerprint(key: str, secret: bytes = b"") -> int:
+    """The 64-bit fingerprint a key is stored under (never EMPTY or TOMBSTONE); ``secret``: its
+    namespace's, in a keyed table (empty: the plain fingerprint)."""
+    v = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest(), "little")
     return v if v > TOMBSTONE else v + 2
+
+
+class PlainFingerprints:
+    """Fingerprints any client computes (a server without ``--tenants``)."""
+
+    magic = MAGIC
+    complete = True  # every key has a fingerprint here
+
+    def of(self, key: str) -> int | None:
+        return fingerprint(key)
+
+    def missing(self, keys: Iterable[str]) -> str | None:
+        """The first namespace among ``keys`` this side cannot fingerprint: none here."""
+        return None
+
+
+class KeyedFingerprints:
+    """Fingerprints keyed per namespace (``--tenants``; see the module docstring).
+
+    ``secrets``: namespace -> secret, the namespaces this side may read. ``fallback``: the server's
+    secret for any other namespace (no client has it); a client has none, and a key of a namespace
+    it holds no secret for has no fingerprint here (``of`` is None: the server answers it).
+    """
+
+    magic = MAGIC_KEYED
+
+    def __init__(self, secrets: Mapping[str, bytes], fallback: bytes | None = None) -> None:
+        self.secrets = dict(secrets)
+        self._fallback = fallback
+
+    @classmethod
+    def drawn(cls, namespaces: Iterable[str]) -> KeyedFingerprints:
+        """The server's: a fresh random secret per namespace, and one for every other namespace."""
+        return cls({ns: secrets.token_bytes(16) for ns in namespaces}, secrets.token_bytes(16))
+
+    @property
+    def complete(self) -> bool:
+        """Every key has a fingerprint here (the server's, with its fallback secret)."""
+        return self._fallback is not None
+
+    def of(self, key: str) -> int | None:
+        secret = self.secrets.get(namespace_of(key), self._fallback)
+        return None if secret is None else fingerprint(key, secret)
+
+    def missing(self, keys: Iterable[str]) -> str | None:
+        """The first namespace among ``keys`` this side holds no secret for (None: it covers them)."""
+        if self.complete:
+            return None
+        for k in keys:
+            ns = namespace_of(k)
+            if ns not in self.secrets:
+                return ns
+        return None
+
+    def for_reader(self, namespaces: Iterable[str]) -> dict[str, str]:
+        """The wire form of the secrets of ``namespaces`` (those a client may read), hex."""
+        return {ns: self.secrets[ns].hex() for ns in namespaces if ns in self.secrets}
+
+    @classmethod
+    def from_wire(cls, d: object) -> KeyedFingerprints | None:
+        """A client's, from its handshake; None for anything malformed."""
+        if not isinstance(d, dict):
+            return None
+        try:
+            got = {str(ns): bytes.fromhex(h) for ns, h in d.items() if isinstance(h, str)}
+        except ValueError:
+            return None
+        if len(got) != len(d) or any(not 1 <= len(v) <= 64 for v in got.values()):
+            return None
+        return cls(got)
+
+
+Fingerprints = PlainFingerprints | KeyedFingerprints
 
 
 def slots_for(data_size: int, alignment: int) -> int:
@@ -99,6 +183,7 @@ class IndexPlace:
     nonce: int
     beat_s: float = 1.0  # the server beats at least this often
     host: tuple[str, str] = ("", "")  # the server's (boot id, pid namespace): same host, same pids
+    keyed: bool = False  # fingerprints keyed per namespace (the handshake carries the secrets)
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -109,6 +194,7 @@ class IndexPlace:
             "nonce": self.nonce,
             "beat_s": self.beat_s,
             "host": list(self.host),
+            "keyed": self.keyed,
         }
 
     @classmethod
@@ -126,6 +212,7 @@ class IndexPlace:
                 int(d["nonce"]),
                 float(d.get("beat_s", 1.0)),
                 tuple(str(x) for x in d.get("host", ("", ""))),  # type: ignore[arg-type]
+                d.get("keyed", False) is True,
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -140,12 +227,17 @@ class IndexPlace:
 class KeyIndexWriter:
     """The server's side: adds and removes keys (invariant 1: called from the event loop only)."""
 
-    def __init__(self, buf: memoryview, slots: int, nonce: int | None = None) -> None:
+    def __init__(
+        self, buf: memoryview, slots: int, nonce: int | None = None, fingerprints: Fingerprints | None = None
+    ) -> None:
         if slots < 1 or slots & (slots - 1):
             raise ValueError(f"slots must be a power of two, got {slots}")
         if len(buf) < table_bytes(slots):
             raise ValueError(f"the index needs {table_bytes(slots)} bytes, got {len(buf)}")
         self.nonce = secrets.randbits(63) | 1 if nonce is None else nonce
+        self.fingerprints = fingerprints or PlainFingerprints()
+        if not self.fingerprints.complete:
+            raise ValueError("the writer's fingerprints must cover every namespace (a fallback secret)")
         self.slots = slots
         self._mask = slots - 1
         self._h = buf[:HEADER_BYTES].cast("Q")
@@ -165,7 +257,7 @@ class KeyIndexWriter:
             (_W_PID, os.getpid()),
         ):
             self._h[w] = v
-        self._h[_W_MAGIC] = MAGIC
+        self._h[_W_MAGIC] = self.fingerprints.magic
         self._h[_W_SEQ] = 2
 
     @property
@@ -185,7 +277,7 @@ class KeyIndexWriter:
     def add(self, key: str) -> None:
         if self._released:
             return
-        fp = fingerprint(key)
+        fp = self._fp(key)
         n = self._fps.get(fp, 0)
         self._fps[fp] = n + 1
         if n == 0 and self.state == STATE_OK:
@@ -198,7 +290,7 @@ class KeyIndexWriter:
     def discard(self, key: str) -> None:
         if self._released:
             return
-        fp = fingerprint(key)
+        fp = self._fp(key)
         n = self._fps.get(fp, 0)
         if n == 0:
             return
@@ -213,6 +305,11 @@ class KeyIndexWriter:
             self._h[_W_KEYS] = len(self._fps)
         elif self.state == STATE_FULL and len(self._fps) < MAX_LOAD * self.slots / 2:
             self._rebuild()  # room again: usable once every key is placed
+
+    def _fp(self, key: str) -> int:
+        fp = self.fingerprints.of(key)
+        assert fp is not None  # the writer's cover every namespace (checked at construction)
+        return fp
 
     def beat(self) -> None:
         """The server is alive (its housekeeping turn): readers that see this move keep reading."""
@@ -307,7 +404,20 @@ class KeyIndexReader:
     file is mapped here, read-only.
     """
 
-    def __init__(self, place: IndexPlace, pool: mmap.mmap | None = None, path: str | None = None) -> None:
+    def __init__(
+        self,
+        place: IndexPlace,
+        pool: mmap.mmap | None = None,
+        path: str | None = None,
+        fingerprints: Fingerprints | None = None,
+    ) -> None:
+        self.fingerprints = fingerprints or PlainFingerprints()
+        if place.keyed != isinstance(self.fingerprints, KeyedFingerprints):
+            raise ValueError(
+                "the server's key index is keyed per namespace and no secrets came with it"
+                if place.keyed
+                else "keyed fingerprints for a plain key index"
+            )
         self._mm: mmap.mmap | None = None
         if pool is not None:
             view = memoryview(pool)[place.offset :]
@@ -345,7 +455,7 @@ class KeyIndexReader:
     def why_unusable(self) -> str | None:
         """None when the table can answer now; else why not (for the announcement)."""
         h = self._h
-        if h[_W_MAGIC] != MAGIC or h[_W_NONCE] != self.nonce:
+        if h[_W_MAGIC] != self.fingerprints.magic or h[_W_NONCE] != self.nonce:
             return "the index at that place is not this server's (the server restarted)"
         state = h[_W_STATE]
         if state == STATE_FULL:
@@ -359,7 +469,10 @@ class KeyIndexReader:
 
         A read that a delete's shift overlapped (``seq`` moved) is made again, up to
         ``READ_TRIES`` times in all."""
-        fps = [fingerprint(k) for k in keys]
+        of = self.fingerprints.of
+        fps = [of(k) for k in keys]
+        if None in fps:
+            return None  # a namespace this client holds no secret for: the server checks the right
         deadline = None
         for _ in range(READ_TRIES):
             got = self._read(fps)
@@ -376,7 +489,7 @@ class KeyIndexReader:
     def _read(self, fps: list[int]) -> list[bool] | None | object:
         h, s, mask = self._h, self._s, self._mask
         seq = h[_W_SEQ]
-        if h[_W_STATE] != STATE_OK or h[_W_NONCE] != self.nonce or h[_W_MAGIC] != MAGIC:
+        if h[_W_STATE] != STATE_OK or h[_W_NONCE] != self.nonce or h[_W_MAGIC] != self.fingerprints.magic:
             return None
         if seq & 1:
             return _MOVED

@@ -67,7 +67,7 @@ class RequestHandlers:
             max_batch=P.MAX_BATCH,
             max_key_bytes=P.MAX_KEY_BYTES,
             max_client_info_bytes=P.MAX_CLIENT_INFO_BYTES,
-            **({"key_index": self.key_index.place.to_wire()} if self.key_index.place is not None else {}),
+            **self.key_index.wire_for(self._access.readable(client)),
         )
 
     def _reserve(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,10 @@ otherwise in a file next to the pool file (``<pool>.keyindex``, same owner and m
 what a ``/dev/shm`` pool of 4 KiB alignment gets. The index is rebuilt at every start from the
 registry: nothing in it is persistent.
 
-It is off (clients ask the server, announced once) with ``--no-key-index``, and under
-``--tenants``: EXISTS needs the read right on a key's namespace there, which a shared table
-cannot check.
+It is off (clients ask the server, announced once) with ``--no-key-index``. Under ``--tenants``
+its fingerprints are keyed per namespace (``KeyedFingerprints``), and a client's handshake carries
+the secrets of the namespaces it may read, nothing else: what it cannot fingerprint it asks the
+server, which checks its right.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from maru.pool.key_index import (
     MIN_SLOTS,
     SIDE_SUFFIX,
     STATE_FULL,
+    Fingerprints,
     IndexPlace,
+    KeyedFingerprints,
     KeyIndexWriter,
+    PlainFingerprints,
     slots_for,
     table_bytes,
 )
@@ -74,16 +78,20 @@ class ServerKeyIndex:
         return cls(None, None, why)
 
     @classmethod
-    def open(cls, pool: PoolInfo, access: FileAccess, beat_s: float) -> ServerKeyIndex:
+    def open(
+        cls, pool: PoolInfo, access: FileAccess, beat_s: float, fingerprints: Fingerprints | None = None
+    ) -> ServerKeyIndex:
         """Make the index for ``pool`` (in its header unit, else beside it); ``off`` if neither fits.
-        ``beat_s``: the longest the server goes between two ``beat()`` calls."""
+        ``beat_s``: the longest the server goes between two ``beat()`` calls; ``fingerprints``:
+        the access policy's (plain by default)."""
+        fps = fingerprints or PlainFingerprints()
         want = slots_for(pool.data_size, pool.alignment)
         start = -(-POOL_HEADER_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
         room = pool.data_offset - start
         if room >= table_bytes(MIN_SLOTS):
             slots = min(want, 1 << ((room - table_bytes(0)) // 8).bit_length() - 1)
             # Mapped as the whole header unit: a DAX device maps only whole alignment units.
-            return cls._made(pool.path, None, start, slots, os.O_RDWR, None, beat_s, pool.data_offset)
+            return cls._made(pool.path, None, start, slots, os.O_RDWR, None, beat_s, pool.data_offset, fps)
         if pool.kind != "file":
             return cls.off(
                 f"the pool's header unit ({format_size(pool.data_offset)}) has no room for it and a "
@@ -94,7 +102,7 @@ class ServerKeyIndex:
         # (it reads "closed" or a stale nonce), never a file shrunk under it (SIGBUS).
         _unlink(side)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        return cls._made(side, side, 0, want, flags, access, beat_s, table_bytes(want))
+        return cls._made(side, side, 0, want, flags, access, beat_s, table_bytes(want), fps)
 
     @classmethod
     def _made(
@@ -107,6 +115,7 @@ class ServerKeyIndex:
         access: FileAccess | None,
         beat_s: float,
         map_len: int,
+        fps: Fingerprints,
     ) -> ServerKeyIndex:
         size = table_bytes(slots)
         try:
@@ -124,16 +133,32 @@ class ServerKeyIndex:
                 _unlink(side)
             return cls.off(f"cannot map {format_size(size)} of {path}: {e}")
         os.close(fd)
-        writer = KeyIndexWriter(memoryview(mm)[offset : offset + size], slots)
+        writer = KeyIndexWriter(memoryview(mm)[offset : offset + size], slots, fingerprints=fps)
         host = (read_boot_id(), read_pid_ns())
-        place = IndexPlace(side, offset, size, slots, writer.nonce, beat_s, host)
+        keyed = isinstance(fps, KeyedFingerprints)
+        place = IndexPlace(side, offset, size, slots, writer.nonce, beat_s, host, keyed)
         idx = cls(place, writer, "")
         idx._mm, idx._side = mm, side
         where = f"{path} at offset {offset}" if side is None else path
         log.info(
-            "key index: %d slots (%s) in %s; clients answer EXISTS from it", slots, format_size(size), where
+            "key index: %d slots (%s) in %s%s; clients answer EXISTS from it",
+            slots,
+            format_size(size),
+            where,
+            ", fingerprints keyed per namespace (--tenants)" if keyed else "",
         )
         return idx
+
+    def wire_for(self, readable: list[str] | None) -> dict[str, Any]:
+        """The handshake reply's part: where the index is and, keyed, the secrets of the
+        namespaces in ``readable`` (the caller's read rights)."""
+        if self.place is None or self.writer is None:
+            return {}
+        out: dict[str, Any] = {"key_index": self.place.to_wire()}
+        fps = self.writer.fingerprints
+        if isinstance(fps, KeyedFingerprints):
+            out["key_index_secrets"] = fps.for_reader(readable or [])
+        return out
 
     def beat(self) -> None:
         if self.writer is not None:
@@ -149,6 +174,7 @@ class ServerKeyIndex:
         return {
             "on": True,
             "full": w.state == STATE_FULL,
+            "keyed": isinstance(w.fingerprints, KeyedFingerprints),
             "slots": w.slots,
             "keys": w.keys,
             "rebuilds": w.rebuilds,

@@ -208,10 +208,9 @@ class MaruServer(RequestHandlers, ServerViews):
         self.registry.load(rows)
         if not cfg.key_index:
             self.key_index = ServerKeyIndex.off("--no-key-index")
-        elif cfg.tenants:
-            self.key_index = ServerKeyIndex.off("--tenants (EXISTS checks each caller's read right)")
         else:
-            self.key_index = ServerKeyIndex.open(pool, access, self.housekeeping_s)
+            fps = self._access.index_fingerprints()
+            self.key_index = ServerKeyIndex.open(pool, access, self.housekeeping_s, fps)
         if self.key_index.writer is not None:
             self.key_index.writer.add_many(r[0] for r in rows)
         self.registry.journal = self.key_index.journal(self.registry.journal)

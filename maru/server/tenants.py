@@ -30,19 +30,14 @@ from typing import Any
 
 from maru.config import format_size, parse_size
 from maru.errors import ConfigError
-from maru.protocol import ErrorCode, Op
+from maru.pool.key_index import Fingerprints, KeyedFingerprints, PlainFingerprints
+from maru.protocol import ErrorCode, Op, namespace_of
 from maru.server import validate as V
 from maru.server.auth import Caller
 from maru.server.registry import Journal, KeyRegistry
 
 RIGHTS = {"r": "read", "w": "write", "d": "delete"}
 _KEY_OPS = {Op.LOOKUP: "r", Op.EXISTS: "r", Op.PIN: "r", Op.DELETE: "d"}
-
-
-def namespace_of(key: str) -> str:
-    """The namespace of ``key``: the text before its first ``/`` ("" when it has none)."""
-    i = key.find("/")
-    return key[:i] if i > 0 else ""
 
 
 class OpenAccess:
@@ -56,6 +51,14 @@ class OpenAccess:
 
     def may_see(self, viewer: Caller, owner: Any) -> bool:
         return True
+
+    def index_fingerprints(self) -> Fingerprints:
+        """How the key index fingerprints keys: plainly (every caller may read every key)."""
+        return PlainFingerprints()
+
+    def readable(self, caller: Caller) -> list[str] | None:
+        """Namespaces whose key-index secrets ``caller`` gets: None, there are none."""
+        return None
 
 
 @dataclass
@@ -273,6 +276,14 @@ class TenantAccess:
                 f"{format_size(room)} left in this client's writable namespaces ({', '.join(writable)}); "
                 "commit or abort reservations, delete keys, or raise the quota",
             )
+
+    def index_fingerprints(self) -> Fingerprints:
+        """Keyed per declared namespace: a caller gets the secrets of those it may read
+        (``readable``), so the shared key index answers it for those alone."""
+        return KeyedFingerprints.drawn(self.usage)
+
+    def readable(self, caller: Caller) -> list[str] | None:
+        return [ns for ns, letters in self.rights.get(caller.user, {}).items() if "r" in letters]
 
     def may_see(self, viewer: Caller, owner: Any) -> bool:
         """Whether ``viewer`` may see the session ``owner`` in STATS (its own, or everything if admin)."""

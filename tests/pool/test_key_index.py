@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from maru.pool.key_index import (
+    HEADER_BYTES,
     MAX_PROBE,
     MIN_SLOTS,
     STATE_FULL,
     TOMBSTONE,
     IndexPlace,
+    KeyedFingerprints,
     KeyIndexReader,
     KeyIndexWriter,
     fingerprint,
@@ -252,3 +254,49 @@ def test_the_writer_refuses_a_table_that_does_not_fit() -> None:
         KeyIndexWriter(memoryview(bytearray(table_bytes(4096))), 3000)
     with pytest.raises(ValueError, match="needs"):
         KeyIndexWriter(memoryview(bytearray(100)), 4096)
+
+
+def test_a_keyed_table_answers_a_reader_only_for_the_namespaces_it_holds_secrets_for(tmp_path: Path) -> None:
+    path = str(tmp_path / "index")
+    size = table_bytes(MIN_SLOTS)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    server = KeyedFingerprints.drawn(["team-a", "team-b"])
+    w = KeyIndexWriter(memoryview(mm), MIN_SLOTS, fingerprints=server)
+    ns_keys = {
+        ns: [f"{ns}/{k}" for k in keys(200, hash(ns) & 0xFFFF)] for ns in ("team-a", "team-b", "other")
+    }
+    stored = {k for ks in ns_keys.values() for k in ks[:100]}  # half of each namespace's keys
+    w.add_many(sorted(stored))
+    place = IndexPlace(path, 0, size, MIN_SLOTS, w.nonce, keyed=True)
+    # A tenant that may read team-a: exact there, no answer elsewhere (the server decides those).
+    mine = KeyedFingerprints.from_wire(server.for_reader(["team-a"]))
+    assert mine is not None and set(mine.secrets) == {"team-a"}
+    r = KeyIndexReader(place, path=path, fingerprints=mine)
+    a = ns_keys["team-a"]
+    assert r.contains_many(a) == [k in stored for k in a]
+    assert r.contains_many(ns_keys["team-b"][:3]) is None
+    assert r.contains_many([a[0], "other/x"]) is None
+    assert mine.missing([a[0], "team-b/x"]) == "team-b" and mine.missing(a) is None
+    # Nothing in the table can be told from keys without a secret: no slot holds a key's plain
+    # fingerprint, and team-a's secret fingerprints no team-b key that is there.
+    view = mm[HEADER_BYTES:size]
+    words = set(memoryview(view).cast("Q"))
+    assert not words & {fingerprint(k) for k in stored}
+    assert not words & {fingerprint(k, mine.secrets["team-a"]) for k in ns_keys["team-b"][:100]}
+    # A reader must come with the secrets of a keyed table, and a plain reader of a keyed table
+    # sees another server's magic.
+    with pytest.raises(ValueError, match="no secrets came with it"):
+        KeyIndexReader(place, path=path)
+    plain = KeyIndexReader(IndexPlace(path, 0, size, MIN_SLOTS, w.nonce), path=path)
+    assert plain.contains_many(a[:2]) is None and "not this server's" in (plain.why_unusable() or "")
+    with pytest.raises(ValueError, match="every namespace"):
+        KeyIndexWriter(memoryview(bytearray(size)), MIN_SLOTS, fingerprints=mine)
+    for bad in ({"team-a": "zz"}, {"team-a": 3}, {"team-a": ""}, ["team-a"]):
+        assert KeyedFingerprints.from_wire(bad) is None
+    r.close()
+    plain.close()
+    w.release()

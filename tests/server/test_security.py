@@ -20,7 +20,7 @@ from maru import MaruHandler
 from maru.errors import MaruError, NotConnectedError, ServerError
 from maru.protocol import Op
 from maru.server.auth import load_public_key, write_key_pair
-from tests.helpers import RawClient, ServerProcess
+from tests.helpers import RawClient, ServerProcess, flat, maru
 
 
 @pytest.fixture
@@ -285,3 +285,47 @@ def test_server_errors_carry_the_denied_code_to_the_handler(
             with pytest.raises(ServerError, match="no read right on namespace 'team-b'") as e:
                 h.exists(["team-b/x"])
             assert e.value.code == "denied"
+
+
+def test_under_tenants_the_key_index_answers_each_tenant_for_the_namespaces_it_may_read(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        curve_server(tmp_path, keys, "--tenants", str(tenants_file(tmp_path, keys))) as srv,
+        RawClient(srv.url, sockopts=curve_opts(keys, "admin")) as admin,
+        MaruHandler(srv.url, server_public_key=pub(keys, "server"), client_key=str(keys["a"][1])) as a,
+        MaruHandler(srv.url, server_public_key=pub(keys, "server"), client_key=str(keys["b"][1])) as b,
+    ):
+        # Each handshake carries the secrets of the namespaces its key may read, and no others.
+        assert admin.handshake()["key_index_secrets"] == {}  # an admin sees sessions, not keys
+        for who, readable in (("a", {"team-a", "shared"}), ("b", {"team-b", "shared"})):
+            with RawClient(srv.url, sockopts=curve_opts(keys, who)) as raw:
+                reply = raw.handshake()
+            assert reply["key_index"]["keyed"] is True
+            assert set(reply["key_index_secrets"]) == readable
+        for h, key in ((a, "team-a/k"), (b, "team-b/x"), (b, "shared/y")):
+            obj = h.alloc(4096)
+            obj.buf[:4] = b"abcd"
+            h.store(key, obj)
+        before = srv_exists_count(admin)
+        assert a.exists(["team-a/k", "team-a/gone", "shared/y", "shared/z"]) == [True, False, True, False]
+        assert b.exists(["team-b/x", "shared/y", "team-b/k"]) == [True, True, False]
+        assert srv_exists_count(admin) == before  # every answer came from the table
+        assert a.local_exists.counts()["exists_local"] == 1
+        # What a tenant may not read it cannot test in the table: the server answers, and refuses.
+        with pytest.raises(ServerError, match="no read right on namespace 'team-b'"):
+            a.exists(["team-b/x"])
+        assert a.local_exists.counts()["exists_remote"] == 1
+        assert srv_exists_count(admin) == before  # refused before it was counted
+        # `maru doctor`, as tenant a, says how its EXISTS are answered.
+        monkeypatch.setenv("MARU_SERVER_PUBLIC_KEY", pub(keys, "server"))
+        monkeypatch.setenv("MARU_CLIENT_KEY", str(keys["a"][1]))
+        p = maru("doctor", "--url", srv.url, "--quick")
+        out = flat(p.stdout)
+        assert "key index (optional) ok 3 keys" in out, p.stdout + p.stderr
+        assert "for the namespaces they may read (fingerprints keyed per namespace)" in out, out
+
+
+def srv_exists_count(raw: RawClient) -> int:
+    c = raw.call(Op.STATS)["counters"]
+    return int(c["exists_hits"]) + int(c["exists_misses"])
