@@ -317,12 +317,23 @@ def test_under_tenants_the_key_index_answers_each_tenant_for_the_namespaces_it_m
             a.exists(["team-b/x"])
         assert a.local_exists.counts()["exists_remote"] == 1
         assert srv_exists_count(admin) == before  # refused before it was counted
+        # A restarted server draws new secrets; the handler's next handshake brings them.
+        old = dict(a.local_exists._reader.fingerprints.secrets)  # type: ignore[union-attr]
+        srv.stop()
+        srv.start()
+        obj = a.alloc(4096)  # a lease op: the handler handshakes with the new server
+        obj.buf[:4] = b"efgh"
+        a.store("team-a/k2", obj)
+        assert a.exists(["team-a/k", "team-a/k2", "shared/y", "team-a/gone"]) == [True, True, True, False]
+        new = a.local_exists._reader.fingerprints.secrets  # type: ignore[union-attr]
+        assert set(new) == set(old) and all(new[ns] != old[ns] for ns in old)
+        assert a.local_exists.counts()["exists_local"] == 2
         # `maru doctor`, as tenant a, says how its EXISTS are answered.
         monkeypatch.setenv("MARU_SERVER_PUBLIC_KEY", pub(keys, "server"))
         monkeypatch.setenv("MARU_CLIENT_KEY", str(keys["a"][1]))
         p = maru("doctor", "--url", srv.url, "--quick")
         out = flat(p.stdout)
-        assert "key index (optional) ok 3 keys" in out, p.stdout + p.stderr
+        assert "key index (optional) ok 4 keys" in out, p.stdout + p.stderr
         assert "for the namespaces they may read (fingerprints keyed per namespace)" in out, out
 
 
