@@ -125,7 +125,17 @@ class ServerKeyIndex:
         try:
             if access is not None:
                 access.apply_fd(fd, path)
-                os.ftruncate(fd, size)
+                # Reserved, not just sized: a tmpfs without room for it would SIGBUS the server
+                # on its first write to the table, as it would a pool (maru.pool.backing).
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    os.close(fd)
+                    _unlink(path)
+                    return cls.off(
+                        f"no room for its {format_size(size)} beside the pool ({path}: {e.strerror}); free "
+                        "memory in that filesystem or lower --pool-size"
+                    )
             mm = mmap.mmap(fd, map_len, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except Exception as e:
             os.close(fd)

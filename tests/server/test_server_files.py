@@ -223,3 +223,22 @@ def test_a_second_server_on_the_same_pool_is_refused_and_the_first_keeps_serving
         assert os.path.exists(srv.pool_path) and read_pool_uuid(srv.pool_path) == uuid_before
         assert not (tmp_path / "other").exists()
         assert c.call(Op.RESERVE, sizes=[100])["ok"]
+
+
+def test_a_pool_filling_its_tmpfs_leaves_the_key_index_off_with_the_reason_not_a_bus_error(
+    tmp_path: Path, small_state_fs: Path
+) -> None:
+    # A 2 MiB tmpfs, a pool of all but 16 KiB of it: the index beside it (32 KiB) does not fit.
+    # Sized without reserving, its first write killed the server at start (SIGBUS, rc 135).
+    pool = str(small_state_fs / "pool")
+    srv = ServerProcess(tmp_path, pool_size="2032K", pool_path=pool, log_level="INFO")
+    with srv, RawClient(srv.url) as c:
+        c.handshake()
+        ki = c.call(Op.STATS)["key_index"]
+        assert ki["on"] is False and "no room" in ki["why_off"] and "--pool-size" in ki["why_off"], ki
+        assert "key_index" not in c.handshake()  # clients ask the server, and say why once
+        alloc = c.call(Op.RESERVE, sizes=[4096])["allocs"][0]
+        assert c.call(Op.COMMIT, items=[["k", alloc[0]]])["results"] == ["stored"]
+        assert c.call(Op.EXISTS, keys=["k", "x"])["present"] == [True, False]
+    assert not os.path.exists(pool + ".keyindex")
+    assert "key index off: no room" in srv.log()
