@@ -21,7 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from maru.pool.key_index import SIDE_SUFFIX, Fingerprints, IndexPlace, KeyedFingerprints, KeyIndexReader
+from maru.pool.fingerprints import Fingerprints, KeyedFingerprints
+from maru.pool.key_index import SIDE_SUFFIX, IndexPlace, KeyIndexReader
 from maru.procinfo import read_boot_id, read_pid_ns
 from maru.protocol import MAX_KEY_BYTES
 

@@ -38,12 +38,7 @@ Invariants:
    64-bit fingerprint collision (~n^2 / 2^65) can only make a key look present, never corrupt
    bytes: loads are by key, and the server's LOOKUP answers for the key itself.
 
-Fingerprints. Without ``--tenants`` a fingerprint is blake2b of the key, which any client can
-compute (``PlainFingerprints``). Under ``--tenants`` it is blake2b keyed with a random secret of the
-key's namespace (``KeyedFingerprints``): the server draws one per namespace at start and hands a
-client, in its handshake, the secrets of the namespaces it may read. So the one shared table
-answers each client for its own namespaces and tells it nothing about the others (it cannot
-compute their fingerprints; it sees only how many slots are taken, which USAGE tells anyway).
+Fingerprints: plain, or keyed per namespace under ``--tenants`` (``maru.pool.fingerprints``).
 
 Memory order: x86-64 keeps stores in order and loads in order, which invariant 2 needs; on a
 weaker memory model this table would need fences, and Maru targets x86 CXL hosts.
@@ -51,21 +46,22 @@ weaker memory model this table would need fences, and Maru targets x86 CXL hosts
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from maru.protocol import namespace_of
+from maru.pool.fingerprints import (
+    EMPTY,
+    Fingerprints,
+    KeyedFingerprints,
+    PlainFingerprints,
+)
 
-MAGIC = int.from_bytes(b"MARUKIX1", "little")
-MAGIC_KEYED = int.from_bytes(b"MARUKIK1", "little")  # an older client reads it as another server's
 SIDE_SUFFIX = ".keyindex"  # an index beside a pool file: <pool path>.keyindex
 HEADER_BYTES = 64
-EMPTY, TOMBSTONE = 0, 1  # TOMBSTONE: never a fingerprint (no longer written, see the layout)
 MAX_PROBE = 256
 READ_TRIES = 8  # reads a reader makes while deletes move slots under it, before asking the server
 SHIFT_WAIT_S = 0.0005  # how long a reader waits, in all, for shifts under way to end
@@ -78,86 +74,6 @@ MAX_LOAD = 0.75
 _MOVED = object()  # a read that slots moved under: read again
 
 _W_MAGIC, _W_NONCE, _W_SEQ, _W_SLOTS, _W_STATE, _W_KEYS, _W_PID, _W_BEAT = range(8)
-
-
-def fingerprint(key: str, secret: bytes = b"") -> int:
-    """The 64-bit fingerprint a key is stored under (never EMPTY or TOMBSTONE); ``secret``: its
-    namespace's, in a keyed table (empty: the plain fingerprint)."""
-    v = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest(), "little")
-    return v if v > TOMBSTONE else v + 2
-
-
-class PlainFingerprints:
-    """Fingerprints any client computes (a server without ``--tenants``)."""
-
-    magic = MAGIC
-    complete = True  # every key has a fingerprint here
-
-    def of(self, key: str) -> int | None:
-        return fingerprint(key)
-
-    def missing(self, keys: Iterable[str]) -> str | None:
-        """The first namespace among ``keys`` this side cannot fingerprint: none here."""
-        return None
-
-
-class KeyedFingerprints:
-    """Fingerprints keyed per namespace (``--tenants``; see the module docstring).
-
-    ``secrets``: namespace -> secret, the namespaces this side may read. ``fallback``: the server's
-    secret for any other namespace (no client has it); a client has none, and a key of a namespace
-    it holds no secret for has no fingerprint here (``of`` is None: the server answers it).
-    """
-
-    magic = MAGIC_KEYED
-
-    def __init__(self, secrets: Mapping[str, bytes], fallback: bytes | None = None) -> None:
-        self.secrets = dict(secrets)
-        self._fallback = fallback
-
-    @classmethod
-    def drawn(cls, namespaces: Iterable[str]) -> KeyedFingerprints:
-        """The server's: a fresh random secret per namespace, and one for every other namespace."""
-        return cls({ns: secrets.token_bytes(16) for ns in namespaces}, secrets.token_bytes(16))
-
-    @property
-    def complete(self) -> bool:
-        """Every key has a fingerprint here (the server's, with its fallback secret)."""
-        return self._fallback is not None
-
-    def of(self, key: str) -> int | None:
-        secret = self.secrets.get(namespace_of(key), self._fallback)
-        return None if secret is None else fingerprint(key, secret)
-
-    def missing(self, keys: Iterable[str]) -> str | None:
-        """The first namespace among ``keys`` this side holds no secret for (None: it covers them)."""
-        if self.complete:
-            return None
-        for k in keys:
-            ns = namespace_of(k)
-            if ns not in self.secrets:
-                return ns
-        return None
-
-    def for_reader(self, namespaces: Iterable[str]) -> dict[str, str]:
-        """The wire form of the secrets of ``namespaces`` (those a client may read), hex."""
-        return {ns: self.secrets[ns].hex() for ns in namespaces if ns in self.secrets}
-
-    @classmethod
-    def from_wire(cls, d: object) -> KeyedFingerprints | None:
-        """A client's, from its handshake; None for anything malformed."""
-        if not isinstance(d, dict):
-            return None
-        try:
-            got = {str(ns): bytes.fromhex(h) for ns, h in d.items() if isinstance(h, str)}
-        except ValueError:
-            return None
-        if len(got) != len(d) or any(not 1 <= len(v) <= 64 for v in got.values()):
-            return None
-        return cls(got)
-
-
-Fingerprints = PlainFingerprints | KeyedFingerprints
 
 
 def slots_for(data_size: int, alignment: int) -> int:

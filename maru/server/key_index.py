@@ -21,16 +21,14 @@ from typing import Any
 
 from maru.config import format_size
 from maru.pool.backing import PoolInfo
+from maru.pool.fingerprints import Fingerprints, KeyedFingerprints, PlainFingerprints
 from maru.pool.header import HEADER_BYTES as POOL_HEADER_BYTES
 from maru.pool.key_index import (
     MIN_SLOTS,
     SIDE_SUFFIX,
     STATE_FULL,
-    Fingerprints,
     IndexPlace,
-    KeyedFingerprints,
     KeyIndexWriter,
-    PlainFingerprints,
     slots_for,
     table_bytes,
 )

@@ -30,7 +30,7 @@ from typing import Any
 
 from maru.config import format_size, parse_size
 from maru.errors import ConfigError
-from maru.pool.key_index import Fingerprints, KeyedFingerprints, PlainFingerprints
+from maru.pool.fingerprints import Fingerprints, KeyedFingerprints, PlainFingerprints
 from maru.protocol import ErrorCode, Op, namespace_of
 from maru.server import validate as V
 from maru.server.auth import Caller

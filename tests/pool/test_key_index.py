@@ -13,17 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from maru.pool.fingerprints import TOMBSTONE, KeyedFingerprints, fingerprint
 from maru.pool.key_index import (
     HEADER_BYTES,
     MAX_PROBE,
     MIN_SLOTS,
     STATE_FULL,
-    TOMBSTONE,
     IndexPlace,
-    KeyedFingerprints,
     KeyIndexReader,
     KeyIndexWriter,
-    fingerprint,
     slots_for,
     table_bytes,
 )
