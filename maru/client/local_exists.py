@@ -154,6 +154,16 @@ class LocalExists:
         """How EXISTS is answered now (``maru doctor``, the connector's data paths)."""
         return "key index" if self._reader is not None else f"server round trip ({self.why_remote})"
 
+    def slow(self) -> list[str]:
+        """What a client reports as a slow path (``set_client_info``) while EXISTS cannot use the
+        index: the reason and where the fix is. Empty on the key index."""
+        if self._reader is not None:
+            return []
+        return [
+            f"EXISTS are server round trips, one per prefix probe ({self.why_remote}). Fix: `maru doctor` "
+            "(key index) on this host names it; docs/server.md#the-key-index"
+        ]
+
     def counts(self) -> dict[str, int]:
         return {"exists_local": self.local, "exists_remote": self.remote}
 

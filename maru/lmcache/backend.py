@@ -103,13 +103,13 @@ class MaruStorageBackend(StoragePluginInterface):
     # ------------------------------------------------------------------ link
     def _on_connect(self, client: Any) -> None:
         role = getattr(self.metadata, "role", None)
-        client.set_client_info(
-            {
-                "role": f"lmcache-{role or 'worker'}",
-                "paths": {"lmcache": "storage plugin"},
-                "slow": self._weaker(),
-            }
-        )
+        local = getattr(client, "local_exists", None)
+        paths = {"lmcache": "storage plugin"}
+        slow = self._weaker()
+        if local is not None:  # LMCache's contains / prefix-contains are EXISTS
+            paths["exists"] = local.path
+            slow += local.slow()
+        client.set_client_info({"role": f"lmcache-{role or 'worker'}", "paths": paths, "slow": slow})
         if self._cuda and self.maru_config.zero_copy_get and self.maru_config.register_with_cuda:
             # Zero-copy gets hand LMCache pool pages, which it copies to the GPU: at pinned speed only
             # if the mapping is registered. (Copying gets land in LMCache's own pinned buffer instead.)

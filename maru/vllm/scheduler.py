@@ -99,6 +99,7 @@ class MaruSchedulerConnector:
         self.tp_size = tp_size
         self._client_factory = client_factory
         self._client: Any = None
+        self._reported_path: str | None = None  # the EXISTS path last reported to the server
         self._next_connect = 0.0
         self._warned_skip: set[str] = set()
         self._reqs: dict[str, _Request] = {}
@@ -148,7 +149,22 @@ class MaruSchedulerConnector:
             warn_unreachable(self.cfg.server_url, _describe(e), _RECONNECT_S)
             return None
         reconnected(self.cfg.server_url)
+        self._reported_path = None
+        self._report_path()
         return self._client
+
+    def _report_path(self) -> None:
+        """Tell the server (``maru stats``, ``maru doctor``) how this scheduler's probes reach the
+        pool, again whenever that changes (a handshake with a restarted server may change it)."""
+        local = getattr(self._client, "local_exists", None)
+        report = getattr(self._client, "set_client_info", None)
+        if local is None or report is None or local.path == self._reported_path:
+            return
+        self._reported_path = local.path
+        try:
+            report({"role": "vllm-scheduler", "paths": {"exists": local.path}, "slow": local.slow()})
+        except Exception as e:  # informative only: never costs the probe or the connection
+            logger.info("Maru: could not report the scheduler's probe path to the server: %s", e)
 
     def _drop_client(self, why: Exception) -> None:
         client, self._client = self._client, None
@@ -239,6 +255,7 @@ class MaruSchedulerConnector:
                     more = self._tails_at(st, hits)
                     tails += more
                     present += self._exists(client, [k for _, _, k in more])
+                self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
                 self._drop_client(e)

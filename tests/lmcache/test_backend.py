@@ -216,6 +216,13 @@ def test_unchecked_gets_are_announced_and_reported_for_maru_doctor(make_storage,
     slow = reported_slow(maru_server)
     assert any("maru_verify_on_get: true" in s for s in slow[me])
     assert slow[checked.link.client().client_id] == []
+    # LMCache's contains are EXISTS: the backend says how they reach the pool (the key index here).
+    from maru.protocol import Op
+    from tests.helpers import RawClient
+
+    with RawClient(maru_server.url) as c:
+        infos = {e["client_id"]: e["info"] for e in c.call(Op.STATS)["clients"] if e.get("info")}
+    assert infos[me]["paths"] == {"lmcache": "storage plugin", "exists": "key index"}
 
 
 def test_server_down_lmcache_keeps_serving_and_maru_warns_once(make_storage, maru_server, caplog):

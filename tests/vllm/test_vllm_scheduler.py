@@ -356,3 +356,33 @@ def test_a_failed_async_load_probes_again_offers_nothing_more_and_stores_the_mis
     meta = s.build_connector_meta(new_out("a", blocks, 0, 300))
     assert not meta.loads and not meta.async_loads
     assert [c.key for rt in meta.stores for c in rt.chunks] == [full[3]]
+
+
+def _scheduler_infos(url: str) -> list[dict[str, Any]]:
+    with MaruHandler(url, timeout_s=2) as h:
+        clients = h.stats()["clients"]
+    return [c["info"] for c in clients if (c.get("info") or {}).get("role") == "vllm-scheduler"]
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
+    tmp_path: Any, keyer: ChunkKeyer, index: bool
+) -> None:
+    extra = [] if index else ["--no-key-index"]
+    with ServerProcess(tmp_path, pool_size="4M", extra_args=extra) as srv:
+        h = MaruHandler(srv.url, timeout_s=2)
+        try:
+            conf = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C)
+            s = MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: h)
+            assert s.get_num_new_matched_tokens(req("r", tokens(300)), 0) == (0, False)
+            (info,) = _scheduler_infos(srv.url)  # `maru stats` lists it; `maru doctor` checks it
+            if index:
+                assert info["paths"] == {"exists": "key index"} and info["slow"] == []
+            else:
+                assert info["paths"]["exists"].startswith("server round trip")
+                (slow,) = info["slow"]
+                assert "EXISTS are server round trips" in slow and "--no-key-index" in slow
+                assert "maru doctor" in slow  # where the fix is
+            assert s.probe_view()["probe_path"] == info["paths"]["exists"]
+        finally:
+            h.close()
