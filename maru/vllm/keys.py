@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -65,6 +66,11 @@ class KeySpace:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as int64 little-endian. A list goes through ``struct`` (4x faster than numpy's
+    conversion of Python ints: 16 against 61 us for 2400 tokens, paid on vLLM's scheduling thread);
+    anything else (arrays, tensors) through numpy. The bytes are the same either way."""
+    if type(token_ids) is list or type(token_ids) is tuple:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 

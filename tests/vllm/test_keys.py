@@ -50,6 +50,30 @@ def test_keys_are_identical_across_processes_and_hash_seeds() -> None:
         assert json.loads(out.stdout) == mine
 
 
+def test_keys_follow_the_documented_chain_for_every_kind_of_token_sequence() -> None:
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    rng = random.Random(5)
+    toks = [rng.randrange(0, 1 << 40) for _ in range(64 * 3 + 40)]  # ids past 32 bits too
+    # The formula of the module docstring, byte by byte: stored caches depend on it not changing.
+    prev, want = SPACE.digest(), []
+    for i in range(3):
+        data = b"".join(t.to_bytes(8, "little") for t in toks[i * 64 : (i + 1) * 64])
+        prev = hashlib.blake2b(b"C" + prev + data, digest_size=16).digest()
+        want.append(SPACE.prefix() + prev.hex())
+    tail = b"".join(t.to_bytes(8, "little") for t in toks[192:224])
+    want_tail = SPACE.prefix() + hashlib.blake2b(b"T" + prev + tail, digest_size=16).hexdigest() + ".t32"
+    k = ChunkKeyer(SPACE)
+    for seq in (toks, tuple(toks), np.array(toks, dtype=np.int64), torch.tensor(toks)):
+        pk = k.prompt_keys(seq)
+        assert pk.full == want, type(seq)
+        assert k.tail_key(pk.parent(3), seq[192:224]) == want_tail, type(seq)
+        assert [key for n, key in k.tail_candidates(pk.parent(3), seq[192:232], 32)] == [want_tail]
+
+
 def test_prompts_share_keys_exactly_up_to_the_chunk_where_they_diverge() -> None:
     a = _tokens(320)
     b = list(a)
