@@ -253,8 +253,7 @@ def check_key_index(ctx: DoctorContext) -> CheckResult:
             WARN,
             f"the server publishes it ({where}) but this process cannot use it: {why}; its EXISTS go to "
             "the server, one round trip each",
-            "run clients as the server's user, or start the server with --group GROUP for a group they are "
-            "in (the index file gets the pool's mode and group)",
+            _key_index_fix(why),
         )
     whom = (
         "clients answer EXISTS from it for the namespaces they may read (fingerprints keyed per namespace)"
@@ -262,6 +261,23 @@ def check_key_index(ctx: DoctorContext) -> CheckResult:
         else "clients answer EXISTS from it"
     )
     return CheckResult(name, OK, f"{keys:,} keys in {slots:,} slots ({where}); {whom}")
+
+
+def _key_index_fix(why: str) -> str:
+    """The fix for a key index this process cannot read, by what went wrong."""
+    if "No such file" in why:
+        return (
+            "a client looks for the index file beside its own path of the pool: map the pool under the "
+            "server's path, or make the file reachable there (a link in the same directory)"
+        )
+    if "no secrets" in why:
+        return (
+            "upgrade this client and the server together (a keyed index needs the secrets from the handshake)"
+        )
+    return (
+        "run clients as the server's user, or start the server with --group GROUP for a group they are "
+        "in (the index file gets the pool's mode and group)"
+    )
 
 
 def _key_index_unreadable(ctx: DoctorContext) -> str | None:

@@ -45,7 +45,14 @@ def test_doctor_warns_when_this_process_cannot_read_the_key_index(tmp_path: Path
     assert p.returncode == 0, p.stdout + p.stderr
     assert "key index (optional) warn the server publishes it" in out, out
     assert f"cannot map the server's key index {alias}.keyindex" in out, out
-    assert "start the server with --group" in out, out
+    assert "map the pool under the server's path" in out, out  # the fix for this cause
+
+
+def test_the_key_index_fix_follows_the_cause() -> None:
+    # Root (CI) reads any file, so the permission case cannot be made here with a real server.
+    assert "--group" in doctor._key_index_fix("cannot map the server's key index /p.keyindex: Permission denied")
+    assert "server's path" in doctor._key_index_fix("cannot map ... /p.keyindex: No such file or directory")
+    assert "upgrade" in doctor._key_index_fix("the server's key index is keyed per namespace and ... no secrets")
 
 
 def test_doctor_without_a_server_fails_and_says_how_to_fix_it() -> None:
