@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from maru import MaruHandler
-from maru.cli import doctor
+from maru.cli import doctor, doctor_server
 from maru.protocol import Op
 from maru.versions import vllm_version
 from tests.helpers import RawClient, ServerProcess, flat, free_port, maru
@@ -50,9 +50,13 @@ def test_doctor_warns_when_this_process_cannot_read_the_key_index(tmp_path: Path
 
 def test_the_key_index_fix_follows_the_cause() -> None:
     # Root (CI) reads any file, so the permission case cannot be made here with a real server.
-    assert "--group" in doctor._key_index_fix("cannot map the server's key index /p.keyindex: Permission denied")
-    assert "server's path" in doctor._key_index_fix("cannot map ... /p.keyindex: No such file or directory")
-    assert "upgrade" in doctor._key_index_fix("the server's key index is keyed per namespace and ... no secrets")
+    assert "--group" in doctor_server._key_index_fix(
+        "cannot map the server's key index /p.keyindex: Permission denied"
+    )
+    assert "server's path" in doctor_server._key_index_fix("cannot map ... /p.keyindex: No such file or directory")
+    assert "upgrade" in doctor_server._key_index_fix(
+        "the server's key index is keyed per namespace and ... no secrets"
+    )
 
 
 def test_doctor_without_a_server_fails_and_says_how_to_fix_it() -> None:
