@@ -58,7 +58,10 @@ API_STORES: dict[str, dict[str, Any]] = {
     "sync": {"maru_async_store": False},
     "unpaced": {"maru_async_store": True, "maru_paced_store": False},
     "probe": {"maru_enable_store": False},
+    # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
+    "idle": {"maru_enable_store": False, "maru_enable_load": False},
 }
+STORE_LABELS = {"probe": "cold, Maru probing only", "idle": "cold, connector attached, Maru off"}
 
 # Two-instance passes: key -> table label (servers "<key>-a" and "<key>-b").
 PAIRS = {
@@ -156,7 +159,7 @@ def _passes(servers: dict[str, ApiServer]) -> list[tuple[str, str]]:
               ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
     passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
                for k in servers if k.startswith("load-")]  # fmt: skip
-    passes += [(k, f"cold, Maru {'probing only' if k == 'store-probe' else 'storing (' + k[6:] + ')'}")
+    passes += [(k, STORE_LABELS.get(k[6:], f"cold, Maru storing ({k[6:]})"))
                for k in servers if k.startswith("store-")]  # fmt: skip
     return passes + list(PAIRS.items())
 

@@ -197,9 +197,10 @@ def pinned_h2d_gbps() -> float | None:
     return best
 
 
-def pool_size(setup: Setup) -> int:
-    """Room for the largest workload's KV (or the multi-round pass's, if larger: its shared system
-    prompt and every user's turns, each round's tail a chunk object of its own) and a quarter more,
+def pool_size(setup: Setup, api_namespaces: int = 1) -> int:
+    """Room for the largest workload's KV (or the multi-round passes', if larger: their shared system
+    prompt and every user's turns, each round's tail a chunk object of its own, once per namespace
+    that stores them: the default one, the pair's, each storing variant's) and a quarter more,
     capped by what /dev/shm has free (80%).
 
     Each workload is stored and loaded back before the next one is stored, so older prompts can
@@ -208,7 +209,7 @@ def pool_size(setup: Setup) -> int:
     """
     largest = max(w.batch * w.tokens for w in setup.workloads)
     per_round = setup.turn_tokens + setup.api_max_tokens + setup.chunk_tokens
-    api = setup.system_tokens + setup.users * setup.rounds * per_round
+    api = (setup.system_tokens + setup.users * setup.rounds * per_round) * api_namespaces
     want = max(max(largest, api) * setup.model.kv_bytes_per_token() * 5 // 4 + GiB // 4, 256 << 20)
     free = shutil.disk_usage("/dev/shm").free
     return int(min(want, free * 0.8)) // (1 << 20) << 20
@@ -499,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.helpers import ServerProcess, free_port
 
-    psize = pool_size(setup)
+    storing = [v for v in a.api_stores if API_STORES[v].get("maru_enable_store", True)]
+    psize = pool_size(setup, 0 if a.no_api else 1 + int(a.api_pair) + len(storing))
     srv = ServerProcess(logs, pool_size=psize, log_level="WARNING")
     srv.start()
     res["pool_bytes"] = psize

@@ -48,6 +48,8 @@ KVConnectorMetadata.register(MaruConnectorMetadata)
 
 logger = logging.getLogger("maru.vllm")
 
+_TIMING_LOG_S = 30.0  # maru_log_timing: the scheduler side's periodic hook-time line
+
 
 def _ensure_logging() -> None:
     """Give Maru's logger a stderr handler when nobody configured one.
@@ -188,6 +190,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 block_size,
                 tp_size=self.key_space.tp_size,
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
+                local_prefix_cache=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
             )
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
@@ -362,6 +365,19 @@ class MaruKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+            if self.maru_config.log_timing and self.hook_times.due(_TIMING_LOG_S):
+                st = self.maru_stats()
+                logger.info(
+                    "Maru: host time in vLLM's hooks (scheduler, so far): %s; probes: %s (%s local, %s "
+                    "remote); async loads planned %d, shared %d, window-deferred %d",
+                    self.hook_times.line(),
+                    st.get("probe_path"),
+                    st.get("probes_local", 0),
+                    st.get("probes_remote", 0),
+                    st["async_loads_planned"],
+                    st["async_loads_shared"],
+                    st["async_loads_deferred"],
+                )
 
     @timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

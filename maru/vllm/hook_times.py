@@ -4,7 +4,8 @@ vLLM calls the scheduler-side hooks on its scheduling thread and the worker-side
 forward; time spent there delays every request of the step, cold ones included. ``HookTimes``
 sums the wall time and calls per hook; ``timed`` wraps a connector method so it counts itself.
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
-line per process at shutdown.
+line per process at shutdown; the scheduler side also logs it every 30 s while vLLM calls it (an
+API server's engine is often killed before its scheduler shuts down).
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ class HookTimes:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self._logged_at = time.monotonic()
+        self._logged_calls = 0
+
+    def due(self, interval_s: float) -> bool:
+        """True at most once per ``interval_s``, and only when hooks were called since the last
+        True: when a periodic log line would say something new."""
+        now = time.monotonic()
+        total = sum(self.calls.values())
+        if now - self._logged_at < interval_s or total == self._logged_calls:
+            return False
+        self._logged_at, self._logged_calls = now, total
+        return True
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds

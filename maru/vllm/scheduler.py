@@ -31,6 +31,7 @@ from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, PromptKeys, rank_keys
+from maru.vllm.load_admission import LoadAdmission
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 
@@ -76,6 +77,9 @@ class SchedulerStats:
     async_loads_planned: int = 0
     async_loads_finished: int = 0
     async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
+    # ... or: another request's load in flight places the chunk it needs next (vLLM's prefix cache
+    # holds it once that load is reported), so it is loaded once, not once per request
+    async_loads_shared: int = 0
     async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
@@ -91,7 +95,10 @@ class MaruSchedulerConnector:
         block_size: int,
         tp_size: int = 1,
         client_factory: Any = None,
+        local_prefix_cache: bool = True,
     ) -> None:
+        """``local_prefix_cache``: whether vLLM's own prefix cache is on (async loads of the same
+        chunks are shared only through it)."""
         self.cfg = cfg
         self.keyer = keyer
         self.block_size = block_size
@@ -108,15 +115,16 @@ class MaruSchedulerConnector:
             maxlen=4
         )
         self.stats = SchedulerStats()
-        # maru_async_load: requests whose load is in flight (admitted, not yet in finished_recving).
-        # req_id -> chunks of its load (the window counts chunks: bytes pinned and queued on the bus).
-        self._inflight: dict[str, int] = {}
+        # maru_async_load: the loads in flight (admitted, not yet in finished_recving).
+        self._admission = LoadAdmission(
+            cfg.max_inflight_loads, cfg.max_inflight_load_chunks, self.chunk, share=local_prefix_cache
+        )
         # maru_async_store: finished requests whose free vLLM delays until finished_sending.
         self._delayed: set[str] = set()
 
     @property
     def inflight_loads(self) -> set[str]:
-        return set(self._inflight)
+        return self._admission.ids()
 
     @property
     def delayed_frees(self) -> set[str]:
@@ -286,6 +294,9 @@ class MaruSchedulerConnector:
         vLLM skips the request for this step and asks again next step, while other requests run.
         Waiting for a slot is chosen over offering 0, because offering 0 would make vLLM compute
         the whole prefix now, which costs far more than the few steps a load slot takes to free.
+        The answer is ``(None, False)`` too when the chunk the request needs next is already being
+        loaded for another request (``LoadAdmission.in_flight``): it waits for vLLM's prefix cache
+        to hold it rather than load a second copy over the same bus.
         """
         try:
             st = self._state(request)
@@ -315,7 +326,10 @@ class MaruSchedulerConnector:
             if n < self.cfg.min_async_load():  # parking it a step would cost more than computing it
                 self.stats.async_hits_computed += 1
                 return 0, False
-            if self._window_full(n):
+            if self._admission.in_flight(self._key_at(st, num_computed_tokens)):
+                self.stats.async_loads_shared += 1
+                return None, False
+            if self._admission.window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False
             return n, True
@@ -323,19 +337,21 @@ class MaruSchedulerConnector:
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
             return 0, False
 
-    def _chunks_of(self, tokens: int) -> int:
-        """Chunks a load of ``tokens`` tokens touches at most (it may start inside one)."""
-        return -(-tokens // self.chunk) + 1
+    def _key_at(self, st: _Request, token: int) -> str:
+        """Key of the matched chunk (or tail) holding prompt token ``token`` ("" past the match)."""
+        i = token // self.chunk
+        hits, tail = st.match
+        if i < hits:
+            return st.keys.full[i]
+        return tail[1] if tail is not None and i == hits else ""
 
-    def _window_full(self, tokens: int) -> bool:
-        """Whether a new async load of ``tokens`` tokens must wait (``maru_max_inflight_loads``,
-        ``maru_max_inflight_load_chunks``). An empty window always admits: a load larger than the
-        window alone still loads, rather than wait for ever."""
-        if not self._inflight:
-            return False
-        if len(self._inflight) >= self.cfg.max_inflight_loads:
-            return True
-        return sum(self._inflight.values()) + self._chunks_of(tokens) > self.cfg.max_inflight_load_chunks
+    def _keys_between(self, st: _Request, begin: int, end: int) -> tuple[str, ...]:
+        """Keys of the matched chunks (and tail) a load of prompt tokens ``[begin, end)`` places."""
+        return tuple(
+            k
+            for i in range(begin // self.chunk, -(-end // self.chunk))
+            if (k := self._key_at(st, i * self.chunk))
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -348,7 +364,8 @@ class MaruSchedulerConnector:
         if num_external_tokens > 0:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
             if self.cfg.async_load:
-                self._inflight[st.req_id] = self._chunks_of(num_external_tokens)
+                begin, end = st.pending_load
+                self._admission.admit(st.req_id, num_external_tokens, self._keys_between(st, begin, end))
             self.stats.requests_hit += 1
             self.stats.tokens_offered += num_external_tokens
 
@@ -450,6 +467,7 @@ class MaruSchedulerConnector:
             meta = MaruConnectorMetadata()
             record = []
         self._recent.append(record)
+        self._admission.settle()
         self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
         return meta
 
@@ -497,8 +515,7 @@ class MaruSchedulerConnector:
                 self._delayed.discard(req_id)
                 self.stats.delayed_frees_released += 1
         for req_id in getattr(output, "finished_recving", None) or ():
-            if req_id in self._inflight:
-                del self._inflight[req_id]
+            if self._admission.finish(req_id):
                 self.stats.async_loads_finished += 1
             st = self._reqs.get(req_id)
             if st is not None and st.async_blocks & invalid:

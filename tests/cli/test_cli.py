@@ -53,7 +53,9 @@ def test_the_key_index_fix_follows_the_cause() -> None:
     assert "--group" in doctor_server._key_index_fix(
         "cannot map the server's key index /p.keyindex: Permission denied"
     )
-    assert "server's path" in doctor_server._key_index_fix("cannot map ... /p.keyindex: No such file or directory")
+    assert "server's path" in doctor_server._key_index_fix(
+        "cannot map ... /p.keyindex: No such file or directory"
+    )
     assert "upgrade" in doctor_server._key_index_fix(
         "the server's key index is keyed per namespace and ... no secrets"
     )

@@ -67,6 +67,10 @@ Y = [random_prompt(1200, 200 + i, V) for i in range(4)]  # stored write-behind b
 # with vLLM's asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
 E1, E2, E3 = (random_prompt(1000, 301 + i, V) for i in range(3))
 P = [random_prompt(1000, 400 + i, V) for i in range(2)]  # preempted under write-behind
+# Four prompts with one head (a system prompt) and tails of their own, arriving together at an
+# async-loading instance: the head's chunks are loaded once, the others wait for vLLM's cache.
+HEAD = random_prompt(5 * C + 20, 500, V)
+S = [HEAD + random_prompt(300, 510 + i, V) for i in range(4)]
 P_TOKENS = 400
 
 
@@ -202,11 +206,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("A-X", lambda: _gen(a, X))
         stage("A-X-hit", lambda: _gen(a, X))
         stage("A-E", lambda: _gen(a, [E1, E2, E3]))
+        stage("A-S", lambda: _gen(a, S))
+        stage("A-S-hit", lambda: _gen(a, S))
         stage("Bsync-X", lambda: _gen(bs, X))
         stage("Bsync-E1", lambda: evicted(bs, E1))
         stage("Bplain-E3", lambda: evicted(eng["B-sync-plain"], E3))
         stage("Basync-X", lambda: _gen(ba, X))
         stage("Basync-E2", lambda: evicted(ba, E2))
+        stage("Basync-S", lambda: {**_gen(ba, S), "sched": ba.stats()["scheduler"]})
         stage("Bovl-X", lambda: _gen(bo, X))
         stage("Bovl-Y", lambda: _gen(bo, Y))
         stage("Bovl-Y-hit", lambda: _gen(bo, Y))
@@ -279,3 +286,16 @@ def test_preemption_under_write_behind_frees_every_block_and_stores_every_chunk(
     b = runs.need("Bsync-P")
     assert b["cached"] == [offered(x) for x in P] and b["delta"]["load_errors"] == 0
     _assert_same(b, r, n=MAX_TOKENS)
+
+
+def test_async_hits_arriving_together_with_one_head_load_it_once(runs: Runs) -> None:
+    """S: one head of 5 chunks and 20 tokens, four tails. The first request loads all of its
+    offer; the other three wait for vLLM's prefix cache to hold the head (its whole blocks), then
+    load only their own part beyond it."""
+    r, ref = runs.need("Basync-S"), runs.need("A-S-hit")
+    head_blocks = len(HEAD) // BS * BS
+    assert r["cached"] == [offered(x) for x in S]
+    want = offered(S[0]) + sum(offered(x) - head_blocks for x in S[1:])
+    assert r["delta"]["tokens_loaded"] == want and r["delta"]["load_errors"] == 0
+    assert r["sched"]["async_loads_shared"] >= 3
+    _assert_same(r, ref)

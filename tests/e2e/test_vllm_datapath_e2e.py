@@ -8,7 +8,9 @@ real ``maru server``:
   serves P1 again (loaded layer by layer while the forward runs) and P3 with a chunk deleted
   between the scheduler's check and the load (recomputed);
 - H: ``maru_async_load`` with an admission window of one load: serves P1 and P3 together (one
-  waits for the other's slot), then P3 alone with a chunk deleted before the load.
+  waits for the other's slot), then P3 alone with a chunk deleted before the load;
+- I: ``maru_async_load`` with the default window: P1 twice, P4 and P2 arriving together, all
+  starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache.
 
 Every output must equal the cold one token for token.
 """
@@ -23,7 +25,7 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
-from tests.e2e.vllm_cpu import BS, P1, P3, C, engine, gen, has_vllm
+from tests.e2e.vllm_cpu import BS, P1, P2, P3, P4, C, engine, gen, has_vllm
 from tests.helpers import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -82,6 +84,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ) as g:
             res["cold_p1"] = gen(g, P1)
             res["cold_p3"] = gen(g, P3)
+            res["cold_p2"] = gen(g, P2)
+            res["cold_p4"] = gen(g, P4)
             assert g.call({"op": "flush_stores"})["ok"]
             assert g.call({"op": "reset_prefix_cache"})["ok"]
             res["g_p1"] = gen(g, P1)
@@ -103,7 +107,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             res["h_p3"] = gen(h, P3)
             res["h_flag_consumed"] = not flag.exists()
             res["h_stats"] = h.call({"op": "stats"})
-        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GH"}
+        with engine("I", tmp, model_dir, conn(maru_async_load=True)) as i:
+            r = i.call({"op": "generate", "prompts": [P1, P1, P4, P2], "max_tokens": 8})
+            assert "error" not in r, r
+            res["i_shared"] = r
+            res["i_stats"] = i.call({"op": "stats"})
+        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GHI"}
         yield res
     finally:
         srv.cleanup()
@@ -154,3 +163,17 @@ def test_async_load_with_a_chunk_deleted_before_the_load_recomputes_with_identic
     w = runs["h_stats"]["worker"]
     assert w["async_load_failures"] == 1 and w["load_errors"] == 1
     assert runs["h_stats"]["scheduler"]["inflight_loads"] == 0
+
+
+def test_requests_arriving_together_with_one_prefix_load_it_once(runs: dict[str, Any]) -> None:
+    """P1, P1 again, P4 (P1 and 100 more tokens) and P2 (P1's first two chunks) at once: P1's
+    chunks cross the bus once; the others wait for vLLM's prefix cache to hold them, then load only
+    what lies beyond: P4 its last 96 usable tokens, P2 the 160 after the shared chunks."""
+    r = runs["i_shared"]
+    assert r["outputs"] == [runs[k]["out"] for k in ("cold_p1", "cold_p1", "cold_p4", "cold_p2")]
+    w, s = runs["i_stats"]["worker"], runs["i_stats"]["scheduler"]
+    p4_usable = (len(P4) - 1) // BS * BS
+    assert s["async_loads_shared"] >= 3  # the second P1, P4 and P2 each waited at least once
+    assert w["tokens_loaded"] == USABLE + (p4_usable - USABLE) + (USABLE - 2 * C)  # 288 + 96 + 160
+    assert w["async_load_failures"] == 0 and s["inflight_loads"] == 0
+    assert r["cached"] == [USABLE, USABLE, p4_usable, USABLE]

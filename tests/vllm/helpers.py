@@ -36,9 +36,13 @@ class CountingClient:
         self.h.close()
 
 
-def make_sched(server: ServerProcess, keyer: ChunkKeyer, client: Any, **cfg: Any) -> MaruSchedulerConnector:
+def make_sched(
+    server: ServerProcess, keyer: ChunkKeyer, client: Any, local_prefix_cache: bool = True, **cfg: Any
+) -> MaruSchedulerConnector:
     conf = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=C, **cfg)
-    return MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: client)
+    return MaruSchedulerConnector(
+        conf, keyer, BS, client_factory=lambda: client, local_prefix_cache=local_prefix_cache
+    )
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

@@ -38,3 +38,19 @@ def test_each_hook_counts_its_calls_and_time_even_when_it_raises() -> None:
     assert h.fast.__name__ == "fast"
     line = h.hook_times.line()
     assert line.startswith("slow 1 calls") and "fast 3 calls" in line and "broken 1 calls" in line
+
+
+def test_periodic_line_is_due_once_per_interval_and_only_after_new_calls(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    h = _Hooks()
+    assert not h.hook_times.due(30.0)  # nothing called yet
+    h.fast(1)
+    assert not h.hook_times.due(30.0)  # called, but the interval has not passed
+    now[0] += 31
+    assert h.hook_times.due(30.0)
+    assert not h.hook_times.due(30.0)  # once per interval
+    now[0] += 31
+    assert not h.hook_times.due(30.0)  # the interval passed, but no new calls
+    h.fast(2)
+    assert h.hook_times.due(30.0)

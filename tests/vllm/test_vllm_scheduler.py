@@ -239,13 +239,15 @@ def test_async_load_offers_asynchronously_and_plans_the_load_of_the_parked_reque
 
 def test_async_load_admission_window_asks_again_later_instead_of_recomputing(server, keyer, client) -> None:
     s = make_sched(server, keyer, client, async_load=True, max_inflight_loads=2)
-    toks = tokens(300, seed=22)
-    full, tail = stored_keys_of(s, toks)
-    publish(server, full + [tail])
+    # Three different prompts: the same one would wait for the first load instead (shared loads).
+    prompts = {rid: tokens(300, seed=220 + i) for i, rid in enumerate("abc")}
+    for toks in prompts.values():
+        full, tail = stored_keys_of(s, toks)
+        publish(server, full + [tail])
     for rid in ("a", "b"):
-        assert s.get_num_new_matched_tokens(req(rid, toks), 0) == (288, True)
-        s.update_state_after_alloc(req(rid, toks), blocks_obj(list(range(10))), 288)
-    c = req("c", toks)
+        assert s.get_num_new_matched_tokens(req(rid, prompts[rid]), 0) == (288, True)
+        s.update_state_after_alloc(req(rid, prompts[rid]), blocks_obj(list(range(10))), 288)
+    c = req("c", prompts["c"])
     assert s.get_num_new_matched_tokens(c, 0) == (None, False)  # window full: vLLM skips c this step
     assert s.stats.async_loads_deferred == 1
     s.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
@@ -285,17 +287,94 @@ def test_async_load_window_counts_chunks_and_always_admits_into_an_empty_window(
 ) -> None:
     # 288 tokens offered = two chunks touched (+1 for a load starting inside a chunk): 3 each.
     s = make_sched(server, keyer, client, async_load=True, max_inflight_load_chunks=5)
-    toks = tokens(300, seed=24)
-    full, tail = stored_keys_of(s, toks)
-    publish(server, full + [tail])
+    toks, other = tokens(300, seed=24), tokens(300, seed=240)
+    for t in (toks, other):
+        full, tail = stored_keys_of(s, t)
+        publish(server, full + [tail])
     assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
     s.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
-    b = req("b", toks)
+    b = req("b", other)
     assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # 3 + 3 chunks > 5
     s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set()))
     assert s.get_num_new_matched_tokens(b, 0) == (288, True)
     tiny = make_sched(server, keyer, client, async_load=True, max_inflight_load_chunks=1)
     assert tiny.get_num_new_matched_tokens(req("big", toks), 0) == (288, True)  # larger than the window
+
+
+def test_a_chunk_already_being_loaded_is_waited_for_not_loaded_again(server, keyer, client) -> None:
+    """Requests that arrive together with one prefix load it once: vLLM caches an async load's
+    blocks only when it is reported, so until then the others are told to ask again later."""
+    s = make_sched(server, keyer, client, async_load=True, async_min_load_tokens=0)  # tails load too
+    toks = tokens(300, seed=26)
+    branch = toks[:128] + tokens(172, seed=27)  # the same first two chunks, then its own
+    unrelated = tokens(300, seed=28)
+    for t in (toks, branch, unrelated):
+        full, tail = stored_keys_of(s, t)
+        publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
+    s.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
+    b, c = req("b", toks), req("c", branch)
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # chunk 0 is on its way for "a"
+    assert s.get_num_new_matched_tokens(c, 0) == (None, False)
+    # vLLM holds the first four chunks already (an earlier request): "b" needs a's tail next.
+    assert s.get_num_new_matched_tokens(req("b2", toks), 256) == (None, False)
+    assert s.stats.async_loads_shared == 3 and s.stats.async_loads_deferred == 0
+    assert s.get_num_new_matched_tokens(req("u", unrelated), 0) == (288, True)  # nothing shared: loads
+    assert s.inflight_loads == {"a"}
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set()))
+    assert s.inflight_loads == set()
+    # vLLM caches a's blocks when its next scheduling pass reaches "a": until that pass ends, a
+    # request asked before "a" (vLLM has not cached them yet) still waits.
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    s.build_connector_meta(empty_out())
+    # Loaded and in vLLM's prefix cache: "b" takes all of it from there, "c" loads only its own part.
+    assert s.get_num_new_matched_tokens(b, 288) == (0, False)
+    assert s.get_num_new_matched_tokens(c, 128) == (160, True)
+    # Evicted from vLLM's cache before "b" came back: nothing is in flight any more, so it loads.
+    assert s.get_num_new_matched_tokens(b, 0) == (288, True)
+
+
+def test_a_failed_shared_load_frees_its_chunks_and_without_vllms_prefix_cache_nothing_waits(
+    server, keyer, client
+) -> None:
+    toks = tokens(300, seed=29)
+    s = make_sched(server, keyer, client, async_load=True)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
+    s.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
+    s.build_connector_meta(empty_out())  # plans a's load
+    assert s.get_num_new_matched_tokens(req("b", toks), 0) == (None, False)
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids={3}))
+    s.build_connector_meta(empty_out())
+    assert s.inflight_loads == set()
+    assert s.get_num_new_matched_tokens(req("b", toks), 0) == (288, True)  # not held by the failure
+    # Without vLLM's prefix cache a finished load leaves nothing to share: every hit loads its own.
+    plain = make_sched(server, keyer, client, local_prefix_cache=False, async_load=True)
+    for rid in ("x", "y"):
+        assert plain.get_num_new_matched_tokens(req(rid, toks), 0) == (288, True)
+        plain.update_state_after_alloc(req(rid, toks), blocks_obj(list(range(10))), 288)
+    assert plain.inflight_loads == {"x", "y"} and plain.stats.async_loads_shared == 0
+
+
+def test_load_admission_counts_each_key_once_per_load_in_flight() -> None:
+    from maru.vllm.load_admission import LoadAdmission
+
+    a = LoadAdmission(max_loads=8, max_chunks=100, chunk_tokens=64)
+    a.admit("r1", 128, ("k0", "k1"))
+    a.admit("r2", 64, ("k1", "k1"))  # a key listed twice counts once
+    assert a.in_flight("k0") and a.in_flight("k1") and not a.in_flight("k2")
+    assert a.finish("r2") and a.in_flight("k1")  # r1 still places it
+    a.admit("r1", 64, ("k2",))  # admitted again: the old load's keys go (landing until settled)
+    a.settle()
+    assert not a.in_flight("k0") and not a.in_flight("k1") and a.in_flight("k2")
+    assert a.finish("r1") and not a.finish("r1") and a.ids() == set()
+    assert a.in_flight("k2")  # landing: vLLM caches it in its next scheduling pass
+    a.settle()
+    assert not a.in_flight("k2") and not a.in_flight("k0")
+    off = LoadAdmission(max_loads=8, max_chunks=100, chunk_tokens=64, share=False)
+    off.admit("r", 64, ("k",))
+    assert not off.in_flight("k") and off.ids() == {"r"}
 
 
 def test_data_path_options_are_validated_write_behind_by_default_and_exclusive() -> None:
