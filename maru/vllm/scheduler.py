@@ -249,20 +249,30 @@ class MaruSchedulerConnector:
         Probing every chunk's tails in one trip cost ~2 ms a 2.4k-token request on the scheduler's
         thread (hashing ~160 tail keys, the server checking them), which a step of 16 new
         requests paid 16 times before its forward.
+
+        When the key index answers (no round trip), the full chunks are asked first and the tails
+        only where the hit ends: 24 keys instead of 46 for a 2.4k-token prompt whose hit ends
+        inside it, and one set of tail candidates hashed instead of three.
         """
         n_full = len(st.keys.full)
         client = self._get_client()
         self.stats.requests_probed += 1
         present: list[bool] | None = None
-        tails = self._tails_at(st, n_full) + (self._tails_at(st, 0) if n_full else [])
+        tails: list[tuple[int, int, str]] = []
         if client is not None:
             try:
-                present = self._exists(client, st.keys.full + [k for _, _, k in tails])
-                hits = next((j for j in range(n_full) if not present[j]), n_full)
-                if 0 < hits < n_full:
-                    more = self._tails_at(st, hits)
-                    tails += more
-                    present += self._exists(client, [k for _, _, k in more])
+                if _answers_locally(client):
+                    present = self._exists(client, st.keys.full)
+                    tails = self._tails_at(st, next((j for j in range(n_full) if not present[j]), n_full))
+                    present += self._exists(client, [k for _, _, k in tails])
+                else:
+                    tails = self._tails_at(st, n_full) + (self._tails_at(st, 0) if n_full else [])
+                    present = self._exists(client, st.keys.full + [k for _, _, k in tails])
+                    hits = next((j for j in range(n_full) if not present[j]), n_full)
+                    if 0 < hits < n_full:
+                        more = self._tails_at(st, hits)
+                        tails += more
+                        present += self._exists(client, [k for _, _, k in more])
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
@@ -299,8 +309,10 @@ class MaruSchedulerConnector:
         to hold it rather than load a second copy over the same bus.
         """
         try:
+            if not (self.cfg.enable_load or self.cfg.enable_store):
+                return 0, False
             st = self._state(request)
-            if st is None or not (self.cfg.enable_load or self.cfg.enable_store):
+            if st is None:
                 return 0, False
             if st.present is None:
                 self._probe(st)
@@ -569,6 +581,12 @@ class MaruSchedulerConnector:
                 client.close()
             except Exception:
                 pass
+
+
+def _answers_locally(client: Any) -> bool:
+    """Whether ``client.exists`` reads the server's key index now (no round trip per call)."""
+    local = getattr(client, "local_exists", None)
+    return local is not None and local.path == "key index"
 
 
 def _describe(e: BaseException) -> str:

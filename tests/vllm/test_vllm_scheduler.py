@@ -465,3 +465,32 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
             assert s.probe_view()["probe_path"] == info["paths"]["exists"]
         finally:
             h.close()
+
+
+def test_probing_through_the_key_index_offers_what_round_trips_offer(server, keyer, client) -> None:
+    """With the key index the full chunks are asked first and the tails only where the hit ends
+    (fewer keys); the offers must be the round-trip strategy's exactly."""
+    base = tokens(300, seed=40)
+    mid = base[: 2 * C] + tokens(172, seed=41)  # two chunks of base, then a stored tail of 32
+    short = tokens(40, seed=42)  # a prompt ending inside chunk 0: its 32-token tail is stored
+    cold_tail = short[:33] + tokens(200, seed=43)  # shares only that tail
+    remote = make_sched(server, keyer, client)
+    for t in (base, mid[: 2 * C + 33], short):
+        full, tail = stored_keys_of(remote, t)
+        publish(server, full + ([tail] if tail else []))
+    local = MaruHandler(server.url, timeout_s=2)
+    try:
+        local.exists(["warm-up"])  # connected: the key index is mapped
+        assert local.local_exists.path == "key index"
+        s = make_sched(server, keyer, local)
+        prompts = {"full": base, "mid": mid, "cold-tail": cold_tail, "miss": tokens(300, seed=44)}
+        for name, toks in prompts.items():
+            for computed in (0, BS):
+                want = remote.get_num_new_matched_tokens(req(f"r-{name}-{computed}", toks), computed)
+                got = s.get_num_new_matched_tokens(req(f"l-{name}-{computed}", toks), computed)
+                assert got == want, (name, computed)
+        offers = {n: remote.get_num_new_matched_tokens(req(f"x-{n}", t), 0)[0] for n, t in prompts.items()}
+        assert offers == {"full": 288, "mid": 2 * C + 32, "cold-tail": 32, "miss": 0}
+        assert local.local_exists.counts()["exists_remote"] == 0
+    finally:
+        local.close()

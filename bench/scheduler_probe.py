@@ -1,0 +1,114 @@
+"""Host time of the scheduler side's prefix probe, in process: ``get_num_new_matched_tokens``.
+
+    .venv/bin/python bench/scheduler_probe.py [--users 16] [--system 2048] [--turn 128] [--reps 30]
+
+A real ``maru server`` (the key index on, or ``--no-key-index``), one ``MaruSchedulerConnector``
+with vLLM's GPU geometry (chunk 256, block 16). Stored: a system prompt and every user's first
+round (its full chunks and its block-aligned tail), as a storing instance leaves them. Timed: each
+user's second round (system prompt, turn, answer, turn), whose hit ends inside the prompt (the
+system prompt's chunks, then round 1's tail), the case that asks about the most keys. Reported:
+microseconds per new request (min and median over ``--reps`` rounds of ``--users`` requests),
+and how many keys each request checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from maru.client import MaruHandler  # noqa: E402
+from maru.demo.server import ServerProcess  # noqa: E402
+from maru.vllm.config import MaruConnectorConfig  # noqa: E402
+from maru.vllm.keys import ChunkKeyer, KeySpace  # noqa: E402
+from maru.vllm.scheduler import MaruSchedulerConnector  # noqa: E402
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 128_000) for _ in range(n)]
+
+
+class _Counting:
+    """The handler, counting the keys asked about."""
+
+    def __init__(self, h: MaruHandler) -> None:
+        self.h, self.keys = h, 0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.keys += len(keys)
+        return self.h.exists(keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.h, name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--turn", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-key-index", action="store_true")
+    a = ap.parse_args()
+    chunk, bs = 256, 16
+    space = KeySpace("bench", "", "bfloat16", 32, 8, 128, chunk)
+    keyer = ChunkKeyer(space)
+    system = _tokens(a.system, 1)
+    first = [system + _tokens(a.turn, 100 + u) for u in range(a.users)]
+    second = [f + _tokens(2 * a.turn, 200 + u) for u, f in enumerate(first)]
+    work = Path(tempfile.mkdtemp(prefix="maru-sched-probe-"))
+    srv = ServerProcess(work, pool_size="64M", extra_args=["--no-key-index"] if a.no_key_index else [])
+    srv.start()
+    try:
+        h = MaruHandler(srv.url, timeout_s=5)
+        keys: set[str] = set()
+        for p in first:
+            pk = keyer.prompt_keys(p)
+            keys.update(pk.full)
+            n = len(pk.full) * chunk
+            usable = (len(p) - 1) // bs * bs
+            if usable > n:
+                keys.add(keyer.tail_key(pk.parent(len(pk.full)), p[n:usable]))
+        objs = h.batch_alloc([8] * len(keys))
+        for o in objs:
+            o.buf[:] = b"\0" * 8
+        h.batch_store(sorted(keys), objs)
+        client = _Counting(h)
+        cfg = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=chunk)
+        per_req: list[float] = []
+        offered = None
+        for rep in range(a.reps):
+            s = MaruSchedulerConnector(cfg, keyer, bs, client_factory=lambda: client)
+            reqs = [
+                SimpleNamespace(request_id=f"{rep}-{u}", prompt_token_ids=p, num_tokens=len(p),
+                                lora_request=None, mm_features=[])
+                for u, p in enumerate(second)
+            ]  # fmt: skip
+            client.keys = 0
+            t0 = time.perf_counter()
+            for r in reqs:
+                offered = s.get_num_new_matched_tokens(r, 0)
+            per_req.append((time.perf_counter() - t0) / len(reqs))
+        keys_per_req = client.keys / a.users
+        print(f"path: {h.local_exists.path}; offered {offered} of {len(second[0])} tokens")
+        print(
+            f"us per new request: min {min(per_req) * 1e6:.0f}, median {statistics.median(per_req) * 1e6:.0f}; "
+            f"keys checked per request: {keys_per_req:.0f}"
+        )
+        h.close()
+    finally:
+        srv.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
