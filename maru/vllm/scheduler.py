@@ -1,8 +1,8 @@
 """Scheduler side of the connector: decides what each step loads from and stores to Maru.
 
-It talks to the server only to ask which keys exist (one ``exists`` round trip per request,
-covering every chunk key of the prompt and the block-aligned partial-chunk candidates); the
-bytes move on the worker side.
+It only asks which keys exist (``PrefixProbe``: from the server's key index, or one or two
+``exists`` round trips per request), covering the prompt's chunk keys and the block-aligned
+partial-chunk candidates where its hit ends; the bytes move on the worker side.
 
 Offer rule (``get_num_new_matched_tokens``): the leading run of present full chunks, extended
 by the longest present *tail* (a partial chunk stored where another prompt with the same
@@ -30,14 +30,16 @@ from typing import Any
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.keys import ChunkKeyer, PromptKeys, rank_keys
+from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.prefix_probe import PrefixProbe
 
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
+SHARED_LOAD_WAIT_S = 2.0  # longest wait for another request's load of the same chunks
 
 
 @dataclass
@@ -54,6 +56,7 @@ class _Request:
     local_computed: int = 0
     async_blocks: set[int] = field(default_factory=set)  # blocks of the async load in flight
     async_load_failed: bool = False  # an async load of this request failed: compute it from now on
+    shared_wait_since: float | None = None  # first "wait for another request's load" answer
     match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
     pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
     block_ids: list[int] = field(default_factory=list)
@@ -80,6 +83,7 @@ class SchedulerStats:
     # ... or: another request's load in flight places the chunk it needs next (vLLM's prefix cache
     # holds it once that load is reported), so it is loaded once, not once per request
     async_loads_shared: int = 0
+    async_share_timeouts: int = 0  # ... waits given up after SHARED_LOAD_WAIT_S: loaded its own copy
     async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
@@ -104,11 +108,13 @@ class MaruSchedulerConnector:
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens
         self.tp_size = tp_size
+        self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
         self._next_connect = 0.0
         self._warned_skip: set[str] = set()
+        self._warned_share_timeout = False
         self._reqs: dict[str, _Request] = {}
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
         self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
@@ -217,79 +223,30 @@ class MaruSchedulerConnector:
         return st
 
     def _usable(self, prompt_len: int) -> int:
-        """Prompt tokens vLLM may take from outside: all but the last, whole blocks only."""
-        return max(0, (prompt_len - 1) // self.block_size * self.block_size)
-
-    def _tails_at(self, st: _Request, i: int) -> list[tuple[int, int, str]]:
-        """The block-aligned tail candidates after full chunk ``i`` (chunk index, tokens, key)."""
-        begin = i * self.chunk
-        end = min(begin + self.chunk - 1, self._usable(len(st.prompt)))
-        if end - begin < self.block_size:
-            return []
-        return [
-            (i, n, key)
-            for n, key in self.keyer.tail_candidates(st.keys.parent(i), st.prompt[begin:end], self.block_size)
-        ]
-
-    def _exists(self, client: Any, keys: list[str]) -> list[bool]:
-        """One ``exists`` round trip; a key is present when every rank's shard is."""
-        if not keys:
-            return []
-        flat = client.exists([rk for k in keys for rk in rank_keys(k, self.tp_size)])
-        r = self.tp_size
-        return [all(flat[j * r : (j + 1) * r]) for j in range(len(keys))]
+        return self._prober.usable(prompt_len)
 
     def _probe(self, st: _Request) -> None:
-        """Which of the request's chunks and block-aligned tails the pool holds.
-
-        Only a tail right after the last hit chunk can extend a hit, so tails are probed there
-        alone: the first round trip asks for every full chunk key and the tails after chunk 0 (a
-        cold prompt) and after the last full chunk (the same prompt again, the common hit); a
-        second one, only when the hit ends at a chunk in between, asks for the tails there.
-        Probing every chunk's tails in one trip cost ~2 ms a 2.4k-token request on the scheduler's
-        thread (hashing ~160 tail keys, the server checking them), which a step of 16 new
-        requests paid 16 times before its forward.
-
-        When the key index answers (no round trip), the full chunks are asked first and the tails
-        only where the hit ends: 24 keys instead of 46 for a 2.4k-token prompt whose hit ends
-        inside it, and one set of tail candidates hashed instead of three.
-        """
+        """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``)."""
         n_full = len(st.keys.full)
         client = self._get_client()
         self.stats.requests_probed += 1
-        present: list[bool] | None = None
-        tails: list[tuple[int, int, str]] = []
+        found = None
         if client is not None:
             try:
-                if _answers_locally(client):
-                    present = self._exists(client, st.keys.full)
-                    tails = self._tails_at(st, next((j for j in range(n_full) if not present[j]), n_full))
-                    present += self._exists(client, [k for _, _, k in tails])
-                else:
-                    tails = self._tails_at(st, n_full) + (self._tails_at(st, 0) if n_full else [])
-                    present = self._exists(client, st.keys.full + [k for _, _, k in tails])
-                    hits = next((j for j in range(n_full) if not present[j]), n_full)
-                    if 0 < hits < n_full:
-                        more = self._tails_at(st, hits)
-                        tails += more
-                        present += self._exists(client, [k for _, _, k in more])
+                found = self._prober.ask(client, st.prompt, st.keys)
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
                 self._drop_client(e)
-                present = None
-        if present is None:
+        if found is None:
             # Unknown: offer nothing, and let the worker try to store (the server answers
             # "present" for chunks that were there after all).
             st.present = [False] * n_full
             st.tail_hits = {}
             st.own_tail_present = False
             return
-        st.present = present[:n_full]
-        st.tail_hits = {}
-        for (i, n, key), hit in zip(tails, present[n_full:], strict=True):
-            if hit and n > st.tail_hits.get(i, (0, ""))[0]:
-                st.tail_hits[i] = (n, key)
+        st.present = found.present
+        st.tail_hits = found.tail_hits
         st.own_tail_present = (
             st.own_tail is not None and st.tail_hits.get(n_full, (0, ""))[0] >= st.own_tail[0]
         )
@@ -338,7 +295,7 @@ class MaruSchedulerConnector:
             if n < self.cfg.min_async_load():  # parking it a step would cost more than computing it
                 self.stats.async_hits_computed += 1
                 return 0, False
-            if self._admission.in_flight(self._key_at(st, num_computed_tokens)):
+            if self._admission.in_flight(self._key_at(st, num_computed_tokens)) and self._may_wait(st):
                 self.stats.async_loads_shared += 1
                 return None, False
             if self._admission.window_full(n):
@@ -348,6 +305,27 @@ class MaruSchedulerConnector:
         except Exception:  # a bug here must not take the engine down: compute instead
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
             return 0, False
+
+    def _may_wait(self, st: _Request) -> bool:
+        """Whether ``st`` may keep waiting for another request's load of its next chunk: for
+        ``SHARED_LOAD_WAIT_S`` at most. A load in flight is reported within a step or a few (a
+        16k-token load is ~40 ms of bus), so a longer wait means it was lost (a case not seen): the
+        request then loads its own copy rather than wait for ever. Announced once."""
+        now = time.monotonic()
+        if st.shared_wait_since is None:
+            st.shared_wait_since = now
+        if now - st.shared_wait_since <= SHARED_LOAD_WAIT_S:
+            return True
+        self.stats.async_share_timeouts += 1
+        if not self._warned_share_timeout:
+            self._warned_share_timeout = True
+            logger.warning(
+                "Maru: request %s waited %.1f s for another request's load of the same chunks; it "
+                "loads its own copy (reported once; async_share_timeouts counts them)",
+                st.req_id,
+                now - st.shared_wait_since,
+            )
+        return False
 
     def _key_at(self, st: _Request, token: int) -> str:
         """Key of the matched chunk (or tail) holding prompt token ``token`` ("" past the match)."""
@@ -568,6 +546,8 @@ class MaruSchedulerConnector:
         (whatever became of the store: drained, failed, dropped, connector off), on every rank.
         vLLM calls this for finished and aborted requests, never for preempted ones."""
         st = self._reqs.pop(request.request_id, None)
+        # An aborted request's load may never be reported: nobody may wait for its chunks.
+        self._admission.finish(request.request_id)
         if st is not None and st.sending:
             self._delayed.add(st.req_id)
             self.stats.delayed_frees += 1
@@ -581,12 +561,6 @@ class MaruSchedulerConnector:
                 client.close()
             except Exception:
                 pass
-
-
-def _answers_locally(client: Any) -> bool:
-    """Whether ``client.exists`` reads the server's key index now (no round trip per call)."""
-    local = getattr(client, "local_exists", None)
-    return local is not None and local.path == "key index"
 
 
 def _describe(e: BaseException) -> str:

@@ -494,3 +494,42 @@ def test_probing_through_the_key_index_offers_what_round_trips_offer(server, key
         assert local.local_exists.counts()["exists_remote"] == 0
     finally:
         local.close()
+
+
+def test_a_wait_for_another_requests_load_is_bounded_and_ends_with_that_request(
+    server, keyer, client, monkeypatch, caplog
+) -> None:
+    """If the load waited for is never reported (a case not seen), the waiter loads its own copy
+    after ``SHARED_LOAD_WAIT_S``, announced once; and an aborted request's chunks are released at
+    once (its load may never be reported)."""
+    import logging
+
+    from maru.vllm import scheduler as sched_mod
+
+    now = [100.0]
+    monkeypatch.setattr(sched_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))  # its clock only
+    toks = tokens(300, seed=45)
+    s = make_sched(server, keyer, client, async_load=True)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    a = req("a", toks)
+    assert s.get_num_new_matched_tokens(a, 0) == (288, True)
+    s.update_state_after_alloc(a, blocks_obj(list(range(10))), 288)
+    b = req("b", toks)
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    now[0] += sched_mod.SHARED_LOAD_WAIT_S / 2
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # still within the bound
+    now[0] += sched_mod.SHARED_LOAD_WAIT_S
+    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+        assert s.get_num_new_matched_tokens(b, 0) == (288, True)  # gave up waiting: loads itself
+    assert s.stats.async_share_timeouts == 1 and s.stats.async_loads_shared == 2
+    assert sum("loads its own copy" in r.getMessage() for r in caplog.records) == 1
+    # An aborted owner: vLLM calls request_finished; nobody waits for its chunks any more.
+    s2 = make_sched(server, keyer, client, async_load=True)
+    assert s2.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
+    s2.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
+    assert s2.get_num_new_matched_tokens(req("c", toks), 0) == (None, False)
+    s2.request_finished(req("a", toks), [])
+    s2.build_connector_meta(empty_out())  # the pass in which vLLM would have cached a's blocks
+    assert s2.inflight_loads == set()
+    assert s2.get_num_new_matched_tokens(req("c", toks), 0) == (288, True)
