@@ -298,6 +298,7 @@ class MaruSchedulerConnector:
             if self._admission.in_flight(self._key_at(st, num_computed_tokens)) and self._may_wait(st):
                 self.stats.async_loads_shared += 1
                 return None, False
+            st.shared_wait_since = None  # not waiting (any more): a later wait starts its own clock
             if self._admission.window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False

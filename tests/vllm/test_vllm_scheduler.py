@@ -524,6 +524,12 @@ def test_a_wait_for_another_requests_load_is_bounded_and_ends_with_that_request(
         assert s.get_num_new_matched_tokens(b, 0) == (288, True)  # gave up waiting: loads itself
     assert s.stats.async_share_timeouts == 1 and s.stats.async_loads_shared == 2
     assert sum("loads its own copy" in r.getMessage() for r in caplog.records) == 1
+    # A later wait of the same request (e.g. matched again after a preemption) has its own clock.
+    s.update_state_after_alloc(b, blocks_obj(list(range(10))), 288)
+    s.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
+    now[0] += 10 * sched_mod.SHARED_LOAD_WAIT_S
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # a's load is still in flight
+    assert s.stats.async_share_timeouts == 1
     # An aborted owner: vLLM calls request_finished; nobody waits for its chunks any more.
     s2 = make_sched(server, keyer, client, async_load=True)
     assert s2.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
