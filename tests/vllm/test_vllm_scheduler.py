@@ -357,26 +357,6 @@ def test_a_failed_shared_load_frees_its_chunks_and_without_vllms_prefix_cache_no
     assert plain.inflight_loads == {"x", "y"} and plain.stats.async_loads_shared == 0
 
 
-def test_load_admission_counts_each_key_once_per_load_in_flight() -> None:
-    from maru.vllm.load_admission import LoadAdmission
-
-    a = LoadAdmission(max_loads=8, max_chunks=100, chunk_tokens=64)
-    a.admit("r1", 128, ("k0", "k1"))
-    a.admit("r2", 64, ("k1", "k1"))  # a key listed twice counts once
-    assert a.in_flight("k0") and a.in_flight("k1") and not a.in_flight("k2")
-    assert a.finish("r2") and a.in_flight("k1")  # r1 still places it
-    a.admit("r1", 64, ("k2",))  # admitted again: the old load's keys go (landing until settled)
-    a.settle()
-    assert not a.in_flight("k0") and not a.in_flight("k1") and a.in_flight("k2")
-    assert a.finish("r1") and not a.finish("r1") and a.ids() == set()
-    assert a.in_flight("k2")  # landing: vLLM caches it in its next scheduling pass
-    a.settle()
-    assert not a.in_flight("k2") and not a.in_flight("k0")
-    off = LoadAdmission(max_loads=8, max_chunks=100, chunk_tokens=64, share=False)
-    off.admit("r", 64, ("k",))
-    assert not off.in_flight("k") and off.ids() == {"r"}
-
-
 def test_data_path_options_are_validated_write_behind_by_default_and_exclusive() -> None:
     from maru.errors import ConfigError
 

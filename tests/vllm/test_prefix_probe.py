@@ -1,0 +1,65 @@
+"""``maru.vllm.prefix_probe``: what the scheduler asks the pool about a prompt, against a real
+server, through its key index and through round trips."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.prefix_probe import PrefixProbe, answers_locally
+from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
+from tests.vllm.helpers import BS, C, CountingClient, publish, tokens
+
+server = module_server("prefix-probe", pool_size="16M")
+
+
+class _Local:
+    """A key-index client that counts the keys it is asked about."""
+
+    def __init__(self, h: MaruHandler) -> None:
+        self.h, self.keys = h, 0
+        self.local_exists = h.local_exists
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.keys += len(keys)
+        return self.h.exists(keys)
+
+
+@pytest.fixture
+def handler(server: ServerProcess) -> Iterator[MaruHandler]:
+    h = MaruHandler(server.url, timeout_s=2)
+    h.exists(["warm-up"])  # connected: the key index is mapped
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_the_key_index_path_asks_fewer_keys_for_the_same_answer(server, handler) -> None:
+    keyer = ChunkKeyer(KeySpace("probe-model", "", "float32", 2, 2, 32, C))
+    probe = PrefixProbe(keyer, C, BS)
+    stored = tokens(6 * C + 40, seed=50)
+    pk = keyer.prompt_keys(stored)
+    publish(server, pk.full[:4] + [keyer.tail_key(pk.parent(4), stored[4 * C : 4 * C + 32])])
+    # Four stored chunks and a 32-token tail after them, then a prompt of its own: the hit ends
+    # inside the prompt, the case that asks about the most keys.
+    prompt = stored[: 4 * C + 40] + tokens(3 * C, seed=51)
+    keys = keyer.prompt_keys(prompt)
+    local = _Local(handler)
+    remote = CountingClient(server.url)
+    try:
+        assert answers_locally(local) and not answers_locally(remote)
+        got = probe.ask(local, prompt, keys)
+        want = probe.ask(remote, prompt, keys)
+        assert got.present == want.present == [True] * 4 + [False] * (len(keys.full) - 4)
+        assert got.tail_hits == {4: (32, want.tail_hits[4][1])} and want.tail_hits.keys() == {4}
+        # Local: the full chunks, then the tails after the last hit chunk only.
+        assert local.keys == len(keys.full) + len(probe.tails_at(prompt, keys, 4))
+        assert remote.exists_calls == 2  # round trips: all chunks and two tail sets, then the tails at 4
+        assert handler.local_exists.counts()["exists_remote"] == 0
+    finally:
+        remote.close()
