@@ -190,7 +190,9 @@ class MaruKVConnector(KVConnectorBase_V1):
                 block_size,
                 tp_size=self.key_space.tp_size,
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
-                local_prefix_cache=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
+                # vLLM's default is on; an unresolved None counts as on.
+                local_prefix_cache=getattr(vllm_config.cache_config, "enable_prefix_caching", True)
+                is not False,
             )
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",

@@ -10,7 +10,8 @@ real ``maru server``:
 - H: ``maru_async_load`` with an admission window of one load: serves P1 and P3 together (one
   waits for the other's slot), then P3 alone with a chunk deleted before the load;
 - I: ``maru_async_load`` with the default window: P1 twice, P4 and P2 arriving together, all
-  starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache.
+  starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache;
+- J: the same without vLLM's prefix cache: nothing to wait for, each request loads its own copy.
 
 Every output must equal the cold one token for token.
 """
@@ -112,7 +113,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert "error" not in r, r
             res["i_shared"] = r
             res["i_stats"] = i.call({"op": "stats"})
-        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GHI"}
+        with engine("J", tmp, model_dir, conn(maru_async_load=True), enable_prefix_caching=False) as j:
+            r = j.call({"op": "generate", "prompts": [P1, P1, P4], "max_tokens": 8})
+            assert "error" not in r, r
+            res["j_unshared"] = r
+            res["j_stats"] = j.call({"op": "stats"})
+        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GHIJ"}
         yield res
     finally:
         srv.cleanup()
@@ -177,3 +183,14 @@ def test_requests_arriving_together_with_one_prefix_load_it_once(runs: dict[str,
     assert w["tokens_loaded"] == USABLE + (p4_usable - USABLE) + (USABLE - 2 * C)  # 288 + 96 + 160
     assert w["async_load_failures"] == 0 and s["inflight_loads"] == 0
     assert r["cached"] == [USABLE, USABLE, p4_usable, USABLE]
+
+
+def test_without_vllms_prefix_cache_every_request_loads_its_own_copy(runs: dict[str, Any]) -> None:
+    """vLLM's prefix cache off (read from vLLM's config): a finished load leaves nothing to share,
+    so nobody waits; P1, P1 and P4 each load their whole offer."""
+    r = runs["j_unshared"]
+    assert r["outputs"] == [runs[k]["out"] for k in ("cold_p1", "cold_p1", "cold_p4")]
+    w, s = runs["j_stats"]["worker"], runs["j_stats"]["scheduler"]
+    p4_usable = (len(P4) - 1) // BS * BS
+    assert s["async_loads_shared"] == 0 and w["async_load_failures"] == 0
+    assert w["tokens_loaded"] == 2 * USABLE + p4_usable
