@@ -242,6 +242,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             out["inflight_loads"] = len(self._scheduler.inflight_loads)
             out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
             out.update(self._scheduler.probe_view())
+            out["async_load_sharing"] = self._scheduler.load_sharing
         else:
             assert self._worker is not None
             out = self._worker.stats.as_dict()

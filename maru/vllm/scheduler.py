@@ -127,10 +127,27 @@ class MaruSchedulerConnector:
         )
         # maru_async_store: finished requests whose free vLLM delays until finished_sending.
         self._delayed: set[str] = set()
+        # A slower path (announced once, reported to the server for `maru doctor`): without vLLM's
+        # prefix cache, requests arriving together with one prefix each load their own copy.
+        self._unshared: str | None = None
+        if cfg.async_load and cfg.enable_load and not local_prefix_cache:
+            self._unshared = (
+                "async loads are not shared: vLLM's prefix cache is off (enable_prefix_caching=False), "
+                "so requests arriving together with one prefix each load their own copy (bus time and "
+                "KV blocks once per request). Fix: turn vLLM's prefix caching on"
+            )
+            logger.warning("Maru: %s", self._unshared)
 
     @property
     def inflight_loads(self) -> set[str]:
         return self._admission.ids()
+
+    @property
+    def load_sharing(self) -> str:
+        """Whether async loads of one prefix arriving together are loaded once (``maru stats``)."""
+        if not (self.cfg.async_load and self.cfg.enable_load):
+            return "n/a (maru_async_load off)"
+        return "off (vLLM's prefix cache is off)" if self._unshared else "on"
 
     @property
     def delayed_frees(self) -> set[str]:
@@ -176,7 +193,13 @@ class MaruSchedulerConnector:
             return
         self._reported_path = local.path
         try:
-            report({"role": "vllm-scheduler", "paths": {"exists": local.path}, "slow": local.slow()})
+            report(
+                {
+                    "role": "vllm-scheduler",
+                    "paths": {"exists": local.path, "async_load_sharing": self.load_sharing},
+                    "slow": local.slow() + ([self._unshared] if self._unshared else []),
+                }
+            )
         except Exception as e:  # informative only: never costs the probe or the connection
             logger.info("Maru: could not report the scheduler's probe path to the server: %s", e)
 

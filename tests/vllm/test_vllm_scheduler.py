@@ -436,7 +436,8 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
             assert s.get_num_new_matched_tokens(req("r", tokens(300)), 0) == (0, False)
             (info,) = _scheduler_infos(srv.url)  # `maru stats` lists it; `maru doctor` checks it
             if index:
-                assert info["paths"] == {"exists": "key index"} and info["slow"] == []
+                assert info["paths"] == {"exists": "key index", "async_load_sharing": s.load_sharing}
+                assert info["slow"] == [] and s.load_sharing.startswith("n/a")
             else:
                 assert info["paths"]["exists"].startswith("server round trip")
                 (slow,) = info["slow"]
@@ -519,3 +520,29 @@ def test_a_wait_for_another_requests_load_is_bounded_and_ends_with_that_request(
     s2.build_connector_meta(empty_out())  # the pass in which vLLM would have cached a's blocks
     assert s2.inflight_loads == set()
     assert s2.get_num_new_matched_tokens(req("c", toks), 0) == (288, True)
+
+
+def test_async_loads_without_vllms_prefix_cache_are_announced_as_a_slower_path(
+    tmp_path: Any, keyer: ChunkKeyer, caplog: Any
+) -> None:
+    import logging
+
+    with ServerProcess(tmp_path, pool_size="4M") as srv:
+        h = MaruHandler(srv.url, timeout_s=2)
+        try:
+            conf = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C, async_load=True)
+            with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+                s = MaruSchedulerConnector(
+                    conf, keyer, BS, client_factory=lambda: h, local_prefix_cache=False
+                )
+                s.get_num_new_matched_tokens(req("r", tokens(300)), 0)
+                s.get_num_new_matched_tokens(req("q", tokens(300, seed=3)), 0)
+            warned = [r.getMessage() for r in caplog.records if "not shared" in r.getMessage()]
+            assert len(warned) == 1 and "enable_prefix_caching" in warned[0]  # once, with the fix
+            (info,) = _scheduler_infos(srv.url)  # `maru doctor` lists a client's slow paths
+            assert info["paths"]["async_load_sharing"] == s.load_sharing == "off (vLLM's prefix cache is off)"
+            assert any("prefix caching on" in line for line in info["slow"])
+            on = MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: h)
+            assert on.load_sharing == "on"
+        finally:
+            h.close()
