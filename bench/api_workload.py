@@ -135,6 +135,23 @@ def loaded_tokens_in_log(path: Path) -> int:
         return 0
 
 
+_SCHED_LINE = "(scheduler, so far):"
+_PROBE_HOOK = re.compile(r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms")
+
+
+def scheduler_probe_us(path: Path) -> float | None:
+    """Host time per ``get_num_new_matched_tokens`` call (per new request asked about) in the
+    scheduler's last periodic hook-time line of an engine log (``maru_log_timing``); None without one."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if _SCHED_LINE in ln]
+    except OSError:
+        return None
+    m = _PROBE_HOOK.search(lines[-1]) if lines else None
+    if m is None or not int(m.group(1)):
+        return None
+    return float(m.group(2)) * 1e3 / int(m.group(1))
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
@@ -207,6 +224,10 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
                 out["errors"].append(f"{label} (repetition {rep}): {e!r}")
                 log(f"api {label} (repetition {rep}): FAILED {e!r}")
     for row in rows.values():
+        key = row["server"]
+        names = [f"{key}-a", f"{key}-b"] if key in PAIRS else [key]
+        probe = [v for n in names if n in live and (v := scheduler_probe_us(live[n].log_path)) is not None]
+        row["sched_probe_us"] = statistics.mean(probe) if probe else None
         _finish_row(row)
         if row.get("n"):
             out["passes"].append(row)
