@@ -150,6 +150,11 @@ class LocalExists:
         return None
 
     @property
+    def indexed(self) -> bool:
+        """Whether EXISTS reads the server's key index now (``path`` says it in words)."""
+        return self._reader is not None
+
+    @property
     def path(self) -> str:
         """How EXISTS is answered now (``maru doctor``, the connector's data paths)."""
         return "key index" if self._reader is not None else f"server round trip ({self.why_remote})"

@@ -14,6 +14,9 @@ it nothing is shared and every hit loads its own copy.
 from __future__ import annotations
 
 import collections
+import time
+
+SHARED_LOAD_WAIT_S = 2.0  # longest wait for another request's load of the same chunks
 
 
 class LoadAdmission:
@@ -80,3 +83,40 @@ class LoadAdmission:
     def settle(self) -> None:
         """End of a scheduling pass: the loads finished before it are in vLLM's prefix cache now."""
         self._landing.clear()
+
+
+class SharedWaits:
+    """How long each request has waited for another request's load of the chunk it needs next.
+
+    A load in flight is reported within a step or a few (a 16k-token load is ~40 ms of bus), so a
+    wait past ``bound_s`` means its report was lost (a case not seen): the request then loads its
+    own copy rather than wait for ever. A wait lasts until ``end`` (the request was admitted, or
+    nothing it needs is in flight any more); ``timeouts`` counts the waits that ran out, once each.
+    """
+
+    def __init__(self, bound_s: float = SHARED_LOAD_WAIT_S) -> None:
+        self.bound_s = bound_s
+        self.timeouts = 0
+        self._since: dict[str, float] = {}
+        self._expired: set[str] = set()
+
+    def may_wait(self, req_id: str) -> bool:
+        """Whether ``req_id`` may (still) wait; starts its clock on the first call of a wait."""
+        now = time.monotonic()
+        since = self._since.setdefault(req_id, now)
+        if req_id in self._expired:
+            return False
+        if now - since <= self.bound_s:
+            return True
+        self._expired.add(req_id)
+        self.timeouts += 1
+        return False
+
+    def waited(self, req_id: str) -> float:
+        """Seconds ``req_id``'s current wait has lasted (0 when it is not waiting)."""
+        since = self._since.get(req_id)
+        return 0.0 if since is None else time.monotonic() - since
+
+    def end(self, req_id: str) -> None:
+        self._since.pop(req_id, None)
+        self._expired.discard(req_id)

@@ -86,4 +86,4 @@ class PrefixProbe:
 def answers_locally(client: Any) -> bool:
     """Whether ``client.exists`` reads the server's key index now (no round trip per call)."""
     local = getattr(client, "local_exists", None)
-    return local is not None and local.path == "key index"
+    return local is not None and local.indexed

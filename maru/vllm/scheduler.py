@@ -31,7 +31,7 @@ from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, PromptKeys
-from maru.vllm.load_admission import LoadAdmission
+from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.prefix_probe import PrefixProbe
@@ -39,7 +39,6 @@ from maru.vllm.prefix_probe import PrefixProbe
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
-SHARED_LOAD_WAIT_S = 2.0  # longest wait for another request's load of the same chunks
 
 
 @dataclass
@@ -56,7 +55,6 @@ class _Request:
     local_computed: int = 0
     async_blocks: set[int] = field(default_factory=set)  # blocks of the async load in flight
     async_load_failed: bool = False  # an async load of this request failed: compute it from now on
-    shared_wait_since: float | None = None  # first "wait for another request's load" answer
     match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
     pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
     block_ids: list[int] = field(default_factory=list)
@@ -83,7 +81,7 @@ class SchedulerStats:
     # ... or: another request's load in flight places the chunk it needs next (vLLM's prefix cache
     # holds it once that load is reported), so it is loaded once, not once per request
     async_loads_shared: int = 0
-    async_share_timeouts: int = 0  # ... waits given up after SHARED_LOAD_WAIT_S: loaded its own copy
+    async_share_timeouts: int = 0  # ... waits that ran out (``SharedWaits``): loaded its own copy
     async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
@@ -107,14 +105,13 @@ class MaruSchedulerConnector:
         self.keyer = keyer
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens
-        self.tp_size = tp_size
         self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
         self._next_connect = 0.0
         self._warned_skip: set[str] = set()
-        self._warned_share_timeout = False
+        self._share_timeout_note: str | None = None  # set at the first timeout (``maru doctor``)
         self._reqs: dict[str, _Request] = {}
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
         self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
@@ -125,6 +122,7 @@ class MaruSchedulerConnector:
         self._admission = LoadAdmission(
             cfg.max_inflight_loads, cfg.max_inflight_load_chunks, self.chunk, share=local_prefix_cache
         )
+        self._waits = SharedWaits()
         # maru_async_store: finished requests whose free vLLM delays until finished_sending.
         self._delayed: set[str] = set()
         # A slower path (announced once, reported to the server for `maru doctor`): without vLLM's
@@ -197,7 +195,7 @@ class MaruSchedulerConnector:
                 {
                     "role": "vllm-scheduler",
                     "paths": {"exists": local.path, "async_load_sharing": self.load_sharing},
-                    "slow": local.slow() + ([self._unshared] if self._unshared else []),
+                    "slow": local.slow() + [n for n in (self._unshared, self._share_timeout_note) if n],
                 }
             )
         except Exception as e:  # informative only: never costs the probe or the connection
@@ -318,10 +316,11 @@ class MaruSchedulerConnector:
             if n < self.cfg.min_async_load():  # parking it a step would cost more than computing it
                 self.stats.async_hits_computed += 1
                 return 0, False
-            if self._admission.in_flight(self._key_at(st, num_computed_tokens)) and self._may_wait(st):
+            if not self._admission.in_flight(self._key_at(st, num_computed_tokens)):
+                self._waits.end(st.req_id)  # nothing to wait for: a later wait starts its own clock
+            elif self._may_wait(st.req_id):
                 self.stats.async_loads_shared += 1
                 return None, False
-            st.shared_wait_since = None  # not waiting (any more): a later wait starts its own clock
             if self._admission.window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False
@@ -330,25 +329,22 @@ class MaruSchedulerConnector:
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
             return 0, False
 
-    def _may_wait(self, st: _Request) -> bool:
-        """Whether ``st`` may keep waiting for another request's load of its next chunk: for
-        ``SHARED_LOAD_WAIT_S`` at most. A load in flight is reported within a step or a few (a
-        16k-token load is ~40 ms of bus), so a longer wait means it was lost (a case not seen): the
-        request then loads its own copy rather than wait for ever. Announced once."""
-        now = time.monotonic()
-        if st.shared_wait_since is None:
-            st.shared_wait_since = now
-        if now - st.shared_wait_since <= SHARED_LOAD_WAIT_S:
+    def _may_wait(self, req_id: str) -> bool:
+        """Whether ``req_id`` may keep waiting for another request's load (``SharedWaits``). The
+        first wait that runs out is logged and reported to the server (``maru doctor`` shows it)."""
+        if self._waits.may_wait(req_id):
             return True
-        self.stats.async_share_timeouts += 1
-        if not self._warned_share_timeout:
-            self._warned_share_timeout = True
-            logger.warning(
-                "Maru: request %s waited %.1f s for another request's load of the same chunks; it "
-                "loads its own copy (reported once; async_share_timeouts counts them)",
-                st.req_id,
-                now - st.shared_wait_since,
+        self.stats.async_share_timeouts = self._waits.timeouts
+        if self._waits.timeouts and self._share_timeout_note is None:
+            self._share_timeout_note = (
+                f"a request waited {self._waits.waited(req_id):.1f} s for another request's async load "
+                "of the same chunks, whose completion never came; it loaded its own copy (served "
+                "correctly, more bus time). Fix: look in this vLLM's log for Maru load errors and "
+                "report it; async_share_timeouts counts them"
             )
+            logger.warning("Maru: %s", self._share_timeout_note)
+            self._reported_path = None  # report again, with this
+            self._report_path()
         return False
 
     def _key_at(self, st: _Request, token: int) -> str:
@@ -380,6 +376,7 @@ class MaruSchedulerConnector:
             if self.cfg.async_load:
                 begin, end = st.pending_load
                 self._admission.admit(st.req_id, num_external_tokens, self._keys_between(st, begin, end))
+                self._waits.end(st.req_id)
             self.stats.requests_hit += 1
             self.stats.tokens_offered += num_external_tokens
 
@@ -572,6 +569,7 @@ class MaruSchedulerConnector:
         st = self._reqs.pop(request.request_id, None)
         # An aborted request's load may never be reported: nobody may wait for its chunks.
         self._admission.finish(request.request_id)
+        self._waits.end(request.request_id)
         if st is not None and st.sending:
             self._delayed.add(st.req_id)
             self.stats.delayed_frees += 1

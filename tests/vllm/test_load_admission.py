@@ -33,3 +33,19 @@ def test_the_window_counts_chunks_and_always_admits_into_an_empty_one() -> None:
     a.admit("r2", 1, ("k1",))
     assert a.window_full(1)  # two loads: the load count is full
     assert a.finish("r1") and not a.window_full(64)
+
+
+def test_a_shared_wait_runs_out_once_and_ends_with_its_request(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from maru.vllm import load_admission
+
+    now = [0.0]
+    monkeypatch.setattr(load_admission, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    w = load_admission.SharedWaits(bound_s=1.0)
+    assert w.may_wait("r") and w.waited("r") == 0.0
+    now[0] = 1.5
+    assert not w.may_wait("r") and not w.may_wait("r") and w.timeouts == 1  # counted once
+    assert w.waited("r") == 1.5
+    w.end("r")
+    assert w.waited("r") == 0.0 and w.may_wait("r")  # a new wait: a new clock

@@ -478,41 +478,62 @@ def test_probing_through_the_key_index_offers_what_round_trips_offer(server, key
 
 
 def test_a_wait_for_another_requests_load_is_bounded_and_ends_with_that_request(
-    server, keyer, client, monkeypatch, caplog
+    server, keyer, monkeypatch, caplog
 ) -> None:
     """If the load waited for is never reported (a case not seen), the waiter loads its own copy
-    after ``SHARED_LOAD_WAIT_S``, announced once; and an aborted request's chunks are released at
-    once (its load may never be reported)."""
+    after ``SHARED_LOAD_WAIT_S``: counted once per wait, logged and reported to the server once;
+    and an aborted request's chunks are released at once (its load may never be reported)."""
     import logging
 
-    from maru.vllm import scheduler as sched_mod
+    from maru.vllm import load_admission
 
     now = [100.0]
-    monkeypatch.setattr(sched_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))  # its clock only
+    monkeypatch.setattr(load_admission, "time", SimpleNamespace(monotonic=lambda: now[0]))  # its clock only
+    bound = load_admission.SHARED_LOAD_WAIT_S
     toks = tokens(300, seed=45)
-    s = make_sched(server, keyer, client, async_load=True)
-    full, tail = stored_keys_of(s, toks)
-    publish(server, full + [tail])
-    a = req("a", toks)
-    assert s.get_num_new_matched_tokens(a, 0) == (288, True)
-    s.update_state_after_alloc(a, blocks_obj(list(range(10))), 288)
-    b = req("b", toks)
-    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
-    now[0] += sched_mod.SHARED_LOAD_WAIT_S / 2
-    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # still within the bound
-    now[0] += sched_mod.SHARED_LOAD_WAIT_S
-    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
-        assert s.get_num_new_matched_tokens(b, 0) == (288, True)  # gave up waiting: loads itself
-    assert s.stats.async_share_timeouts == 1 and s.stats.async_loads_shared == 2
-    assert sum("loads its own copy" in r.getMessage() for r in caplog.records) == 1
-    # A later wait of the same request (e.g. matched again after a preemption) has its own clock.
-    s.update_state_after_alloc(b, blocks_obj(list(range(10))), 288)
-    s.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
-    now[0] += 10 * sched_mod.SHARED_LOAD_WAIT_S
-    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # a's load is still in flight
-    assert s.stats.async_share_timeouts == 1
+    h = MaruHandler(server.url, timeout_s=2)  # reports client info: what `maru doctor` reads
+    try:
+        s = make_sched(server, keyer, h, async_load=True)
+        full, tail = stored_keys_of(s, toks)
+        publish(server, full + [tail])
+        a = req("a", toks)
+        assert s.get_num_new_matched_tokens(a, 0) == (288, True)
+        s.update_state_after_alloc(a, blocks_obj(list(range(10))), 288)
+        b = req("b", toks)
+        assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+        now[0] += bound / 2
+        assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # still within the bound
+        now[0] += bound
+        with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+            assert s.get_num_new_matched_tokens(b, 0) == (288, True)  # gave up waiting: loads itself
+        assert s.stats.async_share_timeouts == 1 and s.stats.async_loads_shared == 2
+        assert sum("loaded its own copy" in r.getMessage() for r in caplog.records) == 1
+        notes = [n for i in _scheduler_infos(server.url) for n in i["slow"] if "never came" in n]
+        assert len(notes) == 1 and "Fix:" in notes[0]
+        # A later wait of the same request (e.g. matched again after a preemption) has its own clock.
+        s.update_state_after_alloc(b, blocks_obj(list(range(10))), 288)
+        s.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
+        now[0] += 10 * bound
+        assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # a's load is still in flight
+        assert s.stats.async_share_timeouts == 1
+    finally:
+        h.close()
+    # A wait that ran out while the window is full is deferred by the window, step after step,
+    # without waiting (or counting a timeout) again.
+    w = make_sched(server, keyer, CountingClient(server.url), async_load=True, max_inflight_loads=1)
+    assert w.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
+    w.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
+    assert w.get_num_new_matched_tokens(req("b", toks), 0) == (None, False)
+    now[0] += 2 * bound
+    for _ in range(3):
+        assert w.get_num_new_matched_tokens(req("b", toks), 0) == (None, False)
+    assert (w.stats.async_share_timeouts, w.stats.async_loads_shared, w.stats.async_loads_deferred) == (
+        1,
+        1,
+        3,
+    )
     # An aborted owner: vLLM calls request_finished; nobody waits for its chunks any more.
-    s2 = make_sched(server, keyer, client, async_load=True)
+    s2 = make_sched(server, keyer, CountingClient(server.url), async_load=True)
     assert s2.get_num_new_matched_tokens(req("a", toks), 0) == (288, True)
     s2.update_state_after_alloc(req("a", toks), blocks_obj(list(range(10))), 288)
     assert s2.get_num_new_matched_tokens(req("c", toks), 0) == (None, False)
