@@ -42,7 +42,8 @@ from maru.transfer.records import (
     slot_mapping,
     unique_keys,
 )
-from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
+from maru.transfer.reservations import reserve_ahead, reserve_chunks, take_reserved
+from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore, StoreReservation
 
 _LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
 
@@ -143,24 +144,21 @@ class KVTransferEngine:
 
         None when there is nothing to store or the reservation failed (recorded in ``prep``).
         """
-        rep = prep.report
-        todo: list[tuple[RequestTransfer, Any]] = []
-        seen: set[str] = set()
-        for req in requests:
-            for c in req.chunks:
-                if c.key not in seen:
-                    seen.add(c.key)
-                    todo.append((req, c))
-        if not todo:
-            return None
-        try:
-            objs = self.client.batch_alloc([self.geometry.nbytes(c.num_tokens) for _, c in todo])
-        except (MaruError, ValueError) as e:
-            rep.failed = len(todo)
-            rep.error = f"reserving {len(todo)} objects failed: {e}"
-            rep.server_lost = isinstance(e, _LOST)
-            return None
-        return todo, list(objs)
+        return reserve_chunks(self.client, self.geometry, requests, prep.report)
+
+    def reserve_store(self, requests: Sequence[RequestTransfer]) -> StoreReservation:
+        """Reserve the objects a later ``issue_store(requests, reservation=...)`` gathers into.
+
+        One round trip; never raises for Maru-side problems (they are in the reservation's
+        ``error``). Thread-safe: the worker runs it on a helper thread beside vLLM's forward.
+        """
+        return reserve_ahead(self.client, self.geometry, requests)
+
+    def release_reservation(self, res: StoreReservation) -> None:
+        """Abort every object still in ``res`` (a reservation nobody gathers into)."""
+        objs, res.objects = list(res.objects.values()), {}
+        if objs:
+            self._abort(objs)
 
     def issue_gather(
         self,
@@ -295,18 +293,26 @@ class KVTransferEngine:
         return rep
 
     # ------------------------------------------------------------------ write-behind store
-    def issue_store(self, requests: Sequence[RequestTransfer]) -> PendingStore:
+    def issue_store(
+        self, requests: Sequence[RequestTransfer], reservation: StoreReservation | None = None
+    ) -> PendingStore:
         """Start a write-behind store on the forward thread; ``complete_store`` finishes it.
 
         Where the path defers the gather (CPU) nothing happens here; otherwise the objects are
-        reserved and the gather issued (queued after the forward's writes on a GPU). Until
-        ``read_done`` is set the blocks of ``requests`` must not be reused (``wait_store_read``).
+        reserved (or taken from ``reservation``, made ahead by ``reserve_store``) and the gather
+        issued (queued after the forward's writes on a GPU). Until ``read_done`` is set the
+        blocks of ``requests`` must not be reused (``wait_store_read``).
         """
         pending = PendingStore(requests=list(requests), prep=PreparedStore(report=StoreReport()))
         if self.path.defers_store_gather:
+            if reservation is not None:  # the drain thread reserves for itself on this path
+                pending.unused, reservation.objects = list(reservation.objects.values()), {}
             return pending
         t0 = time.perf_counter()
-        reserved = self._reserve(requests, pending.prep)
+        if reservation is None:
+            reserved = self._reserve(requests, pending.prep)
+        else:
+            reserved = take_reserved(self.client, self.geometry, requests, reservation, pending)
         if reserved is not None:
             pending.issued = self.issue_gather(*reserved, pending.prep, paced=self.paced_store)
         else:
@@ -319,6 +325,9 @@ class KVTransferEngine:
 
         A store cancelled by ``wait_store_read`` publishes nothing (its objects are aborted).
         """
+        unused, pending.unused = pending.unused, []
+        if unused:
+            self._abort(unused)
         try:
             if pending.issued is not None:
                 t0 = time.perf_counter()

@@ -41,6 +41,22 @@ class IssuedGather:
 
 
 @dataclass
+class StoreReservation:
+    """Pool objects reserved for a store's chunks before its gather (``KVTransferEngine.reserve_store``).
+
+    ``objects``: chunk key -> its reserved object (each key once). ``error``: why nothing was
+    reserved (``objects`` is then empty; ``server_lost``: the server is gone). Invariant: each
+    object ends up in exactly one gather (``issue_store`` takes it out of ``objects``) or is
+    aborted (``KVTransferEngine.release_reservation``, or the drain thread for a store's leftovers).
+    """
+
+    objects: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    server_lost: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
 class PendingStore:
     """A write-behind store between ``issue_store`` (forward thread) and ``complete_store`` (drain).
 
@@ -54,6 +70,7 @@ class PendingStore:
     requests: list[RequestTransfer]
     prep: PreparedStore
     issued: IssuedGather | None = None  # the gather in flight, where the path issues at once
+    unused: list[Any] = field(default_factory=list)  # reserved ahead, not needed: the drain aborts them
     read_done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     started: bool = False

@@ -9,6 +9,8 @@ the same call that reports it finished.
 
 from __future__ import annotations
 
+import time
+
 from maru.transfer.background import AsyncLoader
 from maru.transfer.records import RequestTransfer
 from maru.vllm.load_hooks import LoadHooks
@@ -31,6 +33,10 @@ class AsyncLoads:
         self._enable_load = enable_load
         self._timeout_s = timeout_s
         self.loader: AsyncLoader | None = None  # started by the first async load
+        # For the timing line (maru_log_timing): when each request was handed over, and the
+        # collect calls (vLLM steps) made until then, so a report says how long the park took.
+        self._handed: dict[str, tuple[float, int]] = {}
+        self._collects = 0
 
     def start(self, loads: list[RequestTransfer]) -> None:
         """Hand the step's parked requests to the loader; ``collect`` reports them.
@@ -46,6 +52,9 @@ class AsyncLoads:
         if self.loader is None:
             self.loader = AsyncLoader("maru-loader")
         self.stats.async_loads += len(loads)
+        now = time.perf_counter()
+        for rt in loads:
+            self._handed[rt.req_id] = (now, self._collects)
         engine = self._hooks.connect() if self._enable_load else "maru_enable_load is false"
         if isinstance(engine, str):
             for rt in loads:
@@ -62,15 +71,24 @@ class AsyncLoads:
         done: set[str] = set()
         if self.loader is None:
             return done
+        self._collects += 1
+        now = time.perf_counter()
         for tags, res in self.loader.poll():
+            oldest = None
             for rt in tags:
                 done.add(rt.req_id)
+                handed = self._handed.pop(rt.req_id, None)
+                if handed is not None and (oldest is None or handed[0] < oldest[0]):
+                    oldest = handed
                 if rt.req_id in res.failed:
                     self.stats.async_load_failures += 1
                     self._hooks.fail(rt, res.failed[rt.req_id])
             if res.server_lost and res.failed:
                 self._hooks.lost(next(iter(res.failed.values())))
-            self._hooks.account(res, " (async)", False)
+            how = " (async)"
+            if oldest is not None:  # handed over before its step's forward, reported now
+                how = f" (async; reported {(now - oldest[0]) * 1e3:.1f} ms and {self._collects - oldest[1]} steps after the hand-over)"
+            self._hooks.account(res, how, False)
         return done
 
     def close(self) -> None:

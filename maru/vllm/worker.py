@@ -257,17 +257,28 @@ class MaruWorkerConnector:
             return
         if meta.async_loads:
             self.async_loads.start(meta.async_loads)
-        if not meta.loads:
+        if meta.loads:
+            try:
+                if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
+                    self.layer_loads.start(meta.loads)
+                else:
+                    self._load(meta)
+            except Exception as e:  # never raise into the forward; recompute instead
+                logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
+                for rt in meta.loads:
+                    self._fail(rt, f"{type(e).__name__}: {e}")
+        # After the loads: their lookups go first on the client's one socket.
+        self._reserve_stores_ahead(meta)
+
+    def _reserve_stores_ahead(self, meta: MaruConnectorMetadata) -> None:
+        """Write-behind: reserve this step's store objects on a helper thread while the forward runs
+        (``ReserveAhead``); ``wait_for_save`` then issues the gather without a round trip."""
+        if not (meta.stores and self.cfg.async_store and self.cfg.enable_store) or self.engine is None:
             return
         try:
-            if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
-                self.layer_loads.start(meta.loads)
-            else:
-                self._load(meta)
-        except Exception as e:  # never raise into the forward; recompute instead
-            logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
-            for rt in meta.loads:
-                self._fail(rt, f"{type(e).__name__}: {e}")
+            self.write_behind.reserve_ahead(meta, self.engine, [self._rank(rt) for rt in meta.stores])
+        except Exception:  # never raise into the forward; the store reserves for itself instead
+            logger.exception("Maru: reserving ahead for the step's stores failed")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
@@ -362,13 +373,15 @@ class MaruWorkerConnector:
             # Before anything can fail: the scheduler delays the free of every request it planned
             # a store for, whatever becomes of the store here (dropped, failed, connector off).
             self.write_behind.owe(meta)
-        if meta is None or not meta.stores or not self.cfg.enable_store:
-            return
         try:
+            if meta is None or not meta.stores or not self.cfg.enable_store:
+                return
             self._store(meta)
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
-            self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
+            self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores) if meta else 0
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
+        finally:
+            self.write_behind.ahead.discard()  # a reservation the step's store did not take
 
     def _store(self, meta: MaruConnectorMetadata) -> None:
         stores = []
@@ -385,7 +398,7 @@ class MaruWorkerConnector:
             return
         if self.cfg.async_store:
             # The engine is captured by the store: a reconnect later builds a new one.
-            self.write_behind.issue(self.engine, stores)
+            self.write_behind.issue(self.engine, stores, step=meta)
             return
         self._account_store(self.engine.store(stores))
 

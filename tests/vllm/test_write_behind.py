@@ -338,6 +338,101 @@ def test_pipelined_write_behind_issues_on_the_forward_thread_and_publishes_after
     assert_stored(client, req, original)
 
 
+def pipelined_worker(url: str, src: CacheCase) -> MaruWorkerConnector:
+    """A write-behind worker on the pipelined path (the GPU's: the gather is issued on the forward
+    thread), over CPU caches."""
+    w = worker(url, src)
+    assert w.engine is not None
+    w.engine.path = PipelinedPath(DevicePipeline(list(src.caches), w.engine.layout))
+    return w
+
+
+def reserves_by_thread(w: MaruWorkerConnector, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(thread name, objects) of every RESERVE round trip ``w``'s engine makes from now on."""
+    calls: list[tuple[str, int]] = []
+    assert w.engine is not None
+    real = w.engine.client.batch_alloc
+
+    def spy(sizes: list[int]) -> Any:
+        calls.append((threading.current_thread().name, len(sizes)))
+        return real(sizes)
+
+    monkeypatch.setattr(w.engine.client, "batch_alloc", spy)
+    return calls
+
+
+def no_reservations_left(client: MaruHandler, timeout: float = 10.0) -> bool:
+    """Whether the server holds no reservation (waiting for a release queued on a helper thread)."""
+    deadline = time.monotonic() + timeout
+    while client.usage()["reservations"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_step_store_objects_are_reserved_beside_the_forward_not_on_its_thread(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, original = case("kv_first", "HND", 31), case("kv_first", "HND", 31)
+    a = request("wb-ahead-a", [3, 14, 6, 1], 2 * CHUNK)
+    b = request("wb-ahead-b", [7, 9, 4, 12], 2 * CHUNK - 3)
+    w = pipelined_worker(server.url, src)
+    calls = reserves_by_thread(w, monkeypatch)
+    try:
+        meta = Meta(stores=[a, b])
+        w.start_load_kv(meta)  # before the forward: the reservation starts beside it
+        w.wait_for_save(meta)  # after it: the gather is issued into the objects reserved ahead
+        assert [(name.startswith("maru-store-reserve"), n) for name, n in calls] == [(True, 4)]
+        assert w.stats.stores_reserved_ahead == 1
+        w.write_behind.collect(None)
+        assert client.exists([c.key for c in a.chunks + b.chunks]) == [True] * 4
+        assert (w.stats.chunks_stored, w.stats.store_failures) == (4, 0)
+        assert no_reservations_left(client)
+    finally:
+        stop_worker(w)
+    assert_stored(client, a, original)
+    assert_stored(client, b, original)
+
+
+def test_objects_reserved_ahead_for_a_store_dropped_or_for_another_step_are_aborted(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, original = case("kv_first", "NHD", 32), case("kv_first", "NHD", 32)
+    kept = request("wb-ahead-kept", [3, 14, 6, 1], 2 * CHUNK)
+    dropped = request("wb-ahead-dropped", [7, 9, 4, 12], 2 * CHUNK)
+    lost = request("wb-ahead-lost-step", [0, 2], CHUNK)
+    w = pipelined_worker(server.url, src)
+    calls = reserves_by_thread(w, monkeypatch)
+    try:
+        # A step whose forward raised: its wait_for_save never ran; the next step's start drops it.
+        w.start_load_kv(Meta(stores=[lost]))
+        meta = Meta(stores=[kept, dropped])
+        w.start_load_kv(meta)
+        # The step's load of ``dropped``'s blocks failed: its stores are dropped (stale context).
+        w._failed_blocks_step = set(dropped.block_ids)
+        w.wait_for_save(meta)
+        assert all(name.startswith("maru-store-reserve") for name, _ in calls)
+        assert w.stats.stores_dropped == 2 and w.stats.stores_reserved_ahead == 1
+        w.write_behind.collect(None)
+        keys = [c.key for c in kept.chunks + dropped.chunks + lost.chunks]
+        assert client.exists(keys) == [True, True, False, False, False]
+        assert no_reservations_left(client)  # the lost step's and the dropped store's objects
+        # A store whose metadata is not the one reserved for reserves on its own thread.
+        before = len(calls)
+        w.start_load_kv(Meta(stores=[lost]))
+        w.wait_for_save(Meta(stores=[lost]))
+        w.write_behind.collect(None)
+        w.write_behind.ahead.close()  # the helper thread's reservation and its release ran
+        me = threading.current_thread().name
+        assert sorted(name == me for name, _ in calls[before:]) == [False, True]
+        assert client.exists([c.key for c in lost.chunks]) == [True]
+        assert no_reservations_left(client)
+    finally:
+        stop_worker(w)
+    assert_stored(client, kept, original)
+
+
 # ---------------------------------------------------------------------------- both sides
 
 
