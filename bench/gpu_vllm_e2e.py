@@ -271,9 +271,9 @@ def run_offline(name: str, eng: Engine, setup: Setup, prompts: dict, res: dict) 
                 s1 = eng.stats()
                 w = eng.generate(ps, logprobs=5)
                 s2 = eng.stats()
-                eng.settle()
-                # The same prompts again: this engine's own prefix hit (its model runner, its
-                # connector probing), so warm - own hit is what the load itself costs.
+                # The same prompts again before the settle (which resets vLLM's prefix cache): this
+                # engine's own prefix hit (its model runner, its connector probing), so warm - own
+                # hit is what the load itself costs.
                 own = eng.generate(ps)
                 eng.settle()
                 ld, sd = delta(s2, s1), delta(s1, s0)

@@ -55,15 +55,17 @@ class StagingSlot:
             self.own = torch.empty(numel, dtype=e.dtype, device=e.device)
         return self.own[:numel].view(e.object_shape(tokens)), False
 
-    def place(self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool) -> None:
-        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream."""
+    def place(
+        self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool, stream: Any = None
+    ) -> None:
+        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream;
+        a graphed gather goes on ``stream`` where one is given (no stream switch of torch's)."""
         e = self.engine
         if graphed:
-            t = self.placer.set_slots(slots)
             if load:
-                self.placer.scatter(t)
+                self.placer.scatter(self.placer.set_slots(slots))
             else:
-                self.placer.gather(t)
+                self.placer.gather(self.placer.set_slots(slots, stream=stream), stream)
         elif load:
             ops.scatter(stage, e.caches, e.layout, slots, backend=e.backend)
         else:
