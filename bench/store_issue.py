@@ -8,6 +8,12 @@ then times ``issue_store`` for stores of 1, 8, 16 and 32 chunks: the whole issue
 ``DevicePipeline.store`` (the device pipeline's queueing), the rest (the engine's bookkeeping).
 Then one cProfile run of 16-chunk issues, its top functions by own time.
 
+Measured (H200, 2026-12-02, bench/RESULTS.md): the reserve round trip 0.31-1.27 ms (1-32 chunks),
+now made beside the forward; the issue 0.66-0.85 ms for one chunk, 1.25-1.71 ms for 8, 2.0-3.1 ms
+for 16, 3.7-4.2 ms for 32. A variant issuing only raw calls per chunk (the slot mapping by a raw
+copy, graph launches on an explicit stream, the checksum kernel on the copy stream as the pacing
+yield) measured the same within the spread (A/B on one machine) and was not kept.
+
 Usage (GPU machine, repo root): python bench/store_issue.py [--reps 10]
 """
 

@@ -134,10 +134,8 @@ def _check(t: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
-def accumulate(
-    t: torch.Tensor, acc: torch.Tensor, k: int = 0, first_word: int = 0, stream: Any = None
-) -> None:
-    """Queue, on the current stream (or ``stream``), the addition of ``t``'s raw checksum sum into ``acc[k]``.
+def accumulate(t: torch.Tensor, acc: torch.Tensor, k: int = 0, first_word: int = 0) -> None:
+    """Queue, on the current stream, the addition of ``t``'s raw checksum sum into ``acc[k]``.
 
     ``acc``: int64 on ``t``'s device, zeroed by the caller; one object per entry. The checksum is
     ``finalize(acc[k], nbytes_of(t))`` once the stream reached this point. ``first_word``: ``t``
@@ -152,7 +150,7 @@ def accumulate(
     if not _triton_runs_on(t.device):
         raise ValueError(f"device checksums need triton on {t.device}; use checksums()")
     grid = (triton.cdiv((n + 7) // 8, BLOCK_WORDS),)
-    _CHECKSUM.launch(grid, 4, t, acc[k:], n, first_word, BLOCK_WORDS, stream=stream)
+    _CHECKSUM.launch(grid, 4, t, acc[k:], n, first_word, BLOCK_WORDS)
 
 
 def pieces_table(pieces: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:

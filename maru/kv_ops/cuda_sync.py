@@ -47,7 +47,6 @@ class TorchSync:
 
 H2D = 1  # cudaMemcpyHostToDevice
 D2H = 2  # cudaMemcpyDeviceToHost
-D2D = 3  # cudaMemcpyDeviceToDevice
 _EVENT_DISABLE_TIMING = 2
 _EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady

@@ -29,7 +29,6 @@ integer views moved off the call); Triton's C launcher alone takes 4.9 us of it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -164,12 +163,7 @@ class Launcher:
         except (AttributeError, TypeError):  # a tensor where an int was, or the reverse
             return None
 
-    def launch(self, grid: Sequence[int], num_warps: int, *args: Any, stream: Any = None) -> None:
-        """Launch on ``stream`` (a ``torch.cuda.Stream``; default: the current stream)."""
-        if stream is not None and (self.unavailable is not None or self._constexpr is None):
-            with _on(stream):
-                self.launch(grid, num_warps, *args)
-            return
+    def launch(self, grid: Sequence[int], num_warps: int, *args: Any) -> None:
         if self.unavailable is None and self._constexpr is None:
             self._give_up(f"{self.name} has no parameter list (an unknown Triton)")
         if self.unavailable is not None:
@@ -180,31 +174,29 @@ class Launcher:
         prepped = self.prep(device, num_warps, args)
         kernel = self._kernels.get(prepped[0]) if prepped is not None else None
         if kernel is None:
-            with _on(stream):
-                self._triton(grid, num_warps, args, keep=None if prepped is None else prepped[0])
+            self._triton(grid, num_warps, args, keep=None if prepped is None else prepped[0])
             return
         run_args = prepped[1]  # type: ignore[index]
         n = len(grid)
         g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
         enter, leave = _launch_hooks()
-        handle = stream.cuda_stream if stream is not None else get_stream(device)
+        stream = get_stream(device)
         hooked = enter is not None or leave is not None
-        meta = kernel.launch_metadata(grid, handle, *self._triton_args(args)) if hooked else None
+        meta = kernel.launch_metadata(grid, stream, *self._triton_args(args)) if hooked else None
         if self.direct_calls:
             kernel.run(
-                g0, g1, g2, handle, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
+                g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
             )
         else:
             # The first direct launch proves the argument convention of this Triton: its launcher
             # parses the arguments before anything is queued, so a refusal launched nothing.
             try:
                 kernel.run(
-                    g0, g1, g2, handle, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
+                    g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *run_args
                 )
             except TypeError as exc:
                 self._give_up(f"its compiled kernel refused Triton's launch arguments ({exc})")
-                with _on(stream):
-                    self._triton(grid, num_warps, args)
+                self._triton(grid, num_warps, args)
                 return
         self.direct_calls += 1
 
@@ -298,12 +290,3 @@ def _direct_unavailable(kernel: Any) -> str | None:
     if kernel is None or missing:
         return f"Triton {triton.__version__}'s launch returned {type(kernel).__name__} without {missing or 'a kernel'}"
     return None
-
-
-def _on(stream: Any) -> Any:
-    """``stream`` as the current stream for Triton's own call (None: leave the current one)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.cuda.stream(stream)

@@ -12,12 +12,6 @@ one copy after the other completed got 0.34 ms at 47.5 GB/s, with a host wake-up
 depends on the GIL. So the pacing is on the device: the whole store is queued at once, on the
 calling thread, and nothing has to run on the host while it drains.
 
-With checksums (the default) the yield is each chunk's checksum kernel, queued on the copy stream
-just before that chunk's copy (it reads the staging slot the copy reads); without, a 5 us sleep
-kernel. Per chunk the forward thread then queues raw calls only (event waits and records, the
-slot mapping's copy, the graph launch, the checksum launch, the copy), with no stream switch of
-torch's: bench/store_issue.py times the issue.
-
 Streams and buffers of its own: the gathers run on a gather stream into ``PACED_SLOTS`` staging
 slots of their own, the copies on a device-to-host stream of their own. A load issued while a
 store drains (the forward thread, the next step) waits neither for the store's copies (its own
@@ -105,11 +99,6 @@ class PacedStores:
         to the pool page behind it (the kernel runs up to a slot ahead of the copy engine). Its
         streams already wait for what the gathers must read after."""
         sync, gather, copy = self._sync, lane.gather, lane.copy
-        # Paced, with checksums: each chunk's checksum kernel runs on the copy stream just before
-        # the chunk's copy, where pacing needs a kernel anyway (while it is the stream's next item
-        # the copy engine serves other streams): it is the yield, and no stream switch of torch's
-        # (~30 us of host time a chunk) is needed for a sleep kernel.
-        sums_on_copy = lane.paced and checksums
         with torch.cuda.stream(gather):  # gathers (graph replays or launches) run on the current stream
             acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
             for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
@@ -117,26 +106,20 @@ class PacedStores:
                 stage, graphed = slot.buffer(host.shape[2])
                 if slot.used:
                     sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
-                slot.place(stage, graphed, chunk_slots, load=False, stream=gather)
+                slot.place(stage, graphed, chunk_slots, load=False)
                 sync.record(slot.ready, gather)
                 sync.wait(copy, slot.ready)
-                if sums_on_copy:
-                    ck.accumulate(stage, acc, k, stream=copy)  # type: ignore[arg-type]
-                elif k and lane.paced:
+                if k and lane.paced:
                     yield_copy_engine(copy)  # the copy engine serves other streams in between
                 self._d2h(host, stage, copy)  # type: ignore[attr-defined]
                 sync.record(slot.free, copy)
                 slot.used = True
-                if acc is not None and not sums_on_copy:
+                if acc is not None:
                     # After ``ready``: the copy to the pool does not wait for it; the slot's next
                     # gather is queued behind it on this stream.
                     ck.accumulate(stage, acc, k)
-            if not sums_on_copy:
-                sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
-        if sums_on_copy:
-            with torch.cuda.stream(copy):  # behind the last checksum, on the stream that ran them
-                sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
-        elif sums is not None:
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
+        if sums is not None:
             copy.wait_stream(gather)  # done (recorded on the copy stream) covers the sums too
         return self._handle("store", lane.path, nbytes, copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
 

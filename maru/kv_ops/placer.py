@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from maru.kv_ops import triton_kernels
-from maru.kv_ops.cuda_sync import D2D
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import _first_tensor, layer_refs
 from maru.kv_ops.selection import resolve
@@ -81,34 +80,12 @@ class GraphedPlacer:
         self._ensure(num_tokens)
         return self._slots[num_tokens]
 
-    def set_slots(self, slot_mapping: torch.Tensor, *, skip_tokens: int = 0, stream: Any = None) -> int:
+    def set_slots(self, slot_mapping: torch.Tensor, *, skip_tokens: int = 0) -> int:
         """Copy a slot mapping into the static buffer of its length (stream-ordered, no sync); the
-        first ``skip_tokens`` become -1 (not written). Returns T. ``stream``: queue it there (else on
-        the current stream); a device mapping then goes by one raw copy (a few us, where torch's
-        copy costs ~15 us of host time: the paced store does this per chunk)."""
+        first ``skip_tokens`` become -1 (not written). Returns T."""
         num_tokens = int(slot_mapping.numel())
         buf = self.slots(num_tokens)
-        raw = self._launcher if hasattr(self._launcher, "copy") else None
-        if (
-            stream is not None
-            and raw is not None
-            and slot_mapping.is_cuda
-            and slot_mapping.dtype == buf.dtype
-        ):
-            if not slot_mapping.is_contiguous():
-                slot_mapping = slot_mapping.contiguous()
-            raw.copy(
-                buf.data_ptr(),
-                slot_mapping.data_ptr(),
-                num_tokens * buf.element_size(),
-                stream.cuda_stream,
-                D2D,
-            )
-        elif stream is not None:
-            with torch.cuda.stream(stream):
-                buf.copy_(slot_mapping, non_blocking=True)
-        else:
-            buf.copy_(slot_mapping, non_blocking=True)
+        buf.copy_(slot_mapping, non_blocking=True)
         if skip_tokens:
             buf[:skip_tokens].fill_(-1)
         return num_tokens
@@ -213,35 +190,29 @@ class GraphedPlacer:
             self._graphs[key] = graph
         return graph
 
-    def _replay(self, key: tuple, stream: Any = None) -> None:
-        """Replay the graph of ``key`` on ``stream`` (default: the current stream; captured on first use).
+    def _replay(self, key: tuple) -> None:
+        """Replay the graph of ``key`` on the current stream (captured on first use).
 
         Through the launcher when there is one and torch exposes the graph's executable: our graphs
-        use no random numbers, so a launch on the stream is all that torch's ``replay`` does for
-        them."""
+        use no random numbers, so a launch on the current stream is all that torch's ``replay``
+        does for them."""
         graph = self._graph(key)
         if self._launcher is not None:
             exe = self._execs.get(key)
             if exe is None:
                 exe = self._execs[key] = _raw_exec(graph)
             if exe:
-                s = stream if stream is not None else torch.cuda.current_stream(self.device)
-                self._launcher.launch_graph(exe, s.cuda_stream)
+                self._launcher.launch_graph(exe, torch.cuda.current_stream(self.device).cuda_stream)
                 return
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                graph.replay()
-        else:
-            graph.replay()
+        graph.replay()
 
     def scatter(self, num_tokens: int) -> None:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
         self._replay(("scatter", num_tokens, None))
 
-    def gather(self, num_tokens: int, stream: Any = None) -> torch.Tensor:
-        """All layers: caches at ``slots(T)`` -> ``staging(T)`` (returned; valid once the stream reaches
-        it), on ``stream`` (default: the current stream)."""
-        self._replay(("gather", num_tokens, None), stream)
+    def gather(self, num_tokens: int) -> torch.Tensor:
+        """All layers: caches at ``slots(T)`` -> ``staging(T)`` (returned; valid once the stream reaches it)."""
+        self._replay(("gather", num_tokens, None))
         return self._staging[num_tokens]
 
     def scatter_layer(self, layer: int, num_tokens: int) -> None:

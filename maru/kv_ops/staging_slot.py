@@ -55,17 +55,15 @@ class StagingSlot:
             self.own = torch.empty(numel, dtype=e.dtype, device=e.device)
         return self.own[:numel].view(e.object_shape(tokens)), False
 
-    def place(
-        self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool, stream: Any = None
-    ) -> None:
-        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream;
-        a graphed gather goes on ``stream`` where one is given (no stream switch of torch's)."""
+    def place(self, stage: torch.Tensor, graphed: bool, slots: torch.Tensor, *, load: bool) -> None:
+        """Scatter ``stage`` into the caches (load) or gather into it (store), on the current stream."""
         e = self.engine
         if graphed:
+            t = self.placer.set_slots(slots)
             if load:
-                self.placer.scatter(self.placer.set_slots(slots))
+                self.placer.scatter(t)
             else:
-                self.placer.gather(self.placer.set_slots(slots, stream=stream), stream)
+                self.placer.gather(t)
         elif load:
             ops.scatter(stage, e.caches, e.layout, slots, backend=e.backend)
         else:
