@@ -122,6 +122,23 @@ def slots_of(rt: RequestTransfer, n_tokens: int) -> list[int]:
     return [rt.block_ids[t // BS] * BS + t % BS for t in range(n_tokens)]
 
 
+def assert_loads_back(
+    client: Any, req: RequestTransfer, original: CacheCase, dst_blocks: tuple[int, ...], seed: int = 77
+) -> None:
+    """Load ``req``'s chunks into a fresh cache (random contents from ``seed``) at ``dst_blocks``;
+    every token of every layer must equal ``original`` at ``req``'s slots, bit for bit."""
+    n = max(c.end for c in req.chunks)
+    dst = case(original.fmt, original.physical, seed)
+    dreq = RequestTransfer(req.req_id, tuple(dst_blocks), req.chunks)
+    assert plain_engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
+    for t, (s1, s2) in enumerate(zip(slots_of(req, n), slots_of(dreq, n), strict=True)):
+        for layer in range(original.num_layers):
+            for kv in range(1 if original.fmt == "mla" else 2):
+                assert torch.equal(
+                    bits(naive_token(dst, layer, kv, s2)), bits(naive_token(original, layer, kv, s1))
+                ), (t, layer, kv)
+
+
 def worker(server: ServerProcess, case: CacheCase, **cfg: Any) -> Any:
     from maru.vllm.worker import MaruWorkerConnector
 

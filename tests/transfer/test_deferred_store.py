@@ -8,19 +8,16 @@ behaviour (finished reporting, preemption, shutdown) is in ``tests/vllm/test_wri
 from __future__ import annotations
 
 import pytest
-import torch
 
 from maru.client import MaruHandler
-from maru.kv_ops.testing import bits, naive_token
-from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.helpers import (
     CHUNK,
+    assert_loads_back,
     case,
     plain_engine,
     request,
-    slots_of,
     worker,
 )
 
@@ -43,15 +40,7 @@ def test_prepared_store_is_invisible_until_committed_and_independent_of_later_ca
     rep = eng.commit_store(prep)
     assert (rep.stored, rep.failed, rep.tokens) == (2, 0, 2 * CHUNK)
     assert client.exists([c.key for c in req.chunks]) == [True, True]
-    dst = case("cpu_attn", "NHD", 10)
-    dreq = RequestTransfer(req.req_id, (0, 2, 4, 6), req.chunks)
-    assert plain_engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
-    for t, (s1, s2) in enumerate(zip(slots_of(req, 2 * CHUNK), slots_of(dreq, 2 * CHUNK), strict=True)):
-        for layer in range(3):
-            for kv in range(2):
-                assert torch.equal(
-                    bits(naive_token(dst, layer, kv, s2)), bits(naive_token(original, layer, kv, s1))
-                ), (t, layer, kv)
+    assert_loads_back(client, req, original, (0, 2, 4, 6), seed=10)
 
 
 def test_worker_write_behind_store_commits_on_the_drain_thread(

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
-from maru.kv_ops.testing import CacheCase, bits, naive_token
+from maru.kv_ops.testing import CacheCase
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.paths import PipelinedPath
 from maru.transfer.records import RequestTransfer
 from maru.transfer.stores import StoreReservation
 from tests.pool_fixtures import module_server, pool_client
-from tests.transfer.helpers import CHUNK, case, plain_engine, request, slots_of
+from tests.transfer.helpers import CHUNK, assert_loads_back, case, request
 
 server = module_server("reservations")
 client = pool_client()
@@ -52,16 +50,7 @@ class CountingAllocs:
 
 
 def assert_published(client: MaruHandler, req: RequestTransfer, original: CacheCase) -> None:
-    n = max(c.end for c in req.chunks)
-    dst = case(original.fmt, original.physical, 77)
-    dreq = RequestTransfer(req.req_id, (11, 13, 8, 2, 10, 0)[: len(req.block_ids)], req.chunks)
-    assert plain_engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
-    for s1, s2 in zip(slots_of(req, n), slots_of(dreq, n), strict=True):
-        for layer in range(3):
-            for kv in range(2):
-                assert torch.equal(
-                    bits(naive_token(dst, layer, kv, s2)), bits(naive_token(original, layer, kv, s1))
-                ), (s1, layer, kv)
+    assert_loads_back(client, req, original, (11, 13, 8, 2, 10, 0)[: len(req.block_ids)])
 
 
 def test_a_reservation_serves_the_store_without_a_round_trip_and_its_leftovers_are_aborted(

@@ -29,7 +29,7 @@ import torch
 from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
-from maru.kv_ops.testing import CacheCase, bits, naive_token
+from maru.kv_ops.testing import CacheCase
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.paths import PipelinedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
@@ -37,7 +37,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from tests.helpers import ServerProcess, free_port
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.transfer.helpers import BS, CHUNK, NAMES, case, plain_engine, request
+from tests.transfer.helpers import BS, CHUNK, NAMES, assert_loads_back, case, request
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
@@ -93,19 +93,7 @@ def finished_sending(w: MaruWorkerConnector, finished: set[str], timeout: float 
 
 def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase) -> None:
     """Load ``req``'s chunks into a fresh cache; every token must equal ``original`` at ``req``'s slots."""
-    n = max(c.end for c in req.chunks)
-    dst_blocks = tuple(range(15, 15 - len(req.block_ids), -1))
-    dst = case(original.fmt, original.physical, 99)
-    dreq = RequestTransfer(req.req_id, dst_blocks, req.chunks)
-    assert plain_engine(dst, client).load([dreq]).loaded_req_ids == [req.req_id]
-    for t in range(n):
-        s1 = req.block_ids[t // BS] * BS + t % BS
-        s2 = dst_blocks[t // BS] * BS + t % BS
-        for layer in range(3):
-            for kv in range(2):
-                assert torch.equal(
-                    bits(naive_token(dst, layer, kv, s2)), bits(naive_token(original, layer, kv, s1))
-                ), (t, layer, kv)
+    assert_loads_back(client, req, original, tuple(range(15, 15 - len(req.block_ids), -1)), seed=99)
 
 
 # ---------------------------------------------------------------------------- worker side
