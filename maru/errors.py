@@ -79,3 +79,7 @@ class StaleViewError(MaruError):
 class IntegrityError(MaruError):
     """An object's bytes do not match the checksum its writer committed: another process wrote
     into its space. The object is treated as a miss (and reported to the server)."""
+
+
+# The errors after which the server is to be taken as gone (reconnect before the next call).
+CONNECTION_LOST: tuple[type[MaruError], ...] = (NotConnectedError, MaruTimeoutError, HandlerClosedError)

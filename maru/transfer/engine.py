@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from maru.client.objects import Retrieved
-from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
+from maru.errors import CONNECTION_LOST, MaruError
 from maru.kv_ops.geometry import ObjectGeometry
 from maru.protocol import CommitResult
 from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
@@ -45,7 +45,7 @@ from maru.transfer.records import (
 from maru.transfer.reservations import reserve_ahead, reserve_chunks, take_reserved
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore, StoreReservation
 
-_LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
+_LOST = CONNECTION_LOST
 
 logger = logging.getLogger("maru.transfer")
 

@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from maru.errors import HandlerClosedError, MaruError, MaruTimeoutError, NotConnectedError
+from maru.errors import CONNECTION_LOST, MaruError
 from maru.transfer.records import RequestTransfer, StoreReport
 from maru.transfer.stores import PendingStore, StoreReservation
 
-_LOST = (NotConnectedError, MaruTimeoutError, HandlerClosedError)
+_LOST = CONNECTION_LOST
 
 Reserved = tuple[list[tuple[RequestTransfer, Any]], list[Any]]
 
