@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from maru.protocol import namespace_of
 
@@ -31,14 +31,36 @@ def fingerprint(key: str, secret: bytes = b"") -> int:
     return v if v > TOMBSTONE else v + 2
 
 
+MEMO_KEYS = 1 << 14  # fingerprints remembered per side (~2 MiB of keys); forgotten all at once when full
+
+
+class _Memo(dict):  # type: ignore[type-arg]
+    """Fingerprints computed before, by key. vLLM's scheduler asks about the same keys for every
+    request that shares a prefix (a system prompt's chunks: 8 of a 2.4k-token request's 9): a
+    dict lookup (~16 ns) instead of a blake2b (~530 ns, CI machine) per key."""
+
+    def get_or(self, key: str, compute: Callable[[str], int | None]) -> int | None:
+        fp = self.get(key)
+        if fp is None:
+            fp = compute(key)
+            if fp is not None:
+                if len(self) >= MEMO_KEYS:
+                    self.clear()
+                self[key] = fp
+        return fp
+
+
 class PlainFingerprints:
     """Fingerprints any client computes (a server without ``--tenants``)."""
 
     magic = MAGIC
     complete = True  # every key has a fingerprint here
 
+    def __init__(self) -> None:
+        self._memo = _Memo()
+
     def of(self, key: str) -> int | None:
-        return fingerprint(key)
+        return self._memo.get_or(key, fingerprint)
 
     def missing(self, keys: Iterable[str]) -> str | None:
         """The first namespace among ``keys`` this side cannot fingerprint: none here."""
@@ -58,6 +80,7 @@ class KeyedFingerprints:
     def __init__(self, secrets: Mapping[str, bytes], fallback: bytes | None = None) -> None:
         self.secrets = dict(secrets)
         self._fallback = fallback
+        self._memo = _Memo()
 
     @classmethod
     def drawn(cls, namespaces: Iterable[str]) -> KeyedFingerprints:
@@ -70,6 +93,9 @@ class KeyedFingerprints:
         return self._fallback is not None
 
     def of(self, key: str) -> int | None:
+        return self._memo.get_or(key, self._compute)
+
+    def _compute(self, key: str) -> int | None:
         secret = self.secrets.get(namespace_of(key), self._fallback)
         return None if secret is None else fingerprint(key, secret)
 

@@ -298,3 +298,20 @@ def test_a_keyed_table_answers_a_reader_only_for_the_namespaces_it_holds_secrets
     r.close()
     plain.close()
     w.release()
+
+
+def test_remembered_fingerprints_equal_computed_ones_and_the_memo_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from maru.pool import fingerprints as F
+
+    monkeypatch.setattr(F, "MEMO_KEYS", 8)
+    plain = F.PlainFingerprints()
+    keyed = KeyedFingerprints({"a": b"s" * 16})
+    keys = [f"a/kv1/{i:032x}" for i in range(20)]
+    for _ in range(2):  # computed, then remembered: the same values
+        assert [plain.of(k) for k in keys] == [fingerprint(k) for k in keys]
+        assert [keyed.of(k) for k in keys] == [fingerprint(k, b"s" * 16) for k in keys]
+    assert len(plain._memo) <= 8 and len(keyed._memo) <= 8
+    # A key of a namespace without a secret has no fingerprint, and none is remembered for it.
+    assert keyed.of("b/kv1/00") is None and "b/kv1/00" not in keyed._memo
