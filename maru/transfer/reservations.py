@@ -14,7 +14,6 @@ thread); a failed reservation is reported as the store's failure, never as a par
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +65,6 @@ def reserve_chunks(
 def reserve_ahead(client: Any, geometry: Any, requests: Sequence[RequestTransfer]) -> StoreReservation:
     """``reserve_chunks`` into a ``StoreReservation`` (keyed by chunk key); never raises for
     Maru-side problems: they are its ``error``."""
-    t0 = time.perf_counter()
     rep = StoreReport()
     res = StoreReservation()
     reserved = reserve_chunks(client, geometry, requests, rep)
@@ -74,7 +72,6 @@ def reserve_ahead(client: Any, geometry: Any, requests: Sequence[RequestTransfer
         res.objects = {c.key: obj for (_, c), obj in zip(*reserved, strict=True)}
     elif rep.error is not None:
         res.error, res.server_lost = rep.error, rep.server_lost
-    res.seconds = time.perf_counter() - t0
     return res
 
 

@@ -53,7 +53,6 @@ class StoreReservation:
     objects: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     server_lost: bool = False
-    seconds: float = 0.0
 
 
 @dataclass
