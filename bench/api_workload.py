@@ -22,6 +22,7 @@ Instances (a key each; ``api_instances`` builds their Maru configs):
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -60,8 +61,26 @@ API_STORES: dict[str, dict[str, Any]] = {
     "probe": {"maru_enable_store": False},
     # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
+    # The default configuration, run from another checkout of maru (an A/B of two versions in one
+    # pass, taking turns): its path in $MARU_BENCH_ALT_TREE, put first on the instance's PYTHONPATH.
+    "alt": {"maru_async_store": True},
 }
-STORE_LABELS = {"probe": "cold, Maru probing only", "idle": "cold, connector attached, Maru off"}
+STORE_LABELS = {
+    "probe": "cold, Maru probing only",
+    "idle": "cold, connector attached, Maru off",
+    "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
+}
+
+
+def store_env(variant: str) -> dict[str, str] | None:
+    """Extra environment of the ``store-<variant>`` instance (``alt``: the other tree first)."""
+    if variant != "alt":
+        return None
+    tree = os.environ.get("MARU_BENCH_ALT_TREE")
+    if not tree or not os.path.isdir(os.path.join(tree, "maru")):
+        raise SystemExit("--api-stores alt needs MARU_BENCH_ALT_TREE: a directory holding another maru/")
+    return {"MARU_BENCH_ALT_TREE_USED": os.path.abspath(tree)}  # the harness puts it first on PYTHONPATH
+
 
 # Two-instance passes: key -> table label (servers "<key>-a" and "<key>-b").
 PAIRS = {

@@ -58,7 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.api_workload import API_LOADS, API_STORES, api_instances, run_api  # noqa: E402
+from bench.api_workload import API_LOADS, API_STORES, api_instances, run_api, store_env  # noqa: E402
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     SERVER_TIMINGS,
@@ -156,6 +156,8 @@ OFFLINE: dict[str, dict[str, Any] | None] = {
     "overlap": {"maru_async_store": True, "maru_overlap_load_with_compute": True},
     # The write-behind store queued all at once (before kv_ops.paced_store): what pacing is worth.
     "unpaced": {"maru_async_store": True, "maru_paced_store": False},
+    # The "async" engine run from another checkout of maru ($MARU_BENCH_ALT_TREE): an A/B of versions.
+    "alt": {"maru_async_store": True, "maru_async_load": True},
 }
 # Same-step loads (sync, layer overlap) run on vLLM's V1 model runner: on the V2 runner (vLLM's
 # default on GPUs) the connector replaces them by asynchronous loads (vLLM #49250, docs/vllm.md), so
@@ -535,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 else maru_kv_config(maru_extra(srv.url, setup, name, OFFLINE[name]))
             )
             spec = engine_spec(setup, model, kv, setup.kv_cache_bytes)
-            engines[name] = Engine(name, spec, logs / f"engine-{name}.log", env=ENGINE_ENV.get(name)).start()
+            env = ENGINE_ENV.get(name) or store_env(name)
+            engines[name] = Engine(name, spec, logs / f"engine-{name}.log", env=env).start()
         if not a.no_api:
             api_specs = api_instances(
                 lambda ns, extra: maru_extra(srv.url, setup, ns, extra), a.api_loads, a.api_stores, a.api_pair
@@ -543,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, kv in api_specs.items():
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256
-                env = ENGINE_ENV.get(key.removeprefix("load-"))
+                env = ENGINE_ENV.get(key.removeprefix("load-")) or store_env(key.removeprefix("store-"))
                 servers[key] = ApiServer(
                     f"api-{key}", spec, free_port(), logs / f"api-{key}.log", env=env
                 ).start()

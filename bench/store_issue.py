@@ -1,33 +1,38 @@
-"""Where a write-behind store's issue spends vLLM's forward-thread time (GPU).
+"""What a write-behind store costs vLLM's forward thread (GPU): queued at once, gathered on the drain.
 
-In real vLLM the storing instances spent 4.2 ms of host time in ``wait_for_save`` per store batch
-of 14 chunks on average (H200, 2026-12-02): the issue of the paced store (``kv_ops.paced_store``)
-on the forward thread. This builds an engine as the vLLM worker does (real server, CUDA caches of
-Llama-3-8B's KV geometry, the warm-up), reserves ahead (as the worker does beside the forward),
-then times ``issue_store`` for stores of 1, 8, 16 and 32 chunks: the whole issue, the part in
-``DevicePipeline.store`` (the device pipeline's queueing), the rest (the engine's bookkeeping).
-Then one cProfile run of 16-chunk issues, its top functions by own time.
+The worker's ``wait_for_save`` runs on vLLM's forward thread. Until 2026-12-02 it issued the
+store's gather there (2.0-3.6 ms for 16 chunks on the H200 host, bench/RESULTS.md); now it records
+a CUDA event on the forward's stream, and the drain thread reserves, issues the gather after that
+event, waits for it and publishes. The drain thread still needs the GIL for its Python, so what
+the forward thread pays is not zero: this measures it.
 
-Measured (H200, 2026-12-02, bench/RESULTS.md): the reserve round trip 0.31-1.27 ms (1-32 chunks),
-now made beside the forward; the issue 0.66-0.85 ms for one chunk, 1.25-1.71 ms for 8, 2.0-3.1 ms
-for 16, 3.7-4.2 ms for 32. A variant issuing only raw calls per chunk (the slot mapping by a raw
-copy, graph launches on an explicit stream, the checksum kernel on the copy stream as the pacing
-yield) measured the same within the spread (A/B on one machine) and was not kept.
+An engine is built as the vLLM worker builds it (real server, CUDA caches of Llama-3-8B's KV
+geometry, the warm-up). A stand-in forward (``--ops`` small kernel launches from Python: host-bound,
+the worst case for sharing the GIL; optionally behind ``--gpu-ms`` of device work it then waits
+for, as a GPU-bound step does) is timed, per store size (1, 8, 16, 32 chunks of 256 tokens):
 
-Usage (GPU machine, repo root): python bench/store_issue.py [--reps 10]
+* alone;
+* then issuing the store's gather itself on the forward thread, objects reserved beforehand (the
+  old way, what ``wait_for_save`` cost before);
+* beside a drain thread that reserves, gathers and publishes the same store (the new way: the
+  forward thread only records the event, ``issue_store``).
+
+"paid" is the forward's median time minus its time alone. Also: the drain's own times (reserve,
+issue, wait for the copies, publish).
+
+Usage (GPU machine, repo root): python bench/store_issue.py [--reps 10] [--ops 3000] [--gpu-ms 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import statistics
 import sys
+import threading
 import time
 import uuid
+from typing import Any
 
 import torch
 
@@ -36,74 +41,118 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request, server_client  # noqa: E402
 from maru import kv_ops  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
+from maru.transfer.records import StoreReport  # noqa: E402
+from maru.transfer.reservations import reserve_chunks  # noqa: E402
+from maru.transfer.stores import PreparedStore  # noqa: E402
 
 
-def one(engine: KVTransferEngine, chunks: int, gen: torch.Generator, timed: dict) -> None:
-    reqs = [request(chunks * CHUNK, f"si-{chunks}-{uuid.uuid4().hex[:8]}", gen)]
-    t0 = time.perf_counter()
-    res = engine.reserve_store(reqs)
-    t1 = time.perf_counter()
-    pending = engine.issue_store(reqs, res)
-    t2 = time.perf_counter()
-    rep = engine.complete_store(pending)
-    assert rep.stored == chunks, rep
-    timed.setdefault("reserve", []).append(t1 - t0)
-    timed.setdefault("issue", []).append(t2 - t1)
+class Forward:
+    """A stand-in for vLLM's forward: ``ops`` small launches from Python, then (``gpu_ms`` > 0)
+    a wait for device work queued before them."""
+
+    def __init__(self, ops: int, gpu_ms: float) -> None:
+        self.ops, self.gpu_ms = ops, gpu_ms
+        self.x = torch.zeros(1024, device="cuda")
+        self.cycles = 0
+        if gpu_ms > 0:  # calibrate torch.cuda._sleep: cycles per ms
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            torch.cuda._sleep(50_000_000)
+            torch.cuda.synchronize()
+            self.cycles = int(50_000_000 * gpu_ms / ((time.perf_counter() - t) * 1e3))
+
+    def run(self, between: Any = None) -> float:
+        """Seconds of the forward; ``between()`` runs on this thread after the launches (the old
+        ``wait_for_save``)."""
+        t = time.perf_counter()
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+        for _ in range(self.ops):
+            self.x.add_(1.0)
+        if between is not None:
+            between()
+        if self.cycles:
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t
+
+
+def fresh(chunks: int, gen: torch.Generator) -> list[Any]:
+    return [request(chunks * CHUNK, f"si-{chunks}-{uuid.uuid4().hex[:8]}", gen)]
+
+
+def old_way(engine: KVTransferEngine, fwd: Forward, chunks: int, gen: torch.Generator) -> float:
+    """The gather issued on the forward thread into objects reserved beforehand."""
+    reqs = fresh(chunks, gen)
+    prep = PreparedStore(report=StoreReport())
+    reserved = reserve_chunks(engine.client, engine.geometry, reqs, prep.report)
+    assert reserved is not None
+    issued: list[Any] = []
+    dt = fwd.run(lambda: issued.append(engine.issue_gather(*reserved, prep, paced=engine.paced_store)))
+    engine.finish_gather(issued[0], prep)
+    assert engine.commit_store(prep).stored == chunks
+    return dt
+
+
+def new_way(engine: KVTransferEngine, fwd: Forward, chunks: int, gen: torch.Generator, drain: dict) -> float:
+    """The forward thread records the event; a drain thread does the rest beside the next forward."""
+    reqs = fresh(chunks, gen)
+    pending = engine.issue_store(reqs)
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(engine.complete_store(pending)), name="maru-store-drain")
+    th.start()
+    dt = fwd.run()
+    th.join()
+    assert out and out[0].stored == chunks, out
+    drain.setdefault("complete", []).append(out[0].seconds)
+    return dt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ops", type=int, default=3000, help="small launches of the stand-in forward")
+    ap.add_argument("--gpu-ms", type=float, default=0.0, help="device work the forward waits for")
     a = ap.parse_args()
     with server_client(6 << 30) as client:
         src = make_caches(NB, 1)
         layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
         engine = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK)
-        pipe = engine.path.pipeline
-        in_pipe: list[float] = []
-        real_store = pipe.store
-
-        def timed_store(*args, **kw):  # type: ignore[no-untyped-def]
-            t = time.perf_counter()
-            try:
-                return real_store(*args, **kw)
-            finally:
-                in_pipe.append(time.perf_counter() - t)
-
-        pipe.store = timed_store
+        fwd = Forward(a.ops, a.gpu_ms)
         gen = torch.Generator().manual_seed(0)
-        for _ in range(3):  # warm: graphs, kernels, pinned buffers
-            one(engine, 8, gen, {})
+        drain: dict = {}
+        for _ in range(3):  # warm: graphs, kernels, pinned buffers, the follower stream
+            old_way(engine, fwd, 8, gen)
+            new_way(engine, fwd, 8, gen, drain)
+            fwd.run()
         rows = []
         for chunks in (1, 8, 16, 32):
-            timed: dict = {}
-            in_pipe.clear()
-            for _ in range(a.reps):
-                one(engine, chunks, gen, timed)
-            med = {k: statistics.median(v) for k, v in timed.items()}
-            rows.append((chunks, med["reserve"], med["issue"], statistics.median(in_pipe)))
-        prof = cProfile.Profile()
-        for _ in range(a.reps):
-            reqs = [request(16 * CHUNK, f"prof-{uuid.uuid4().hex[:8]}", gen)]
-            res = engine.reserve_store(reqs)
-            prof.enable()
-            pending = engine.issue_store(reqs, res)
-            prof.disable()
-            engine.complete_store(pending)
+            alone, old, new = [], [], []
+            drain = {}
+            for _ in range(a.reps):  # interleaved, so drift hits all three alike
+                alone.append(fwd.run())
+                old.append(old_way(engine, fwd, chunks, gen))
+                new.append(new_way(engine, fwd, chunks, gen, drain))
+            base = statistics.median(alone)
+            rows.append(
+                (
+                    chunks,
+                    base,
+                    statistics.median(old) - base,
+                    statistics.median(new) - base,
+                    statistics.median(drain["complete"]),
+                )
+            )
         engine.close()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue())
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-    print(s.getvalue())
     print(
-        f"{torch.cuda.get_device_name()}; {CHUNK}-token chunks; paced={engine.paces_stores}; median of {a.reps}"
+        f"{torch.cuda.get_device_name()}; {CHUNK}-token chunks; paced={engine.paces_stores}; stand-in forward "
+        f"{a.ops} launches{f' behind {a.gpu_ms:.0f} ms of device work' if a.gpu_ms else ''}; median of {a.reps}"
     )
-    print("| chunks | reserve us | issue us | of which DevicePipeline.store | issue us per chunk |")
+    print(
+        "| chunks | forward alone ms | paid, issue on the forward thread (old) ms | paid, drain thread (new) ms | drain's store ms |"
+    )
     print("|---:|---:|---:|---:|---:|")
-    for chunks, r, i, p in rows:
-        print(f"| {chunks} | {r * 1e6:.0f} | {i * 1e6:.0f} | {p * 1e6:.0f} | {i / chunks * 1e6:.0f} |")
+    for chunks, base, old, new, comp in rows:
+        print(f"| {chunks} | {base * 1e3:.2f} | {old * 1e3:.2f} | {new * 1e3:.2f} | {comp * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

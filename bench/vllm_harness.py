@@ -195,6 +195,8 @@ class Engine(EngineProcess):
         )
         child_env["PYTHONUNBUFFERED"] = "1"
         child_env.update(env or {})
+        if "MARU_BENCH_ALT_TREE_USED" in child_env:  # another checkout's maru first (an A/B)
+            child_env["PYTHONPATH"] = os.pathsep.join((child_env["MARU_BENCH_ALT_TREE_USED"], child_env["PYTHONPATH"]))
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         super().__init__(spec, env=child_env, log_path=log_path, cwd=str(REPO))
         self.name = name
@@ -281,7 +283,9 @@ class ApiServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        env.update(self.env)
+        if "MARU_BENCH_ALT_TREE_USED" in self.env:  # another checkout's maru first (an A/B)
+            env["PYTHONPATH"] = os.pathsep.join((self.env["MARU_BENCH_ALT_TREE_USED"], env["PYTHONPATH"]))
+        env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

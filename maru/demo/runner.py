@@ -72,7 +72,12 @@ def build_llm(spec: dict[str, Any]) -> Any:
         kw["disable_log_stats"] = False
     if spec.get("max_num_seqs"):
         kw["max_num_seqs"] = int(spec["max_num_seqs"])
-    for k in ("gpu_memory_utilization", "async_scheduling", "tensor_parallel_size", "distributed_executor_backend"):
+    for k in (
+        "gpu_memory_utilization",
+        "async_scheduling",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+    ):
         if spec.get(k) is not None:
             kw[k] = spec[k]
     conn = spec.get("connector")

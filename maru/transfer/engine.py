@@ -42,8 +42,8 @@ from maru.transfer.records import (
     slot_mapping,
     unique_keys,
 )
-from maru.transfer.reservations import reserve_ahead, reserve_chunks, take_reserved
-from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore, StoreReservation
+from maru.transfer.reservations import reserve_chunks
+from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
 
 _LOST = CONNECTION_LOST
 
@@ -124,16 +124,19 @@ class KVTransferEngine:
         """
         return self.commit_store(self.prepare_store(requests))
 
-    def prepare_store(self, requests: Sequence[RequestTransfer]) -> PreparedStore:
+    def prepare_store(
+        self, requests: Sequence[RequestTransfer], *, after: Any = None, paced: bool = False
+    ) -> PreparedStore:
         """Reserve pool objects and gather the chunks into them; nothing is published yet.
 
         When this returns the paged cache is no longer read: the blocks may be reused at once.
+        ``after``/``paced``: see ``DataPath.gather`` (a write-behind store on the drain thread).
         """
         t0 = time.perf_counter()
         prep = PreparedStore(report=StoreReport())
         reserved = self._reserve(requests, prep)
         if reserved is not None:
-            self.finish_gather(self.issue_gather(*reserved, prep), prep)
+            self.finish_gather(self.issue_gather(*reserved, prep, paced=paced, after=after), prep)
         prep.report.seconds += time.perf_counter() - t0
         return prep
 
@@ -146,20 +149,6 @@ class KVTransferEngine:
         """
         return reserve_chunks(self.client, self.geometry, requests, prep.report)
 
-    def reserve_store(self, requests: Sequence[RequestTransfer]) -> StoreReservation:
-        """Reserve the objects a later ``issue_store(requests, reservation=...)`` gathers into.
-
-        One round trip; never raises for Maru-side problems (they are in the reservation's
-        ``error``). Thread-safe: the worker runs it on a helper thread beside vLLM's forward.
-        """
-        return reserve_ahead(self.client, self.geometry, requests)
-
-    def release_reservation(self, res: StoreReservation) -> None:
-        """Abort every object still in ``res`` (a reservation nobody gathers into)."""
-        objs, res.objects = list(res.objects.values()), {}
-        if objs:
-            self._abort(objs)
-
     def issue_gather(
         self,
         todo: list[tuple[RequestTransfer, Any]],
@@ -167,9 +156,10 @@ class KVTransferEngine:
         prep: PreparedStore,
         *,
         paced: bool = False,
+        after: Any = None,
     ) -> IssuedGather:
         """Issue the gather of every chunk into its reserved object on the data path (may be queued;
-        ``paced``: see ``DataPath.gather``)."""
+        ``paced``, ``after``: see ``DataPath.gather``)."""
         rep = prep.report
         ig = IssuedGather()
         slots: list[torch.Tensor] = []
@@ -189,7 +179,7 @@ class KVTransferEngine:
             ig.ok.append((c, obj))
         if ig.ok:
             try:
-                ig.handle = self.path.gather(ig.outs, slots, paced=paced)
+                ig.handle = self.path.gather(ig.outs, slots, paced=paced, after=after)
             except Exception as e:  # nothing of it is published
                 rep.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
                 ig.bad.extend(obj for _, obj in ig.ok)
@@ -293,26 +283,21 @@ class KVTransferEngine:
         return rep
 
     # ------------------------------------------------------------------ write-behind store
-    def issue_store(
-        self, requests: Sequence[RequestTransfer], reservation: StoreReservation | None = None
-    ) -> PendingStore:
+    def issue_store(self, requests: Sequence[RequestTransfer]) -> PendingStore:
         """Start a write-behind store on the forward thread; ``complete_store`` finishes it.
 
-        Where the path defers the gather (CPU) nothing happens here; otherwise the objects are
-        reserved (or taken from ``reservation``, made ahead by ``reserve_store``) and the gather
-        issued (queued after the forward's writes on a GPU). Until ``read_done`` is set the
-        blocks of ``requests`` must not be reused (``wait_store_read``).
+        Where the path defers the gather (CPU, CUDA) only the path's ``mark()`` is taken here (a
+        CUDA event on the forward's stream): the drain thread reserves the objects and issues the
+        gather ordered after it. Otherwise (the staged path) the objects are reserved and the
+        gather runs now. Until ``read_done`` is set the blocks of ``requests`` must not be reused
+        (``wait_store_read``).
         """
         pending = PendingStore(requests=list(requests), prep=PreparedStore(report=StoreReport()))
         if self.path.defers_store_gather:
-            if reservation is not None:  # the drain thread reserves for itself on this path
-                pending.unused, reservation.objects = list(reservation.objects.values()), {}
+            pending.after = self.path.mark()
             return pending
         t0 = time.perf_counter()
-        if reservation is None:
-            reserved = self._reserve(requests, pending.prep)
-        else:
-            reserved = take_reserved(self.client, self.geometry, requests, reservation, pending)
+        reserved = self._reserve(requests, pending.prep)
         if reserved is not None:
             pending.issued = self.issue_gather(*reserved, pending.prep, paced=self.paced_store)
         else:
@@ -325,9 +310,6 @@ class KVTransferEngine:
 
         A store cancelled by ``wait_store_read`` publishes nothing (its objects are aborted).
         """
-        unused, pending.unused = pending.unused, []
-        if unused:
-            self._abort(unused)
         try:
             if pending.issued is not None:
                 t0 = time.perf_counter()
@@ -335,7 +317,7 @@ class KVTransferEngine:
                 pending.prep.report.seconds += time.perf_counter() - t0
             elif self.path.defers_store_gather:
                 if pending.take():
-                    pending.prep = self.prepare_store(pending.requests)  # reads the blocks
+                    pending.prep = self._gather_deferred(pending)  # reads the blocks
                 else:  # the preemption barrier gathered it on the forward thread
                     pending.read_done.wait()
         finally:
@@ -348,6 +330,11 @@ class KVTransferEngine:
             )
         return self.commit_store(pending.prep)
 
+    def _gather_deferred(self, pending: PendingStore) -> PreparedStore:
+        """A deferred write-behind gather (drain thread, or the preemption barrier): reserve, gather
+        after the forward's mark, wait for the copies. The blocks are not read after this returns."""
+        return self.prepare_store(pending.requests, after=pending.after, paced=self.paced_store)
+
     def wait_store_read(self, pending: PendingStore, timeout: float | None = None) -> bool:
         """Block until ``pending`` no longer reads the paged cache (the preemption barrier).
 
@@ -357,7 +344,7 @@ class KVTransferEngine:
         """
         if self.path.defers_store_gather and pending.take():
             try:
-                pending.prep = self.prepare_store(pending.requests)
+                pending.prep = self._gather_deferred(pending)
             finally:
                 pending.read_done.set()
             return True

@@ -41,21 +41,6 @@ class IssuedGather:
 
 
 @dataclass
-class StoreReservation:
-    """Pool objects reserved for a store's chunks before its gather (``KVTransferEngine.reserve_store``).
-
-    ``objects``: chunk key -> its reserved object (each key once). ``error``: why nothing was
-    reserved (``objects`` is then empty; ``server_lost``: the server is gone). Invariant: each
-    object ends up in exactly one gather (``issue_store`` takes it out of ``objects``) or is
-    aborted (``KVTransferEngine.release_reservation``, or the drain thread for a store's leftovers).
-    """
-
-    objects: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    server_lost: bool = False
-
-
-@dataclass
 class PendingStore:
     """A write-behind store between ``issue_store`` (forward thread) and ``complete_store`` (drain).
 
@@ -63,13 +48,14 @@ class PendingStore:
     gather completed or was given up); ``cancelled`` is only ever set before that (``cancel``), and
     then the store aborts every object instead of publishing bytes that may have been read from
     reused blocks. A deferred gather is taken exactly once (``take``), by the drain thread or by
-    the preemption barrier.
+    the preemption barrier, and is ordered after ``after`` (the path's ``mark()`` taken on the
+    forward thread when the store was issued).
     """
 
     requests: list[RequestTransfer]
     prep: PreparedStore
     issued: IssuedGather | None = None  # the gather in flight, where the path issues at once
-    unused: list[Any] = field(default_factory=list)  # reserved ahead, not needed: the drain aborts them
+    after: Any = None  # where the path defers the gather: what it must be ordered after
     read_done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     started: bool = False

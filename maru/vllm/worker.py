@@ -267,18 +267,6 @@ class MaruWorkerConnector:
                 logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
                 for rt in meta.loads:
                     self._fail(rt, f"{type(e).__name__}: {e}")
-        # After the loads: their lookups go first on the client's one socket.
-        self._reserve_stores_ahead(meta)
-
-    def _reserve_stores_ahead(self, meta: MaruConnectorMetadata) -> None:
-        """Write-behind: reserve this step's store objects on a helper thread while the forward runs
-        (``ReserveAhead``); ``wait_for_save`` then issues the gather without a round trip."""
-        if not (meta.stores and self.cfg.async_store and self.cfg.enable_store) or self.engine is None:
-            return
-        try:
-            self.write_behind.reserve_ahead(meta, self.engine, [self._rank(rt) for rt in meta.stores])
-        except Exception:  # never raise into the forward; the store reserves for itself instead
-            logger.exception("Maru: reserving ahead for the step's stores failed")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
@@ -380,8 +368,6 @@ class MaruWorkerConnector:
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
             self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores) if meta else 0
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
-        finally:
-            self.write_behind.ahead.discard()  # a reservation the step's store did not take
 
     def _store(self, meta: MaruConnectorMetadata) -> None:
         stores = []
@@ -398,7 +384,7 @@ class MaruWorkerConnector:
             return
         if self.cfg.async_store:
             # The engine is captured by the store: a reconnect later builds a new one.
-            self.write_behind.issue(self.engine, stores, step=meta)
+            self.write_behind.issue(self.engine, stores)
             return
         self._account_store(self.engine.store(stores))
 

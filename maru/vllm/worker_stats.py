@@ -31,7 +31,6 @@ class WorkerStats:
     overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
     layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
-    stores_reserved_ahead: int = 0  # maru_async_store: batches whose objects were reserved beside the forward
     stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
     sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
     sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)

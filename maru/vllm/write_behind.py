@@ -1,4 +1,4 @@
-"""``maru_async_store`` on one worker: stores issued on the forward thread, published by a drain thread.
+"""``maru_async_store`` on one worker: stores queued on the forward thread, gathered and published by a drain thread.
 
 ``WriteBehind`` keeps the state vLLM's delayed free depends on, and its invariants:
 
@@ -14,8 +14,10 @@
   drain thread's queue of commits.
 * Preemption barrier: before a step's forward no store still reads a preempted request's blocks
   (its gather completed, or it is cancelled and publishes nothing).
-* Reserved ahead (``ReserveAhead``): a step's store objects are reserved on a helper thread while
-  its forward runs, and used only by that step's store; whatever is not used is aborted.
+* Off the forward thread: on the CPU and CUDA paths ``wait_for_save`` only queues the store (on
+  CUDA with an event recorded on the forward's stream); the RESERVE round trip, the gather's issue
+  and the publish run on the drain thread, the gather ordered after that event. Only the
+  preemption barrier may gather on the forward thread (a store the drain has not started).
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from maru.transfer.background import BackgroundRunner
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer, StoreReport
-from maru.transfer.stores import PendingStore, StoreReservation
+from maru.transfer.stores import PendingStore
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.worker_stats import WorkerStats
 
@@ -38,82 +38,13 @@ logger = logging.getLogger("maru.vllm")
 
 _MODES = {
     "cpu": "the drain thread reserves, gathers and publishes",
-    "pipelined": "the gather is queued on the copy engine after the forward; the drain thread waits for "
-    "it, then publishes",
+    "pipelined": "the forward thread records an event; the drain thread reserves, queues the gather on "
+    "the copy engine after that event, waits for it and publishes",
     "staged": "the gather runs synchronously after the forward (staged path); the drain thread publishes",
-    "pipelined, paced": "the gather and the copies are queued after the forward on streams of their own, "
-    "yielding the copy engine between chunks (vLLM's own copies wait for one chunk at most, not a whole "
-    "store); the drain thread waits for them, then publishes",
+    "pipelined, paced": "the forward thread records an event; the drain thread reserves, queues the gather "
+    "and the copies after that event on streams of their own, yielding the copy engine between chunks "
+    "(vLLM's own copies wait for one chunk at most, not a whole store), waits for them and publishes",
 }
-
-
-class ReserveAhead:
-    """Reserves a step's write-behind store objects on a helper thread while its forward runs.
-
-    Why: the gather needs its pool addresses before it can be issued, so the RESERVE round trip
-    (0.31-1.52 ms for 1-32 chunks on the H200 host, ``bench/store_issue.py``; more when the drain
-    thread's commit holds the client) ran on vLLM's forward
-    thread in every storing step's ``wait_for_save``. The step's stores are known from its
-    metadata before the forward (``start_load_kv``), so the round trip can run beside it.
-
-    Invariants: at most one reservation is ahead; ``take`` returns it only to the step it was made
-    for (the same metadata object and engine) and releases any other; a reservation nobody takes
-    is released (its objects aborted on the helper thread, never on the caller's).
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._pool: ThreadPoolExecutor | None = None
-        self._ahead: tuple[object, KVTransferEngine, Future[StoreReservation]] | None = None
-
-    def start(self, step: object, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
-        """Reserve for ``stores`` of ``step`` (its metadata) on the helper thread."""
-        self.discard()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maru-store-reserve")
-        self._ahead = (step, engine, self._pool.submit(engine.reserve_store, stores))
-
-    def take(self, step: object, engine: KVTransferEngine) -> StoreReservation | None:
-        """The reservation made for ``step`` on ``engine`` (waiting for its round trip), else None."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        made_for, eng, fut = ahead
-        if made_for is not step or eng is not engine:
-            self._release(eng, fut)
-            return None
-        try:
-            # The round trip is bounded by the client's timeout; this only guards a stuck thread.
-            return fut.result(timeout=self._timeout_s + 1.0)
-        except FutureTimeout:
-            self._release(eng, fut)
-            return StoreReservation(error=f"the reservation did not return within {self._timeout_s:.1f} s")
-        except Exception as e:  # reserve_store reports Maru errors itself; anything else lands here
-            return StoreReservation(error=f"{type(e).__name__}: {e}")
-
-    def discard(self) -> None:
-        """Release a reservation nobody took (a step whose store did not run)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self._release(ahead[1], ahead[2])
-
-    def _release(self, engine: KVTransferEngine, fut: Future[StoreReservation]) -> None:
-        assert self._pool is not None
-        self._pool.submit(_release_when_made, engine, fut)  # after the reservation, on its thread
-
-    def close(self) -> None:
-        self.discard()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _release_when_made(engine: KVTransferEngine, fut: Future[StoreReservation]) -> None:
-    try:
-        res = fut.result()
-    except Exception:
-        return  # nothing was reserved
-    engine.release_reservation(res)
 
 
 class WriteBehind:
@@ -139,7 +70,6 @@ class WriteBehind:
         self._owed: set[str] = set()
         self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still reading
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
-        self.ahead = ReserveAhead(timeout_s)
         self.mode = "not connected yet"
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
@@ -169,19 +99,9 @@ class WriteBehind:
             self._finished -= preempted
         self._owed.update(rt.req_id for rt in meta.stores)
 
-    def reserve_ahead(self, step: object, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
-        """Before ``step``'s forward: reserve its stores' objects beside it (``ReserveAhead``)."""
-        if engine.path.defers_store_gather:
-            return  # the drain thread reserves and gathers on this path: nothing on the forward thread
-        self.ahead.start(step, engine, stores)
-
-    def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer], step: object = None) -> None:
-        """Issue ``stores`` on ``engine`` (forward thread) and queue their completion on the drain;
-        the objects reserved ahead for ``step`` are used where there are some."""
-        reservation = self.ahead.take(step, engine) if step is not None else None
-        if reservation is not None:
-            self.stats.stores_reserved_ahead += 1
-        pending = engine.issue_store(stores, reservation)
+    def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
+        """Issue ``stores`` on ``engine`` (forward thread) and queue their completion on the drain."""
+        pending = engine.issue_store(stores)
         if self._drain is None:
             self._drain = BackgroundRunner("maru-store-drain")
         self._batches.append((pending, engine))
@@ -268,7 +188,6 @@ class WriteBehind:
 
     def close(self) -> None:
         """Complete and publish every store issued (each bounded by the client's timeout), then stop."""
-        self.ahead.close()
         if self._drain is not None:
             self.collect(None)
             self._drain.close(timeout=0)

@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 import torch
 
-from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase
@@ -268,10 +267,10 @@ def test_preemption_barrier_waits_for_a_gather_in_progress_and_cancels_it_at_the
     entered, gate = threading.Event(), threading.Event()
     real = w.engine.prepare_store
 
-    def stuck_gather(requests: Any) -> Any:  # the drain thread's gather, stuck half way
+    def stuck_gather(requests: Any, **kw: Any) -> Any:  # the drain thread's gather, stuck half way
         entered.set()
         assert gate.wait(30)
-        return real(requests)
+        return real(requests, **kw)
 
     w.engine.prepare_store = stuck_gather  # type: ignore[method-assign]
     try:
@@ -308,27 +307,9 @@ def test_shutdown_publishes_every_issued_store_even_from_a_slow_drain(
     assert_stored(client, b, original)
 
 
-def test_pipelined_write_behind_issues_on_the_forward_thread_and_publishes_after_the_wait(
-    client: MaruHandler,
-) -> None:
-    """The CUDA wiring (issue, wait for the copies, commit) driven on CPU through a CPU TransferEngine."""
-    src, original = case("kv_first", "HND", 29), case("kv_first", "HND", 29)
-    req = request("wb-pipelined", [3, 14, 6, 1], 2 * CHUNK)
-    layout = kv_ops.detect_layouts(src.caches, **src.detect_kwargs())
-    eng = KVTransferEngine(list(src.caches), layout, client)
-    eng.path = PipelinedPath(DevicePipeline(list(src.caches), layout))
-    pending = eng.issue_store([req])
-    assert pending.issued is not None and pending.issued.handle is not None
-    assert client.exists([c.key for c in req.chunks]) == [False, False]
-    assert eng.wait_store_read(pending, 5)
-    rep = eng.complete_store(pending)
-    assert (rep.stored, rep.failed, rep.tokens) == (2, 0, 2 * CHUNK) and pending.read_done.is_set()
-    assert_stored(client, req, original)
-
-
 def pipelined_worker(url: str, src: CacheCase) -> MaruWorkerConnector:
-    """A write-behind worker on the pipelined path (the GPU's: the gather is issued on the forward
-    thread), over CPU caches."""
+    """A write-behind worker on the pipelined path (the GPU's: the drain thread reserves and issues
+    the gather after the forward's mark), over CPU caches."""
     w = worker(url, src)
     assert w.engine is not None
     w.engine.path = PipelinedPath(DevicePipeline(list(src.caches), w.engine.layout))
@@ -349,76 +330,37 @@ def reserves_by_thread(w: MaruWorkerConnector, monkeypatch: pytest.MonkeyPatch) 
     return calls
 
 
-def no_reservations_left(client: MaruHandler, timeout: float = 10.0) -> bool:
-    """Whether the server holds no reservation (waiting for a release queued on a helper thread)."""
-    deadline = time.monotonic() + timeout
-    while client.usage()["reservations"]:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def test_the_step_store_objects_are_reserved_beside_the_forward_not_on_its_thread(
+def test_on_the_pipelined_path_the_forward_thread_only_queues_and_the_drain_reserves_and_gathers(
     server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src, original = case("kv_first", "HND", 31), case("kv_first", "HND", 31)
-    a = request("wb-ahead-a", [3, 14, 6, 1], 2 * CHUNK)
-    b = request("wb-ahead-b", [7, 9, 4, 12], 2 * CHUNK - 3)
+    a = request("wb-drain-a", [3, 14, 6, 1], 2 * CHUNK)
+    b = request("wb-drain-b", [7, 9, 4, 12], 2 * CHUNK - 3)
+    dropped = request("wb-drain-dropped", [0, 2, 5, 8], 2 * CHUNK)
     w = pipelined_worker(server.url, src)
     calls = reserves_by_thread(w, monkeypatch)
+    gate = gated(w)
     try:
-        meta = Meta(stores=[a, b])
-        w.start_load_kv(meta)  # before the forward: the reservation starts beside it
-        w.wait_for_save(meta)  # after it: the gather is issued into the objects reserved ahead
-        assert [(name.startswith("maru-store-reserve"), n) for name, n in calls] == [(True, 4)]
-        assert w.stats.stores_reserved_ahead == 1
+        meta = Meta(stores=[a, b, dropped])
+        w.start_load_kv(meta)
+        w._failed_blocks_step = set(dropped.block_ids)  # the step's load of these blocks failed
+        w.wait_for_save(meta)
+        assert calls == [] and client.usage()["reservations"] == 0  # nothing on the forward thread
+        assert w.stats.stores_dropped == 2
+        for t in list(src.caches) + list(original.caches):  # the drain's gather reads the cache now
+            t.mul_(-1.0)
+        gate.set()
         w.write_behind.collect(None)
-        assert client.exists([c.key for c in a.chunks + b.chunks]) == [True] * 4
+        assert [(name.startswith("maru-store-drain"), n) for name, n in calls] == [(True, 4)]
+        keys = [c.key for c in a.chunks + b.chunks + dropped.chunks]
+        assert client.exists(keys) == [True] * 4 + [False] * 2
         assert (w.stats.chunks_stored, w.stats.store_failures) == (4, 0)
-        assert no_reservations_left(client)
+        assert client.usage()["reservations"] == 0
     finally:
+        gate.set()
         stop_worker(w)
     assert_stored(client, a, original)
     assert_stored(client, b, original)
-
-
-def test_objects_reserved_ahead_for_a_store_dropped_or_for_another_step_are_aborted(
-    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    src, original = case("kv_first", "NHD", 32), case("kv_first", "NHD", 32)
-    kept = request("wb-ahead-kept", [3, 14, 6, 1], 2 * CHUNK)
-    dropped = request("wb-ahead-dropped", [7, 9, 4, 12], 2 * CHUNK)
-    lost = request("wb-ahead-lost-step", [0, 2], CHUNK)
-    w = pipelined_worker(server.url, src)
-    calls = reserves_by_thread(w, monkeypatch)
-    try:
-        # A step whose forward raised: its wait_for_save never ran; the next step's start drops it.
-        w.start_load_kv(Meta(stores=[lost]))
-        meta = Meta(stores=[kept, dropped])
-        w.start_load_kv(meta)
-        # The step's load of ``dropped``'s blocks failed: its stores are dropped (stale context).
-        w._failed_blocks_step = set(dropped.block_ids)
-        w.wait_for_save(meta)
-        assert all(name.startswith("maru-store-reserve") for name, _ in calls)
-        assert w.stats.stores_dropped == 2 and w.stats.stores_reserved_ahead == 1
-        w.write_behind.collect(None)
-        keys = [c.key for c in kept.chunks + dropped.chunks + lost.chunks]
-        assert client.exists(keys) == [True, True, False, False, False]
-        assert no_reservations_left(client)  # the lost step's and the dropped store's objects
-        # A store whose metadata is not the one reserved for reserves on its own thread.
-        before = len(calls)
-        w.start_load_kv(Meta(stores=[lost]))
-        w.wait_for_save(Meta(stores=[lost]))
-        w.write_behind.collect(None)
-        w.write_behind.ahead.close()  # the helper thread's reservation and its release ran
-        me = threading.current_thread().name
-        assert sorted(name == me for name, _ in calls[before:]) == [False, True]
-        assert client.exists([c.key for c in lost.chunks]) == [True]
-        assert no_reservations_left(client)
-    finally:
-        stop_worker(w)
-    assert_stored(client, kept, original)
 
 
 # ---------------------------------------------------------------------------- both sides

@@ -1,13 +1,14 @@
 """The write-behind store on CUDA caches (``-m gpu``; skipped without CUDA).
 
 Real geometry (32 layers, 8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, a real
-server. The store is issued the way the worker issues it after a forward (``issue_store``: the
-gather queued on the ``TransferEngine``, the host not waiting), then the preemption barrier
-(``wait_store_read``) runs, and only then are the source blocks overwritten, as the next forward
-would; the drain side (``complete_store``) then publishes. A fresh poisoned cache loads the
-chunks; every placed token must equal the source as it was when the store was issued, byte for
-byte. The issue is also checked to be ordered after work still queued on the current stream (the
-forward's writes): the source is written behind a device-side sleep right before the issue.
+server. The store is issued the way the worker issues it after a forward (``issue_store``: only
+a CUDA event recorded on the forward's stream), then either the preemption barrier
+(``wait_store_read``: gathers on the calling thread and waits) runs before the source blocks are
+overwritten, as the next forward would, or the drain side (``complete_store``, on another thread)
+reserves, gathers and publishes. The forward runs on a stream of its own and writes the source
+behind a device-side sleep right before the issue, so a gather not ordered after the event reads
+the old bytes. A fresh poisoned cache loads the chunks; every placed token must equal the source
+as the forward left it when the store was issued, byte for byte.
 """
 
 from __future__ import annotations
@@ -114,15 +115,13 @@ def warm_up(eng: KVTransferEngine) -> None:
     assert eng.complete_store(eng.issue_store([warm])).failed == 0
 
 
-def hold_the_gathers(eng: KVTransferEngine, client: MaruHandler) -> None:
-    """Delay everything the engine queues next by ~100 ms of device sleep on its placement stream.
-
-    The gather then certainly runs after a block reuse queued on the current stream right after
-    the issue, unless the preemption barrier waited for it: without the barrier the test fails.
-    """
-    warm_up(eng)
-    with torch.cuda.stream(eng.path.pipeline._place_stream):
-        torch.cuda._sleep(200_000_000)
+def on_drain(eng: KVTransferEngine, pending: Any) -> Any:
+    """``complete_store`` on a thread of its own (the worker's drain thread); its report."""
+    done: dict[str, Any] = {}
+    drain = threading.Thread(target=lambda: done.update(rep=eng.complete_store(pending)))
+    drain.start()
+    drain.join(60)
+    return done["rep"]
 
 
 @pytest.mark.parametrize("paced", [True, False], ids=["paced", "queued-at-once"])
@@ -131,40 +130,43 @@ def test_write_behind_store_survives_block_reuse_after_the_preemption_barrier(
     physical: str, paced: bool, client: MaruHandler
 ) -> None:
     src_req, dst_req = requests(f"wb-gpu-{physical}-{paced}", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
-    src, want = make_case(physical, 1, GEOM), make_case(physical, 1, GEOM)
+    src, want = make_case(physical, 1, GEOM), make_case(physical, 3, GEOM)
     eng = engine(src, client)
     eng.paced_store = paced
-    assert eng.data_path == "pipelined"
-    hold_the_gathers(eng, client)
-    pending = eng.issue_store([src_req])  # forward thread: must not block on the device
-    assert pending.issued is not None and pending.issued.handle is not None
-    assert pending.issued.handle.transfer.path == ("paced" if paced else "pipelined")
+    assert eng.data_path == "pipelined" and eng.path.defers_store_gather
+    warm_up(eng)
+    forward = torch.cuda.Stream()  # vLLM's forward may run on a stream of its own
+    with torch.cuda.stream(forward):
+        overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+        pending = eng.issue_store([src_req])  # forward thread: only an event on its stream
+    assert pending.issued is None and pending.after is not None and not pending.read_done.is_set()
+    assert not pending.after.query(), "the forward's work finished before the test could check the order"
     assert client.exists([c.key for c in src_req.chunks]) == [False] * 4  # nothing published yet
-    held = not pending.issued.handle.done()  # the gather waits behind the held placement stream
-    assert eng.wait_store_read(pending, 30)  # the preemption barrier
-    assert pending.issued.handle is None or pending.issued.handle.done()
-    assert held, "issue_store blocked the host until the gather ran"
-    for t in src.caches:  # the next forward reuses the blocks
-        t.fill_(-1.0)
-    done: dict[str, Any] = {}
-    drain = threading.Thread(target=lambda: done.update(rep=eng.complete_store(pending)))
-    drain.start()
-    drain.join(60)
-    rep = done["rep"]
+    with torch.cuda.stream(forward):
+        assert eng.wait_store_read(pending, 30)  # the preemption barrier: gathers here, waits for it
+        assert pending.read_done.is_set()
+        for t in src.caches:  # the next forward reuses the blocks
+            t.fill_(-1.0)
+    rep = on_drain(eng, pending)  # publishes what the barrier gathered; gathers nothing again
     assert (rep.stored, rep.failed, rep.error) == (4, 0, None)
+    assert bool(getattr(eng.path.pipeline, "_paced_state", None)) == paced  # the lane the store took
     assert_loaded(client, physical, src_req, dst_req, want)
 
 
-def test_the_issued_gather_reads_what_the_forward_queued_before_it(client: MaruHandler) -> None:
+def test_the_drain_thread_gather_reads_what_the_forward_queued_before_the_store(client: MaruHandler) -> None:
     src_req, dst_req = requests("wb-gpu-order", GEOM["block_size"], CHUNK, GEOM["num_blocks"])
     src, want = make_case("NHD", 31, GEOM), make_case("NHD", 33, GEOM)
     eng = engine(src, client)
     warm_up(eng)
-    overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
-    pending = eng.issue_store([src_req])
-    assert eng.wait_store_read(pending, 30)
-    rep = eng.complete_store(pending)
-    assert (rep.stored, rep.failed) == (4, 0)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+        pending = eng.issue_store([src_req])
+    assert not pending.after.query()
+    # The drain thread's own current stream is the default stream: only the mark orders the
+    # gather after the forward's writes.
+    rep = on_drain(eng, pending)
+    assert (rep.stored, rep.failed) == (4, 0) and pending.read_done.is_set()
     assert_loaded(client, "NHD", src_req, dst_req, want)
 
 
@@ -180,19 +182,18 @@ def test_barrier_for_one_of_two_stores_in_flight_then_the_drain_thread_publishes
     b_src, b_dst = requests("wb-gpu-two-b", bs, CHUNK, GEOM["num_blocks"])
     src, want = make_case("HND", 21, GEOM), make_case("HND", 23, GEOM)
     eng = engine(src, client)
-    hold_the_gathers(eng, client)
-    overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+    warm_up(eng)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        overwrite_behind_a_device_sleep(src, want)  # the forward's writes, still queued
+        pa = eng.issue_store([a_src])
+        pb = eng.issue_store([b_src])
+        assert eng.wait_store_read(pb, 30)
+        assert pb.read_done.is_set() and not pa.read_done.is_set()  # a's is left to the drain
+        freed = torch.tensor(sorted(set(b_src.block_ids) - set(a_src.block_ids)), device="cuda")
+        for t in src.caches:
+            t.index_fill_(1, freed, -2.0)  # kv_first: [2, num_blocks, ...] in logical order
     drain = BackgroundRunner("test-drain")
-    pa = eng.issue_store([a_src])
-    pb = eng.issue_store([b_src])
-    assert pb.issued is not None and pb.issued.handle is not None
-    held = not pb.issued.handle.done()
-    assert eng.wait_store_read(pb, 30)
-    assert pb.issued.handle.done()
-    assert held, "issue_store blocked the host until the gather ran"
-    freed = torch.tensor(sorted(set(b_src.block_ids) - set(a_src.block_ids)), device="cuda")
-    for t in src.caches:
-        t.index_fill_(1, freed, -2.0)  # kv_first: [2, num_blocks, ...] in logical order
     drain.submit("a", eng.complete_store, pa)
     drain.submit("b", eng.complete_store, pb)
     out = dict(drain.close(timeout=60))
