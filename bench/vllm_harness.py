@@ -195,10 +195,11 @@ class Engine(EngineProcess):
         )
         child_env["PYTHONUNBUFFERED"] = "1"
         child_env.update(env or {})
-        if "MARU_BENCH_ALT_TREE_USED" in child_env:  # another checkout's maru first (an A/B)
-            child_env["PYTHONPATH"] = os.pathsep.join((child_env["MARU_BENCH_ALT_TREE_USED"], child_env["PYTHONPATH"]))
+        alt = child_env.get("MARU_BENCH_ALT_TREE_USED")
+        if alt:  # another checkout's maru first (an A/B); run there: ``-m`` puts the cwd first
+            child_env["PYTHONPATH"] = os.pathsep.join((alt, child_env["PYTHONPATH"]))
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(spec, env=child_env, log_path=log_path, cwd=str(REPO))
+        super().__init__(spec, env=child_env, log_path=log_path, cwd=alt or str(REPO))
         self.name = name
 
     def start(self, timeout: float = 600.0, wait: bool = False) -> Engine:
@@ -283,14 +284,15 @@ class ApiServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        if "MARU_BENCH_ALT_TREE_USED" in self.env:  # another checkout's maru first (an A/B)
-            env["PYTHONPATH"] = os.pathsep.join((self.env["MARU_BENCH_ALT_TREE_USED"], env["PYTHONPATH"]))
+        alt = self.env.get("MARU_BENCH_ALT_TREE_USED")
+        if alt:  # another checkout's maru first (an A/B); run there: ``-m`` puts the cwd first
+            env["PYTHONPATH"] = os.pathsep.join((alt, env["PYTHONPATH"]))
         env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=str(REPO), start_new_session=True,
+                env=env, cwd=alt or str(REPO), start_new_session=True,
             )  # fmt: skip
         return self
 
