@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from maru.transfer.background import BackgroundRunner
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer, StoreReport
@@ -105,15 +107,20 @@ class WriteBehind:
         if self._drain is None:
             self._drain = BackgroundRunner("maru-store-drain")
         self._batches.append((pending, engine))
-        self._drain.submit(pending, self._drain_one, engine, pending)
+        inference = torch.is_inference_mode_enabled()  # vLLM's forward runs in inference mode
+        self._drain.submit(pending, self._drain_one, engine, pending, inference)
         self.stats.deferred_commits += 1
         self.stats.stores_in_flight = len(self._batches)
         self.collect()
 
-    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore) -> StoreReport:
+    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
-        return engine.complete_store(pending)
+        # In the forward thread's mode: the engine's buffers (slot mappings, staging) are made and
+        # updated in place on both threads (the preemption barrier gathers on the forward thread),
+        # and an inference tensor may be updated in place only under inference mode.
+        with torch.inference_mode(inference):
+            return engine.complete_store(pending)
 
     def busy(self) -> bool:
         """Whether work is queued on the drain thread."""

@@ -202,10 +202,19 @@ def test_barrier_for_one_of_two_stores_in_flight_then_the_drain_thread_publishes
     assert_loaded(client, "HND", b_src, b_dst, want)
 
 
+@pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "grad-mode"])
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
 def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemption(
-    physical: str, server: ServerProcess, client: MaruHandler
+    physical: str, inference: bool, server: ServerProcess, client: MaruHandler
 ) -> None:
+    """vLLM builds the engine and runs every hook under inference mode; the drain thread must work
+    in the same mode (in-place updates of the engine's buffers, the barrier gathering on the forward
+    thread into a staging lane the drain thread made). Without a mode: the same, in grad mode."""
+    with torch.inference_mode(inference):
+        _worker_write_behind_case(physical, server, client)
+
+
+def _worker_write_behind_case(physical: str, server: ServerProcess, client: MaruHandler) -> None:
     pytest.importorskip("vllm")
     from maru.vllm.config import MaruConnectorConfig
     from maru.vllm.metadata import MaruConnectorMetadata as Meta
