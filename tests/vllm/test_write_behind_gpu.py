@@ -211,18 +211,19 @@ def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemp
     in the same mode (in-place updates of the engine's buffers, the barrier gathering on the forward
     thread into a staging lane the drain thread made). Without a mode: the same, in grad mode."""
     with torch.inference_mode(inference):
-        _worker_write_behind_case(physical, server, client)
+        _worker_write_behind_case(f"{physical}-{inference}", physical, server, client)
 
 
-def _worker_write_behind_case(physical: str, server: ServerProcess, client: MaruHandler) -> None:
+def _worker_write_behind_case(tag: str, physical: str, server: ServerProcess, client: MaruHandler) -> None:
     pytest.importorskip("vllm")
     from maru.vllm.config import MaruConnectorConfig
     from maru.vllm.metadata import MaruConnectorMetadata as Meta
     from maru.vllm.worker import MaruWorkerConnector
 
     bs = GEOM["block_size"]
-    a_src, a_dst = requests(f"wb-gpu-w-a-{physical}", bs, CHUNK, GEOM["num_blocks"])
-    b_src, b_dst = requests(f"wb-gpu-w-b-{physical}", bs, CHUNK, GEOM["num_blocks"])
+    # Keys of their own per case: the server is the module's, and a key stored before is "present".
+    a_src, a_dst = requests(f"wb-gpu-w-a-{tag}", bs, CHUNK, GEOM["num_blocks"])
+    b_src, b_dst = requests(f"wb-gpu-w-b-{tag}", bs, CHUNK, GEOM["num_blocks"])
     a_src = RequestTransfer("a", a_src.block_ids, a_src.chunks)  # finishes
     b_src = RequestTransfer("b", b_src.block_ids, b_src.chunks)  # is preempted
     src, want = make_case(physical, 11, GEOM), make_case(physical, 13, GEOM)
@@ -251,7 +252,7 @@ def _worker_write_behind_case(physical: str, server: ServerProcess, client: Maru
         w.flush_stores(60)
         sending, _ = w.get_finished({"a", "b"})
         assert sending == {"a"}  # b was preempted: no report owed
-        assert w.stats.store_failures == 0 and w.stats.chunks_stored == 8
+        assert (w.stats.store_failures, w.stats.chunks_stored, w.stats.chunks_present) == (0, 8, 0)
     finally:
         stop_worker(w)
     assert_loaded(client, physical, a_src, RequestTransfer("a", a_dst.block_ids, a_dst.chunks), want)
