@@ -37,6 +37,11 @@ Every server answers one warm-up prompt first; ``--api-reps`` repetitions (3 on 
 turns, each with its own system prompt, and the table shows each repetition's p50 beside the
 pooled figures.
 
+A/B of two versions of maru in one pass: with ``MARU_BENCH_ALT_TREE`` set to a directory holding
+another ``maru/`` (e.g. ``git archive <commit> maru | tar -x -C .ab/old``), the offline engine
+``alt`` and the API variant ``--api-stores alt`` run the default configuration from that tree (its
+directory first on the instance's PYTHONPATH and as its working directory), beside this tree's.
+
 Writes ``gpu_vllm_e2e.json`` (every sample), ``gpu_vllm_e2e.md`` (the tables) and
 ``gpu_vllm_e2e.png`` (when matplotlib is there) to ``--out``; engine logs to ``--log-dir``.
 """

@@ -61,10 +61,26 @@ def _ensure_logging() -> None:
     if root.handlers:
         return
     h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [maru] %(message)s", "%m-%d %H:%M:%S"))
+    h.setFormatter(_formatter("maru"))
+    h.set_name(_HANDLER)
     root.addHandler(h)
     root.setLevel(logging.INFO)
     root.propagate = False
+
+
+_HANDLER = "maru-connector"
+
+
+def _formatter(tag: str) -> logging.Formatter:
+    return logging.Formatter(f"%(levelname)s %(asctime)s [{tag}] %(message)s", "%m-%d %H:%M:%S")
+
+
+def _label_rank(rank: int) -> None:
+    """Under tensor parallelism each worker process logs as ``[maru rank N]`` (its own handler only:
+    a logging setup someone else made is left alone)."""
+    for h in logging.getLogger("maru").handlers:
+        if h.get_name() == _HANDLER:
+            h.setFormatter(_formatter(f"maru rank {rank}"))
 
 
 def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
@@ -211,6 +227,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
                 tp_rank = int(get_tensor_model_parallel_rank())
+                _label_rank(tp_rank)
             static_ctx = vllm_config.compilation_config.static_forward_context
 
             def backend_name_of(layer_name: str) -> str | None:

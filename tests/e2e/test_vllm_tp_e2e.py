@@ -17,7 +17,6 @@ other's shard, or both heads, fails here.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -27,8 +26,9 @@ from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
 from maru.vllm.keys import ChunkKeyer, rank_keys
 from tests.e2e.tp_connectors import TP
-from tests.e2e.vllm_cpu import P1, P3, C, engine, gen, has_vllm, key_space
+from tests.e2e.vllm_cpu import P1, P3, C, engine, gen, has_vllm, hf_layer_kv, key_space, read_objects
 from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -48,14 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("tp-server"), pool_size="128M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
+server = module_server("tp-server", "128M")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +114,11 @@ def test_one_rank_missing_its_chunk_makes_vllm_recompute_with_identical_output(r
     assert runs["flag_consumed"]
     assert runs["u_p3"]["out"] == runs["t_p3"]["out"]
     log = runs["logs"]["U"]
-    assert "Maru: load of request" in log and "vLLM recomputes" in log  # rank 1 reported its failure
+    # Rank 1 reported its failure, and its log line says which rank it is.
+    assert any(
+        "[maru rank 1]" in ln and "Maru: load of request" in ln and "vLLM recomputes" in ln
+        for ln in log.splitlines()
+    )
     assert "Traceback" not in log
 
 
@@ -137,31 +134,13 @@ def _assert_rank_shards_match_transformers(url: str, model_dir: str, keys: list[
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         pkv = model(torch.tensor([P1]), use_cache=True).past_key_values
-    with MaruHandler(url) as h:
-        for r in range(TP):
-            handles = h.batch_retrieve([k[r] for k in keys])
-            assert all(x is not None for x in handles)
-            try:
-                # One head per rank: [layers, K/V, tokens, head size].
-                objs = [
-                    torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 32)
-                    for x in handles
-                ]
-            finally:
-                h.batch_release(handles)
-            for layer in range(2):
-                k, v = _layer_kv(pkv, layer)  # [1, heads, tokens, head size]
-                for i, obj in enumerate(objs):
-                    sl = slice(i * C, (i + 1) * C)
-                    torch.testing.assert_close(obj[layer, 0], k[0, r, sl], atol=2e-4, rtol=1e-3)
-                    torch.testing.assert_close(obj[layer, 1], v[0, r, sl], atol=2e-4, rtol=1e-3)
-            # The other rank's head differs (the check above can fail).
-            assert not torch.allclose(objs[0][0, 1], _layer_kv(pkv, 0)[1][0, 1 - r, :C], atol=1e-3)
-
-
-def _layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:
-    if hasattr(pkv, "layers"):
-        return pkv.layers[layer].keys, pkv.layers[layer].values
-    if hasattr(pkv, "key_cache"):
-        return pkv.key_cache[layer], pkv.value_cache[layer]
-    return pkv[layer][0], pkv[layer][1]
+    for r in range(TP):
+        objs = read_objects(url, [k[r] for k in keys], (2, 2, C, 32))  # one head a rank
+        for layer in range(2):
+            k, v = hf_layer_kv(pkv, layer)  # [1, heads, tokens, head size]
+            for i, obj in enumerate(objs):
+                sl = slice(i * C, (i + 1) * C)
+                torch.testing.assert_close(obj[layer, 0], k[0, r, sl], atol=2e-4, rtol=1e-3)
+                torch.testing.assert_close(obj[layer, 1], v[0, r, sl], atol=2e-4, rtol=1e-3)
+        # The other rank's head differs (the check above can fail).
+        assert not torch.allclose(objs[0][0, 1], hf_layer_kv(pkv, 0)[1][0, 1 - r, :C], atol=1e-3)

@@ -86,19 +86,10 @@ def assert_stored_kv_matches(url: str, keys: list[str], pkv: Any, tokens: int) -
     both layers of the tiny model. Returns the objects and the last layer's V (for negative checks)."""
     import torch
 
-    with MaruHandler(url) as h:
-        handles = h.batch_retrieve(keys)
-        assert all(x is not None for x in handles), "a stored chunk is missing from the pool"
-        try:
-            objs = [
-                torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(2, 2, C, 64)
-                for x in handles
-            ]
-        finally:
-            h.batch_release(handles)
+    objs = read_objects(url, keys, (2, 2, C, 64))
     hf_v = None
     for layer in range(2):
-        k, v = _hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
+        k, v = hf_layer_kv(pkv, layer)  # [1, NH, T, HS]
         hf_k = k[0].transpose(0, 1).reshape(tokens, 64)
         hf_v = v[0].transpose(0, 1).reshape(tokens, 64)
         for i, obj in enumerate(objs):
@@ -108,7 +99,23 @@ def assert_stored_kv_matches(url: str, keys: list[str], pkv: Any, tokens: int) -
     return objs, hf_v
 
 
-def _hf_layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:
+def read_objects(url: str, keys: list[str], shape: tuple[int, ...]) -> list[Any]:
+    """Copies of the pool objects of ``keys`` as float32 tensors of ``shape`` (each must be there)."""
+    import torch
+
+    with MaruHandler(url) as h:
+        handles = h.batch_retrieve(keys)
+        assert all(x is not None for x in handles), "a stored chunk is missing from the pool"
+        try:
+            return [
+                torch.frombuffer(bytearray(x.tobytes()), dtype=torch.float32).view(*shape) for x in handles
+            ]
+        finally:
+            h.batch_release(handles)
+
+
+def hf_layer_kv(pkv: Any, layer: int) -> tuple[Any, Any]:
+    """Layer ``layer``'s K and V ``[1, heads, tokens, head size]`` from transformers' cache, any version."""
     if hasattr(pkv, "layers"):  # transformers >= 4.56 Cache objects
         return pkv.layers[layer].keys, pkv.layers[layer].values
     if hasattr(pkv, "key_cache"):
