@@ -393,8 +393,8 @@ class MaruWorkerConnector:
 
         vLLM freed those blocks when it preempted the requests, and this very step may write them
         (a forward, or a load): block until no write-behind store still reads them
-        (``KVTransferEngine.wait_store_read``: CUDA waits for the gather's copies; CPU gathers a
-        batch the drain thread has not started right here). A gather that does not finish within
+        (``KVTransferEngine.wait_store_read``: a batch the drain thread has not started is gathered
+        right here, after its event on CUDA; one being gathered is waited for). A gather that does not finish within
         ``maru_timeout_s`` is cancelled (it publishes nothing). A preempted request is no longer
         owed a ``finished_sending`` (the scheduler forgets it too).
         """
