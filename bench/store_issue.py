@@ -20,6 +20,10 @@ for, as a GPU-bound step does) is timed, per store size (1, 8, 16, 32 chunks of 
 "paid" is the forward's median time minus its time alone. Also: the drain's own times (reserve,
 issue, wait for the copies, publish).
 
+Measured (H200, 2026-12-02, bench/RESULTS.md, twentieth pass), paid for 1 / 8 / 16 / 32 chunks:
+GPU-bound (``--gpu-ms 40``) old 1.43 / 2.61 / 3.86 / 6.48 ms, new 0.11 / 0.16 / 0.15 / 0.07 ms;
+host-bound old 1.00 / 1.86 / 3.02 / 4.85 ms, new 1.65 / 3.21 / 4.48 / 7.49 ms (the GIL).
+
 Usage (GPU machine, repo root): python bench/store_issue.py [--reps 10] [--ops 3000] [--gpu-ms 0]
 """
 
