@@ -4,10 +4,11 @@ The tiny model has 2 KV heads, so each of the two ranks holds one head and store
 under its own key (``keys.rank_keys``: ``<key>@0``, ``<key>@1``). Engines, each in its own
 process, one after the other (vLLM's workers are processes of their own, ``mp`` executor):
 
-- T: TP=2, Maru: serves P1 and P3 cold and stores them (write-behind, the default);
+- T: TP=2, Maru: serves P1, P3 and P4 cold and stores them (write-behind, the default);
 - U: TP=2, Maru, a test connector that deletes *rank 1's* copy of P3's last chunk right before
   that rank loads it: loads P1 (identical output), then P3 (rank 0 loads, rank 1 misses: vLLM must
   recompute, with identical output);
+- V: TP=2, Maru with asynchronous loads: P1 and P4 (which extends P1) arriving together;
 - S: TP=1, Maru: another key space, so P1 is computed, never loaded from TP=2 shards.
 
 What each rank stored must equal transformers' K and V of *its* head: a rank that stored the
@@ -26,7 +27,7 @@ from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
 from maru.vllm.keys import ChunkKeyer, rank_keys
 from tests.e2e.tp_connectors import TP
-from tests.e2e.vllm_cpu import P1, P3, C, engine, gen, has_vllm, hf_layer_kv, key_space, read_objects
+from tests.e2e.vllm_cpu import P1, P3, P4, C, engine, gen, has_vllm, hf_layer_kv, key_space, read_objects
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server
 
@@ -59,6 +60,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     with engine("T", tmp, model_dir, {"extra": extra}, env=TP_ENV, **TP_ENGINE) as t:
         res["t_p1"] = gen(t, P1)
         res["t_p3"] = gen(t, P3)
+        res["t_p4"] = gen(t, P4)  # extends P1: only its last two chunks are new
         # Publishes what the workers stored (settles every delayed free); fails if a block leaked.
         res["t_reset"] = t.call({"op": "reset_prefix_cache"})
     flag = tmp / "evict-now"
@@ -74,9 +76,17 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res["u_p3"] = gen(u, P3)
         res["flag_consumed"] = not flag.exists()
         res["hits_after_p3"] = _server_counters(server.url)
+    # V: asynchronous loads (what the connector runs on vLLM's GPU V2 runner): P1 and P4 together,
+    # P4 waiting for P1's load of their shared chunks.
+    with engine(
+        "V", tmp, model_dir, {"extra": {**extra, "maru_async_load": True}}, env=TP_ENV, **TP_ENGINE
+    ) as v:
+        r = v.call({"op": "generate", "prompts": [P1, P4], "max_tokens": 8})
+        assert "error" not in r, r
+        res["v_p14"] = r
     with engine("S", tmp, model_dir, {"extra": extra}) as s:
         res["s_p1"] = gen(s, P1)
-    res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "TUS"}
+    res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "TUVS"}
     return res
 
 
@@ -108,6 +118,18 @@ def test_a_tp2_instance_loads_what_another_tp2_instance_stored_with_identical_ou
     assert len(set(runs["t_p1"]["out"])) > 1  # not one repeated token: the comparison can fail
     # Both ranks loaded: 4 chunks and the tail, twice.
     assert runs["hits_after_p1"]["pins"] >= 2 * 5
+
+
+def test_a_tp2_instance_with_asynchronous_loads_loads_both_prompts_together_with_identical_output(
+    runs: dict[str, Any],
+) -> None:
+    r = runs["v_p14"]
+    assert runs["t_p4"]["cached"] == USABLE  # T computed only P4's new chunks (its own prefix cache)
+    assert r["outputs"] == [runs["t_p1"]["out"], runs["t_p4"]["out"]]
+    # Everything but the last token of each, block-aligned: both ranks' loads were reported before
+    # vLLM used the blocks (and P4's shared chunks came through P1's load).
+    assert r["cached"] == [USABLE, (len(P4) - 1) // 32 * 32]
+    assert "Traceback" not in runs["logs"]["V"]
 
 
 def test_one_rank_missing_its_chunk_makes_vllm_recompute_with_identical_output(runs: dict[str, Any]) -> None:
