@@ -18,6 +18,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from maru.transfer.paths import DataPath
 
@@ -188,10 +190,17 @@ class ThreadedLayerHandle(LayerHandle):
         self._failed: dict[int, str] = {}
         self._mismatched: list[int] = []
         self._error: BaseException | None = None
+        # The caller's autograd mode: vLLM makes its caches (and runs its hooks) under inference
+        # mode, and an inference tensor may be written in place only inside it.
+        self._inference = torch.is_inference_mode_enabled()
         self._thread = threading.Thread(target=self._run, name="maru-layer-load", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        with torch.inference_mode(self._inference):
+            self._place_all()
+
+    def _place_all(self) -> None:
         t0 = time.perf_counter()
         try:
             for i in range(self.num_layers):

@@ -77,6 +77,39 @@ def test_layer_by_layer_load_places_the_same_bytes_as_the_synchronous_load(
     assert pins.pinned == pins.released == 3
 
 
+class _TorchPlacement:
+    """A host placement that writes the cache with torch's in-place indexing, as the staged GPU path
+    does (the CPU path writes through numpy, which torch's inference-tensor check does not see)."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.caches = caches
+
+    def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        self.caches[layer][slots] = obj[layer]
+
+    def sync(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "grad-mode"])
+def test_the_layer_thread_writes_caches_in_its_callers_autograd_mode(inference: bool) -> None:
+    """vLLM makes its caches and runs its hooks under inference mode: the layer thread writes those
+    inference tensors in place, which torch allows only inside inference mode (on every thread)."""
+    from maru.transfer.handles import ThreadedLayerHandle
+
+    layers, tokens, row = 3, 5, 8
+    with torch.inference_mode(inference):
+        caches = [torch.zeros(16, row) for _ in range(layers)]
+        assert all(t.is_inference() == inference for t in caches)
+        obj = torch.randn(layers, tokens, row)
+        slots = torch.tensor([3, 9, 0, 14, 6])
+        h = ThreadedLayerHandle(_TorchPlacement(caches), [[(obj, slots)]], layers)  # type: ignore[arg-type]
+        h.wait()
+    assert h.failed_items() == {}
+    for i in range(layers):
+        assert torch.equal(caches[i][slots], obj[i])
+
+
 def test_wait_for_layer_returns_with_that_layer_placed_for_every_chunk(client: MaruHandler) -> None:
     src = case("kv_first", "HND", 3)
     req = request("layer-wait", [4, 1, 12, 7, 0, 9], 3 * CHUNK)
