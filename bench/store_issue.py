@@ -46,7 +46,6 @@ from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request, ser
 from maru import kv_ops  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
 from maru.transfer.records import StoreReport  # noqa: E402
-from maru.transfer.reservations import reserve_chunks  # noqa: E402
 from maru.transfer.stores import PreparedStore  # noqa: E402
 
 
@@ -88,7 +87,7 @@ def old_way(engine: KVTransferEngine, fwd: Forward, chunks: int, gen: torch.Gene
     """The gather issued on the forward thread into objects reserved beforehand."""
     reqs = fresh(chunks, gen)
     prep = PreparedStore(report=StoreReport())
-    reserved = reserve_chunks(engine.client, engine.geometry, reqs, prep.report)
+    reserved = engine._reserve(reqs, prep)
     assert reserved is not None
     issued: list[Any] = []
     dt = fwd.run(lambda: issued.append(engine.issue_gather(*reserved, prep, paced=engine.paced_store)))

@@ -42,10 +42,7 @@ from maru.transfer.records import (
     slot_mapping,
     unique_keys,
 )
-from maru.transfer.reservations import reserve_chunks
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
-
-_LOST = CONNECTION_LOST
 
 logger = logging.getLogger("maru.transfer")
 
@@ -147,7 +144,24 @@ class KVTransferEngine:
 
         None when there is nothing to store or the reservation failed (recorded in ``prep``).
         """
-        return reserve_chunks(self.client, self.geometry, requests, prep.report)
+        rep = prep.report
+        todo: list[tuple[RequestTransfer, Any]] = []
+        seen: set[str] = set()
+        for req in requests:
+            for c in req.chunks:
+                if c.key not in seen:
+                    seen.add(c.key)
+                    todo.append((req, c))
+        if not todo:
+            return None
+        try:
+            objs = self.client.batch_alloc([self.geometry.nbytes(c.num_tokens) for _, c in todo])
+        except (MaruError, ValueError) as e:
+            rep.failed = len(todo)
+            rep.error = f"reserving {len(todo)} objects failed: {e}"
+            rep.server_lost = isinstance(e, CONNECTION_LOST)
+            return None
+        return todo, list(objs)
 
     def issue_gather(
         self,
@@ -270,7 +284,7 @@ class KVTransferEngine:
                 rep.failed += len(prep.objects)
                 rep.tokens = 0
                 rep.error = f"publishing {len(prep.objects)} objects failed: {e}"
-                rep.server_lost = isinstance(e, _LOST)
+                rep.server_lost = isinstance(e, CONNECTION_LOST)
                 rep.seconds += time.perf_counter() - t0
                 return rep
             for r in results:
@@ -444,7 +458,7 @@ class KVTransferEngine:
         except MaruError as e:
             for req in requests:
                 failed[req.req_id] = f"lookup failed: {e}"
-            return index, None, isinstance(e, _LOST)
+            return index, None, isinstance(e, CONNECTION_LOST)
 
     def _parts(
         self, req: RequestTransfer, handles: list[Any], index: dict[str, int]

@@ -257,16 +257,17 @@ class MaruWorkerConnector:
             return
         if meta.async_loads:
             self.async_loads.start(meta.async_loads)
-        if meta.loads:
-            try:
-                if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
-                    self.layer_loads.start(meta.loads)
-                else:
-                    self._load(meta)
-            except Exception as e:  # never raise into the forward; recompute instead
-                logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
-                for rt in meta.loads:
-                    self._fail(rt, f"{type(e).__name__}: {e}")
+        if not meta.loads:
+            return
+        try:
+            if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
+                self.layer_loads.start(meta.loads)
+            else:
+                self._load(meta)
+        except Exception as e:  # never raise into the forward; recompute instead
+            logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
+            for rt in meta.loads:
+                self._fail(rt, f"{type(e).__name__}: {e}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
@@ -361,12 +362,12 @@ class MaruWorkerConnector:
             # Before anything can fail: the scheduler delays the free of every request it planned
             # a store for, whatever becomes of the store here (dropped, failed, connector off).
             self.write_behind.owe(meta)
+        if meta is None or not meta.stores or not self.cfg.enable_store:
+            return
         try:
-            if meta is None or not meta.stores or not self.cfg.enable_store:
-                return
             self._store(meta)
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
-            self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores) if meta else 0
+            self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
 
     def _store(self, meta: MaruConnectorMetadata) -> None:

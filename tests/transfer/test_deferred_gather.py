@@ -1,7 +1,7 @@
 """The write-behind store on the pipelined (CUDA) path: reserved and gathered by the drain thread.
 
 ``issue_store`` (vLLM's forward thread) only takes the path's ``mark()``; ``complete_store`` (the
-drain thread) reserves the objects (``maru.transfer.reservations``), issues the gather ordered
+drain thread) reserves the objects (one RESERVE round trip), issues the gather ordered
 after the mark, waits for it and publishes. The preemption barrier (``wait_store_read``) gathers
 a store the drain has not started itself. Real server and shared-memory pool; the pipelined path
 runs on CPU caches here (``DevicePipeline`` without a GPU; the event ordering is tested on the
@@ -29,7 +29,7 @@ from maru.transfer.records import RequestTransfer
 from tests.pool_fixtures import module_server, pool_client
 from tests.transfer.helpers import CHUNK, assert_loads_back, case, request
 
-server = module_server("reservations")
+server = module_server("deferred-gather")
 client = pool_client()
 
 
