@@ -12,7 +12,13 @@ Instances (a key each; ``api_instances`` builds their Maru configs):
   same pass, loading from Maru (the default configuration); ``load-<mode>``: one per load mode.
 - ``store-<variant>``: cold, one per store variant, each under a namespace of its own so that it
   stores the whole pass afresh; ``store-probe`` stores nothing and finds nothing (the connector's
-  scheduler-side cost alone).
+  scheduler-side cost alone); ``store-none`` is a second instance without a connector (the spread
+  between two identical instances); ``store-alt-<name>`` runs the patched ``maru/`` in
+  ``.ab/<name>`` (a diagnosis: what part of the store costs what).
+
+Each repetition runs the cold passes in an order rotated by one (position effects, e.g. an
+instance whose stores still drain while the next one runs, spread over every variant), then the
+passes that need one of them first (vLLM's own hit, the warm loads).
 - ``pair-none-a``/``-b`` and ``pair-maru-a``/``-b``: two instances each, every user moving to the
   other instance every round (a router without session affinity): a user's history is always on
   the instance it is not sent to. Without a connector the new instance recomputes it; with Maru
@@ -55,12 +61,14 @@ API_LOADS: dict[str, dict[str, Any]] = {
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so
 # each stores the whole pass afresh (with the shared one a later instance would find it all present).
 # "probe" stores nothing and finds nothing: the connector's scheduler-side cost alone.
-API_STORES: dict[str, dict[str, Any]] = {
+API_STORES: dict[str, dict[str, Any] | None] = {
     "sync": {"maru_async_store": False},
     "unpaced": {"maru_async_store": True, "maru_paced_store": False},
     "probe": {"maru_enable_store": False},
     # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
+    # A second instance without a connector: the spread between two identical instances.
+    "none": None,
     # The default configuration, run from another checkout of maru (an A/B of two versions in one
     # pass, taking turns): its path in $MARU_BENCH_ALT_TREE, put first on the instance's PYTHONPATH.
     "alt": {"maru_async_store": True},
@@ -69,16 +77,41 @@ STORE_LABELS = {
     "probe": "cold, Maru probing only",
     "idle": "cold, connector attached, Maru off",
     "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
+    "none": "cold, no connector (a second instance)",
 }
 
 
+def store_variant(variant: str) -> dict[str, Any] | None:
+    """The Maru extra config of the ``store-<variant>`` instance (``alt-<name>``: as ``alt``;
+    None: no connector)."""
+    return API_STORES["alt" if variant.startswith("alt-") else variant]
+
+
+def store_label(variant: str) -> str:
+    if variant.startswith("alt-"):
+        return f"cold, Maru storing (write-behind), tree .ab/{variant[4:]}"
+    return STORE_LABELS.get(variant, f"cold, Maru storing ({variant})")
+
+
+def check_store_variant(variant: str) -> str:
+    """argparse type of ``--api-stores``: a key of API_STORES, or ``alt-<name>`` (the tree .ab/<name>)."""
+    if variant not in API_STORES and not variant.startswith("alt-"):
+        raise ValueError(f"unknown store variant {variant!r}: one of {', '.join(API_STORES)} or alt-<name>")
+    return variant
+
+
 def store_env(variant: str) -> dict[str, str] | None:
-    """Extra environment of the ``store-<variant>`` instance (``alt``: the other tree first)."""
-    if variant != "alt":
+    """Extra environment of the ``store-<variant>`` instance: ``alt`` runs the tree in
+    $MARU_BENCH_ALT_TREE, ``alt-<name>`` the tree in ``.ab/<name>`` (each a directory holding another
+    ``maru/``, e.g. a patched copy for a diagnosis), first on its PYTHONPATH."""
+    if variant == "alt":
+        tree = os.environ.get("MARU_BENCH_ALT_TREE")
+    elif variant.startswith("alt-"):
+        tree = str(Path(__file__).resolve().parent.parent / ".ab" / variant[4:])
+    else:
         return None
-    tree = os.environ.get("MARU_BENCH_ALT_TREE")
     if not tree or not os.path.isdir(os.path.join(tree, "maru")):
-        raise SystemExit("--api-stores alt needs MARU_BENCH_ALT_TREE: a directory holding another maru/")
+        raise SystemExit(f"--api-stores {variant} needs another maru/ in {tree or '$MARU_BENCH_ALT_TREE'}")
     return {"MARU_BENCH_ALT_TREE_USED": os.path.abspath(tree)}  # the harness puts it first on PYTHONPATH
 
 
@@ -107,13 +140,18 @@ def api_instances(
         "none": None,
         "store": maru_kv_config(extra("api", {"maru_async_store": True})),
         **{api_load_key(m): maru_kv_config(extra("api", API_LOADS[m])) for m in loads},
-        **{f"store-{v}": maru_kv_config(extra(f"api-{v}", API_STORES[v])) for v in stores},
+        **{f"store-{v}": _store_config(extra, v) for v in stores},
     }
     if pair:
         for side in ("a", "b"):
             out[f"pair-none-{side}"] = None
             out[f"pair-maru-{side}"] = maru_kv_config(extra("api-pair", {}))
     return out
+
+
+def _store_config(extra: Callable[[str, dict[str, Any]], dict[str, Any]], variant: str) -> dict | None:
+    cfg = store_variant(variant)
+    return None if cfg is None else maru_kv_config(extra(f"api-{variant}", cfg))
 
 
 def conversation(setup: Any, user: int, rnd: int, system: list[int]) -> list[int]:
@@ -190,13 +228,17 @@ def _scrape(servers: Sequence[ApiServer]) -> tuple[dict[str, tuple[float, float]
     return timings, counts
 
 
-def _passes(servers: dict[str, ApiServer]) -> list[tuple[str, str]]:
-    passes = [("none", "cold, no connector"), ("none", "vLLM's own prefix hit"),
-              ("store", "cold, Maru storing (write-behind)"), ("load", "warm from Maru (new instance)")]  # fmt: skip
+def _passes(servers: dict[str, ApiServer], rep: int = 0) -> list[tuple[str, str]]:
+    """The passes of repetition ``rep``: the cold ones first, in an order rotated by ``rep`` (each
+    cold instance takes each place in turn: no variant always follows the same one), then the
+    passes that need one of them before (vLLM's own hit, the warm loads), then the pairs."""
+    cold = [("none", "cold, no connector"), ("store", "cold, Maru storing (write-behind)")]
+    cold += [(k, store_label(k[6:])) for k in servers if k.startswith("store-")]
+    r = rep % len(cold)
+    passes = cold[r:] + cold[:r]
+    passes += [("none", "vLLM's own prefix hit"), ("load", "warm from Maru (new instance)")]
     passes += [(k, f"warm from Maru, {k.removeprefix('load-')} load (new instance)")
                for k in servers if k.startswith("load-")]  # fmt: skip
-    passes += [(k, STORE_LABELS.get(k[6:], f"cold, Maru storing ({k[6:]})"))
-               for k in servers if k.startswith("store-")]  # fmt: skip
     return passes + list(PAIRS.items())
 
 
@@ -218,7 +260,7 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
     rows: dict[str, dict[str, Any]] = {}
     for rep in range(reps):
         system = random_prompt(setup.system_tokens, 5555 + rep, setup.model.vocab)
-        for key, label in _passes(servers):
+        for key, label in _passes(servers, rep):
             group = [live.get(f"{key}-a"), live.get(f"{key}-b")] if key in PAIRS else [live.get(key)]
             if None in group:
                 continue

@@ -63,7 +63,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.api_workload import API_LOADS, API_STORES, api_instances, run_api, store_env  # noqa: E402
+from bench.api_workload import (  # noqa: E402
+    API_LOADS,
+    API_STORES,
+    api_instances,
+    check_store_variant,
+    run_api,
+    store_env,
+    store_variant,
+)  # noqa: E402
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     SERVER_TIMINGS,
@@ -477,8 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         help="two-instance passes: users alternate between two instances, without a connector and with Maru",
     )  # fmt: skip
     ap.add_argument(
-        "--api-stores", nargs="*", default=[], choices=list(API_STORES),
-        help="more cold API instances, one per store variant (each storing under a namespace of its own)",
+        "--api-stores", nargs="*", default=[], type=check_store_variant,
+        help="more cold API instances, one per store variant (each storing under a namespace of its own): "
+        f"{', '.join(API_STORES)}, or alt-<name> (the maru/ in .ab/<name>)",
     )  # fmt: skip
     a = ap.parse_args(argv)
 
@@ -518,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.helpers import ServerProcess, free_port
 
-    storing = [v for v in a.api_stores if API_STORES[v].get("maru_enable_store", True)]
+    storing = [
+        v for v in a.api_stores if (c := store_variant(v)) is not None and c.get("maru_enable_store", True)
+    ]
     psize = pool_size(setup, 0 if a.no_api else 1 + int(a.api_pair) + len(storing))
     srv = ServerProcess(logs, pool_size=psize, log_level="WARNING")
     srv.start()

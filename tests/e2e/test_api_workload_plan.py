@@ -1,0 +1,56 @@
+"""The API benchmark's plan (bench/api_workload.py): pass order by repetition and store variants.
+
+No vLLM here: what is checked is which instances run in which order, which a wrong plan would
+silently bias (a variant always measured right after the store that drains behind it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import api_workload as aw
+
+SERVERS = dict.fromkeys(["none", "store", "load", "load-async", "store-idle", "store-probe"])
+
+
+def _cold(rep: int) -> list[str]:
+    return [label for key, label in aw._passes(SERVERS, rep) if label.startswith("cold")]  # type: ignore[arg-type]
+
+
+def test_every_cold_instance_takes_every_place_over_the_repetitions() -> None:
+    orders = [_cold(rep) for rep in range(4)]
+    assert len({tuple(o) for o in orders}) == 4
+    for place in range(4):
+        assert len({o[place] for o in orders}) == 4  # each place held by a different instance
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)
+
+
+@pytest.mark.parametrize("rep", range(4))
+def test_the_passes_that_need_a_cold_one_come_after_it(rep: int) -> None:
+    keys = [key for key, _ in aw._passes(SERVERS, rep)]  # type: ignore[arg-type]
+    labels = [label for _, label in aw._passes(SERVERS, rep)]  # type: ignore[arg-type]
+    assert labels.index("vLLM's own prefix hit") > labels.index("cold, no connector")
+    assert keys.index("load") > keys.index("store")
+    assert keys.index("load-async") > keys.index("store")
+
+
+def test_alt_variants_name_a_tree_under_dot_ab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert aw.check_store_variant("alt-nocopy") == "alt-nocopy"
+    assert aw.store_variant("alt-nocopy") == aw.API_STORES["alt"]
+    assert "tree .ab/nocopy" in aw.store_label("alt-nocopy")
+    with pytest.raises(ValueError, match="unknown store variant"):
+        aw.check_store_variant("nocopy")
+    with pytest.raises(SystemExit, match=r"\.ab/no-such-tree-here"):
+        aw.store_env("alt-no-such-tree-here")
+    (tmp_path / "maru").mkdir()
+    monkeypatch.setenv("MARU_BENCH_ALT_TREE", str(tmp_path))
+    assert aw.store_env("alt") == {"MARU_BENCH_ALT_TREE_USED": str(tmp_path)}
+    assert aw.store_env("probe") is None
+
+
+def test_the_second_plain_instance_has_no_connector() -> None:
+    specs = aw.api_instances(lambda ns, cfg: {"ns": ns, **cfg}, ["default"], ["none", "probe"], False)
+    assert specs["none"] is None and specs["store-none"] is None
+    assert specs["store-probe"] is not None and specs["store"] is not None
