@@ -47,6 +47,7 @@ class TorchSync:
 
 H2D = 1  # cudaMemcpyHostToDevice
 D2H = 2  # cudaMemcpyDeviceToHost
+D2D = 3  # cudaMemcpyDeviceToDevice
 _EVENT_DISABLE_TIMING = 2
 _EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady
@@ -109,6 +110,14 @@ class RawSync(TorchSync):
 
     def wait(self, stream: torch.cuda.Stream, event: int) -> None:
         self._check(self._wait(stream.cuda_stream, event, 0), "cudaStreamWaitEvent")
+
+    def record_on(self, event: int, stream: int) -> None:
+        """``record`` on a raw stream handle (``torch.cuda.Stream.cuda_stream``)."""
+        self._check(self._record(event, stream), "cudaEventRecord")
+
+    def wait_on(self, stream: int, event: int) -> None:
+        """``wait`` on a raw stream handle."""
+        self._check(self._wait(stream, event, 0), "cudaStreamWaitEvent")
 
     def record_external(self, event: int, stream: int) -> None:
         """Record ``event`` on raw ``stream``; inside a stream capture this becomes an event-record

@@ -349,7 +349,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
                     # real slots.
                     raise RuntimeError("DevicePipeline.warm(chunk_tokens) must run before the first transfer")
                 for slot in self._ring:
-                    slot.placer.warm(int(chunk_tokens))
+                    slot.placer.warm(int(chunk_tokens), checksum=True)
                 self._warm_paced(int(chunk_tokens))
             if self._layer_placer is None:
                 return

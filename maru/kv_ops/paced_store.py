@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 
 from maru.announce import announce_once
 from maru.kv_ops import checksum as ck
+from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.staging_slot import StagingSlot
 
@@ -51,6 +53,19 @@ def yield_copy_engine(stream: Any) -> None:
     """Queue a short kernel on ``stream``: between two of its copies, the copy engine goes to others."""
     with torch.cuda.stream(stream):
         torch.cuda._sleep(YIELD_CYCLES)
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
+    its gather and checksum (-1: no checksum), its staging buffer's address and its byte count."""
+
+    slot: StagingSlot
+    tokens: int
+    gather: int
+    checksum: int
+    stage: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,131 @@ class PacedStores:
         return self._queue_store(lane, objs, slots, nbytes, checksums, t0)
 
     def _queue_store(
+        self,
+        lane: StoreLane,
+        objs: list[torch.Tensor],
+        slots: torch.Tensor,
+        nbytes: int,
+        checksums: bool,
+        t0: float,
+    ) -> Transfer:
+        """Queue a staged store on ``lane`` (see ``_queue_store_each``): every per-chunk call through
+        libcudart where it can (``_raw_plan``), else through torch."""
+        plan = self._raw_plan(lane, objs, slots, checksums)
+        if plan is not None:
+            return self._queue_store_raw(lane, plan, objs, slots, nbytes, checksums, t0)
+        return self._queue_store_each(lane, objs, slots, nbytes, checksums, t0)
+
+    def _raw_plan(
+        self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, checksums: bool
+    ) -> list[RawChunk] | None:
+        """Per chunk, its slot and the raw graph executables of its gather (and checksum), when the
+        whole store can be queued through libcudart: a raw sync, every slot graph-backed for every
+        chunk size (captured now where captures are lazy), the slot mapping's chunks contiguous.
+        None: the store goes the torch way (same bytes, ~5-10x the host time a chunk)."""
+        if not self._sync.raw or not slots.is_contiguous() or (lane.paced and self._yield_exec() == 0):
+            return None
+        lazy = self.lazy_capture  # type: ignore[attr-defined]
+        ring = list(lane.slots) or [
+            self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
+        ]  # type: ignore[attr-defined]
+        plan = []
+        for k, obj in enumerate(objs):
+            slot = ring[k % len(ring)]
+            t = int(obj.shape[2])
+            if slot.placer is None or not obj.is_contiguous():
+                return None
+            try:
+                gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
+                summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
+                stage = slot.placer.staging(t)
+            except ValueError:  # the placer holds buffers for enough sizes already
+                return None
+            if not gather or not summed:
+                return None
+            plan.append(RawChunk(slot, t, gather, summed, stage.data_ptr(), obj.numel() * self.esize))
+        return plan
+
+    def _yield_exec(self) -> int:
+        """The raw executable of a graph of the yield kernel (captured once a pipeline, at
+        ``warm``), or 0: the paced store then queues it through torch."""
+        exe = getattr(self, "_yield_graph_exec", None)
+        if exe is None:
+            exe = 0
+            gc_was_enabled = gc.isenabled()
+            try:
+                from maru.kv_ops.placer import _raw_exec
+
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(YIELD_CYCLES)  # outside the capture first: the kernel loaded
+                side.synchronize()
+                gc.disable()  # as the placer's captures (see GraphedPlacer._graph)
+                with torch.cuda.graph(graph, stream=side):
+                    torch.cuda._sleep(YIELD_CYCLES)
+                exe = _raw_exec(graph)
+                self._yield_graph = graph  # owns the executable
+            except Exception as e:  # the torch way stays: the same pacing, more host time a chunk
+                log.info(
+                    "maru.kv_ops: the yield kernel could not be captured (%s); stores queue it eagerly", e
+                )
+                self._sync.clear_error()
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+            self._yield_graph_exec = exe
+        return int(exe)
+
+    def _queue_store_raw(
+        self,
+        lane: StoreLane,
+        plan: list[RawChunk],
+        objs: list[torch.Tensor],
+        slots: torch.Tensor,
+        nbytes: int,
+        checksums: bool,
+        t0: float,
+    ) -> Transfer:
+        """``_queue_store_each`` with every per-chunk call a libcudart call that keeps the GIL (about
+        a microsecond each: the drain thread holds the GIL for ~10 us a chunk, not ~100): the slot
+        mapping copied into the slot's graph (device to device), the gather graph, then on the copy
+        stream the yield graph and the copy to the pool; the checksum graph after ``ready`` and its
+        sum copied into the store's accumulator. The same streams, slots and events as the torch way."""
+        sync = self._sync
+        g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
+        with torch.cuda.stream(lane.gather):
+            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
+        acc_at = acc.data_ptr() if acc is not None else 0
+        slot_at = slots.data_ptr()
+        token0 = 0
+        yield_exec = self._yield_exec() if lane.paced else 0
+        for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
+            slot, placer = ch.slot, ch.slot.placer
+            if slot.used:
+                sync.wait_on(g, slot.free)  # its previous copy to the pool must have read it
+            placer.slots_from(slot_at + 8 * token0, ch.tokens, g)
+            sync.launch_graph(ch.gather, g)
+            sync.record_on(slot.ready, g)
+            sync.wait_on(c, slot.ready)
+            if k and yield_exec:
+                sync.launch_graph(yield_exec, c)  # the copy engine serves other streams in between
+            sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, c, D2H)
+            sync.record_on(slot.free, c)
+            slot.used = True
+            if acc is not None:  # after ``ready``: the copy to the pool does not wait for it
+                sync.launch_graph(ch.checksum, g)
+                sync.copy(acc_at + 8 * k, placer.sum_address(ch.tokens), 8, g, D2D)
+            token0 += ch.tokens
+        if not lane.slots:  # the ring's slots were taken in turn
+            self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
+        with torch.cuda.stream(lane.gather):
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
+        if sums is not None:
+            lane.copy.wait_stream(lane.gather)  # done (recorded on the copy stream) covers the sums too
+        return self._handle("store", lane.path, nbytes, lane.copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
+
+    def _queue_store_each(
         self,
         lane: StoreLane,
         objs: list[torch.Tensor],
@@ -156,12 +296,15 @@ class PacedStores:
         return self._queue_store(lane, objs, slots, nbytes, checksums, t0)  # type: ignore[attr-defined, no-any-return]
 
     def _warm_paced(self, chunk_tokens: int) -> None:
-        """Capture the paced slots' gather graphs for ``chunk_tokens`` (``DevicePipeline.warm``)."""
+        """Capture the paced slots' gather and checksum graphs for ``chunk_tokens`` and the yield
+        kernel's graph (``DevicePipeline.warm``)."""
         lane = self._paced()
         if lane is not None:
             for slot in lane.slots:
                 if slot.placer is not None and not slot.used:  # a used slot's static slots are real
-                    slot.placer.warm(int(chunk_tokens))
+                    slot.placer.warm(int(chunk_tokens), checksum=True)
+            if self._sync.raw:
+                self._yield_exec()
 
     def _settle_paced(self) -> None:
         """Wait for the paced streams (the pipeline's ``synchronize``)."""

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from maru.kv_ops import checksum as ck
 from maru.kv_ops import triton_kernels
+from maru.kv_ops.cuda_sync import D2D
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import _first_tensor, layer_refs
 from maru.kv_ops.selection import resolve
@@ -50,6 +52,7 @@ class GraphedPlacer:
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
+        self._sums: dict[int, torch.Tensor] = {}  # T -> one int64: the "checksum" graph's raw sum
         self._direct: dict[int, torch.Tensor] = {}  # T -> static [3, T] direct table
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by all graphs of this placer
@@ -70,6 +73,7 @@ class GraphedPlacer:
         self._slots[num_tokens] = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, self.layout.num_kv, num_tokens, self.layout.row_size)
         self._staging[num_tokens] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._sums[num_tokens] = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def staging(self, num_tokens: int) -> torch.Tensor:
         """The static object buffer ``[L, KV, T, NH*HS]`` that graphs for T tokens read and write."""
@@ -89,6 +93,11 @@ class GraphedPlacer:
         if skip_tokens:
             buf[:skip_tokens].fill_(-1)
         return num_tokens
+
+    def slots_from(self, address: int, num_tokens: int, stream: int) -> None:
+        """``set_slots`` from a device address (``num_tokens`` contiguous int64), queued on the raw
+        ``stream`` through the launcher (the GIL kept): the raw store's per-chunk copy."""
+        self._launcher.copy(self.slots(num_tokens).data_ptr(), address, num_tokens * 8, stream, D2D)
 
     def direct_table(self, num_tokens: int) -> torch.Tensor:
         """The static ``[DIRECT_ROWS, T + 1]`` table the direct (zero-copy) layer graphs for T tokens read.
@@ -135,6 +144,10 @@ class GraphedPlacer:
             triton_kernels.direct_scatter_layer(
                 tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
             )
+            return
+        if op == "checksum":  # the raw checksum sum of staging(T), alone in its one-entry sum
+            self._sums[num_tokens].zero_()
+            ck.accumulate(self._staging[num_tokens], self._sums[num_tokens], 0)
             return
         obj = triton_kernels.as_bits(self._staging[num_tokens])
         idx = self._slots[num_tokens]
@@ -205,6 +218,21 @@ class GraphedPlacer:
                 self._launcher.launch_graph(exe, torch.cuda.current_stream(self.device).cuda_stream)
                 return
         graph.replay()
+
+    def raw_exec(self, key: tuple, *, capture: bool) -> int:
+        """The raw ``cudaGraphExec_t`` of ``key`` (captured now if ``capture``), or 0 where there is
+        none: no launcher, not captured, or a torch that does not expose it."""
+        if self._launcher is None or (key not in self._graphs and not capture):
+            return 0
+        exe = self._execs.get(key)
+        if exe is None:
+            exe = self._execs[key] = _raw_exec(self._graph(key))
+        return exe
+
+    def sum_address(self, num_tokens: int) -> int:
+        """Where the ``("checksum", T, None)`` graph leaves its raw sum (one int64 on the device)."""
+        self._ensure(num_tokens)
+        return self._sums[num_tokens].data_ptr()
 
     def scatter(self, num_tokens: int) -> None:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
@@ -278,9 +306,10 @@ class GraphedPlacer:
         self._replay(key)
         return self._all_events[key]
 
-    def warm(self, num_tokens: int, *, per_layer: bool = False) -> None:
-        """Capture the graphs for T tokens now (about a millisecond each) instead of on first use."""
-        for op in ("scatter", "gather"):
+    def warm(self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False) -> None:
+        """Capture the graphs for T tokens now (about a millisecond each) instead of on first use;
+        ``checksum``: also the staging buffer's checksum graph (the raw store's)."""
+        for op in ("scatter", "gather", "checksum") if checksum else ("scatter", "gather"):
             self._graph((op, num_tokens, None))
             if per_layer:
                 for layer in range(self.num_layers):

@@ -58,14 +58,35 @@ class RecordingSync:
         return getattr(self._inner, name)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int, kind: int = 1) -> None:
-        self.log.append(("copy", (dst, stream)))
+        if kind == 2:  # device to host: a chunk's copy to the pool
+            self.log.append(("copy", (dst, stream)))
         self._inner.copy(dst, src, nbytes, stream, kind)
 
+    def launch_graph(self, exe: int, stream: int) -> None:
+        self.log.append(("graph", (exe, stream)))
+        self._inner.launch_graph(exe, stream)
 
+
+def _yields_as_ops(engine: Any, log: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The log with the yield kernel's graph launches as ("yield", stream), other graphs dropped."""
+    exe = getattr(engine, "_yield_graph_exec", None)
+    out = []
+    for op, arg in log:
+        if op == "graph":
+            if arg[0] == exe:
+                out.append(("yield", arg[1]))
+        else:
+            out.append((op, arg))
+    return out
+
+
+@pytest.mark.parametrize("raw_cuda", [True, False], ids=["libcudart", "torch"])
 @pytest.mark.parametrize("name", ["flash_attn_NHD", "flash_attn_HND", "flashinfer_HND"])
-def test_paced_store_writes_the_reference_bytes_and_their_checksums(pool: RegisteredPool, name: str) -> None:
+def test_paced_store_writes_the_reference_bytes_and_their_checksums(
+    pool: RegisteredPool, name: str, raw_cuda: bool
+) -> None:
     src = make_caches(name, 41)
-    engine = pl.DevicePipeline(src.layers, src.layout())
+    engine = pl.DevicePipeline(src.layers, src.layout(), raw_cuda=raw_cuda)
     slots = _slots(src, sum(SIZES), 42, negatives=5)
     objs = [pool.alloc(engine, t) for t in SIZES]
     h = engine.store(objs, slots, paced=True, checksums=True)
@@ -74,6 +95,52 @@ def test_paced_store_writes_the_reference_bytes_and_their_checksums(pool: Regist
     assert h.done()
     _check_objects(objs, _reference_gather(src, slots).cpu(), slots)
     assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+    for o in objs:
+        o.fill_(7)  # again, into the same objects through the slots' second use
+    slots2 = _slots(src, sum(SIZES), 142, negatives=3)
+    h = engine.store(objs, slots2, paced=True, checksums=True)
+    h.wait()
+    _check_objects(objs, _reference_gather(src, slots2).cpu(), slots2)
+    assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_with_libcudart_a_store_queues_no_torch_call_a_chunk(pool: RegisteredPool, paced: bool) -> None:
+    """The raw store: per chunk only libcudart calls (the drain thread keeps the GIL); checksums too."""
+    src = make_caches("flash_attn_HND", 51)
+    engine = pl.DevicePipeline(src.layers, src.layout())
+    if not engine._sync.raw:
+        pytest.skip("libcudart not reachable")
+    engine.warm(CHUNK)
+    slots = _slots(src, 4 * CHUNK, 52)
+    objs = [pool.alloc(engine, CHUNK) for _ in range(4)]
+    lane = (
+        engine._paced()
+        if paced
+        else paced_store.StoreLane(
+            engine._place_stream, engine._copy_stream, (), paced=False, path="pipelined"
+        )
+    )
+    assert engine._raw_plan(lane, objs, torch.zeros(1, dtype=torch.int64, device="cuda"), True) is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paced_store.ck, "accumulate", lambda *a, **k: pytest.fail("a torch checksum launch"))
+        mp.setattr(paced_store, "yield_copy_engine", lambda *a: pytest.fail("a torch yield"))
+        mp.setattr(paced_store.StagingSlot, "place", lambda *a, **k: pytest.fail("a torch placement"))
+        h = engine.store(objs, slots, paced=paced, checksums=True)
+    h.wait()
+    _check_objects_n(objs, _reference_gather(src, slots).cpu(), slots)
+    assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+
+
+def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
+    token0 = 0
+    for obj in objs:
+        t = obj.shape[2]
+        valid = (slots[token0 : token0 + t] >= 0).nonzero().reshape(-1)
+        assert torch.equal(
+            obj.view(torch.int16)[:, :, valid], want[:, :, token0 : token0 + t].view(torch.int16)[:, :, valid]
+        )
+        token0 += t
 
 
 def test_a_kernel_is_queued_between_each_two_chunk_copies_on_a_stream_of_their_own(
@@ -95,6 +162,7 @@ def test_a_kernel_is_queued_between_each_two_chunk_copies_on_a_stream_of_their_o
     objs = [pool.alloc(engine, t) for t in SIZES]
     engine.store(objs, slots, paced=True).wait()
     _check_objects(objs, _reference_gather(src, slots).cpu(), slots)
+    rec.log[:] = _yields_as_ops(engine, rec.log)
     copies = [arg for op, arg in rec.log if op == "copy"]
     assert [dst for dst, _ in copies] == [o.data_ptr() for o in objs]  # one copy a chunk, in order
     streams = {s for _, s in copies}
@@ -104,7 +172,8 @@ def test_a_kernel_is_queued_between_each_two_chunk_copies_on_a_stream_of_their_o
     assert all(arg == next(iter(streams)) for op, arg in rec.log if op == "yield")
     rec.log.clear()
     engine.store(objs, slots).wait()  # an unpaced store: back to back on the copy stream
-    assert [op for op, _ in rec.log] == ["copy"] * len(objs)
+    rec.log[:] = [(op, arg) for op, arg in rec.log if op == "copy"]
+    assert len(rec.log) == len(objs)
     assert {s for _, (_, s) in rec.log} == {engine._copy_stream.cuda_stream}
 
 
