@@ -346,6 +346,24 @@ class MaruKVConnector(KVConnectorBase_V1):
             return None
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Asked by vLLM before it captures CUDA graphs (not in eager mode).
+
+        The layer-overlap load (``maru_overlap_load_with_compute``) waits for each layer in
+        ``wait_for_layer_load``; a full-graph replay skips that hook, so attention could read a layer
+        still being loaded (a one-token remainder after a Maru hit makes a decode-shaped batch,
+        which vLLM replays as a full graph). True makes vLLM capture piecewise graphs, with the hook
+        run between pieces. Every other mode finishes its loads in ``start_load_kv`` or before the
+        request is scheduled and stores in ``wait_for_save``, both outside the graphs: full graphs
+        are safe. A config that does not parse answers True (never the unsafe way; it is refused
+        with its reason when the connector starts).
+        """
+        try:
+            return MaruConnectorConfig.from_extra_config(extra_config).overlap_load_with_compute
+        except Exception:
+            return True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         from maru.vllm.stats import MaruKVConnectorStats
 
