@@ -251,7 +251,7 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
     live: dict[str, ApiServer] = {}
     for i, (key, srv) in enumerate(servers.items()):
         try:
-            srv.wait_ready(timeout=300)
+            srv.wait_ready(timeout=600)  # with --api-graphs: torch.compile and graph capture first
             stream_ttft(srv.port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
             live[key] = srv
         except Exception as e:

@@ -404,7 +404,8 @@ def markdown(res: dict, setup: Setup) -> str:
         lines += [
             "",
             f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
-            f"prompt, {setup.turn_tokens}-token turns, OpenAI API server, streaming):",
+            f"prompt, {setup.turn_tokens}-token turns, OpenAI API server"
+            f"{', CUDA graphs' if res['api'].get('graphs') else ', eager'}, streaming):",
             "",
             "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition "
             "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
@@ -489,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         help="more cold API instances, one per store variant (each storing under a namespace of its own): "
         f"{', '.join(API_STORES)}, or alt-<name> (the maru/ in .ab/<name>)",
     )  # fmt: skip
+    ap.add_argument(
+        "--api-graphs", action="store_true",
+        help="API servers with vLLM's default CUDA graphs and torch.compile (not --enforce-eager)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
@@ -501,7 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(a.log_dir or out / "logs")
-    res: dict[str, Any] = {"env": {}, "offline": {}, "api": {"passes": [], "errors": []}, "errors": []}
+    res: dict[str, Any] = {
+        "env": {},
+        "offline": {},
+        "api": {"passes": [], "errors": [], "graphs": a.api_graphs},
+        "errors": [],
+    }
     res["setup"] = {
         k: (v if not isinstance(v, tuple) else [w.__dict__ for w in v]) for k, v in setup.__dict__.items()
     }
@@ -562,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, kv in api_specs.items():
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256
+                spec["enforce_eager"] = not a.api_graphs
                 env = ENGINE_ENV.get(key.removeprefix("load-")) or store_env(key.removeprefix("store-"))
                 servers[key] = ApiServer(
                     f"api-{key}", spec, free_port(), logs / f"api-{key}.log", env=env

@@ -269,12 +269,14 @@ class ApiServer:
             "--model", s["model"], "--served-model-name", "m",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", s.get("dtype", "auto"), "--block-size", str(s["block_size"]),
-            "--max-model-len", str(s["max_model_len"]), "--enforce-eager", "--seed", "0",
+            "--max-model-len", str(s["max_model_len"]), "--seed", "0",
             "--enable-prefix-caching", "--kv-cache-memory-bytes", str(s["kv_cache_memory_bytes"]),
             "--max-num-batched-tokens", str(s["max_num_batched_tokens"]),
         ]  # fmt: skip
         if s.get("gpu_memory_utilization") is not None:
             a += ["--gpu-memory-utilization", str(s["gpu_memory_utilization"])]
+        if s.get("enforce_eager", True):  # CUDA graphs (and torch.compile) only when asked: --api-graphs
+            a += ["--enforce-eager"]
         if s.get("kv_transfer_config"):
             a += ["--kv-transfer-config", json.dumps(s["kv_transfer_config"])]
         return a
