@@ -12,6 +12,11 @@ When the key index answers (no round trip), the full chunks are asked first and 
 where the hit ends: 24 keys instead of 46 for a 2.4k-token prompt whose hit ends inside it, and
 one set of tail candidates hashed instead of three (150 -> 115 us a request in process,
 ``bench/scheduler_probe.py``).
+
+Full chunks that vLLM's own prefix cache already covers (``num_computed_tokens``) are not asked
+about at all: neither a load nor a store needs them. In a multi-round conversation a new turn is
+mostly such chunks (the system prompt, the earlier rounds), so its probe checks a chunk or two
+and the tails after them instead of every chunk of the history.
 """
 
 from __future__ import annotations
@@ -61,26 +66,41 @@ class PrefixProbe:
         r = self.tp_size
         return [all(flat[j * r : (j + 1) * r]) for j in range(len(keys))]
 
-    def ask(self, client: Any, prompt: list[int], keys: PromptKeys) -> ProbeResult:
-        """What the pool holds of ``prompt`` (raises what ``client.exists`` raises)."""
+    def ask(self, client: Any, prompt: list[int], keys: PromptKeys, start: int = 0) -> ProbeResult:
+        """What the pool holds of ``prompt`` (raises what ``client.exists`` raises).
+
+        ``start``: the full chunks before it are not asked about and count as present (vLLM holds
+        them itself: its own prefix hit covers them, so neither a load nor a store needs them);
+        the caller asks again if vLLM's hit shrinks below them (``MaruSchedulerConnector``).
+        """
         n_full = len(keys.full)
+        start = min(start, n_full)
+        asked = keys.full[start:]
         if answers_locally(client):
-            present = self.exists(client, keys.full)
-            tails = self.tails_at(prompt, keys, next((j for j in range(n_full) if not present[j]), n_full))
-            present += self.exists(client, [k for _, _, k in tails])
+            present = [True] * start + self.exists(client, asked)
+            tails = self.tails_at(prompt, keys, _first_miss(present))
+            tail_present = self.exists(client, [k for _, _, k in tails])
         else:
-            tails = self.tails_at(prompt, keys, n_full) + (self.tails_at(prompt, keys, 0) if n_full else [])
-            present = self.exists(client, keys.full + [k for _, _, k in tails])
-            hits = next((j for j in range(n_full) if not present[j]), n_full)
-            if 0 < hits < n_full:
+            tails = self.tails_at(prompt, keys, n_full)
+            if start < n_full:  # a hit ending where the asked chunks start
+                tails += self.tails_at(prompt, keys, start)
+            flat = self.exists(client, asked + [k for _, _, k in tails])
+            present = [True] * start + flat[: len(asked)]
+            tail_present = flat[len(asked) :]
+            hits = _first_miss(present)
+            if start < hits < n_full:
                 more = self.tails_at(prompt, keys, hits)
                 tails += more
-                present += self.exists(client, [k for _, _, k in more])
-        out = ProbeResult(present[:n_full])
-        for (i, n, key), hit in zip(tails, present[n_full:], strict=True):
+                tail_present += self.exists(client, [k for _, _, k in more])
+        out = ProbeResult(present)
+        for (i, n, key), hit in zip(tails, tail_present, strict=True):
             if hit and n > out.tail_hits.get(i, (0, ""))[0]:
                 out.tail_hits[i] = (n, key)
         return out
+
+
+def _first_miss(present: list[bool]) -> int:
+    return next((j for j, p in enumerate(present) if not p), len(present))
 
 
 def answers_locally(client: Any) -> bool:

@@ -49,6 +49,7 @@ class _Request:
     prompt: list[int]
     keys: PromptKeys
     present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
+    probed_from: int = 0  # the probe asked from this full chunk on (those before: vLLM's own hit)
     tail_hits: dict[int, tuple[int, str]] = field(default_factory=dict)  # chunk index -> longest present tail
     own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
     own_tail_present: bool = False
@@ -246,15 +247,17 @@ class MaruSchedulerConnector:
     def _usable(self, prompt_len: int) -> int:
         return self._prober.usable(prompt_len)
 
-    def _probe(self, st: _Request) -> None:
-        """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``)."""
+    def _probe(self, st: _Request, local_computed: int) -> None:
+        """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``);
+        the full chunks vLLM's own hit covers (``local_computed`` tokens) are not asked about."""
         n_full = len(st.keys.full)
         client = self._get_client()
         self.stats.requests_probed += 1
         found = None
+        st.probed_from = min(local_computed // self.chunk, n_full)
         if client is not None:
             try:
-                found = self._prober.ask(client, st.prompt, st.keys)
+                found = self._prober.ask(client, st.prompt, st.keys, start=st.probed_from)
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
@@ -292,15 +295,19 @@ class MaruSchedulerConnector:
             st = self._state(request)
             if st is None:
                 return 0, False
+            if st.present is not None and num_computed_tokens // self.chunk < st.probed_from:
+                st.present = None  # vLLM's own hit shrank: the chunks it no longer covers were not asked
             if st.present is None:
-                self._probe(st)
+                self._probe(st, num_computed_tokens)
             st.local_computed = num_computed_tokens
             if not self.cfg.enable_load or st.async_load_failed:
                 # After a failed async load vLLM may match the request again from scratch; offering
                 # the same chunks again could fail the same way for ever, so it is computed.
                 return 0, False
             assert st.present is not None
-            hits = 0
+            # The run of present chunks from where vLLM's own hit ends (the chunks before it are
+            # vLLM's: whether the pool holds them does not matter).
+            hits = min(num_computed_tokens // self.chunk, len(st.present))
             while hits < len(st.present) and st.present[hits]:
                 hits += 1
             tail = st.tail_hits.get(hits)
@@ -534,7 +541,7 @@ class MaruSchedulerConnector:
                 # the recompute stores what is missing; never offer this request a load again.
                 st.async_load_failed = True
                 try:
-                    self._probe(st)
+                    self._probe(st, 0)  # rare: ask about every chunk
                 except Exception:  # a lost probe only costs stores: nothing is planned for it
                     logger.exception("Maru: probing request %s again failed", req_id)
                     st.present = None
@@ -557,7 +564,7 @@ class MaruSchedulerConnector:
             # What was found present is not any more (that is why the load failed): probe again,
             # so the recompute stores the missing chunks instead of leaving a hole for everyone.
             try:
-                self._probe(st)
+                self._probe(st, 0)
             except Exception:
                 logger.exception("Maru: probing request %s again failed", req_id)
 

@@ -27,9 +27,11 @@ class CountingClient:
     def __init__(self, url: str) -> None:
         self.h = MaruHandler(url, timeout_s=2)
         self.exists_calls = 0
+        self.keys_asked = 0
 
     def exists(self, keys: list[str]) -> list[bool]:
         self.exists_calls += 1
+        self.keys_asked += len(keys)
         return self.h.exists(keys)
 
     def close(self) -> None:

@@ -63,3 +63,27 @@ def test_the_key_index_path_asks_fewer_keys_for_the_same_answer(server, handler)
         assert handler.local_exists.counts()["exists_remote"] == 0
     finally:
         remote.close()
+
+
+@pytest.mark.parametrize("path", ["key index", "round trips"])
+def test_chunks_before_start_count_as_present_and_are_not_asked(server, handler, path: str) -> None:
+    keyer = ChunkKeyer(KeySpace("probe-start", "", "float32", 2, 2, 32, C))
+    probe = PrefixProbe(keyer, C, BS)
+    stored = tokens(6 * C + 40, seed=52)
+    pk = keyer.prompt_keys(stored)
+    publish(server, pk.full[2:4] + [keyer.tail_key(pk.parent(4), stored[4 * C : 4 * C + 32])])
+    prompt = stored[: 4 * C + 40] + tokens(3 * C, seed=53)
+    keys = keyer.prompt_keys(prompt)
+    client = _Local(handler) if path == "key index" else CountingClient(server.url)
+    try:
+        whole = probe.ask(client, prompt, keys)
+        asked_whole = client.keys if path == "key index" else client.keys_asked
+        from2 = probe.ask(client, prompt, keys, start=2)
+        asked_from2 = (client.keys if path == "key index" else client.keys_asked) - asked_whole
+    finally:
+        if path != "key index":
+            client.close()
+    assert whole.present[:4] == [False, False, True, True] and whole.tail_hits == {}  # chunk 0 missing
+    assert from2.present == [True, True] + whole.present[2:]  # 0-1: vLLM's own; then the same answer
+    assert set(from2.tail_hits) == {4} and from2.tail_hits[4][0] == 32
+    assert asked_from2 < asked_whole + len(probe.tails_at(prompt, keys, 4))

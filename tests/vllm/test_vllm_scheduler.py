@@ -75,6 +75,37 @@ def test_offers_full_chunks_plus_the_stored_tail_and_never_the_last_token(server
     assert s.get_num_new_matched_tokens(req("b", toks), 64) == (224, False)
 
 
+def test_chunks_vllm_holds_itself_are_not_asked_about(server, keyer, client) -> None:
+    toks = tokens(300, seed=60)
+    s = make_sched(server, keyer, client)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    # vLLM's own hit covers three chunks: chunk 3 and the tails after it are asked, not chunks 0-2.
+    assert s.get_num_new_matched_tokens(req("a", toks), 3 * C) == (288 - 3 * C, False)
+    skipping = client.keys_asked
+    client.keys_asked = 0
+    assert s.get_num_new_matched_tokens(req("b", toks), 0) == (288, False)
+    assert skipping == client.keys_asked - 3  # the same probe from chunk 0 asks three keys more
+
+
+def test_when_vllms_own_hit_shrinks_the_chunks_it_no_longer_covers_are_asked(server, keyer, client) -> None:
+    toks = tokens(300, seed=61)
+    s = make_sched(server, keyer, client)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full[3:] + [tail])  # chunks 0-2 are nowhere but in vLLM's own cache
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 3 * C) == (288 - 3 * C, False)
+    calls = client.exists_calls
+    # A step later vLLM holds only chunk 0 (its cache evicted the rest): chunk 1 is in no pool,
+    # so nothing can be offered; an offer of chunks 1-3 would be a load that must fail.
+    assert s.get_num_new_matched_tokens(r, C) == (0, False)
+    assert client.exists_calls > calls
+    calls = client.exists_calls
+    assert s.get_num_new_matched_tokens(r, 3 * C) == (288 - 3 * C, False)  # covered again: chunk 3 loads
+    assert client.exists_calls == calls  # from what the last probe found
+    assert s._reqs["a"].present == [True, False, False, True]
+
+
 def test_prompt_of_whole_chunks_offers_all_but_the_last_block(server, keyer, client) -> None:
     s = make_sched(server, keyer, client)
     toks = tokens(256, seed=1)
