@@ -110,12 +110,22 @@ class PacedStores:
         checksums: bool,
         t0: float,
     ) -> Transfer:
-        """Queue a staged store on ``lane`` (see ``_queue_store_each``): every per-chunk call through
-        libcudart where it can (``_raw_plan``), else through torch."""
+        """Queue a staged store on ``lane``: per chunk, the gather into a staging slot, then its copy
+        to the pool page behind it (the kernel runs up to a slot ahead of the copy engine); every
+        per-chunk call through libcudart where it can (``_raw_plan``, ``_queue_chunks_raw``), else
+        through torch (``_queue_chunks_each``). Its streams already wait for what the gathers must
+        read after."""
         plan = self._raw_plan(lane, objs, slots, checksums)
-        if plan is not None:
-            return self._queue_store_raw(lane, plan, objs, slots, nbytes, checksums, t0)
-        return self._queue_store_each(lane, objs, slots, nbytes, checksums, t0)
+        with torch.cuda.stream(lane.gather):
+            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
+            if plan is not None:
+                self._queue_chunks_raw(lane, plan, objs, slots, acc)
+            else:
+                self._queue_chunks_each(lane, objs, slots, acc)
+            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
+        if sums is not None:
+            lane.copy.wait_stream(lane.gather)  # done (recorded on the copy stream) covers the sums too
+        return self._handle("store", lane.path, nbytes, lane.copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
 
     def _raw_plan(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, checksums: bool
@@ -178,28 +188,23 @@ class PacedStores:
             self._yield_graph_exec = exe
         return int(exe)
 
-    def _queue_store_raw(
+    def _queue_chunks_raw(
         self,
         lane: StoreLane,
         plan: list[RawChunk],
         objs: list[torch.Tensor],
         slots: torch.Tensor,
-        nbytes: int,
-        checksums: bool,
-        t0: float,
-    ) -> Transfer:
-        """``_queue_store_each`` with every per-chunk call a libcudart call that keeps the GIL (about
-        a microsecond each: the drain thread holds the GIL for ~10 us a chunk, not ~100): the slot
-        mapping copied into the slot's graph (device to device), the gather graph, then on the copy
-        stream the yield graph and the copy to the pool; the checksum graph after ``ready`` and its
-        sum copied into the store's accumulator. The same streams, slots and events as the torch way."""
+        acc: torch.Tensor | None,
+    ) -> None:
+        """The chunks with every call a libcudart call that keeps the GIL (about a microsecond
+        each: the drain thread holds the GIL ~10 us a chunk, not ~100): the slot mapping copied
+        into the slot's graph (device to device), the gather graph, then on the copy stream the
+        yield graph and the copy to the pool; after ``ready`` the checksum graph, its sum copied
+        into ``acc``. The same streams, slots and events as ``_queue_chunks_each``."""
         sync = self._sync
         g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
-        with torch.cuda.stream(lane.gather):
-            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
         acc_at = acc.data_ptr() if acc is not None else 0
-        slot_at = slots.data_ptr()
-        token0 = 0
+        slot_at, token0 = slots.data_ptr(), 0
         yield_exec = self._yield_exec() if lane.paced else 0
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             slot, placer = ch.slot, ch.slot.placer
@@ -220,48 +225,30 @@ class PacedStores:
             token0 += ch.tokens
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
-        with torch.cuda.stream(lane.gather):
-            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
-        if sums is not None:
-            lane.copy.wait_stream(lane.gather)  # done (recorded on the copy stream) covers the sums too
-        return self._handle("store", lane.path, nbytes, lane.copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
 
-    def _queue_store_each(
-        self,
-        lane: StoreLane,
-        objs: list[torch.Tensor],
-        slots: torch.Tensor,
-        nbytes: int,
-        checksums: bool,
-        t0: float,
-    ) -> Transfer:
-        """Queue a staged store on ``lane``: per chunk, the gather into a staging slot, then its copy
-        to the pool page behind it (the kernel runs up to a slot ahead of the copy engine). Its
-        streams already wait for what the gathers must read after."""
+    def _queue_chunks_each(
+        self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, acc: torch.Tensor | None
+    ) -> None:
+        """The chunks through torch (on the gather stream, current): placements, copies, yields and
+        checksums each a torch call."""
         sync, gather, copy = self._sync, lane.gather, lane.copy
-        with torch.cuda.stream(gather):  # gathers (graph replays or launches) run on the current stream
-            acc = torch.zeros(len(objs), dtype=torch.int64, device=self.device) if checksums else None
-            for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
-                slot = lane.slots[k % len(lane.slots)] if lane.slots else self._take_slot()  # type: ignore[attr-defined]
-                stage, graphed = slot.buffer(host.shape[2])
-                if slot.used:
-                    sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
-                slot.place(stage, graphed, chunk_slots, load=False)
-                sync.record(slot.ready, gather)
-                sync.wait(copy, slot.ready)
-                if k and lane.paced:
-                    yield_copy_engine(copy)  # the copy engine serves other streams in between
-                self._d2h(host, stage, copy)  # type: ignore[attr-defined]
-                sync.record(slot.free, copy)
-                slot.used = True
-                if acc is not None:
-                    # After ``ready``: the copy to the pool does not wait for it; the slot's next
-                    # gather is queued behind it on this stream.
-                    ck.accumulate(stage, acc, k)
-            sums = ck.to_host(acc, self._host_sums)  # type: ignore[attr-defined]
-        if sums is not None:
-            copy.wait_stream(gather)  # done (recorded on the copy stream) covers the sums too
-        return self._handle("store", lane.path, nbytes, copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
+        for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
+            slot = lane.slots[k % len(lane.slots)] if lane.slots else self._take_slot()  # type: ignore[attr-defined]
+            stage, graphed = slot.buffer(host.shape[2])
+            if slot.used:
+                sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
+            slot.place(stage, graphed, chunk_slots, load=False)
+            sync.record(slot.ready, gather)
+            sync.wait(copy, slot.ready)
+            if k and lane.paced:
+                yield_copy_engine(copy)  # the copy engine serves other streams in between
+            self._d2h(host, stage, copy)  # type: ignore[attr-defined]
+            sync.record(slot.free, copy)
+            slot.used = True
+            if acc is not None:
+                # After ``ready``: the copy to the pool does not wait for it; the slot's next
+                # gather is queued behind it on this stream.
+                ck.accumulate(stage, acc, k)
 
     def _paced(self) -> StoreLane | None:
         """The paced stores' lane (a gather stream, a device-to-host stream and staging slots of
