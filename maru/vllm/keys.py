@@ -104,16 +104,14 @@ class ChunkKeyer:
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
-        data = memoryview(_token_bytes(token_ids[: n * ct]))
+        data = _token_bytes(token_ids[: n * ct])
         step = ct * 8
         chain: list[bytes] = []
         prev = self._root
         for i in range(n):
-            # Fed in pieces, the same bytes as b"C" + prev + chunk: no copy of the chunk's tokens.
-            h = hashlib.blake2b(b"C", digest_size=_DIGEST_SIZE)
-            h.update(prev)
-            h.update(data[i * step : (i + 1) * step])
-            prev = h.digest()
+            prev = hashlib.blake2b(
+                b"C" + prev + data[i * step : (i + 1) * step], digest_size=_DIGEST_SIZE
+            ).digest()
             chain.append(prev)
         return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
 
@@ -135,7 +133,7 @@ class ChunkKeyer:
         out: list[tuple[int, str]] = []
         if limit < step:
             return out
-        data = memoryview(_token_bytes(tokens_after[:limit]))
+        data = _token_bytes(tokens_after[:limit])
         h = hashlib.blake2b(b"T" + parent, digest_size=_DIGEST_SIZE)
         done = 0
         for n in range(step, limit + 1, step):
