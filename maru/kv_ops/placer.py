@@ -309,11 +309,13 @@ class GraphedPlacer:
     def warm(self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False) -> None:
         """Capture the graphs for T tokens now (about a millisecond each) instead of on first use;
         ``checksum``: also the staging buffer's checksum graph (the raw store's)."""
-        for op in ("scatter", "gather", "checksum") if checksum else ("scatter", "gather"):
+        for op in ("scatter", "gather"):
             self._graph((op, num_tokens, None))
             if per_layer:
                 for layer in range(self.num_layers):
                     self._graph((op, num_tokens, layer))
+        if checksum:
+            self._graph(("checksum", num_tokens, None))
 
 
 def _raw_exec(graph: torch.cuda.CUDAGraph) -> int:
