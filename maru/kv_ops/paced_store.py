@@ -133,9 +133,29 @@ class PacedStores:
         """Per chunk, its slot and the raw graph executables of its gather (and checksum), when the
         whole store can be queued through libcudart: a raw sync, every slot graph-backed for every
         chunk size (captured now where captures are lazy), the slot mapping's chunks contiguous.
-        None: the store goes the torch way (same bytes, ~5-10x the host time a chunk)."""
-        if not self._sync.raw or not slots.is_contiguous() or (lane.paced and self._yield_exec() == 0):
+        None: the store goes the torch way (same bytes, ~5x the host time a chunk), announced
+        once with the reason (a missing libcudart is announced where the pipeline is built)."""
+        if not self._sync.raw:
             return None
+        plan, why = self._raw_chunks(lane, objs, slots, checksums)
+        if plan is None:
+            announce_once(
+                log,
+                "kv_ops.store-torch-way",
+                logging.INFO,
+                "maru.kv_ops: a store is queued through torch, not libcudart (%s): the same bytes, about "
+                "5x the drain thread's host time a chunk",
+                why,
+            )
+        return plan
+
+    def _raw_chunks(
+        self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, checksums: bool
+    ) -> tuple[list[RawChunk] | None, str]:
+        if not slots.is_contiguous():
+            return None, "a non-contiguous slot mapping"
+        if lane.paced and self._yield_exec() == 0:
+            return None, "the yield kernel has no raw graph"
         lazy = self.lazy_capture  # type: ignore[attr-defined]
         ring = list(lane.slots) or [
             self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
@@ -144,18 +164,23 @@ class PacedStores:
         for k, obj in enumerate(objs):
             slot = ring[k % len(ring)]
             t = int(obj.shape[2])
-            if slot.placer is None or not obj.is_contiguous():
-                return None
+            if slot.placer is None:
+                return None, "eager placement (no graph placer)"
+            if not obj.is_contiguous():
+                return None, "a non-contiguous chunk object"
             try:
                 gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
                 summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
                 stage = slot.placer.staging(t)
             except ValueError:  # the placer holds buffers for enough sizes already
-                return None
+                return None, f"no graph bucket left for {t} tokens"
             if not gather or not summed:
-                return None
+                return (
+                    None,
+                    f"no raw graph for {t} tokens (not warmed, or this torch hides graph executables)",
+                )
             plan.append(RawChunk(slot, t, gather, summed, stage.data_ptr(), obj.numel() * self.esize))
-        return plan
+        return plan, ""
 
     def _yield_exec(self) -> int:
         """The raw executable of a graph of the yield kernel (captured once a pipeline, at

@@ -1,0 +1,118 @@
+"""Which way a staged store is queued (``PacedStores._raw_plan``), decided on the host.
+
+The libcudart way needs, for every chunk of the store, a slot whose graph placer has raw graph
+executables for the chunk's size; this checks which slot each chunk gets (the paced lane's slots
+in turn, the ring's from its next slot on), and that every reason to go the torch way is named
+once. No CUDA here: slots, placers and the sync are stand-ins (the GPU tests queue real stores).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from maru.announce import forget
+from maru.kv_ops.paced_store import PacedStores, StoreLane
+
+
+class _Placer:
+    def __init__(self, captured: set[int], full_after: int = 99) -> None:
+        self.captured, self.full_after, self.asked = captured, full_after, []
+
+    def raw_exec(self, key: tuple, *, capture: bool) -> int:
+        op, t, _ = key
+        if t not in self.captured and not capture:
+            return 0
+        if len(self.captured | {t}) > self.full_after:
+            raise ValueError("full")
+        self.asked.append(key)
+        return 1000 + t if op == "gather" else 2000 + t
+
+    def staging(self, t: int) -> torch.Tensor:
+        return torch.zeros(t)
+
+
+class _Slot:
+    def __init__(self, name: str, placer: Any) -> None:
+        self.name, self.placer = name, placer
+
+
+class _Pipe(PacedStores):
+    esize = 2
+
+    def __init__(
+        self, ring: list[_Slot], *, lazy: bool = False, raw: bool = True, yield_exec: int = 7
+    ) -> None:
+        self._sync = type("S", (), {"raw": raw})()
+        self._ring, self.ring_slots, self._next_slot = ring, len(ring), 1
+        self.lazy_capture = lazy
+        self._yield_graph_exec = yield_exec
+
+
+def _objs(*tokens: int) -> list[torch.Tensor]:
+    return [torch.zeros(2, 2, t, 4) for t in tokens]
+
+
+SLOTS = torch.zeros(10, dtype=torch.int64)
+
+
+def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_own_in_turn() -> None:
+    ring = [_Slot(f"r{i}", _Placer({64})) for i in range(3)]
+    pipe = _Pipe(ring)
+    plan = pipe._raw_plan(
+        StoreLane(None, None, (), paced=False, path="pipelined"), _objs(64, 64, 64, 64), SLOTS, True
+    )
+    assert plan is not None
+    assert [c.slot.name for c in plan] == ["r1", "r2", "r0", "r1"]
+    assert [(c.gather, c.checksum, c.tokens, c.nbytes) for c in plan][0] == (
+        1064,
+        2064,
+        64,
+        2 * 2 * 64 * 4 * 2,
+    )
+    own = (_Slot("p0", _Placer({64})), _Slot("p1", _Placer({64})))
+    plan = pipe._raw_plan(
+        StoreLane(None, None, own, paced=True, path="paced"), _objs(64, 64, 64), SLOTS, False
+    )
+    assert plan is not None and [c.slot.name for c in plan] == ["p0", "p1", "p0"]
+    assert all(c.checksum == -1 for c in plan)  # no checksum graph asked for
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("eager", "eager placement"),
+        ("not warmed", "no raw graph for 40 tokens"),
+        ("full", "no graph bucket left for 40 tokens"),
+        ("no yield graph", "the yield kernel has no raw graph"),
+        ("slots", "a non-contiguous slot mapping"),
+    ],
+)
+def test_every_reason_for_the_torch_way_is_named_once(
+    case: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    forget("kv_ops.store-torch-way")
+    placer = None if case == "eager" else _Placer({64}, full_after=1 if case == "full" else 99)
+    own = (_Slot("p0", placer), _Slot("p1", placer))
+    pipe = _Pipe([], lazy=case == "full", yield_exec=0 if case == "no yield graph" else 7)
+    slots = torch.zeros(20, dtype=torch.int64)[::2] if case == "slots" else SLOTS
+    lane = StoreLane(None, None, own, paced=True, path="paced")
+    with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
+        assert pipe._raw_plan(lane, _objs(64, 40), slots, True) is None
+        assert pipe._raw_plan(lane, _objs(64, 40), slots, True) is None
+    said = [r.getMessage() for r in caplog.records if "queued through torch" in r.getMessage()]
+    assert len(said) == 1 and why in said[0]
+
+
+def test_without_libcudart_nothing_is_planned_or_announced_here(caplog: pytest.LogCaptureFixture) -> None:
+    forget("kv_ops.store-torch-way")
+    pipe = _Pipe([_Slot("r0", _Placer({64}))], raw=False)
+    with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
+        assert (
+            pipe._raw_plan(StoreLane(None, None, (), paced=False, path="pipelined"), _objs(64), SLOTS, True)
+            is None
+        )
+    assert not [r for r in caplog.records if "queued through torch" in r.getMessage()]
