@@ -123,8 +123,11 @@ class ChunkKeyer:
         h = hashlib.blake2b(b"T" + parent + _token_bytes(tail_token_ids), digest_size=_DIGEST_SIZE).digest()
         return f"{self._prefix}{h.hex()}.t{n}"
 
-    def tail_candidates(self, parent: bytes, tokens_after: Sequence[int], step: int) -> list[tuple[int, str]]:
-        """Tail keys of length ``step, 2*step, ...`` up to ``len(tokens_after)`` (below one chunk).
+    def tail_candidates(
+        self, parent: bytes, tokens_after: Sequence[int], step: int, longer_than: int = 0
+    ) -> list[tuple[int, str]]:
+        """Tail keys of length ``step, 2*step, ...`` up to ``len(tokens_after)`` (below one chunk),
+        those longer than ``longer_than`` tokens only.
 
         Computed incrementally (one pass over the tokens), so probing every block-aligned tail
         of a chunk costs about as much as hashing the chunk once.
@@ -139,7 +142,8 @@ class ChunkKeyer:
         for n in range(step, limit + 1, step):
             h.update(data[done * 8 : n * 8])
             done = n
-            out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))
+            if n > longer_than:
+                out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))
         return out
 
 

@@ -14,7 +14,7 @@ one set of tail candidates hashed instead of three (150 -> 115 us a request in p
 ``bench/scheduler_probe.py``).
 
 Full chunks that vLLM's own prefix cache already covers (``num_computed_tokens``) are not asked
-about at all: neither a load nor a store needs them. In a multi-round conversation a new turn is
+about at all, nor tails ending inside it: neither a load nor a store needs them. In a multi-round conversation a new turn is
 mostly such chunks (the system prompt, the earlier rounds), so its probe checks a chunk or two
 and the tails after them instead of every chunk of the history.
 """
@@ -49,13 +49,18 @@ class PrefixProbe:
         """Prompt tokens vLLM may take from outside: all but the last, whole blocks only."""
         return max(0, (prompt_len - 1) // self.block_size * self.block_size)
 
-    def tails_at(self, prompt: list[int], keys: PromptKeys, i: int) -> list[tuple[int, int, str]]:
-        """The block-aligned tail candidates after full chunk ``i`` (chunk index, tokens, key)."""
+    def tails_at(
+        self, prompt: list[int], keys: PromptKeys, i: int, local: int = 0
+    ) -> list[tuple[int, int, str]]:
+        """The block-aligned tail candidates after full chunk ``i`` (chunk index, tokens, key) that
+        end beyond ``local`` tokens (vLLM's own hit: a tail inside it is of no use)."""
         begin = i * self.chunk
         end = min(begin + self.chunk - 1, self.usable(len(prompt)))
-        if end - begin < self.block_size:
+        if end - begin < self.block_size or end <= local:
             return []
-        cands = self.keyer.tail_candidates(keys.parent(i), prompt[begin:end], self.block_size)
+        cands = self.keyer.tail_candidates(
+            keys.parent(i), prompt[begin:end], self.block_size, longer_than=max(0, local - begin)
+        )
         return [(i, n, key) for n, key in cands]
 
     def exists(self, client: Any, keys: list[str]) -> list[bool]:
@@ -66,30 +71,30 @@ class PrefixProbe:
         r = self.tp_size
         return [all(flat[j * r : (j + 1) * r]) for j in range(len(keys))]
 
-    def ask(self, client: Any, prompt: list[int], keys: PromptKeys, start: int = 0) -> ProbeResult:
+    def ask(self, client: Any, prompt: list[int], keys: PromptKeys, local: int = 0) -> ProbeResult:
         """What the pool holds of ``prompt`` (raises what ``client.exists`` raises).
 
-        ``start``: the full chunks before it are not asked about and count as present (vLLM holds
-        them itself: its own prefix hit covers them, so neither a load nor a store needs them);
-        the caller asks again if vLLM's hit shrinks below them (``MaruSchedulerConnector``).
+        ``local``: tokens vLLM's own prefix cache holds. The full chunks inside them are not asked
+        about and count as present, nor are the tails that end inside them: neither a load nor a
+        store needs them. The caller asks again if vLLM's hit shrinks (``MaruSchedulerConnector``).
         """
         n_full = len(keys.full)
-        start = min(start, n_full)
+        start = min(local // self.chunk, n_full)
         asked = keys.full[start:]
         if answers_locally(client):
             present = [True] * start + self.exists(client, asked)
-            tails = self.tails_at(prompt, keys, _first_miss(present))
+            tails = self.tails_at(prompt, keys, _first_miss(present), local)
             tail_present = self.exists(client, [k for _, _, k in tails])
         else:
-            tails = self.tails_at(prompt, keys, n_full)
+            tails = self.tails_at(prompt, keys, n_full, local)
             if start < n_full:  # a hit ending where the asked chunks start
-                tails += self.tails_at(prompt, keys, start)
+                tails += self.tails_at(prompt, keys, start, local)
             flat = self.exists(client, asked + [k for _, _, k in tails])
             present = [True] * start + flat[: len(asked)]
             tail_present = flat[len(asked) :]
             hits = _first_miss(present)
             if start < hits < n_full:
-                more = self.tails_at(prompt, keys, hits)
+                more = self.tails_at(prompt, keys, hits, local)
                 tails += more
                 tail_present += self.exists(client, [k for _, _, k in more])
         out = ProbeResult(present)

@@ -49,7 +49,7 @@ class _Request:
     prompt: list[int]
     keys: PromptKeys
     present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
-    probed_from: int = 0  # the probe asked from this full chunk on (those before: vLLM's own hit)
+    probed_local: int = 0  # vLLM's own hit when probed: chunks and tails inside it were not asked
     tail_hits: dict[int, tuple[int, str]] = field(default_factory=dict)  # chunk index -> longest present tail
     own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
     own_tail_present: bool = False
@@ -254,10 +254,10 @@ class MaruSchedulerConnector:
         client = self._get_client()
         self.stats.requests_probed += 1
         found = None
-        st.probed_from = min(local_computed // self.chunk, n_full)
+        st.probed_local = local_computed
         if client is not None:
             try:
-                found = self._prober.ask(client, st.prompt, st.keys, start=st.probed_from)
+                found = self._prober.ask(client, st.prompt, st.keys, local=local_computed)
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
@@ -295,7 +295,7 @@ class MaruSchedulerConnector:
             st = self._state(request)
             if st is None:
                 return 0, False
-            if st.present is not None and num_computed_tokens // self.chunk < st.probed_from:
+            if st.present is not None and num_computed_tokens < st.probed_local:
                 st.present = None  # vLLM's own hit shrank: the chunks it no longer covers were not asked
             if st.present is None:
                 self._probe(st, num_computed_tokens)

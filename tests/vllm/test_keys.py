@@ -180,3 +180,13 @@ def test_chunk_tokens_are_aligned_down_to_the_block_size_with_one_warning(
         assert cfg.aligned_to_block_size(128).kv_chunk_tokens == 128  # at least one block
     assert sum("not a multiple" in r.getMessage() for r in caplog.records) == 2
     assert MaruConnectorConfig().aligned_to_block_size(32).kv_chunk_tokens == 256
+
+
+def test_tail_candidates_longer_than_a_length_are_the_rest_of_the_same_list() -> None:
+    keyer = ChunkKeyer(KeySpace("m", "", "float16", 2, 2, 8, 256))
+    toks = list(range(1000, 1250))
+    parent = keyer.prompt_keys(list(range(256))).chain[0]
+    every = keyer.tail_candidates(parent, toks, 16)
+    assert keyer.tail_candidates(parent, toks, 16, longer_than=40) == [c for c in every if c[0] > 40]
+    assert keyer.tail_candidates(parent, toks, 16, longer_than=48) == [c for c in every if c[0] > 48]
+    assert keyer.tail_candidates(parent, toks, 16, longer_than=255) == []

@@ -78,7 +78,7 @@ def test_chunks_before_start_count_as_present_and_are_not_asked(server, handler,
     try:
         whole = probe.ask(client, prompt, keys)
         asked_whole = client.keys if path == "key index" else client.keys_asked
-        from2 = probe.ask(client, prompt, keys, start=2)
+        from2 = probe.ask(client, prompt, keys, local=2 * C)
         asked_from2 = (client.keys if path == "key index" else client.keys_asked) - asked_whole
     finally:
         if path != "key index":

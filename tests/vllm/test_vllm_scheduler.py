@@ -88,6 +88,17 @@ def test_chunks_vllm_holds_itself_are_not_asked_about(server, keyer, client) -> 
     assert skipping == client.keys_asked - 3  # the same probe from chunk 0 asks three keys more
 
 
+def test_a_prompt_vllm_holds_up_to_its_last_usable_block_asks_nothing(server, keyer, client) -> None:
+    toks = tokens(300, seed=62)
+    s = make_sched(server, keyer, client)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("a", toks), 288) == (0, False)  # 288: all vLLM may take
+    assert client.exists_calls == 0
+    assert s.get_num_new_matched_tokens(req("b", toks), 256) == (32, False)  # only the tail is asked
+    assert client.keys_asked == 1
+
+
 def test_when_vllms_own_hit_shrinks_the_chunks_it_no_longer_covers_are_asked(server, keyer, client) -> None:
     toks = tokens(300, seed=61)
     s = make_sched(server, keyer, client)
