@@ -4,10 +4,11 @@ It only asks which keys exist (``PrefixProbe``: from the server's key index, or 
 ``exists`` round trips per request), covering the prompt's chunk keys and the block-aligned
 partial-chunk candidates where its hit ends; the bytes move on the worker side.
 
-Offer rule (``get_num_new_matched_tokens``): the leading run of present full chunks, extended
-by the longest present *tail* (a partial chunk stored where another prompt with the same
-tokens ended), capped at ``align_down(prompt_len - 1, block_size)`` so vLLM always computes at
-least the last prompt token, minus what vLLM already has locally.
+Offer rule (``get_num_new_matched_tokens``): the run of present full chunks from where vLLM's
+own hit ends (what vLLM holds locally is never asked about), extended by the longest present
+*tail* (a partial chunk stored where another prompt with the same tokens ended), capped at
+``align_down(prompt_len - 1, block_size)`` so vLLM always computes at least the last prompt
+token, minus what vLLM already has locally.
 
 Store rule (``build_connector_meta``): a full chunk is stored in the step that computes its
 last token; a request's own tail (``[F*C, align_down(P-1, BS))`` with ``F = P // C``) in the
