@@ -86,6 +86,8 @@ class PacedStores:
     """``DevicePipeline``'s staged stores (a mixin): one routine, ``_queue_store``, on the ring's lane
     (``_issue_store``) or the paced lane (``_issue_store_paced``, see the module docstring)."""
 
+    # How the last staged store was queued: "libcudart", or "torch (<why>)"; None before one.
+    store_issue: str | None = None
     # Set by DevicePipeline.__init__.
     device: Any
     esize: int
@@ -136,8 +138,10 @@ class PacedStores:
         None: the store goes the torch way (same bytes, ~5x the host time a chunk), announced
         once with the reason (a missing libcudart is announced where the pipeline is built)."""
         if not self._sync.raw:
+            self.store_issue = "torch (libcudart not reachable)"
             return None
         plan, why = self._raw_chunks(lane, objs, slots, checksums)
+        self.store_issue = "libcudart" if plan is not None else f"torch ({why})"
         if plan is None:
             announce_once(
                 log,

@@ -109,6 +109,11 @@ class DataPath(ABC):
         """Whether ``gather(..., paced=True)`` really paces (yields the copy engine between chunks)."""
         return False
 
+    @property
+    def store_issue(self) -> str | None:
+        """How the last store's per-chunk work was queued, where a path has a choice (None here)."""
+        return None
+
     def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
         """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is).
         ``paced_store``: write-behind stores are asked to be paced (``maru_paced_store``)."""
@@ -310,6 +315,11 @@ class PipelinedPath(DataPath):
             self.pipeline.synchronize()
         except Exception as e:  # a sticky CUDA error: the context runs nothing any more
             logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
+
+    @property
+    def store_issue(self) -> str | None:
+        """How the pipeline queued its last staged store: "libcudart", "torch (<why>)", or None."""
+        return getattr(self.pipeline, "store_issue", None)
 
     @property
     def paces_stores(self) -> bool:

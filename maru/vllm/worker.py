@@ -98,6 +98,7 @@ class MaruWorkerConnector:
         self.async_loads = AsyncLoads(  # maru_async_load
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
+        self._store_issue: str | None = None  # how the data path queued the last store, as reported
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -205,6 +206,15 @@ class MaruWorkerConnector:
             if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
                 paths["checksum"] = checksum.implementation()
                 slow.extend(checksum.slow_reasons())
+            if (issue := eng.path.store_issue) is not None:  # known after the first store
+                paths["store_issue"] = issue
+                if not issue.startswith("libcudart"):
+                    slow.append(
+                        f"stores are queued through {issue}, not libcudart: the same bytes, about 5x "
+                        "the drain thread's host time a chunk (it shares the GIL with vLLM's forward). "
+                        "Fix: see the reason; the chunk size is warmed at start (maru_kv_chunk_tokens), "
+                        "libcudart must be reachable (maru doctor)"
+                    )
             extra, path_slow = eng.path.report(
                 self.cfg.overlap_load_with_compute, self.cfg.async_store and self.cfg.paced_store
             )
@@ -415,6 +425,10 @@ class MaruWorkerConnector:
         self.write_behind.collect(timeout_s)
 
     def _account_store(self, rep: StoreReport) -> None:
+        issue = self.engine.path.store_issue if self.engine is not None else None
+        if issue != self._store_issue:  # known after the first store: report it (maru stats, doctor)
+            self._store_issue = issue
+            self._report_paths()
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present
         self.stats.tokens_stored += rep.tokens

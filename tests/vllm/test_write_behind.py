@@ -467,3 +467,36 @@ def test_the_scheduler_delays_exactly_the_requests_the_worker_reports(
         gate.set()
         stop_worker(w)
         sched.shutdown()
+
+
+def test_how_the_data_path_queued_its_stores_is_reported_once_known_and_again_on_a_change(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``maru stats`` / ``maru doctor`` learn the store's way (libcudart or torch, with the reason)
+    after the first store, from the worker's client info; reported again only when it changes."""
+    w = worker(server.url, case("kv_first", "NHD", 31))
+    said: list[dict] = []
+    issue = {"now": "libcudart"}
+    try:
+        assert w.engine is not None
+        monkeypatch.setattr(type(w.engine.path), "store_issue", property(lambda self: issue["now"]))
+        real = w._client.set_client_info
+
+        def recorded(info: dict) -> Any:
+            said.append(info)
+            return real(info)
+
+        monkeypatch.setattr(w._client, "set_client_info", recorded)
+        for i in range(2):
+            w.wait_for_save(Meta(stores=[request(f"wb-issue-{i}", [2, 4], CHUNK)]))
+            w.write_behind.collect(None)
+        assert len(said) == 1 and said[0]["paths"]["store_issue"] == "libcudart"
+        assert not [n for n in said[0]["slow"] if "store" in n]
+        issue["now"] = "torch (no graph bucket left for 40 tokens)"
+        w.wait_for_save(Meta(stores=[request("wb-issue-2", [6, 8], CHUNK)]))
+        w.write_behind.collect(None)
+        assert len(said) == 2 and said[1]["paths"]["store_issue"] == issue["now"]
+        note = [n for n in said[1]["slow"] if "stores are queued through torch" in n]
+        assert len(note) == 1 and "(no graph bucket left for 40 tokens)" in note[0] and "Fix:" in note[0]
+    finally:
+        stop_worker(w)
