@@ -58,7 +58,8 @@ def yield_copy_engine(stream: Any) -> None:
 @dataclass(frozen=True)
 class RawChunk:
     """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
-    its gather and checksum (-1: no checksum), its staging buffer's address and its byte count."""
+    its gather and checksum (-1: no checksum), its staging buffer's address, its byte count and
+    the address of its sum."""
 
     slot: StagingSlot
     tokens: int
@@ -66,6 +67,7 @@ class RawChunk:
     checksum: int
     stage: int
     nbytes: int
+    sum_at: int  # where the checksum graph leaves the chunk's raw sum
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,9 @@ class PacedStores:
     ) -> tuple[list[RawChunk] | None, str]:
         if not slots.is_contiguous():
             return None, "a non-contiguous slot mapping"
-        if lane.paced and self._yield_exec() == 0:
-            return None, "the yield kernel has no raw graph"
         lazy = self.lazy_capture  # type: ignore[attr-defined]
+        if lane.paced and self._yield_exec(capture=lazy) == 0:
+            return None, "the yield kernel has no raw graph (not warmed, or it could not be captured)"
         ring = list(lane.slots) or [
             self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
         ]  # type: ignore[attr-defined]
@@ -183,13 +185,25 @@ class PacedStores:
                     None,
                     f"no raw graph for {t} tokens (not warmed, or this torch hides graph executables)",
                 )
-            plan.append(RawChunk(slot, t, gather, summed, stage.data_ptr(), obj.numel() * self.esize))
+            plan.append(
+                RawChunk(
+                    slot,
+                    t,
+                    gather,
+                    summed,
+                    stage.data_ptr(),
+                    obj.numel() * self.esize,
+                    slot.placer.sum_address(t),
+                )
+            )
         return plan, ""
 
-    def _yield_exec(self) -> int:
+    def _yield_exec(self, *, capture: bool = True) -> int:
         """The raw executable of a graph of the yield kernel (captured once a pipeline, at
-        ``warm``), or 0: the paced store then queues it through torch."""
+        ``warm``; later only if ``capture``), or 0: the paced store then queues it through torch."""
         exe = getattr(self, "_yield_graph_exec", None)
+        if exe is None and not capture:
+            return 0
         if exe is None:
             exe = 0
             gc_was_enabled = gc.isenabled()
@@ -234,7 +248,7 @@ class PacedStores:
         g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
         acc_at = acc.data_ptr() if acc is not None else 0
         slot_at, token0 = slots.data_ptr(), 0
-        yield_exec = self._yield_exec() if lane.paced else 0
+        yield_exec = self._yield_exec(capture=False) if lane.paced else 0  # decided by the plan
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             slot, placer = ch.slot, ch.slot.placer
             if slot.used:
@@ -250,7 +264,7 @@ class PacedStores:
             slot.used = True
             if acc is not None:  # after ``ready``: the copy to the pool does not wait for it
                 sync.launch_graph(ch.checksum, g)
-                sync.copy(acc_at + 8 * k, placer.sum_address(ch.tokens), 8, g, D2D)
+                sync.copy(acc_at + 8 * k, ch.sum_at, 8, g, D2D)
             token0 += ch.tokens
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]

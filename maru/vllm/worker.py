@@ -98,7 +98,7 @@ class MaruWorkerConnector:
         self.async_loads = AsyncLoads(  # maru_async_load
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
-        self._store_issue: str | None = None  # how the data path queued the last store, as reported
+        self._store_issue: str | None = None  # the store's way as last reported (_report_paths)
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -223,6 +223,8 @@ class MaruWorkerConnector:
         return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
 
     def _report_paths(self) -> None:
+        # What the store's way was when last reported (a reconnect reports afresh, without it).
+        self._store_issue = self.engine.path.store_issue if self.engine is not None else None
         report = getattr(self._client, "set_client_info", None)
         if report is None:
             return
@@ -427,7 +429,6 @@ class MaruWorkerConnector:
     def _account_store(self, rep: StoreReport) -> None:
         issue = self.engine.path.store_issue if self.engine is not None else None
         if issue != self._store_issue:  # known after the first store: report it (maru stats, doctor)
-            self._store_issue = issue
             self._report_paths()
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present

@@ -34,6 +34,9 @@ class _Placer:
     def staging(self, t: int) -> torch.Tensor:
         return torch.zeros(t)
 
+    def sum_address(self, t: int) -> int:
+        return 3000 + t
+
 
 class _Slot:
     def __init__(self, name: str, placer: Any) -> None:
@@ -44,7 +47,7 @@ class _Pipe(PacedStores):
     esize = 2
 
     def __init__(
-        self, ring: list[_Slot], *, lazy: bool = False, raw: bool = True, yield_exec: int = 7
+        self, ring: list[_Slot], *, lazy: bool = False, raw: bool = True, yield_exec: int | None = 7
     ) -> None:
         self._sync = type("S", (), {"raw": raw})()
         self._ring, self.ring_slots, self._next_slot = ring, len(ring), 1
@@ -67,11 +70,13 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
     )
     assert plan is not None
     assert [c.slot.name for c in plan] == ["r1", "r2", "r0", "r1"]
-    assert [(c.gather, c.checksum, c.tokens, c.nbytes) for c in plan][0] == (
+    first = plan[0]
+    assert (first.gather, first.checksum, first.tokens, first.nbytes, first.sum_at) == (
         1064,
         2064,
         64,
-        2 * 2 * 64 * 4 * 2,
+        2048,
+        3064,
     )
     own = (_Slot("p0", _Placer({64})), _Slot("p1", _Placer({64})))
     plan = pipe._raw_plan(
@@ -88,6 +93,7 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
         ("not warmed", "no raw graph for 40 tokens"),
         ("full", "no graph bucket left for 40 tokens"),
         ("no yield graph", "the yield kernel has no raw graph"),
+        ("yield not warmed", "the yield kernel has no raw graph"),
         ("slots", "a non-contiguous slot mapping"),
     ],
 )
@@ -97,7 +103,8 @@ def test_every_reason_for_the_torch_way_is_named_once(
     forget("kv_ops.store-torch-way")
     placer = None if case == "eager" else _Placer({64}, full_after=1 if case == "full" else 99)
     own = (_Slot("p0", placer), _Slot("p1", placer))
-    pipe = _Pipe([], lazy=case == "full", yield_exec=0 if case == "no yield graph" else 7)
+    yield_exec = {"no yield graph": 0, "yield not warmed": None}.get(case, 7)
+    pipe = _Pipe([], lazy=case == "full", yield_exec=yield_exec)  # not lazy: nothing is captured here
     slots = torch.zeros(20, dtype=torch.int64)[::2] if case == "slots" else SLOTS
     lane = StoreLane(None, None, own, paced=True, path="paced")
     with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
