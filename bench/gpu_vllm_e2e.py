@@ -407,16 +407,17 @@ def markdown(res: dict, setup: Setup) -> str:
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server"
             f"{', CUDA graphs' if res['api'].get('graphs') else ', eager'}, streaming):",
             "",
-            "| instance | requests | TTFT p50 | TTFT p95 | mean | p50 of each repetition "
+            "| instance | requests | TTFT p50 | TTFT p95 | mean | mean of each round | p50 of each repetition "
             "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
             "| prompt tokens: computed / vLLM's cache / Maru (vLLM's count); preemptions "
             "| Maru's scheduler host time per new request |",
-            "|---|---:|---:|---:|---:|---|---|---:|---|---:|",
+            "|---|---:|---:|---:|---:|---|---|---|---:|---|---:|",
         ]
         for p in api:
             lines.append(
                 f"| {p['label']} | {p['n']} | {fmt_ms(p['p50_s'])} | {fmt_ms(p['p95_s'])} "
-                f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
+                f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('round_mean_s', []))} "
+                f"| {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
                 f"| {' / '.join(fmt_ms(statistics.mean(p[f'server_{k}_s'])) if p.get(f'server_{k}_s') else '-' for k in SERVER_TIMINGS)} "
                 f"| {p['tokens_loaded']} | {token_sources(p.get('server_counts'))} "
                 f"| {f'{us:.0f} us' if (us := p.get('sched_probe_us')) is not None else '-'} |"

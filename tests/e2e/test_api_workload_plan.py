@@ -54,3 +54,22 @@ def test_the_second_plain_instance_has_no_connector() -> None:
     specs = aw.api_instances(lambda ns, cfg: {"ns": ns, **cfg}, ["default"], ["none", "probe"], False)
     assert specs["none"] is None and specs["store-none"] is None
     assert specs["store-probe"] is not None and specs["store"] is not None
+
+
+def test_a_pass_row_has_each_rounds_mean_and_each_repetitions_median() -> None:
+    import random
+
+    rng = random.Random(3)
+    recs = [
+        {"round": rnd, "rep": rep, "ttft": rng.uniform(0.01, 0.2), "text": "x"}
+        for rep in range(3)
+        for rnd in range(4)
+        for _ in range(5)
+    ]
+    row = {"label": "cold", "records": recs, "tokens_loaded": 0}
+    aw._finish_row(row)
+    for rnd in range(4):
+        mine = [r["ttft"] for r in recs if r["round"] == rnd]
+        assert row["round_mean_s"][rnd] == pytest.approx(sum(mine) / len(mine))
+    assert len(row["rep_p50_s"]) == 3 and row["n"] == len(recs)
+    assert min(row["round_mean_s"]) <= row["mean_s"] <= max(row["round_mean_s"])
