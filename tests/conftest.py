@@ -74,28 +74,45 @@ def _shm_in_use() -> tuple[set[str], set[int]]:
 
 
 _LEAKY_PREFIXES = ("psm_", "sem.mp-", "maru-test-")
+_SHM_BEFORE = pytest.StashKey[set[str]]()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_shared_memory_left_behind() -> Iterator[None]:
-    """Remove shared-memory files the session's processes leaked into /dev/shm.
+_SHM = "/dev/shm"
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is one of pytest-xdist's workers (``make test`` runs two)."""
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _xdist_worker(session.config):
+        session.config.stash[_SHM_BEFORE] = set(os.listdir(_SHM)) if os.path.isdir(_SHM) else set()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove shared-memory files the run's processes leaked into /dev/shm.
 
     vLLM's engine processes create ``psm_*`` ring buffers (hundreds of MiB each) that a killed
     engine never unlinks, and a test server killed with SIGKILL leaves its pool file. Left
     alone they would eat the machine's memory run after run. Only files created during this
-    session that no live process maps or holds open are removed.
+    run that no live process maps or holds open are removed.
+
+    Runs once, in the process that ends last: pytest itself, or xdist's controller after every
+    worker finished. A worker cleaning up when *it* ends would remove a pool file another worker
+    keeps between two server starts (the crash and restart tests), which no process maps then.
     """
-    shm = "/dev/shm"
-    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
-    yield
-    if not os.path.isdir(shm):
+    if _xdist_worker(session.config) or not os.path.isdir(_SHM):
         return
-    new = {n for n in os.listdir(shm) if n not in before and n.startswith(_LEAKY_PREFIXES)}
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    new = {n for n in os.listdir(_SHM) if n not in before and n.startswith(_LEAKY_PREFIXES)}
     if not new:
         return
     names, inodes = _shm_in_use()
     for name in new - names:
-        path = os.path.join(shm, name)
+        path = os.path.join(_SHM, name)
         try:
             if os.stat(path).st_ino in inodes:
                 continue  # mapped under another name (a semaphore of a live process)
