@@ -303,7 +303,10 @@ def _finish_row(row: dict[str, Any]) -> None:
     per_rep = [pct([r["ttft"] for r in recs if r["rep"] == k], 0.5) for k in sorted({r["rep"] for r in recs})]
     # Each round's mean: round 0 is where a shared system prompt is new to an instance; later rounds
     # add one turn per user on top of what vLLM's own cache holds.
-    per_round = [statistics.mean(r["ttft"] for r in recs if r["round"] == k) for k in sorted({r["round"] for r in recs})]
+    per_round = [
+        statistics.mean(r["ttft"] for r in recs if r["round"] == k)
+        for k in sorted({r["round"] for r in recs})
+    ]
     row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
                rep_p50_s=per_rep, round_mean_s=per_round, texts=[r["text"] for r in recs])  # fmt: skip
     server = " ".join(

@@ -368,6 +368,17 @@ def fmt_rel(x: float | None, base: float | None) -> str:
     return "" if x is None or not base else f" ({(x / base - 1) * 100:+.0f}%)"
 
 
+def runner_label(environ: dict[str, str]) -> str:
+    """Which vLLM model runner the instances run on, as the environment chose it (``ENGINE_ENV``
+    may still put single engines on the V1 runner): the V2 runner forces asynchronous loads."""
+    v = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if v is None:
+        return "vLLM's default model runner"
+    return (
+        f"{'V2' if v.strip().lower() in ('1', 'true') else 'V1'} model runner (VLLM_USE_V2_MODEL_RUNNER={v})"
+    )
+
+
 def markdown(res: dict, setup: Setup) -> str:
     summ = res["summary"]
     pinned = res.get("pinned_h2d_GBps")
@@ -405,7 +416,8 @@ def markdown(res: dict, setup: Setup) -> str:
             "",
             f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server"
-            f"{', CUDA graphs' if res['api'].get('graphs') else ', eager'}, streaming):",
+            f"{', CUDA graphs' if res['api'].get('graphs') else ', eager'}, streaming"
+            f"{', ' + res['env']['runner'] if res.get('env', {}).get('runner') else ''}):",
             "",
             "| instance | requests | TTFT p50 | TTFT p95 | mean | mean of each round | p50 of each repetition "
             "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
@@ -527,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "model": f"{setup.model.layers} layers, {setup.model.kv_heads} KV heads x {setup.model.head_size}, "
         f"{setup.model.dtype}, hidden {setup.model.hidden}",
+        "runner": runner_label(dict(os.environ)),
     }
     log(f"env: {res['env']}")
     res["pinned_h2d_GBps"] = pinned_h2d_gbps()

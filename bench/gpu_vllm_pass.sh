@@ -28,6 +28,7 @@ rc=0
 # API_PAIR=1: the two-instance passes (users alternate between two instances every round);
 # API_REPS: repetitions of the multi-round passes (default: the setup's, 3 on the GPU);
 # API_GRAPHS=1: the API servers with vLLM's default CUDA graphs and torch.compile (not eager);
+# VLLM_USE_V2_MODEL_RUNNER=0 in the environment: every instance on the V1 runner (same-step loads);
 # BENCH_ARGS: more arguments, e.g. "--workloads 1x4k --engines none" (a shorter offline part).
 [ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
   --api-loads ${API_LOADS:-default} ${API_STORES:+--api-stores $API_STORES} ${API_PAIR:+--api-pair} \

@@ -73,3 +73,11 @@ def test_a_pass_row_has_each_rounds_mean_and_each_repetitions_median() -> None:
         assert row["round_mean_s"][rnd] == pytest.approx(sum(mine) / len(mine))
     assert len(row["rep_p50_s"]) == 3 and row["n"] == len(recs)
     assert min(row["round_mean_s"]) <= row["mean_s"] <= max(row["round_mean_s"])
+
+
+def test_the_runner_label_says_which_model_runner_the_environment_chose() -> None:
+    from bench.gpu_vllm_e2e import runner_label
+
+    assert runner_label({}) == "vLLM's default model runner"
+    assert runner_label({"VLLM_USE_V2_MODEL_RUNNER": "0"}).startswith("V1 model runner")
+    assert runner_label({"VLLM_USE_V2_MODEL_RUNNER": "1"}).startswith("V2 model runner")
