@@ -23,7 +23,10 @@ def run_vllm(args: argparse.Namespace) -> int:
     """Two vLLM instances share a long prompt's KV through Maru (maru.demo.two_instances)."""
     from maru.demo.two_instances import main as vllm_demo
 
-    return vllm_demo(["--keep-logs"] if getattr(args, "keep_logs", False) else [])
+    argv = ["--keep-logs"] if getattr(args, "keep_logs", False) else []
+    if getattr(args, "port", None) is not None:
+        argv += ["--port", str(args.port)]
+    return vllm_demo(argv)
 
 
 # Registered demos: name -> (help, runner).

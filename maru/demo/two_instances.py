@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256, help="maru_kv_chunk_tokens (default 256)")
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/maru/demo-model"))
     ap.add_argument("--keep-logs", action="store_true", help="keep the engines' logs and print where")
+    ap.add_argument("--port", type=int, help="server port (default 5555, or a free one if that is busy)")
     a = ap.parse_args(argv)
     if a.prompt_tokens < 2 * a.chunk_tokens:
         print(f"maru demo: --prompt-tokens must be at least {2 * a.chunk_tokens}", file=sys.stderr)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_tiny_model(a.model_dir, DEMO_SPEC)
     prompt = _prompt_tokens(model_dir, a.prompt_tokens)
     kv_bytes = DEMO_SPEC.num_layers * 2 * DEMO_SPEC.kv_heads * DEMO_SPEC.head_dim * 4 * (a.prompt_tokens + 64)
-    server = EmbeddedServer(pool_size=f"{max(256, 3 * kv_bytes // 2**20)}M")
+    server = EmbeddedServer(port=a.port, pool_size=f"{max(256, 3 * kv_bytes // 2**20)}M")
     with con.status("starting maru server"):
         server.start(timeout=60)
     con.print(f"maru server on {server.url} (pool {server.pool_path})")

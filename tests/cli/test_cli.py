@@ -133,13 +133,21 @@ def test_stats_without_a_server_exits_non_zero_with_the_fix() -> None:
     assert "maru server" in p.stdout
 
 
+def _embedded_pools_since(before: set[str], port: int) -> set[str]:
+    """The demo's embedded pools (``maru-embedded-<port>-<pid>``) in /dev/shm that were not there
+    ``before``. By port: another test file may run an embedded server meanwhile (``make test``
+    runs two workers)."""
+    return {f for f in set(os.listdir("/dev/shm")) - before if f.startswith(f"maru-embedded-{port}-")}
+
+
 def test_demo_objects_shares_objects_between_two_processes_and_cleans_up() -> None:
-    before = set(os.listdir("/dev/shm"))
-    p = maru("demo", "objects", "--objects", "64", "--port", str(free_port()))
+    before, port = set(os.listdir("/dev/shm")), free_port()
+    p = maru("demo", "objects", "--objects", "64", "--port", str(port))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "all 64 objects read back identical by another process" in p.stdout
+    assert f":{port}" in flat(p.stdout), p.stdout  # the server took the port given (and its pool name)
     assert "all match" in p.stdout
-    leftover = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("maru-embedded-")}
+    leftover = _embedded_pools_since(before, port)
     assert not leftover
 
 
@@ -147,8 +155,8 @@ def test_demo_vllm_second_instance_loads_what_the_first_stored_with_identical_ou
     """The README's first command: two real vLLM instances (CPU build), B loads A's prefix; the
     table's counts are the published ones (write-behind stores drained before counting)."""
     pytest.importorskip("vllm")
-    before = set(os.listdir("/dev/shm"))
-    p = maru("demo", "vllm", "--port", str(free_port()), timeout=600)
+    before, port = set(os.listdir("/dev/shm")), free_port()
+    p = maru("demo", "vllm", "--port", str(port), timeout=600)
     out = flat(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr
     loaded = re.search(r"instance B: time to first token [0-9.]+ s, (\d+) prompt tokens loaded", out)
@@ -156,7 +164,8 @@ def test_demo_vllm_second_instance_loads_what_the_first_stored_with_identical_ou
     counts = re.search(r"chunks stored / loaded\W+(\d+) stored\W+(\d+) loaded", out)
     assert counts and int(counts.group(1)) >= int(counts.group(2)) > 0, out  # B loads what A stored
     assert re.search(r"outputs identical \(greedy\)\W+yes", out), out
-    leftover = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("maru-embedded-")}
+    assert f"maru-embedded-{port}-" in out, out  # the server took the port given (and its pool name)
+    leftover = _embedded_pools_since(before, port)
     assert not leftover
 
 
