@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Test processes (pytest-xdist, a whole test file to each): most of the suite waits on servers,
-# engines and timeouts, so two overlap well even on a 2-core machine (806 -> 524 s there).
+# engines and timeouts, so two overlap well even on a 2-core machine (806 s in one process, 447-524 s in two there).
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench-rpc clean
