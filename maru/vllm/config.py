@@ -235,7 +235,10 @@ class MaruConnectorConfig:
             return self
         mode = "maru_overlap_load_with_compute" if self.overlap_load_with_compute else "synchronous loads"
         sentence = (
-            f"{mode} replaced by maru_async_load (a hit waits one engine step for its load): {reason}. "
+            f"{mode} replaced by maru_async_load (a hit waits one engine step for its load, and a hit "
+            f"of fewer than {self.min_async_load()} tokens (maru_async_min_load_tokens) is computed "
+            "instead: a conversation's next turn usually is one, so instances sharing conversations "
+            f"get little from Maru this way): {reason}. "
             "Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to keep same-step loads, or set "
             "maru_async_load=true to silence this."
         )

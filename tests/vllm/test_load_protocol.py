@@ -90,6 +90,8 @@ def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_
     assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
     [fallback] = conn.maru_stats()["fallbacks"]  # the replacement is not only a log line
     assert "vLLM issue #49250" in fallback and "VLLM_USE_V2_MODEL_RUNNER=0" in fallback
+    # ... and it says what it costs: shorter hits are computed (the async minimum, here a chunk).
+    assert f"fewer than {conn.maru_config.min_async_load()} tokens" in fallback
     r, offer = offer_of_a_stored_prompt(server, conn, seed=31)
     assert offer == (288, True)  # vLLM parks the request until the load is done or failed
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
