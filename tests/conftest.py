@@ -73,7 +73,7 @@ def _shm_in_use() -> tuple[set[str], set[int]]:
     return names, inodes
 
 
-_LEAKY_PREFIXES = ("psm_", "sem.mp-", "maru-test-")
+_LEAKY_PREFIXES = ("psm_", "sem.mp-", "maru-test-", "vllm_dist_")
 _SHM_BEFORE = pytest.StashKey[set[str]]()
 
 
@@ -94,7 +94,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Remove shared-memory files the run's processes leaked into /dev/shm.
 
     vLLM's engine processes create ``psm_*`` ring buffers (hundreds of MiB each) that a killed
-    engine never unlinks, and a test server killed with SIGKILL leaves its pool file. Left
+    engine never unlinks (and, with tensor parallelism on the CPU build, ``vllm_dist_*`` buffers),
+    and a test server killed with SIGKILL leaves its pool file. Left
     alone they would eat the machine's memory run after run. Only files created during this
     run that no live process maps or holds open are removed.
 
