@@ -88,8 +88,10 @@ class PacedStores:
     """``DevicePipeline``'s staged stores (a mixin): one routine, ``_queue_store``, on the ring's lane
     (``_issue_store``) or the paced lane (``_issue_store_paced``, see the module docstring)."""
 
-    # How the last staged store was queued: "libcudart", or "torch (<why>)"; None before one.
-    store_issue: str | None = None
+    # Every way the staged stores were queued so far: "libcudart", "torch (<why>)". It only grows
+    # (reasons name no sizes), so what is reported from it changes a handful of times a process,
+    # however the stores alternate (e.g. full chunks through libcudart, a prompt's tail through torch).
+    store_ways: frozenset[str] = frozenset()
     # Set by DevicePipeline.__init__.
     device: Any
     esize: int
@@ -140,10 +142,10 @@ class PacedStores:
         None: the store goes the torch way (same bytes, ~5x the host time a chunk), announced
         once with the reason (a missing libcudart is announced where the pipeline is built)."""
         if not self._sync.raw:
-            self.store_issue = "torch (libcudart not reachable)"
+            self._note_way("torch (libcudart not reachable)")
             return None
         plan, why = self._raw_chunks(lane, objs, slots, checksums)
-        self.store_issue = "libcudart" if plan is not None else f"torch ({why})"
+        self._note_way("libcudart" if plan is not None else f"torch ({why})")
         if plan is None:
             announce_once(
                 log,
@@ -154,6 +156,10 @@ class PacedStores:
                 why,
             )
         return plan
+
+    def _note_way(self, way: str) -> None:
+        if way not in self.store_ways:  # a new set, never changed in place: readers on other threads
+            self.store_ways = self.store_ways | {way}
 
     def _raw_chunks(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, checksums: bool
@@ -179,11 +185,13 @@ class PacedStores:
                 summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
                 stage = slot.placer.staging(t)
             except ValueError:  # the placer holds buffers for enough sizes already
-                return None, f"no graph bucket left for {t} tokens"
+                return None, "no graph bucket left for a chunk size"
             if not gather or not summed:
+                # Sizes are not named: a prompt's partial tail can be any multiple of the block size.
                 return (
                     None,
-                    f"no raw graph for {t} tokens (not warmed, or this torch hides graph executables)",
+                    "no raw graph for a chunk size not warmed at start (a prompt's partial tail), or "
+                    "this torch hides graph executables",
                 )
             plan.append(
                 RawChunk(

@@ -110,9 +110,9 @@ class DataPath(ABC):
         return False
 
     @property
-    def store_issue(self) -> str | None:
-        """How the last store's per-chunk work was queued, where a path has a choice (None here)."""
-        return None
+    def store_ways(self) -> frozenset[str]:
+        """Every way the stores' per-chunk work was queued so far, where a path has a choice."""
+        return frozenset()
 
     def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
         """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is).
@@ -317,9 +317,9 @@ class PipelinedPath(DataPath):
             logger.error("Maru: waiting for the GPU transfer engine after a failure failed: %s", e)
 
     @property
-    def store_issue(self) -> str | None:
-        """How the pipeline queued its last staged store: "libcudart", "torch (<why>)", or None."""
-        return getattr(self.pipeline, "store_issue", None)
+    def store_ways(self) -> frozenset[str]:
+        """How the pipeline queued its staged stores so far: "libcudart", "torch (<why>)"."""
+        return self.pipeline.store_ways
 
     @property
     def paces_stores(self) -> bool:

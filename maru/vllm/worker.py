@@ -98,7 +98,7 @@ class MaruWorkerConnector:
         self.async_loads = AsyncLoads(  # maru_async_load
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
-        self._store_issue: str | None = None  # the store's way as last reported (_report_paths)
+        self._store_ways: frozenset[str] = frozenset()  # the stores' ways as last reported (_report_paths)
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -206,14 +206,17 @@ class MaruWorkerConnector:
             if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
                 paths["checksum"] = checksum.implementation()
                 slow.extend(checksum.slow_reasons())
-            if (issue := eng.path.store_issue) is not None:  # known after the first store
-                paths["store_issue"] = issue
-                if not issue.startswith("libcudart"):
+            if ways := eng.path.store_ways:  # known after the first store
+                torch_ways = sorted(w for w in ways if w != "libcudart")
+                paths["store_issue"] = "; ".join((["libcudart"] if "libcudart" in ways else []) + torch_ways)
+                if torch_ways:
                     slow.append(
-                        f"stores are queued through {issue}, not libcudart: the same bytes, about 5x "
-                        "the drain thread's host time a chunk (it shares the GIL with vLLM's forward). "
-                        "Fix: see the reason; the chunk size is warmed at start (maru_kv_chunk_tokens), "
-                        "libcudart must be reachable (maru doctor)"
+                        f"{'some' if 'libcudart' in ways else 'all'} stores are queued through "
+                        f"{' and '.join(torch_ways)}, not libcudart: the same bytes, about 5x the drain "
+                        "thread's host time a chunk (it shares the GIL with vLLM's forward). Fix: see "
+                        "the reason; only the chunk size (maru_kv_chunk_tokens) is warmed at start, so a "
+                        "store holding a prompt's partial tail goes this way (not fixed yet); libcudart "
+                        "must be reachable (maru doctor)"
                     )
             extra, path_slow = eng.path.report(
                 self.cfg.overlap_load_with_compute, self.cfg.async_store and self.cfg.paced_store
@@ -223,8 +226,8 @@ class MaruWorkerConnector:
         return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
 
     def _report_paths(self) -> None:
-        # What the store's way was when last reported (a reconnect reports afresh, without it).
-        self._store_issue = self.engine.path.store_issue if self.engine is not None else None
+        # The stores' ways when last reported (a reconnect reports afresh, with them).
+        self._store_ways = self.engine.path.store_ways if self.engine is not None else frozenset()
         report = getattr(self._client, "set_client_info", None)
         if report is None:
             return
@@ -427,8 +430,8 @@ class MaruWorkerConnector:
         self.write_behind.collect(timeout_s)
 
     def _account_store(self, rep: StoreReport) -> None:
-        issue = self.engine.path.store_issue if self.engine is not None else None
-        if issue != self._store_issue:  # known after the first store: report it (maru stats, doctor)
+        ways = self.engine.path.store_ways if self.engine is not None else frozenset()
+        if ways != self._store_ways:  # a way seen the first time: report it (maru stats, doctor)
             self._report_paths()
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present

@@ -90,8 +90,8 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
     ("case", "why"),
     [
         ("eager", "eager placement"),
-        ("not warmed", "no raw graph for 40 tokens"),
-        ("full", "no graph bucket left for 40 tokens"),
+        ("not warmed", "no raw graph for a chunk size not warmed at start"),
+        ("full", "no graph bucket left for a chunk size"),
         ("no yield graph", "the yield kernel has no raw graph"),
         ("yield not warmed", "the yield kernel has no raw graph"),
         ("slots", "a non-contiguous slot mapping"),
@@ -112,6 +112,11 @@ def test_every_reason_for_the_torch_way_is_named_once(
         assert pipe._raw_plan(lane, _objs(64, 40), slots, True) is None
     said = [r.getMessage() for r in caplog.records if "queued through torch" in r.getMessage()]
     assert len(said) == 1 and why in said[0]
+    # The way is remembered once, without sizes: tails of other lengths add no new way.
+    [way] = pipe.store_ways
+    assert way.startswith("torch (") and why in way and "40" not in way
+    assert pipe._raw_plan(lane, _objs(64, 16), slots, True) is None
+    assert pipe.store_ways == {way}
 
 
 def test_without_libcudart_nothing_is_planned_or_announced_here(caplog: pytest.LogCaptureFixture) -> None:
