@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -35,6 +36,7 @@ from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
 from maru.transfer.records import ChunkRef, RequestTransfer  # noqa: E402
+from maru.vllm.offer_pins import OfferPins  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
 L, NH, HS, BS = 32, 8, 128, 16
@@ -143,6 +145,29 @@ def measure(
         if r:
             load_s.append(rep.seconds)
             phases.append(rep.phases)
+    # The load as the worker runs it in vLLM with offer pins (the default): the scheduler side
+    # pinned the chunks at its offer (its own client, untimed here: the pin trip is timed apart, it
+    # runs in the scheduler before the step) and hands their locations over; no lookup round trip.
+    held_s, held_phases, pin_s = [], [], []
+    pins = OfferPins()
+    with MaruHandler(loader.client.url, timeout_s=30) as sched_client:
+        for r in range(load_reps + 1):
+            t0 = time.perf_counter()
+            for q in last:
+                assert pins.hold(sched_client, q.req_id, [c.key for c in q.chunks]) == len(q.chunks)
+            t1 = time.perf_counter()
+            held = []
+            for q in last:
+                locs, ticket = pins.hand_over(q.req_id, [c.key for c in q.chunks])
+                held.append(dataclasses.replace(q, held=locs, ticket=ticket))
+            rep = loader.load(held)
+            assert sorted(rep.loaded_req_ids) == sorted(q.req_id for q in last), rep.failed
+            pins.worker_done({q.ticket: 1 for q in held})
+            pins.flush(sched_client)
+            if r:
+                pin_s.append(t1 - t0)
+                held_s.append(rep.seconds)
+                held_phases.append(rep.phases)
     # The layer-overlap load as the connector issues it: one pin, one load_layers a step.
     issue, total = [], []
     for r in range(load_reps + 1):
@@ -169,6 +194,12 @@ def measure(
         "load_ms": statistics.median(load_s) * 1e3,
         "first_key": last[0].chunks[0].key,
         "load_phases_ms": {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in phases[0]},
+        "held_load_GBps": nbytes / statistics.median(held_s) / GB,
+        "held_load_ms": statistics.median(held_s) * 1e3,
+        "held_phases_ms": {
+            k: statistics.median(p.get(k, 0.0) for p in held_phases) * 1e3 for k in held_phases[0]
+        },
+        "offer_pin_ms": statistics.median(pin_s) * 1e3,
     }
 
 
@@ -237,17 +268,21 @@ def main() -> None:
     print(
         "| tokens | MB | pinned H2D GB/s | store GB/s (ms) | write-behind store, paced, GB/s "
         "| load GB/s (ms) | load % of pinned "
-        "| load ms: lookup / prepare / issue / wait | overlap load GB/s | overlap issue us/layer |"
+        "| load ms: lookup / prepare / issue / wait | overlap load GB/s | overlap issue us/layer "
+        "| held load % of pinned | held load ms: lookup / prepare / issue / wait | offer pin ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results["sizes"].items():
-        ph = row["load_phases_ms"]
+        ph, hp = row["load_phases_ms"], row["held_phases_ms"]
         print(
             f"| {name} | {row['MB']:.1f} | {row['pinned_h2d_GBps']:.1f} | {row['store_GBps']:.1f} "
             f"({row['store_ms']:.2f}) | {row['wb_store_GBps']:.1f} | {row['load_GBps']:.1f} ({row['load_ms']:.2f}) | "
             f"{100 * row['load_GBps'] / row['pinned_h2d_GBps']:.1f}% | "
             f"{' / '.join(f'{ph.get(k, 0.0):.2f}' for k in ('lookup', 'prepare', 'issue', 'wait'))} | "
-            f"{row['layer_load_GBps']:.1f} | {row['layer_issue_us']:.1f} |"
+            f"{row['layer_load_GBps']:.1f} | {row['layer_issue_us']:.1f} | "
+            f"{100 * row['held_load_GBps'] / row['pinned_h2d_GBps']:.1f}% | "
+            f"{' / '.join(f'{hp.get(k, 0.0):.2f}' for k in ('lookup', 'prepare', 'issue', 'wait'))} | "
+            f"{row['offer_pin_ms']:.2f} |"
         )
 
 

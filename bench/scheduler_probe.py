@@ -63,6 +63,10 @@ def main() -> int:
         "--local-hit", action="store_true",
         help="vLLM's own cache holds each user's first round (the storing instance's next turn)",
     )  # fmt: skip
+    ap.add_argument(
+        "--pin-at-offer", action="store_true",
+        help="offer pins taken at each offer (the V2 runner's way): one lookup-and-pin trip a hit",
+    )  # fmt: skip
     a = ap.parse_args()
     chunk, bs = 256, 16
     space = KeySpace("bench", "", "bfloat16", 32, 8, 128, chunk)
@@ -92,7 +96,10 @@ def main() -> int:
         per_req: list[float] = []
         offered = None
         for rep in range(a.reps):
-            s = MaruSchedulerConnector(cfg, keyer, bs, client_factory=lambda: client)
+            s = MaruSchedulerConnector(
+                cfg, keyer, bs, client_factory=lambda: client, hold_offers=a.pin_at_offer,
+                pin_at_offer=a.pin_at_offer,
+            )  # fmt: skip
             reqs = [
                 SimpleNamespace(request_id=f"{rep}-{u}", prompt_token_ids=p, num_tokens=len(p),
                                 lora_request=None, mm_features=[])
@@ -111,6 +118,8 @@ def main() -> int:
                 local = len(first[u]) // bs * bs if a.local_hit else 0
                 offered = s.get_num_new_matched_tokens(r, local)
             per_req.append((time.perf_counter() - t0) / len(reqs))
+            if s.pins is not None:
+                s.pins.close(client)  # releases the offer pins (untimed); the shared client stays open
         keys_per_req = client.keys / a.users
         print(f"path: {h.local_exists.path}; offered {offered} of {len(second[0])} tokens")
         print(

@@ -89,6 +89,7 @@ class KVTransferEngine:
         )
         self.verify = verify
         self.paced_store = paced_store
+        self.held_lookups = 0  # loads whose chunks (some or all) were held for it: no lookup trip
 
     @property
     def paces_stores(self) -> bool:
@@ -452,13 +453,42 @@ class KVTransferEngine:
         keys, index = unique_keys(requests)
         if not keys:
             return index, None, False
+        handles: list[Any] = [None] * len(keys)
         try:
-            # verify=False: the path checks the bytes it places (after the copy), not a CPU pass here.
-            return index, list(self.client.batch_retrieve(keys, pin=True, verify=not self.verify)), False
+            # Chunks the scheduler side pinned for these loads: read where it says, no round trip.
+            remote = self._held_views(requests, keys, index, handles)
+            if remote:
+                # verify=False: the path checks the bytes it places (after the copy), not a CPU pass.
+                got = self.client.batch_retrieve(remote, pin=True, verify=not self.verify)
+                for k, h in zip(remote, got, strict=True):
+                    handles[index[k]] = h
         except MaruError as e:
+            self.unpin(handles)
             for req in requests:
                 failed[req.req_id] = f"lookup failed: {e}"
             return index, None, isinstance(e, CONNECTION_LOST)
+        return index, handles, False
+
+    def _held_views(
+        self, requests: Sequence[RequestTransfer], keys: list[str], index: dict[str, int], handles: list[Any]
+    ) -> list[str]:
+        """Fill ``handles`` for the chunks another client holds pinned for these loads
+        (``RequestTransfer.held``); return the keys left to look up, in order. Only where the path
+        verifies what it places (the committed checksum comes with the location) and the client
+        maps the pool. A held handle's pin is its holder's: ``unpin`` only drops its view."""
+        held = {h.key: h for req in requests for h in req.held}
+        if not held or not self.verify or not hasattr(self.client, "pool_mapping"):
+            return keys
+        local = [k for k in keys if k in held]
+        if not local:
+            return keys
+        self.held_lookups += 1
+        # Bounds-checked against the data region (PoolError, a MaruError, if outside it).
+        views = self.client.pool_mapping.read_views([[held[k].offset, held[k].size] for k in local])
+        for k, view in zip(local, views, strict=True):
+            h = held[k]
+            handles[index[k]] = Retrieved(k, h.offset, view, False, None, h.checksum)
+        return [k for k in keys if k not in held]
 
     def _parts(
         self, req: RequestTransfer, handles: list[Any], index: dict[str, int]

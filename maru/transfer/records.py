@@ -41,15 +41,35 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
+class HeldChunk:
+    """Where a pool object another client holds pinned for this load lies: ``size`` bytes at pool
+    ``offset``, committed with ``checksum``. The scheduler side pins what it offers to vLLM and
+    hands the locations to the worker with the load, so the worker places the bytes without a
+    lookup round trip; the pin is the scheduler's, released once the worker reports the load's
+    ``ticket`` done (``maru.vllm.offer_pins``). The bytes are still checked against ``checksum``
+    after they are placed, as for any load."""
+
+    key: str
+    offset: int
+    size: int
+    checksum: int | None
+
+
+@dataclass(frozen=True)
 class RequestTransfer:
     """The chunks of one request moved in one step, and the request's block table.
 
     ``block_ids[i]`` holds request tokens ``[i*BS, (i+1)*BS)``; it must cover every placed token.
+    ``held``: chunks (by key, every tensor-parallel rank's) pinned for this load by the scheduler
+    side, and ``ticket`` the name under which the worker reports it no longer reads them (a load
+    without ``held`` is looked up and pinned by the worker itself).
     """
 
     req_id: str
     block_ids: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
+    held: tuple[HeldChunk, ...] = ()
+    ticket: str = ""
 
     def num_placed_tokens(self) -> int:
         return sum(pe - pb for pb, pe in (c.placed() for c in self.chunks))

@@ -75,6 +75,7 @@ class AsyncLoads:
         now = time.perf_counter()
         for tags, res in self.loader.poll():
             oldest = None
+            self._hooks.done(tags)  # the batch's transfers completed (or never started)
             for rt in tags:
                 done.add(rt.req_id)
                 handed = self._handed.pop(rt.req_id, None)

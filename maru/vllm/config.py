@@ -102,6 +102,10 @@ class MaruConnectorConfig:
     # chunk (``kv_chunk_tokens``); 0: every hit loads.
     async_min_load_tokens: int | None = None
     overlap_load_with_compute: bool = False
+    # The scheduler side pins what it offers until the workers placed it (``maru.vllm.offer_pins``):
+    # nothing offered can be evicted before its load, and a worker's load makes no lookup round
+    # trip. Off: the worker looks its loads up itself, and an eviction in between is recomputed.
+    hold_offers: bool = True
     # Write-behind is the default: its safety rests on vLLM's delayed free (finished_sending) and
     # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
     # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).
@@ -116,6 +120,9 @@ class MaruConnectorConfig:
     # one (``without_write_behind``, ``loading_before_the_request_runs``). The worker reports
     # them as its ``slow`` paths, so ``maru stats`` and ``maru doctor`` show them.
     fallbacks: tuple[str, ...] = field(default=(), metadata={"key": False})
+    # Not a key: set by ``failing_same_step_loads`` (its sentence): vLLM ends a request whose
+    # same-step load failed with an error instead of recomputing it (kv_load_failure_policy=fail).
+    load_failures_fail: str = field(default="", metadata={"key": False})
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -244,6 +251,28 @@ class MaruConnectorConfig:
         )
         logger.warning("Maru: %s", sentence)
         return self._replaced(sentence, async_load=True, overlap_load_with_compute=False)
+
+    def failing_same_step_loads(self, reason: str) -> MaruConnectorConfig:
+        """A copy that keeps same-step loads where vLLM cannot recompute one that fails (``reason``).
+
+        Only with offer pins (``hold_offers``, checked by the caller): an offered chunk cannot be
+        evicted before its load, so the ordinary failure, a miss, cannot happen; what still can
+        (bytes that fail their checksum, a copy error) ends the request with an error, never wrong
+        KV: the connector sets vLLM's ``kv_load_failure_policy`` to "fail". Announced once, with
+        the ways to have such a load recomputed instead. A no-op when loads are off or async.
+        """
+        if self.async_load or not self.enable_load:
+            return self
+        sentence = (
+            "same-step loads kept: offered chunks are pinned until placed, so no eviction can fail a "
+            f"load; one that still fails (bytes that fail their checksum, a copy error) cannot be "
+            f"recomputed here ({reason}), so vLLM ends that request with an error "
+            "(kv_load_failure_policy=fail) instead of serving KV that was never placed. To have such "
+            "loads recomputed instead: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0, or set "
+            "maru_async_load=true"
+        )
+        logger.warning("Maru: %s", sentence)
+        return MaruConnectorConfig(**{**self.__dict__, "load_failures_fail": sentence})
 
     def _replaced(self, sentence: str, **changes: Any) -> MaruConnectorConfig:
         """A copy with ``changes`` applied and ``sentence`` (reason and fix) added to ``fallbacks``."""

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed
 from maru.vllm.keys import ChunkKeyer, KeySpace
-from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.scheduler import MaruSchedulerConnector
 
 try:  # vLLM >= 0.32 labels where external hits come from
@@ -45,6 +45,13 @@ if TYPE_CHECKING:
 
 # The metadata record is plain (torch- and vLLM-free, for the scheduler side); vLLM sees it as its own.
 KVConnectorMetadata.register(MaruConnectorMetadata)
+try:  # the workers' per-step report to the scheduler side (vLLM 0.26 and later)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+    KVConnectorWorkerMetadata.register(MaruWorkerMeta)
+    _WORKER_META = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
+except ImportError:  # pragma: no cover - an older vLLM: the workers look their loads up themselves
+    _WORKER_META = False
 
 logger = logging.getLogger("maru.vllm")
 
@@ -103,28 +110,38 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
     )
 
 
-def _recompute_on_load_failure(vllm_config: VllmConfig) -> None:
-    """Make vLLM recompute blocks whose load failed instead of failing the request.
+def _set_load_failure_policy(vllm_config: VllmConfig, policy: str) -> None:
+    """Set what vLLM does with a request whose load failed: "recompute" its blocks, or "fail" it.
 
-    vLLM's default policy ("fail") suits a disaggregated prefill, where nobody else could
-    compute the KV; for a cache, a chunk evicted between the check and the load is an
-    ordinary miss. The scheduler reads the policy right after creating this connector.
+    "recompute" wherever vLLM can: for a cache a failed load is an ordinary miss (vLLM's default,
+    "fail", suits a disaggregated prefill, where nobody else could compute the KV). "fail" where
+    it cannot recompute a same-step load (``MaruConnectorConfig.failing_same_step_loads``): an
+    error is better than KV that was never placed. The scheduler reads the policy right after
+    creating this connector.
     """
     ktc = vllm_config.kv_transfer_config
-    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+    if getattr(ktc, "kv_load_failure_policy", None) == policy:
         return
     try:
-        ktc.kv_load_failure_policy = "recompute"
-        logger.info(
-            "Maru: kv_load_failure_policy set to 'recompute' (a chunk gone from the pool is recomputed)"
-        )
+        ktc.kv_load_failure_policy = policy
+        logger.info("Maru: kv_load_failure_policy set to %r", policy)
     except Exception as e:
         logger.warning(
-            "Maru: could not set kv_load_failure_policy to 'recompute' (%s); a chunk evicted between the "
-            "check and the load will fail its request. Pass kv_load_failure_policy='recompute' in "
+            "Maru: could not set kv_load_failure_policy to %r (%s). Pass kv_load_failure_policy=%r in "
             "--kv-transfer-config.",
+            policy,
             e,
+            policy,
         )
+
+
+def _runner_known(vllm_config: Any) -> bool:
+    """Whether the engine says which model runner it runs (reading it raises on some platforms)."""
+    try:
+        getattr(vllm_config, "use_v2_model_runner", False)
+    except Exception:
+        return False
+    return True
 
 
 def same_step_load_failures_unrecoverable(vllm_config: Any) -> str | None:
@@ -186,8 +203,13 @@ class MaruKVConnector(KVConnectorBase_V1):
 
         unrecoverable = same_step_load_failures_unrecoverable(vllm_config)
         if unrecoverable is not None:
-            # Both roles read the same vLLM config, so they switch together.
-            cfg = self.maru_config = cfg.loading_before_the_request_runs(unrecoverable)
+            # Both roles read the same vLLM config, so they switch together. With offer pins no
+            # miss can fail a same-step load (see ``failing_same_step_loads``); without them, or
+            # when the runner is unknown, every load waits for its request to leave the runner.
+            if cfg.hold_offers and _WORKER_META and _runner_known(vllm_config):
+                cfg = self.maru_config = cfg.failing_same_step_loads(unrecoverable)
+            else:
+                cfg = self.maru_config = cfg.loading_before_the_request_runs(unrecoverable)
 
         def client_factory() -> Any:
             from maru.client import MaruHandler
@@ -199,7 +221,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             logger.info("Maru (%s): %s", "scheduler" if role == KVConnectorRole.SCHEDULER else "worker", line)
 
         if role == KVConnectorRole.SCHEDULER:
-            _recompute_on_load_failure(vllm_config)
+            _set_load_failure_policy(vllm_config, "fail" if cfg.load_failures_fail else "recompute")
             self._scheduler = MaruSchedulerConnector(
                 cfg,
                 ChunkKeyer(self.key_space),
@@ -209,6 +231,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 # vLLM's default is on; an unresolved None counts as on.
                 local_prefix_cache=getattr(vllm_config.cache_config, "enable_prefix_caching", True)
                 is not False,
+                hold_offers=cfg.hold_offers and _WORKER_META,
+                pin_at_offer=bool(cfg.load_failures_fail),
             )
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
@@ -260,13 +284,17 @@ class MaruKVConnector(KVConnectorBase_V1):
             out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
             out.update(self._scheduler.probe_view())
             out["async_load_sharing"] = self._scheduler.load_sharing
+            pins = self._scheduler.pins
+            out["offer_pins"] = pins.snapshot() if pins is not None else "off"
         else:
             assert self._worker is not None
             out = self._worker.stats.as_dict()
             out["write_behind"] = self._worker.write_behind_mode
+            out["loads_from_held_pins"] = self._worker.engine.held_lookups if self._worker.engine else 0
         out["hook_ms"] = self.hook_times.as_dict()
         out["data_path"] = self.maru_config.data_path()
         out["fallbacks"] = list(self.maru_config.fallbacks)  # settings replaced, each with reason and fix
+        out["load_failures_fail"] = self.maru_config.load_failures_fail  # "" where vLLM recomputes
         return out
 
     @property
@@ -371,6 +399,11 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The held loads this worker no longer reads (``MaruWorkerMeta``): the scheduler side
+        releases their pins once every rank reported them."""
+        return self._worker.build_worker_meta() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self.maru_config.log_timing and self.hook_times.calls:

@@ -27,9 +27,10 @@ class LayerLoads:
         self._hooks = hooks
         self._load: LayerByLayerLoad | None = None
         self._reqs: dict[str, RequestTransfer] = {}
+        self._step: list[RequestTransfer] = []  # the step's loads, whose tickets go with the layer load
         # Layer loads after their forward, still running on the device: unpinned once done()
-        # (get_finished polls them).
-        self._releases: list[LayerByLayerLoad] = []
+        # (get_finished polls them), with the step's loads to report done then.
+        self._releases: list[tuple[LayerByLayerLoad, list[RequestTransfer]]] = []
 
     def start(self, loads: list[RequestTransfer]) -> None:
         """Pin every chunk of the step now (the lookup decides), then place layer by layer behind.
@@ -41,6 +42,7 @@ class LayerLoads:
         if isinstance(engine, str):
             for rt in loads:
                 self._hooks.fail(rt, engine)
+            self._hooks.done(loads)
             return
         by_id = {rt.req_id: rt for rt in loads}
         pinned = engine.pin([self._hooks.rank(rt) for rt in loads])
@@ -48,12 +50,16 @@ class LayerLoads:
             self._hooks.fail(by_id[req_id], why)
         if pinned.server_lost:
             self._hooks.lost(next(iter(pinned.failed.values())))
+            engine.release(pinned)
+            self._hooks.done(loads)
             return
         if not pinned.ready:
             engine.release(pinned)
+            self._hooks.done(loads)
             return
         pinned.failed = {}  # reported above; the layer load reports only its own failures
         self._reqs = by_id
+        self._step = loads
         ll = engine.start_layer_load(pinned)
         self._load = ll
         self.stats.overlap_loads += 1
@@ -83,23 +89,26 @@ class LayerLoads:
         if ll is None:
             return
         by_id, self._reqs = self._reqs, {}
+        step, self._step = self._step, []
         ll.wait_all()
         if not ll.done():
-            self._releases.append(ll)
+            self._releases.append((ll, step))
             self._hooks.account(ll.report, " (layer by layer)", True)
             return
         rep = ll.finish()
         for req_id, why in ll.late_failures.items():
             self._hooks.fail(by_id[req_id], why)
         ll.release()
+        self._hooks.done(step)
         self._hooks.account(rep, " (layer by layer)", True)
 
     def release(self, wait: bool = False) -> None:
         """Unpin the finished layer loads (every one with ``wait``: shutdown)."""
-        keep: list[LayerByLayerLoad] = []
-        for ll in self._releases:
+        keep: list[tuple[LayerByLayerLoad, list[RequestTransfer]]] = []
+        for ll, step in self._releases:
             if wait or ll.done():
                 ll.release()  # waits only when not done (wait=True); a late failure is logged
+                self._hooks.done(step)
             else:
-                keep.append(ll)
+                keep.append((ll, step))
         self._releases = keep

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from maru.transfer.engine import KVTransferEngine
@@ -19,6 +19,9 @@ class LoadHooks:
     ``lost(why)``: drop the connection to a server that went away.
     ``account(report, how, under_forward)``: count a load; ``how`` labels the timing line, a load
     ``under_forward`` has no rate of its own (its host time is not transfer time).
+    ``done(rts)``: nothing reads these requests' held chunks any more (``RequestTransfer.held``):
+    their tickets go back to the scheduler side, which releases the pins. Called once per request
+    handed to the mode, after its last transfer completed (or when it never started).
     """
 
     connect: Callable[[], KVTransferEngine | str]
@@ -26,3 +29,4 @@ class LoadHooks:
     fail: Callable[[RequestTransfer, str], None]
     lost: Callable[[str], None]
     account: Callable[[LoadReport, str, bool], None]
+    done: Callable[[Iterable[RequestTransfer]], None]

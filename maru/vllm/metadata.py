@@ -38,3 +38,25 @@ class MaruConnectorMetadata:
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids
+
+
+@dataclass
+class MaruWorkerMeta:
+    """What the workers tell the scheduler side after a step (vLLM's ``kv_connector_worker_meta``).
+
+    ``done``: ticket -> how many workers report it: the loads whose held chunks (``OfferPins``)
+    the reporting workers no longer read, whatever came of them (placed, failed, never started).
+    vLLM merges the workers' records with ``aggregate`` (counts add up), and the scheduler side
+    releases a ticket's pins once every tensor-parallel rank reported it.
+    """
+
+    done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: MaruWorkerMeta) -> MaruWorkerMeta:
+        merged = dict(self.done)
+        for ticket, n in getattr(other, "done", {}).items():
+            merged[ticket] = merged.get(ticket, 0) + n
+        return MaruWorkerMeta(merged)
+
+    def __bool__(self) -> bool:
+        return bool(self.done)

@@ -25,71 +25,26 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.keys import ChunkKeyer, PromptKeys
+from maru.vllm.keys import ChunkKeyer
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
+from maru.vllm.load_plan import LoadPlanning
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
+from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
 
 _RECONNECT_S = 10.0
 
 
-@dataclass
-class _Request:
-    """What the scheduler side knows about one live request."""
-
-    req_id: str
-    prompt: list[int]
-    keys: PromptKeys
-    present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
-    probed_local: int = 0  # vLLM's own hit when probed: chunks and tails inside it were not asked
-    tail_hits: dict[int, tuple[int, str]] = field(default_factory=dict)  # chunk index -> longest present tail
-    own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
-    own_tail_present: bool = False
-    local_computed: int = 0
-    async_blocks: set[int] = field(default_factory=set)  # blocks of the async load in flight
-    async_load_failed: bool = False  # an async load of this request failed: compute it from now on
-    match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
-    pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
-    block_ids: list[int] = field(default_factory=list)
-    planned: set[int] = field(default_factory=set)
-    tail_planned: bool = False
-    # maru_async_store: a store was planned since the request's last preemption, so its blocks stay
-    # allocated after it finishes until the worker reports it in finished_sending.
-    sending: bool = False
-
-
-@dataclass
-class SchedulerStats:
-    requests_probed: int = 0
-    requests_hit: int = 0
-    tokens_offered: int = 0
-    chunks_planned: int = 0
-    tails_planned: int = 0
-    probe_failures: int = 0
-    load_failures_reported: int = 0
-    requests_preempted: int = 0
-    async_loads_planned: int = 0
-    async_loads_finished: int = 0
-    async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
-    # ... or: another request's load in flight places the chunk it needs next (vLLM's prefix cache
-    # holds it once that load is reported), so it is loaded once, not once per request
-    async_loads_shared: int = 0
-    async_share_timeouts: int = 0  # ... waits that ran out (``SharedWaits``): loaded its own copy
-    async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
-    delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
-    delayed_frees_released: int = 0  # ... and were reported in finished_sending since
-
-
-class MaruSchedulerConnector:
+class MaruSchedulerConnector(LoadPlanning):
     """Scheduler-side state and decisions. Owns no bytes; one instance per engine."""
 
     def __init__(
@@ -100,9 +55,15 @@ class MaruSchedulerConnector:
         tp_size: int = 1,
         client_factory: Any = None,
         local_prefix_cache: bool = True,
+        hold_offers: bool = False,
+        pin_at_offer: bool = False,
     ) -> None:
         """``local_prefix_cache``: whether vLLM's own prefix cache is on (async loads of the same
-        chunks are shared only through it)."""
+        chunks are shared only through it). ``hold_offers``: pin what is offered until the workers
+        placed it (``OfferPins``); needs the workers' per-step report (vLLM's
+        ``build_connector_worker_meta``), so the connector decides. ``pin_at_offer``: pin each
+        offer before making it (where vLLM cannot recompute a failed same-step load), not once a
+        step for all loads."""
         self.cfg = cfg
         self.keyer = keyer
         self.block_size = block_size
@@ -114,12 +75,14 @@ class MaruSchedulerConnector:
         self._next_connect = 0.0
         self._warned_skip: set[str] = set()
         self._share_timeout_note: str | None = None  # set at the first timeout (``maru doctor``)
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestState] = {}
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
         self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
             maxlen=4
         )
         self.stats = SchedulerStats()
+        self.pins = OfferPins(tp_size) if hold_offers and cfg.enable_load else None
+        self.pin_at_offer = pin_at_offer
         # maru_async_load: the loads in flight (admitted, not yet in finished_recving).
         self._admission = LoadAdmission(
             cfg.max_inflight_loads, cfg.max_inflight_load_chunks, self.chunk, share=local_prefix_cache
@@ -228,14 +191,14 @@ class MaruSchedulerConnector:
             logger.warning("Maru: skipping %s; vLLM computes them itself", reason)
         return False
 
-    def _state(self, request: Any) -> _Request | None:
+    def _state(self, request: Any) -> RequestState | None:
         st = self._reqs.get(request.request_id)
         if st is not None:
             return st
         if not self._eligible(request):
             return None
         prompt = list(request.prompt_token_ids)
-        st = _Request(req_id=request.request_id, prompt=prompt, keys=self.keyer.prompt_keys(prompt))
+        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self.keyer.prompt_keys(prompt))
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
@@ -248,7 +211,7 @@ class MaruSchedulerConnector:
     def _usable(self, prompt_len: int) -> int:
         return self._prober.usable(prompt_len)
 
-    def _probe(self, st: _Request, local_computed: int) -> None:
+    def _probe(self, st: RequestState, local_computed: int) -> None:
         """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``);
         the full chunks vLLM's own hit covers (``local_computed`` tokens) are not asked about."""
         n_full = len(st.keys.full)
@@ -320,9 +283,10 @@ class MaruSchedulerConnector:
             if n <= 0:
                 return 0, False
             if not self.cfg.async_load:
-                return n, False
+                return self._held_offer(st, num_computed_tokens, end), False
             if n < self.cfg.min_async_load():  # parking it a step would cost more than computing it
                 self.stats.async_hits_computed += 1
+                self._drop_pins(st.req_id)
                 return 0, False
             if not self._admission.in_flight(self._key_at(st, num_computed_tokens)):
                 self._waits.end(st.req_id)  # nothing to wait for: a later wait starts its own clock
@@ -332,6 +296,11 @@ class MaruSchedulerConnector:
             if self._admission.window_full(n):
                 self.stats.async_loads_deferred += 1
                 return None, False
+            n = self._held_offer(st, num_computed_tokens, end)
+            if n < self.cfg.min_async_load():  # cut short by a chunk gone since the probe
+                self.stats.async_hits_computed += 1
+                self._drop_pins(st.req_id)
+                return 0, False
             return n, True
         except Exception:  # a bug here must not take the engine down: compute instead
             logger.exception("Maru: matching request %s failed; vLLM computes it", request.request_id)
@@ -355,22 +324,6 @@ class MaruSchedulerConnector:
             self._report_path()
         return False
 
-    def _key_at(self, st: _Request, token: int) -> str:
-        """Key of the matched chunk (or tail) holding prompt token ``token`` ("" past the match)."""
-        i = token // self.chunk
-        hits, tail = st.match
-        if i < hits:
-            return st.keys.full[i]
-        return tail[1] if tail is not None and i == hits else ""
-
-    def _keys_between(self, st: _Request, begin: int, end: int) -> tuple[str, ...]:
-        """Keys of the matched chunks (and tail) a load of prompt tokens ``[begin, end)`` places."""
-        return tuple(
-            k
-            for i in range(begin // self.chunk, -(-end // self.chunk))
-            if (k := self._key_at(st, i * self.chunk))
-        )
-
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -379,7 +332,9 @@ class MaruSchedulerConnector:
             st.block_ids = list(blocks.get_block_ids()[0])
         except Exception:
             pass
-        if num_external_tokens > 0:
+        if num_external_tokens <= 0:
+            self._drop_pins(st.req_id)  # vLLM took none of the offer
+        else:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
             if self.cfg.async_load:
                 begin, end = st.pending_load
@@ -388,26 +343,8 @@ class MaruSchedulerConnector:
             self.stats.requests_hit += 1
             self.stats.tokens_offered += num_external_tokens
 
-    def _load_transfer(self, st: _Request) -> RequestTransfer | None:
-        assert st.pending_load is not None
-        begin, end = st.pending_load
-        st.pending_load = None
-        hits, tail = st.match
-        C = self.chunk
-        chunks: list[ChunkRef] = []
-        for i in range(begin // C, min(hits, (end + C - 1) // C)):
-            s = i * C
-            chunks.append(ChunkRef(st.keys.full[i], s, C, max(0, begin - s), min(C, end - s)))
-        if end > hits * C:
-            if tail is None:  # cannot happen: the offer never exceeds the match
-                logger.error("Maru: request %s load plan exceeds its match; not loading", st.req_id)
-                return None
-            s = hits * C
-            chunks.append(ChunkRef(tail[1], s, tail[0], max(0, begin - s), min(tail[0], end - s)))
-        return RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks))
-
     def _plan_stores(
-        self, st: _Request, computed: int, scheduled: int
+        self, st: RequestState, computed: int, scheduled: int
     ) -> tuple[list[ChunkRef], list[int], bool]:
         if not self.cfg.enable_store or st.present is None:
             return [], [], False
@@ -435,7 +372,8 @@ class MaruSchedulerConnector:
         meta = MaruConnectorMetadata()
         record: list[tuple[str, set[int], list[int], bool]] = []
         try:
-            steps: list[tuple[_Request, int]] = []
+            self._pin_step_loads()  # one round trip for the step's loads (not at the offer)
+            steps: list[tuple[RequestState, int]] = []
             for new in so.scheduled_new_reqs:
                 st = self._reqs.get(new.req_id)
                 if st is None:
@@ -486,6 +424,8 @@ class MaruSchedulerConnector:
             meta = MaruConnectorMetadata()
             record = []
         self._recent.append(record)
+        if self.pins is not None:
+            self.pins.flush(self._client)  # the sets dropped since the last step: one UNPIN
         self._admission.settle()
         self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
         return meta
@@ -510,24 +450,9 @@ class MaruSchedulerConnector:
             if st is not None:
                 st.sending = True
 
-    def _plan_async_loads(self, meta: MaruConnectorMetadata, scheduled: set[str]) -> None:
-        """Loads of requests vLLM parked in WAITING_FOR_REMOTE_KVS this step (not scheduled)."""
-        for st in self._reqs.values():
-            if st.pending_load is None or st.req_id in scheduled:
-                continue
-            begin, end = st.pending_load
-            lt = self._load_transfer(st)
-            if lt is None or not lt.chunks:
-                # Cannot happen (the offer never exceeds the match). The request must still leave
-                # the wait: a chunk under an impossible key makes the worker fail it, so vLLM
-                # recomputes those tokens instead of waiting for ever.
-                lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
-            meta.async_loads.append(lt)
-            st.async_blocks = lt.placed_block_ids(self.block_size)
-            self.stats.async_loads_planned += 1
-
     def update_connector_output(self, output: Any) -> None:
         """Free admission slots of finished async loads; un-plan the stores of steps whose load failed."""
+        self._workers_done(getattr(output, "kv_connector_worker_meta", None))
         invalid = getattr(output, "invalid_block_ids", None) or set()
         for req_id in getattr(output, "finished_sending", None) or ():
             if req_id in self._delayed:
@@ -551,7 +476,7 @@ class MaruSchedulerConnector:
         if not invalid:
             return
         self.stats.load_failures_reported += 1
-        reprobe: dict[str, _Request] = {}
+        reprobe: dict[str, RequestState] = {}
         for record in self._recent:
             for req_id, blocks, planned, tail_now in record:
                 st = self._reqs.get(req_id)
@@ -575,6 +500,7 @@ class MaruSchedulerConnector:
         (whatever became of the store: drained, failed, dropped, connector off), on every rank.
         vLLM calls this for finished and aborted requests, never for preempted ones."""
         st = self._reqs.pop(request.request_id, None)
+        self._drop_pins(request.request_id)  # pins handed over with a load wait for the workers
         # An aborted request's load may never be reported: nobody may wait for its chunks.
         self._admission.finish(request.request_id)
         self._waits.end(request.request_id)
@@ -585,6 +511,8 @@ class MaruSchedulerConnector:
         return False, None
 
     def shutdown(self) -> None:
+        if self.pins is not None:
+            self.pins.close(self._client)
         client, self._client = self._client, None
         if client is not None:
             try:

@@ -17,6 +17,8 @@ same step are dropped, because their KV was computed on top of the missing conte
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import re
 import time
@@ -34,7 +36,7 @@ from maru.vllm.keys import rank_keys
 from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
-from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.worker_stats import WorkerStats
 from maru.vllm.write_behind import WriteBehind
 
@@ -93,7 +95,11 @@ class MaruWorkerConnector:
             fail=self._fail,
             lost=self._lost,
             account=self._account_load,
+            done=self._held_done,
         )
+        # Tickets of held loads (``RequestTransfer.held``) this worker no longer reads, for the next
+        # ``build_connector_worker_meta``; appended by the forward and loader threads.
+        self._tickets_done: collections.deque[str] = collections.deque()
         self.layer_loads = LayerLoads(self.stats, hooks)  # maru_overlap_load_with_compute
         self.async_loads = AsyncLoads(  # maru_async_load
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
@@ -263,7 +269,7 @@ class MaruWorkerConnector:
             )
             for c in rt.chunks
         )
-        return RequestTransfer(rt.req_id, rt.block_ids, chunks)
+        return dataclasses.replace(rt, chunks=chunks)  # ``held`` names every rank's keys already
 
     # ------------------------------------------------------------------ load
     def start_load_kv(self, meta: MaruConnectorMetadata | None) -> None:
@@ -274,15 +280,19 @@ class MaruWorkerConnector:
             self.async_loads.start(meta.async_loads)
         if not meta.loads:
             return
+        layered = self.cfg.overlap_load_with_compute and self.cfg.enable_load
         try:
-            if self.cfg.overlap_load_with_compute and self.cfg.enable_load:
-                self.layer_loads.start(meta.loads)
+            if layered:
+                self.layer_loads.start(meta.loads)  # reports the tickets once its layers are placed
             else:
                 self._load(meta)
         except Exception as e:  # never raise into the forward; recompute instead
             logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
             for rt in meta.loads:
                 self._fail(rt, f"{type(e).__name__}: {e}")
+            layered = False
+        if not layered:  # the synchronous load has completed (or failed) here
+            self._held_done(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""
@@ -462,7 +472,17 @@ class MaruWorkerConnector:
                 rep.seconds * 1e3,
             )
 
+    def _held_done(self, rts: Any) -> None:
+        self._tickets_done.extend(rt.ticket for rt in rts if rt.ticket)
+
     # ------------------------------------------------------------------ results
+    def build_worker_meta(self) -> MaruWorkerMeta | None:
+        """The tickets of held loads done since the last call (``MaruWorkerMeta``), or None."""
+        done: dict[str, int] = {}
+        while self._tickets_done:
+            done[self._tickets_done.popleft()] = 1
+        return MaruWorkerMeta(done) if done else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out

@@ -8,12 +8,14 @@ engines, each in its own process, started together (start-up overlaps) and drive
   (vLLM's own prefix hit: the reference for a warm run's numerics), and three eviction prompts;
 - B-sync, B-async (``maru_async_load``), B-overlap (``maru_overlap_load_with_compute``, with
   write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
-  B-sync-plain (vLLM's asynchronous scheduling off) meet a chunk evicted between the scheduler's
-  lookup and the load (a connector subclass deletes it at ``start_load_kv``); B-overlap computes
-  a batch Y and stores it write-behind, and B-sync loads Y. B-sync-plain and B-overlap run vLLM's
-  V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), the only one where Maru loads in the step that
-  computes (same-step loads; on the V2 runner, vLLM 0.26's default on GPUs, every load uses the
-  asynchronous protocol: vLLM issue #49250, see ``maru.vllm.connector``); on CPU both are V1;
+  B-sync-plain (vLLM's asynchronous scheduling off) meet a chunk deleted between the scheduler's
+  offer and the load (a connector subclass deletes it at ``start_load_kv``): B-sync and B-async
+  hold what they offer pinned (the default), so the load still places it; B-sync-plain runs with
+  ``maru_hold_offers=false`` (the worker looks its loads up), finds it gone and recomputes.
+  B-overlap computes a batch Y and stores it write-behind, and B-sync loads Y. B-sync runs vLLM
+  0.26's default V2 model runner with same-step loads (offer pins make them safe there: vLLM issue
+  #49250, see ``maru.vllm.connector``); B-sync-plain and B-overlap the V1 runner
+  (``VLLM_USE_V2_MODEL_RUNNER=0``); on CPU both are V1;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
@@ -62,9 +64,9 @@ MAX_TOKENS = 8
 V = MODEL.vocab
 X = [random_prompt(1500, 100 + i, V) for i in range(4)]  # loaded as a batch of four hits
 Y = [random_prompt(1200, 200 + i, V) for i in range(4)]  # stored write-behind by B-overlap
-# A chunk evicted before the load: E1 under a sync-configured load (on vLLM's V2 runner it runs
-# under the asynchronous protocol), E2 an async load, E3 a same-step sync load on the V1 runner
-# with vLLM's asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
+# A chunk deleted before the load: E1 a same-step load on vLLM's V2 runner, E2 an async load (both
+# pinned at the offer), E3 a same-step load on the V1 runner without offer pins, with vLLM's
+# asynchronous scheduling off (vLLM 0.26 turns it on by default on GPUs).
 E1, E2, E3 = (random_prompt(1000, 301 + i, V) for i in range(3))
 P = [random_prompt(1000, 400 + i, V) for i in range(2)]  # preempted under write-behind
 # Four prompts with one head (a system prompt) and tails of their own, arriving together at an
@@ -102,8 +104,8 @@ def _evicting_connector_class() -> type:
 
         The flag file (path in the extra config key ``test_evict_flag``, not a ``maru_`` key, so
         the connector ignores it) holds ``{"prompt": [ids], "chunk": i}``. The scheduler has
-        already found the chunk present when this runs; the worker's lookup-and-pin (now, or on
-        the loader thread) finds it gone.
+        already offered the chunk when this runs: pinned (the default), the load still places it;
+        without offer pins the worker's lookup-and-pin (now, or on the loader thread) finds it gone.
         """
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -170,7 +172,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         "A": ({**base, "kv_transfer_config": kv({})}, {}),
         "B-sync": ({**base, "kv_transfer_config": kv({}, **evict)}, {}),
         "B-sync-plain": (
-            {**base, "async_scheduling": False, "kv_transfer_config": kv({}, **evict)},
+            {
+                **base,
+                "async_scheduling": False,
+                "kv_transfer_config": kv({"maru_hold_offers": False}, **evict),
+            },
             v1_runner,
         ),
         "B-async": ({**base, "kv_transfer_config": kv({"maru_async_load": True}, **evict)}, {}),
@@ -249,6 +255,9 @@ def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs
     assert r["cached"] == [offered(x) for x in X]
     d = r["delta"]
     assert d["tokens_loaded"] == sum(offered(x) for x in X) and d["load_errors"] == 0
+    assert d["loads_from_held_pins"] >= 1  # placed from the scheduler's pins: no lookup round trip
+    if engine == "Bsync":  # on the V2 runner too: loaded in the step that computes, not parked
+        assert d["async_loads"] == 0
     _assert_same(r, ref)
     _assert_same(r, runs.need("A-X"))
 
@@ -266,13 +275,18 @@ def test_prompts_stored_write_behind_load_in_another_instance(runs: Runs) -> Non
 
 
 @pytest.mark.parametrize("engine,prompt_index", [("Bsync", 0), ("Basync", 1), ("Bplain", 2)])
-def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(
+def test_a_chunk_deleted_after_the_offer_loads_from_its_pin_or_without_pins_is_recomputed(
     runs: Runs, engine: str, prompt_index: int
 ) -> None:
     r = runs.need(f"{engine}-E{prompt_index + 1}")
     assert r["flag_consumed"]
-    assert r["delta"]["load_errors"] == 1
-    assert r["delta"]["tokens_loaded"] == 0  # all or nothing: no partial KV used
+    prompt = (E1, E2, E3)[prompt_index]
+    if engine == "Bplain":  # maru_hold_offers=false: the worker's lookup finds it gone
+        assert r["delta"]["load_errors"] == 1
+        assert r["delta"]["tokens_loaded"] == 0  # all or nothing: no partial KV used
+    else:  # pinned since the offer: the deletion hides the key, the bytes stay until unpinned
+        assert r["delta"]["load_errors"] == 0
+        assert r["delta"]["tokens_loaded"] == offered(prompt) and r["cached"] == [offered(prompt)]
     ref = runs.need("A-E")
     one = {k: [v[prompt_index]] for k, v in ref.items() if k in ("tokens", "logprobs")}
     _assert_same(r, one)

@@ -9,6 +9,9 @@ real ``maru server``:
   between the scheduler's check and the load (recomputed);
 - H: ``maru_async_load`` with an admission window of one load: serves P1 and P3 together (one
   waits for the other's slot), then P3 alone with a chunk deleted before the load;
+- G and H run with ``maru_hold_offers=false`` (the worker looks its loads up itself), the mode
+  where a chunk can go between the offer and the load; with offer pins (the default, I and J
+  here, ``test_vllm_e2e`` for a deletion) an offered chunk cannot go;
 - I: ``maru_async_load`` with the default window: P1 twice, P4 and P2 arriving together, all
   starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache;
 - J: the same without vLLM's prefix cache: nothing to wait for, each request loads its own copy.
@@ -81,7 +84,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     try:
         with engine(
-            "G", tmp, model_dir, conn(maru_overlap_load_with_compute=True, maru_async_store=True)
+            "G",
+            tmp,
+            model_dir,
+            conn(maru_overlap_load_with_compute=True, maru_async_store=True, maru_hold_offers=False),
         ) as g:
             res["cold_p1"] = gen(g, P1)
             res["cold_p3"] = gen(g, P3)
@@ -98,7 +104,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert g.call({"op": "flush_stores"})["ok"]
             res["g_stats"] = g.call({"op": "stats"})
 
-        with engine("H", tmp, model_dir, conn(maru_async_load=True, maru_max_inflight_loads=1)) as h:
+        with engine(
+            "H", tmp, model_dir, conn(maru_async_load=True, maru_max_inflight_loads=1, maru_hold_offers=False)
+        ) as h:
             r = h.call({"op": "generate", "prompts": [P1, P3], "max_tokens": 8})
             assert "error" not in r, r
             res["h_both"] = r

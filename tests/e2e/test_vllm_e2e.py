@@ -190,6 +190,7 @@ def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs
     assert runs.b["p1"]["cached"] == 288  # everything but the last token, block-aligned (tail included)
     w = runs.b["after_p1"]["worker"]
     assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
+    assert w["loads_from_held_pins"] == 1  # placed from the scheduler's pins: no lookup round trip
     # vLLM's scheduler found the prompt through the server's key index: no EXISTS round trip.
     sched = runs.b["after_p1"]["scheduler"]
     assert sched["probe_path"] == "key index" and sched["probes_local"] >= 1 and sched["probes_remote"] == 0
@@ -238,9 +239,9 @@ def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
     runs: Runs, server: ServerProcess, model_dir: str
 ) -> None:
     keyer = ChunkKeyer(key_space(model_dir))
-    # B evicted P3's tail (the last object of its load) on purpose; the failed load made the
-    # scheduler probe again, so B's recompute stored the tail back: everything is there.
-    for prompt, expected in ((P1, [True] * 5), (P3, [True] * 5)):
+    # B deleted P3's tail (the last object of its load) on purpose, after offering it: the offer's
+    # pin kept its bytes for B's load, which did not fail, and a deleted key stays deleted.
+    for prompt, expected in ((P1, [True] * 5), (P3, [True] * 4 + [False])):
         pk = keyer.prompt_keys(prompt)
         tail = keyer.tail_key(pk.parent(4), prompt[256:288])
         with MaruHandler(server.url) as h:
@@ -251,13 +252,19 @@ def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
     assert (w["chunks_stored"], w["chunks_present"], w["store_failures"]) == (10, 0, 0)
 
 
-def test_a_chunk_evicted_before_the_load_is_recomputed_with_identical_output(runs: Runs) -> None:
+def test_a_chunk_deleted_after_the_offer_still_loads_from_its_pin_with_identical_output(runs: Runs) -> None:
+    # (Without offer pins the load fails and is recomputed: test_vllm_datapath_e2e, engines G, H.)
     assert runs.b["flag_consumed"]
     before, after = runs.b["after_p4"]["worker"], runs.b["after_p3"]["worker"]
-    assert after["load_errors"] - before["load_errors"] == 1
-    assert after["tokens_loaded"] == before["tokens_loaded"]  # nothing of P3 counted as loaded
+    assert after["load_errors"] == before["load_errors"]
+    assert after["tokens_loaded"] - before["tokens_loaded"] == 288
+    assert after["loads_from_held_pins"] > before["loads_from_held_pins"]
     assert runs.b["p3"]["out"] == runs.n["p3"]["out"] == runs.a["p3"]["out"]
-    assert "load of request" in runs.logs["B"] and "gone from the pool" in runs.logs["B"]
+    assert "gone from the pool" not in runs.logs["B"]
+    pins = runs.b["after_p3"]["scheduler"]["offer_pins"]
+    # Every set handed to the worker was released after its report; nothing is pinned any more.
+    assert pins["handed"] >= 4 and pins["released"] == pins["handed"] and pins["stale"] == 0
+    assert pins["open_now"] == pins["handed_now"] == 0
 
 
 def test_server_not_running_serves_correctly_with_one_warning_and_no_traceback(runs: Runs) -> None:

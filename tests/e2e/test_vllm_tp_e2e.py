@@ -5,10 +5,13 @@ under its own key (``keys.rank_keys``: ``<key>@0``, ``<key>@1``). Engines, each 
 process, one after the other (vLLM's workers are processes of their own, ``mp`` executor):
 
 - T: TP=2, Maru: serves P1, P3 and P4 cold and stores them (write-behind, the default);
-- U: TP=2, Maru, a test connector that deletes *rank 1's* copy of P3's last chunk right before
-  that rank loads it: loads P1 (identical output), then P3 (rank 0 loads, rank 1 misses: vLLM must
-  recompute, with identical output);
-- V: TP=2, Maru with asynchronous loads: P1 and P4 (which extends P1) arriving together;
+- U: TP=2, Maru without offer pins (``maru_hold_offers=false``: each rank looks its load up), a
+  test connector that deletes *rank 1's* copy of P3's last chunk right before that rank loads it:
+  loads P1 (identical output), then P3 (rank 0 loads, rank 1 misses: vLLM must recompute, with
+  identical output);
+- V: TP=2, Maru with asynchronous loads and offer pins (the default: the scheduler pins both
+  ranks' shards, each rank reports the load done, the pins go after both): P1 and P4 (which
+  extends P1) arriving together;
 - S: TP=1, Maru: another key space, so P1 is computed, never loaded from TP=2 shards.
 
 What each rank stored must equal transformers' K and V of *its* head: a rank that stored the
@@ -67,7 +70,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     evict = {
         "module": "tests.e2e.tp_connectors",
         "name": "EvictRankOneConnector",
-        "extra": {**extra, "test_evict_flag": str(flag)},
+        "extra": {**extra, "maru_hold_offers": False, "test_evict_flag": str(flag)},
     }
     with engine("U", tmp, model_dir, evict, env=TP_ENV, **TP_ENGINE) as u:
         res["u_p1"] = gen(u, P1)
@@ -84,6 +87,8 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         r = v.call({"op": "generate", "prompts": [P1, P4], "max_tokens": 8})
         assert "error" not in r, r
         res["v_p14"] = r
+        with MaruHandler(server.url, timeout_s=5) as h:
+            res["v_pinned"] = h.usage()["pinned"]
     with engine("S", tmp, model_dir, {"extra": extra}) as s:
         res["s_p1"] = gen(s, P1)
     res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "TUVS"}
@@ -130,6 +135,9 @@ def test_a_tp2_instance_with_asynchronous_loads_loads_both_prompts_together_with
     # vLLM used the blocks (and P4's shared chunks came through P1's load).
     assert r["cached"] == [USABLE, (len(P4) - 1) // 32 * 32]
     assert "Traceback" not in runs["logs"]["V"]
+    # The scheduler pinned both ranks' shards at its offer and released them once both ranks
+    # reported the load done: nothing stays pinned.
+    assert runs["v_pinned"] == 0
 
 
 def test_one_rank_missing_its_chunk_makes_vllm_recompute_with_identical_output(runs: dict[str, Any]) -> None:

@@ -1,10 +1,13 @@
 """Which load protocol the connector uses on which vLLM model runner (vLLM issue #49250).
 
 vLLM's V2 model runner cannot recompute a failed load of a request it is already running (the
-device keeps the request's old position), so on it every load goes through vLLM's asynchronous
-protocol: the request waits until its load is done or failed and is then added to the runner
-afresh. The facade is built here on the parts of a vLLM config it reads, against a real server;
-what the scheduler side then offers and plans is checked step by step.
+device keeps the request's old position). With offer pins (the default) no eviction can fail a
+load, so same-step loads stay, and vLLM is told to end a request whose load still failed with an
+error (``kv_load_failure_policy=fail``) rather than recompute on KV never placed. Without offer
+pins, or when the runner is unknown, every load goes through vLLM's asynchronous protocol: the
+request waits until its load is done or failed and is then added to the runner afresh. The facade
+is built here on the parts of a vLLM config it reads, against a real server; what the scheduler
+side then offers and plans is checked step by step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from maru.vllm.config import MaruConnectorConfig
 from tests.helpers import ServerProcess, flat, maru, reported_slow
 from tests.pool_fixtures import module_server
 from tests.transfer.helpers import case
-from tests.vllm.helpers import BS, C, blocks_obj, empty_out, publish, req, stored_keys_of, tokens
+from tests.vllm.helpers import BS, C, blocks_obj, empty_out, new_out, publish, req, stored_keys_of, tokens
 
 pytest.importorskip("vllm")
 
@@ -63,9 +66,9 @@ def scheduler_side(server: ServerProcess, v2: Any, **extra: Any) -> MaruKVConnec
     return MaruKVConnector(vllm_config(server.url, v2, **extra), KVConnectorRole.SCHEDULER)
 
 
-def worker_side(server: ServerProcess, v2: Any) -> MaruKVConnector:
+def worker_side(server: ServerProcess, v2: Any, **extra: Any) -> MaruKVConnector:
     """The worker side over CPU caches of the config's geometry, connected (it reports its paths)."""
-    cfg = vllm_config(server.url, v2)
+    cfg = vllm_config(server.url, v2, **extra)
     cfg.compilation_config = SimpleNamespace(static_forward_context={})
     conn = MaruKVConnector(cfg, KVConnectorRole.WORKER)
     cache = case(
@@ -85,8 +88,31 @@ def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed:
     return r, conn.get_num_new_matched_tokens(r, 0)
 
 
-def test_on_the_v2_model_runner_a_synchronous_connector_loads_while_the_request_waits(server) -> None:
-    conn = scheduler_side(server, True)
+def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end_the_request(server) -> None:
+    vc = vllm_config(server.url, True)
+    conn = MaruKVConnector(vc, KVConnectorRole.SCHEDULER)
+    assert not conn.maru_config.async_load and conn.maru_stats()["fallbacks"] == []
+    said = conn.maru_stats()["load_failures_fail"]
+    assert "vLLM issue #49250" in said and "VLLM_USE_V2_MODEL_RUNNER=0" in said
+    assert vc.kv_transfer_config.kv_load_failure_policy == "fail"  # an error, never KV not placed
+    r, offer = offer_of_a_stored_prompt(server, conn, seed=30)
+    assert offer == (288, False)
+    conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+    (load,) = conn.build_connector_meta(new_out("a", list(range(10)), 288, 12)).loads
+    assert load.ticket and len(load.held) == 5  # pinned from the offer on: no eviction can fail it
+    conn.shutdown()
+    # The V1 runner (or none) recomputes a failed load: the policy stays "recompute".
+    vc1 = vllm_config(server.url, False)
+    conn = MaruKVConnector(vc1, KVConnectorRole.SCHEDULER)
+    assert vc1.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert conn.maru_stats()["load_failures_fail"] == ""
+    conn.shutdown()
+
+
+def test_on_the_v2_model_runner_without_offer_pins_a_synchronous_connector_loads_while_the_request_waits(
+    server,
+) -> None:
+    conn = scheduler_side(server, True, maru_hold_offers=False)
     assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
     [fallback] = conn.maru_stats()["fallbacks"]  # the replacement is not only a log line
     assert "vLLM issue #49250" in fallback and "VLLM_USE_V2_MODEL_RUNNER=0" in fallback
@@ -109,7 +135,7 @@ def test_on_the_v1_model_runner_synchronous_loads_stay_in_the_step_that_computes
 
 
 def test_layer_overlap_and_an_unknown_runner_also_load_before_the_request_runs(server) -> None:
-    conn = scheduler_side(server, True, maru_overlap_load_with_compute=True)
+    conn = scheduler_side(server, True, maru_overlap_load_with_compute=True, maru_hold_offers=False)
     assert conn.maru_config.async_load and not conn.maru_config.overlap_load_with_compute
 
     def unknown() -> bool:
@@ -140,7 +166,7 @@ def test_switching_protocol_keeps_every_other_setting_and_skips_configs_without_
 
 def test_the_v2_runner_fallback_is_a_reported_slow_path_that_maru_doctor_shows(server) -> None:
     before = reported_slow(server)
-    conn = worker_side(server, True)
+    conn = worker_side(server, True, maru_hold_offers=False)
     try:
         [slow] = [v for k, v in reported_slow(server).items() if k not in before]
         assert len(slow) == 1 and "vLLM issue #49250" in slow[0], slow
@@ -154,13 +180,14 @@ def test_the_v2_runner_fallback_is_a_reported_slow_path_that_maru_doctor_shows(s
         conn.shutdown()
 
 
-def test_on_the_v1_runner_the_worker_reports_no_slow_path(server) -> None:
-    before = reported_slow(server)
-    conn = worker_side(server, False)
-    try:
-        assert [v for k, v in reported_slow(server).items() if k not in before] == [[]]
-    finally:
-        conn.shutdown()
+def test_on_the_v1_runner_and_on_v2_with_offer_pins_the_worker_reports_no_slow_path(server) -> None:
+    for v2 in (False, True):
+        before = reported_slow(server)
+        conn = worker_side(server, v2)
+        try:
+            assert [v for k, v in reported_slow(server).items() if k not in before] == [[]]
+        finally:
+            conn.shutdown()
 
 
 def test_the_facade_counts_the_host_time_of_each_hook_it_serves(server, caplog) -> None:  # noqa: ANN001

@@ -1,0 +1,157 @@
+"""How the scheduler side plans loads: offers pinned until placed, the keys an offer covers, and
+the ``RequestTransfer`` records the workers execute (``MaruSchedulerConnector`` mixes this in).
+
+An offer is only ever made of chunks the scheduler side holds pinned (``OfferPins``) when offer
+pins are on: a chunk the probe found but that is gone when pinned cuts the offer before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from maru.errors import MaruError
+from maru.transfer.records import ChunkRef, RequestTransfer
+from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.offer_pins import OfferPins
+from maru.vllm.scheduler_state import RequestState, SchedulerStats
+
+logger = logging.getLogger("maru.vllm")
+
+
+class LoadPlanning:
+    """The load-planning half of ``MaruSchedulerConnector`` (its state lives there)."""
+
+    chunk: int
+    block_size: int
+    pins: OfferPins | None
+    pin_at_offer: bool
+    stats: SchedulerStats
+    _reqs: dict[str, RequestState]
+    _client: Any
+
+    def _get_client(self) -> Any:  # pragma: no cover - MaruSchedulerConnector's
+        raise NotImplementedError
+
+    def _drop_client(self, why: Exception) -> None:  # pragma: no cover - MaruSchedulerConnector's
+        raise NotImplementedError
+
+    def _held_offer(self, st: RequestState, begin: int, end: int) -> int:
+        """Pin the chunks of an offer of prompt tokens ``[begin, end)`` (``OfferPins``) where a
+        failed same-step load cannot be recomputed (``pin_at_offer``); the tokens offered, cut to
+        the chunks really held: one the probe found may be gone by now (evicted), and there an
+        offer is never made of what is not pinned. Elsewhere ``end - begin`` (the step's loads are
+        pinned together in ``build_connector_meta``: ``_pin_step_loads``)."""
+        if self.pins is None or not self.pin_at_offer:
+            return end - begin
+        client = self._get_client()
+        keys = self._keys_between(st, begin, end)
+        try:
+            if client is None:
+                raise MaruError("no connection to the maru server")
+            held = self.pins.hold(client, st.req_id, keys)
+        except MaruError as e:
+            self.stats.probe_failures += 1
+            self._drop_pins(st.req_id)
+            if client is not None:
+                self._drop_client(e)
+            return 0
+        if held == len(keys):
+            return end - begin
+        # Chunk ``miss`` is gone: offer the chunks before it, and let a store refill it.
+        miss = begin // self.chunk + held
+        hits, tail = st.match
+        if miss < hits and st.present is not None:
+            st.present[miss] = False
+        st.tail_hits.pop(min(miss, hits), None)
+        st.match = (min(hits, miss), None)
+        cut = max(begin, miss * self.chunk)
+        if cut == begin:
+            self._drop_pins(st.req_id)
+        self.pins.flush(client)  # what was pinned past the cut (rare: an eviction since the probe)
+        return cut - begin
+
+    def _pin_step_loads(self) -> None:
+        """One lookup-and-pin round trip for every load this step plans whose request holds no
+        pins yet (all of them unless pinned at the offer). A failure costs only the pins: the
+        worker then looks the chunks up itself."""
+        if self.pins is None:
+            return
+        wants = {
+            st.req_id: self._keys_between(st, *st.pending_load)
+            for st in self._reqs.values()
+            if st.pending_load is not None and not self.pins.holds(st.req_id)
+        }
+        client = self._client if wants else None
+        if client is None:
+            return
+        try:
+            self.pins.hold_many(client, wants)
+        except MaruError as e:
+            for req_id in wants:
+                self.pins.drop(req_id)
+            self._drop_client(e)
+
+    def _drop_pins(self, req_id: str) -> None:
+        if self.pins is not None:
+            self.pins.drop(req_id)
+
+    def _key_at(self, st: RequestState, token: int) -> str:
+        """Key of the matched chunk (or tail) holding prompt token ``token`` ("" past the match)."""
+        i = token // self.chunk
+        hits, tail = st.match
+        if i < hits:
+            return st.keys.full[i]
+        return tail[1] if tail is not None and i == hits else ""
+
+    def _keys_between(self, st: RequestState, begin: int, end: int) -> tuple[str, ...]:
+        """Keys of the matched chunks (and tail) a load of prompt tokens ``[begin, end)`` places."""
+        return tuple(
+            k
+            for i in range(begin // self.chunk, -(-end // self.chunk))
+            if (k := self._key_at(st, i * self.chunk))
+        )
+
+    def _load_transfer(self, st: RequestState) -> RequestTransfer | None:
+        assert st.pending_load is not None
+        begin, end = st.pending_load
+        st.pending_load = None
+        hits, tail = st.match
+        C = self.chunk
+        chunks: list[ChunkRef] = []
+        for i in range(begin // C, min(hits, (end + C - 1) // C)):
+            s = i * C
+            chunks.append(ChunkRef(st.keys.full[i], s, C, max(0, begin - s), min(C, end - s)))
+        if end > hits * C:
+            if tail is None:  # cannot happen: the offer never exceeds the match
+                logger.error("Maru: request %s load plan exceeds its match; not loading", st.req_id)
+                return None
+            s = hits * C
+            chunks.append(ChunkRef(tail[1], s, tail[0], max(0, begin - s), min(tail[0], end - s)))
+        held, ticket = self.pins.hand_over(st.req_id, [c.key for c in chunks]) if self.pins else ((), "")
+        return RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks), held, ticket)
+
+    def _plan_async_loads(self, meta: MaruConnectorMetadata, scheduled: set[str]) -> None:
+        """Loads of requests vLLM parked in WAITING_FOR_REMOTE_KVS this step (not scheduled)."""
+        for st in self._reqs.values():
+            if st.pending_load is None or st.req_id in scheduled:
+                continue
+            begin, end = st.pending_load
+            lt = self._load_transfer(st)
+            if lt is None or not lt.chunks:
+                # Cannot happen (the offer never exceeds the match). The request must still leave
+                # the wait: a chunk under an impossible key makes the worker fail it, so vLLM
+                # recomputes those tokens instead of waiting for ever.
+                lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
+            meta.async_loads.append(lt)
+            st.async_blocks = lt.placed_block_ids(self.block_size)
+            self.stats.async_loads_planned += 1
+
+    def _workers_done(self, meta: Any) -> None:
+        """Release the offer pins of the loads every worker reported done (``MaruWorkerMeta``)."""
+        if self.pins is None:
+            return
+        if isinstance(meta, MaruWorkerMeta):
+            self.pins.worker_done(meta.done)
+        self.pins.expire()
+        self.pins.flush(self._client)

@@ -1,0 +1,218 @@
+"""Pins on what the scheduler side offers to vLLM, from the offer until the workers placed it.
+
+Why: between the probe that finds a prefix in the pool and the worker's copy, another client's
+store may evict it. Without a pin the worker finds the chunk gone and vLLM must recompute, which
+vLLM's V2 model runner cannot do for a request it already runs (vLLM issue #49250), and the
+worker pays a lookup-and-pin round trip on the load's path before its first copy. Pinned at the
+offer, the chunk cannot go; the worker gets its location and committed checksum with the load
+(``RequestTransfer.held``) and places it without asking the server.
+
+Life of a pin set (one per request, ``OfferPins``):
+
+1. Where a failed same-step load cannot be recomputed (vLLM's V2 runner), ``hold`` in
+   ``get_num_new_matched_tokens``: pins the offered chunks' keys (every tensor-parallel rank's
+   shard) in one round trip, reusing pins the request already holds from an earlier offer; the
+   offer is cut to the leading chunks it really holds, so a miss can never reach a load.
+   Elsewhere ``hold_many`` in ``build_connector_meta``: one round trip pins every load of the
+   step (a round trip per request on vLLM's scheduling thread cost a burst of 16 new requests
+   ~8 ms on an H200 host); a chunk gone by then fails its load, which vLLM recomputes.
+2. ``hand_over`` (in ``build_connector_meta``): the set goes to the workers with the load under
+   a fresh ticket. From then on only the workers' word releases it: ``worker_done`` counts the
+   ticket once per worker (``MaruWorkerMeta``, aggregated by vLLM) and releases the set when
+   every tensor-parallel rank has reported it, after its last read of those pages.
+3. ``drop``: a set never handed over (the request finished, or vLLM took none of the offer) is
+   released at once.
+
+Invariants: a handed-over set is released only after all ``tp_size`` workers reported its ticket,
+or, as a guard against a lost report, ``STALE_S`` seconds after the hand-over (logged, counted:
+the worker's checksum check still catches any page reused after that). Releases are batched
+into one UNPIN sent without waiting (``flush``). A session lost with the server takes its pins
+with it (the server quarantines them); their handles are dropped without a round trip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from maru.transfer.records import HeldChunk
+from maru.vllm.keys import rank_keys
+
+logger = logging.getLogger("maru.vllm")
+
+STALE_S = 300.0  # a ticket no worker reported after this long is released (see the invariants)
+
+
+@dataclass
+class _Handed:
+    handles: list[Any]
+    since: float
+    reports: int = 0
+
+
+@dataclass
+class OfferPinStats:
+    pin_trips: int = 0  # lookup-and-pin round trips (one per offer that needed new pins)
+    offers_cut: int = 0  # offers cut short: a chunk the probe found was gone when pinned
+    handed: int = 0  # pin sets handed to the workers with a load
+    released: int = 0  # ... released after every worker reported them
+    dropped: int = 0  # sets released without a load (request finished, offer not taken)
+    stale: int = 0  # handed sets released by the STALE_S guard (no worker report)
+    open_now: int = 0
+    handed_now: int = 0
+
+
+class OfferPins:
+    """The scheduler side's pins, per request until handed over, per ticket after."""
+
+    def __init__(self, tp_size: int = 1) -> None:
+        self.tp_size = tp_size
+        self._open: dict[str, dict[str, Any]] = {}  # req_id -> rank key -> pinned handle
+        self._handed: dict[str, _Handed] = {}  # ticket -> the set the workers may still read
+        self._release: list[Any] = []  # handles to unpin at the next flush
+        self._seq = itertools.count(1)
+        self.stats = OfferPinStats()
+
+    # ------------------------------------------------------------------ offer
+    def hold(self, client: Any, req_id: str, keys: Sequence[str]) -> int:
+        """Pin ``keys`` (chunk keys in prompt order) for ``req_id``; how many leading keys are held
+        (every rank's shard; an entry committed without a checksum counts as absent: its load
+        would fail). Pins past the first key not held are released (``flush``). Raises what ``client.batch_retrieve`` raises (nothing is held then
+        beyond what was held before)."""
+        have = self._open.setdefault(req_id, {})
+        for rk in [rk for rk, h in have.items() if not h.valid]:
+            del have[rk]  # its session was lost (server restart, lease): the pin went with it
+        want = [rk for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
+        if want:
+            self.stats.pin_trips += 1
+            # verify=False: the worker checks the bytes it places against the committed checksum.
+            for rk, h in zip(want, client.batch_retrieve(want, pin=True, verify=False), strict=True):
+                if h is None:
+                    continue
+                if h.checksum is None:  # an older writer's: no load could vouch for its bytes
+                    self._release.append(h)
+                    continue
+                have[rk] = h
+        n = 0
+        for k in keys:
+            if not all(rk in have for rk in rank_keys(k, self.tp_size)):
+                break
+            n += 1
+        if n < len(keys):  # the offer ends before key n: what it held after that goes at the next flush
+            self.stats.offers_cut += 1
+            for k in keys[n:]:
+                for rk in rank_keys(k, self.tp_size):
+                    if (h := have.pop(rk, None)) is not None:
+                        self._release.append(h)
+        return n
+
+    def hold_many(self, client: Any, wants: dict[str, Sequence[str]]) -> None:
+        """Pin, in one round trip, the chunk keys each request of ``wants`` (req_id -> keys) does
+        not hold yet: the step's loads, at ``build_connector_meta``. Nothing is cut here (the offer
+        was made already): a key found gone is simply not held, and the worker looks it up itself
+        (and fails the load, which vLLM recomputes). Raises what ``client.batch_retrieve`` raises."""
+        asks: list[tuple[str, str]] = []
+        for req_id, keys in wants.items():
+            have = self._open.setdefault(req_id, {})
+            asks += [(req_id, rk) for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
+        if not asks:
+            return
+        self.stats.pin_trips += 1
+        # One pin per request even where requests share a key: each set is released on its own.
+        got = client.batch_retrieve([rk for _, rk in asks], pin=True, verify=False)
+        for (req_id, rk), h in zip(asks, got, strict=True):
+            if h is None:
+                continue
+            if h.checksum is None:
+                self._release.append(h)
+                continue
+            self._open[req_id][rk] = h
+
+    def holds(self, req_id: str) -> bool:
+        return bool(self._open.get(req_id))
+
+    def hand_over(self, req_id: str, keys: Sequence[str]) -> tuple[tuple[HeldChunk, ...], str]:
+        """Give the request's set to the workers with its load of ``keys``: (the locations of those
+        keys' shards, the ticket). Pins of other keys in the set ride along and go with the ticket.
+        ``((), "")`` when the request holds nothing (the worker then looks the chunks up itself)."""
+        have = self._open.pop(req_id, None)
+        if not have:
+            return (), ""
+        ticket = f"{req_id}#{next(self._seq)}"
+        self._handed[ticket] = _Handed(list(have.values()), time.monotonic())
+        self.stats.handed += 1
+        held = tuple(
+            HeldChunk(rk, h.offset, h.size, h.checksum)
+            for k in keys
+            for rk in rank_keys(k, self.tp_size)
+            if (h := have.get(rk)) is not None
+        )
+        return held, ticket
+
+    def drop(self, req_id: str) -> None:
+        """Release a set never handed over (a handed one waits for its workers)."""
+        have = self._open.pop(req_id, None)
+        if have:
+            self.stats.dropped += 1
+            self._release += have.values()
+
+    # ------------------------------------------------------------------ workers
+    def worker_done(self, done: dict[str, int]) -> None:
+        """Count workers' reports (ticket -> how many workers); release the sets all ranks reported."""
+        for ticket, n in done.items():
+            h = self._handed.get(ticket)
+            if h is None:
+                continue  # released already (stale guard), or not ours
+            h.reports += int(n)
+            if h.reports >= self.tp_size:
+                del self._handed[ticket]
+                self.stats.released += 1
+                self._release += h.handles
+
+    def expire(self, now: float | None = None) -> None:
+        """The guard against a lost worker report (see the module docstring)."""
+        now = time.monotonic() if now is None else now
+        stale = [t for t, h in self._handed.items() if now - h.since > STALE_S]
+        for t in stale:
+            h = self._handed.pop(t)
+            self.stats.stale += 1
+            self._release += h.handles
+            logger.warning(
+                "Maru: no worker reported the load %s done within %.0f s (%d of %d ranks did); its "
+                "pins are released now. Placed bytes are still checked against their checksums.",
+                t,
+                STALE_S,
+                h.reports,
+                self.tp_size,
+            )
+
+    def flush(self, client: Any) -> None:
+        """Send the pending releases (one UNPIN, not waited for); never raises."""
+        rel, self._release = self._release, []
+        if not rel or client is None:
+            for h in rel:  # no connection: the session (and its pins) is gone already
+                h.release()
+            return
+        try:
+            client.batch_release(rel, wait=False)
+        except Exception as e:  # the client retries lost unpins, the lease frees the rest
+            logger.info("Maru: releasing %d offer pins failed (%s)", len(rel), e)
+
+    def close(self, client: Any) -> None:
+        """Release everything (shutdown)."""
+        for have in self._open.values():
+            self._release += have.values()
+        for h in self._handed.values():
+            self._release += h.handles
+        self._open.clear()
+        self._handed.clear()
+        self.flush(client)
+
+    def snapshot(self) -> dict[str, int]:
+        self.stats.open_now = len(self._open)
+        self.stats.handed_now = len(self._handed)
+        return {k: v for k, v in self.stats.__dict__.items() if isinstance(v, int)}

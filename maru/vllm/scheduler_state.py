@@ -1,0 +1,54 @@
+"""What the scheduler side knows about each live request, and its counters (``MaruSchedulerConnector``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from maru.vllm.keys import PromptKeys
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side knows about one live request."""
+
+    req_id: str
+    prompt: list[int]
+    keys: PromptKeys
+    present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
+    probed_local: int = 0  # vLLM's own hit when probed: chunks and tails inside it were not asked
+    tail_hits: dict[int, tuple[int, str]] = field(default_factory=dict)  # chunk index -> longest present tail
+    own_tail: tuple[int, str] | None = None  # (tokens, key) of the tail this prompt would store
+    own_tail_present: bool = False
+    local_computed: int = 0
+    async_blocks: set[int] = field(default_factory=set)  # blocks of the async load in flight
+    async_load_failed: bool = False  # an async load of this request failed: compute it from now on
+    match: tuple[int, tuple[int, str] | None] = (0, None)  # (full chunks, tail) behind the last offer
+    pending_load: tuple[int, int] | None = None  # request tokens [begin, end) to load in the next step
+    block_ids: list[int] = field(default_factory=list)
+    planned: set[int] = field(default_factory=set)
+    tail_planned: bool = False
+    # maru_async_store: a store was planned since the request's last preemption, so its blocks stay
+    # allocated after it finishes until the worker reports it in finished_sending.
+    sending: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    requests_probed: int = 0
+    requests_hit: int = 0
+    tokens_offered: int = 0
+    chunks_planned: int = 0
+    tails_planned: int = 0
+    probe_failures: int = 0
+    load_failures_reported: int = 0
+    requests_preempted: int = 0
+    async_loads_planned: int = 0
+    async_loads_finished: int = 0
+    async_loads_deferred: int = 0  # offers answered "ask again later": the admission window was full
+    # ... or: another request's load in flight places the chunk it needs next (vLLM's prefix cache
+    # holds it once that load is reported), so it is loaded once, not once per request
+    async_loads_shared: int = 0
+    async_share_timeouts: int = 0  # ... waits that ran out (``SharedWaits``): loaded its own copy
+    async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
+    delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
+    delayed_frees_released: int = 0  # ... and were reported in finished_sending since

@@ -1,0 +1,349 @@
+"""What the scheduler side offers is pinned until every worker placed it (``maru.vllm.offer_pins``).
+
+Real server and shared-memory pool, the scheduler side with its own client, the worker connector
+over CPU caches (block size 32 != 2 KV heads) with a client that counts its LOOKUP round trips.
+A load of held chunks must place the same bytes as the source cache wrote, without a lookup; the
+pins must hold against eviction pressure and go only after the workers reported the ticket. Both
+ways of pinning: once a step for the step's loads (the default), and at each offer
+(``pin_at_offer``, where vLLM cannot recompute a failed same-step load).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.kv_ops.testing import CacheCase, naive_token
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.metadata import MaruWorkerMeta
+from maru.vllm.offer_pins import STALE_S, OfferPins
+from maru.vllm.scheduler import MaruSchedulerConnector
+from tests.pool_fixtures import module_server, stop_worker
+from tests.transfer.helpers import CountingPins, bits_equal, case, until_finished
+from tests.vllm.helpers import BS, C, blocks_obj, empty_out, new_out, req, tokens
+
+pytest.importorskip("vllm")
+
+from maru.vllm.worker import MaruWorkerConnector  # noqa: E402
+
+server = module_server("offer-pins", pool_size="16M")
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+HEADS, HEAD = 2, 32
+_spaces = iter(range(10**6))
+
+
+def _keyer() -> ChunkKeyer:
+    return ChunkKeyer(KeySpace(f"pins-model-{next(_spaces)}", "", "float32", 3, HEADS, HEAD, C))
+
+
+def _cache(seed: int) -> CacheCase:
+    return case("blocks_first", "HND", seed, block_size=BS, num_kv_heads=HEADS, head_size=HEAD, num_blocks=12)
+
+
+def _sched(
+    srv: Any, keyer: ChunkKeyer, at_offer: bool = False, **cfg: Any
+) -> tuple[MaruSchedulerConnector, MaruHandler]:
+    client = MaruHandler(srv.url, timeout_s=5)
+    conf = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C, **cfg)
+    sched = MaruSchedulerConnector(
+        conf, keyer, BS, client_factory=lambda: client, hold_offers=True, pin_at_offer=at_offer
+    )
+    return sched, client
+
+
+def _worker(srv: Any, cache: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector, list[CountingPins]]:
+    clients: list[CountingPins] = []
+
+    def factory() -> CountingPins:
+        clients.append(CountingPins(MaruHandler(srv.url, timeout_s=5)))
+        return clients[-1]
+
+    w = MaruWorkerConnector(
+        MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C, **cfg),
+        block_size=BS,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        client_factory=factory,
+    )
+    assert isinstance(cache.caches, list)
+    w.register_kv_caches(dict(zip(NAMES, cache.caches, strict=True)))
+    assert w.engine is not None
+    return w, clients
+
+
+def _store_prompt(srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int]) -> CacheCase:
+    """Instance A computes ``toks`` into ``blocks`` of a random cache and stores its chunks and tail."""
+    s, client = _sched(srv, keyer)
+    src = _cache(seed=len(toks))
+    w, _ = _worker(srv, src)
+    try:
+        r = req("src", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        s.update_state_after_alloc(r, blocks_obj(blocks), 0)
+        meta = s.build_connector_meta(new_out("src", blocks, 0, len(toks)))
+        assert meta.stores
+        w.wait_for_save(meta)
+        w.flush_stores()
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+    return src
+
+
+def _same_tokens(src: CacheCase, sb: list[int], dst: CacheCase, db: list[int], n: int) -> bool:
+    for t in range(n):
+        s1, s2 = sb[t // BS] * BS + t % BS, db[t // BS] * BS + t % BS
+        for layer in range(3):
+            for kv in (0, 1):
+                if not bits_equal(naive_token(dst, layer, kv, s2), naive_token(src, layer, kv, s1)):
+                    return False
+    return True
+
+
+def _pinned(client: MaruHandler) -> int:
+    # Asked on the scheduler's own connection: its unpins (sent without waiting) come first.
+    return int(client.usage()["pinned"])
+
+
+SRC_BLOCKS = list(range(10))
+DST_BLOCKS = [11, 3, 7, 0, 9, 2, 8, 1, 6, 4]
+
+
+@pytest.mark.parametrize("mode", ["sync", "sync-pinned-at-offer", "layer-overlap", "async"])
+def test_a_held_load_places_the_source_bytes_without_a_lookup_and_its_pins_go_after_the_report(
+    server: Any, mode: str
+) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=41)
+    src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    cfg: dict[str, Any] = {
+        "layer-overlap": {"overlap_load_with_compute": True},
+        "async": {"async_load": True, "async_min_load_tokens": 0},
+    }.get(mode, {})
+    at_offer = mode == "sync-pinned-at-offer"
+    s, client = _sched(server, keyer, at_offer=at_offer, **cfg)
+    dst = _cache(seed=99)
+    w, clients = _worker(server, dst, **cfg)
+    try:
+        r = req("b", toks)
+        # Four chunks and the 32-token tail (288 = all but the last token, block-aligned).
+        assert s.get_num_new_matched_tokens(r, 0) == (288, mode == "async")
+        assert _pinned(client) == (5 if at_offer else 0)  # at the offer, before vLLM allocates
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 288)
+        so = empty_out() if mode == "async" else new_out("b", DST_BLOCKS, 288, 12)
+        meta = s.build_connector_meta(so)
+        assert _pinned(client) == 5  # else with the step's plan, in one round trip for all its loads
+        (load,) = meta.async_loads if mode == "async" else meta.loads
+        assert load.ticket and len(load.held) == 5
+        w.start_load_kv(meta)
+        if mode == "async":
+            until_finished(w, {"b"})
+        else:
+            w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == set()
+        assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
+        assert sum(c.lookups for c in clients) == 0  # no lookup round trip on the worker
+        wm = w.build_worker_meta()
+        assert wm is not None and wm.done == {load.ticket: 1}
+        assert w.build_worker_meta() is None  # reported once
+        assert _pinned(client) == 5  # nothing released before the report reaches the scheduler
+        s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=wm, invalid_block_ids=set()))
+        assert _pinned(client) == 0
+        assert s.pins is not None and s.pins.snapshot()["released"] == 1
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+
+
+@pytest.mark.parametrize("at_offer", [False, True])
+def test_a_planned_load_survives_eviction_pressure_that_evicts_what_is_not_pinned(
+    server: Any, at_offer: bool
+) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=42)
+    src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    other = tokens(300, seed=43)
+    _store_prompt(server, keyer, other, SRC_BLOCKS)  # the same size, never offered: evictable
+    s, client = _sched(server, keyer, at_offer=at_offer)
+    dst = _cache(seed=98)
+    w, _ = _worker(server, dst)
+    try:
+        r = req("b", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+        meta = None
+        if not at_offer:  # pinned with the step's plan: the pressure comes before the worker's load
+            s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 288)
+            meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 288, 12))
+        # Fill the pool: the server evicts every unpinned entry it needs to.
+        with MaruHandler(server.url, timeout_s=5) as filler:
+            free = int(filler.usage()["data_size"])
+            objs = []
+            for _ in range(64):
+                try:
+                    objs += filler.batch_alloc([free // 64])
+                except Exception:
+                    break
+            full_o = s.keyer.prompt_keys(other).full
+            assert not any(filler.exists(full_o))  # the other prompt was evicted ...
+            filler.abort(objs)
+        if meta is None:
+            s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 288)
+            meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 288, 12))
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == set()  # ... the offered one loads whole
+        assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+
+
+def test_a_chunk_gone_between_probe_and_offer_cuts_the_offer_and_is_stored_again(server: Any) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=44)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    s, client = _sched(server, keyer, at_offer=True)
+    try:
+        r = req("b", toks)
+        st = s._state(r)
+        s._probe(st, 0)  # what the probe found: four chunks and the tail
+        assert st.present == [True] * 4
+        client.delete([st.keys.full[2]])  # evicted before vLLM asks
+        assert s.get_num_new_matched_tokens(r, 0) == (128, False)  # chunks 0 and 1 only
+        assert _pinned(client) == 2  # chunk 3 and the tail were pinned and released again
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 128)
+        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 128, 172))
+        assert [c.key for c in meta.loads[0].chunks] == st.keys.full[:2]
+        assert st.keys.full[2] in [c.key for rt in meta.stores for c in rt.chunks]  # refilled
+    finally:
+        s.shutdown()
+        client.close()
+
+
+def test_pins_of_an_offer_never_handed_over_go_with_the_request(server: Any) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=45)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    s, client = _sched(server, keyer, at_offer=True)
+    try:
+        r = req("b", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)  # asked again: the same pins
+        assert s.pins is not None and s.pins.stats.pin_trips == 1
+        assert _pinned(client) == 5
+        s.request_finished(r, [])  # aborted while waiting for blocks
+        s.build_connector_meta(empty_out())
+        assert _pinned(client) == 0
+        # vLLM took none of an offer: released too.
+        r2 = req("c", toks)
+        assert s.get_num_new_matched_tokens(r2, 0) == (288, False)
+        s.update_state_after_alloc(r2, blocks_obj(DST_BLOCKS), 0)
+        s.build_connector_meta(empty_out())
+        assert _pinned(client) == 0
+    finally:
+        s.shutdown()
+        client.close()
+
+
+def test_a_chunk_gone_before_the_step_is_pinned_fails_only_that_load_and_releases_every_pin(
+    server: Any,
+) -> None:
+    keyer = _keyer()
+    toks, other = tokens(300, seed=46), tokens(300, seed=47)
+    src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    src2 = _store_prompt(server, keyer, other, SRC_BLOCKS)
+    s, client = _sched(server, keyer)
+    dst = _cache(seed=97)
+    w, clients = _worker(server, dst)
+    try:
+        ra, rb = req("a", toks), req("b", other)
+        assert s.get_num_new_matched_tokens(ra, 0) == (288, False)
+        assert s.get_num_new_matched_tokens(rb, 0) == (288, False)
+        client.delete([s._reqs["a"].keys.full[1]])  # evicted after the offer, before the step
+        # a's table is b's blocks in another order: a placed nothing (all or nothing per request),
+        # or b's bytes would not all be b's.
+        blocks_b = [5, 10, 11, 6, 4, 2, 8, 1, 3]
+        blocks_a = list(reversed(blocks_b))
+        s.update_state_after_alloc(ra, blocks_obj(blocks_a + [7]), 288)
+        s.update_state_after_alloc(rb, blocks_obj(blocks_b + [7]), 288)
+        so = new_out("a", blocks_a + [7], 288, 12)
+        so.scheduled_new_reqs += new_out("b", blocks_b + [7], 288, 12).scheduled_new_reqs
+        so.num_scheduled_tokens["b"] = 12
+        meta = s.build_connector_meta(so)
+        assert s.pins is not None and s.pins.stats.pin_trips == 1  # both loads in one round trip
+        held = {lt.req_id: len(lt.held) for lt in meta.loads}
+        assert held == {"a": 4, "b": 5}
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        # a's missing chunk was looked up by the worker (the only lookup), found gone: a is
+        # recomputed; b loaded whole from its pins.
+        assert sum(c.lookups for c in clients) == 1
+        assert w.get_block_ids_with_load_errors() == set(meta.loads[0].placed_block_ids(BS))
+        assert _same_tokens(src2, SRC_BLOCKS, dst, blocks_b + [7], 288)
+        wm = w.build_worker_meta()
+        assert wm is not None and len(wm.done) == 2
+        s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=wm, invalid_block_ids=set()))
+        assert _pinned(client) == 0
+        del src
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+
+
+def test_a_handed_over_set_waits_for_every_rank_and_a_finished_request_does_not_release_it(
+    server: Any,
+) -> None:
+    keys = [f"pins-tp/{i}" for i in range(3)]
+    rank = [f"{k}@{r}" for k in keys for r in range(2)]
+    with MaruHandler(server.url, timeout_s=5) as w:
+        objs = w.batch_alloc([64] * len(rank))
+        for o in objs:
+            o.buf[:] = b"\1" * 64
+        w.batch_store(rank, objs)
+    with MaruHandler(server.url, timeout_s=5) as client:
+        pins = OfferPins(tp_size=2)
+        assert pins.hold(client, "r", keys) == 3
+        assert _pinned(client) == 6
+        held, ticket = pins.hand_over("r", keys[:2])
+        assert sorted(h.key for h in held) == sorted(rank[:4])
+        looked = client.batch_retrieve([h.key for h in held], pin=False, verify=False)
+        assert [(h.offset, h.size, h.checksum) for h in held] == [
+            (x.offset, x.size, x.checksum) for x in looked
+        ]
+        pins.drop("r")  # the request finished: its workers may still be reading
+        pins.flush(client)
+        assert _pinned(client) == 6
+        merged = MaruWorkerMeta({ticket: 1}).aggregate(MaruWorkerMeta({ticket: 1, "other#1": 1}))
+        pins.worker_done(MaruWorkerMeta({ticket: 1}).done)  # one rank of two
+        pins.flush(client)
+        assert _pinned(client) == 6
+        pins.worker_done({ticket: merged.done[ticket] - 1})  # the second rank
+        pins.flush(client)
+        assert _pinned(client) == 0  # the third key rode along with the ticket
+
+
+def test_a_ticket_no_worker_reports_is_released_by_the_stale_guard(server: Any, caplog: Any) -> None:
+    with MaruHandler(server.url, timeout_s=5) as w:
+        (o,) = w.batch_alloc([64])
+        o.buf[:] = b"\2" * 64
+        w.batch_store(["pins-stale/0"], [o])
+    with MaruHandler(server.url, timeout_s=5) as client:
+        pins = OfferPins()
+        assert pins.hold(client, "r", ["pins-stale/0"]) == 1
+        _, ticket = pins.hand_over("r", ["pins-stale/0"])
+        pins.expire()
+        pins.flush(client)
+        assert _pinned(client) == 1
+        with caplog.at_level("WARNING", logger="maru.vllm"):
+            pins.expire(now=10**9 + STALE_S)
+        pins.flush(client)
+        assert _pinned(client) == 0
+        assert ticket in caplog.text and pins.snapshot()["stale"] == 1
