@@ -117,6 +117,18 @@ class MaruSchedulerConnector(LoadPlanning):
         """Finished requests whose blocks vLLM holds until the worker reports their stores drained."""
         return set(self._delayed)
 
+    @property
+    def offer_pins_mode(self) -> str:
+        """How loads are pinned before the worker runs them (``maru stats``, ``maru doctor``)."""
+        if self.pins is None:
+            return "off (the worker looks its loads up; an eviction in between is recomputed)"
+        if self.pin_at_offer:
+            return (
+                "at each offer (a round trip per request with a hit: a failed same-step load cannot "
+                "be recomputed here)"
+            )
+        return "per step (one round trip for a step's loads)"
+
     def probe_view(self) -> dict[str, Any]:
         """How prefix probes reach the pool (the key index, or a server round trip, and why)."""
         local = getattr(self._client, "local_exists", None)
@@ -159,7 +171,11 @@ class MaruSchedulerConnector(LoadPlanning):
             report(
                 {
                     "role": "vllm-scheduler",
-                    "paths": {"exists": local.path, "async_load_sharing": self.load_sharing},
+                    "paths": {
+                        "exists": local.path,
+                        "async_load_sharing": self.load_sharing,
+                        "offer_pins": self.offer_pins_mode,
+                    },
                     "slow": local.slow() + [n for n in (self._unshared, self._share_timeout_note) if n],
                 }
             )

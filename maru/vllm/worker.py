@@ -193,6 +193,8 @@ class MaruWorkerConnector:
             "layout": self.layout.describe() if self.layout is not None else "?",
             "async_load": "on" if self.cfg.async_load else "off",
             "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
+            # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
+            "load_failure": "ends the request" if self.cfg.load_failures_fail else "recomputed",
             "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
             if self.cfg.async_store
             else "sync",

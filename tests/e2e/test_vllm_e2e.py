@@ -208,7 +208,11 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
     assert workers[0]["slow"] == []  # the CPU path is the fast path here: nothing for the doctor to flag
     # vLLM's scheduler side reports how its prefix probes reach the pool: the key index.
     schedulers = [i for i in infos if i.get("role") == "vllm-scheduler"]
-    want = {"exists": "key index", "async_load_sharing": "n/a (maru_async_load off)"}  # sync loads here
+    want = {
+        "exists": "key index",
+        "async_load_sharing": "n/a (maru_async_load off)",  # sync loads here
+        "offer_pins": "per step (one round trip for a step's loads)",  # vLLM's CPU build: the V1 runner
+    }
     assert [(i["paths"], i["slow"]) for i in schedulers] == [(want, [])], infos
 
 

@@ -478,7 +478,12 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
             assert s.get_num_new_matched_tokens(req("r", tokens(300)), 0) == (0, False)
             (info,) = _scheduler_infos(srv.url)  # `maru stats` lists it; `maru doctor` checks it
             if index:
-                assert info["paths"] == {"exists": "key index", "async_load_sharing": s.load_sharing}
+                assert info["paths"] == {
+                    "exists": "key index",
+                    "async_load_sharing": s.load_sharing,
+                    "offer_pins": s.offer_pins_mode,
+                }
+                assert s.offer_pins_mode.startswith("off")  # hold_offers is the connector's to give
                 assert info["slow"] == [] and s.load_sharing.startswith("n/a")
             else:
                 assert info["paths"]["exists"].startswith("server round trip")
