@@ -66,6 +66,11 @@ class LayerLoads:
         for req_id, why in ll.report.failed.items():
             self._hooks.fail(by_id[req_id], why)
 
+    @property
+    def in_flight(self) -> bool:
+        """A layer load of the current step was issued (``finish`` reports its requests done)."""
+        return self._load is not None
+
     def wait_for_layer(self, index: int | None) -> None:
         """The forward waits until layer ``index`` of the step's load is placed (GPU-side on CUDA);
         None (a layer name the worker does not know): every layer rather than risk a partial read."""

@@ -63,6 +63,8 @@ class LoadPlanning:
         hits, tail = st.match
         if miss < hits and st.present is not None:
             st.present[miss] = False
+        elif tail is not None and st.own_tail is not None and tail[1] == st.own_tail[1]:
+            st.own_tail_present = False  # its own tail is gone: computed, it is stored again
         st.tail_hits.pop(min(miss, hits), None)
         st.match = (min(hits, miss), None)
         cut = max(begin, miss * self.chunk)

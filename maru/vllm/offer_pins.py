@@ -140,6 +140,9 @@ class OfferPins:
         keys' shards, the ticket). Pins of other keys in the set ride along and go with the ticket.
         ``((), "")`` when the request holds nothing (the worker then looks the chunks up itself)."""
         have = self._open.pop(req_id, None)
+        if have:
+            for rk in [rk for rk, h in have.items() if not h.valid]:
+                del have[rk]  # a session lost since: that pin is gone (the worker looks it up)
         if not have:
             return (), ""
         ticket = f"{req_id}#{next(self._seq)}"

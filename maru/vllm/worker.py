@@ -292,7 +292,8 @@ class MaruWorkerConnector:
             logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
             for rt in meta.loads:
                 self._fail(rt, f"{type(e).__name__}: {e}")
-            layered = False
+            # A layer load already issued still reads its pages: its finish reports them.
+            layered = layered and self.layer_loads.in_flight
         if not layered:  # the synchronous load has completed (or failed) here
             self._held_done(meta.loads)
 

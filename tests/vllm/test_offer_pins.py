@@ -227,6 +227,29 @@ def test_a_chunk_gone_between_probe_and_offer_cuts_the_offer_and_is_stored_again
         client.close()
 
 
+def test_its_own_tail_gone_before_the_offer_cuts_the_offer_to_the_chunks_and_is_stored_again(
+    server: Any,
+) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=48)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    s, client = _sched(server, keyer, at_offer=True)
+    try:
+        r = req("b", toks)
+        st = s._state(r)
+        s._probe(st, 0)
+        assert st.own_tail is not None and st.own_tail_present
+        client.delete([st.own_tail[1]])
+        assert s.get_num_new_matched_tokens(r, 0) == (256, False)  # the four chunks only
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 256)
+        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 256, 44))
+        assert [c.key for c in meta.loads[0].chunks] == st.keys.full
+        assert [c.key for rt in meta.stores for c in rt.chunks] == [st.own_tail[1]]  # refilled
+    finally:
+        s.shutdown()
+        client.close()
+
+
 def test_pins_of_an_offer_never_handed_over_go_with_the_request(server: Any) -> None:
     keyer = _keyer()
     toks = tokens(300, seed=45)
