@@ -59,7 +59,8 @@ def yield_copy_engine(stream: Any) -> None:
 class RawChunk:
     """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
     its gather and checksum (-1: no checksum), its staging buffer's address, its byte count and
-    the address of its sum."""
+    the address of its sum. ``gather`` 0: this chunk alone is queued the torch way (its size has
+    no raw graph: a prompt's partial tail), in its turn, on the same streams and slot."""
 
     slot: StagingSlot
     tokens: int
@@ -140,19 +141,23 @@ class PacedStores:
         whole store can be queued through libcudart: a raw sync, every slot graph-backed for every
         chunk size (captured now where captures are lazy), the slot mapping's chunks contiguous.
         None: the store goes the torch way (same bytes, ~5x the host time a chunk), announced
-        once with the reason (a missing libcudart is announced where the pipeline is built)."""
+        once with the reason (a missing libcudart is announced where the pipeline is built). A
+        chunk of a size without raw graphs (a prompt's partial tail) goes the torch way alone,
+        the others through libcudart: both ways are then noted."""
         if not self._sync.raw:
             self._note_way("torch (libcudart not reachable)")
             return None
         plan, why = self._raw_chunks(lane, objs, slots, checksums)
-        self._note_way("libcudart" if plan is not None else f"torch ({why})")
-        if plan is None:
+        if plan is not None:
+            self._note_way("libcudart")
+        if why:
+            self._note_way(f"torch ({why})")
             announce_once(
                 log,
                 "kv_ops.store-torch-way",
                 logging.INFO,
-                "maru.kv_ops: a store is queued through torch, not libcudart (%s): the same bytes, about "
-                "5x the drain thread's host time a chunk",
+                "maru.kv_ops: a store (or a chunk of it) is queued through torch, not libcudart (%s): "
+                "the same bytes, about 5x the drain thread's host time a chunk",
                 why,
             )
         return plan
@@ -172,7 +177,8 @@ class PacedStores:
         ring = list(lane.slots) or [
             self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
         ]  # type: ignore[attr-defined]
-        plan = []
+        plan: list[RawChunk] = []
+        why = ""
         for k, obj in enumerate(objs):
             slot = ring[k % len(ring)]
             t = int(obj.shape[2])
@@ -180,19 +186,24 @@ class PacedStores:
                 return None, "eager placement (no graph placer)"
             if not obj.is_contiguous():
                 return None, "a non-contiguous chunk object"
+            nbytes = obj.numel() * self.esize
+            stage = None
             try:
                 gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
                 summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
-                stage = slot.placer.staging(t)
+                stage = slot.placer.staging(t) if gather and summed else None
             except ValueError:  # the placer holds buffers for enough sizes already
-                return None, "no graph bucket left for a chunk size"
-            if not gather or not summed:
+                reason, gather = "no graph bucket left for a chunk size", 0
+            else:
                 # Sizes are not named: a prompt's partial tail can be any multiple of the block size.
-                return (
-                    None,
+                reason = (
                     "no raw graph for a chunk size not warmed at start (a prompt's partial tail), or "
-                    "this torch hides graph executables",
+                    "this torch hides graph executables"
                 )
+            if stage is None or not gather:  # this chunk alone the torch way, in its turn
+                why = reason
+                plan.append(RawChunk(slot, t, 0, 0, 0, nbytes, 0))
+                continue
             plan.append(
                 RawChunk(
                     slot,
@@ -200,11 +211,14 @@ class PacedStores:
                     gather,
                     summed,
                     stage.data_ptr(),
-                    obj.numel() * self.esize,
+                    nbytes,
                     slot.placer.sum_address(t),
                 )
             )
-        return plan, ""
+        torch_way = [c for c in plan if not c.gather]
+        if torch_way and len(torch_way) == len(plan):
+            return None, why
+        return plan, why if torch_way else ""
 
     def _yield_exec(self, *, capture: bool = True) -> int:
         """The raw executable of a graph of the yield kernel (captured once a pipeline, at
@@ -251,13 +265,18 @@ class PacedStores:
         each: the drain thread holds the GIL ~10 us a chunk, not ~100): the slot mapping copied
         into the slot's graph (device to device), the gather graph, then on the copy stream the
         yield graph and the copy to the pool; after ``ready`` the checksum graph, its sum copied
-        into ``acc``. The same streams, slots and events as ``_queue_chunks_each``."""
+        into ``acc``. The same streams, slots and events as ``_queue_chunks_each``, whose way a
+        chunk without raw graphs (``gather`` 0) takes, in its turn."""
         sync = self._sync
         g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
         acc_at = acc.data_ptr() if acc is not None else 0
         slot_at, token0 = slots.data_ptr(), 0
         yield_exec = self._yield_exec(capture=False) if lane.paced else 0  # decided by the plan
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
+            if not ch.gather:
+                self._queue_one_each(lane, ch.slot, k, obj, slots[token0 : token0 + ch.tokens], acc)
+                token0 += ch.tokens
+                continue
             slot, placer = ch.slot, ch.slot.placer
             if slot.used:
                 sync.wait_on(g, slot.free)  # its previous copy to the pool must have read it
@@ -282,24 +301,36 @@ class PacedStores:
     ) -> None:
         """The chunks through torch (on the gather stream, current): placements, copies, yields and
         checksums each a torch call."""
-        sync, gather, copy = self._sync, lane.gather, lane.copy
         for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
             slot = lane.slots[k % len(lane.slots)] if lane.slots else self._take_slot()  # type: ignore[attr-defined]
-            stage, graphed = slot.buffer(host.shape[2])
-            if slot.used:
-                sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
-            slot.place(stage, graphed, chunk_slots, load=False)
-            sync.record(slot.ready, gather)
-            sync.wait(copy, slot.ready)
-            if k and lane.paced:
-                yield_copy_engine(copy)  # the copy engine serves other streams in between
-            self._d2h(host, stage, copy)  # type: ignore[attr-defined]
-            sync.record(slot.free, copy)
-            slot.used = True
-            if acc is not None:
-                # After ``ready``: the copy to the pool does not wait for it; the slot's next
-                # gather is queued behind it on this stream.
-                ck.accumulate(stage, acc, k)
+            self._queue_one_each(lane, slot, k, host, chunk_slots, acc)
+
+    def _queue_one_each(
+        self,
+        lane: StoreLane,
+        slot: StagingSlot,
+        k: int,
+        host: torch.Tensor,
+        chunk_slots: torch.Tensor,
+        acc: torch.Tensor | None,
+    ) -> None:
+        """Chunk ``k`` of a store through torch, into ``slot`` (the gather stream is current)."""
+        sync, gather, copy = self._sync, lane.gather, lane.copy
+        stage, graphed = slot.buffer(host.shape[2])
+        if slot.used:
+            sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
+        slot.place(stage, graphed, chunk_slots, load=False)
+        sync.record(slot.ready, gather)
+        sync.wait(copy, slot.ready)
+        if k and lane.paced:
+            yield_copy_engine(copy)  # the copy engine serves other streams in between
+        self._d2h(host, stage, copy)  # type: ignore[attr-defined]
+        sync.record(slot.free, copy)
+        slot.used = True
+        if acc is not None:
+            # After ``ready``: the copy to the pool does not wait for it; the slot's next gather
+            # is queued behind it on this stream.
+            ck.accumulate(stage, acc, k)
 
     def _paced(self) -> StoreLane | None:
         """The paced stores' lane (a gather stream, a device-to-host stream and staging slots of

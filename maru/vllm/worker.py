@@ -223,8 +223,8 @@ class MaruWorkerConnector:
                         f"{' and '.join(torch_ways)}, not libcudart: the same bytes, about 5x the drain "
                         "thread's host time a chunk (it shares the GIL with vLLM's forward). Fix: see "
                         "the reason; only the chunk size (maru_kv_chunk_tokens) is warmed at start, so a "
-                        "store holding a prompt's partial tail goes this way (not fixed yet); libcudart "
-                        "must be reachable (maru doctor)"
+                        "prompt's partial tail alone goes this way (the store's full chunks still go "
+                        "through libcudart); libcudart must be reachable (maru doctor)"
                     )
             extra, path_slow = eng.path.report(
                 self.cfg.overlap_load_with_compute, self.cfg.async_store and self.cfg.paced_store

@@ -132,6 +132,44 @@ def test_with_libcudart_a_store_queues_no_torch_call_a_chunk(pool: RegisteredPoo
     assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
 
 
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_partial_tail_alone_goes_the_torch_way_and_every_chunk_is_the_reference(
+    pool: RegisteredPool, paced: bool
+) -> None:
+    """As the connector builds it (only the chunk size warmed, nothing captured while serving): a
+    store of full chunks with a prompt's 96-token tail between them queues the tail through torch
+    and the chunks through libcudart, in turn on the same streams and slots; every byte and
+    checksum is the reference's, twice over (the slots' second use)."""
+    src = make_caches("flash_attn_HND", 61)
+    engine = pl.DevicePipeline(src.layers, src.layout(), lazy_capture=False)
+    if not engine._sync.raw:
+        pytest.skip("libcudart not reachable")
+    engine.warm(CHUNK)
+    sizes = [CHUNK, 96, CHUNK, CHUNK, 96]
+    objs = [pool.alloc(engine, t) for t in sizes]
+    torch_chunks: list[int] = []
+    real_place = paced_store.StagingSlot.place
+
+    def place(slot: Any, stage: Any, graphed: bool, chunk_slots: Any, *, load: bool) -> None:
+        torch_chunks.append(int(chunk_slots.numel()))
+        real_place(slot, stage, graphed, chunk_slots, load=load)
+
+    for seed in (62, 63):
+        slots = _slots(src, sum(sizes), seed, negatives=4)
+        for o in objs:
+            o.fill_(7)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(paced_store.StagingSlot, "place", place)
+            h = engine.store(objs, slots, paced=paced, checksums=True)
+        h.wait()
+        _check_objects_n(objs, _reference_gather(src, slots).cpu(), slots)
+        assert h.checksums() == [
+            checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs
+        ]
+    assert torch_chunks == [96, 96, 96, 96]  # only the tails, twice each
+    assert "libcudart" in engine.store_ways and any(w.startswith("torch (") for w in engine.store_ways)
+
+
 def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
     token0 = 0
     for obj in objs:

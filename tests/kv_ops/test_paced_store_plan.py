@@ -90,8 +90,6 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
     ("case", "why"),
     [
         ("eager", "eager placement"),
-        ("not warmed", "no raw graph for a chunk size not warmed at start"),
-        ("full", "no graph bucket left for a chunk size"),
         ("no yield graph", "the yield kernel has no raw graph"),
         ("yield not warmed", "the yield kernel has no raw graph"),
         ("slots", "a non-contiguous slot mapping"),
@@ -117,6 +115,40 @@ def test_every_reason_for_the_torch_way_is_named_once(
     assert way.startswith("torch (") and why in way and "40" not in way
     assert pipe._raw_plan(lane, _objs(64, 16), slots, True) is None
     assert pipe.store_ways == {way}
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("not warmed", "no raw graph for a chunk size not warmed at start"),
+        ("full", "no graph bucket left for a chunk size"),
+    ],
+)
+def test_a_chunk_without_raw_graphs_alone_goes_the_torch_way_in_its_turn(
+    case: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prompt's partial tail (40 tokens here) in a store of full chunks: only it goes through
+    torch; the full chunks keep libcudart, each in its own slot in turn."""
+    forget("kv_ops.store-torch-way")
+    placer = _Placer({64}, full_after=1 if case == "full" else 99)
+    own = (_Slot("p0", placer), _Slot("p1", placer))
+    pipe = _Pipe([], lazy=case == "full")
+    lane = StoreLane(None, None, own, paced=True, path="paced")
+    with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
+        plan = pipe._raw_plan(lane, _objs(64, 40, 64), SLOTS, True)
+        assert plan is not None
+        assert [(c.slot.name, c.tokens, c.gather != 0) for c in plan] == [
+            ("p0", 64, True),
+            ("p1", 40, False),
+            ("p0", 64, True),
+        ]
+        assert plan[1].nbytes == 2 * 2 * 40 * 4 * 2  # its bytes still known (the torch copy's size)
+        pipe._raw_plan(lane, _objs(64, 40), SLOTS, True)
+    said = [r.getMessage() for r in caplog.records if "queued through torch" in r.getMessage()]
+    assert len(said) == 1 and why in said[0]
+    assert pipe.store_ways == {"libcudart", next(w for w in pipe.store_ways if w.startswith("torch ("))}
+    # A store of tails only: nothing for libcudart, the whole store the torch way.
+    assert pipe._raw_plan(lane, _objs(40, 16), SLOTS, True) is None
 
 
 def test_without_libcudart_nothing_is_planned_or_announced_here(caplog: pytest.LogCaptureFixture) -> None:
