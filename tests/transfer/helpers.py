@@ -155,6 +155,31 @@ def worker(server: ServerProcess, case: CacheCase, **cfg: Any) -> Any:
     return w
 
 
+def counting_worker(
+    server: ServerProcess, case: CacheCase, *, block_size: int = BS, chunk: int = CHUNK, **cfg: Any
+) -> tuple[Any, list[CountingPins]]:
+    """The worker connector over ``case``'s three layers, its clients counting their lookups."""
+    from maru.vllm.worker import MaruWorkerConnector
+
+    clients: list[CountingPins] = []
+
+    def factory() -> CountingPins:
+        clients.append(CountingPins(MaruHandler(server.url, timeout_s=5)))
+        return clients[-1]
+
+    w = MaruWorkerConnector(
+        MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=chunk, **cfg),
+        block_size=block_size,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        client_factory=factory,
+    )
+    assert isinstance(case.caches, list)
+    w.register_kv_caches(dict(zip(NAMES, case.caches, strict=True)))
+    assert w.engine is not None
+    return w, clients
+
+
 def until_finished(w: Any, req_ids: set[str], timeout: float = 30.0) -> list[set[str]]:
     """Poll ``get_finished`` like vLLM does each step until every request was reported once."""
     seen: list[set[str]] = []

@@ -15,9 +15,8 @@ import pytest
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, naive_token
 from maru.transfer.records import RequestTransfer
-from maru.vllm.config import MaruConnectorConfig
 from tests.pool_fixtures import module_server, stop_worker
-from tests.transfer.helpers import BS, CHUNK, CountingPins, bits_equal, case, request
+from tests.transfer.helpers import BS, CHUNK, CountingPins, bits_equal, case, counting_worker, request
 
 pytest.importorskip("vllm")
 
@@ -25,27 +24,10 @@ from maru.vllm.metadata import MaruConnectorMetadata  # noqa: E402
 from maru.vllm.worker import MaruWorkerConnector  # noqa: E402
 
 server = module_server("batched-loads")
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
 def _worker(srv: Any, case: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector, list[CountingPins]]:
-    clients: list[CountingPins] = []
-
-    def factory() -> CountingPins:
-        clients.append(CountingPins(MaruHandler(srv.url, timeout_s=5)))
-        return clients[-1]
-
-    w = MaruWorkerConnector(
-        MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=CHUNK, **cfg),
-        block_size=BS,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        client_factory=factory,
-    )
-    assert isinstance(case.caches, list)
-    w.register_kv_caches({n: c for n, c in zip(NAMES, case.caches, strict=True)})
-    assert w.engine is not None
-    return w, clients
+    return counting_worker(srv, case, **cfg)
 
 
 def _stored_requests(srv: Any, tag: str, n: int) -> tuple[CacheCase, list[RequestTransfer]]:

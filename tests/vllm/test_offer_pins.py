@@ -23,7 +23,7 @@ from maru.vllm.metadata import MaruWorkerMeta
 from maru.vllm.offer_pins import STALE_S, OfferPins
 from maru.vllm.scheduler import MaruSchedulerConnector
 from tests.pool_fixtures import module_server, stop_worker
-from tests.transfer.helpers import CountingPins, bits_equal, case, until_finished
+from tests.transfer.helpers import CountingPins, bits_equal, case, counting_worker, until_finished
 from tests.vllm.helpers import BS, C, blocks_obj, empty_out, new_out, req, tokens
 
 pytest.importorskip("vllm")
@@ -31,7 +31,6 @@ pytest.importorskip("vllm")
 from maru.vllm.worker import MaruWorkerConnector  # noqa: E402
 
 server = module_server("offer-pins", pool_size="16M")
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 HEADS, HEAD = 2, 32
 _spaces = iter(range(10**6))
 
@@ -56,23 +55,7 @@ def _sched(
 
 
 def _worker(srv: Any, cache: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector, list[CountingPins]]:
-    clients: list[CountingPins] = []
-
-    def factory() -> CountingPins:
-        clients.append(CountingPins(MaruHandler(srv.url, timeout_s=5)))
-        return clients[-1]
-
-    w = MaruWorkerConnector(
-        MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C, **cfg),
-        block_size=BS,
-        num_kv_heads=HEADS,
-        head_size=HEAD,
-        client_factory=factory,
-    )
-    assert isinstance(cache.caches, list)
-    w.register_kv_caches(dict(zip(NAMES, cache.caches, strict=True)))
-    assert w.engine is not None
-    return w, clients
+    return counting_worker(srv, cache, block_size=BS, chunk=C, **cfg)
 
 
 def _store_prompt(srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int]) -> CacheCase:
@@ -205,7 +188,10 @@ def test_a_planned_load_survives_eviction_pressure_that_evicts_what_is_not_pinne
         client.close()
 
 
-def test_a_chunk_gone_between_probe_and_offer_cuts_the_offer_and_is_stored_again(server: Any) -> None:
+@pytest.mark.parametrize("gone", ["chunk 2", "its own tail"])
+def test_a_chunk_gone_between_probe_and_offer_cuts_the_offer_and_is_stored_again(
+    server: Any, gone: str
+) -> None:
     keyer = _keyer()
     toks = tokens(300, seed=44)
     _store_prompt(server, keyer, toks, SRC_BLOCKS)
@@ -214,37 +200,16 @@ def test_a_chunk_gone_between_probe_and_offer_cuts_the_offer_and_is_stored_again
         r = req("b", toks)
         st = s._state(r)
         s._probe(st, 0)  # what the probe found: four chunks and the tail
-        assert st.present == [True] * 4
-        client.delete([st.keys.full[2]])  # evicted before vLLM asks
-        assert s.get_num_new_matched_tokens(r, 0) == (128, False)  # chunks 0 and 1 only
-        assert _pinned(client) == 2  # chunk 3 and the tail were pinned and released again
-        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 128)
-        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 128, 172))
-        assert [c.key for c in meta.loads[0].chunks] == st.keys.full[:2]
-        assert st.keys.full[2] in [c.key for rt in meta.stores for c in rt.chunks]  # refilled
-    finally:
-        s.shutdown()
-        client.close()
-
-
-def test_its_own_tail_gone_before_the_offer_cuts_the_offer_to_the_chunks_and_is_stored_again(
-    server: Any,
-) -> None:
-    keyer = _keyer()
-    toks = tokens(300, seed=48)
-    _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer, at_offer=True)
-    try:
-        r = req("b", toks)
-        st = s._state(r)
-        s._probe(st, 0)
-        assert st.own_tail is not None and st.own_tail_present
-        client.delete([st.own_tail[1]])
-        assert s.get_num_new_matched_tokens(r, 0) == (256, False)  # the four chunks only
-        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 256)
-        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 256, 44))
-        assert [c.key for c in meta.loads[0].chunks] == st.keys.full
-        assert [c.key for rt in meta.stores for c in rt.chunks] == [st.own_tail[1]]  # refilled
+        assert st.present == [True] * 4 and st.own_tail is not None and st.own_tail_present
+        key, offer = (st.keys.full[2], 128) if gone == "chunk 2" else (st.own_tail[1], 256)
+        client.delete([key])  # evicted before vLLM asks
+        assert s.get_num_new_matched_tokens(r, 0) == (offer, False)  # the chunks before it only
+        # What was pinned past the cut (chunk 3 and the tail) was released again.
+        assert _pinned(client) == offer // C
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), offer)
+        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, offer, 300 - offer))
+        assert [c.key for c in meta.loads[0].chunks] == st.keys.full[: offer // C]
+        assert key in [c.key for rt in meta.stores for c in rt.chunks]  # refilled when computed
     finally:
         s.shutdown()
         client.close()
