@@ -278,6 +278,11 @@ class MaruWorkerConnector:
         self._failed_blocks_step = set()
         if meta is None:
             return
+        if self.engine is None and any(rt.held for rt in (*meta.loads, *meta.async_loads)):
+            # The scheduler side just pinned these through the server: it is up, so reconnect now
+            # rather than after the back-off (on vLLM's V2 runner a failed same-step load ends
+            # its request instead of being recomputed).
+            self._next_connect = 0.0
         if meta.async_loads:
             self.async_loads.start(meta.async_loads)
         if not meta.loads:

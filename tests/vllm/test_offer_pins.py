@@ -286,6 +286,33 @@ def test_a_chunk_gone_before_the_step_is_pinned_fails_only_that_load_and_release
         client.close()
 
 
+def test_a_worker_that_lost_its_connection_reconnects_at_once_for_a_held_load(server: Any) -> None:
+    """After a lost connection the worker waits 10 s before reconnecting; a load the scheduler just
+    pinned proves the server is up, so it reconnects at once and loads (a failed same-step load
+    would end the request on vLLM's V2 runner)."""
+    keyer = _keyer()
+    toks = tokens(300, seed=49)
+    src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    s, client = _sched(server, keyer)
+    dst = _cache(seed=96)
+    w, clients = _worker(server, dst)
+    try:
+        w._lost("a test: the server went away")
+        assert w.engine is None and w._engine_or_why() == "maru server not reachable"  # backing off
+        r = req("b", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 288)
+        meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 288, 12))
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == set() and len(clients) == 2
+        assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+
+
 def test_a_handed_over_set_waits_for_every_rank_and_a_finished_request_does_not_release_it(
     server: Any,
 ) -> None:
