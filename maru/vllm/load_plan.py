@@ -18,6 +18,8 @@ from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
 
+WITHHELD_WARN = 64  # hits withheld (workers not ready) before the one warning
+
 
 class LoadPlanning:
     """The load-planning half of ``MaruSchedulerConnector`` (its state lives there)."""
@@ -26,6 +28,11 @@ class LoadPlanning:
     block_size: int
     pins: OfferPins | None
     pin_at_offer: bool
+    # pin_at_offer (a failed load ends its request): every rank reported it can load (the last
+    # MaruWorkerMeta); offers are withheld until then. The last report's (ready, unready).
+    _workers_ready: bool = False
+    _readiness: tuple[int, int] = (0, 0)
+    _withheld_warned: bool = False
     stats: SchedulerStats
     _reqs: dict[str, RequestState]
     _client: Any
@@ -44,6 +51,9 @@ class LoadPlanning:
         pinned together in ``build_connector_meta``: ``_pin_step_loads``)."""
         if self.pins is None or not self.pin_at_offer:
             return end - begin
+        if not self._workers_ready:
+            self._withhold()
+            return 0
         client = self._get_client()
         keys = self._keys_between(st, begin, end)
         try:
@@ -72,6 +82,24 @@ class LoadPlanning:
             self._drop_pins(st.req_id)
         self.pins.flush(client)  # what was pinned past the cut (rare: an eviction since the probe)
         return cut - begin
+
+    def _withhold(self) -> None:
+        """A hit computed, not offered: not every worker reported it can load (where a failed load
+        would end the request). Normal for the first step or two; said once if it lasts."""
+        self.stats.offers_withheld += 1
+        if self.stats.offers_withheld < WITHHELD_WARN or self._withheld_warned:
+            return
+        self._withheld_warned = True
+        ready, unready = self._readiness
+        logger.warning(
+            "Maru: %d prompt hits computed instead of loaded: %s. Where a failed load ends its "
+            "request (vLLM's V2 runner), Maru offers loads only while every worker can place them; "
+            "see the workers' log for why one cannot (unsupported KV layout, no server connection)",
+            self.stats.offers_withheld,
+            f"{unready} of {ready + unready} workers cannot load now"
+            if ready + unready
+            else "no worker has reported yet (a vLLM that never calls build_connector_worker_meta?)",
+        )
 
     def _pin_step_loads(self) -> None:
         """One lookup-and-pin round trip for every load this step plans whose request holds no
@@ -155,5 +183,8 @@ class LoadPlanning:
             return
         if isinstance(meta, MaruWorkerMeta):
             self.pins.worker_done(meta.done)
+            if meta.ready or meta.unready:
+                self._readiness = (meta.ready, meta.unready)
+                self._workers_ready = meta.unready == 0 and meta.ready >= self.pins.tp_size
         self.pins.expire()
         self.pins.flush(self._client)

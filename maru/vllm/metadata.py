@@ -48,15 +48,23 @@ class MaruWorkerMeta:
     the reporting workers no longer read, whatever came of them (placed, failed, never started).
     vLLM merges the workers' records with ``aggregate`` (counts add up), and the scheduler side
     releases a ticket's pins once every tensor-parallel rank reported it.
+    ``ready`` / ``unready``: how many workers can load now (KV cache layout supported, connected)
+    and how many cannot; sent every step only where a failed load ends its request
+    (``MaruConnectorConfig.load_failures_fail``): the scheduler side offers loads there only while
+    every rank is ready.
     """
 
     done: dict[str, int] = field(default_factory=dict)
+    ready: int = 0
+    unready: int = 0
 
     def aggregate(self, other: MaruWorkerMeta) -> MaruWorkerMeta:
         merged = dict(self.done)
         for ticket, n in getattr(other, "done", {}).items():
             merged[ticket] = merged.get(ticket, 0) + n
-        return MaruWorkerMeta(merged)
+        return MaruWorkerMeta(
+            merged, self.ready + getattr(other, "ready", 0), self.unready + getattr(other, "unready", 0)
+        )
 
     def __bool__(self) -> bool:
-        return bool(self.done)
+        return bool(self.done) or bool(self.ready or self.unready)

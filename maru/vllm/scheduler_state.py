@@ -52,3 +52,6 @@ class SchedulerStats:
     async_hits_computed: int = 0  # hits under maru_async_min_load_tokens: computed, not loaded
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
+    # Where a failed load ends its request: hits computed because not every worker had reported
+    # it can load (at start, until the first step's report; a rank disconnected or disabled).
+    offers_withheld: int = 0

@@ -485,10 +485,14 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ results
     def build_worker_meta(self) -> MaruWorkerMeta | None:
-        """The tickets of held loads done since the last call (``MaruWorkerMeta``), or None."""
+        """The tickets of held loads done since the last call (``MaruWorkerMeta``), or None; where a
+        failed load ends its request, every step, with whether this worker can load now."""
         done: dict[str, int] = {}
         while self._tickets_done:
             done[self._tickets_done.popleft()] = 1
+        if self.cfg.load_failures_fail:
+            able = self.cfg.enable_load and self.disabled_reason is None and self.engine is not None
+            return MaruWorkerMeta(done, ready=int(able), unready=int(not able))
         return MaruWorkerMeta(done) if done else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

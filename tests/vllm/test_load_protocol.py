@@ -95,6 +95,12 @@ def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end
     said = conn.maru_stats()["load_failures_fail"]
     assert "vLLM issue #49250" in said and "VLLM_USE_V2_MODEL_RUNNER=0" in said
     assert vc.kv_transfer_config.kv_load_failure_policy == "fail"  # an error, never KV not placed
+    # Offers wait for the worker's word that it can load (each step's MaruWorkerMeta).
+    worker = worker_side(server, True)
+    said = worker.build_connector_worker_meta()
+    worker.shutdown()
+    assert said is not None and (said.ready, said.unready) == (1, 0)
+    conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=said, invalid_block_ids=set()))
     r, offer = offer_of_a_stored_prompt(server, conn, seed=30)
     assert offer == (288, False)
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)

@@ -10,6 +10,7 @@ ways of pinning: once a step for the step's loads (the default), and at each off
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,7 +52,13 @@ def _sched(
     sched = MaruSchedulerConnector(
         conf, keyer, BS, client_factory=lambda: client, hold_offers=True, pin_at_offer=at_offer
     )
+    if at_offer:  # offers wait for every worker's word that it can load: one worker, ready
+        sched.update_connector_output(_out(MaruWorkerMeta(ready=1)))
     return sched, client
+
+
+def _out(meta: MaruWorkerMeta) -> SimpleNamespace:
+    return SimpleNamespace(kv_connector_worker_meta=meta, invalid_block_ids=set())
 
 
 def _worker(srv: Any, cache: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector, list[CountingPins]]:
@@ -311,6 +318,59 @@ def test_a_worker_that_lost_its_connection_reconnects_at_once_for_a_held_load(se
         stop_worker(w)
         s.shutdown()
         client.close()
+
+
+def test_where_a_failed_load_ends_its_request_offers_wait_until_every_rank_can_load(
+    server: Any, caplog: Any
+) -> None:
+    keyer = _keyer()
+    toks = tokens(300, seed=50)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    client = MaruHandler(server.url, timeout_s=5)
+    conf = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=C)
+    s = MaruSchedulerConnector(
+        conf, keyer, BS, tp_size=1, client_factory=lambda: client, hold_offers=True, pin_at_offer=True
+    )
+    try:
+        r = req("b", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # no worker has said so yet
+        s.update_connector_output(_out(MaruWorkerMeta(ready=1)))
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+        s.request_finished(r, [])
+        s.update_connector_output(_out(MaruWorkerMeta(unready=1)))  # e.g. lost its connection
+        assert s.get_num_new_matched_tokens(req("c", toks), 0) == (0, False)
+        assert s.stats.offers_withheld == 2 and _pinned(client) == 0
+        with caplog.at_level("WARNING", logger="maru.vllm"):
+            for i in range(70):
+                s.get_num_new_matched_tokens(req(f"d{i}", toks), 0)
+        [said] = [r.getMessage() for r in caplog.records if "computed instead of loaded" in r.getMessage()]
+        assert "1 of 1 workers cannot load now" in said
+        # Two ranks: both must say so.
+        assert s.pins is not None
+        s.pins.tp_size = 2
+        s.update_connector_output(_out(MaruWorkerMeta(ready=1).aggregate(MaruWorkerMeta(unready=1))))
+        assert s.get_num_new_matched_tokens(req("e", toks), 0) == (0, False)
+    finally:
+        s.shutdown()
+
+
+def test_a_worker_says_whether_it_can_load_only_where_a_failed_load_ends_its_request(server: Any) -> None:
+    dst = _cache(seed=95)
+    w, _ = _worker(server, dst)
+    try:
+        assert w.build_worker_meta() is None  # nothing to say: vLLM recomputes a failed load
+        w.cfg = dataclasses.replace(w.cfg, load_failures_fail="test")
+        m = w.build_worker_meta()
+        assert m is not None and (m.ready, m.unready) == (1, 0)
+        w._lost("a test")  # backing off: it cannot load until it reconnects
+        m = w.build_worker_meta()
+        assert m is not None and (m.ready, m.unready) == (0, 1)
+        w.disabled_reason = "unsupported KV-cache layout (a test)"
+        m = w.build_worker_meta()
+        assert m is not None and (m.ready, m.unready) == (0, 1)
+    finally:
+        w.disabled_reason = None
+        stop_worker(w)
 
 
 def test_a_handed_over_set_waits_for_every_rank_and_a_finished_request_does_not_release_it(
