@@ -83,6 +83,16 @@ class MaruSchedulerConnector(LoadPlanning):
         self.stats = SchedulerStats()
         self.pins = OfferPins(tp_size) if hold_offers and cfg.enable_load else None
         self.pin_at_offer = pin_at_offer
+        # A slower path, for `maru doctor`: a pin round trip per request with a hit, not per step.
+        self._at_offer_note = (
+            "offers are pinned one lookup-and-pin round trip per request with a hit, on vLLM's "
+            "scheduling thread (~0.5 ms a request on an H200 host), not once a step: vLLM's V2 model "
+            "runner cannot recompute a failed same-step load, so no offer may be made of a chunk "
+            "that is not pinned yet. Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 (a step's loads "
+            "then share one round trip)"
+            if self.pins is not None and pin_at_offer
+            else None
+        )
         # maru_async_load: the loads in flight (admitted, not yet in finished_recving).
         self._admission = LoadAdmission(
             cfg.max_inflight_loads, cfg.max_inflight_load_chunks, self.chunk, share=local_prefix_cache
@@ -176,7 +186,8 @@ class MaruSchedulerConnector(LoadPlanning):
                         "async_load_sharing": self.load_sharing,
                         "offer_pins": self.offer_pins_mode,
                     },
-                    "slow": local.slow() + [n for n in (self._unshared, self._share_timeout_note) if n],
+                    "slow": local.slow()
+                    + [n for n in (self._unshared, self._share_timeout_note, self._at_offer_note) if n],
                 }
             )
         except Exception as e:  # informative only: never costs the probe or the connection

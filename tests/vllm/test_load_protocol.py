@@ -12,6 +12,7 @@ side then offers and plans is checked step by step.
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -106,6 +107,9 @@ def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
     (load,) = conn.build_connector_meta(new_out("a", list(range(10)), 288, 12)).loads
     assert load.ticket and len(load.held) == 5  # pinned from the offer on: no eviction can fail it
+    # Its cost (a round trip per request with a hit) is a slow path `maru doctor` shows, with the fix.
+    [slow] = [v for v in reported_slow(server).values() if any("per request with a hit" in n for n in v)]
+    assert len(slow) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in slow[0]
     conn.shutdown()
     # The V1 runner (or none) recomputes a failed load: the policy stays "recompute".
     vc1 = vllm_config(server.url, False)
@@ -181,7 +185,10 @@ def test_the_v2_runner_fallback_is_a_reported_slow_path_that_maru_doctor_shows(s
         out = flat(p.stdout)
         assert p.returncode == 0, p.stdout + p.stderr  # a slow path warns; it is not a failure
         assert "serving clients' data paths (optional) warn" in out, out
-        assert "(1 slow)" in out and "fix: vllm-connector" in out and "VLLM_USE_V2_MODEL_RUNNER=0" in out
+        # (Other tests' clients of this module's server may report slow paths of their own.)
+        assert re.search(r"\(\d+ slow\)", out), out
+        fixes = out.split("fix: ", 1)[1]  # every reporting client's slow paths, one a line
+        assert "vllm-connector" in fixes and "VLLM_USE_V2_MODEL_RUNNER=0" in fixes
     finally:
         conn.shutdown()
 
