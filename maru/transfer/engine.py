@@ -89,7 +89,6 @@ class KVTransferEngine:
         )
         self.verify = verify
         self.paced_store = paced_store
-        self.held_lookups = 0  # loads whose chunks (some or all) were held for it: no lookup trip
 
     @property
     def paces_stores(self) -> bool:
@@ -482,7 +481,6 @@ class KVTransferEngine:
         local = [k for k in keys if k in held]
         if not local:
             return keys
-        self.held_lookups += 1
         # Bounds-checked against the data region (PoolError, a MaruError, if outside it).
         views = self.client.pool_mapping.read_views([[held[k].offset, held[k].size] for k in local])
         for k, view in zip(local, views, strict=True):

@@ -290,7 +290,6 @@ class MaruKVConnector(KVConnectorBase_V1):
             assert self._worker is not None
             out = self._worker.stats.as_dict()
             out["write_behind"] = self._worker.write_behind_mode
-            out["loads_from_held_pins"] = self._worker.engine.held_lookups if self._worker.engine else 0
         out["hook_ms"] = self.hook_times.as_dict()
         out["data_path"] = self.maru_config.data_path()
         out["fallbacks"] = list(self.maru_config.fallbacks)  # settings replaced, each with reason and fix

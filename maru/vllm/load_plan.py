@@ -32,7 +32,8 @@ class LoadPlanning:
     # MaruWorkerMeta); offers are withheld until then. The last report's (ready, unready).
     _workers_ready: bool = False
     _readiness: tuple[int, int] = (0, 0)
-    _withheld_warned: bool = False
+    _withheld_note: str | None = None  # said once if offers stay withheld (``maru doctor``)
+    _reported_path: str | None
     stats: SchedulerStats
     _reqs: dict[str, RequestState]
     _client: Any
@@ -41,6 +42,9 @@ class LoadPlanning:
         raise NotImplementedError
 
     def _drop_client(self, why: Exception) -> None:  # pragma: no cover - MaruSchedulerConnector's
+        raise NotImplementedError
+
+    def _report_path(self) -> None:  # pragma: no cover - MaruSchedulerConnector's
         raise NotImplementedError
 
     def _held_offer(self, st: RequestState, begin: int, end: int) -> int:
@@ -87,19 +91,23 @@ class LoadPlanning:
         """A hit computed, not offered: not every worker reported it can load (where a failed load
         would end the request). Normal for the first step or two; said once if it lasts."""
         self.stats.offers_withheld += 1
-        if self.stats.offers_withheld < WITHHELD_WARN or self._withheld_warned:
+        if self.stats.offers_withheld < WITHHELD_WARN or self._withheld_note is not None:
             return
-        self._withheld_warned = True
         ready, unready = self._readiness
-        logger.warning(
-            "Maru: %d prompt hits computed instead of loaded: %s. Where a failed load ends its "
-            "request (vLLM's V2 runner), Maru offers loads only while every worker can place them; "
-            "see the workers' log for why one cannot (unsupported KV layout, no server connection)",
-            self.stats.offers_withheld,
-            f"{unready} of {ready + unready} workers cannot load now"
-            if ready + unready
-            else "no worker has reported yet (a vLLM that never calls build_connector_worker_meta?)",
+        self._withheld_note = (
+            f"{self.stats.offers_withheld} prompt hits computed instead of loaded: "
+            + (
+                f"{unready} of {ready + unready} workers cannot load now"
+                if ready + unready
+                else "no worker has reported yet (a vLLM that never calls build_connector_worker_meta?)"
+            )
+            + ". Where a failed load ends its request (vLLM's V2 runner), Maru offers loads only while "
+            "every worker can place them. Fix: see the workers' log for why one cannot (unsupported KV "
+            "layout, no server connection), or run vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
         )
+        logger.warning("Maru: %s", self._withheld_note)
+        self._reported_path = None  # report again, with this (``maru doctor``)
+        self._report_path()
 
     def _pin_step_loads(self) -> None:
         """One lookup-and-pin round trip for every load this step plans whose request holds no

@@ -80,22 +80,14 @@ class OfferPins:
     # ------------------------------------------------------------------ offer
     def hold(self, client: Any, req_id: str, keys: Sequence[str]) -> int:
         """Pin ``keys`` (chunk keys in prompt order) for ``req_id``; how many leading keys are held
-        (every rank's shard; an entry committed without a checksum counts as absent: its load
-        would fail). Pins past the first key not held are released (``flush``). Raises what ``client.batch_retrieve`` raises (nothing is held then
-        beyond what was held before)."""
+        (every rank's shard). Pins past the first key not held are released (``flush``). Raises
+        what ``client.batch_retrieve`` raises (nothing is held then beyond what was before)."""
         have = self._open.setdefault(req_id, {})
         for rk in [rk for rk, h in have.items() if not h.valid]:
             del have[rk]  # its session was lost (server restart, lease): the pin went with it
         want = [rk for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
-        if want:
-            self.stats.pin_trips += 1
-            # verify=False: the worker checks the bytes it places against the committed checksum.
-            for rk, h in zip(want, client.batch_retrieve(want, pin=True, verify=False), strict=True):
-                if h is None:
-                    continue
-                if h.checksum is None:  # an older writer's: no load could vouch for its bytes
-                    self._release.append(h)
-                    continue
+        for rk, h in zip(want, self._pin(client, want), strict=True):
+            if h is not None:
                 have[rk] = h
         n = 0
         for k in keys:
@@ -119,18 +111,24 @@ class OfferPins:
         for req_id, keys in wants.items():
             have = self._open.setdefault(req_id, {})
             asks += [(req_id, rk) for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
-        if not asks:
-            return
-        self.stats.pin_trips += 1
         # One pin per request even where requests share a key: each set is released on its own.
-        got = client.batch_retrieve([rk for _, rk in asks], pin=True, verify=False)
-        for (req_id, rk), h in zip(asks, got, strict=True):
-            if h is None:
-                continue
-            if h.checksum is None:
+        for (req_id, rk), h in zip(asks, self._pin(client, [rk for _, rk in asks]), strict=True):
+            if h is not None:
+                self._open[req_id][rk] = h
+
+    def _pin(self, client: Any, keys: list[str]) -> list[Any]:
+        """One lookup-and-pin round trip (none for no keys): a handle per key, None where the key
+        is gone or was committed without a checksum (no load could vouch for its bytes: that pin
+        goes at the next flush). ``verify=False``: the worker checks what it places."""
+        if not keys:
+            return []
+        self.stats.pin_trips += 1
+        out = client.batch_retrieve(keys, pin=True, verify=False)
+        for i, h in enumerate(out):
+            if h is not None and h.checksum is None:
                 self._release.append(h)
-                continue
-            self._open[req_id][rk] = h
+                out[i] = None
+        return out
 
     def holds(self, req_id: str) -> bool:
         return bool(self._open.get(req_id))

@@ -187,7 +187,16 @@ class MaruSchedulerConnector(LoadPlanning):
                         "offer_pins": self.offer_pins_mode,
                     },
                     "slow": local.slow()
-                    + [n for n in (self._unshared, self._share_timeout_note, self._at_offer_note) if n],
+                    + [
+                        n
+                        for n in (
+                            self._unshared,
+                            self._share_timeout_note,
+                            self._at_offer_note,
+                            self._withheld_note,
+                        )
+                        if n
+                    ],
                 }
             )
         except Exception as e:  # informative only: never costs the probe or the connection

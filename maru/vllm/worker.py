@@ -278,7 +278,9 @@ class MaruWorkerConnector:
         self._failed_blocks_step = set()
         if meta is None:
             return
-        if self.engine is None and any(rt.held for rt in (*meta.loads, *meta.async_loads)):
+        held = sum(1 for rt in (*meta.loads, *meta.async_loads) if rt.held)
+        self.stats.loads_from_held_pins += held
+        if self.engine is None and held:
             # The scheduler side just pinned these through the server: it is up, so reconnect now
             # rather than after the back-off (on vLLM's V2 runner a failed same-step load ends
             # its request instead of being recomputed).

@@ -16,6 +16,7 @@ class WorkerStats:
     bytes_loaded: int = 0
     load_errors: int = 0
     load_copies_shared: int = 0  # chunks placed from another request's copy in the same step
+    loads_from_held_pins: int = 0  # requests whose chunks came pinned by the scheduler (no lookup)
     load_seconds: float = 0.0  # of the loads the step waited for (not the layer loads)
     bytes_loaded_under_forward: int = 0  # of bytes_loaded: layer loads, placed under the forward
     chunks_stored: int = 0

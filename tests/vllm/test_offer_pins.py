@@ -10,7 +10,9 @@ ways of pinning: once a step for the step's loads (the default), and at each off
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +25,7 @@ from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.metadata import MaruWorkerMeta
 from maru.vllm.offer_pins import STALE_S, OfferPins
 from maru.vllm.scheduler import MaruSchedulerConnector
+from tests.helpers import reported_slow
 from tests.pool_fixtures import module_server, stop_worker
 from tests.transfer.helpers import CountingPins, bits_equal, case, counting_worker, until_finished
 from tests.vllm.helpers import BS, C, blocks_obj, empty_out, new_out, req, tokens
@@ -65,12 +68,26 @@ def _worker(srv: Any, cache: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector
     return counting_worker(srv, cache, block_size=BS, chunk=C, **cfg)
 
 
+@contextlib.contextmanager
+def _instance(
+    srv: Any, keyer: ChunkKeyer, seed: int, at_offer: bool = False, **cfg: Any
+) -> Iterator[tuple[MaruSchedulerConnector, MaruHandler, MaruWorkerConnector, list[CountingPins], CacheCase]]:
+    """One instance: its scheduler side (and that side's client), its worker over a random cache
+    from ``seed`` (and the worker's counting clients), closed on exit."""
+    s, client = _sched(srv, keyer, at_offer=at_offer, **cfg)
+    cache = _cache(seed=seed)
+    w, clients = _worker(srv, cache, **cfg)
+    try:
+        yield s, client, w, clients, cache
+    finally:
+        stop_worker(w)
+        s.shutdown()
+        client.close()
+
+
 def _store_prompt(srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int]) -> CacheCase:
     """Instance A computes ``toks`` into ``blocks`` of a random cache and stores its chunks and tail."""
-    s, client = _sched(srv, keyer)
-    src = _cache(seed=len(toks))
-    w, _ = _worker(srv, src)
-    try:
+    with _instance(srv, keyer, len(toks)) as (s, client, w, _, src):
         r = req("src", toks)
         assert s.get_num_new_matched_tokens(r, 0) == (0, False)
         s.update_state_after_alloc(r, blocks_obj(blocks), 0)
@@ -78,10 +95,6 @@ def _store_prompt(srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int
         assert meta.stores
         w.wait_for_save(meta)
         w.flush_stores()
-    finally:
-        stop_worker(w)
-        s.shutdown()
-        client.close()
     return src
 
 
@@ -116,10 +129,7 @@ def test_a_held_load_places_the_source_bytes_without_a_lookup_and_its_pins_go_af
         "async": {"async_load": True, "async_min_load_tokens": 0},
     }.get(mode, {})
     at_offer = mode == "sync-pinned-at-offer"
-    s, client = _sched(server, keyer, at_offer=at_offer, **cfg)
-    dst = _cache(seed=99)
-    w, clients = _worker(server, dst, **cfg)
-    try:
+    with _instance(server, keyer, 99, at_offer=at_offer, **cfg) as (s, client, w, clients, dst):
         r = req("b", toks)
         # Four chunks and the 32-token tail (288 = all but the last token, block-aligned).
         assert s.get_num_new_matched_tokens(r, 0) == (288, mode == "async")
@@ -145,10 +155,6 @@ def test_a_held_load_places_the_source_bytes_without_a_lookup_and_its_pins_go_af
         s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=wm, invalid_block_ids=set()))
         assert _pinned(client) == 0
         assert s.pins is not None and s.pins.snapshot()["released"] == 1
-    finally:
-        stop_worker(w)
-        s.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("at_offer", [False, True])
@@ -160,10 +166,7 @@ def test_a_planned_load_survives_eviction_pressure_that_evicts_what_is_not_pinne
     src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
     other = tokens(300, seed=43)
     _store_prompt(server, keyer, other, SRC_BLOCKS)  # the same size, never offered: evictable
-    s, client = _sched(server, keyer, at_offer=at_offer)
-    dst = _cache(seed=98)
-    w, _ = _worker(server, dst)
-    try:
+    with _instance(server, keyer, 98, at_offer=at_offer) as (s, client, w, _, dst):
         r = req("b", toks)
         assert s.get_num_new_matched_tokens(r, 0) == (288, False)
         meta = None
@@ -189,10 +192,6 @@ def test_a_planned_load_survives_eviction_pressure_that_evicts_what_is_not_pinne
         w.wait_for_save(meta)
         assert w.get_block_ids_with_load_errors() == set()  # ... the offered one loads whole
         assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
-    finally:
-        stop_worker(w)
-        s.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("gone", ["chunk 2", "its own tail"])
@@ -254,10 +253,7 @@ def test_a_chunk_gone_before_the_step_is_pinned_fails_only_that_load_and_release
     toks, other = tokens(300, seed=46), tokens(300, seed=47)
     src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
     src2 = _store_prompt(server, keyer, other, SRC_BLOCKS)
-    s, client = _sched(server, keyer)
-    dst = _cache(seed=97)
-    w, clients = _worker(server, dst)
-    try:
+    with _instance(server, keyer, 97) as (s, client, w, clients, dst):
         ra, rb = req("a", toks), req("b", other)
         assert s.get_num_new_matched_tokens(ra, 0) == (288, False)
         assert s.get_num_new_matched_tokens(rb, 0) == (288, False)
@@ -287,10 +283,6 @@ def test_a_chunk_gone_before_the_step_is_pinned_fails_only_that_load_and_release
         s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=wm, invalid_block_ids=set()))
         assert _pinned(client) == 0
         del src
-    finally:
-        stop_worker(w)
-        s.shutdown()
-        client.close()
 
 
 def test_a_worker_that_lost_its_connection_reconnects_at_once_for_a_held_load(server: Any) -> None:
@@ -300,10 +292,7 @@ def test_a_worker_that_lost_its_connection_reconnects_at_once_for_a_held_load(se
     keyer = _keyer()
     toks = tokens(300, seed=49)
     src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer)
-    dst = _cache(seed=96)
-    w, clients = _worker(server, dst)
-    try:
+    with _instance(server, keyer, 96) as (s, client, w, clients, dst):
         w._lost("a test: the server went away")
         assert w.engine is None and w._engine_or_why() == "maru server not reachable"  # backing off
         r = req("b", toks)
@@ -314,10 +303,6 @@ def test_a_worker_that_lost_its_connection_reconnects_at_once_for_a_held_load(se
         w.wait_for_save(meta)
         assert w.get_block_ids_with_load_errors() == set() and len(clients) == 2
         assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
-    finally:
-        stop_worker(w)
-        s.shutdown()
-        client.close()
 
 
 def test_where_a_failed_load_ends_its_request_offers_wait_until_every_rank_can_load(
@@ -344,7 +329,9 @@ def test_where_a_failed_load_ends_its_request_offers_wait_until_every_rank_can_l
             for i in range(70):
                 s.get_num_new_matched_tokens(req(f"d{i}", toks), 0)
         [said] = [r.getMessage() for r in caplog.records if "computed instead of loaded" in r.getMessage()]
-        assert "1 of 1 workers cannot load now" in said
+        assert "1 of 1 workers cannot load now" in said and "Fix:" in said
+        # ... and `maru doctor` shows it: the scheduler reports it as a slow path.
+        assert [n for v in reported_slow(server).values() for n in v if "computed instead of loaded" in n]
         # Two ranks: both must say so.
         assert s.pins is not None
         s.pins.tp_size = 2
