@@ -10,6 +10,10 @@ system prompt's chunks, then round 1's tail), the case that asks about the most 
 microseconds per new request (min and median over ``--reps`` rounds of ``--users`` requests),
 and how many keys each request checked. ``--local-hit``: vLLM's own prefix cache holds each
 user's first round (a storing instance's next turn): the chunks it covers are not asked about.
+``--round first``: time each user's first round instead (the system prompt's chunks, shared by
+every user, then the user's own tail), the burst that arrives at a conversation's start.
+``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
+reported ready first); the pins' round trips and shared pins are reported too.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from maru.client import MaruHandler  # noqa: E402
 from maru.demo.server import ServerProcess  # noqa: E402
 from maru.vllm.config import MaruConnectorConfig  # noqa: E402
 from maru.vllm.keys import ChunkKeyer, KeySpace  # noqa: E402
+from maru.vllm.metadata import MaruWorkerMeta  # noqa: E402
 from maru.vllm.scheduler import MaruSchedulerConnector  # noqa: E402
 
 
@@ -67,6 +72,7 @@ def main() -> int:
         "--pin-at-offer", action="store_true",
         help="offer pins taken at each offer (the V2 runner's way): one lookup-and-pin trip a hit",
     )  # fmt: skip
+    ap.add_argument("--round", choices=("first", "second"), default="second")
     a = ap.parse_args()
     chunk, bs = 256, 16
     space = KeySpace("bench", "", "bfloat16", 32, 8, 128, chunk)
@@ -95,15 +101,19 @@ def main() -> int:
         cfg = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=chunk)
         per_req: list[float] = []
         offered = None
+        timed = first if a.round == "first" else second
+        trips = shared = 0
         for rep in range(a.reps):
             s = MaruSchedulerConnector(
                 cfg, keyer, bs, client_factory=lambda: client, hold_offers=a.pin_at_offer,
                 pin_at_offer=a.pin_at_offer,
             )  # fmt: skip
+            if a.pin_at_offer:  # offers wait for every worker's word that it can load
+                s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=MaruWorkerMeta(ready=1)))
             reqs = [
                 SimpleNamespace(request_id=f"{rep}-{u}", prompt_token_ids=p, num_tokens=len(p),
                                 lora_request=None, mm_features=[])
-                for u, p in enumerate(second)
+                for u, p in enumerate(timed)
             ]  # fmt: skip
             # Untimed: a new connector reports its probe path to the server once (one round trip),
             # which a serving scheduler pays once, not per request.
@@ -113,19 +123,28 @@ def main() -> int:
                 0,
             )  # fmt: skip
             client.keys = 0
+            before = s.pins.snapshot() if s.pins is not None else {}
             t0 = time.perf_counter()
             for u, r in enumerate(reqs):
-                local = len(first[u]) // bs * bs if a.local_hit else 0
+                local = len(first[u]) // bs * bs if a.local_hit and a.round == "second" else 0
                 offered = s.get_num_new_matched_tokens(r, local)
             per_req.append((time.perf_counter() - t0) / len(reqs))
             if s.pins is not None:
+                after = s.pins.snapshot()
+                trips += after["pin_trips"] - before.get("pin_trips", 0)
+                shared += after["pins_shared"] - before.get("pins_shared", 0)
                 s.pins.close(client)  # releases the offer pins (untimed); the shared client stays open
         keys_per_req = client.keys / a.users
-        print(f"path: {h.local_exists.path}; offered {offered} of {len(second[0])} tokens")
+        print(f"path: {h.local_exists.path}; {a.round} round; offered {offered} of {len(timed[-1])} tokens")
         print(
             f"us per new request: min {min(per_req) * 1e6:.0f}, median {statistics.median(per_req) * 1e6:.0f}; "
             f"keys checked per request: {keys_per_req:.0f}"
         )
+        if a.pin_at_offer:
+            n = a.reps * a.users
+            print(
+                f"pin round trips per request: {trips / n:.2f}; keys pinned through a shared pin: {shared / n:.2f}"
+            )
         h.close()
     finally:
         srv.cleanup()

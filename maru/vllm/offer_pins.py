@@ -11,7 +11,9 @@ Life of a pin set (one per request, ``OfferPins``):
 
 1. Where a failed same-step load cannot be recomputed (vLLM's V2 runner), ``hold`` in
    ``get_num_new_matched_tokens``: pins the offered chunks' keys (every tensor-parallel rank's
-   shard) in one round trip, reusing pins the request already holds from an earlier offer; the
+   shard) in one round trip, reusing pins the request already holds from an earlier offer or
+   that another request holds (one server pin per key, shared: 16 requests arriving with one
+   system prompt pin it once, and a request whose offer is all shared pays no round trip); the
    offer is cut to the leading chunks it really holds, so a miss can never reach a load.
    Elsewhere ``hold_many`` in ``build_connector_meta``: one round trip pins every load of the
    step (a round trip per request on vLLM's scheduling thread cost a burst of 16 new requests
@@ -23,7 +25,8 @@ Life of a pin set (one per request, ``OfferPins``):
 3. ``drop``: a set never handed over (the request finished, or vLLM took none of the offer) is
    released at once.
 
-Invariants: a handed-over set is released only after all ``tp_size`` workers reported its ticket,
+Invariants: a server pin is released only when no set (open or handed over) refers to it any
+more; a handed-over set is released only after all ``tp_size`` workers reported its ticket,
 or, as a guard against a lost report, ``STALE_S`` seconds after the hand-over (logged, counted:
 the worker's checksum check still catches any page reused after that). Releases are batched
 into one UNPIN sent without waiting (``flush``). A session lost with the server takes its pins
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from maru.errors import MaruError
 from maru.transfer.records import HeldChunk
 from maru.vllm.keys import rank_keys
 
@@ -47,16 +51,28 @@ logger = logging.getLogger("maru.vllm")
 STALE_S = 300.0  # a ticket no worker reported after this long is released (see the invariants)
 
 
+@dataclass(eq=False)
+class _Pin:
+    """One server pin on a rank key, shared by every set (open or handed over) that refers to it.
+
+    ``refs`` counts those sets; the pin is released when the last one lets go."""
+
+    key: str
+    handle: Any
+    refs: int = 0
+
+
 @dataclass
 class _Handed:
-    handles: list[Any]
+    pins: list[_Pin]
     since: float
     reports: int = 0
 
 
 @dataclass
 class OfferPinStats:
-    pin_trips: int = 0  # lookup-and-pin round trips (one per offer that needed new pins)
+    pin_trips: int = 0  # lookup-and-pin round trips (one per offer or step that needed new pins)
+    pins_shared: int = 0  # rank keys held through a pin another set already had: no round trip
     offers_cut: int = 0  # offers cut short: a chunk the probe found was gone when pinned
     handed: int = 0  # pin sets handed to the workers with a load
     released: int = 0  # ... released after every worker reported them
@@ -64,18 +80,60 @@ class OfferPinStats:
     stale: int = 0  # handed sets released by the STALE_S guard (no worker report)
     open_now: int = 0
     handed_now: int = 0
+    pinned_now: int = 0  # rank keys this scheduler holds a server pin on
 
 
 class OfferPins:
-    """The scheduler side's pins, per request until handed over, per ticket after."""
+    """The scheduler side's pins, per request until handed over, per ticket after.
+
+    One server pin per rank key, however many requests want it: a request whose offer covers
+    chunks another request holds (a shared system prompt, 16 users arriving together) takes a
+    reference on that pin instead of a round trip. A pin goes to the server's UNPIN only when the
+    last set referring to it is released, so sharing never shortens what any set holds."""
 
     def __init__(self, tp_size: int = 1) -> None:
         self.tp_size = tp_size
-        self._open: dict[str, dict[str, Any]] = {}  # req_id -> rank key -> pinned handle
-        self._handed: dict[str, _Handed] = {}  # ticket -> the set the workers may still read
+        self._pins: dict[str, _Pin] = {}  # rank key -> the live pin every set shares
+        self._open: dict[str, dict[str, _Pin]] = {}  # req_id -> rank key -> its pin
+        self._handed: dict[str, _Handed] = {}  # ticket -> the pins the workers may still read
         self._release: list[Any] = []  # handles to unpin at the next flush
         self._seq = itertools.count(1)
         self.stats = OfferPinStats()
+
+    # ------------------------------------------------------------------ shared pins
+    def _live(self, rk: str) -> _Pin | None:
+        p = self._pins.get(rk)
+        if p is not None and not p.handle.valid:
+            del self._pins[rk]  # its session was lost (server restart, lease): the pin went with it
+            return None
+        return p
+
+    def _acquire(self, client: Any, rks: list[str]) -> list[_Pin | None]:
+        """A reference on a pin of each rank key (None where the key is gone): a live shared pin
+        where there is one, else a new one; the new ones in one round trip. Raises what
+        ``client.batch_retrieve`` raises, before taking any reference."""
+        ask = list(dict.fromkeys(rk for rk in rks if self._live(rk) is None))
+        for rk, h in zip(ask, self._pin(client, ask), strict=True):
+            if h is not None:
+                self._pins[rk] = _Pin(rk, h)
+        self.stats.pins_shared += len(rks) - len(ask)
+        out: list[_Pin | None] = []
+        for rk in rks:
+            p = self._pins.get(rk)
+            if p is not None:
+                p.refs += 1
+            out.append(p)
+        return out
+
+    def _let_go(self, pins: Any) -> None:
+        """Drop one reference on each pin; a pin no set refers to any more is unpinned at the next
+        flush (a pin replaced after a lost session is not the live one: only its handle goes)."""
+        for p in pins:
+            p.refs -= 1
+            if p.refs <= 0:
+                if self._pins.get(p.key) is p:
+                    del self._pins[p.key]
+                self._release.append(p.handle)
 
     # ------------------------------------------------------------------ offer
     def hold(self, client: Any, req_id: str, keys: Sequence[str]) -> int:
@@ -83,12 +141,12 @@ class OfferPins:
         (every rank's shard). Pins past the first key not held are released (``flush``). Raises
         what ``client.batch_retrieve`` raises (nothing is held then beyond what was before)."""
         have = self._open.setdefault(req_id, {})
-        for rk in [rk for rk, h in have.items() if not h.valid]:
-            del have[rk]  # its session was lost (server restart, lease): the pin went with it
+        for rk in [rk for rk, p in have.items() if not p.handle.valid]:
+            self._let_go([have.pop(rk)])  # lost with its session: asked for again below
         want = [rk for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
-        for rk, h in zip(want, self._pin(client, want), strict=True):
-            if h is not None:
-                have[rk] = h
+        for rk, p in zip(want, self._acquire(client, want), strict=True):
+            if p is not None:
+                have[rk] = p
         n = 0
         for k in keys:
             if not all(rk in have for rk in rank_keys(k, self.tp_size)):
@@ -96,10 +154,9 @@ class OfferPins:
             n += 1
         if n < len(keys):  # the offer ends before key n: what it held after that goes at the next flush
             self.stats.offers_cut += 1
-            for k in keys[n:]:
-                for rk in rank_keys(k, self.tp_size):
-                    if (h := have.pop(rk, None)) is not None:
-                        self._release.append(h)
+            self._let_go(
+                p for k in keys[n:] for rk in rank_keys(k, self.tp_size) if (p := have.pop(rk, None))
+            )
         return n
 
     def hold_many(self, client: Any, wants: dict[str, Sequence[str]]) -> None:
@@ -111,10 +168,10 @@ class OfferPins:
         for req_id, keys in wants.items():
             have = self._open.setdefault(req_id, {})
             asks += [(req_id, rk) for k in keys for rk in rank_keys(k, self.tp_size) if rk not in have]
-        # One pin per request even where requests share a key: each set is released on its own.
-        for (req_id, rk), h in zip(asks, self._pin(client, [rk for _, rk in asks]), strict=True):
-            if h is not None:
-                self._open[req_id][rk] = h
+        # Requests sharing a key share its one pin (each holds a reference, released on its own).
+        for (req_id, rk), p in zip(asks, self._acquire(client, [rk for _, rk in asks]), strict=True):
+            if p is not None:
+                self._open[req_id][rk] = p
 
     def _pin(self, client: Any, keys: list[str]) -> list[Any]:
         """One lookup-and-pin round trip (none for no keys): a handle per key, None where the key
@@ -122,6 +179,8 @@ class OfferPins:
         goes at the next flush). ``verify=False``: the worker checks what it places."""
         if not keys:
             return []
+        if client is None:
+            raise MaruError("no connection to the maru server")
         self.stats.pin_trips += 1
         out = client.batch_retrieve(keys, pin=True, verify=False)
         for i, h in enumerate(out):
@@ -137,20 +196,19 @@ class OfferPins:
         """Give the request's set to the workers with its load of ``keys``: (the locations of those
         keys' shards, the ticket). Pins of other keys in the set ride along and go with the ticket.
         ``((), "")`` when the request holds nothing (the worker then looks the chunks up itself)."""
-        have = self._open.pop(req_id, None)
-        if have:
-            for rk in [rk for rk, h in have.items() if not h.valid]:
-                del have[rk]  # a session lost since: that pin is gone (the worker looks it up)
+        have = self._open.pop(req_id, None) or {}
+        lost = [rk for rk, p in have.items() if not p.handle.valid]
+        self._let_go(have.pop(rk) for rk in lost)  # a session lost since: the worker looks them up
         if not have:
             return (), ""
         ticket = f"{req_id}#{next(self._seq)}"
         self._handed[ticket] = _Handed(list(have.values()), time.monotonic())
         self.stats.handed += 1
         held = tuple(
-            HeldChunk(rk, h.offset, h.size, h.checksum)
+            HeldChunk(rk, p.handle.offset, p.handle.size, p.handle.checksum)
             for k in keys
             for rk in rank_keys(k, self.tp_size)
-            if (h := have.get(rk)) is not None
+            if (p := have.get(rk)) is not None
         )
         return held, ticket
 
@@ -159,7 +217,7 @@ class OfferPins:
         have = self._open.pop(req_id, None)
         if have:
             self.stats.dropped += 1
-            self._release += have.values()
+            self._let_go(have.values())
 
     # ------------------------------------------------------------------ workers
     def worker_done(self, done: dict[str, int]) -> None:
@@ -172,7 +230,7 @@ class OfferPins:
             if h.reports >= self.tp_size:
                 del self._handed[ticket]
                 self.stats.released += 1
-                self._release += h.handles
+                self._let_go(h.pins)
 
     def expire(self, now: float | None = None) -> None:
         """The guard against a lost worker report (see the module docstring)."""
@@ -181,10 +239,11 @@ class OfferPins:
         for t in stale:
             h = self._handed.pop(t)
             self.stats.stale += 1
-            self._release += h.handles
+            self._let_go(h.pins)
             logger.warning(
                 "Maru: no worker reported the load %s done within %.0f s (%d of %d ranks did); its "
-                "pins are released now. Placed bytes are still checked against their checksums.",
+                "pins are released now (pins other loads share stay). Placed bytes are still checked "
+                "against their checksums.",
                 t,
                 STALE_S,
                 h.reports,
@@ -205,10 +264,8 @@ class OfferPins:
 
     def close(self, client: Any) -> None:
         """Release everything (shutdown)."""
-        for have in self._open.values():
-            self._release += have.values()
-        for h in self._handed.values():
-            self._release += h.handles
+        self._release += [p.handle for p in self._pins.values()]
+        self._pins.clear()
         self._open.clear()
         self._handed.clear()
         self.flush(client)
@@ -216,4 +273,5 @@ class OfferPins:
     def snapshot(self) -> dict[str, int]:
         self.stats.open_now = len(self._open)
         self.stats.handed_now = len(self._handed)
+        self.stats.pinned_now = len(self._pins)
         return {k: v for k, v in self.stats.__dict__.items() if isinstance(v, int)}

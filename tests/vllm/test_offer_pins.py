@@ -43,8 +43,10 @@ def _keyer() -> ChunkKeyer:
     return ChunkKeyer(KeySpace(f"pins-model-{next(_spaces)}", "", "float32", 3, HEADS, HEAD, C))
 
 
-def _cache(seed: int) -> CacheCase:
-    return case("blocks_first", "HND", seed, block_size=BS, num_kv_heads=HEADS, head_size=HEAD, num_blocks=12)
+def _cache(seed: int, blocks: int = 12) -> CacheCase:
+    return case(
+        "blocks_first", "HND", seed, block_size=BS, num_kv_heads=HEADS, head_size=HEAD, num_blocks=blocks
+    )
 
 
 def _sched(
@@ -70,12 +72,12 @@ def _worker(srv: Any, cache: CacheCase, **cfg: Any) -> tuple[MaruWorkerConnector
 
 @contextlib.contextmanager
 def _instance(
-    srv: Any, keyer: ChunkKeyer, seed: int, at_offer: bool = False, **cfg: Any
+    srv: Any, keyer: ChunkKeyer, seed: int, at_offer: bool = False, blocks: int = 12, **cfg: Any
 ) -> Iterator[tuple[MaruSchedulerConnector, MaruHandler, MaruWorkerConnector, list[CountingPins], CacheCase]]:
     """One instance: its scheduler side (and that side's client), its worker over a random cache
     from ``seed`` (and the worker's counting clients), closed on exit."""
     s, client = _sched(srv, keyer, at_offer=at_offer, **cfg)
-    cache = _cache(seed=seed)
+    cache = _cache(seed=seed, blocks=blocks)
     w, clients = _worker(srv, cache, **cfg)
     try:
         yield s, client, w, clients, cache
@@ -85,11 +87,14 @@ def _instance(
         client.close()
 
 
-def _store_prompt(srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int]) -> CacheCase:
-    """Instance A computes ``toks`` into ``blocks`` of a random cache and stores its chunks and tail."""
-    with _instance(srv, keyer, len(toks)) as (s, client, w, _, src):
+def _store_prompt(
+    srv: Any, keyer: ChunkKeyer, toks: list[int], blocks: list[int], present: int = 0
+) -> CacheCase:
+    """Instance A computes ``toks`` into ``blocks`` of a random cache and stores its chunks and tail
+    (those of the ``present`` leading tokens the pool holds already stay as they are)."""
+    with _instance(srv, keyer, len(toks) + present) as (s, client, w, _, src):
         r = req("src", toks)
-        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert s.get_num_new_matched_tokens(r, 0)[0] == present
         s.update_state_after_alloc(r, blocks_obj(blocks), 0)
         meta = s.build_connector_meta(new_out("src", blocks, 0, len(toks)))
         assert meta.stores
@@ -409,3 +414,83 @@ def test_a_ticket_no_worker_reports_is_released_by_the_stale_guard(server: Any, 
         pins.flush(client)
         assert _pinned(client) == 0
         assert ticket in caplog.text and pins.snapshot()["stale"] == 1
+
+
+def test_requests_sharing_a_prefix_pin_it_once_and_it_stays_pinned_until_the_last_lets_go(
+    server: Any,
+) -> None:
+    """Three requests arrive together: a and b share a 3-chunk head, c is a's prompt again. The
+    head is pinned once (a's round trip); b's trip asks for its own chunks only, c's offer is all
+    shared (no trip). Each release keeps what another set still refers to."""
+    keyer = _keyer()
+    head = tokens(3 * C, seed=52)
+    ta, tb = head + tokens(100, seed=53), head + tokens(100, seed=54)
+    _store_prompt(server, keyer, ta, SRC_BLOCKS)
+    _store_prompt(server, keyer, tb, SRC_BLOCKS, present=len(head))
+    s, client = _sched(server, keyer, at_offer=True)
+    try:
+        offer = (len(ta) - 1) // BS * BS  # 3 head chunks, chunk 3 and a 32-token tail
+        ra, rb, rc = req("a", ta), req("b", tb), req("c", ta)
+        assert s.get_num_new_matched_tokens(ra, 0) == (offer, False)
+        assert s.pins is not None and s.pins.stats.pin_trips == 1
+        assert s.get_num_new_matched_tokens(rb, 0) == (offer, False)
+        assert s.pins.stats.pin_trips == 2 and s.pins.stats.pins_shared == 3  # b asked for 2 keys
+        assert s.get_num_new_matched_tokens(rc, 0) == (offer, False)
+        assert s.pins.stats.pin_trips == 2 and s.pins.stats.pins_shared == 8  # c: all of a's 5
+        assert _pinned(client) == 7  # the head's 3, a's 2, b's 2: each once
+        # Every set hands over the same locations for a shared key.
+        keys_a = s._keys_between(s._reqs["a"], 0, offer)
+        held_a, ticket_a = s.pins.hand_over("a", keys_a)
+        held_c, ticket_c = s.pins.hand_over("c", keys_a)
+        assert held_a == held_c and len(held_a) == 5 and ticket_a != ticket_c
+        looked = client.batch_retrieve([h.key for h in held_a], pin=False, verify=False)
+        assert [(h.offset, h.size, h.checksum) for h in held_a] == [
+            (x.offset, x.size, x.checksum) for x in looked
+        ]
+        s.request_finished(rb, [])  # b never loaded: its own 2 go, the head stays (a, c read it)
+        s.build_connector_meta(empty_out())
+        assert _pinned(client) == 5
+        s.update_connector_output(_out(MaruWorkerMeta({ticket_a: 1}, ready=1)))
+        assert _pinned(client) == 5  # c's workers may still read every one of a's chunks
+        s.update_connector_output(_out(MaruWorkerMeta({ticket_c: 1}, ready=1)))
+        assert _pinned(client) == 0 and s.pins.snapshot()["pinned_now"] == 0
+    finally:
+        s.shutdown()
+        client.close()
+
+
+def test_a_step_pins_a_key_its_loads_share_once_and_both_load_from_it(server: Any) -> None:
+    """Once-a-step pinning (V1): two loads of one step sharing a head ask the server for each key
+    once; both place the source bytes from the shared pins, with no worker lookup."""
+    keyer = _keyer()
+    head = tokens(3 * C, seed=55)
+    ta, tb = head + tokens(100, seed=56), head + tokens(100, seed=57)
+    src_a = _store_prompt(server, keyer, ta, SRC_BLOCKS)
+    src_b = _store_prompt(server, keyer, tb, SRC_BLOCKS, present=len(head))  # b's own part only
+    offer = (len(ta) - 1) // BS * BS
+    with _instance(server, keyer, 94, blocks=20) as (s, client, w, clients, dst):
+        ra, rb = req("a", ta), req("b", tb)
+        assert s.get_num_new_matched_tokens(ra, 0) == (offer, False)
+        assert s.get_num_new_matched_tokens(rb, 0) == (offer, False)
+        blocks_a = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18]  # 292 tokens: 10 blocks each
+        blocks_b = [19, 17, 15, 13, 11, 9, 7, 5, 3, 1]
+        s.update_state_after_alloc(ra, blocks_obj(blocks_a), offer)
+        s.update_state_after_alloc(rb, blocks_obj(blocks_b), offer)
+        so = new_out("a", blocks_a, offer, len(ta) - offer)
+        so.scheduled_new_reqs += new_out("b", blocks_b, offer, len(tb) - offer).scheduled_new_reqs
+        so.num_scheduled_tokens["b"] = len(tb) - offer
+        meta = s.build_connector_meta(so)
+        assert s.pins is not None and s.pins.stats.pin_trips == 1 and s.pins.stats.pins_shared == 3
+        assert _pinned(client) == 7
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == set()
+        assert sum(c.lookups for c in clients) == 0
+        assert _same_tokens(src_a, SRC_BLOCKS, dst, blocks_a, offer)
+        n = len(head)  # b's head is the head a stored, the rest b's own
+        assert _same_tokens(src_a, SRC_BLOCKS, dst, blocks_b, n)
+        assert _same_tokens(src_b, SRC_BLOCKS[n // BS :], dst, blocks_b[n // BS :], offer - n)
+        wm = w.build_worker_meta()
+        assert wm is not None and len(wm.done) == 2
+        s.update_connector_output(_out(wm))
+        assert _pinned(client) == 0
