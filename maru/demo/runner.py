@@ -20,7 +20,8 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   ``{"ok": bool, "steps": n, "seconds": wall, "flushed": bool}``.
 
 Engine settings beyond the demo's: ``kv_transfer_config`` (vLLM's dict, instead of
-``connector``), ``gpu_memory_utilization``, ``async_scheduling`` (the GPU benchmark's).
+``connector``), ``gpu_memory_utilization``, ``async_scheduling`` (the GPU benchmark's),
+``enforce_eager`` (default true; false runs vLLM's CUDA graphs and torch.compile).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so one engine per
 runner process: vLLM's in-process mode changes process-wide state (threads, seeds).
@@ -60,7 +61,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
         dtype=spec.get("dtype", "float32"),
         max_model_len=int(spec.get("max_model_len", 2048)),
         block_size=int(spec.get("block_size", 32)),
-        enforce_eager=True,
+        # Eager unless asked: CUDA graphs and torch.compile cost start-up time (the GPU graph tests).
+        enforce_eager=bool(spec.get("enforce_eager", True)),
         seed=0,
         enable_prefix_caching=bool(spec.get("enable_prefix_caching", True)),
         kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 256 << 20)),
