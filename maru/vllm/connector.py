@@ -52,6 +52,12 @@ try:  # the workers' per-step report to the scheduler side (vLLM 0.26 and later)
     _WORKER_META = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
 except ImportError:  # pragma: no cover - an older vLLM: the workers look their loads up themselves
     _WORKER_META = False
+try:  # ... and its word at engine start that it can load (the same record, as handshake metadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+    KVConnectorHandshakeMetadata.register(MaruWorkerMeta)
+except ImportError:  # pragma: no cover - then offers wait for the first step's report
+    pass
 
 logger = logging.getLogger("maru.vllm")
 
@@ -398,6 +404,17 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def get_handshake_metadata(self) -> Any:
+        """Whether this worker can load (``MaruWorkerMeta`` ready / unready), once its KV caches are
+        registered, where a failed load ends its request; else None. vLLM collects every worker's
+        after registration and hands them to the scheduler side (``set_xfer_handshake_metadata``)
+        before the first request: offers need not wait for a step's report."""
+        return self._worker.readiness() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.workers_at_start(list(metadata.values()))
 
     def build_connector_worker_meta(self) -> Any:
         """The held loads this worker no longer reads (``MaruWorkerMeta``): the scheduler side

@@ -189,8 +189,21 @@ class LoadPlanning:
             return
         if isinstance(meta, MaruWorkerMeta):
             self.pins.worker_done(meta.done)
-            if meta.ready or meta.unready:
-                self._readiness = (meta.ready, meta.unready)
-                self._workers_ready = meta.unready == 0 and meta.ready >= self.pins.tp_size
+            self._set_readiness(meta)
         self.pins.expire()
         self.pins.flush(self._client)
+
+    def workers_at_start(self, metas: list[Any]) -> None:
+        """The workers' word at engine start (vLLM's handshake metadata, collected after every
+        worker registered its KV caches and connected): with every rank ready, offers are made
+        from the first request on instead of after the first step's report."""
+        merged = MaruWorkerMeta()
+        for m in metas:
+            if isinstance(m, MaruWorkerMeta):
+                merged = merged.aggregate(m)
+        self._set_readiness(merged)
+
+    def _set_readiness(self, meta: MaruWorkerMeta) -> None:
+        if self.pins is not None and (meta.ready or meta.unready):
+            self._readiness = (meta.ready, meta.unready)
+            self._workers_ready = meta.unready == 0 and meta.ready >= self.pins.tp_size

@@ -492,10 +492,20 @@ class MaruWorkerConnector:
         done: dict[str, int] = {}
         while self._tickets_done:
             done[self._tickets_done.popleft()] = 1
-        if self.cfg.load_failures_fail:
-            able = self.cfg.enable_load and self.disabled_reason is None and self.engine is not None
-            return MaruWorkerMeta(done, ready=int(able), unready=int(not able))
+        said = self.readiness()
+        if said is not None:
+            said.done = done
+            return said
         return MaruWorkerMeta(done) if done else None
+
+    def readiness(self) -> MaruWorkerMeta | None:
+        """Whether this worker can load now (KV-cache layout supported, connected), where a failed
+        load ends its request (``load_failures_fail``); None elsewhere (vLLM recomputes it). Sent
+        at engine start through vLLM's handshake metadata and after every step."""
+        if not self.cfg.load_failures_fail:
+            return None
+        able = self.cfg.enable_load and self.disabled_reason is None and self.engine is not None
+        return MaruWorkerMeta(ready=int(able), unready=int(not able))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

@@ -119,6 +119,32 @@ def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end
     conn.shutdown()
 
 
+def test_on_the_v2_runner_the_workers_word_at_engine_start_lets_the_first_request_load(server) -> None:
+    """vLLM collects each worker's handshake metadata after it registered its KV caches and hands
+    them to the scheduler side before the first request (``EngineCore``): the first request's hit
+    is offered without waiting for a step's report. A worker that cannot load keeps offers withheld."""
+    worker = worker_side(server, True)
+    said = worker.get_handshake_metadata()
+    assert said is not None and (said.ready, said.unready) == (1, 0)
+    conn = scheduler_side(server, True)
+    conn.set_xfer_handshake_metadata_pp_aware({(0, 0): said})  # vLLM's entry point, as EngineCore calls it
+    r, offer = offer_of_a_stored_prompt(server, conn, seed=31)
+    assert offer == (288, False)  # the first request, no step run yet
+    conn.shutdown()
+    assert worker._worker is not None
+    worker._worker._lost("a test: the server went away")
+    conn = scheduler_side(server, True)
+    conn.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+    _, offer = offer_of_a_stored_prompt(server, conn, seed=32)
+    assert offer == (0, False)  # computed: a same-step load there would end the request
+    assert conn.maru_scheduler is not None and conn.maru_scheduler.stats.offers_withheld == 1
+    conn.shutdown()
+    worker.shutdown()
+    w1 = worker_side(server, False)  # the V1 runner recomputes a failed load: nothing to say
+    assert w1.get_handshake_metadata() is None
+    w1.shutdown()
+
+
 def test_on_the_v2_model_runner_without_offer_pins_a_synchronous_connector_loads_while_the_request_waits(
     server,
 ) -> None:
