@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - then offers wait for the first step's 
 
 logger = logging.getLogger("maru.vllm")
 
-_TIMING_LOG_S = 30.0  # maru_log_timing: the scheduler side's periodic hook-time line
+_TIMING_LOG_S = 10.0  # maru_log_timing: the scheduler side's periodic hook-time line (an API instance of the bench lives ~30 s)
 
 
 def _ensure_logging() -> None:
