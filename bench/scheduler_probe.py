@@ -132,7 +132,7 @@ def main() -> int:
             if s.pins is not None:
                 after = s.pins.snapshot()
                 trips += after["pin_trips"] - before.get("pin_trips", 0)
-                shared += after["pins_shared"] - before.get("pins_shared", 0)
+                shared += after.get("pins_shared", 0) - before.get("pins_shared", 0)
                 s.pins.close(client)  # releases the offer pins (untimed); the shared client stays open
         keys_per_req = client.keys / a.users
         print(f"path: {h.local_exists.path}; {a.round} round; offered {offered} of {len(timed[-1])} tokens")
