@@ -176,6 +176,10 @@ def same_step_load_failures_unrecoverable(vllm_config: Any) -> str | None:
 class MaruKVConnector(KVConnectorBase_V1):
     """Shares KV-cache prefixes between vLLM instances through a Maru pool. See docs/vllm.md."""
 
+    # Why this engine cannot recompute a failed same-step load (None: it can). A class attribute
+    # so a test can run the V2 runner's protocol on vLLM's CPU build, which has only the V1 runner.
+    _same_step_failures_unrecoverable = staticmethod(same_step_load_failures_unrecoverable)
+
     if _HIT_SOURCE is not None:
         _cache_hit_source = _HIT_SOURCE
 
@@ -207,7 +211,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             cfg = MaruConnectorConfig(**{**cfg.__dict__, "enable_load": False, "enable_store": False})
             self.maru_config = cfg
 
-        unrecoverable = same_step_load_failures_unrecoverable(vllm_config)
+        unrecoverable = self._same_step_failures_unrecoverable(vllm_config)
         if unrecoverable is not None:
             # Both roles read the same vLLM config, so they switch together. With offer pins no
             # miss can fail a same-step load (see ``failing_same_step_loads``); without them, or

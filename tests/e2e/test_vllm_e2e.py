@@ -9,7 +9,9 @@ the whole module starts seven engines:
 - B: Maru, a second instance: loads A's prefixes (whole prompt, then a prompt sharing two
   chunks), then a prompt whose chunk is evicted between the scheduler's check and the load
   (a test subclass of the connector deletes it at that moment);
-- M: Maru in vLLM's default multi-process mode (scheduler and worker in different processes);
+- M: Maru in vLLM's default multi-process mode (scheduler and worker in different processes),
+  with the load protocol of vLLM's V2 runner (offers pinned at the offer, made only once every
+  worker said at engine start that it can load): its first request loads;
 - D: Maru pointed at a server that is not running;
 - E: Maru, same model in bfloat16: must not hit float32 keys;
 - F: Maru, a KV cache too small for two growing requests: preemption, resume from Maru.
@@ -57,7 +59,23 @@ def __getattr__(name: str) -> Any:
     # collecting this module does not import vLLM.
     if name == "EvictBeforeLoadConnector":
         return _evicting_connector_class()
+    if name == "FailingLoadsConnector":
+        return _failing_loads_connector_class()
     raise AttributeError(name)
+
+
+def _failing_loads_connector_class() -> type:
+    from maru.vllm.connector import MaruKVConnector
+
+    class FailingLoadsConnector(MaruKVConnector):
+        """The connector as it runs on vLLM's V2 model runner (GPU), which cannot recompute a failed
+        same-step load: offers pinned at the offer, vLLM's ``kv_load_failure_policy`` "fail", and
+        offers made only once every worker said it can load (at engine start: vLLM's handshake
+        metadata, collected from the workers and handed to the scheduler before any request)."""
+
+        _same_step_failures_unrecoverable = staticmethod(lambda cfg: "a test: the V2 runner's protocol")
+
+    return FailingLoadsConnector
 
 
 def _evicting_connector_class() -> type:
@@ -157,8 +175,10 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.b["flag_consumed"] = not flag.exists()
 
     # M: vLLM's default multi-process mode (what `vllm serve` runs): scheduler-side connector in the
-    # engine-core process, worker-side in the worker process, metadata serialized between them.
-    with engine("M", tmp, model_dir, {"extra": extra}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
+    # engine-core process, worker-side in the worker process, metadata serialized between them;
+    # with the V2 runner's load protocol, so the worker's word that it can load crosses too.
+    v2_protocol = {"module": "tests.e2e.test_vllm_e2e", "name": "FailingLoadsConnector", "extra": extra}
+    with engine("M", tmp, model_dir, v2_protocol, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
         res.m["p1"] = gen(m, P1)
 
     dead = {"extra": {**extra, "maru_server_url": f"tcp://127.0.0.1:{free_port()}", "maru_timeout_s": 0.5}}
@@ -217,9 +237,15 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
 
 
 def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> None:
+    """M's first request loads: with the V2 runner's protocol an offer needs every worker's word
+    that it can load, which reaches the scheduler (another process) before the first request."""
     assert runs.m["p1"]["cached"] == 288
     assert runs.m["p1"]["out"] == runs.n["p1"]["out"]
     assert "load 1 req 288 tokens 5 chunks" in runs.logs["M"]
+    log = runs.logs["M"]
+    assert "same-step loads kept" in log  # the V2 runner's protocol: policy "fail" (vLLM's default)
+    assert "computed instead of loaded" not in log
+    assert "'loads_from_held_pins': 1" in log  # the worker's stats at shutdown (maru_log_timing)
 
 
 def test_partial_prefix_loads_exactly_the_shared_chunks(runs: Runs) -> None:
