@@ -85,8 +85,9 @@ class MaruSchedulerConnector(LoadPlanning):
         self.pin_at_offer = pin_at_offer
         # A slower path, for `maru doctor`: a pin round trip per request with a hit, not per step.
         self._at_offer_note = (
-            "offers are pinned one lookup-and-pin round trip per request with a hit, on vLLM's "
-            "scheduling thread (~0.5 ms a request on an H200 host), not once a step: vLLM's V2 model "
+            "offers are pinned one lookup-and-pin round trip per request with a hit (none where "
+            "another request holds every chunk of it pinned), on vLLM's scheduling thread (~0.5 ms "
+            "a request on an H200 host), not once a step: vLLM's V2 model "
             "runner cannot recompute a failed same-step load, so no offer may be made of a chunk "
             "that is not pinned yet. Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 (a step's loads "
             "then share one round trip)"
