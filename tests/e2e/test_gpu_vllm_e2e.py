@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import tempfile
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,12 +46,11 @@ from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     TINY_MODEL,
     Engine,
-    delta,
     make_model,
     maru_kv_config,
     random_prompt,
-    same_greedy,
 )
+from tests.e2e.gpu_runs import Runs, assert_same, generate_counted  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
 # MARU_GPU_E2E_TINY=1 runs the same scenarios on vLLM's CPU build with a tiny model, to debug the
@@ -121,20 +119,8 @@ def _evicting_connector_class() -> type:
     return EvictBeforeLoadConnector
 
 
-class Runs(dict):
-    """Results by stage; a failed stage leaves its traceback under ``errors``."""
-
-    def need(self, key: str) -> Any:
-        if key not in self:
-            pytest.fail(f"stage {key!r} did not run; errors: {self.get('errors')}")
-        return self[key]
-
-
 def _gen(e: Engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    before = e.stats()
-    r = e.generate(prompts, max_tokens=max_tokens, logprobs=5)
-    r["delta"] = delta(e.stats(), before)
-    return r
+    return generate_counted(e, prompts, max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +179,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         ),
     }
     eng = {n: Engine(n, s, logs / f"test-{n}.log", env=env).start() for n, (s, env) in specs.items()}
-    res = Runs(errors=[])
-
-    def stage(key: str, fn: Any) -> None:
-        try:
-            res[key] = fn()
-        except Exception:
-            res["errors"].append(f"{key}: {traceback.format_exc()}")
+    res = Runs()
+    stage = res.stage
 
     def evicted(e: Engine, prompt: list[int]) -> dict[str, Any]:
         flag.write_text(json.dumps({"prompt": prompt, "chunk": 1}))
@@ -240,14 +221,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         srv.cleanup()
 
 
-def _assert_same(out: dict[str, Any], ref: dict[str, Any], n: int | None = None) -> None:
-    for i in range(len(out["tokens"])):
-        a, b = out["tokens"][i][:n], ref["tokens"][i][:n]
-        verdict = same_greedy(a, out["logprobs"][i], b, ref["logprobs"][i])
-        assert verdict in ("identical", "close"), (i, a, b)
-    assert len({t for seq in ref["tokens"] for t in seq}) > 4  # not one repeated token: the check can fail
-
-
 @pytest.mark.parametrize("engine", ["Bsync", "Basync", "Bovl"])
 def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs: Runs, engine: str) -> None:
     r, ref = runs.need(f"{engine}-X"), runs.need("A-X-hit")
@@ -258,8 +231,8 @@ def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs
     assert d["loads_from_held_pins"] >= 1  # placed from the scheduler's pins: no lookup round trip
     if engine == "Bsync":  # on the V2 runner too: loaded in the step that computes, not parked
         assert d["async_loads"] == 0
-    _assert_same(r, ref)
-    _assert_same(r, runs.need("A-X"))
+    assert_same(r, ref)
+    assert_same(r, runs.need("A-X"))
 
 
 def test_prompts_stored_write_behind_load_in_another_instance(runs: Runs) -> None:
@@ -271,7 +244,7 @@ def test_prompts_stored_write_behind_load_in_another_instance(runs: Runs) -> Non
     assert runs.need("Bovl-settle")["ok"]  # blocks freed, so every store drained
     r = runs.need("Bsync-Y")
     assert r["cached"] == [offered(y) for y in Y] and r["delta"]["load_errors"] == 0
-    _assert_same(r, runs.need("Bovl-Y-hit"))
+    assert_same(r, runs.need("Bovl-Y-hit"))
 
 
 @pytest.mark.parametrize("engine,prompt_index", [("Bsync", 0), ("Basync", 1), ("Bplain", 2)])
@@ -289,7 +262,7 @@ def test_a_chunk_deleted_after_the_offer_loads_from_its_pin_or_without_pins_is_r
         assert r["delta"]["tokens_loaded"] == offered(prompt) and r["cached"] == [offered(prompt)]
     ref = runs.need("A-E")
     one = {k: [v[prompt_index]] for k, v in ref.items() if k in ("tokens", "logprobs")}
-    _assert_same(r, one)
+    assert_same(r, one)
 
 
 def test_preemption_under_write_behind_frees_every_block_and_stores_every_chunk(runs: Runs) -> None:
@@ -306,7 +279,7 @@ def test_preemption_under_write_behind_frees_every_block_and_stores_every_chunk(
     assert w["chunks_stored"] >= sum(objects(x) for x in P)
     b = runs.need("Bsync-P")
     assert b["cached"] == [offered(x) for x in P] and b["delta"]["load_errors"] == 0
-    _assert_same(b, r, n=MAX_TOKENS)
+    assert_same(b, r, n=MAX_TOKENS)
 
 
 def test_async_hits_arriving_together_with_one_head_load_it_once(runs: Runs) -> None:
@@ -319,4 +292,4 @@ def test_async_hits_arriving_together_with_one_head_load_it_once(runs: Runs) -> 
     want = offered(S[0]) + sum(offered(x) - head_blocks for x in S[1:])
     assert r["delta"]["tokens_loaded"] == want and r["delta"]["load_errors"] == 0
     assert r["sched"]["async_loads_shared"] >= 3
-    _assert_same(r, ref)
+    assert_same(r, ref)

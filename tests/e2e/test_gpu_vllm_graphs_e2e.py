@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,11 @@ if importlib.util.find_spec("vllm") is None:  # pragma: no cover
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     Engine,
-    delta,
     make_model,
     maru_kv_config,
     random_prompt,
-    same_greedy,
 )
+from tests.e2e.gpu_runs import Runs, assert_same, generate_counted  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
 BS, C = 16, 256
@@ -59,15 +57,8 @@ def offered(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BS * BS
 
 
-def _gen(e: Engine, prompts: list[list[int]]) -> dict[str, Any]:
-    before = e.stats()
-    r = e.generate(prompts, max_tokens=MAX_TOKENS, logprobs=5)
-    r["delta"] = delta(e.stats(), before)
-    return r
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     import torch
 
     if not torch.cuda.is_available():
@@ -90,23 +81,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         },
     }
     eng = {n: Engine(f"graphs-{n}", s, logs / f"test-graphs-{n}.log").start() for n, s in specs.items()}
-    res: dict[str, Any] = {"errors": []}
-
-    def stage(key: str, fn: Any) -> None:
-        try:
-            res[key] = fn()
-        except Exception:
-            res["errors"].append(f"{key}: {traceback.format_exc()}")
+    res = Runs()
+    stage = res.stage
 
     try:
         g, o = eng["G"], eng["G-ovl"]
-        stage("G-XG", lambda: _gen(g, XG))
+        stage("G-XG", lambda: generate_counted(g, XG, MAX_TOKENS))
         stage("G-settle", lambda: g.settle())
-        stage("G-XG-load", lambda: _gen(g, XG))
-        stage("ovl-XG", lambda: _gen(o, XG))
-        stage("ovl-YG", lambda: _gen(o, YG))
+        stage("G-XG-load", lambda: generate_counted(g, XG, MAX_TOKENS))
+        stage("ovl-XG", lambda: generate_counted(o, XG, MAX_TOKENS))
+        stage("ovl-YG", lambda: generate_counted(o, YG, MAX_TOKENS))
         stage("ovl-settle", lambda: o.settle())
-        stage("ovl-YG-load", lambda: _gen(o, YG))
+        stage("ovl-YG-load", lambda: generate_counted(o, YG, MAX_TOKENS))
         for n, e in eng.items():
             e.close()
             res.setdefault("logs", {})[n] = e.log_path.read_text(errors="replace")
@@ -117,41 +103,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         srv.cleanup()
 
 
-def _need(runs: dict[str, Any], key: str) -> Any:
-    if key not in runs:
-        pytest.fail(f"stage {key!r} did not run; errors: {runs.get('errors')}")
-    return runs[key]
-
-
 def _assert_loaded_and_same(r: dict[str, Any], ref: dict[str, Any], prompts: list[list[int]]) -> None:
     assert r["cached"] == [offered(p) for p in prompts]  # every concurrent hit loaded whole
     d = r["delta"]
     assert d["tokens_loaded"] == sum(offered(p) for p in prompts) and d["load_errors"] == 0
-    for i in range(len(prompts)):
-        verdict = same_greedy(r["tokens"][i], r["logprobs"][i], ref["tokens"][i], ref["logprobs"][i])
-        assert verdict in ("identical", "close"), (i, r["tokens"][i], ref["tokens"][i])
-    assert len({t for seq in ref["tokens"] for t in seq}) > 4  # not one repeated token: the check can fail
+    assert_same(r, ref)
 
 
-def test_both_engines_ran_cuda_graphs_and_only_the_layer_overlap_one_asked_for_piecewise(runs: dict) -> None:
-    _need(runs, "ovl-YG-load")
+def test_both_engines_ran_cuda_graphs_and_only_the_layer_overlap_one_asked_for_piecewise(runs: Runs) -> None:
+    runs.need("ovl-YG-load")
     logs = runs["logs"]
     assert CAPTURED in logs["G"] and CAPTURED in logs["G-ovl"]
     assert PIECEWISE in logs["G-ovl"] and PIECEWISE not in logs["G"]
 
 
 def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_with_the_same_output(
-    runs: dict,
+    runs: Runs,
 ) -> None:
-    assert _need(runs, "G-XG")["cached"] == [0] * 4  # computed (and stored) by G itself
-    assert _need(runs, "G-settle")["ok"]  # stores published, its own prefix cache empty
-    r = _need(runs, "G-XG-load")
+    assert runs.need("G-XG")["cached"] == [0] * 4  # computed (and stored) by G itself
+    assert runs.need("G-settle")["ok"]  # stores published, its own prefix cache empty
+    r = runs.need("G-XG-load")
     _assert_loaded_and_same(r, runs["G-XG"], XG)
     assert r["delta"]["async_loads"] == 0 and r["delta"]["loads_from_held_pins"] >= 1
 
 
-def test_layer_overlap_loads_under_piecewise_graphs_keep_the_output(runs: dict) -> None:
-    _assert_loaded_and_same(_need(runs, "ovl-XG"), _need(runs, "G-XG"), XG)  # stored by G
-    assert _need(runs, "ovl-YG")["cached"] == [0] * 4
-    assert _need(runs, "ovl-settle")["ok"]
-    _assert_loaded_and_same(_need(runs, "ovl-YG-load"), runs["ovl-YG"], YG)
+def test_layer_overlap_loads_under_piecewise_graphs_keep_the_output(runs: Runs) -> None:
+    _assert_loaded_and_same(runs.need("ovl-XG"), runs.need("G-XG"), XG)  # stored by G
+    assert runs.need("ovl-YG")["cached"] == [0] * 4
+    assert runs.need("ovl-settle")["ok"]
+    _assert_loaded_and_same(runs.need("ovl-YG-load"), runs["ovl-YG"], YG)
