@@ -154,6 +154,31 @@ def _store_config(extra: Callable[[str, dict[str, Any]], dict[str, Any]], varian
     return None if cfg is None else maru_kv_config(extra(f"api-{variant}", cfg))
 
 
+# What a vLLM process needs beyond its weights and KV cache (CUDA context, activations, CUDA graphs):
+# 7.0-10.5 GiB a process was seen for 6 GiB of weights and 4 GiB of KV (twenty-ninth pass, H100).
+PROCESS_OVERHEAD_BYTES = 3 << 29  # 1.5 GiB
+
+
+def gpu_memory_shortfall(free_bytes: int, weight_bytes: int, kv_bytes: Sequence[int]) -> str | None:
+    """Why the processes whose KV caches are ``kv_bytes`` (all started at once, each with
+    ``weight_bytes`` of weights) would not fit ``free_bytes`` of GPU memory; None if they fit.
+
+    The bench starts every engine and API server together (their start-ups overlap); on a card
+    too small for all of them the last ones die at start with CUDA out of memory, which reads
+    like a failure of what they measure."""
+    need = sum(weight_bytes + kv + PROCESS_OVERHEAD_BYTES for kv in kv_bytes)
+    if need <= free_bytes:
+        return None
+    gib = 1 << 30
+    return (
+        f"{len(kv_bytes)} vLLM processes at once need about {need / gib:.0f} GiB of GPU memory (weights "
+        f"{weight_bytes / gib:.1f} GiB, KV caches and {PROCESS_OVERHEAD_BYTES / gib:.1f} GiB of overhead "
+        f"each); the card has {free_bytes / gib:.0f} GiB free. Run fewer at once (leave out --api-pair, "
+        "--api-stores variants or --api-loads modes, or run the offline --engines apart with --no-api) "
+        "or use a card with more memory"
+    )
+
+
 def conversation(setup: Any, user: int, rnd: int, system: list[int]) -> list[int]:
     """User ``user``'s prompt in round ``rnd``: system prompt, then questions and synthetic answers."""
     p = list(system)

@@ -68,6 +68,7 @@ from bench.api_workload import (  # noqa: E402
     API_STORES,
     api_instances,
     check_store_variant,
+    gpu_memory_shortfall,
     run_api,
     store_env,
     store_variant,
@@ -560,6 +561,22 @@ def main(argv: list[str] | None = None) -> int:
     res["pool_bytes"] = psize
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB in /dev/shm")
 
+    api_specs = (
+        {}
+        if a.no_api
+        else api_instances(
+            lambda ns, extra: maru_extra(srv.url, setup, ns, extra), a.api_loads, a.api_stores, a.api_pair
+        )
+    )
+    if torch.cuda.is_available():  # refused before anything starts, with what to leave out
+        short = gpu_memory_shortfall(
+            torch.cuda.mem_get_info()[0],
+            (Path(model) / "model.safetensors").stat().st_size,
+            [setup.kv_cache_bytes] * len(a.engines) + [setup.api_kv_cache_bytes] * len(api_specs),
+        )
+        if short is not None:
+            srv.cleanup()
+            raise SystemExit(f"gpu_vllm_e2e: {short}")
     engines: dict[str, Engine] = {}
     servers: dict[str, ApiServer] = {}
     prompts = {
@@ -580,9 +597,6 @@ def main(argv: list[str] | None = None) -> int:
             env = ENGINE_ENV.get(name) or store_env(name)
             engines[name] = Engine(name, spec, logs / f"engine-{name}.log", env=env).start()
         if not a.no_api:
-            api_specs = api_instances(
-                lambda ns, extra: maru_extra(srv.url, setup, ns, extra), a.api_loads, a.api_stores, a.api_pair
-            )
             for key, kv in api_specs.items():
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256

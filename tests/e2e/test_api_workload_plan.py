@@ -81,3 +81,12 @@ def test_the_runner_label_says_which_model_runner_the_environment_chose() -> Non
     assert runner_label({}) == "vLLM's default model runner"
     assert runner_label({"VLLM_USE_V2_MODEL_RUNNER": "0"}).startswith("V1 model runner")
     assert runner_label({"VLLM_USE_V2_MODEL_RUNNER": "1"}).startswith("V2 model runner")
+
+
+def test_a_pass_whose_processes_do_not_fit_the_card_is_refused_with_what_to_leave_out() -> None:
+    gib = 1 << 30
+    # The twenty-ninth pass's first API call on an H100: 9 servers of 6 GiB weights + 4 GiB KV.
+    why = aw.gpu_memory_shortfall(79 * gib, 6 * gib, [4 * gib] * 9)
+    assert why is not None and "9 vLLM processes" in why and "--api-pair" in why and "79 GiB free" in why
+    assert aw.gpu_memory_shortfall(140 * gib, 6 * gib, [4 * gib] * 9) is None  # an H200 holds them
+    assert aw.gpu_memory_shortfall(79 * gib, 6 * gib, [4 * gib] * 6) is None  # the call that ran
