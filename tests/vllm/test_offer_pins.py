@@ -494,3 +494,49 @@ def test_a_step_pins_a_key_its_loads_share_once_and_both_load_from_it(server: An
         assert wm is not None and len(wm.done) == 2
         s.update_connector_output(_out(wm))
         assert _pinned(client) == 0
+
+
+def test_shared_pins_lost_with_a_server_restart_are_pinned_anew_and_never_unpinned_by_old_holders(
+    tmp_path: Any,
+) -> None:
+    """Two requests share the pins of three keys; the server restarts (the session and its pins go).
+    A third request asks again (a new round trip, new pins); the first request's hand-over holds
+    nothing (its worker looks the chunks up); dropping the second request lets go of the dead pins
+    only, never the third request's live ones."""
+    import time
+
+    from maru.demo.server import ServerProcess
+
+    keys = [f"pins-restart/{i}" for i in range(3)]
+    with ServerProcess(tmp_path, pool_size="16M") as srv:
+        client = MaruHandler(srv.url, timeout_s=2.0, heartbeat_interval_s=0.1)
+        try:
+
+            def store() -> None:
+                objs = client.batch_alloc([64] * len(keys))
+                for o in objs:
+                    o.buf[:] = b"\3" * 64
+                client.batch_store(keys, objs)
+
+            store()
+            pins = OfferPins()
+            assert pins.hold(client, "r1", keys) == 3 and pins.hold(client, "r2", keys) == 3
+            assert pins.stats.pin_trips == 1 and _pinned(client) == 3
+            srv.restart()
+            deadline = time.monotonic() + 10
+            while pins._open["r1"][keys[0]].handle.valid:  # the heartbeat notices the new server
+                assert time.monotonic() < deadline, "the client never noticed the restart"
+                time.sleep(0.05)
+            if not all(client.exists(keys)):
+                store()  # the new server keeps no state here
+            assert pins.hold(client, "r3", keys) == 3 and pins.stats.pin_trips == 2
+            assert _pinned(client) == 3
+            assert pins.hand_over("r1", keys) == ((), "")
+            pins.drop("r2")
+            pins.flush(client)
+            assert _pinned(client) == 3  # r3's pins are live
+            pins.drop("r3")
+            pins.flush(client)
+            assert _pinned(client) == 0 and pins.snapshot()["pinned_now"] == 0
+        finally:
+            client.close()
