@@ -12,7 +12,9 @@ and how many keys each request checked. ``--local-hit``: vLLM's own prefix cache
 user's first round (a storing instance's next turn): the chunks it covers are not asked about.
 ``--round first``: time each user's first round instead (the system prompt's chunks, shared by
 every user, then the user's own tail), the burst that arrives at a conversation's start.
-``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
+``--busy F``: a second Python thread computes F of each millisecond (the GIL competition a
+scheduler meets beside vLLM's worker thread); ``--switch-interval S``: the interpreter's switch
+interval (default 5 ms). ``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
 reported ready first); the pins' round trips and shared pins are reported too.
 """
 
@@ -23,6 +25,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,6 +60,16 @@ class _Counting:
         return getattr(self.h, name)
 
 
+def _busy(share: float, stop: threading.Event) -> None:
+    """Pure-Python work for ``share`` of each millisecond, then a sleep (which releases the GIL)."""
+    while not stop.is_set():
+        t_end = time.perf_counter() + share * 1e-3
+        x = 0
+        while time.perf_counter() < t_end:
+            x += 1
+        time.sleep((1 - share) * 1e-3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", type=int, default=16)
@@ -73,7 +86,18 @@ def main() -> int:
         help="offer pins taken at each offer (the V2 runner's way): one lookup-and-pin trip a hit",
     )  # fmt: skip
     ap.add_argument("--round", choices=("first", "second"), default="second")
+    ap.add_argument(
+        "--busy", type=float, default=0.0,
+        help="a second Python thread computes this share of each millisecond (0-1), like vLLM's "
+        "worker thread preparing a step beside the scheduler: each request then competes for the GIL",
+    )  # fmt: skip
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
+    stop = threading.Event()
+    if a.busy > 0:
+        threading.Thread(target=_busy, args=(a.busy, stop), daemon=True).start()
     chunk, bs = 256, 16
     space = KeySpace("bench", "", "bfloat16", 32, 8, 128, chunk)
     keyer = ChunkKeyer(space)
@@ -147,6 +171,7 @@ def main() -> int:
             )
         h.close()
     finally:
+        stop.set()
         srv.cleanup()
     return 0
 
