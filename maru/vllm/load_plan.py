@@ -28,8 +28,9 @@ class LoadPlanning:
     block_size: int
     pins: OfferPins | None
     pin_at_offer: bool
-    # pin_at_offer (a failed load ends its request): every rank reported it can load (the last
-    # MaruWorkerMeta); offers are withheld until then. The last report's (ready, unready).
+    # pin_at_offer (a failed load ends its request): every rank said it can load (at engine start,
+    # then after each step: MaruWorkerMeta); offers are withheld until then. The last word's
+    # (ready, unready).
     _workers_ready: bool = False
     _readiness: tuple[int, int] = (0, 0)
     _withheld_note: str | None = None  # said once if offers stay withheld (``maru doctor``)

@@ -53,5 +53,6 @@ class SchedulerStats:
     delayed_frees: int = 0  # maru_async_store: finished requests whose blocks wait for their stores
     delayed_frees_released: int = 0  # ... and were reported in finished_sending since
     # Where a failed load ends its request: hits computed because not every worker had reported
-    # it can load (at start, until the first step's report; a rank disconnected or disabled).
+    # it can load (a rank disconnected or disabled; or, on a vLLM without the start handshake,
+    # before the first step's report).
     offers_withheld: int = 0

@@ -59,15 +59,15 @@ def __getattr__(name: str) -> Any:
     # collecting this module does not import vLLM.
     if name == "EvictBeforeLoadConnector":
         return _evicting_connector_class()
-    if name == "FailingLoadsConnector":
-        return _failing_loads_connector_class()
+    if name == "V2ProtocolConnector":
+        return _v2_protocol_connector_class()
     raise AttributeError(name)
 
 
-def _failing_loads_connector_class() -> type:
+def _v2_protocol_connector_class() -> type:
     from maru.vllm.connector import MaruKVConnector
 
-    class FailingLoadsConnector(MaruKVConnector):
+    class V2ProtocolConnector(MaruKVConnector):
         """The connector as it runs on vLLM's V2 model runner (GPU), which cannot recompute a failed
         same-step load: offers pinned at the offer, vLLM's ``kv_load_failure_policy`` "fail", and
         offers made only once every worker said it can load (at engine start: vLLM's handshake
@@ -75,7 +75,7 @@ def _failing_loads_connector_class() -> type:
 
         _same_step_failures_unrecoverable = staticmethod(lambda cfg: "a test: the V2 runner's protocol")
 
-    return FailingLoadsConnector
+    return V2ProtocolConnector
 
 
 def _evicting_connector_class() -> type:
@@ -177,7 +177,7 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     # M: vLLM's default multi-process mode (what `vllm serve` runs): scheduler-side connector in the
     # engine-core process, worker-side in the worker process, metadata serialized between them;
     # with the V2 runner's load protocol, so the worker's word that it can load crosses too.
-    v2_protocol = {"module": "tests.e2e.test_vllm_e2e", "name": "FailingLoadsConnector", "extra": extra}
+    v2_protocol = {"module": "tests.e2e.test_vllm_e2e", "name": "V2ProtocolConnector", "extra": extra}
     with engine("M", tmp, model_dir, v2_protocol, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as m:
         res.m["p1"] = gen(m, P1)
 
