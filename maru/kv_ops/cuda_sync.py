@@ -24,6 +24,19 @@ import torch
 from maru.cudart import find_cudart
 
 
+def current_stream_handle(device: torch.device) -> int:
+    """The raw ``cudaStream_t`` of the caller's current stream on ``device``: what
+    ``torch.cuda.current_stream(device).cuda_stream`` gives, without building a Stream object
+    (about a microsecond against 5-20 on the H200 host; Triton's launcher reads it the same way)."""
+    fast = _RAW_CURRENT
+    if fast is not None:
+        return int(fast(device.index if device.index is not None else torch.cuda.current_device()))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+_RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class TorchSync:
     """Events and copies through torch (always available)."""
 
@@ -67,6 +80,7 @@ class RawSync(TorchSync):
         q = quick or lib
         self._memcpy = self._fn(q, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
         self._memcpy2d = self._fn(q, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
+        self._memset = self._fn(q, "cudaMemsetAsync", [vp, i, sz, vp])
         self._record = self._fn(q, "cudaEventRecord", [vp, vp])
         self._record_flags = self._fn(q, "cudaEventRecordWithFlags", [vp, vp, ctypes.c_uint])
         self._wait = self._fn(q, "cudaStreamWaitEvent", [vp, vp, ctypes.c_uint])
@@ -155,6 +169,11 @@ class RawSync(TorchSync):
         self._check(
             self._memcpy(dst, src, nbytes, kind, stream), f"cudaMemcpyAsync({nbytes} bytes, kind {kind})"
         )
+
+    def zero(self, dst: int, nbytes: int, stream: int) -> None:
+        """Queue ``nbytes`` zero bytes at device address ``dst`` on raw ``stream`` (a memset: no
+        kernel launch through torch, ~1 us of host time against ~30 for ``torch.zeros``)."""
+        self._check(self._memset(dst, 0, nbytes, stream), f"cudaMemsetAsync({nbytes} bytes)")
 
     def copy2d(
         self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int

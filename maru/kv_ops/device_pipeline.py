@@ -29,7 +29,6 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -41,9 +40,11 @@ import torch
 from maru.announce import announce_once
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
-from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync
+from maru.kv_ops.chunk_loads import ChunkLoads
+from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync, current_stream_handle
 from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
+from maru.kv_ops.host_scratch import HostScratch
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.paced_store import PacedStores
@@ -56,23 +57,13 @@ log = logging.getLogger("maru.kv_ops")
 DEFAULT_RING_SLOTS = 3  # one slot filling, one draining, one spare to absorb issue jitter
 
 
-def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two chunk objects are the same bytes: one host address, one shape."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
-
-
-def _lead_of(lead: list[int], k: int) -> int:
-    """The first object of the copy object ``k`` is placed from (``lead`` ascending, lead[0] = 0)."""
-    return lead[bisect.bisect_right(lead, k) - 1]
-
-
 __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "host_object"]
 
 
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
+class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedStores):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -133,6 +124,7 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         self._lock = threading.Lock()
         self.on_gpu = self.device.type == "cuda"
         self.graphs = False
+        self._scratch: HostScratch | None = None
         if not self.on_gpu:
             announce_once(
                 log,
@@ -154,6 +146,10 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         self._sync: Any = raw or TorchSync()
         self._copy_stream = torch.cuda.Stream(self.device)
         self._place_stream = torch.cuda.Stream(self.device)
+        self._place_h = int(self._place_stream.cuda_stream)  # raw handles: read once, used per call
+        self._copy_h = int(self._copy_stream.cuda_stream)
+        # Pinned buffers for the loads' uploads (slot mappings, direct tables); raw calls only.
+        self._scratch = HostScratch(raw) if raw is not None else None
         self.graphs = use_graphs and self._graphs_usable()
         self._ring = [StagingSlot(self, self._new_placer()) for _ in range(self.ring_slots)]
         self._host_sums = ck.HostSums()  # the checksums' device-to-host buffers, reused
@@ -405,7 +401,15 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
 
     def _after_caller(self, *streams: Any) -> None:
         """Each of ``streams`` waits for the work queued so far on the caller's current stream."""
-        self._follow(torch.cuda.current_stream(self.device), *streams)
+        if not self._sync.raw:
+            self._follow(torch.cuda.current_stream(self.device), *streams)
+            return
+        # The raw handle of the current stream: no torch Stream object built on the issue path.
+        if getattr(self, "_follow_event", None) is None:
+            self._follow_event = self._sync.event()
+        self._sync.record_on(self._follow_event, current_stream_handle(self.device))
+        for s in streams:
+            self._sync.wait_on(s.cuda_stream, self._follow_event)
 
     def _follow(self, source: Any, *streams: Any) -> None:
         """Each of ``streams`` waits for the work queued so far on ``source``.
@@ -449,62 +453,6 @@ class DevicePipeline(PipelineInputs, LayerPaths, StorePaths, PacedStores):
         slot = self._ring[self._next_slot]
         self._next_slot = (self._next_slot + 1) % self.ring_slots
         return slot
-
-    def _issue_load(
-        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int, checksums: bool
-    ) -> Transfer:
-        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else.
-
-        Consecutive objects over the same host page (one prefix chunk wanted by several requests of
-        a step, e.g. a shared system prompt) share one copy: the staged chunk is placed once per
-        object, and its slot is freed after the last of them. Each object keeps its own checksum.
-        """
-        t0 = time.perf_counter()
-        self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
-        sync, copy, place = self._sync, self._copy_stream, self._place_stream
-        self._start()
-        n = len(objs)
-        # lead[j]: the first object of copy j; later objects up to lead[j + 1] are the same page.
-        lead = [k for k in range(n) if k == 0 or not _same_page(objs[k], objs[k - 1])]
-        staged: list[tuple[StagingSlot, torch.Tensor, bool]] = []
-
-        def issue_copy(j: int) -> None:
-            obj = objs[lead[j]]
-            slot = self._take_slot()
-            stage, graphed = slot.buffer(obj.shape[2])
-            if slot.used:
-                sync.wait(copy, slot.free)  # its previous placement must have read it
-            self._h2d(stage, obj)
-            sync.record(slot.ready, copy)
-            slot.used = True
-            staged.append((slot, stage, graphed))
-
-        copies, ahead = len(lead), min(self.ring_slots, len(lead))
-        for j in range(ahead):
-            issue_copy(j)
-        slots = self._slots(slot_mapping, objs, skip_tokens)  # validated and moved while the bus is busy
-        with torch.cuda.stream(place):  # placements launch on the current stream
-            acc = torch.zeros(n, dtype=torch.int64, device=self.device) if checksums else None
-            j = -1
-            for k, (_obj, chunk_slots) in enumerate(self._per_chunk(objs, slots)):
-                if j + 1 < copies and lead[j + 1] == k:  # the first object of copy j + 1
-                    j += 1
-                    slot, stage, graphed = staged[j]
-                    sync.wait(place, slot.ready)
-                    if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
-                        ck.accumulate(stage, acc, k)
-                slot.place(stage, graphed, chunk_slots, load=True)
-                if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
-                    sync.record(slot.free, place)
-                    if j + ahead < copies:
-                        issue_copy(j + ahead)
-            if acc is not None and copies < n:  # an object sharing a copy shares its sum (one launch)
-                src = torch.tensor([_lead_of(lead, k) for k in range(n)], dtype=torch.int64)
-                acc = acc.index_select(0, src.to(self.device, non_blocking=True))
-            sums = ck.to_host(acc, self._host_sums)
-        handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
-        handle.copies_shared = n - copies
-        return handle
 
     def _handle(
         self,

@@ -20,6 +20,7 @@ import torch
 from maru.announce import announce_once
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
+from maru.kv_ops.cuda_sync import D2H
 from maru.kv_ops.device_handles import LayerLoad
 
 log = logging.getLogger("maru.kv_ops")
@@ -64,7 +65,10 @@ class LayerPaths:
     _layer_own: Any
     _layer_free: Any
     _direct_ok: bool | None
+    _scratch: Any
+    _place_h: int
     _done_event: Callable[[], Any]
+    _after_caller: Callable[..., None]
 
     def _eager_layer(
         self, obj_layer: torch.Tensor, layer: int, slots: torch.Tensor, placer: Placer | None
@@ -301,24 +305,90 @@ class LayerPaths:
             )
             graphed, tb = False, total  # eager: no capture while serving, no padding
         chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
-        host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
         sync, place = self._sync, self._place_stream
+        scratch = self._scratch if sync.raw else None
+        ticket = None
+        if scratch is not None:  # the table in a pinned buffer of the pipeline's ring
+            ticket, buf = scratch.take(tk.DIRECT_ROWS * (tb + 1))
+            host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb, out=buf)
+        else:
+            host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
         self._after_caller(place)
+        tab = None
+        if graphed:
+            try:
+                tab = self._layer_placer.direct_table(tb)
+            except ValueError:
+                graphed = False
+        one_launch = graphed and self._layer_placer.has_direct_all(tb, checksum=checksums)
+        done = sums = None
+        if one_launch and ticket is not None and not on_device:
+            # The lean issue (the layer-overlap load's common case): three raw calls and a graph
+            # launch on the placement stream, no torch op and no stream switch.
+            place_h = self._place_h
+            sync.copy(tab.data_ptr(), host_tab.data_ptr(), host_tab.numel() * 8, place_h)
+            scratch.uploaded(ticket, place_h)
+            ticket = None
+            t_place = time.perf_counter()
+            placed = self._layer_placer.scatter_direct_all(tb, checksum=checksums, stream=place_h)
+            if checksums:  # the kernels summed every object into row 5 of the table
+                n = len(objs)
+                sums = self._host_sums.take(n)
+                row5 = tab.data_ptr() + tk.DIRECT_SUMS_ROW * tab.stride(0) * 8
+                sync.copy(sums.data_ptr(), row5, n * 8, place_h, D2H)
+                done = self._done_event()
+                sync.record_on(done, place_h)
+        else:
+            try:
+                tab, placed, done, sums, t_place = self._issue_direct_torch(
+                    objs, tab, host_tab, slot_mapping, skip_tokens, total, tb, graphed, one_launch, checksums
+                )
+            finally:
+                if ticket is not None:  # the upload that reads the table is queued (or nothing is)
+                    scratch.uploaded(ticket, self._place_h)
+        t_end = time.perf_counter()
+        # Not ``host_tab``: torch's caching host allocator holds its block until the upload that
+        # reads it ran (the copy records an event on it), so dropping it now lets the next call
+        # reuse it instead of a fresh cudaHostAlloc (hundreds of us for a 16k-token table).
+        handle = LayerLoad(nbytes, placed, sync, (objs, tab, slot_mapping), done)
+        if sums is not None:
+            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
+        handle.path = "layers-direct"
+        handle.graphed = graphed
+        handle.one_launch = one_launch
+        handle.issue_s = t_end - t0
+        handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
+        handle.place_issue_s = t_end - t_place
+        return handle
+
+    def _issue_direct_torch(
+        self,
+        objs: list[torch.Tensor],
+        tab: torch.Tensor | None,
+        host_tab: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        skip_tokens: int,
+        total: int,
+        tb: int,
+        graphed: bool,
+        one_launch: bool,
+        checksums: bool,
+    ) -> tuple[torch.Tensor, list[Any], Any, Any, float]:
+        """The direct layer issue through torch, on the placement stream: a device slot mapping,
+        no raw calls, per-layer launches, or a table without a graph. Returns (the device table,
+        the per-layer events, the done event, the host sums, when the placements started)."""
+        from maru.kv_ops import triton_kernels as tk
+
+        sync, place = self._sync, self._place_stream
         with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
-            if graphed:
-                try:
-                    tab = self._layer_placer.direct_table(tb)
-                except ValueError:
-                    graphed, tab = False, None
-            if not graphed:
+            if tab is None:
                 tab = torch.empty((tk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
             tab.copy_(host_tab, non_blocking=True)
-            if on_device:  # the slot row comes from the device mapping, not the host
+            if slot_mapping.device.type != "cpu":  # the slot row comes from the device mapping
                 tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)
                 if skip_tokens:
                     tab[2, :skip_tokens].fill_(-1)
             t_place = time.perf_counter()
-            one_launch = graphed and self._layer_placer.has_direct_all(tb, checksum=checksums)
             if one_launch:
                 # One launch: every layer's kernel, each followed by its event (recorded in the graph).
                 placed = self._layer_placer.scatter_direct_all(tb, checksum=checksums)
@@ -337,17 +407,4 @@ class LayerPaths:
                 sums.copy_(tab[5, : len(objs)], non_blocking=True)
                 done = self._done_event()
                 sync.record(done, place)
-        t_end = time.perf_counter()
-        # Not ``host_tab``: torch's caching host allocator holds its block until the upload that
-        # reads it ran (the copy records an event on it), so dropping it now lets the next call
-        # reuse it instead of a fresh cudaHostAlloc (hundreds of us for a 16k-token table).
-        handle = LayerLoad(nbytes, placed, sync, (objs, tab, slot_mapping), done)
-        if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
-        handle.path = "layers-direct"
-        handle.graphed = graphed
-        handle.one_launch = one_launch
-        handle.issue_s = t_end - t0
-        handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
-        handle.place_issue_s = t_end - t_place
-        return handle
+        return tab, placed, done, sums, t_place

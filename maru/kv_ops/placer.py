@@ -23,7 +23,7 @@ import torch
 
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import triton_kernels
-from maru.kv_ops.cuda_sync import D2D
+from maru.kv_ops.cuda_sync import D2D, current_stream_handle
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import _first_tensor, layer_refs
 from maru.kv_ops.selection import resolve
@@ -203,21 +203,28 @@ class GraphedPlacer:
             self._graphs[key] = graph
         return graph
 
-    def _replay(self, key: tuple) -> None:
-        """Replay the graph of ``key`` on the current stream (captured on first use).
+    def _replay(self, key: tuple, stream: int | None = None) -> None:
+        """Replay the graph of ``key`` on the current stream, or on the raw ``stream`` handle when
+        given (captured on first use).
 
         Through the launcher when there is one and torch exposes the graph's executable: our graphs
-        use no random numbers, so a launch on the current stream is all that torch's ``replay``
-        does for them."""
+        use no random numbers, so a launch on the stream is all that torch's ``replay`` does for
+        them."""
         graph = self._graph(key)
         if self._launcher is not None:
             exe = self._execs.get(key)
             if exe is None:
                 exe = self._execs[key] = _raw_exec(graph)
             if exe:
-                self._launcher.launch_graph(exe, torch.cuda.current_stream(self.device).cuda_stream)
+                if stream is None:
+                    stream = current_stream_handle(self.device)
+                self._launcher.launch_graph(exe, stream)
                 return
-        graph.replay()
+        if stream is None:
+            graph.replay()
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+            graph.replay()
 
     def raw_exec(self, key: tuple, *, capture: bool) -> int:
         """The raw ``cudaGraphExec_t`` of ``key`` (captured now if ``capture``), or 0 where there is
@@ -296,14 +303,17 @@ class GraphedPlacer:
                 self._all_events[key] = [self._launcher.event() for _ in range(self.num_layers)]
             self._graph(key)
 
-    def scatter_direct_all(self, num_tokens: int, *, checksum: bool = False) -> list[int]:
-        """Every layer of ``direct_table(T)``, one graph launch on the current stream; returns the
-        per-layer events (layer i's is recorded once layer i is placed). Only warmed sizes: a
-        capture never happens here. The events are reused by the load ``ALL_LAYER_GRAPHS`` later."""
+    def scatter_direct_all(
+        self, num_tokens: int, *, checksum: bool = False, stream: int | None = None
+    ) -> list[int]:
+        """Every layer of ``direct_table(T)``, one graph launch on the current stream (or the raw
+        ``stream``); returns the per-layer events (layer i's is recorded once layer i is placed).
+        Only warmed sizes: a capture never happens here. The events are reused by the load
+        ``ALL_LAYER_GRAPHS`` later."""
         k = self._all_next.get((num_tokens, checksum), 0)
         self._all_next[(num_tokens, checksum)] = (k + 1) % self.ALL_LAYER_GRAPHS
         key = self._all_key(num_tokens, checksum, k)
-        self._replay(key)
+        self._replay(key, stream)
         return self._all_events[key]
 
     def warm(self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False) -> None:

@@ -467,7 +467,12 @@ def _direct_layer_kernel(
 
 
 def direct_table_host(
-    chunks: list[tuple[int, int]], slots: torch.Tensor, row: int, esize: int, width: int | None = None
+    chunks: list[tuple[int, int]],
+    slots: torch.Tensor,
+    row: int,
+    esize: int,
+    width: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
@@ -476,7 +481,8 @@ def direct_table_host(
     past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
     length C and the last at most C (the connector's usual step: whole chunks, one tail), the
     addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
-    CUDA is available, so the upload is asynchronous.
+    CUDA is available, so the upload is asynchronous. ``out``: a flat int64 host tensor of at least
+    ``DIRECT_ROWS * (width + 1)`` entries to build it in (``HostScratch``), instead of a new one.
     """
     total = int(slots.numel())
     width = total if width is None else int(width)
@@ -485,8 +491,10 @@ def direct_table_host(
     lengths = [t for _, t in chunks]
     if sum(lengths) != total:
         raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
-    pin = torch.cuda.is_available()
-    tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=pin)
+    if out is not None:
+        tab = out[: DIRECT_ROWS * (width + 1)].view(DIRECT_ROWS, width + 1)
+    else:
+        tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=torch.cuda.is_available())
     # numpy over the same memory: this runs on the layer load's issue path, and a numpy op costs a
     # fraction of torch's per-op overhead.
     out = tab.numpy()

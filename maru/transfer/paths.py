@@ -291,7 +291,7 @@ class PipelinedPath(DataPath):
         self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
     ) -> TransferHandle:
         try:
-            load = self.pipeline.load(objs, torch.cat(slots), checksums=expected is not None)
+            load = self.pipeline.load(objs, _joined(slots), checksums=expected is not None)
             return DeviceHandle(load, expected)
         except Exception:
             self.settle()  # a failure at issue may leave copies queued
@@ -302,7 +302,7 @@ class PipelinedPath(DataPath):
         flat = [c for g in groups for c in g]
         try:
             load = self.pipeline.load_layers(
-                [o for o, _ in flat], torch.cat([s for _, s in flat]), checksums=expected is not None
+                [o for o, _ in flat], _joined([s for _, s in flat]), checksums=expected is not None
             )
         except Exception:
             self.settle()
@@ -467,3 +467,9 @@ def _buckets_up_to(tokens: int) -> list[int]:
         out.append(tb)
         tb *= 2
     return out
+
+
+def _joined(slots: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' slot mappings as one (no ``torch.cat`` for a single chunk: ~20 us on the
+    H200 host, on every load's issue path)."""
+    return slots[0] if len(slots) == 1 else torch.cat(slots)

@@ -541,3 +541,46 @@ def test_consecutive_loads_of_one_page_share_a_copy_and_each_lands_at_its_slots(
     assert torch.equal(fresh.bits(), expected.bits())
     sums = {o.data_ptr(): checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in pages}
     assert handle.checksums() == [sums[o.data_ptr()] for o in objs]
+
+
+@pytest.mark.parametrize("mode", ["chunks", "layers"])
+def test_loads_issued_back_to_back_past_the_scratch_ring_each_land_their_own_slots(
+    pool: RegisteredPool, mode: str
+) -> None:
+    """Twelve loads issued without waiting, more than the pinned scratch ring holds (8): each
+    load's slot mapping (chunks) or direct table (layers) is written into a reused pinned buffer
+    and uploaded on the placement stream, so a buffer handed out again while its upload is still
+    queued would place a later load's tokens at an earlier one's slots. Each load has its own
+    slots and skipped prefix; the whole cache against the reference placement, and every checksum."""
+    src = make_caches("flash_attn_HND", 101)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    n = 12
+    objs = [pool.alloc(engine, CHUNK) for _ in range(n)]
+    all_slots = _slots(src, n * CHUNK, 102)
+    for k, obj in enumerate(objs):
+        engine.store([obj], all_slots[k * CHUNK : (k + 1) * CHUNK]).wait()
+    fresh = make_caches("flash_attn_HND", 103)
+    expected = fresh.clone()
+    skips = [(17 * k) % 60 for k in range(n)]
+    for k, obj in enumerate(objs):
+        part = all_slots[k * CHUNK : (k + 1) * CHUNK].cuda()
+        kv_ops.scatter(
+            obj.cuda(), expected.layers, fresh.layout(), part, backend="reference", skip_tokens=skips[k]
+        )
+    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, layer_checksums=True)
+    loader.warm(CHUNK, layer_tokens=[CHUNK])
+    handles = []
+    for k, obj in enumerate(objs):
+        part = all_slots[k * CHUNK : (k + 1) * CHUNK]  # a host mapping: the pinned scratch way
+        if mode == "layers":
+            handles.append(loader.load_layers([obj], part, skip_tokens=skips[k], checksums=True))
+        else:
+            handles.append(loader.load([obj], part, skip_tokens=skips[k], checksums=True))
+    for h in handles:
+        h.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(fresh.bits(), expected.bits())
+    want = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+    assert [h.checksums()[0] for h in handles] == want
+    if mode == "layers":
+        assert all(h.one_launch for h in handles)  # the lean raw issue ran

@@ -1,0 +1,163 @@
+"""The chunk-by-chunk load of ``DevicePipeline`` (``load``): the staging ring, copies R chunks
+ahead of placements, one checksum per object.
+
+A mixin: it uses the pipeline's streams, ring, sync and scratch buffers (see
+``device_pipeline.DevicePipeline`` for the attributes and the invariants: every operation starts
+after the caller's queued work; issue never blocks the host on the GPU).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from maru.kv_ops import checksum as ck
+from maru.kv_ops.cuda_sync import D2H
+from maru.kv_ops.device_handles import Transfer
+from maru.kv_ops.staging_slot import StagingSlot
+
+
+def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two chunk objects are the same bytes: one host address, one shape."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _lead_of(lead: list[int], k: int) -> int:
+    """The first object of the copy object ``k`` is placed from (``lead`` ascending, lead[0] = 0)."""
+    return lead[bisect.bisect_right(lead, k) - 1]
+
+
+class ChunkLoads:
+    """``_issue_load`` and its helpers (a mixin of ``DevicePipeline``)."""
+
+    # Set by DevicePipeline.__init__ (or its other mixins).
+    device: Any
+    graphs: bool
+    ring_slots: int
+    _sync: Any
+    _scratch: Any
+    _host_sums: Any
+    _copy_stream: Any
+    _place_stream: Any
+    _place_h: int
+    _check_slots: Callable[..., torch.Tensor]
+    _slots: Callable[..., torch.Tensor]
+    _start: Callable[[], None]
+    _take_slot: Callable[[], StagingSlot]
+    _h2d: Callable[[torch.Tensor, torch.Tensor], None]
+    _handle: Callable[..., Transfer]
+
+    def _issue_load(
+        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int, checksums: bool
+    ) -> Transfer:
+        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else.
+
+        Consecutive objects over the same host page (one prefix chunk wanted by several requests of
+        a step, e.g. a shared system prompt) share one copy: the staged chunk is placed once per
+        object, and its slot is freed after the last of them. Each object keeps its own checksum.
+
+        With the raw CUDA calls and a host slot mapping, the mapping goes through a pinned scratch
+        buffer straight into each graph's static slot buffer (one raw copy a chunk, no device
+        tensor, no device-to-device copy) and the checksum sums are zeroed and copied back raw.
+        """
+        t0 = time.perf_counter()
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
+        sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        self._start()
+        n = len(objs)
+        # lead[j]: the first object of copy j; later objects up to lead[j + 1] are the same page.
+        lead = [k for k in range(n) if k == 0 or not _same_page(objs[k], objs[k - 1])]
+        staged: list[tuple[StagingSlot, torch.Tensor, bool]] = []
+
+        def issue_copy(j: int) -> None:
+            obj = objs[lead[j]]
+            slot = self._take_slot()
+            stage, graphed = slot.buffer(obj.shape[2])
+            if slot.used:
+                sync.wait(copy, slot.free)  # its previous placement must have read it
+            self._h2d(stage, obj)
+            sync.record(slot.ready, copy)
+            slot.used = True
+            staged.append((slot, stage, graphed))
+
+        copies, ahead = len(lead), min(self.ring_slots, len(lead))
+        for j in range(ahead):
+            issue_copy(j)
+        # The slot mapping, prepared while the bus is busy: pinned host rows, or a device tensor.
+        pinned = self._pinned_slots(slot_mapping, skip_tokens)
+        slots = self._slots(slot_mapping, objs, skip_tokens) if pinned is None else None
+        place_h = self._place_h
+        try:
+            with torch.cuda.stream(place):  # placements launch on the current stream
+                acc = None
+                if checksums:
+                    acc = torch.empty(n, dtype=torch.int64, device=self.device)
+                    if sync.raw:
+                        sync.zero(acc.data_ptr(), n * 8, place_h)
+                    else:
+                        acc.zero_()
+                j, token0 = -1, 0
+                rows = pinned[1].data_ptr() if pinned is not None else 0
+                for k, obj in enumerate(objs):
+                    t = obj.shape[2]
+                    first = j + 1 < copies and lead[j + 1] == k  # the first object of copy j + 1
+                    if first:
+                        j += 1
+                        slot, stage, graphed = staged[j]
+                    fast = pinned is not None and graphed
+                    if fast:
+                        # The chunk's slots from the pinned rows into its graph's static buffer,
+                        # queued before the wait for the copy (the buffer's last reader, the
+                        # slot's previous placement, is earlier on this stream).
+                        sync.copy(slot.placer.slots(t).data_ptr(), rows + 8 * token0, 8 * t, place_h)
+                    if first:
+                        sync.wait(place, slot.ready)
+                        if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
+                            ck.accumulate(stage, acc, k)
+                    if fast:
+                        slot.placer.scatter(t)
+                    else:
+                        if slots is None:  # an eager placement needs the mapping on the device
+                            slots = pinned[1].to(self.device, non_blocking=True)  # type: ignore[index]
+                        slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
+                    token0 += t
+                    if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
+                        sync.record(slot.free, place)
+                        if j + ahead < copies:
+                            issue_copy(j + ahead)
+                if acc is not None and copies < n:  # an object sharing a copy shares its sum (one launch)
+                    src = torch.tensor([_lead_of(lead, k) for k in range(n)], dtype=torch.int64)
+                    acc = acc.index_select(0, src.to(self.device, non_blocking=True))
+                sums = self._sums_to_host(acc)
+        finally:
+            if pinned is not None:  # its rows are read by the copies queued so far, whatever happened
+                self._scratch.uploaded(pinned[0], place_h)  # type: ignore[union-attr]
+        handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
+        handle.copies_shared = n - copies
+        return handle
+
+    def _pinned_slots(self, slot_mapping: torch.Tensor, skip_tokens: int) -> tuple[int, torch.Tensor] | None:
+        """A host slot mapping copied into a pinned scratch buffer (skipped tokens -1): (ticket,
+        int64 rows); None where the raw calls or a host mapping are missing (``_slots`` then)."""
+        if self._scratch is None or not self.graphs or slot_mapping.device.type != "cpu":
+            return None
+        ticket, buf = self._scratch.take(int(slot_mapping.numel()))
+        rows = buf.numpy()
+        rows[:] = (
+            slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+        ).numpy()
+        if skip_tokens:  # a negative slot is never written: skipping is masking
+            rows[:skip_tokens] = -1
+        return ticket, buf
+
+    def _sums_to_host(self, acc: torch.Tensor | None) -> torch.Tensor | None:
+        """Queue (current stream: the placement stream) the copy of device sums into host sums."""
+        if acc is None or not self._sync.raw:
+            return ck.to_host(acc, self._host_sums)
+        sums = self._host_sums.take(acc.numel())
+        self._sync.copy(sums.data_ptr(), acc.data_ptr(), acc.numel() * 8, self._place_h, D2H)
+        return sums
