@@ -20,6 +20,7 @@ import pstats
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -56,7 +57,9 @@ def top(prof: cProfile.Profile, n: int) -> str:
     return "\n".join(lines[start : start + n + 1])
 
 
-def profile_size(loader: KVTransferEngine, sched: MaruHandler, reqs: list[RequestTransfer], reps: int) -> None:
+def profile_size(
+    loader: KVTransferEngine, sched: MaruHandler, reqs: list[RequestTransfer], reps: int
+) -> None:
     pins = OfferPins()
     tag = f"{sum(len(q.chunks) for q in reqs) * CHUNK} tokens, {len(reqs)} request(s)"
     for mode in ("held load", "held layer load"):
@@ -116,11 +119,72 @@ def timeline(loader: KVTransferEngine, sched: MaruHandler, reqs: list[RequestTra
         evs.append((e.time_range.start, e.time_range.end, "GPU" if dev else "cpu", e.name))
     call = [e for e in evs if e[3] == "maru_load_call" and e[2] == "cpu"]
     base = call[0][0] if call else min(e[0] for e in evs)
-    print(f"\n=== timeline of one held load ({len(reqs)} request(s)), wall {wall * 1e3:.3f} ms, us from the call")
+    print(
+        f"\n=== timeline of one held load ({len(reqs)} request(s)), wall {wall * 1e3:.3f} ms, us from the call"
+    )
     for s, e, kind, name in sorted(evs):
         if kind == "cpu" and e - s < 3 and name != "maru_load_call":
             continue
         print(f"{s - base:9.1f} {e - base:9.1f} {e - s:8.1f} {kind} {name[:90]}")
+
+
+def micro(loader: KVTransferEngine, sched: MaruHandler, req: RequestTransfer, reps: int = 200) -> None:
+    """The direct layer issue's pieces, each timed alone over ``reps`` calls (medians, us)."""
+    from maru.kv_ops import triton_kernels as tk
+
+    pipe = loader.path.pipeline
+    pins = OfferPins()
+    h = held(pins, sched, [req])
+    pl = loader.pin(h)
+    _, parts = pl.ready[0]
+    objs = [p[0] for p in parts]
+    slots = torch.cat([p[1] for p in parts])
+    total = int(slots.numel())
+    tb = 16
+    while tb < total:
+        tb *= 2
+    chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
+
+    def timed(fn: Any, n: int = reps, sync_every: int = 0) -> float:
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+            if sync_every and i % sync_every == 0:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return statistics.median(out) * 1e6
+
+    _, buf = pipe._scratch.take(tk.DIRECT_ROWS * (tb + 1))
+    row, es = pipe.layout.row_size, pipe.esize
+    tab = pipe._layer_placer.direct_table(tb)
+    res = {
+        "direct_table_host": timed(lambda: tk.direct_table_host(chunks, slots, row, es, tb, out=buf)),
+        "scratch.take": timed(lambda: pipe._scratch.take(tk.DIRECT_ROWS * (tb + 1))),
+        "_after_caller": timed(lambda: pipe._after_caller(pipe._place_stream)),
+        "table upload (raw)": timed(
+            lambda: pipe._sync.copy(
+                tab.data_ptr(), buf.data_ptr(), tk.DIRECT_ROWS * (tb + 1) * 8, pipe._place_h
+            )
+        ),
+        "graph launch, all layers": timed(
+            lambda: pipe._layer_placer.scatter_direct_all(tb, checksum=True, stream=pipe._place_h), 60, 5
+        ),
+        "_check_slots": timed(lambda: pipe._check_slots(slots, objs, 0)),
+        "_objects": timed(lambda: pipe._objects(objs)),
+    }
+    issue = []
+    for _ in range(60):
+        lh = pipe.load_layers(objs, slots, checksums=True)
+        issue.append(lh.issue_s)
+        lh.wait()
+    res["load_layers issue_s"] = statistics.median(issue) * 1e6
+    loader.release(pl)
+    done(pins, sched, h)
+    print(f"\n=== direct layer issue pieces, {total} tokens ({len(objs)} chunks, bucket {tb}), median us")
+    for k, v in res.items():
+        print(f"{k:28s} {v:8.1f}")
 
 
 def main() -> None:
@@ -149,6 +213,11 @@ def main() -> None:
                     profile_size(loader, sched, [stored[t]], args.reps)
                 except Exception as e:  # one size failing must not hide the others
                     print(f"size {t}: {type(e).__name__}: {e}")
+            for t in sizes:
+                try:
+                    micro(loader, sched, stored[t])
+                except Exception as e:
+                    print(f"micro {t}: {type(e).__name__}: {e}")
             for t in sizes[:2]:
                 try:
                     timeline(loader, sched, [stored[t]])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from maru.kv_ops import checksum as ck
-from maru.kv_ops.cuda_sync import D2H
+from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.staging_slot import StagingSlot
 
@@ -60,13 +60,24 @@ class ChunkLoads:
         a step, e.g. a shared system prompt) share one copy: the staged chunk is placed once per
         object, and its slot is freed after the last of them. Each object keeps its own checksum.
 
-        With the raw CUDA calls and a host slot mapping, the mapping goes through a pinned scratch
-        buffer straight into each graph's static slot buffer (one raw copy a chunk, no device
-        tensor, no device-to-device copy) and the checksum sums are zeroed and copied back raw.
+        With the raw CUDA calls and a host slot mapping, the mapping goes up from a pinned scratch
+        buffer in one raw copy and into each graph's static slot buffer with one raw copy a chunk
+        (no torch op, no pinning per call); the checksum sums are zeroed and copied back raw.
         """
         t0 = time.perf_counter()
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
+        place_h = self._place_h
+        # The slot mapping goes up first (a few KB, queued ahead of the chunk copies: behind them
+        # on the copy engine it would hold the first placements back until the first R copies ran).
+        pinned = self._pinned_slots(slot_mapping, skip_tokens)
+        slots = None
+        if pinned is not None:
+            try:
+                slots = self._device_words("_slots_dev", pinned[1].numel())
+                sync.copy(slots.data_ptr(), pinned[1].data_ptr(), 8 * pinned[1].numel(), place_h)
+            finally:
+                self._scratch.uploaded(pinned[0], place_h)
         self._start()
         n = len(objs)
         # lead[j]: the first object of copy j; later objects up to lead[j + 1] are the same page.
@@ -87,55 +98,49 @@ class ChunkLoads:
         copies, ahead = len(lead), min(self.ring_slots, len(lead))
         for j in range(ahead):
             issue_copy(j)
-        # The slot mapping, prepared while the bus is busy: pinned host rows, or a device tensor.
-        pinned = self._pinned_slots(slot_mapping, skip_tokens)
-        slots = self._slots(slot_mapping, objs, skip_tokens) if pinned is None else None
-        place_h = self._place_h
-        try:
-            with torch.cuda.stream(place):  # placements launch on the current stream
-                acc = None
-                if checksums:
-                    acc = torch.empty(n, dtype=torch.int64, device=self.device)
-                    if sync.raw:
-                        sync.zero(acc.data_ptr(), n * 8, place_h)
-                    else:
-                        acc.zero_()
-                j, token0 = -1, 0
-                rows = pinned[1].data_ptr() if pinned is not None else 0
-                for k, obj in enumerate(objs):
-                    t = obj.shape[2]
-                    first = j + 1 < copies and lead[j + 1] == k  # the first object of copy j + 1
-                    if first:
-                        j += 1
-                        slot, stage, graphed = staged[j]
-                    fast = pinned is not None and graphed
-                    if fast:
-                        # The chunk's slots from the pinned rows into its graph's static buffer,
-                        # queued before the wait for the copy (the buffer's last reader, the
-                        # slot's previous placement, is earlier on this stream).
-                        sync.copy(slot.placer.slots(t).data_ptr(), rows + 8 * token0, 8 * t, place_h)
-                    if first:
-                        sync.wait(place, slot.ready)
-                        if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
-                            ck.accumulate(stage, acc, k)
-                    if fast:
-                        slot.placer.scatter(t)
-                    else:
-                        if slots is None:  # an eager placement needs the mapping on the device
-                            slots = pinned[1].to(self.device, non_blocking=True)  # type: ignore[index]
-                        slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
-                    token0 += t
-                    if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
-                        sync.record(slot.free, place)
-                        if j + ahead < copies:
-                            issue_copy(j + ahead)
-                if acc is not None and copies < n:  # an object sharing a copy shares its sum (one launch)
-                    src = torch.tensor([_lead_of(lead, k) for k in range(n)], dtype=torch.int64)
-                    acc = acc.index_select(0, src.to(self.device, non_blocking=True))
-                sums = self._sums_to_host(acc)
-        finally:
-            if pinned is not None:  # its rows are read by the copies queued so far, whatever happened
-                self._scratch.uploaded(pinned[0], place_h)  # type: ignore[union-attr]
+        if slots is None:  # validated and moved while the bus is busy
+            slots = self._slots(slot_mapping, objs, skip_tokens)
+        with torch.cuda.stream(place):  # placements launch on the current stream
+            acc = None
+            if checksums:
+                if sync.raw:
+                    acc = self._device_words("_acc_dev", n)
+                    sync.zero(acc.data_ptr(), n * 8, place_h)
+                else:
+                    acc = torch.zeros(n, dtype=torch.int64, device=self.device)
+            j, token0 = -1, 0
+            # A chunk's slots reach its graph's static buffer by a device-to-device copy from
+            # the uploaded mapping (not a host-to-device copy a chunk: behind the chunk copies).
+            rows = slots.data_ptr() if pinned is not None else 0
+            for k, obj in enumerate(objs):
+                t = obj.shape[2]
+                first = j + 1 < copies and lead[j + 1] == k  # the first object of copy j + 1
+                if first:
+                    j += 1
+                    slot, stage, graphed = staged[j]
+                fast = pinned is not None and graphed
+                if fast:
+                    # The chunk's slots from the uploaded rows into its graph's static buffer,
+                    # queued before the wait for the copy (the buffer's last reader, the
+                    # slot's previous placement, is earlier on this stream).
+                    sync.copy(slot.placer.slots(t).data_ptr(), rows + 8 * token0, 8 * t, place_h, D2D)
+                if first:
+                    sync.wait(place, slot.ready)
+                    if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
+                        ck.accumulate(stage, acc, k)
+                if fast:
+                    slot.placer.scatter(t)
+                else:
+                    slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
+                token0 += t
+                if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
+                    sync.record(slot.free, place)
+                    if j + ahead < copies:
+                        issue_copy(j + ahead)
+            if acc is not None and copies < n:  # an object sharing a copy shares its sum (one launch)
+                src = torch.tensor([_lead_of(lead, k) for k in range(n)], dtype=torch.int64)
+                acc = acc.index_select(0, src.to(self.device, non_blocking=True))
+            sums = self._sums_to_host(acc)
         handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
         handle.copies_shared = n - copies
         return handle
@@ -153,6 +158,18 @@ class ChunkLoads:
         if skip_tokens:  # a negative slot is never written: skipping is masking
             rows[:skip_tokens] = -1
         return ticket, buf
+
+    def _device_words(self, name: str, n: int) -> torch.Tensor:
+        """``n`` int64 of a device buffer the pipeline keeps (attribute ``name``) for the loads'
+        placement-stream work: every writer and reader of it is queued on the placement stream,
+        so a later load's writes follow this one's reads. Grown, never shrunk; a replaced buffer
+        was allocated on the placement stream, so the allocator reuses it only in its order."""
+        buf = getattr(self, name, None)
+        if buf is None or buf.numel() < n:
+            with torch.cuda.stream(self._place_stream):
+                buf = torch.empty(max(int(n), 4096), dtype=torch.int64, device=self.device)
+            setattr(self, name, buf)
+        return buf[:n]
 
     def _sums_to_host(self, acc: torch.Tensor | None) -> torch.Tensor | None:
         """Queue (current stream: the placement stream) the copy of device sums into host sums."""
