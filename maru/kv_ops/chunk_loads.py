@@ -171,10 +171,12 @@ class ChunkLoads:
             setattr(self, name, buf)
         return buf[:n]
 
-    def _sums_to_host(self, acc: torch.Tensor | None) -> torch.Tensor | None:
-        """Queue (current stream: the placement stream) the copy of device sums into host sums."""
+    def _sums_to_host(self, acc: torch.Tensor | None, stream: int | None = None) -> torch.Tensor | None:
+        """Queue the copy of device sums into host sums (``HostSums``) on the current stream,
+        which is the raw ``stream`` (default: the placement stream) on the raw way."""
         if acc is None or not self._sync.raw:
             return ck.to_host(acc, self._host_sums)
         sums = self._host_sums.take(acc.numel())
-        self._sync.copy(sums.data_ptr(), acc.data_ptr(), acc.numel() * 8, self._place_h, D2H)
+        at = self._place_h if stream is None else stream
+        self._sync.copy(sums.data_ptr(), acc.data_ptr(), acc.numel() * 8, at, D2H)
         return sums

@@ -20,6 +20,11 @@ log = logging.getLogger("maru.kv_ops")
 class PipelineInputs:
     """``_objects``, ``_slots``/``_check_slots``, ``_per_chunk`` and ``_check_pinned``."""
 
+    # Set by DevicePipeline.__init__ (GPU only where noted).
+    _scratch: Any  # HostScratch, None without the raw calls
+    _place_h: int  # GPU
+    _sync: Any
+
     def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
         objs = [objects] if isinstance(objects, torch.Tensor) else list(objects)
         if not objs:
@@ -72,6 +77,8 @@ class PipelineInputs:
     def _slots(self, slot_mapping: Any, objs: list[torch.Tensor], skip_tokens: int) -> torch.Tensor:
         """The slot mapping as int64 on the caches' device (moved on the placement stream)."""
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
+        if self.on_gpu and self._scratch is not None and slot_mapping.device.type == "cpu":
+            return self._slots_raw(slot_mapping, skip_tokens)
         if self.on_gpu:
             caller = torch.cuda.current_stream(self.device)
             if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
@@ -89,6 +96,29 @@ class PipelineInputs:
         if skip_tokens:
             slots = slots.clone() if slots is slot_mapping else slots
             slots[:skip_tokens] = -1
+        return slots
+
+    def _slots_raw(self, slot_mapping: torch.Tensor, skip_tokens: int) -> torch.Tensor:
+        """``_slots`` of a host mapping with the raw calls: the rows written into a pinned scratch
+        buffer (``HostScratch``) and sent with one raw copy on the placement stream, after it
+        waited for the caller's stream (as ``_slots``); the device tensor is allocated on the
+        placement stream, as ``_slots`` allocates it. No pinning and no torch copy per call."""
+        n = int(slot_mapping.numel())
+        ticket, buf = self._scratch.take(n)
+        rows = buf.numpy()
+        rows[:] = (
+            slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+        ).numpy()
+        if skip_tokens:  # a negative slot is never written: skipping is masking
+            rows[:skip_tokens] = -1
+        place_h = self._place_h
+        try:
+            self._after_caller(self._place_stream)
+            with torch.cuda.stream(self._place_stream):
+                slots = torch.empty(n, dtype=torch.int64, device=self.device)
+            self._sync.copy(slots.data_ptr(), buf.data_ptr(), 8 * n, place_h)
+        finally:
+            self._scratch.uploaded(ticket, place_h)
         return slots
 
     @staticmethod
