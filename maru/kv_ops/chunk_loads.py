@@ -150,14 +150,7 @@ class ChunkLoads:
         int64 rows); None where the raw calls or a host mapping are missing (``_slots`` then)."""
         if self._scratch is None or not self.graphs or slot_mapping.device.type != "cpu":
             return None
-        ticket, buf = self._scratch.take(int(slot_mapping.numel()))
-        rows = buf.numpy()
-        rows[:] = (
-            slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-        ).numpy()
-        if skip_tokens:  # a negative slot is never written: skipping is masking
-            rows[:skip_tokens] = -1
-        return ticket, buf
+        return self._scratch.take_slots(slot_mapping, skip_tokens)  # type: ignore[no-any-return]
 
     def _device_words(self, name: str, n: int) -> torch.Tensor:
         """``n`` int64 of a device buffer the pipeline keeps (attribute ``name``) for the loads'

@@ -51,6 +51,18 @@ class HostScratch:
             self._bufs[k] = buf
         return k, buf[:words]
 
+    def take_slots(self, slot_mapping: torch.Tensor, skip_tokens: int = 0) -> tuple[int, torch.Tensor]:
+        """``take`` a buffer and write a host slot mapping into it as int64, its first
+        ``skip_tokens`` set to -1 (a negative slot is never written: skipping is masking)."""
+        ticket, buf = self.take(int(slot_mapping.numel()))
+        rows = buf.numpy()
+        rows[:] = (
+            slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+        ).numpy()
+        if skip_tokens:
+            rows[:skip_tokens] = -1
+        return ticket, buf
+
     def uploaded(self, ticket: int, stream: int) -> None:
         """Every copy from buffer ``ticket`` is queued on raw ``stream``: mark it busy until then."""
         ev = self._events[ticket]

@@ -104,13 +104,7 @@ class PipelineInputs:
         waited for the caller's stream (as ``_slots``); the device tensor is allocated on the
         placement stream, as ``_slots`` allocates it. No pinning and no torch copy per call."""
         n = int(slot_mapping.numel())
-        ticket, buf = self._scratch.take(n)
-        rows = buf.numpy()
-        rows[:] = (
-            slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-        ).numpy()
-        if skip_tokens:  # a negative slot is never written: skipping is masking
-            rows[:skip_tokens] = -1
+        ticket, buf = self._scratch.take_slots(slot_mapping, skip_tokens)
         place_h = self._place_h
         try:
             self._after_caller(self._place_stream)

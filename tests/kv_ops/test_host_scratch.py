@@ -70,3 +70,16 @@ def test_a_taken_buffer_that_was_never_uploaded_is_handed_out_without_waiting() 
     ring.take(8)  # the caller failed before queueing any copy from it
     ring.take(8)
     assert sync.synced == [] and sync.recorded == []
+
+
+def test_slot_rows_are_int64_with_the_skipped_prefix_masked() -> None:
+    import torch
+
+    ring = HostScratch(FakeSync(), size=2, pin=False)
+    mapping = torch.tensor([7, 3, 11, 5, 2], dtype=torch.int32)
+    _, rows = ring.take_slots(mapping, skip_tokens=2)
+    assert rows.dtype == torch.int64 and rows.tolist() == [-1, -1, 11, 5, 2]
+    assert mapping.tolist() == [7, 3, 11, 5, 2]  # the caller's mapping is untouched
+    strided = torch.arange(10, dtype=torch.int64)[::2]  # a view: not contiguous
+    _, rows = ring.take_slots(strided)
+    assert rows.tolist() == [0, 2, 4, 6, 8]
