@@ -146,8 +146,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         self._sync: Any = raw or TorchSync()
         self._copy_stream = torch.cuda.Stream(self.device)
         self._place_stream = torch.cuda.Stream(self.device)
-        self._place_h = int(self._place_stream.cuda_stream)  # raw handles: read once, used per call
-        self._copy_h = int(self._copy_stream.cuda_stream)
+        self._place_h = int(self._place_stream.cuda_stream)  # the raw handle: read once, used per call
         # Pinned buffers for the loads' uploads (slot mappings, direct tables); raw calls only.
         self._scratch = HostScratch(raw) if raw is not None else None
         self.graphs = use_graphs and self._graphs_usable()
