@@ -58,7 +58,10 @@ server = module_server("tp-server", "128M")
 @pytest.fixture(scope="module")
 def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("tp-engines")
-    extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C}
+    # A longer RPC timeout than the default 5 s: on the 2-core CI machine two TP=2 engines (one per
+    # test worker) and the server share the cores, and a COMMIT once went unanswered for 5 s there
+    # (stores lost, announced; every later load then missed). What is tested here is sharding.
+    extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C, "maru_timeout_s": 30}
     res: dict[str, Any] = {}
     with engine("T", tmp, model_dir, {"extra": extra}, env=TP_ENV, **TP_ENGINE) as t:
         res["t_p1"] = gen(t, P1)
