@@ -219,11 +219,14 @@ def loaded_tokens_in_log(path: Path) -> int:
 
 _SCHED_LINE = "(scheduler, so far):"
 _PROBE_HOOK = re.compile(r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms")
+_PROBE_CPU = re.compile(r"get_num_new_matched_tokens \d+ calls [\d.]+ ms \(\d+ us each, (\d+) on CPU\)")
+_PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
 
 
-def scheduler_probe_us(path: Path) -> float | None:
-    """Host time per ``get_num_new_matched_tokens`` call (per new request asked about) in the
-    scheduler's last periodic hook-time line of an engine log (``maru_log_timing``); None without one."""
+def scheduler_probe_split(path: Path) -> tuple[float, float | None, float | None] | None:
+    """(wall, the thread's CPU, offer-pin round trips) in us per ``get_num_new_matched_tokens``
+    call, from the scheduler's last periodic hook-time line; the last two None where the line
+    predates them. None without such a line."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if _SCHED_LINE in ln]
     except OSError:
@@ -231,7 +234,15 @@ def scheduler_probe_us(path: Path) -> float | None:
     m = _PROBE_HOOK.search(lines[-1]) if lines else None
     if m is None or not int(m.group(1)):
         return None
-    return float(m.group(2)) * 1e3 / int(m.group(1))
+    calls = int(m.group(1))
+    wall = float(m.group(2)) * 1e3 / calls
+    cpu = _PROBE_CPU.search(lines[-1])
+    trips = _PIN_TRIPS.search(lines[-1])
+    return (
+        wall,
+        float(cpu.group(1)) if cpu else None,
+        float(trips.group(1)) * 1e3 / calls if trips else None,
+    )
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -312,8 +323,14 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
     for row in rows.values():
         key = row["server"]
         names = [f"{key}-a", f"{key}-b"] if key in PAIRS else [key]
-        probe = [v for n in names if n in live and (v := scheduler_probe_us(live[n].log_path)) is not None]
-        row["sched_probe_us"] = statistics.mean(probe) if probe else None
+        probe = [v for n in names if n in live and (v := scheduler_probe_split(live[n].log_path)) is not None]
+        row["sched_probe_us"] = statistics.mean(v[0] for v in probe) if probe else None
+        # The same time split: the scheduling thread's own CPU, and the offer pins' round trips;
+        # the rest of the wall time it sat waiting for the GIL (or for another round trip).
+        cpu = [v[1] for v in probe if v[1] is not None]
+        trips = [v[2] for v in probe if v[2] is not None]
+        row["sched_probe_cpu_us"] = statistics.mean(cpu) if cpu else None
+        row["sched_pin_trip_us"] = statistics.mean(trips) if trips else None
         _finish_row(row)
         if row.get("n"):
             out["passes"].append(row)

@@ -423,7 +423,7 @@ def markdown(res: dict, setup: Setup) -> str:
             "| instance | requests | TTFT p50 | TTFT p95 | mean | mean of each round | p50 of each repetition "
             "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
             "| prompt tokens: computed / vLLM's cache / Maru (vLLM's count); preemptions "
-            "| Maru's scheduler host time per new request |",
+            "| Maru's scheduler host time per new request (wall; its thread's CPU, offer-pin round trips) |",
             "|---|---:|---:|---:|---:|---|---|---|---:|---|---:|",
         ]
         for p in api:
@@ -433,9 +433,19 @@ def markdown(res: dict, setup: Setup) -> str:
                 f"| {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
                 f"| {' / '.join(fmt_ms(statistics.mean(p[f'server_{k}_s'])) if p.get(f'server_{k}_s') else '-' for k in SERVER_TIMINGS)} "
                 f"| {p['tokens_loaded']} | {token_sources(p.get('server_counts'))} "
-                f"| {f'{us:.0f} us' if (us := p.get('sched_probe_us')) is not None else '-'} |"
+                f"| {sched_cell(p)} |"
             )
     return "\n".join(lines)
+
+
+def sched_cell(p: dict) -> str:
+    """``wall us (CPU c, pin trips t)`` of the scheduler's probe per new request; '-' without it."""
+    us = p.get("sched_probe_us")
+    if us is None:
+        return "-"
+    parts = [f"CPU {c:.0f}" for c in [p.get("sched_probe_cpu_us")] if c is not None]
+    parts += [f"pin trips {t:.0f}" for t in [p.get("sched_pin_trip_us")] if t is not None]
+    return f"{us:.0f} us" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def token_sources(c: dict[str, float] | None) -> str:

@@ -64,6 +64,14 @@ logger = logging.getLogger("maru.vllm")
 _TIMING_LOG_S = 10.0  # maru_log_timing: the scheduler side's periodic hook-time line (an API instance of the bench lives ~30 s)
 
 
+def _pin_trips(pins: Any) -> str:
+    """``N round trips, X ms (Y us each)`` of the offer pins' snapshot; ``off`` without pins."""
+    if not isinstance(pins, dict):
+        return "off"
+    n, ms = pins.get("pin_trips", 0), pins.get("pin_trip_ms", 0.0)
+    return f"{n} round trips, {ms:.1f} ms ({ms * 1e3 / n if n else 0.0:.0f} us each)"
+
+
 def _ensure_logging() -> None:
     """Give Maru's logger a stderr handler when nobody configured one.
 
@@ -460,7 +468,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 st = self.maru_stats()
                 logger.info(
                     "Maru: host time in vLLM's hooks (scheduler, so far): %s; probes: %s (%s local, %s "
-                    "remote); async loads planned %d, shared %d, window-deferred %d",
+                    "remote); async loads planned %d, shared %d, window-deferred %d; offer pins: %s",
                     self.hook_times.line(),
                     st.get("probe_path"),
                     st.get("probes_local", 0),
@@ -468,6 +476,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                     st["async_loads_planned"],
                     st["async_loads_shared"],
                     st["async_loads_deferred"],
+                    _pin_trips(st.get("offer_pins")),
                 )
 
     @timed

@@ -2,7 +2,10 @@
 
 vLLM calls the scheduler-side hooks on its scheduling thread and the worker-side ones around the
 forward; time spent there delays every request of the step, cold ones included. ``HookTimes``
-sums the wall time and calls per hook; ``timed`` wraps a connector method so it counts itself.
+sums the wall time, the calling thread's CPU time and the calls per hook; ``timed`` wraps a
+connector method so it counts itself. Wall minus CPU is time the thread sat blocked inside the
+hook: a server round trip, or waiting for the GIL while another thread of the process (vLLM's
+input and output threads, Maru's write-behind drain) runs Python.
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 30 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -19,10 +22,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class HookTimes:
-    """Seconds and calls per hook name. Invariant: only ever grows (a process-lifetime sum)."""
+    """Seconds (wall and the thread's CPU) and calls per hook name. Invariant: only ever grows
+    (a process-lifetime sum); a hook's CPU seconds never exceed its wall seconds by more than the
+    clocks' resolution."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._logged_at = time.monotonic()
         self._logged_calls = 0
@@ -37,33 +43,42 @@ class HookTimes:
         self._logged_at, self._logged_calls = now, total
         return True
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
         self.calls[name] = self.calls.get(name, 0) + 1
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{hook: {"calls": n, "ms": total}}``, the costliest first."""
+        """``{hook: {"calls": n, "ms": wall total, "cpu_ms": the thread's CPU total}}``, the costliest first."""
         order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
-        return {k: {"calls": self.calls[k], "ms": round(self.seconds[k] * 1e3, 3)} for k in order}
+        return {
+            k: {
+                "calls": self.calls[k],
+                "ms": round(self.seconds[k] * 1e3, 3),
+                "cpu_ms": round(self.cpu_seconds.get(k, 0.0) * 1e3, 3),
+            }
+            for k in order
+        }
 
     def line(self) -> str:
-        """One log line: ``hook N calls X ms (Y us each), ...``."""
+        """One log line: ``hook N calls X ms (Y us each, Z on CPU), ...``."""
         return ", ".join(
-            f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each)"
+            f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each, "
+            f"{v['cpu_ms'] * 1e3 / v['calls']:.0f} on CPU)"
             for k, v in self.as_dict().items()
         )
 
 
 def timed(method: F) -> F:
-    """Count the wrapped method's wall time into ``self.hook_times`` under its name."""
+    """Count the wrapped method's wall and thread CPU time into ``self.hook_times`` under its name."""
     name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.hook_times.add(name, time.perf_counter() - t0)
+            self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
 
     return wrapper  # type: ignore[return-value]

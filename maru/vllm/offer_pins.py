@@ -72,6 +72,7 @@ class _Handed:
 @dataclass
 class OfferPinStats:
     pin_trips: int = 0  # lookup-and-pin round trips (one per offer or step that needed new pins)
+    pin_trip_ms: float = 0.0  # their wall time, summed (with pin_at_offer: on vLLM's scheduling thread)
     pins_shared: int = 0  # rank keys held through a pin another set already had: no round trip
     offers_cut: int = 0  # offers cut short: a chunk the probe found was gone when pinned
     handed: int = 0  # pin sets handed to the workers with a load
@@ -182,7 +183,11 @@ class OfferPins:
         if client is None:
             raise MaruError("no connection to the maru server")
         self.stats.pin_trips += 1
-        out = client.batch_retrieve(keys, pin=True, verify=False)
+        t0 = time.perf_counter()
+        try:
+            out = client.batch_retrieve(keys, pin=True, verify=False)
+        finally:
+            self.stats.pin_trip_ms += (time.perf_counter() - t0) * 1e3
         for i, h in enumerate(out):
             if h is not None and h.checksum is None:
                 self._release.append(h)
@@ -270,8 +275,10 @@ class OfferPins:
         self._handed.clear()
         self.flush(client)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | float]:
         self.stats.open_now = len(self._open)
         self.stats.handed_now = len(self._handed)
         self.stats.pinned_now = len(self._pins)
-        return {k: v for k, v in self.stats.__dict__.items() if isinstance(v, int)}
+        out: dict[str, int | float] = dict(self.stats.__dict__)
+        out["pin_trip_ms"] = round(self.stats.pin_trip_ms, 3)
+        return out

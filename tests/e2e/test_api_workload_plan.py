@@ -90,3 +90,23 @@ def test_a_pass_whose_processes_do_not_fit_the_card_is_refused_with_what_to_leav
     assert why is not None and "9 vLLM processes" in why and "--api-pair" in why and "79 GiB free" in why
     assert aw.gpu_memory_shortfall(140 * gib, 6 * gib, [4 * gib] * 9) is None  # an H200 holds them
     assert aw.gpu_memory_shortfall(79 * gib, 6 * gib, [4 * gib] * 6) is None  # the call that ran
+
+
+def test_scheduler_probe_split_reads_the_last_periodic_line_old_and_new(tmp_path) -> None:
+    log = tmp_path / "engine.log"
+    head = "INFO [maru] Maru: host time in vLLM's hooks (scheduler, so far): "
+    log.write_text(
+        head
+        + "get_num_new_matched_tokens 10 calls 9.0 ms (900 us each), build_connector_meta 3 calls 0.1 ms\n"
+        "an unrelated line with get_num_new_matched_tokens 99 calls 1.0 ms\n"
+    )
+    assert aw.scheduler_probe_split(log) == (900.0, None, None)  # a line from before the CPU split
+    with log.open("a") as f:
+        f.write(
+            head + "get_num_new_matched_tokens 20 calls 16.0 ms (800 us each, 250 on CPU), "
+            "request_finished 2 calls 0.1 ms (50 us each, 40 on CPU); probes: key index (5 local, 0 "
+            "remote); async loads planned 0, shared 0, window-deferred 0; offer pins: 16 round trips, "
+            "4.0 ms (250 us each)\n"
+        )
+    assert aw.scheduler_probe_split(log) == (800.0, 250.0, 200.0)  # the last line; trips per call
+    assert aw.scheduler_probe_split(tmp_path / "missing.log") is None

@@ -54,3 +54,29 @@ def test_periodic_line_is_due_once_per_interval_and_only_after_new_calls(monkeyp
     assert not h.hook_times.due(30.0)  # the interval passed, but no new calls
     h.fast(2)
     assert h.hook_times.due(30.0)
+
+
+class _Blocking:
+    def __init__(self) -> None:
+        self.hook_times = HookTimes()
+
+    @timed
+    def blocked(self) -> None:
+        time.sleep(0.05)  # off the CPU, as in a server round trip or a wait for the GIL
+
+    @timed
+    def busy(self) -> None:
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.02:  # on the CPU for 20 ms of this thread's time
+            pass
+
+
+def test_cpu_time_tells_a_blocked_hook_from_a_busy_one() -> None:
+    h = _Blocking()
+    h.blocked()
+    h.busy()
+    d = h.hook_times.as_dict()
+    assert d["blocked"]["ms"] >= 50.0 and d["blocked"]["cpu_ms"] < 25.0  # mostly blocked
+    assert d["busy"]["cpu_ms"] >= 20.0  # the spin is the thread's own CPU time
+    assert d["busy"]["cpu_ms"] <= d["busy"]["ms"] + 1.0  # CPU never exceeds wall (clock resolution)
+    assert "us each" in h.hook_times.line() and "on CPU" in h.hook_times.line()

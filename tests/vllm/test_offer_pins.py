@@ -433,6 +433,7 @@ def test_requests_sharing_a_prefix_pin_it_once_and_it_stays_pinned_until_the_las
         ra, rb, rc = req("a", ta), req("b", tb), req("c", ta)
         assert s.get_num_new_matched_tokens(ra, 0) == (offer, False)
         assert s.pins is not None and s.pins.stats.pin_trips == 1
+        assert s.pins.snapshot()["pin_trip_ms"] > 0.0  # the round trip's wall time is counted
         assert s.get_num_new_matched_tokens(rb, 0) == (offer, False)
         assert s.pins.stats.pin_trips == 2 and s.pins.stats.pins_shared == 3  # b asked for 2 keys
         assert s.get_num_new_matched_tokens(rc, 0) == (offer, False)
