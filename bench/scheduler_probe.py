@@ -92,6 +92,10 @@ def main() -> int:
         "worker thread preparing a step beside the scheduler: each request then competes for the GIL",
     )  # fmt: skip
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
+    ap.add_argument(
+        "--spin-us", type=float, default=0.0,
+        help="the scheduler's client polls for each reply this long before blocking (reply_spin_s)",
+    )  # fmt: skip
     a = ap.parse_args()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
@@ -108,7 +112,7 @@ def main() -> int:
     srv = ServerProcess(work, pool_size="64M", extra_args=["--no-key-index"] if a.no_key_index else [])
     srv.start()
     try:
-        h = MaruHandler(srv.url, timeout_s=5)
+        h = MaruHandler(srv.url, timeout_s=5, reply_spin_s=a.spin_us * 1e-6)
         keys: set[str] = set()
         for p in first:
             pk = keyer.prompt_keys(p)

@@ -82,10 +82,13 @@ class MaruHandler(SessionClient):
         pool_path: str | None = None,
         server_public_key: str | None = None,
         client_key: str | None = None,
+        reply_spin_s: float = 0.0,
     ) -> None:
         """``server_public_key`` (z85 text or ``.key`` file) and ``client_key`` (this client's
         ``.key_secret`` file) connect to a CURVE server; both absent: $MARU_SERVER_PUBLIC_KEY and
-        $MARU_CLIENT_KEY, else a plain connection (a loopback server). See docs/security.md."""
+        $MARU_CLIENT_KEY, else a plain connection (a loopback server). See docs/security.md.
+        ``reply_spin_s``: poll for each reply this long before blocking, for a latency-critical
+        thread that shares the GIL with busy ones (``maru.client.rpc``; 0: block at once)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if heartbeat_interval_s <= 0:
@@ -94,7 +97,7 @@ class MaruHandler(SessionClient):
         self.client_id = uuid.uuid4().hex
         self.timeout_s = float(timeout_s)
         self._pool_path_override = pool_path
-        self._rpc = RpcChannel(url, CurveKeys.resolve(server_public_key, client_key))
+        self._rpc = RpcChannel(url, CurveKeys.resolve(server_public_key, client_key), reply_spin_s)
         # One RLock orders every exchange with the server and every session change, so a
         # COMMIT can never race a re-handshake (which would invalidate its reservations).
         self._lock = threading.RLock()

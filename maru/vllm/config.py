@@ -23,6 +23,12 @@ DEFAULT_TIMEOUT_S = 5.0
 # the bus). A batch of many requests loads at bus speed; the request cap only bounds bookkeeping.
 DEFAULT_MAX_INFLIGHT_LOADS = 64
 DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
+# The scheduler side's client polls for each server reply this long before it blocks
+# (``maru.client.rpc``, "Waiting for a reply"): on vLLM's scheduling thread a blocking wait hands
+# the GIL to the engine's other threads, and the thread got it back ~470 us after a ~110 us
+# round trip on an H200 host. A few bare round trips long; the most one request can spin.
+DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
+MAX_REPLY_SPIN_US = 10_000
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -88,6 +94,7 @@ class MaruConnectorConfig:
     model_id: str = ""
     model_revision: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
+    scheduler_reply_spin_us: int = DEFAULT_SCHEDULER_REPLY_SPIN_US
     enable_load: bool = True
     enable_store: bool = True
     store_partial_tail: bool = True
@@ -150,6 +157,13 @@ class MaruConnectorConfig:
                 kw[name] = _as_int(key, value, 1)
             elif name == "async_min_load_tokens":
                 kw[name] = _as_int(key, value, 0)
+            elif name == "scheduler_reply_spin_us":
+                kw[name] = _as_int(key, value, 0)
+                if kw[name] > MAX_REPLY_SPIN_US:
+                    raise ConfigError(
+                        f"{key} must be at most {MAX_REPLY_SPIN_US} (us; a round trip to a local server "
+                        f"takes ~100-300 us), got {kw[name]}; 0 turns the polling off"
+                    )
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
             elif name == "store_drain_delay_s":

@@ -229,10 +229,14 @@ class MaruKVConnector(KVConnectorBase_V1):
             else:
                 cfg = self.maru_config = cfg.loading_before_the_request_runs(unrecoverable)
 
+        # vLLM's scheduling thread waits for each reply polling (it keeps the GIL); the workers'
+        # round trips run beside the forward and block as usual.
+        spin_s = cfg.scheduler_reply_spin_us * 1e-6 if role == KVConnectorRole.SCHEDULER else 0.0
+
         def client_factory() -> Any:
             from maru.client import MaruHandler
 
-            return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s)
+            return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s, reply_spin_s=spin_s)
 
         for line in cfg.data_path_lines() if (cfg.enable_load or cfg.enable_store) else ():
             # Once per connector instance (one per role and worker): says which optional path runs.

@@ -164,11 +164,25 @@ def test_keys_without_the_maru_prefix_are_ignored() -> None:
         {"maru_timeout_s": -1},
         {"maru_log_timing": "maybe"},
         {"maru_server_url": ""},
+        {"maru_scheduler_reply_spin_us": -1},
+        {"maru_scheduler_reply_spin_us": 20_000},
+        {"maru_scheduler_reply_spin_us": True},
     ],
 )
 def test_bad_values_are_errors(extra: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         MaruConnectorConfig.from_extra_config(extra)
+
+
+def test_the_scheduler_reply_spin_is_a_bounded_number_of_microseconds_zero_turns_it_off() -> None:
+    assert MaruConnectorConfig().scheduler_reply_spin_us == 500
+    assert (
+        MaruConnectorConfig.from_extra_config({"maru_scheduler_reply_spin_us": "0"}).scheduler_reply_spin_us
+        == 0
+    )
+    assert MaruConnectorConfig.from_extra_config(
+        {"maru_scheduler_reply_spin_us": 10_000}
+    ).scheduler_reply_spin_us == (10_000)
 
 
 def test_chunk_tokens_are_aligned_down_to_the_block_size_with_one_warning(
