@@ -152,6 +152,17 @@ class MaruHandler(SessionClient):
         return self._connected and not self._closed
 
     @property
+    def reply_waits(self) -> dict[str, int | float]:
+        """How this client waited for replies: its polling budget (``reply_spin_s``), the replies
+        read while polling, and the waits that outlasted it and blocked."""
+        r = self._rpc
+        return {
+            "spin_us": round(r.reply_spin_s * 1e6),
+            "replies_spun": r.replies_spun,
+            "spun_out": r.spun_out,
+        }
+
+    @property
     def pool_buffer(self) -> Any:
         """The ``mmap`` of the whole pool (e.g. to register it with CUDA once)."""
         return self._mapped().mmap

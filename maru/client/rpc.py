@@ -129,6 +129,10 @@ class RpcChannel:
             raise ValueError(f"reply_spin_s must be within [0, 0.01] s, got {reply_spin_s}")
         self.url = url
         self.reply_spin_s = float(reply_spin_s)
+        # With reply_spin_s: replies read while polling, and waits that outlasted the polling
+        # (then blocked): many of the latter mean the spin is shorter than the round trips.
+        self.replies_spun = 0
+        self.spun_out = 0
         self._curve = curve if curve is not None else CurveKeys.resolve(None, None)
         self._routing_id = b"\x01" + secrets.token_bytes(16)  # a leading zero byte is libzmq's
         self._ctx = zmq.Context.instance()
@@ -251,9 +255,11 @@ class RpcChannel:
                 got = self._take_reply(reply, req_id)
                 if got is None:
                     continue  # a posted request's reply: keep polling for ours
+                self.replies_spun += 1
                 return self._body(reply, got[0], op, req_id)
             if spin_until:  # spun out: block for what is left of the timeout
                 spin_until, wait_ms = 0.0, -1
+                self.spun_out += 1
             remaining_ms = wait_ms if wait_ms >= 0 else int((deadline - time.monotonic()) * 1000)
             wait_ms = -1
             # A blocking recv with a timeout is measurably faster than poll() then recv().

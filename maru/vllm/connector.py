@@ -72,6 +72,13 @@ def _pin_trips(pins: Any) -> str:
     return f"{n} round trips, {ms:.1f} ms ({ms * 1e3 / n if n else 0.0:.0f} us each)"
 
 
+def _reply_waits(w: Any) -> str:
+    """``N read while polling (spin S us), M blocked past it`` of a client's ``reply_waits``."""
+    if not isinstance(w, dict) or not w:
+        return "-"
+    return f"{w.get('replies_spun', 0)} read while polling (spin {w.get('spin_us', 0)} us), {w.get('spun_out', 0)} blocked past it"
+
+
 def _ensure_logging() -> None:
     """Give Maru's logger a stderr handler when nobody configured one.
 
@@ -472,7 +479,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 st = self.maru_stats()
                 logger.info(
                     "Maru: host time in vLLM's hooks (scheduler, so far): %s; probes: %s (%s local, %s "
-                    "remote); async loads planned %d, shared %d, window-deferred %d; offer pins: %s",
+                    "remote); async loads planned %d, shared %d, window-deferred %d; offer pins: %s; "
+                    "replies: %s",
                     self.hook_times.line(),
                     st.get("probe_path"),
                     st.get("probes_local", 0),
@@ -481,6 +489,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                     st["async_loads_shared"],
                     st["async_loads_deferred"],
                     _pin_trips(st.get("offer_pins")),
+                    _reply_waits(st.get("reply_waits")),
                 )
 
     @timed

@@ -150,6 +150,8 @@ class MaruSchedulerConnector(LoadPlanning):
             "probe_path": local.path,
             "probes_local": n["exists_local"],
             "probes_remote": n["exists_remote"],
+            # How this side's round trips waited (maru_scheduler_reply_spin_us): polled, or blocked.
+            "reply_waits": getattr(self._client, "reply_waits", {}),
         }
 
     # ------------------------------------------------------------------ server

@@ -64,6 +64,11 @@ def test_a_spinning_handler_reads_back_its_own_bytes_and_its_posted_replies(
             h.batch_release(got, wait=False)  # posted: its reply arrives before the next one's
             assert h.usage()["pinned"] == 0  # our own reply, read after the posted one's
             assert not h._rpc._posted
+        w = h.reply_waits
+        assert w["spin_us"] == 2000 and w["replies_spun"] + w["spun_out"] >= 30  # every exchange counted
+    with MaruHandler(maru_server.url) as blocking:
+        blocking.usage()
+        assert blocking.reply_waits == {"spin_us": 0, "replies_spun": 0, "spun_out": 0}  # never polls
 
 
 def test_a_reply_later_than_the_spin_is_still_read_by_the_blocking_wait() -> None:
@@ -73,6 +78,7 @@ def test_a_reply_later_than_the_spin_is_still_read_by_the_blocking_wait() -> Non
         for i in range(1, 4):
             body = ch.request(Op.USAGE, {}, 5.0)
             assert body == {"ok": True, "n": i}  # each request its own reply, in order
+        assert ch.spun_out == 3 and ch.replies_spun == 0  # each outlasted the 0.5 ms of polling
     finally:
         ch.close()
         srv.close()

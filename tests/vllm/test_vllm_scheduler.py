@@ -491,6 +491,8 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
                 assert "EXISTS are server round trips" in slow and "--no-key-index" in slow
                 assert "maru doctor" in slow  # where the fix is
             assert s.probe_view()["probe_path"] == info["paths"]["exists"]
+            # How its replies were waited for is in the view (this client blocks: no polling).
+            assert s.probe_view()["reply_waits"] == h.reply_waits and h.reply_waits["spin_us"] == 0
         finally:
             h.close()
 
