@@ -87,8 +87,7 @@ class MaruHandler(SessionClient):
         """``server_public_key`` (z85 text or ``.key`` file) and ``client_key`` (this client's
         ``.key_secret`` file) connect to a CURVE server; both absent: $MARU_SERVER_PUBLIC_KEY and
         $MARU_CLIENT_KEY, else a plain connection (a loopback server). See docs/security.md.
-        ``reply_spin_s``: poll for each reply this long before blocking, for a latency-critical
-        thread that shares the GIL with busy ones (``maru.client.rpc``; 0: block at once)."""
+        ``reply_spin_s``: poll for each reply this long before blocking (``maru.client.rpc``)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if heartbeat_interval_s <= 0:
@@ -152,15 +151,9 @@ class MaruHandler(SessionClient):
         return self._connected and not self._closed
 
     @property
-    def reply_waits(self) -> dict[str, int | float]:
-        """How this client waited for replies: its polling budget (``reply_spin_s``), the replies
-        read while polling, and the waits that outlasted it and blocked."""
-        r = self._rpc
-        return {
-            "spin_us": round(r.reply_spin_s * 1e6),
-            "replies_spun": r.replies_spun,
-            "spun_out": r.spun_out,
-        }
+    def reply_waits(self) -> dict[str, int]:
+        """How replies were waited for (``RpcChannel.waits``)."""
+        return self._rpc.waits()
 
     @property
     def pool_buffer(self) -> Any:

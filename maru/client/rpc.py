@@ -280,6 +280,14 @@ class RpcChannel:
                 continue  # a posted request's reply, or the late reply of a timed-out request
             return self._body(reply, got[0], op, req_id)
 
+    def waits(self) -> dict[str, int]:
+        """The polling budget (us), the replies read while polling, the waits that blocked past it."""
+        return {
+            "spin_us": round(self.reply_spin_s * 1e6),
+            "replies_spun": self.replies_spun,
+            "spun_out": self.spun_out,
+        }
+
     @staticmethod
     def _spin(sock: zmq.Socket, until: float) -> bytes | None:
         """The next frame, polled for without blocking until ``until`` (perf_counter); None if none came.
