@@ -221,6 +221,7 @@ _SCHED_LINE = "(scheduler, so far):"
 _PROBE_HOOK = re.compile(r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms")
 _PROBE_CPU = re.compile(r"get_num_new_matched_tokens \d+ calls [\d.]+ ms \(\d+ us each, (\d+) on CPU\)")
 _PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
+_REPLIES = re.compile(r"replies: (\d+) read while polling \(spin \d+ us\), (\d+) blocked past it")
 
 
 def scheduler_probe_split(path: Path) -> tuple[float, float | None, float | None] | None:
@@ -243,6 +244,17 @@ def scheduler_probe_split(path: Path) -> tuple[float, float | None, float | None
         float(cpu.group(1)) if cpu else None,
         float(trips.group(1)) * 1e3 / calls if trips else None,
     )
+
+
+def scheduler_replies(path: Path) -> tuple[int, int] | None:
+    """(replies read while polling, waits that blocked past the polling) of the scheduler's last
+    periodic line; None where the line has no such count."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if _SCHED_LINE in ln]
+    except OSError:
+        return None
+    m = _REPLIES.search(lines[-1]) if lines else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -331,6 +343,8 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
         trips = [v[2] for v in probe if v[2] is not None]
         row["sched_probe_cpu_us"] = statistics.mean(cpu) if cpu else None
         row["sched_pin_trip_us"] = statistics.mean(trips) if trips else None
+        replies = [v for n in names if n in live and (v := scheduler_replies(live[n].log_path)) is not None]
+        row["sched_replies"] = [sum(v[0] for v in replies), sum(v[1] for v in replies)] if replies else None
         _finish_row(row)
         if row.get("n"):
             out["passes"].append(row)

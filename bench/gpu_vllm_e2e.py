@@ -445,6 +445,9 @@ def sched_cell(p: dict) -> str:
         return "-"
     parts = [f"CPU {c:.0f}" for c in [p.get("sched_probe_cpu_us")] if c is not None]
     parts += [f"pin trips {t:.0f}" for t in [p.get("sched_pin_trip_us")] if t is not None]
+    parts += [
+        f"{r[1]} of {r[0] + r[1]} replies blocked past the polling" for r in [p.get("sched_replies")] if r
+    ]
     return f"{us:.0f} us" + (f" ({', '.join(parts)})" if parts else "")
 
 

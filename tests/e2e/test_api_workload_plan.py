@@ -106,7 +106,9 @@ def test_scheduler_probe_split_reads_the_last_periodic_line_old_and_new(tmp_path
             head + "get_num_new_matched_tokens 20 calls 16.0 ms (800 us each, 250 on CPU), "
             "request_finished 2 calls 0.1 ms (50 us each, 40 on CPU); probes: key index (5 local, 0 "
             "remote); async loads planned 0, shared 0, window-deferred 0; offer pins: 16 round trips, "
-            "4.0 ms (250 us each)\n"
+            "4.0 ms (250 us each); replies: 30 read while polling (spin 500 us), 2 blocked past it\n"
         )
     assert aw.scheduler_probe_split(log) == (800.0, 250.0, 200.0)  # the last line; trips per call
+    assert aw.scheduler_replies(log) == (30, 2)
     assert aw.scheduler_probe_split(tmp_path / "missing.log") is None
+    assert aw.scheduler_replies(tmp_path / "missing.log") is None
