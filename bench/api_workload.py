@@ -56,6 +56,9 @@ API_LOADS: dict[str, dict[str, Any]] = {
     "sync": {},
     "async": {"maru_async_load": True},
     "overlap": {"maru_overlap_load_with_compute": True},
+    # The layer-overlap load on vLLM's default (V2) runner: offers pinned at each offer, as the
+    # default's ("overlap" runs on the V1 runner, ENGINE_ENV).
+    "overlap-v2": {"maru_overlap_load_with_compute": True},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so
