@@ -368,6 +368,10 @@ def _finish_row(row: dict[str, Any]) -> None:
     ]
     row.update(n=len(recs), p50_s=pct(ttft, 0.5), p95_s=pct(ttft, 0.95), mean_s=statistics.mean(ttft),
                rep_p50_s=per_rep, round_mean_s=per_round, texts=[r["text"] for r in recs])  # fmt: skip
+    # After the first token: the rest of the answer (the same token count for every request,
+    # ignore_eos), i.e. the decode steps, which a connector's cost to CUDA graphs shows in.
+    if all("total" in r for r in recs):
+        row["decode_s"] = statistics.mean(r["total"] - r["ttft"] for r in recs)
     server = " ".join(
         f"{k} {statistics.mean(row[f'server_{k}_s']) * 1e3:.1f}"
         for k in SERVER_TIMINGS
@@ -375,4 +379,5 @@ def _finish_row(row: dict[str, Any]) -> None:
     )
     log(f"api {row['label']:36} p50 {row['p50_s'] * 1e3:7.1f} ms  p95 {row['p95_s'] * 1e3:7.1f} ms  "
         f"(repetitions' p50 {' / '.join(f'{x * 1e3:.0f}' for x in per_rep)}; server means, ms: {server}; "
+        f"after the first token {row.get('decode_s', 0.0) * 1e3:.1f} ms; "
         f"{row['tokens_loaded']} tokens loaded from Maru)")  # fmt: skip

@@ -421,10 +421,10 @@ def markdown(res: dict, setup: Setup) -> str:
             f"{', ' + res['env']['runner'] if res.get('env', {}).get('runner') else ''}):",
             "",
             "| instance | requests | TTFT p50 | TTFT p95 | mean | mean of each round | p50 of each repetition "
-            "| vLLM's TTFT / queue / prefill, mean | tokens loaded from Maru "
+            "| vLLM's TTFT / queue / prefill, mean | the rest of the answer, mean | tokens loaded from Maru "
             "| prompt tokens: computed / vLLM's cache / Maru (vLLM's count); preemptions "
             "| Maru's scheduler host time per new request (wall; its thread's CPU, offer-pin round trips) |",
-            "|---|---:|---:|---:|---:|---|---|---|---:|---|---:|",
+            "|---|---:|---:|---:|---:|---|---|---|---:|---:|---|---:|",
         ]
         for p in api:
             lines.append(
@@ -432,7 +432,7 @@ def markdown(res: dict, setup: Setup) -> str:
                 f"| {fmt_ms(p['mean_s'])} | {' / '.join(fmt_ms(x) for x in p.get('round_mean_s', []))} "
                 f"| {' / '.join(fmt_ms(x) for x in p.get('rep_p50_s', []))} "
                 f"| {' / '.join(fmt_ms(statistics.mean(p[f'server_{k}_s'])) if p.get(f'server_{k}_s') else '-' for k in SERVER_TIMINGS)} "
-                f"| {p['tokens_loaded']} | {token_sources(p.get('server_counts'))} "
+                f"| {fmt_ms(p.get('decode_s'))} | {p['tokens_loaded']} | {token_sources(p.get('server_counts'))} "
                 f"| {sched_cell(p)} |"
             )
     return "\n".join(lines)
