@@ -72,6 +72,7 @@ def one_run(index: bool, a: argparse.Namespace, model: str, tmp: Path) -> dict[s
         "label": label,
         "calls": int(hook["calls"]),
         "us_per_call": hook["ms"] * 1e3 / max(1, hook["calls"]),
+        "cpu_us_per_call": hook.get("cpu_ms", 0.0) * 1e3 / max(1, hook["calls"]),
         "probe_path": sched.get("probe_path"),
         "local": sched.get("probes_local"),
         "remote": sched.get("probes_remote"),
@@ -92,11 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_model(a.model_dir or tmp / "model"))
     rows = [one_run(True, a, model, tmp), one_run(False, a, model, tmp)]
     print(f"\n{a.users} users x {a.rounds} rounds, {a.system}-token system prompt, {a.turn}-token turns")
-    print("| EXISTS answered by | calls | host time per call | probes local / remote | tokens offered |")
+    print(
+        "| EXISTS answered by | calls | host time per call (the thread's CPU) | probes local / remote "
+        "| tokens offered |"
+    )
     print("|---|---:|---:|---|---:|")
     for r in rows:
         print(
-            f"| {r['label']} ({r['probe_path']}) | {r['calls']} | {r['us_per_call']:.0f} us | "
+            f"| {r['label']} ({r['probe_path']}) | {r['calls']} | {r['us_per_call']:.0f} us "
+            f"({r['cpu_us_per_call']:.0f}) | "
             f"{r['local']} / {r['remote']} | {r['tokens_offered']} |"
         )
     return 0
