@@ -238,7 +238,7 @@ class MaruKVConnector(KVConnectorBase_V1):
 
         # vLLM's scheduling thread waits for each reply polling (it keeps the GIL); the workers'
         # round trips run beside the forward and block as usual.
-        spin_s = cfg.scheduler_reply_spin_us * 1e-6 if role == KVConnectorRole.SCHEDULER else 0.0
+        spin_s = cfg.reply_spin_us() * 1e-6 if role == KVConnectorRole.SCHEDULER else 0.0
 
         def client_factory() -> Any:
             from maru.client import MaruHandler

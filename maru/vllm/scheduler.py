@@ -188,6 +188,7 @@ class MaruSchedulerConnector(LoadPlanning):
                         "exists": local.path,
                         "async_load_sharing": self.load_sharing,
                         "offer_pins": self.offer_pins_mode,
+                        "reply_wait": _reply_wait_mode(self._client),
                     },
                     "slow": local.slow()
                     + [
@@ -558,6 +559,14 @@ class MaruSchedulerConnector(LoadPlanning):
                 client.close()
             except Exception:
                 pass
+
+
+def _reply_wait_mode(client: Any) -> str:
+    """How this side waits for the server's replies (``maru stats``): polling (how long), or blocking."""
+    us = getattr(client, "reply_waits", {}).get("spin_us", 0)
+    if not us:
+        return "blocks (maru_scheduler_reply_spin_us 0, or fewer than 4 usable cores)"
+    return f"polls up to {us} us, keeping the GIL, then blocks"
 
 
 def _describe(e: BaseException) -> str:

@@ -251,11 +251,15 @@ def test_the_facade_counts_the_host_time_of_each_hook_it_serves(server, caplog) 
 def test_the_scheduler_sides_client_polls_for_replies_and_the_workers_blocks(server) -> None:
     """vLLM's scheduling thread keeps the GIL while a round trip is out (maru_scheduler_reply_spin_us);
     the worker's round trips run beside the forward and block as usual."""
-    conn = scheduler_side(server, True)
+    conn = scheduler_side(server, True, maru_scheduler_reply_spin_us=500)
     r, offer = offer_of_a_stored_prompt(server, conn, seed=41)  # connects; pins at the offer (V2)
     waits = conn.maru_stats()["reply_waits"]
     assert waits["spin_us"] == 500 and waits["replies_spun"] + waits["spun_out"] >= 1
     conn.shutdown()
+    unset = scheduler_side(server, True)  # the default: as many us as this machine's cores allow
+    offer_of_a_stored_prompt(server, unset, seed=43)
+    assert unset.maru_stats()["reply_waits"]["spin_us"] == unset.maru_config.reply_spin_us()
+    unset.shutdown()
     off = scheduler_side(server, True, maru_scheduler_reply_spin_us=0)
     offer_of_a_stored_prompt(server, off, seed=42)
     assert off.maru_stats()["reply_waits"] == {"spin_us": 0, "replies_spun": 0, "spun_out": 0}
