@@ -30,9 +30,11 @@ DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 # round trip on an H200 host. A few bare round trips long; the most one request can spin.
 DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
 MAX_REPLY_SPIN_US = 10_000
-# Below this many usable cores the default is not to poll: the polling thread takes a core the
-# server needs (2 cores: a 1-key lookup's mean went from 237 to 390 us, its p90 from 318 to 733).
-MIN_CPUS_TO_SPIN = 4
+# Below this many usable cores the default is not to poll: a polling client, its ZeroMQ I/O thread,
+# the server and the server's I/O thread must all run at once, beside the engine's own busy
+# threads (2 cores: a 1-key lookup's p50 went from 347 to 856 us, 272 of 303 replies outlasting
+# the polling, bench/reply_spin.py; 16 cores, the H200 host: the pin round trip 580 -> 380-399 us).
+MIN_CPUS_TO_SPIN = 8
 
 
 def _as_bool(name: str, value: Any) -> bool:

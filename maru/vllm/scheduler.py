@@ -565,7 +565,7 @@ def _reply_wait_mode(client: Any) -> str:
     """How this side waits for the server's replies (``maru stats``): polling (how long), or blocking."""
     us = getattr(client, "reply_waits", {}).get("spin_us", 0)
     if not us:
-        return "blocks (maru_scheduler_reply_spin_us 0, or fewer than 4 usable cores)"
+        return "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)"
     return f"polls up to {us} us, keeping the GIL, then blocks"
 
 

@@ -179,6 +179,8 @@ def test_the_scheduler_reply_spin_is_a_bounded_number_of_microseconds_zero_turns
     # thread would take the core the server needs).
     assert MaruConnectorConfig().scheduler_reply_spin_us is None
     assert MaruConnectorConfig().reply_spin_us(cpus=16) == 500
+    assert MaruConnectorConfig().reply_spin_us(cpus=8) == 500
+    assert MaruConnectorConfig().reply_spin_us(cpus=7) == 0
     assert MaruConnectorConfig().reply_spin_us(cpus=2) == 0
     assert MaruConnectorConfig().reply_spin_us() in (0, 500)  # this machine's affinity decides
     zero = MaruConnectorConfig.from_extra_config({"maru_scheduler_reply_spin_us": "0"})

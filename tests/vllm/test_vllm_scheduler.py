@@ -482,7 +482,7 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
                     "exists": "key index",
                     "async_load_sharing": s.load_sharing,
                     "offer_pins": s.offer_pins_mode,
-                    "reply_wait": "blocks (maru_scheduler_reply_spin_us 0, or fewer than 4 usable cores)",
+                    "reply_wait": "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)",
                 }
                 assert s.offer_pins_mode.startswith("off")  # hold_offers is the connector's to give
                 assert info["slow"] == [] and s.load_sharing.startswith("n/a")
