@@ -7,7 +7,7 @@ connector method so it counts itself. Wall minus CPU is time the thread sat bloc
 hook: a server round trip, or waiting for the GIL while another thread of the process (vLLM's
 input and output threads, Maru's write-behind drain) runs Python.
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
-line per process at shutdown; the scheduler side also logs it every 30 s while vLLM calls it (an
+line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
 """
 
