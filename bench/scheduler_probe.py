@@ -87,6 +87,10 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--round", choices=("first", "second"), default="second")
     ap.add_argument(
+        "--empty", action="store_true",
+        help="store nothing: every probe misses (a cold instance's probes, as a storing instance pays them)",
+    )  # fmt: skip
+    ap.add_argument(
         "--busy", type=float, default=0.0,
         help="a second Python thread computes this share of each millisecond (0-1), like vLLM's "
         "worker thread preparing a step beside the scheduler: each request then competes for the GIL",
@@ -124,7 +128,10 @@ def main() -> int:
         objs = h.batch_alloc([8] * len(keys))
         for o in objs:
             o.buf[:] = b"\0" * 8
-        h.batch_store(sorted(keys), objs)
+        if a.empty:
+            h.abort(objs)
+        else:
+            h.batch_store(sorted(keys), objs)
         client = _Counting(h)
         cfg = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=chunk)
         per_req: list[float] = []
