@@ -30,6 +30,7 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.demo.tiny_model import build_tiny_model
+from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer
 from tests.e2e.vllm_cpu import (
     BS,
@@ -232,6 +233,12 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
         "exists": "key index",
         "async_load_sharing": "n/a (maru_async_load off)",  # sync loads here
         "offer_pins": "per step (one round trip for a step's loads)",  # vLLM's CPU build: the V1 runner
+        # Polling for replies only where the engine has the cores for it (not on a 2-core CI machine).
+        "reply_wait": (
+            f"polls up to {spin} us, keeping the GIL, then blocks"
+            if (spin := MaruConnectorConfig().reply_spin_us())
+            else "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)"
+        ),
     }
     assert [(i["paths"], i["slow"]) for i in schedulers] == [(want, [])], infos
 
