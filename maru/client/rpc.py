@@ -26,7 +26,8 @@ reply without blocking, for up to that long: the thread keeps the GIL between po
 lets go of it only for the moment of the call), so the reply is read as soon as it lands. Then it
 blocks as usual. Only for a latency-critical caller whose round trips are short (vLLM's scheduling
 thread): spinning burns that thread's core and keeps the process's other Python threads waiting
-for the same time.
+for the same time. A background thread that shares such a channel (the session's heartbeat) calls
+``never_poll_on_this_thread`` once: its exchanges block at once whatever the channel's setting.
 
 Identity. The server owns sessions by connection (its routing id, and its CURVE key when the server
 authenticates), not by the ``client_id`` in the body. A channel picks one random 16-byte routing id
@@ -57,6 +58,14 @@ log = logging.getLogger("maru.client")
 
 
 PostedCallback = Callable[[int, dict[str, Any]], None]
+
+_thread_flags = threading.local()
+
+
+def never_poll_on_this_thread() -> None:
+    """Make every exchange the calling thread makes block for its reply at once, on any channel
+    (a background thread whose round trips no caller waits on must not hold the GIL polling)."""
+    _thread_flags.never_poll = True
 
 
 def _run_callback(cb: PostedCallback, op: int, body: dict[str, Any]) -> None:
@@ -248,7 +257,8 @@ class RpcChannel:
                     f"cannot reach maru server at {self.url} within {timeout_s:g} s: {self._hint()}"
                 ) from None
             sock.send(frame, zmq.NOBLOCK)
-        spin_until = time.perf_counter() + self.reply_spin_s if self.reply_spin_s else 0.0
+        spin = self.reply_spin_s if not getattr(_thread_flags, "never_poll", False) else 0.0
+        spin_until = time.perf_counter() + spin if spin else 0.0
         while True:
             reply = self._spin(sock, spin_until) if spin_until else None
             if reply is not None:

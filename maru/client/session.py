@@ -29,6 +29,7 @@ from maru.client.replies import (
     error_from_reply,
     plain_info,
 )
+from maru.client.rpc import never_poll_on_this_thread
 from maru.errors import (
     HandlerClosedError,
     MaruError,
@@ -386,6 +387,7 @@ class SessionClient:
 
 def heartbeat_loop(ref: weakref.ReferenceType[MaruHandler], stop: threading.Event, interval: float) -> None:
     """Beat every ``interval`` seconds; after a failure retry sooner, backing off up to ``interval``."""
+    never_poll_on_this_thread()  # nobody waits on a beat: never hold the GIL polling for its reply
     failures = 0
     while True:
         delay = interval if failures == 0 else min(interval, 0.05 * 2**failures)

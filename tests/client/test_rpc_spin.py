@@ -100,3 +100,28 @@ def test_a_spinning_channel_still_times_out_and_replaces_its_socket() -> None:
 def test_the_spin_is_bounded(bad: float) -> None:
     with pytest.raises(ValueError, match="reply_spin_s"):
         RpcChannel("tcp://127.0.0.1:9", reply_spin_s=bad)
+
+
+def test_a_thread_that_never_polls_blocks_on_a_polling_channel() -> None:
+    """The session's heartbeat shares the channel of a polling client; its own exchanges block."""
+    from maru.client.rpc import never_poll_on_this_thread
+
+    srv = _SlowEcho(delay_s=0.0)
+    ch = RpcChannel(srv.url, reply_spin_s=0.005)
+    got: list[dict] = []
+
+    def background() -> None:
+        never_poll_on_this_thread()
+        got.append(ch.request(Op.USAGE, {}, 5.0))
+
+    try:
+        t = threading.Thread(target=background)
+        t.start()
+        t.join(10)
+        assert got == [{"ok": True, "n": 1}]
+        assert ch.replies_spun == 0 and ch.spun_out == 0  # that thread never polled
+        assert ch.request(Op.USAGE, {}, 5.0) == {"ok": True, "n": 2}  # this thread still polls
+        assert ch.replies_spun + ch.spun_out == 1
+    finally:
+        ch.close()
+        srv.close()
