@@ -24,17 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.scheduler_probe import busy_loop  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
 from maru.demo.server import ServerProcess  # noqa: E402
-
-
-def _busy(share: float, stop: threading.Event) -> None:
-    while not stop.is_set():
-        t_end = time.perf_counter() + share * 1e-3
-        x = 0
-        while time.perf_counter() < t_end:
-            x += 1
-        time.sleep((1 - share) * 1e-3)
 
 
 def one(url: str, spin_s: float, busy: float, n: int) -> dict[str, float]:
@@ -45,7 +37,7 @@ def one(url: str, spin_s: float, busy: float, n: int) -> dict[str, float]:
         h.store(key, obj)
         stop = threading.Event()
         if busy > 0:
-            threading.Thread(target=_busy, args=(busy, stop), daemon=True).start()
+            threading.Thread(target=busy_loop, args=(busy, stop), daemon=True).start()
         ts = []
         try:
             for _ in range(n):

@@ -60,7 +60,7 @@ class _Counting:
         return getattr(self.h, name)
 
 
-def _busy(share: float, stop: threading.Event) -> None:
+def busy_loop(share: float, stop: threading.Event) -> None:
     """Pure-Python work for ``share`` of each millisecond, then a sleep (which releases the GIL)."""
     while not stop.is_set():
         t_end = time.perf_counter() + share * 1e-3
@@ -105,7 +105,7 @@ def main() -> int:
         sys.setswitchinterval(a.switch_interval)
     stop = threading.Event()
     if a.busy > 0:
-        threading.Thread(target=_busy, args=(a.busy, stop), daemon=True).start()
+        threading.Thread(target=busy_loop, args=(a.busy, stop), daemon=True).start()
     chunk, bs = 256, 16
     space = KeySpace("bench", "", "bfloat16", 32, 8, 128, chunk)
     keyer = ChunkKeyer(space)
