@@ -34,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -221,16 +222,28 @@ def loaded_tokens_in_log(path: Path) -> int:
 
 
 _SCHED_LINE = "(scheduler, so far):"
-_PROBE_HOOK = re.compile(r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms")
-_PROBE_CPU = re.compile(r"get_num_new_matched_tokens \d+ calls [\d.]+ ms \(\d+ us each, (\d+) on CPU\)")
+# One hook's entry; the CPU part is absent from lines written before the CPU split.
+_PROBE_HOOK = re.compile(
+    r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms(?: \(\d+ us each, (\d+) on CPU\))?"
+)
 _PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
 _REPLIES = re.compile(r"replies: (\d+) read while polling \(spin \d+ us\), (\d+) blocked past it")
 
 
-def scheduler_probe_split(path: Path) -> tuple[float, float | None, float | None] | None:
-    """(wall, the thread's CPU, offer-pin round trips) in us per ``get_num_new_matched_tokens``
-    call, from the scheduler's last periodic hook-time line; the last two None where the line
-    predates them. None without such a line."""
+@dataclass(frozen=True)
+class SchedulerLine:
+    """The scheduler's last periodic hook-time line of an engine log, per ``get_num_new_matched_tokens``
+    call (us): wall, its thread's CPU, the offer pins' round trips; and (replies read while polling,
+    waits that blocked past it). Each part None where the line predates it."""
+
+    wall_us: float
+    cpu_us: float | None
+    pin_trip_us: float | None
+    replies: tuple[int, int] | None
+
+
+def scheduler_line(path: Path) -> SchedulerLine | None:
+    """``SchedulerLine`` of the log at ``path``; None without such a line (or without a probe)."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if _SCHED_LINE in ln]
     except OSError:
@@ -239,25 +252,14 @@ def scheduler_probe_split(path: Path) -> tuple[float, float | None, float | None
     if m is None or not int(m.group(1)):
         return None
     calls = int(m.group(1))
-    wall = float(m.group(2)) * 1e3 / calls
-    cpu = _PROBE_CPU.search(lines[-1])
     trips = _PIN_TRIPS.search(lines[-1])
-    return (
-        wall,
-        float(cpu.group(1)) if cpu else None,
-        float(trips.group(1)) * 1e3 / calls if trips else None,
+    replies = _REPLIES.search(lines[-1])
+    return SchedulerLine(
+        wall_us=float(m.group(2)) * 1e3 / calls,
+        cpu_us=float(m.group(3)) if m.group(3) else None,
+        pin_trip_us=float(trips.group(1)) * 1e3 / calls if trips else None,
+        replies=(int(replies.group(1)), int(replies.group(2))) if replies else None,
     )
-
-
-def scheduler_replies(path: Path) -> tuple[int, int] | None:
-    """(replies read while polling, waits that blocked past the polling) of the scheduler's last
-    periodic line; None where the line has no such count."""
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if _SCHED_LINE in ln]
-    except OSError:
-        return None
-    m = _REPLIES.search(lines[-1]) if lines else None
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -338,16 +340,16 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
     for row in rows.values():
         key = row["server"]
         names = [f"{key}-a", f"{key}-b"] if key in PAIRS else [key]
-        probe = [v for n in names if n in live and (v := scheduler_probe_split(live[n].log_path)) is not None]
-        row["sched_probe_us"] = statistics.mean(v[0] for v in probe) if probe else None
+        got = [v for n in names if n in live and (v := scheduler_line(live[n].log_path)) is not None]
+        row["sched_probe_us"] = statistics.mean(v.wall_us for v in got) if got else None
         # The same time split: the scheduling thread's own CPU, and the offer pins' round trips;
         # the rest of the wall time it sat waiting for the GIL (or for another round trip).
-        cpu = [v[1] for v in probe if v[1] is not None]
-        trips = [v[2] for v in probe if v[2] is not None]
+        cpu = [v.cpu_us for v in got if v.cpu_us is not None]
+        trips = [v.pin_trip_us for v in got if v.pin_trip_us is not None]
+        replies = [v.replies for v in got if v.replies is not None]
         row["sched_probe_cpu_us"] = statistics.mean(cpu) if cpu else None
         row["sched_pin_trip_us"] = statistics.mean(trips) if trips else None
-        replies = [v for n in names if n in live and (v := scheduler_replies(live[n].log_path)) is not None]
-        row["sched_replies"] = [sum(v[0] for v in replies), sum(v[1] for v in replies)] if replies else None
+        row["sched_replies"] = [sum(r[0] for r in replies), sum(r[1] for r in replies)] if replies else None
         _finish_row(row)
         if row.get("n"):
             out["passes"].append(row)

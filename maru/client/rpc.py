@@ -59,6 +59,8 @@ log = logging.getLogger("maru.client")
 
 PostedCallback = Callable[[int, dict[str, Any]], None]
 
+MAX_REPLY_SPIN_S = 0.01  # the longest a channel may poll for one reply (a local round trip: ~0.1-0.3 ms)
+
 _thread_flags = threading.local()
 
 
@@ -134,8 +136,8 @@ class RpcChannel:
         """``curve`` None: keys from $MARU_SERVER_PUBLIC_KEY / $MARU_CLIENT_KEY if set (so ``maru doctor``
         and ``maru stats`` reach a CURVE server too), else a plain connection. ``reply_spin_s``:
         poll for each reply this long before blocking (see the module docs; 0: block at once)."""
-        if not 0.0 <= reply_spin_s <= 0.01:
-            raise ValueError(f"reply_spin_s must be within [0, 0.01] s, got {reply_spin_s}")
+        if not 0.0 <= reply_spin_s <= MAX_REPLY_SPIN_S:
+            raise ValueError(f"reply_spin_s must be within [0, {MAX_REPLY_SPIN_S}] s, got {reply_spin_s}")
         self.url = url
         self.reply_spin_s = float(reply_spin_s)
         # With reply_spin_s: replies read while polling, and waits that outlasted the polling

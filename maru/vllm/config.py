@@ -29,7 +29,7 @@ DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 # the GIL to the engine's other threads, and the thread got it back ~470 us after a ~110 us
 # round trip on an H200 host. A few bare round trips long; the most one request can spin.
 DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
-MAX_REPLY_SPIN_US = 10_000
+MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: this module stays free of zmq)
 # Below this many usable cores the default is not to poll: a polling client, its ZeroMQ I/O thread,
 # the server and the server's I/O thread must all run at once, beside the engine's own busy
 # threads (2 cores: a 1-key lookup's p50 went from 347 to 856 us, 272 of 303 replies outlasting

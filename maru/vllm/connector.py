@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.hook_times import HookTimes, timed
+from maru.vllm.hook_times import HookTimes, timed, timed_wall
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.scheduler import MaruSchedulerConnector
@@ -351,7 +351,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())
 
-    @timed
+    @timed_wall
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Only maru_overlap_load_with_compute has anything in flight here; otherwise a no-op.
         if self._worker is not None:

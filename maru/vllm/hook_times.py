@@ -43,28 +43,30 @@ class HookTimes:
         self._logged_at, self._logged_calls = now, total
         return True
 
-    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+    def add(self, name: str, seconds: float, cpu_seconds: float | None = None) -> None:
+        """Count one call; ``cpu_seconds`` None: a hook timed by wall only (``timed_wall``)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
+        if cpu_seconds is not None:
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
         self.calls[name] = self.calls.get(name, 0) + 1
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{hook: {"calls": n, "ms": wall total, "cpu_ms": the thread's CPU total}}``, the costliest first."""
+        """``{hook: {"calls": n, "ms": wall total, "cpu_ms": the thread's CPU total}}``, the costliest
+        first; no ``cpu_ms`` for a hook timed by wall only."""
         order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
-        return {
-            k: {
-                "calls": self.calls[k],
-                "ms": round(self.seconds[k] * 1e3, 3),
-                "cpu_ms": round(self.cpu_seconds.get(k, 0.0) * 1e3, 3),
-            }
-            for k in order
-        }
+        out: dict[str, dict[str, float]] = {}
+        for k in order:
+            out[k] = {"calls": self.calls[k], "ms": round(self.seconds[k] * 1e3, 3)}
+            if k in self.cpu_seconds:
+                out[k]["cpu_ms"] = round(self.cpu_seconds[k] * 1e3, 3)
+        return out
 
     def line(self) -> str:
-        """One log line: ``hook N calls X ms (Y us each, Z on CPU), ...``."""
+        """One log line: ``hook N calls X ms (Y us each, Z on CPU), ...`` (no CPU part for a hook
+        timed by wall only)."""
         return ", ".join(
-            f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each, "
-            f"{v['cpu_ms'] * 1e3 / v['calls']:.0f} on CPU)"
+            f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each"
+            + (f", {v['cpu_ms'] * 1e3 / v['calls']:.0f} on CPU)" if "cpu_ms" in v else ")")
             for k, v in self.as_dict().items()
         )
 
@@ -80,5 +82,21 @@ def timed(method: F) -> F:
             return method(self, *args, **kwargs)
         finally:
             self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def timed_wall(method: F) -> F:
+    """``timed`` by wall time only, for a hook vLLM calls once per layer (``wait_for_layer_load``:
+    32 calls a step): reading the thread's CPU clock costs ~0.45 us a read, a perf counter ~0.04."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.hook_times.add(name, time.perf_counter() - t0)
 
     return wrapper  # type: ignore[return-value]

@@ -92,7 +92,7 @@ def test_a_pass_whose_processes_do_not_fit_the_card_is_refused_with_what_to_leav
     assert aw.gpu_memory_shortfall(79 * gib, 6 * gib, [4 * gib] * 6) is None  # the call that ran
 
 
-def test_scheduler_probe_split_reads_the_last_periodic_line_old_and_new(tmp_path) -> None:
+def test_scheduler_line_reads_the_last_periodic_line_old_and_new(tmp_path) -> None:
     log = tmp_path / "engine.log"
     head = "INFO [maru] Maru: host time in vLLM's hooks (scheduler, so far): "
     log.write_text(
@@ -100,7 +100,7 @@ def test_scheduler_probe_split_reads_the_last_periodic_line_old_and_new(tmp_path
         + "get_num_new_matched_tokens 10 calls 9.0 ms (900 us each), build_connector_meta 3 calls 0.1 ms\n"
         "an unrelated line with get_num_new_matched_tokens 99 calls 1.0 ms\n"
     )
-    assert aw.scheduler_probe_split(log) == (900.0, None, None)  # a line from before the CPU split
+    assert aw.scheduler_line(log) == aw.SchedulerLine(900.0, None, None, None)  # before the CPU split
     with log.open("a") as f:
         f.write(
             head + "get_num_new_matched_tokens 20 calls 16.0 ms (800 us each, 250 on CPU), "
@@ -108,7 +108,6 @@ def test_scheduler_probe_split_reads_the_last_periodic_line_old_and_new(tmp_path
             "remote); async loads planned 0, shared 0, window-deferred 0; offer pins: 16 round trips, "
             "4.0 ms (250 us each); replies: 30 read while polling (spin 500 us), 2 blocked past it\n"
         )
-    assert aw.scheduler_probe_split(log) == (800.0, 250.0, 200.0)  # the last line; trips per call
-    assert aw.scheduler_replies(log) == (30, 2)
-    assert aw.scheduler_probe_split(tmp_path / "missing.log") is None
-    assert aw.scheduler_replies(tmp_path / "missing.log") is None
+    # The last line; the trips' time per call; the replies polled and blocked.
+    assert aw.scheduler_line(log) == aw.SchedulerLine(800.0, 250.0, 200.0, (30, 2))
+    assert aw.scheduler_line(tmp_path / "missing.log") is None

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from maru.vllm.hook_times import HookTimes, timed
+from maru.vllm.hook_times import HookTimes, timed, timed_wall
 
 
 class _Hooks:
@@ -80,3 +80,27 @@ def test_cpu_time_tells_a_blocked_hook_from_a_busy_one() -> None:
     assert d["busy"]["cpu_ms"] >= 20.0  # the spin is the thread's own CPU time
     assert d["busy"]["cpu_ms"] <= d["busy"]["ms"] + 1.0  # CPU never exceeds wall (clock resolution)
     assert "us each" in h.hook_times.line() and "on CPU" in h.hook_times.line()
+
+
+class _PerLayer:
+    def __init__(self) -> None:
+        self.hook_times = HookTimes()
+
+    @timed_wall
+    def per_layer(self) -> None:
+        time.sleep(0.002)
+
+    @timed
+    def per_step(self) -> None:
+        pass
+
+
+def test_a_per_layer_hook_counts_wall_time_only_and_says_so() -> None:
+    h = _PerLayer()
+    h.per_layer()
+    h.per_step()
+    d = h.hook_times.as_dict()
+    assert d["per_layer"]["ms"] >= 2.0 and "cpu_ms" not in d["per_layer"]
+    assert "cpu_ms" in d["per_step"]
+    line = h.hook_times.line()
+    assert "per_layer 1 calls" in line and "us each)" in line and line.count("on CPU") == 1

@@ -208,3 +208,11 @@ def test_tail_candidates_longer_than_a_length_are_the_rest_of_the_same_list() ->
     assert keyer.tail_candidates(parent, toks, 16, longer_than=40) == [c for c in every if c[0] > 40]
     assert keyer.tail_candidates(parent, toks, 16, longer_than=48) == [c for c in every if c[0] > 48]
     assert keyer.tail_candidates(parent, toks, 16, longer_than=255) == []
+
+
+def test_the_configs_spin_bound_is_the_channels() -> None:
+    """A value the config accepts never fails the channel's own check (one bound, two units)."""
+    from maru.client.rpc import MAX_REPLY_SPIN_S
+    from maru.vllm.config import MAX_REPLY_SPIN_US
+
+    assert MAX_REPLY_SPIN_US == round(MAX_REPLY_SPIN_S * 1e6)
