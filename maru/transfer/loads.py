@@ -319,15 +319,26 @@ class LayerByLayerLoad:
             self.engine.path.settle()  # no copy may still read a page we unpin
         self.report.seconds += handle.host_seconds
         for g, why in failed.items():
-            req = self._reqs[g]
-            if req.req_id in self.report.loaded_req_ids:
-                self.report.loaded_req_ids.remove(req.req_id)
-                self.report.tokens -= req.num_placed_tokens()
-                self.report.chunks -= len(req.chunks)
-                self.report.bytes -= self._bytes.get(req.req_id, 0)
-            self.report.failed[req.req_id] = why
-            self.late_failures[req.req_id] = why
+            self._take_back(self._reqs[g], why)
         return self.report
+
+    def fail_placed(self, why: str) -> list[str]:
+        """Take back every request this load reported placed (``late_failures``, ``report.failed``):
+        whatever read them may have read them before they were placed. The requests taken back."""
+        taken = [req.req_id for req in self._reqs if req.req_id in self.report.loaded_req_ids]
+        for req in self._reqs:
+            if req.req_id in taken:
+                self._take_back(req, why)
+        return taken
+
+    def _take_back(self, req: RequestTransfer, why: str) -> None:
+        if req.req_id in self.report.loaded_req_ids:
+            self.report.loaded_req_ids.remove(req.req_id)
+            self.report.tokens -= req.num_placed_tokens()
+            self.report.chunks -= len(req.chunks)
+            self.report.bytes -= self._bytes.get(req.req_id, 0)
+        self.report.failed[req.req_id] = why
+        self.late_failures[req.req_id] = why
 
     def wait(self) -> LoadReport:
         """``finish`` then ``release``: block until every layer is placed, unpin; the final report."""

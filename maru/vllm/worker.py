@@ -274,7 +274,10 @@ class MaruWorkerConnector:
         return dataclasses.replace(rt, chunks=chunks)  # ``held`` names every rank's keys already
 
     # ------------------------------------------------------------------ load
-    def start_load_kv(self, meta: MaruConnectorMetadata | None) -> None:
+    def start_load_kv(self, meta: MaruConnectorMetadata | None, layer_hooks: bool = True) -> None:
+        """Start the step's loads. ``layer_hooks``: whether the forward that follows calls
+        ``wait_for_layer_load`` before each layer (``forward_runs_layer_hooks``); without it, the
+        layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
         if meta is None:
             return
@@ -290,6 +293,9 @@ class MaruWorkerConnector:
         if not meta.loads:
             return
         layered = self.cfg.overlap_load_with_compute and self.cfg.enable_load
+        if layered and not layer_hooks:
+            layered = False
+            self.stats.overlap_full_graph_loads += 1
         try:
             if layered:
                 self.layer_loads.start(meta.loads)  # reports the tickets once its layers are placed
@@ -303,6 +309,11 @@ class MaruWorkerConnector:
             layered = layered and self.layer_loads.in_flight
         if not layered:  # the synchronous load has completed (or failed) here
             self._held_done(meta.loads)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The registered attention layers, in the order the forward runs them."""
+        return list(self._layer_index)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The forward waits until this layer of the step's load is placed (GPU-side on CUDA)."""

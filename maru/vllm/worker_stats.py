@@ -31,6 +31,10 @@ class WorkerStats:
     async_issued_late: int = 0  # async batches issued after the forward (slow lookup): a step later
     overlap_loads: int = 0  # maru_overlap_load_with_compute: steps placed layer by layer
     layer_waits: int = 0  # wait_for_layer_load calls that found a layer load in flight
+    # maru_overlap_load_with_compute: steps loaded synchronously, before a forward that skips the
+    # per-layer hook (vLLM's full CUDA graph replay of a decode-shaped batch)
+    overlap_full_graph_loads: int = 0
+    layer_loads_unwaited: int = 0  # layer loads whose forward never waited (requests failed: a bug)
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
     stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
     sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores

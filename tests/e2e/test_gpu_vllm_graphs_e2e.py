@@ -9,9 +9,13 @@ real ``maru server``:
   store; vLLM replays full graphs for decode-shaped batches and piecewise ones otherwise):
   computes a batch XG of four prompts, settles (every store published, its prefix cache reset)
   and loads XG back from Maru as a batch of concurrent hits;
-- G-ovl, ``maru_overlap_load_with_compute`` (the connector asks vLLM for piecewise graphs, so the
-  per-layer wait runs between the pieces; the full graph of a one-token remainder would skip it):
-  loads XG as a batch of concurrent hits, then computes a batch YG, settles and loads YG back.
+- G-ovl, ``maru_overlap_load_with_compute`` (vLLM keeps its full graphs: a step with prefill runs
+  piecewise graphs, the per-layer wait between the pieces, and loads layer by layer under the
+  forward; a step replayed as a full graph skips that wait, so the worker loads it before the
+  forward): loads XG as a batch of concurrent hits (twelve tokens left to compute each: piecewise),
+  loads ZG (G's batch of four prompts a token past a block boundary: each hit leaves one token, a
+  decode-shaped batch, replayed as a full graph), then computes a batch YG, settles and loads YG
+  back.
 
 "Same output": ``same_greedy`` (identical, or a bf16 near-tie where each side's token is in the
 other's top-5); a wrong or missing layer shows up as ``different``.
@@ -49,6 +53,7 @@ BS, C = 16, 256
 MAX_TOKENS = 8
 XG = [random_prompt(1500, 600 + i, GPU_MODEL.vocab) for i in range(4)]
 YG = [random_prompt(1200, 700 + i, GPU_MODEL.vocab) for i in range(4)]
+ZG = [random_prompt(1201, 800 + i, GPU_MODEL.vocab) for i in range(4)]  # a hit leaves one token
 PIECEWISE = "requires PIECEWISE CUDA graph mode"  # vLLM's line when a connector asks for it
 CAPTURED = "Graph capturing finished"  # vLLM's line once its graphs are captured
 
@@ -87,9 +92,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     try:
         g, o = eng["G"], eng["G-ovl"]
         stage("G-XG", lambda: generate_counted(g, XG, MAX_TOKENS))
+        stage("G-ZG", lambda: generate_counted(g, ZG, MAX_TOKENS))
         stage("G-settle", lambda: g.settle())
         stage("G-XG-load", lambda: generate_counted(g, XG, MAX_TOKENS))
         stage("ovl-XG", lambda: generate_counted(o, XG, MAX_TOKENS))
+        stage("ovl-ZG", lambda: generate_counted(o, ZG, MAX_TOKENS))
         stage("ovl-YG", lambda: generate_counted(o, YG, MAX_TOKENS))
         stage("ovl-settle", lambda: o.settle())
         stage("ovl-YG-load", lambda: generate_counted(o, YG, MAX_TOKENS))
@@ -110,11 +117,11 @@ def _assert_loaded_and_same(r: dict[str, Any], ref: dict[str, Any], prompts: lis
     assert_same(r, ref)
 
 
-def test_both_engines_ran_cuda_graphs_and_only_the_layer_overlap_one_asked_for_piecewise(runs: Runs) -> None:
+def test_both_engines_ran_cuda_graphs_and_neither_gave_up_its_full_graphs(runs: Runs) -> None:
     runs.need("ovl-YG-load")
     logs = runs["logs"]
     assert CAPTURED in logs["G"] and CAPTURED in logs["G-ovl"]
-    assert PIECEWISE in logs["G-ovl"] and PIECEWISE not in logs["G"]
+    assert PIECEWISE not in logs["G-ovl"] and PIECEWISE not in logs["G"]
 
 
 def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_with_the_same_output(
@@ -128,7 +135,19 @@ def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_with_
 
 
 def test_layer_overlap_loads_under_piecewise_graphs_keep_the_output(runs: Runs) -> None:
-    _assert_loaded_and_same(runs.need("ovl-XG"), runs.need("G-XG"), XG)  # stored by G
+    r = runs.need("ovl-XG")
+    _assert_loaded_and_same(r, runs.need("G-XG"), XG)  # stored by G
+    assert r["delta"]["overlap_loads"] >= 1 and r["delta"]["layer_loads_unwaited"] == 0
     assert runs.need("ovl-YG")["cached"] == [0] * 4
     assert runs.need("ovl-settle")["ok"]
     _assert_loaded_and_same(runs.need("ovl-YG-load"), runs["ovl-YG"], YG)
+
+
+def test_layer_overlap_loads_a_full_graph_step_before_its_forward_with_the_same_output(runs: Runs) -> None:
+    assert runs.need("G-ZG")["cached"] == [0] * 4
+    r = runs.need("ovl-ZG")
+    assert [len(p) - c for p, c in zip(ZG, r["cached"], strict=True)] == [1] * 4  # one token left each
+    _assert_loaded_and_same(r, runs["G-ZG"], ZG)
+    d = r["delta"]
+    assert d["overlap_full_graph_loads"] >= 1  # vLLM replayed that step as a full graph
+    assert d["layer_loads_unwaited"] == 0

@@ -313,3 +313,59 @@ def test_overlap_load_on_cpu_caches_keeps_the_layerwise_thread(server: ServerPro
         assert isinstance(w.engine.path.scatter_layers([]), ThreadedLayerHandle)
     finally:
         stop_worker(w)
+
+
+@needs_vllm
+def test_overlap_worker_loads_a_full_graph_step_before_its_forward(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """vLLM replays a decode-shaped batch as one full CUDA graph, which skips the per-layer hook:
+    the worker then loads the step synchronously in start_load_kv, every layer placed before it
+    returns; the request missing a chunk is failed then too."""
+    w, ref, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-full", 71)
+    try:
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta, layer_hooks=False)
+        assert same(dst, ref)  # placed before any forward could read it (no per-layer wait comes)
+        assert w.get_block_ids_with_load_errors() == set(dbad.block_ids)
+        assert (w.stats.overlap_full_graph_loads, w.stats.overlap_loads, w.stats.loads) == (1, 0, 1)
+        w.wait_for_save(meta)
+        w.get_finished(set())
+        assert w.stats.layer_loads_unwaited == 0 and w.stats.load_errors == 1
+        assert w.stats.bytes_loaded_under_forward == 0 < w.stats.bytes_loaded  # a load the step waited for
+    finally:
+        stop_worker(w)
+
+
+@needs_vllm
+@pytest.mark.parametrize("placed_by_then", [True, False], ids=["done", "still-running"])
+def test_a_forward_that_never_waited_for_the_layer_load_fails_every_request_it_placed(
+    server: ServerProcess, client: MaruHandler, caplog: pytest.LogCaptureFixture, placed_by_then: bool
+) -> None:
+    """The safety net under the forward-mode check: a layer load issued for a forward that then
+    ran without calling wait_for_layer_load (a mode the check did not know) may have been read
+    half placed. After the forward every request it placed is reported failed (vLLM discards that
+    step's output of them), once loudly, and its pins still go exactly once."""
+    w, _, _, _, dst_a, dbad = _overlap_setup(server, client, f"ovl-unwaited-{placed_by_then}", 81)
+    try:
+        pins, _ = inject_pipeline(w)
+        gate = threading.Event()
+        if placed_by_then:
+            gate.set()
+        real = w.engine.path.pipeline.load_layers
+        w.engine.path.pipeline.load_layers = lambda objs, slots, **kw: Gated(real(objs, slots, **kw), gate)
+        meta = MaruConnectorMetadata(loads=[dst_a, dbad])
+        w.start_load_kv(meta, layer_hooks=True)
+        assert w.stats.load_errors == 1  # the missing chunk, known at issue
+        with caplog.at_level("ERROR", logger="maru.vllm"):
+            w.wait_for_save(meta)  # the forward ran and called no wait_for_layer_load
+        assert w.get_block_ids_with_load_errors() == dst_a.placed_block_ids(BS) | set(dbad.block_ids)
+        assert w.stats.layer_loads_unwaited == 1 and w.stats.load_errors == 2
+        assert w.stats.tokens_loaded == 0 and w.stats.loads == 0  # nothing counted as loaded
+        assert any("without calling wait_for_layer_load" in r.message for r in caplog.records)
+        gate.set()
+        w.get_finished(set())
+        w.get_finished(set())
+        assert pins.pinned == pins.released == 5
+    finally:
+        stop_worker(w)

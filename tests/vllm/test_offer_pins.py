@@ -149,6 +149,8 @@ def test_a_held_load_places_the_source_bytes_without_a_lookup_and_its_pins_go_af
         if mode == "async":
             until_finished(w, {"b"})
         else:
+            for name in w.layer_names:  # the forward: a wait before each attention layer
+                w.wait_for_layer_load(name)
             w.wait_for_save(meta)
         assert w.get_block_ids_with_load_errors() == set()
         assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
