@@ -53,13 +53,15 @@ from bench.vllm_harness import (
 # Warm API instances: load mode -> Maru extra config (each a fresh instance loading the same pass
 # from Maru; "default" is the configuration a user gets, async loads on vLLM's V2 runner).
 API_LOADS: dict[str, dict[str, Any]] = {
+    # Since 2026-12-03 the default loads layer by layer on GPU caches (maru_overlap_load_with_compute
+    # unset), on vLLM's V2 runner with offers pinned at each offer.
     "default": {},
-    "sync": {},
+    "sync": {"maru_overlap_load_with_compute": False},  # on the V1 runner (ENGINE_ENV)
+    # The whole load before the forward on the V2 runner: the default until 2026-12-03.
+    "sync-v2": {"maru_overlap_load_with_compute": False},
     "async": {"maru_async_load": True},
-    "overlap": {"maru_overlap_load_with_compute": True},
-    # The layer-overlap load on vLLM's default (V2) runner: offers pinned at each offer, as the
-    # default's ("overlap" runs on the V1 runner, ENGINE_ENV).
-    "overlap-v2": {"maru_overlap_load_with_compute": True},
+    "overlap": {"maru_overlap_load_with_compute": True},  # on the V1 runner: pins once a step
+    "overlap-v2": {"maru_overlap_load_with_compute": True},  # set explicitly: the default's load
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so

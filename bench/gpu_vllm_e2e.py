@@ -165,7 +165,7 @@ TINY_SETUP = Setup(
 # Offline engines: name -> Maru extra config (None: no connector).
 OFFLINE: dict[str, dict[str, Any] | None] = {
     "none": None,
-    "sync": {},
+    "sync": {"maru_overlap_load_with_compute": False},
     "async": {"maru_async_store": True, "maru_async_load": True},
     "overlap": {"maru_async_store": True, "maru_overlap_load_with_compute": True},
     # The write-behind store queued all at once (before kv_ops.paced_store): what pacing is worth.

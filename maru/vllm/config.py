@@ -122,7 +122,11 @@ class MaruConnectorConfig:
     # the later turns of a conversation, a prompt that differs after its shared prefix. None: one
     # chunk (``kv_chunk_tokens``); 0: every hit loads.
     async_min_load_tokens: int | None = None
-    overlap_load_with_compute: bool = False
+    # None: on where the KV caches are on a GPU and loads are not asynchronous (``layer_overlap``):
+    # there the copy engine places the layers under the forward, the fastest warm load measured on
+    # an H200, and vLLM keeps its full CUDA graphs (a step replayed as one is loaded before it).
+    # Off on CPU caches, where the layers are placed by a thread that competes with the forward.
+    overlap_load_with_compute: bool | None = None
     # The scheduler side pins what it offers until the workers placed it (``maru.vllm.offer_pins``):
     # nothing offered can be evicted before its load, and a worker's load makes no lookup round
     # trip. Off: the worker looks its loads up itself, and an eviction in between is recomputed.
@@ -202,7 +206,9 @@ class MaruConnectorConfig:
             "max_inflight_loads": self.max_inflight_loads,
             "max_inflight_load_chunks": self.max_inflight_load_chunks,
             "async_min_load_tokens": self.min_async_load(),
-            "overlap_load_with_compute": self.overlap_load_with_compute,
+            "overlap_load_with_compute": "auto (on GPU caches)"
+            if self.overlap_load_with_compute is None and not self.async_load
+            else bool(self.overlap_load_with_compute),
             "async_store": self.async_store,
             "paced_store": self.paced_store,
         }
@@ -215,6 +221,13 @@ class MaruConnectorConfig:
             return self.scheduler_reply_spin_us
         n = cpus if cpus is not None else _usable_cpus()
         return DEFAULT_SCHEDULER_REPLY_SPIN_US if n >= MIN_CPUS_TO_SPIN else 0
+
+    def layer_overlap(self, caches_on_gpu: bool) -> bool:
+        """Whether a worker whose KV caches are (or are not) ``caches_on_gpu`` places its same-step
+        loads layer by layer under the forward: as set, else on GPU caches unless loads are async."""
+        if self.overlap_load_with_compute is not None:
+            return self.overlap_load_with_compute
+        return caches_on_gpu and not self.async_load
 
     def min_async_load(self) -> int:
         """Fewest tokens an asynchronous load is made for (``async_min_load_tokens``; None: a chunk)."""
@@ -231,11 +244,14 @@ class MaruConnectorConfig:
                 "chunks in flight; more hits wait a step); other requests keep running; a hit of fewer "
                 f"than {self.min_async_load()} tokens is computed (maru_async_min_load_tokens)"
             )
-        if self.overlap_load_with_compute:
+        if self.overlap_load_with_compute or (self.overlap_load_with_compute is None and not self.async_load):
             out.append(
-                "maru_overlap_load_with_compute: all chunks are looked up and pinned before the forward, "
-                "then placed layer by layer on a background thread; each attention layer waits only "
-                "for its own layer"
+                "maru_overlap_load_with_compute"
+                + (" (on GPU caches, the default)" if self.overlap_load_with_compute is None else "")
+                + ": all chunks of a step's loads are pinned before the forward, then placed layer by "
+                "layer under it (GPU: the copy engine; CPU: a background thread); each attention layer "
+                "waits only for its own layer; a step vLLM replays as a full CUDA graph is loaded "
+                "before its forward"
             )
         if self.async_store:
             out.append(
@@ -277,7 +293,9 @@ class MaruConnectorConfig:
         """
         if self.async_load or not self.enable_load:
             return self
-        mode = "maru_overlap_load_with_compute" if self.overlap_load_with_compute else "synchronous loads"
+        mode = {True: "maru_overlap_load_with_compute", False: "synchronous loads"}.get(
+            self.overlap_load_with_compute, "same-step loads (layer by layer on GPU caches)"
+        )
         sentence = (
             f"{mode} replaced by maru_async_load (a hit waits one engine step for its load, and a hit "
             f"of fewer than {self.min_async_load()} tokens (maru_async_min_load_tokens) is computed "
@@ -287,7 +305,9 @@ class MaruConnectorConfig:
             "maru_async_load=true to silence this."
         )
         logger.warning("Maru: %s", sentence)
-        return self._replaced(sentence, async_load=True, overlap_load_with_compute=False)
+        # The default (None) needs no change: asynchronous loads turn its layer overlap off.
+        overlap = None if self.overlap_load_with_compute is None else False
+        return self._replaced(sentence, async_load=True, overlap_load_with_compute=overlap)
 
     def failing_same_step_loads(self, reason: str) -> MaruConnectorConfig:
         """A copy that keeps same-step loads where vLLM cannot recompute one that fails (``reason``).

@@ -322,6 +322,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             out["write_behind"] = self._worker.write_behind_mode
         out["hook_ms"] = self.hook_times.as_dict()
         out["data_path"] = self.maru_config.data_path()
+        if self._worker is not None:  # what this worker decided for its caches' device
+            out["data_path"]["overlap_load_with_compute"] = self._worker.layer_overlap
         out["fallbacks"] = list(self.maru_config.fallbacks)  # settings replaced, each with reason and fix
         out["load_failures_fail"] = self.maru_config.load_failures_fail  # "" where vLLM recomputes
         return out

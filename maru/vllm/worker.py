@@ -89,6 +89,9 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
+        # Same-step loads layer by layer under the forward (maru_overlap_load_with_compute, decided
+        # for the caches' device once they are registered).
+        self.layer_overlap = bool(cfg.overlap_load_with_compute)
         hooks = LoadHooks(
             connect=self._engine_or_why,
             rank=self._rank,
@@ -114,6 +117,7 @@ class MaruWorkerConnector:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self.layer_overlap = self.cfg.layer_overlap(bool(self.caches) and self.caches[0].is_cuda)
         backend = None
         if self._backend_name_of is not None:
             try:
@@ -192,7 +196,7 @@ class MaruWorkerConnector:
             "kv_ops": _kv_ops_backend(),
             "layout": self.layout.describe() if self.layout is not None else "?",
             "async_load": "on" if self.cfg.async_load else "off",
-            "layer_overlap": "on" if self.cfg.overlap_load_with_compute else "off",
+            "layer_overlap": "on" if self.layer_overlap else "off",
             # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
             "load_failure": "ends the request" if self.cfg.load_failures_fail else "recomputed",
             "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
@@ -227,7 +231,7 @@ class MaruWorkerConnector:
                         "through libcudart); libcudart must be reachable (maru doctor)"
                     )
             extra, path_slow = eng.path.report(
-                self.cfg.overlap_load_with_compute, self.cfg.async_store and self.cfg.paced_store
+                self.layer_overlap, self.cfg.async_store and self.cfg.paced_store
             )
             paths.update(extra)
             slow.extend(path_slow)
@@ -292,7 +296,7 @@ class MaruWorkerConnector:
             self.async_loads.start(meta.async_loads)
         if not meta.loads:
             return
-        layered = self.cfg.overlap_load_with_compute and self.cfg.enable_load
+        layered = self.layer_overlap and self.cfg.enable_load
         if layered and not layer_hooks:
             layered = False
             self.stats.overlap_full_graph_loads += 1

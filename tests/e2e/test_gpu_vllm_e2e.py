@@ -6,16 +6,18 @@ engines, each in its own process, started together (start-up overlaps) and drive
 
 - A (Maru, synchronous store): computes a batch X of four prompts together, then X again
   (vLLM's own prefix hit: the reference for a warm run's numerics), and three eviction prompts;
-- B-sync, B-async (``maru_async_load``), B-overlap (``maru_overlap_load_with_compute``, with
-  write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
-  B-sync-plain (vLLM's asynchronous scheduling off) meet a chunk deleted between the scheduler's
-  offer and the load (a connector subclass deletes it at ``start_load_kv``): B-sync and B-async
-  hold what they offer pinned (the default), so the load still places it; B-sync-plain runs with
-  ``maru_hold_offers=false`` (the worker looks its loads up), finds it gone and recomputes.
-  B-overlap computes a batch Y and stores it write-behind, and B-sync loads Y. B-sync runs vLLM
-  0.26's default V2 model runner with same-step loads (offer pins make them safe there: vLLM issue
-  #49250, see ``maru.vllm.connector``); B-sync-plain and B-overlap the V1 runner
-  (``VLLM_USE_V2_MODEL_RUNNER=0``); on CPU both are V1;
+- B-sync (``maru_overlap_load_with_compute=false``: the whole load before the forward),
+  B-async (``maru_async_load``), B-overlap (``maru_overlap_load_with_compute``, the default on a
+  GPU, with write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
+  B-plain (the default load, layer by layer; vLLM's asynchronous scheduling off) meet a chunk
+  deleted between the scheduler's offer and the load (a connector subclass deletes it at
+  ``start_load_kv``): B-sync and B-async hold what they offer pinned (the default), so the load
+  still places it; B-plain runs with ``maru_hold_offers=false`` (the worker pins its loads itself
+  before the forward), finds it gone and recomputes. B-overlap computes a batch Y and stores it
+  write-behind, and B-sync loads Y. B-sync runs vLLM 0.26's default V2 model runner with
+  same-step loads (offer pins make them safe there: vLLM issue #49250, see
+  ``maru.vllm.connector``); B-plain and B-overlap the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``);
+  on CPU both are V1;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
@@ -156,8 +158,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     v1_runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # same-step loads (see the module docstring)
     specs = {
         "A": ({**base, "kv_transfer_config": kv({})}, {}),
-        "B-sync": ({**base, "kv_transfer_config": kv({}, **evict)}, {}),
-        "B-sync-plain": (
+        "B-sync": (
+            {**base, "kv_transfer_config": kv({"maru_overlap_load_with_compute": False}, **evict)},
+            {},
+        ),
+        "B-plain": (
             {
                 **base,
                 "async_scheduling": False,
@@ -197,7 +202,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("A-S-hit", lambda: _gen(a, S))
         stage("Bsync-X", lambda: _gen(bs, X))
         stage("Bsync-E1", lambda: evicted(bs, E1))
-        stage("Bplain-E3", lambda: evicted(eng["B-sync-plain"], E3))
+        stage("Bplain-E3", lambda: evicted(eng["B-plain"], E3))
         stage("Basync-X", lambda: _gen(ba, X))
         stage("Basync-E2", lambda: evicted(ba, E2))
         stage("Basync-S", lambda: {**_gen(ba, S), "sched": ba.stats()["scheduler"]})
@@ -230,7 +235,9 @@ def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs
     assert d["tokens_loaded"] == sum(offered(x) for x in X) and d["load_errors"] == 0
     assert d["loads_from_held_pins"] >= 1  # placed from the scheduler's pins: no lookup round trip
     if engine == "Bsync":  # on the V2 runner too: loaded in the step that computes, not parked
-        assert d["async_loads"] == 0
+        assert d["async_loads"] == 0 and d["overlap_loads"] == 0  # the whole load before the forward
+    if engine == "Bovl":
+        assert d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0
     assert_same(r, ref)
     assert_same(r, runs.need("A-X"))
 

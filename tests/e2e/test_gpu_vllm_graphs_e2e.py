@@ -5,17 +5,15 @@ changes nothing runs vLLM's graphs. Two engines here, each in its own process, v
 default V2 model runner, the model of Llama-3-8B's KV geometry (``bench/vllm_harness.py``), one
 real ``maru server``:
 
-- G, the default configuration (same-step loads from the scheduler's offer pins, the write-behind
-  store; vLLM replays full graphs for decode-shaped batches and piecewise ones otherwise):
-  computes a batch XG of four prompts, settles (every store published, its prefix cache reset)
-  and loads XG back from Maru as a batch of concurrent hits;
-- G-ovl, ``maru_overlap_load_with_compute`` (vLLM keeps its full graphs: a step with prefill runs
-  piecewise graphs, the per-layer wait between the pieces, and loads layer by layer under the
-  forward; a step replayed as a full graph skips that wait, so the worker loads it before the
-  forward): loads XG as a batch of concurrent hits (twelve tokens left to compute each: piecewise),
-  loads ZG (G's batch of four prompts a token past a block boundary: each hit leaves one token, a
-  decode-shaped batch, replayed as a full graph), then computes a batch YG, settles and loads YG
-  back.
+- G, the default configuration (offers pinned at each offer, the layer-overlap load, the
+  write-behind store). vLLM keeps its full graphs: a step with prefill runs piecewise graphs, the
+  per-layer wait between the pieces, and loads layer by layer under the forward; a step replayed
+  as one full graph skips that wait, so the worker loads it before the forward. G computes a batch
+  XG of four prompts and a batch ZG of four prompts a token past a block boundary, settles (every
+  store published, its prefix cache reset), loads XG back (twelve tokens left to compute each:
+  piecewise) and ZG (each hit leaves one token: a decode-shaped batch, replayed as a full graph);
+- G-sync, ``maru_overlap_load_with_compute=false`` (the whole load before the forward): loads XG
+  as a batch of concurrent hits, then computes a batch YG, settles and loads YG back.
 
 "Same output": ``same_greedy`` (identical, or a bf16 near-tie where each side's token is in the
 other's top-5); a wrong or missing layer shows up as ``different``.
@@ -80,9 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     extra = {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
     specs = {
         "G": {**base, "kv_transfer_config": maru_kv_config(extra)},
-        "G-ovl": {
+        "G-sync": {
             **base,
-            "kv_transfer_config": maru_kv_config({**extra, "maru_overlap_load_with_compute": True}),
+            "kv_transfer_config": maru_kv_config({**extra, "maru_overlap_load_with_compute": False}),
         },
     }
     eng = {n: Engine(f"graphs-{n}", s, logs / f"test-graphs-{n}.log").start() for n, s in specs.items()}
@@ -90,16 +88,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     stage = res.stage
 
     try:
-        g, o = eng["G"], eng["G-ovl"]
+        g, o = eng["G"], eng["G-sync"]
         stage("G-XG", lambda: generate_counted(g, XG, MAX_TOKENS))
         stage("G-ZG", lambda: generate_counted(g, ZG, MAX_TOKENS))
         stage("G-settle", lambda: g.settle())
         stage("G-XG-load", lambda: generate_counted(g, XG, MAX_TOKENS))
-        stage("ovl-XG", lambda: generate_counted(o, XG, MAX_TOKENS))
-        stage("ovl-ZG", lambda: generate_counted(o, ZG, MAX_TOKENS))
-        stage("ovl-YG", lambda: generate_counted(o, YG, MAX_TOKENS))
-        stage("ovl-settle", lambda: o.settle())
-        stage("ovl-YG-load", lambda: generate_counted(o, YG, MAX_TOKENS))
+        stage("G-ZG-load", lambda: generate_counted(g, ZG, MAX_TOKENS))
+        stage("sync-XG", lambda: generate_counted(o, XG, MAX_TOKENS))
+        stage("sync-YG", lambda: generate_counted(o, YG, MAX_TOKENS))
+        stage("sync-settle", lambda: o.settle())
+        stage("sync-YG-load", lambda: generate_counted(o, YG, MAX_TOKENS))
         for n, e in eng.items():
             e.close()
             res.setdefault("logs", {})[n] = e.log_path.read_text(errors="replace")
@@ -118,36 +116,38 @@ def _assert_loaded_and_same(r: dict[str, Any], ref: dict[str, Any], prompts: lis
 
 
 def test_both_engines_ran_cuda_graphs_and_neither_gave_up_its_full_graphs(runs: Runs) -> None:
-    runs.need("ovl-YG-load")
+    runs.need("sync-YG-load")
     logs = runs["logs"]
-    assert CAPTURED in logs["G"] and CAPTURED in logs["G-ovl"]
-    assert PIECEWISE not in logs["G-ovl"] and PIECEWISE not in logs["G"]
+    assert CAPTURED in logs["G"] and CAPTURED in logs["G-sync"]
+    assert PIECEWISE not in logs["G"] and PIECEWISE not in logs["G-sync"]
 
 
-def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_with_the_same_output(
-    runs: Runs,
-) -> None:
+def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_layer_by_layer(runs: Runs) -> None:
     assert runs.need("G-XG")["cached"] == [0] * 4  # computed (and stored) by G itself
     assert runs.need("G-settle")["ok"]  # stores published, its own prefix cache empty
     r = runs.need("G-XG-load")
     _assert_loaded_and_same(r, runs["G-XG"], XG)
-    assert r["delta"]["async_loads"] == 0 and r["delta"]["loads_from_held_pins"] >= 1
+    d = r["delta"]
+    assert d["async_loads"] == 0 and d["loads_from_held_pins"] >= 1
+    assert d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0  # placed under the forward
 
 
-def test_layer_overlap_loads_under_piecewise_graphs_keep_the_output(runs: Runs) -> None:
-    r = runs.need("ovl-XG")
-    _assert_loaded_and_same(r, runs.need("G-XG"), XG)  # stored by G
-    assert r["delta"]["overlap_loads"] >= 1 and r["delta"]["layer_loads_unwaited"] == 0
-    assert runs.need("ovl-YG")["cached"] == [0] * 4
-    assert runs.need("ovl-settle")["ok"]
-    _assert_loaded_and_same(runs.need("ovl-YG-load"), runs["ovl-YG"], YG)
-
-
-def test_layer_overlap_loads_a_full_graph_step_before_its_forward_with_the_same_output(runs: Runs) -> None:
+def test_the_default_configuration_loads_a_full_graph_step_before_its_forward_with_the_same_output(
+    runs: Runs,
+) -> None:
     assert runs.need("G-ZG")["cached"] == [0] * 4
-    r = runs.need("ovl-ZG")
+    r = runs.need("G-ZG-load")
     assert [len(p) - c for p, c in zip(ZG, r["cached"], strict=True)] == [1] * 4  # one token left each
     _assert_loaded_and_same(r, runs["G-ZG"], ZG)
     d = r["delta"]
     assert d["overlap_full_graph_loads"] >= 1  # vLLM replayed that step as a full graph
     assert d["layer_loads_unwaited"] == 0
+
+
+def test_loads_before_the_forward_under_cuda_graphs_keep_the_output(runs: Runs) -> None:
+    r = runs.need("sync-XG")
+    _assert_loaded_and_same(r, runs.need("G-XG"), XG)  # stored by G
+    assert r["delta"]["overlap_loads"] == 0 and r["delta"]["overlap_full_graph_loads"] == 0
+    assert runs.need("sync-YG")["cached"] == [0] * 4
+    assert runs.need("sync-settle")["ok"]
+    _assert_loaded_and_same(runs.need("sync-YG-load"), runs["sync-YG"], YG)

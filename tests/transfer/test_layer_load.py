@@ -369,3 +369,32 @@ def test_a_forward_that_never_waited_for_the_layer_load_fails_every_request_it_p
         assert pins.pinned == pins.released == 5
     finally:
         stop_worker(w)
+
+
+@needs_vllm
+@pytest.mark.parametrize("setting,layered", [(None, False), (True, True), (False, False)])
+def test_the_default_loads_cpu_caches_before_the_forward_and_a_setting_is_kept(
+    server: ServerProcess, client: MaruHandler, setting: bool | None, layered: bool
+) -> None:
+    """Unset, maru_overlap_load_with_compute is decided by the caches' device: layer by layer on a
+    GPU (tests/e2e/test_gpu_vllm_graphs_e2e.py), before the forward on CPU caches (a placing thread
+    would compete with the forward for the cores); set, it is kept on either."""
+    src = case("kv_first", "NHD", 91)
+    req = request(f"auto-{setting}", [0, 1, 2, 3], 2 * CHUNK)
+    plain_engine(src, client).store([req])
+    ref = case("kv_first", "NHD", 92)
+    plain_engine(ref, client).load([req])
+    dst = case("kv_first", "NHD", 92)
+    w = worker(server, dst, overlap_load_with_compute=setting)
+    try:
+        assert w.layer_overlap is layered and w.data_paths()["paths"]["layer_overlap"] == (
+            "on" if layered else "off"
+        )
+        meta = MaruConnectorMetadata(loads=[req])
+        w.start_load_kv(meta)
+        for name in w.layer_names:
+            w.wait_for_layer_load(name)
+        w.wait_for_save(meta)
+        assert same(dst, ref) and w.stats.loads == 1 and w.stats.overlap_loads == int(layered)
+    finally:
+        stop_worker(w)

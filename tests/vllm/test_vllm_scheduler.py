@@ -408,14 +408,29 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "max_inflight_loads": 64,
         "max_inflight_load_chunks": 256,
         "async_min_load_tokens": 256,  # one chunk by default
-        "overlap_load_with_compute": False,
+        "overlap_load_with_compute": "auto (on GPU caches)",
         "async_store": True,
         "paced_store": True,
     }
-    assert len(d.data_path_lines()) == 1 and d.data_path_lines()[0].startswith("maru_async_store:")
-    assert "yields the copy engine between chunks (maru_paced_store)" in d.data_path_lines()[0]
+    # Layer by layer where the caches are on a GPU, unless set or loads are asynchronous.
+    assert (d.layer_overlap(caches_on_gpu=True), d.layer_overlap(caches_on_gpu=False)) == (True, False)
+    lines = d.data_path_lines()
+    assert len(lines) == 2 and lines[0].startswith(
+        "maru_overlap_load_with_compute (on GPU caches, the default)"
+    )
+    assert lines[1].startswith("maru_async_store:")
+    assert "yields the copy engine between chunks (maru_paced_store)" in lines[1]
     unpaced = MaruConnectorConfig.from_extra_config({"maru_paced_store": "false"})
-    assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[0]
+    assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[1]
+    sync = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "false"})
+    assert (
+        not sync.layer_overlap(caches_on_gpu=True) and sync.data_path()["overlap_load_with_compute"] is False
+    )
+    assert len(sync.data_path_lines()) == 1
+    on = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "true"})
+    assert on.layer_overlap(caches_on_gpu=False) and on.data_path_lines()[0].startswith(
+        "maru_overlap_load_with_compute:"
+    )
     off = d.without_write_behind("a test")
     assert not off.async_store and off.without_write_behind("again") is off
     assert not MaruConnectorConfig.from_extra_config({"maru_async_store": "false"}).async_store
@@ -424,6 +439,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
     )
     assert (c.async_load, c.max_inflight_loads, c.async_store) == (True, 8, True)
     assert len(c.data_path_lines()) == 2 and "8 loads and 256 chunks in flight" in c.data_path_lines()[0]
+    assert not c.layer_overlap(caches_on_gpu=True) and c.data_path()["overlap_load_with_compute"] is False
     with pytest.raises(ConfigError, match="maru_max_inflight_loads"):
         MaruConnectorConfig.from_extra_config({"maru_max_inflight_loads": 0})
     with pytest.raises(ConfigError, match="maru_async_store"):
