@@ -264,6 +264,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 hold_offers=cfg.hold_offers and _WORKER_META,
                 pin_at_offer=bool(cfg.load_failures_fail),
             )
+            self._scheduler.connect_now()
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
                 cfg.server_url,

@@ -155,6 +155,17 @@ class MaruSchedulerConnector(LoadPlanning):
         }
 
     # ------------------------------------------------------------------ server
+    def connect_now(self) -> bool:
+        """Connect at engine start rather than in the first request's probe (a handshake and the
+        report of this side's paths: 2.2-2.8 ms measured in real vLLM, paid before the engine
+        serves; ``maru stats`` lists the scheduler from then on). An unreachable server is warned
+        about once, as at a probe, and tried again at the first probe after the back-off."""
+        try:
+            return self._get_client() is not None
+        except Exception:  # never take the engine down for Maru
+            logger.exception("Maru: connecting the scheduler side at start failed")
+            return False
+
     def _get_client(self) -> Any:
         if self._client is not None:
             return self._client

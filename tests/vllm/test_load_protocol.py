@@ -267,3 +267,30 @@ def test_the_scheduler_sides_client_polls_for_replies_and_the_workers_blocks(ser
     worker = worker_side(server, True)
     assert worker.maru_worker is not None and worker.maru_worker._client.reply_waits["spin_us"] == 0
     worker.shutdown()
+
+
+def test_the_scheduler_side_connects_and_reports_at_engine_start_before_any_request(
+    server: ServerProcess, tmp_path: Any
+) -> None:
+    """The handshake and the report of the scheduler's paths happen when vLLM builds the connector,
+    not in the first request's probe: ``maru stats`` lists the scheduler before it served anything."""
+    from maru.client import MaruHandler
+
+    def schedulers() -> list[str]:
+        with MaruHandler(server.url, timeout_s=2) as h:
+            clients = h.stats()["clients"]
+        return [c["client_id"] for c in clients if (c.get("info") or {}).get("role") == "vllm-scheduler"]
+
+    before = set(schedulers())
+    conn = scheduler_side(server, True)
+    s = conn.maru_scheduler
+    assert s is not None and s.probe_view()["probe_path"] == "key index"  # connected, no probe yet
+    assert len(set(schedulers()) - before) == 1
+    s.shutdown()
+    # An unreachable server at start costs a warning, not the engine (the probe tries again later).
+    with ServerProcess(tmp_path, pool_size="4M") as dead:
+        url = dead.url
+    down = scheduler_side(SimpleNamespace(url=url), True, maru_timeout_s=0.3)
+    assert down.maru_scheduler is not None and down.maru_scheduler.probe_view() == {
+        "probe_path": "no server connection"
+    }
