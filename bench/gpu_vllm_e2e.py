@@ -16,7 +16,9 @@ and repetition (fresh random prompts, the same for every engine):
   sync / ``maru_async_load`` / ``maru_overlap_load_with_compute``): cold TTFT while storing;
   then vLLM's prefix cache is reset (which also waits for write-behind stores to publish) and
   the same prompts run again: warm from Maru. Each engine has its own ``maru_namespace``, so
-  each stores for itself.
+  each stores for itself. ``sync`` and ``overlap`` run vLLM's V1 model runner (``ENGINE_ENV``).
+- ``default`` (Maru, the default configuration, vLLM's default V2 runner: on a GPU its loads go
+  layer by layer, offers pinned at each offer): the same, in the column "default (V2)".
 
 TTFT is the wall time of ``LLM.generate(prompts, max_tokens=1)`` for the whole batch (all
 prompts submitted together). Load GB/s is the worker's ``bytes_loaded / load_seconds`` over the
@@ -168,6 +170,9 @@ OFFLINE: dict[str, dict[str, Any] | None] = {
     "sync": {"maru_overlap_load_with_compute": False},
     "async": {"maru_async_store": True, "maru_async_load": True},
     "overlap": {"maru_async_store": True, "maru_overlap_load_with_compute": True},
+    # What a user gets: vLLM's default (V2) runner, the default configuration (since 2026-12-03 its
+    # loads go layer by layer on a GPU, offers pinned at each offer).
+    "default": {},
     # The write-behind store queued all at once (before kv_ops.paced_store): what pacing is worth.
     "unpaced": {"maru_async_store": True, "maru_paced_store": False},
     # The "async" engine run from another checkout of maru ($MARU_BENCH_ALT_TREE): an A/B of versions.
@@ -181,9 +186,15 @@ STORE_MODE = {
     "sync": "sync store",
     "async": "write-behind",
     "overlap": "write-behind",
+    "default": "write-behind",
     "unpaced": "write-behind, not paced",
 }
-LOAD_MODE = {"sync": "sync load", "async": "async load", "overlap": "layer overlap"}
+LOAD_MODE = {
+    "sync": "sync load",
+    "async": "async load",
+    "overlap": "layer overlap",
+    "default": "default (V2)",
+}
 
 
 def waited_bytes(load: dict) -> float:
@@ -385,12 +396,13 @@ def markdown(res: dict, setup: Setup) -> str:
     pinned = res.get("pinned_h2d_GBps")
     lines = [
         "| workload | cold, no connector | cold, Maru storing (sync) | cold, write-behind (paced) "
-        "| cold, write-behind not paced | warm, sync load "
-        "| warm, async load | warm, layer overlap | vLLM's own prefix hit "
-        "| that engine's own hit: sync / async / overlap | tokens loaded | load GB/s sync / async / overlap"
+        "| cold, write-behind not paced | "
+        + " | ".join(f"warm, {m}" for m in LOAD_MODE.values())
+        + " | vLLM's own prefix hit "
+        f"| that engine's own hit: {' / '.join(LOAD_MODE)} | tokens loaded | load GB/s {' / '.join(LOAD_MODE)}"
         + (f" (% of pinned {pinned:.1f})" if pinned else "")
         + " | outputs (identical+close / n) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(LOAD_MODE) + "---:|---|---:|---:|---|",
     ]
     for r in summ["rows"]:
         gb = []
@@ -406,7 +418,7 @@ def markdown(res: dict, setup: Setup) -> str:
             f"| {r['workload']} | {fmt_ms(r['cold'])} | {fmt_ms(r['sync store'])}{fmt_rel(r['sync store'], r['cold'])} "
             f"| {fmt_ms(r['write-behind'])}{fmt_rel(r['write-behind'], r['cold'])} "
             f"| {fmt_ms(r['write-behind, not paced'])}{fmt_rel(r['write-behind, not paced'], r['cold'])} "
-            f"| {fmt_ms(r['sync load'])} | {fmt_ms(r['async load'])} | {fmt_ms(r['layer overlap'])} "
+            f"| {' | '.join(fmt_ms(r[m]) for m in LOAD_MODE.values())} "
             f"| {fmt_ms(r['hit'])} | {' / '.join(fmt_ms(r.get(m + ' own hit')) for m in LOAD_MODE.values())} "
             f"| {r.get('sync load tokens')}{f' ({errs} load errors)' if errs else ''} "
             f"| {' / '.join(gb)} | {' / '.join(outs)} |"
@@ -473,6 +485,7 @@ def plot(res: dict, path: Path) -> bool:
     cols = [("cold", "cold, no connector"), ("sync store", "cold + Maru sync store"),
             ("write-behind", "cold + write-behind"), ("sync load", "warm, sync load"),
             ("async load", "warm, async load"), ("layer overlap", "warm, layer overlap"),
+            ("default (V2)", "warm, default (V2)"),
             ("hit", "vLLM prefix hit")]  # fmt: skip
     fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(cols)
