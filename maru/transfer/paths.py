@@ -64,6 +64,9 @@ class DataPath(ABC):
 
     name: ClassVar[str]
     defers_store_gather: ClassVar[bool] = False
+    # Layer loads placed by the device under the forward (one event a layer, no host thread): the
+    # layer-overlap load is the default there (``MaruConnectorConfig.layer_overlap``).
+    places_layers_on_device: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
 
     def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
@@ -253,6 +256,7 @@ class PipelinedPath(DataPath):
     caches, ordered after the work on the caller's stream; handles complete asynchronously."""
 
     name = "pipelined"
+    places_layers_on_device = True
     # The gather's issue (2-4 ms of host time for 8-32 chunks on the H200 host, plus the RESERVE
     # round trip before it) runs on the drain thread, ordered after the forward by a CUDA event.
     defers_store_gather = True

@@ -222,12 +222,14 @@ class MaruConnectorConfig:
         n = cpus if cpus is not None else _usable_cpus()
         return DEFAULT_SCHEDULER_REPLY_SPIN_US if n >= MIN_CPUS_TO_SPIN else 0
 
-    def layer_overlap(self, caches_on_gpu: bool) -> bool:
-        """Whether a worker whose KV caches are (or are not) ``caches_on_gpu`` places its same-step
-        loads layer by layer under the forward: as set, else on GPU caches unless loads are async."""
+    def layer_overlap(self, pipelined: bool) -> bool:
+        """Whether a worker places its same-step loads layer by layer under the forward: as set,
+        else where its data path is ``pipelined`` (GPU caches, the copy engine placing each layer
+        under the forward) unless loads are async. Not on CPU caches, nor on the staged GPU path
+        (announced as slow already), where a thread would place the layers beside the forward."""
         if self.overlap_load_with_compute is not None:
             return self.overlap_load_with_compute
-        return caches_on_gpu and not self.async_load
+        return pipelined and not self.async_load
 
     def min_async_load(self) -> int:
         """Fewest tokens an asynchronous load is made for (``async_min_load_tokens``; None: a chunk)."""

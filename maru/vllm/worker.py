@@ -117,6 +117,7 @@ class MaruWorkerConnector:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
+        # Until the data path is known (``_connect``): GPU caches get the pipelined path.
         self.layer_overlap = self.cfg.layer_overlap(bool(self.caches) and self.caches[0].is_cuda)
         backend = None
         if self._backend_name_of is not None:
@@ -173,6 +174,7 @@ class MaruWorkerConnector:
             chunk_tokens=self.cfg.kv_chunk_tokens,
             paced_store=self.cfg.paced_store,
         )
+        self.layer_overlap = self.cfg.layer_overlap(self.engine.path.places_layers_on_device)
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
         self._report_paths()

@@ -376,9 +376,14 @@ def test_a_forward_that_never_waited_for_the_layer_load_fails_every_request_it_p
 def test_the_default_loads_cpu_caches_before_the_forward_and_a_setting_is_kept(
     server: ServerProcess, client: MaruHandler, setting: bool | None, layered: bool
 ) -> None:
-    """Unset, maru_overlap_load_with_compute is decided by the caches' device: layer by layer on a
-    GPU (tests/e2e/test_gpu_vllm_graphs_e2e.py), before the forward on CPU caches (a placing thread
-    would compete with the forward for the cores); set, it is kept on either."""
+    """Unset, maru_overlap_load_with_compute is decided by the worker's data path: layer by layer
+    where the device places the layers (the pipelined GPU path, tests/e2e/test_gpu_vllm_graphs_e2e.py),
+    before the forward on CPU caches and the staged GPU path (a placing thread would compete with
+    the forward); set, it is kept on either."""
+    from maru.transfer.paths import CpuPath, PipelinedPath, StagedPath
+
+    assert PipelinedPath.places_layers_on_device and not StagedPath.places_layers_on_device
+    assert not CpuPath.places_layers_on_device
     src = case("kv_first", "NHD", 91)
     req = request(f"auto-{setting}", [0, 1, 2, 3], 2 * CHUNK)
     plain_engine(src, client).store([req])

@@ -413,7 +413,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "paced_store": True,
     }
     # Layer by layer where the caches are on a GPU, unless set or loads are asynchronous.
-    assert (d.layer_overlap(caches_on_gpu=True), d.layer_overlap(caches_on_gpu=False)) == (True, False)
+    assert (d.layer_overlap(pipelined=True), d.layer_overlap(pipelined=False)) == (True, False)
     lines = d.data_path_lines()
     assert len(lines) == 2 and lines[0].startswith(
         "maru_overlap_load_with_compute (on GPU caches, the default)"
@@ -423,12 +423,10 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
     unpaced = MaruConnectorConfig.from_extra_config({"maru_paced_store": "false"})
     assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[1]
     sync = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "false"})
-    assert (
-        not sync.layer_overlap(caches_on_gpu=True) and sync.data_path()["overlap_load_with_compute"] is False
-    )
+    assert not sync.layer_overlap(pipelined=True) and sync.data_path()["overlap_load_with_compute"] is False
     assert len(sync.data_path_lines()) == 1
     on = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "true"})
-    assert on.layer_overlap(caches_on_gpu=False) and on.data_path_lines()[0].startswith(
+    assert on.layer_overlap(pipelined=False) and on.data_path_lines()[0].startswith(
         "maru_overlap_load_with_compute:"
     )
     off = d.without_write_behind("a test")
@@ -439,7 +437,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
     )
     assert (c.async_load, c.max_inflight_loads, c.async_store) == (True, 8, True)
     assert len(c.data_path_lines()) == 2 and "8 loads and 256 chunks in flight" in c.data_path_lines()[0]
-    assert not c.layer_overlap(caches_on_gpu=True) and c.data_path()["overlap_load_with_compute"] is False
+    assert not c.layer_overlap(pipelined=True) and c.data_path()["overlap_load_with_compute"] is False
     with pytest.raises(ConfigError, match="maru_max_inflight_loads"):
         MaruConnectorConfig.from_extra_config({"maru_max_inflight_loads": 0})
     with pytest.raises(ConfigError, match="maru_async_store"):
