@@ -432,13 +432,18 @@ class MaruSchedulerConnector(LoadPlanning):
                 st.block_ids = list(new.block_ids[0])
                 steps.append((st, new.num_computed_tokens))
             cached = so.scheduled_cached_reqs
+            resumed = cached.resumed_req_ids
             for i, req_id in enumerate(cached.req_ids):
                 st = self._reqs.get(req_id)
                 if st is None:
                     continue
                 nb = cached.new_block_ids[i]
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     st.block_ids = list(nb[0]) if nb is not None else []
+                elif st.pending_load is None and cached.num_computed_tokens[i] >= len(st.prompt):
+                    # Past its prompt (decoding) with no load due: nothing left to load or store, so
+                    # its block table is not followed any more (a resume brings the whole table).
+                    continue
                 elif nb is not None:
                     st.block_ids.extend(nb[0])
                 steps.append((st, cached.num_computed_tokens[i]))

@@ -208,6 +208,35 @@ def test_preempted_request_is_probed_again_and_does_not_store_twice(server, keye
     assert [c.key for rt in meta.stores for c in rt.chunks][:2] == full[2:]
 
 
+def test_a_decoding_request_plans_nothing_and_its_resume_uses_the_resumed_block_table(
+    server, keyer, client
+) -> None:
+    """Past its prompt a request has nothing to load or store: its decode steps plan nothing (and
+    its block table is not followed any more); preempted and resumed, it is planned again from the
+    whole table vLLM hands over."""
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=12)
+    full, tail = stored_keys_of(s, toks)
+    r = req("a", toks)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, blocks_obj(list(range(10))), 0)
+    meta = s.build_connector_meta(new_out("a", list(range(10)), 0, 300))
+    assert [c.key for rt in meta.stores for c in rt.chunks] == [*full, tail]
+    for step, blocks in enumerate(([10], None, [11])):  # decode steps, new blocks now and then
+        meta = s.build_connector_meta(cached_out("a", blocks, 300 + step, 1))
+        assert not meta.stores and not meta.loads
+    publish(server, [*full, tail])  # what the worker did in the prompt's step
+    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"a"}))
+    # Resumed: matched again, its prompt loaded into the whole table vLLM hands over.
+    assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+    table = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+    s.update_state_after_alloc(r, blocks_obj(table), 288)
+    meta = s.build_connector_meta(cached_out("a", table, 0, 303, resumed=True))
+    (lt,) = meta.loads
+    assert list(lt.block_ids) == table  # the resumed table, not the old one with decode blocks
+    assert [c.key for c in lt.chunks] == [*full, tail] and not meta.stores
+
+
 def test_a_failed_load_replans_the_stores_of_that_step(server, keyer, client) -> None:
     s = make_sched(server, keyer, client)
     toks = tokens(300, seed=9)
