@@ -325,11 +325,10 @@ class LayerByLayerLoad:
     def fail_placed(self, why: str) -> list[str]:
         """Take back every request this load reported placed (``late_failures``, ``report.failed``):
         whatever read them may have read them before they were placed. The requests taken back."""
-        taken = [req.req_id for req in self._reqs if req.req_id in self.report.loaded_req_ids]
-        for req in self._reqs:
-            if req.req_id in taken:
-                self._take_back(req, why)
-        return taken
+        taken = [req for req in self._reqs if req.req_id in self.report.loaded_req_ids]
+        for req in taken:
+            self._take_back(req, why)
+        return [req.req_id for req in taken]
 
     def _take_back(self, req: RequestTransfer, why: str) -> None:
         if req.req_id in self.report.loaded_req_ids:

@@ -207,7 +207,7 @@ class MaruConnectorConfig:
             "max_inflight_load_chunks": self.max_inflight_load_chunks,
             "async_min_load_tokens": self.min_async_load(),
             "overlap_load_with_compute": "auto (on GPU caches)"
-            if self.overlap_load_with_compute is None and not self.async_load
+            if self._overlap_by_path
             else bool(self.overlap_load_with_compute),
             "async_store": self.async_store,
             "paced_store": self.paced_store,
@@ -229,7 +229,12 @@ class MaruConnectorConfig:
         (announced as slow already), where a thread would place the layers beside the forward."""
         if self.overlap_load_with_compute is not None:
             return self.overlap_load_with_compute
-        return pipelined and not self.async_load
+        return pipelined and self._overlap_by_path
+
+    @property
+    def _overlap_by_path(self) -> bool:
+        """``maru_overlap_load_with_compute`` unset and loads not async: each worker's data path decides."""
+        return self.overlap_load_with_compute is None and not self.async_load
 
     def min_async_load(self) -> int:
         """Fewest tokens an asynchronous load is made for (``async_min_load_tokens``; None: a chunk)."""
@@ -246,10 +251,10 @@ class MaruConnectorConfig:
                 "chunks in flight; more hits wait a step); other requests keep running; a hit of fewer "
                 f"than {self.min_async_load()} tokens is computed (maru_async_min_load_tokens)"
             )
-        if self.overlap_load_with_compute or (self.overlap_load_with_compute is None and not self.async_load):
+        if self.overlap_load_with_compute or self._overlap_by_path:
             out.append(
                 "maru_overlap_load_with_compute"
-                + (" (on GPU caches, the default)" if self.overlap_load_with_compute is None else "")
+                + (" (on GPU caches, the default)" if self._overlap_by_path else "")
                 + ": all chunks of a step's loads are pinned before the forward, then placed layer by "
                 "layer under it (GPU: the copy engine; CPU: a background thread); each attention layer "
                 "waits only for its own layer; a step vLLM replays as a full CUDA graph is loaded "

@@ -25,6 +25,15 @@ from maru.vllm.worker_stats import WorkerStats
 
 logger = logging.getLogger("maru.vllm")
 
+# What a forward that never waited for its layer load means, and the fix (the log line, and the
+# worker's reported slow path, after the count: ``maru stats``, ``maru doctor``).
+UNWAITED = (
+    "layer-by-layer loads ran under a forward that never called wait_for_layer_load (a forward mode "
+    "the connector did not recognise as skipping the per-layer hook); their requests were reported "
+    "as failed loads, so vLLM kept nothing that forward read of them. Fix: set "
+    "maru_overlap_load_with_compute=false and report the vLLM version and its cudagraph_mode"
+)
+
 
 def forward_runs_layer_hooks(forward_context: Any) -> bool:
     """Whether vLLM's forward for this ``forward_context`` calls ``wait_for_layer_load`` before each
@@ -149,14 +158,7 @@ class LayerLoads:
         taken = ll.fail_placed("the forward did not wait for the layer-by-layer load")
         self.stats.layer_loads_unwaited += 1
         if self.stats.layer_loads_unwaited == 1:
-            logger.error(
-                "Maru: vLLM ran a forward without calling wait_for_layer_load while a layer-by-layer "
-                "load was placing its KV (a forward mode the connector did not recognise as skipping "
-                "the per-layer hook); its %d requests are reported as failed loads so that vLLM "
-                "does not keep what that forward read. Fix: set maru_overlap_load_with_compute=false "
-                "and report the vLLM version and its cudagraph_mode",
-                len(taken),
-            )
+            logger.error("Maru: 1 of the %s (%d requests)", UNWAITED, len(taken))
         return taken
 
     def release(self, wait: bool = False) -> None:

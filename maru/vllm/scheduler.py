@@ -29,7 +29,7 @@ from typing import Any
 
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
-from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.config import MIN_CPUS_TO_SPIN, MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
@@ -581,7 +581,7 @@ def _reply_wait_mode(client: Any) -> str:
     """How this side waits for the server's replies (``maru stats``): polling (how long), or blocking."""
     us = getattr(client, "reply_waits", {}).get("spin_us", 0)
     if not us:
-        return "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)"
+        return f"blocks (maru_scheduler_reply_spin_us 0, or fewer than {MIN_CPUS_TO_SPIN} usable cores)"
     return f"polls up to {us} us, keeping the GIL, then blocks"
 
 

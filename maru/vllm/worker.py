@@ -33,7 +33,7 @@ from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer, StoreRe
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import rank_keys
-from maru.vllm.layer_loads import LayerLoads
+from maru.vllm.layer_loads import UNWAITED, LayerLoads
 from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
@@ -89,9 +89,6 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self._layer_index: dict[str, int] = {}
-        # Same-step loads layer by layer under the forward (maru_overlap_load_with_compute, decided
-        # for the caches' device once they are registered).
-        self.layer_overlap = bool(cfg.overlap_load_with_compute)
         hooks = LoadHooks(
             connect=self._engine_or_why,
             rank=self._rank,
@@ -117,8 +114,6 @@ class MaruWorkerConnector:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
-        # Until the data path is known (``_connect``): GPU caches get the pipelined path.
-        self.layer_overlap = self.cfg.layer_overlap(bool(self.caches) and self.caches[0].is_cuda)
         backend = None
         if self._backend_name_of is not None:
             try:
@@ -174,11 +169,18 @@ class MaruWorkerConnector:
             chunk_tokens=self.cfg.kv_chunk_tokens,
             paced_store=self.cfg.paced_store,
         )
-        self.layer_overlap = self.cfg.layer_overlap(self.engine.path.places_layers_on_device)
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
         self._report_paths()
         return True
+
+    @property
+    def layer_overlap(self) -> bool:
+        """Whether same-step loads go layer by layer under the forward (``maru_overlap_load_with_compute``,
+        decided by the data path; before the engine exists, GPU caches are taken for the pipelined path)."""
+        if self.engine is not None:
+            return self.cfg.layer_overlap(self.engine.path.places_layers_on_device)
+        return self.cfg.layer_overlap(bool(self.caches) and self.caches[0].is_cuda)
 
     def _engine_or_why(self) -> KVTransferEngine | str:
         """The engine (connecting first where needed), or why there is none."""
@@ -206,6 +208,8 @@ class MaruWorkerConnector:
             else "sync",
         }
         slow: list[str] = list(self.cfg.fallbacks)  # settings the connector replaced, with the fix
+        if self.stats.layer_loads_unwaited:
+            slow.append(f"{self.stats.layer_loads_unwaited} {UNWAITED}")
         if eng is not None:
             paths["load"] = eng.data_path
             reg = eng.host_registration
@@ -407,7 +411,10 @@ class MaruWorkerConnector:
         try:
             # The layer load must be complete (and its failures known) before this step's stores
             # are filtered, and before the step ends.
+            unwaited = self.stats.layer_loads_unwaited
             self.layer_loads.finish()
+            if not unwaited and self.stats.layer_loads_unwaited:  # the first: maru doctor shows it
+                self._report_paths()
         except Exception:
             logger.exception("Maru: finishing the layer-by-layer load failed")
         if meta is not None and self.cfg.async_store:

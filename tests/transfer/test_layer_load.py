@@ -18,7 +18,7 @@ import torch
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase
 from maru.transfer.records import RequestTransfer
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, reported_slow
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.helpers import (
     BS,
@@ -362,7 +362,13 @@ def test_a_forward_that_never_waited_for_the_layer_load_fails_every_request_it_p
         assert w.get_block_ids_with_load_errors() == dst_a.placed_block_ids(BS) | set(dbad.block_ids)
         assert w.stats.layer_loads_unwaited == 1 and w.stats.load_errors == 2
         assert w.stats.tokens_loaded == 0 and w.stats.loads == 0  # nothing counted as loaded
-        assert any("without calling wait_for_layer_load" in r.message for r in caplog.records)
+        assert any("never called wait_for_layer_load" in r.getMessage() for r in caplog.records)
+        # Reported to the server with its fix: maru stats and maru doctor show it.
+        assert any(
+            s.startswith("1 layer-by-layer loads") and "maru_overlap_load_with_compute=false" in s
+            for slow in reported_slow(server).values()
+            for s in slow
+        )
         gate.set()
         w.get_finished(set())
         w.get_finished(set())

@@ -82,10 +82,7 @@ def test_cpu_time_tells_a_blocked_hook_from_a_busy_one() -> None:
     assert "us each" in h.hook_times.line() and "on CPU" in h.hook_times.line()
 
 
-class _PerLayer:
-    def __init__(self) -> None:
-        self.hook_times = HookTimes()
-
+class _PerLayer(_Blocking):
     @timed_wall
     def per_layer(self) -> None:
         time.sleep(0.002)
