@@ -263,6 +263,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 is not False,
                 hold_offers=cfg.hold_offers and _WORKER_META,
                 pin_at_offer=bool(cfg.load_failures_fail),
+                hook_times=self.hook_times,
             )
             self._scheduler.connect_now()
             logger.info(

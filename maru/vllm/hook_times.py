@@ -6,6 +6,8 @@ sums the wall time, the calling thread's CPU time and the calls per hook; ``time
 connector method so it counts itself. Wall minus CPU is time the thread sat blocked inside the
 hook: a server round trip, or waiting for the GIL while another thread of the process (vLLM's
 input and output threads, Maru's write-behind drain) runs Python.
+Parts of a hook (``timed_part``) are counted under ``hook/part`` as well: where the hook's time
+goes (the scheduler's prompt keys, prefix probe and offer pin inside ``get_num_new_matched_tokens``).
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -100,3 +102,21 @@ def timed_wall(method: F) -> F:
             self.hook_times.add(name, time.perf_counter() - t0)
 
     return wrapper  # type: ignore[return-value]
+
+
+def timed_part(name: str) -> Callable[[F], F]:
+    """``timed``, under ``name`` (``"hook/part"``), for a method that runs inside a hook: its time
+    is also in the hook's. A part of the hook's time, not an addition to it."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap

@@ -30,12 +30,39 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 # Bump when the stored object's byte layout changes (kv_ops' canonical [L, 2, T, NH*HS]).
 FORMAT_VERSION = "maru-kv-L2TD-v1"
 _DIGEST_SIZE = 16
+
+# CPython's hashlib gives the GIL up for any one input of HASHLIB_GIL_MINSIZE (2048) bytes or more
+# and must take it back after. Beside a Python thread that is running (vLLM's input and output
+# threads, Maru's worker threads in a one-GPU engine) taking it back waits for that thread's
+# switch interval, 5 ms. A 256-token chunk is 2081 bytes to hash, and vLLM's scheduling thread
+# hashes a prompt's chunks for every new request: 9 chunks of a 2.3k-token prompt took 5.1 ms
+# beside a busy thread instead of 28 us (bench/gil_hashing.py). Input is therefore fed in pieces
+# below that size: the same digest, the GIL kept throughout (62 us beside the busy thread).
+_HASH_PIECE = 2047
+
+
+def _digest(head: bytes, body: bytes | memoryview) -> bytes:
+    """blake2b(head + body) of ``_DIGEST_SIZE`` bytes, no single input reaching the GIL threshold."""
+    h = hashlib.blake2b(head, digest_size=_DIGEST_SIZE)
+    _feed(h, body)
+    return h.digest()
+
+
+def _feed(h: Any, body: bytes | memoryview) -> None:
+    """``h.update(body)`` in pieces of at most ``_HASH_PIECE`` bytes (see the constant)."""
+    if len(body) <= _HASH_PIECE:
+        h.update(body)
+        return
+    view = memoryview(body)  # slices without copies
+    for at in range(0, len(body), _HASH_PIECE):
+        h.update(view[at : at + _HASH_PIECE])
 
 
 @dataclass(frozen=True)
@@ -104,14 +131,12 @@ class ChunkKeyer:
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
-        data = _token_bytes(token_ids[: n * ct])
+        data = memoryview(_token_bytes(token_ids[: n * ct]))
         step = ct * 8
         chain: list[bytes] = []
         prev = self._root
         for i in range(n):
-            prev = hashlib.blake2b(
-                b"C" + prev + data[i * step : (i + 1) * step], digest_size=_DIGEST_SIZE
-            ).digest()
+            prev = _digest(b"C" + prev, data[i * step : (i + 1) * step])
             chain.append(prev)
         return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
 
@@ -120,7 +145,7 @@ class ChunkKeyer:
         n = len(tail_token_ids)
         if not 0 < n < self.chunk_tokens:
             raise ValueError(f"a tail has 1..{self.chunk_tokens - 1} tokens, got {n}")
-        h = hashlib.blake2b(b"T" + parent + _token_bytes(tail_token_ids), digest_size=_DIGEST_SIZE).digest()
+        h = _digest(b"T" + parent, _token_bytes(tail_token_ids))
         return f"{self._prefix}{h.hex()}.t{n}"
 
     def tail_candidates(
@@ -136,11 +161,11 @@ class ChunkKeyer:
         out: list[tuple[int, str]] = []
         if limit < step:
             return out
-        data = _token_bytes(tokens_after[:limit])
+        data = memoryview(_token_bytes(tokens_after[:limit]))
         h = hashlib.blake2b(b"T" + parent, digest_size=_DIGEST_SIZE)
         done = 0
         for n in range(step, limit + 1, step):
-            h.update(data[done * 8 : n * 8])
+            _feed(h, data[done * 8 : n * 8])
             done = n
             if n > longer_than:
                 out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))

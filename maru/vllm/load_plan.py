@@ -12,6 +12,7 @@ from typing import Any
 
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
+from maru.vllm.hook_times import timed_part
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
@@ -62,7 +63,7 @@ class LoadPlanning:
         client = self._get_client()
         keys = self._keys_between(st, begin, end)
         try:  # no client is needed where every key's pin is shared (``OfferPins``)
-            held = self.pins.hold(client, st.req_id, keys)
+            held = self._hold(client, st.req_id, keys)
         except MaruError as e:
             self.stats.probe_failures += 1
             self._drop_pins(st.req_id)
@@ -108,6 +109,14 @@ class LoadPlanning:
         self._reported_path = None  # report again, with this (``maru doctor``)
         self._report_path()
 
+    @timed_part("get_num_new_matched_tokens/pin")
+    def _hold(self, client: Any, req_id: str, keys: list[str]) -> int:
+        return self.pins.hold(client, req_id, keys)  # type: ignore[union-attr]
+
+    @timed_part("build_connector_meta/pin")
+    def _hold_many(self, client: Any, wants: dict[str, list[str]]) -> None:
+        self.pins.hold_many(client, wants)  # type: ignore[union-attr]
+
     def _pin_step_loads(self) -> None:
         """One lookup-and-pin round trip for every load this step plans whose request holds no
         pins yet (all of them unless pinned at the offer). A failure costs only the pins: the
@@ -123,7 +132,7 @@ class LoadPlanning:
         if client is None:
             return
         try:
-            self.pins.hold_many(client, wants)
+            self._hold_many(client, wants)
         except MaruError as e:
             for req_id in wants:
                 self.pins.drop(req_id)

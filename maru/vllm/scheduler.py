@@ -30,7 +30,8 @@ from typing import Any
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MIN_CPUS_TO_SPIN, MaruConnectorConfig
-from maru.vllm.keys import ChunkKeyer
+from maru.vllm.hook_times import HookTimes, timed_part
+from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
 from maru.vllm.logs import reconnected, warn_unreachable
@@ -57,13 +58,15 @@ class MaruSchedulerConnector(LoadPlanning):
         local_prefix_cache: bool = True,
         hold_offers: bool = False,
         pin_at_offer: bool = False,
+        hook_times: HookTimes | None = None,
     ) -> None:
         """``local_prefix_cache``: whether vLLM's own prefix cache is on (async loads of the same
         chunks are shared only through it). ``hold_offers``: pin what is offered until the workers
         placed it (``OfferPins``); needs the workers' per-step report (vLLM's
         ``build_connector_worker_meta``), so the connector decides. ``pin_at_offer``: pin each
         offer before making it (where vLLM cannot recompute a failed same-step load), not once a
-        step for all loads."""
+        step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's)."""
+        self.hook_times = hook_times if hook_times is not None else HookTimes()
         self.cfg = cfg
         self.keyer = keyer
         self.block_size = block_size
@@ -249,7 +252,7 @@ class MaruSchedulerConnector(LoadPlanning):
         if not self._eligible(request):
             return None
         prompt = list(request.prompt_token_ids)
-        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self.keyer.prompt_keys(prompt))
+        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(prompt))
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
@@ -259,9 +262,14 @@ class MaruSchedulerConnector(LoadPlanning):
         self._reqs[request.request_id] = st
         return st
 
+    @timed_part("get_num_new_matched_tokens/keys")
+    def _keys(self, prompt: list[int]) -> PromptKeys:
+        return self.keyer.prompt_keys(prompt)
+
     def _usable(self, prompt_len: int) -> int:
         return self._prober.usable(prompt_len)
 
+    @timed_part("get_num_new_matched_tokens/probe")
     def _probe(self, st: RequestState, local_computed: int) -> None:
         """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``);
         the full chunks vLLM's own hit covers (``local_computed`` tokens) are not asked about."""

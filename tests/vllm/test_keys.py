@@ -132,6 +132,65 @@ def test_tail_keys_depend_on_the_prefix_and_never_equal_a_chunk_key() -> None:
     assert k.tail_key(pk.root, toks[:63]) not in pk.full
 
 
+@pytest.mark.parametrize("chunk_tokens", [64, 256, 1024])
+def test_no_hashing_call_gets_enough_bytes_to_give_the_gil_up(monkeypatch, chunk_tokens: int) -> None:
+    """CPython's hashlib releases the GIL for one input of 2048 bytes or more, and taking it back
+    beside a busy thread costs a switch interval (5 ms): keys are hashed in smaller pieces, with
+    the documented digests unchanged."""
+    import hashlib
+    import types
+
+    import maru.vllm.keys as keys_mod
+
+    sizes: list[int] = []
+
+    class Recording:
+        def __init__(self, data: bytes = b"", **kw: object) -> None:
+            sizes.append(len(data))
+            self.h = hashlib.blake2b(data, **kw)  # type: ignore[arg-type]
+
+        def update(self, data: bytes) -> None:
+            sizes.append(memoryview(data).nbytes)
+            self.h.update(data)
+
+        def copy(self) -> Recording:
+            c = Recording.__new__(Recording)
+            c.h = self.h.copy()
+            return c
+
+        def digest(self) -> bytes:
+            return self.h.digest()
+
+        def hexdigest(self) -> str:
+            return self.h.hexdigest()
+
+    space = dataclasses.replace(SPACE, chunk_tokens=chunk_tokens)
+    toks = _tokens(chunk_tokens * 3 + chunk_tokens // 2, seed=chunk_tokens)
+    plain = ChunkKeyer(space)
+    want_full = plain.prompt_keys(toks)
+    want_tail = plain.tail_key(
+        want_full.parent(3), toks[3 * chunk_tokens : 3 * chunk_tokens + chunk_tokens - 1]
+    )
+    want_cands = plain.tail_candidates(want_full.parent(1), toks[chunk_tokens:], chunk_tokens // 2)
+    # The reference: the documented chain with one blake2b call per digest.
+    prev, ref = space.digest(), []
+    for i in range(3):
+        data = b"".join(t.to_bytes(8, "little") for t in toks[i * chunk_tokens : (i + 1) * chunk_tokens])
+        prev = hashlib.blake2b(b"C" + prev + data, digest_size=16).digest()
+        ref.append(space.prefix() + prev.hex())
+    assert want_full.full == ref
+
+    monkeypatch.setattr(keys_mod, "hashlib", types.SimpleNamespace(blake2b=Recording, sha256=hashlib.sha256))
+    k = ChunkKeyer(space)
+    got = k.prompt_keys(toks)
+    assert got.full == want_full.full and got.chain == want_full.chain
+    assert k.tail_key(got.parent(3), toks[3 * chunk_tokens : 4 * chunk_tokens - 1]) == want_tail
+    assert k.tail_candidates(got.parent(1), toks[chunk_tokens:], chunk_tokens // 2) == want_cands
+    assert sizes and max(sizes) < 2048, max(sizes)
+    if chunk_tokens >= 256:
+        assert sum(sizes) > 3 * chunk_tokens * 8  # the whole chunks went through the recorder
+
+
 def test_incremental_tail_candidates_equal_directly_computed_tail_keys() -> None:
     k = ChunkKeyer(SPACE)
     toks = _tokens(128)

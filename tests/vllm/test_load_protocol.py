@@ -107,6 +107,9 @@ def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
     (load,) = conn.build_connector_meta(new_out("a", list(range(10)), 288, 12)).loads
     assert load.ticket and len(load.held) == 5  # pinned from the offer on: no eviction can fail it
+    parts = conn.maru_stats()["hook_ms"]
+    assert parts["get_num_new_matched_tokens/pin"]["calls"] == 1  # the offer's round trip, timed
+    assert "build_connector_meta/pin" not in parts  # none again for the step
     # Its cost (a round trip per request with a hit) is a slow path `maru doctor` shows, with the fix.
     [slow] = [v for v in reported_slow(server).values() if any("per request with a hit" in n for n in v)]
     assert len(slow) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in slow[0]
@@ -235,13 +238,25 @@ def test_the_facade_counts_the_host_time_of_each_hook_it_serves(server, caplog) 
     conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
     conn.build_connector_meta(empty_out())
     conn.build_connector_meta(empty_out())
-    hooks = conn.maru_stats()["hook_ms"]
+    stats = conn.maru_stats()["hook_ms"]
+    hooks = {k: v for k, v in stats.items() if "/" not in k}
     assert {k: v["calls"] for k, v in hooks.items()} == {
         "get_num_new_matched_tokens": 1,
         "update_state_after_alloc": 1,
         "build_connector_meta": 2,
     }
     assert all(v["ms"] > 0 for v in hooks.values())
+    # Where the hooks' time went: the probe inside the match, the step's pins inside the step.
+    parts = {k: v for k, v in stats.items() if "/" in k}
+    assert set(parts) == {
+        "get_num_new_matched_tokens/keys",  # (the test's own store of the prompt hashed it too)
+        "get_num_new_matched_tokens/probe",
+        "build_connector_meta/pin",
+    }
+    assert parts["get_num_new_matched_tokens/probe"]["calls"] == 1
+    assert parts["get_num_new_matched_tokens/probe"]["ms"] <= hooks["get_num_new_matched_tokens"]["ms"]
+    assert parts["build_connector_meta/pin"]["calls"] == 1  # one round trip, in the first step only
+    assert parts["build_connector_meta/pin"]["ms"] <= hooks["build_connector_meta"]["ms"]
     with caplog.at_level("INFO", logger="maru"):
         conn.shutdown()
     [line] = [r.getMessage() for r in caplog.records if "host time in vLLM's hooks" in r.getMessage()]
