@@ -34,7 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -230,18 +230,22 @@ _PROBE_HOOK = re.compile(
 )
 _PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
 _REPLIES = re.compile(r"replies: (\d+) read while polling \(spin \d+ us\), (\d+) blocked past it")
+# The hook's parts (``timed_part``): where its time went.
+_PROBE_PART = re.compile(r"get_num_new_matched_tokens/(\w+) \d+ calls ([\d.]+) ms")
 
 
 @dataclass(frozen=True)
 class SchedulerLine:
     """The scheduler's last periodic hook-time line of an engine log, per ``get_num_new_matched_tokens``
     call (us): wall, its thread's CPU, the offer pins' round trips; and (replies read while polling,
-    waits that blocked past it). Each part None where the line predates it."""
+    waits that blocked past it); ``parts``: the wall time of the hook's parts (prompt keys, probe,
+    offer pin), per hook call. Each None (or empty) where the line predates it."""
 
     wall_us: float
     cpu_us: float | None
     pin_trip_us: float | None
     replies: tuple[int, int] | None
+    parts: dict[str, float] = field(default_factory=dict)
 
 
 def scheduler_line(path: Path) -> SchedulerLine | None:
@@ -261,6 +265,7 @@ def scheduler_line(path: Path) -> SchedulerLine | None:
         cpu_us=float(m.group(3)) if m.group(3) else None,
         pin_trip_us=float(trips.group(1)) * 1e3 / calls if trips else None,
         replies=(int(replies.group(1)), int(replies.group(2))) if replies else None,
+        parts={name: float(ms) * 1e3 / calls for name, ms in _PROBE_PART.findall(lines[-1])},
     )
 
 
@@ -352,6 +357,8 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
         row["sched_probe_cpu_us"] = statistics.mean(cpu) if cpu else None
         row["sched_pin_trip_us"] = statistics.mean(trips) if trips else None
         row["sched_replies"] = [sum(r[0] for r in replies), sum(r[1] for r in replies)] if replies else None
+        names = sorted({n for v in got for n in v.parts})
+        row["sched_parts_us"] = {n: statistics.mean(v.parts.get(n, 0.0) for v in got) for n in names}
         _finish_row(row)
         if row.get("n"):
             out["passes"].append(row)

@@ -460,6 +460,7 @@ def sched_cell(p: dict) -> str:
     parts += [
         f"{r[1]} of {r[0] + r[1]} replies blocked past the polling" for r in [p.get("sched_replies")] if r
     ]
+    parts += [f"{n} {us:.0f}" for n, us in (p.get("sched_parts_us") or {}).items()]
     return f"{us:.0f} us" + (f" ({', '.join(parts)})" if parts else "")
 
 

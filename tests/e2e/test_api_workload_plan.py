@@ -110,4 +110,17 @@ def test_scheduler_line_reads_the_last_periodic_line_old_and_new(tmp_path) -> No
         )
     # The last line; the trips' time per call; the replies polled and blocked.
     assert aw.scheduler_line(log) == aw.SchedulerLine(800.0, 250.0, 200.0, (30, 2))
+    # The hook's parts, as HookTimes writes them: per hook call, whatever the part's own calls.
+    from maru.vllm.hook_times import HookTimes
+
+    h = HookTimes()
+    for _ in range(4):
+        h.add("get_num_new_matched_tokens", 0.001, 0.0005)
+        h.add("get_num_new_matched_tokens/probe", 0.0002, 0.0002)
+    h.add("get_num_new_matched_tokens/pin", 0.0004, 0.0001)  # one of the four pinned
+    with log.open("a") as f:
+        f.write(head + h.line() + "\n")
+    got = aw.scheduler_line(log)
+    assert got is not None and got.wall_us == 1000.0 and got.cpu_us == 500.0
+    assert got.parts == {"probe": 200.0, "pin": 100.0}
     assert aw.scheduler_line(tmp_path / "missing.log") is None
