@@ -29,6 +29,12 @@ thread): spinning burns that thread's core and keeps the process's other Python 
 for the same time. A background thread that shares such a channel (the session's heartbeat) calls
 ``never_poll_on_this_thread`` once: its exchanges block at once whatever the channel's setting.
 
+Sending and reading without giving the GIL up (``maru.client.gil_io``). pyzmq gives the GIL up
+around every send and receive, non-blocking ones too, and each take-back beside a busy thread may
+wait a switch interval. Where libzmq can be called directly with the GIL kept, every send and every
+read of a frame already there goes that way; only a wait for a reply not there yet blocks in pyzmq.
+Where it cannot, pyzmq is used as before, announced once with the reason.
+
 Identity. The server owns sessions by connection (its routing id, and its CURVE key when the server
 authenticates), not by the ``client_id`` in the body. A channel picks one random 16-byte routing id
 and keeps it across socket replacements, so its session survives a reconnect: the server hands the
@@ -52,6 +58,7 @@ from typing import Any
 import zmq
 
 from maru import protocol
+from maru.client.gil_io import GilKeepingIO, gil_io, why_not
 from maru.errors import ConfigError, HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
 
 log = logging.getLogger("maru.client")
@@ -75,6 +82,25 @@ def _run_callback(cb: PostedCallback, op: int, body: dict[str, Any]) -> None:
         cb(op, body)
     except Exception:  # a callback's bug must not break the exchange that happened to meet it
         log.exception("a posted %s request's callback failed", protocol.Op(op).name)
+
+
+_announced_pyzmq_io = False
+
+
+def _io_for_channels() -> GilKeepingIO | None:
+    """``gil_io()``; its absence is logged once per process, with the reason and what to do."""
+    global _announced_pyzmq_io
+    io = gil_io()
+    if io is None and not _announced_pyzmq_io:
+        _announced_pyzmq_io = True
+        log.warning(
+            "maru: round trips to the server send and read through pyzmq, giving the GIL up at each "
+            "(a busy thread of this process may then hold a caller up to 5 ms a call): %s. Fix: pyzmq "
+            "from its PyPI wheel (it bundles libzmq), and %s unset",
+            why_not(),
+            "MARU_GIL_IO",
+        )
+    return io
 
 
 def _start_hint() -> str:
@@ -145,6 +171,7 @@ class RpcChannel:
         self.replies_spun = 0
         self.spun_out = 0
         self._curve = curve if curve is not None else CurveKeys.resolve(None, None)
+        self._io = _io_for_channels()  # None: pyzmq's send and recv (each gives the GIL up)
         self._routing_id = b"\x01" + secrets.token_bytes(16)  # a leading zero byte is libzmq's
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -203,7 +230,7 @@ class RpcChannel:
             sock = self._socket()
             req_id = next(self._ids)
             try:
-                sock.send(protocol.encode(op, req_id, body), zmq.NOBLOCK)
+                self._send(sock, protocol.encode(op, req_id, body))
             except zmq.Again:
                 return False  # IMMEDIATE: no live connection; the caller sends it the usual way
             self._posted[req_id] = (op, body, on_reply, on_lost)
@@ -250,7 +277,7 @@ class RpcChannel:
         # once); only after a connect wait or a stale reply is the remaining time recomputed.
         wait_ms = int(timeout_s * 1000)
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            self._send(sock, frame)
         except zmq.Again:
             wait_ms = -1
             # Not connected yet (or any more): wait for the connection up to the deadline.
@@ -296,20 +323,29 @@ class RpcChannel:
         """The polling budget (us), the replies read while polling, the waits that blocked past it."""
         return {
             "spin_us": round(self.reply_spin_s * 1e6),
+            "gil_kept": int(self._io is not None),  # sends and ready reads keep the GIL (gil_io)
             "replies_spun": self.replies_spun,
             "spun_out": self.spun_out,
         }
 
-    @staticmethod
-    def _spin(sock: zmq.Socket, until: float) -> bytes | None:
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        """Queue ``frame`` without waiting (the GIL kept where ``gil_io`` can); ``zmq.Again`` when
+        it cannot be queued now."""
+        if self._io is None or not self._io.send(sock, frame):
+            sock.send(frame, zmq.NOBLOCK)  # raises zmq.Again where the direct send could not
+
+    def _spin(self, sock: zmq.Socket, until: float) -> bytes | None:
         """The next frame, polled for without blocking until ``until`` (perf_counter); None if none came.
 
         Polled through the socket's EVENTS option, which pyzmq reads without letting go of the
         GIL (a non-blocking recv lets go of it at every try: a busy thread may take it at any of
-        them, and then keeps it up to the switch interval). Only the final recv lets go, once."""
+        them, and then keeps it up to the switch interval). The frame is then read with the GIL
+        kept (``gil_io``), or through pyzmq, which lets go of it once."""
         while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if time.perf_counter() >= until:
                 return None
+        if self._io is not None:
+            return self._io.recv(sock)
         try:
             return sock.recv(zmq.NOBLOCK)
         except zmq.Again:  # EVENTS said a frame was there; no other reader exists (the lock)

@@ -37,6 +37,17 @@ MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: th
 MIN_CPUS_TO_SPIN = 8
 
 
+def reply_wait_mode(waits: dict[str, int]) -> str:
+    """How the scheduler side waits for the server's replies (``maru stats``, ``paths.reply_wait``),
+    from its client's ``reply_waits``: polling (how long) or blocking, and whether its sends and
+    ready reads keep the GIL (``maru.client.gil_io``)."""
+    us = waits.get("spin_us", 0)
+    io = "sends and reads keep the GIL" if waits.get("gil_kept") else "sends and reads through pyzmq"
+    if not us:
+        return f"blocks (maru_scheduler_reply_spin_us 0, or fewer than {MIN_CPUS_TO_SPIN} usable cores); {io}"
+    return f"polls up to {us} us, keeping the GIL, then blocks; {io}"
+
+
 def _as_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value

@@ -27,9 +27,10 @@ import logging
 import time
 from typing import Any
 
+from maru.client.gil_io import slow_note
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
-from maru.vllm.config import MIN_CPUS_TO_SPIN, MaruConnectorConfig
+from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
 from maru.vllm.hook_times import HookTimes, timed_part
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
@@ -202,7 +203,7 @@ class MaruSchedulerConnector(LoadPlanning):
                         "exists": local.path,
                         "async_load_sharing": self.load_sharing,
                         "offer_pins": self.offer_pins_mode,
-                        "reply_wait": _reply_wait_mode(self._client),
+                        "reply_wait": reply_wait_mode(getattr(self._client, "reply_waits", {})),
                     },
                     "slow": local.slow()
                     + [
@@ -212,6 +213,7 @@ class MaruSchedulerConnector(LoadPlanning):
                             self._share_timeout_note,
                             self._at_offer_note,
                             self._withheld_note,
+                            slow_note("vLLM's scheduling thread"),
                         )
                         if n
                     ],
@@ -583,14 +585,6 @@ class MaruSchedulerConnector(LoadPlanning):
                 client.close()
             except Exception:
                 pass
-
-
-def _reply_wait_mode(client: Any) -> str:
-    """How this side waits for the server's replies (``maru stats``): polling (how long), or blocking."""
-    us = getattr(client, "reply_waits", {}).get("spin_us", 0)
-    if not us:
-        return f"blocks (maru_scheduler_reply_spin_us 0, or fewer than {MIN_CPUS_TO_SPIN} usable cores)"
-    return f"polls up to {us} us, keeping the GIL, then blocks"
 
 
 def _describe(e: BaseException) -> str:

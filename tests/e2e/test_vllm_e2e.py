@@ -234,10 +234,11 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
         "async_load_sharing": "n/a (maru_async_load off)",  # sync loads here
         "offer_pins": "per step (one round trip for a step's loads)",  # vLLM's CPU build: the V1 runner
         # Polling for replies only where the engine has the cores for it (not on a 2-core CI machine).
+        # Its sends and ready reads keep the GIL (libzmq called directly: maru.client.gil_io).
         "reply_wait": (
-            f"polls up to {spin} us, keeping the GIL, then blocks"
+            f"polls up to {spin} us, keeping the GIL, then blocks; sends and reads keep the GIL"
             if (spin := MaruConnectorConfig().reply_spin_us())
-            else "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)"
+            else "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores); sends and reads keep the GIL"
         ),
     }
     assert [(i["paths"], i["slow"]) for i in schedulers] == [(want, [])], infos

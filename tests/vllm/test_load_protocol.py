@@ -277,7 +277,7 @@ def test_the_scheduler_sides_client_polls_for_replies_and_the_workers_blocks(ser
     unset.shutdown()
     off = scheduler_side(server, True, maru_scheduler_reply_spin_us=0)
     offer_of_a_stored_prompt(server, off, seed=42)
-    assert off.maru_stats()["reply_waits"] == {"spin_us": 0, "replies_spun": 0, "spun_out": 0}
+    assert off.maru_stats()["reply_waits"] == {"spin_us": 0, "gil_kept": 1, "replies_spun": 0, "spun_out": 0}
     off.shutdown()
     worker = worker_side(server, True)
     assert worker.maru_worker is not None and worker.maru_worker._client.reply_waits["spin_us"] == 0

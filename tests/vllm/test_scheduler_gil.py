@@ -6,17 +6,10 @@ gives the GIL up, however briefly, must take it back from whichever of them took
 up to the switch interval (5 ms) for that: a 256-token chunk hashed in one hashlib call did so
 once a chunk (``maru.vllm.keys``).
 
-How it is seen without timing anything: beside the probe runs a thread that counts while it
-holds the GIL and yields it every few thousand counts. With a switch interval far longer than
-the test, that thread can count during the probe only if the probe gave the GIL up.
+How it is seen without timing anything: ``tests.gil_witness``.
 """
 
 from __future__ import annotations
-
-import sys
-import threading
-import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,6 +18,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.prefix_probe import answers_locally
 from maru.vllm.scheduler import MaruSchedulerConnector
+from tests.gil_witness import GilWitness, long_switch_interval  # noqa: F401 (a fixture)
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server
 from tests.vllm.helpers import publish, req, tokens
@@ -34,63 +28,26 @@ server = module_server("scheduler-gil", pool_size="16M")
 CHUNK, BLOCK = 256, 16  # vLLM's GPU geometry: a chunk is 2081 bytes to hash
 
 
-class GilWitness:
-    """A thread that counts only while it holds the GIL, and gives it back every few thousand
-    counts (``time.sleep(0)``), so the main thread gets it back quickly after each of those."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            for _ in range(2000):
-                self.count += 1
-            time.sleep(0)
-
-    def __enter__(self) -> GilWitness:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join(5)
-
-
-@pytest.fixture
-def long_switch_interval() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)  # no forced switch within the test: only a call that gives the GIL up
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
 def _scheduler(server: ServerProcess, client: MaruHandler) -> MaruSchedulerConnector:
     keyer = ChunkKeyer(KeySpace("gil-model", "", "bfloat16", 32, 8, 128, CHUNK))
     cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK)
     return MaruSchedulerConnector(cfg, keyer, BLOCK, client_factory=lambda: client)
 
 
-def test_the_witness_sees_a_call_that_gives_the_gil_up(long_switch_interval) -> None:
-    """The check can fail: a hashlib call on 2048 bytes or more gives the GIL up, and is seen."""
+@pytest.mark.usefixtures("long_switch_interval")
+def test_the_witness_sees_a_call_that_gives_the_gil_up() -> None:
+    """The check can fail: a hashlib call on 2048 bytes or more gives the GIL up, and is seen (a
+    long one here, so that the witness is scheduled in time even on a loaded machine)."""
     import hashlib
 
-    data = bytes(4096)
+    data = bytes(32 << 20)
     with GilWitness() as w:
-        seen = 0
-        for _ in range(200):
-            before = w.count
-            hashlib.blake2b(data, digest_size=16).digest()
-            seen += w.count != before
+        seen = sum(w.gave_up(lambda: hashlib.blake2b(data, digest_size=16).digest()) for _ in range(5))
     assert seen > 0
 
 
-def test_the_probe_of_new_requests_never_gives_the_gil_up(server, long_switch_interval) -> None:
+@pytest.mark.usefixtures("long_switch_interval")
+def test_the_probe_of_new_requests_never_gives_the_gil_up(server) -> None:
     system = tokens(2048, seed=1)
     prompts = [system + tokens(130 + 16 * u, seed=10 + u) for u in range(8)]
     with MaruHandler(server.url, timeout_s=5) as client:
@@ -103,9 +60,9 @@ def test_the_probe_of_new_requests_never_gives_the_gil_up(server, long_switch_in
         offers, moved = [], 0
         with GilWitness() as w:
             for i, p in enumerate(prompts * 4):
-                before = w.count
-                offers.append(sched.get_num_new_matched_tokens(req(f"r{i}", p), 0))
-                moved += w.count != before
+                moved += w.gave_up(
+                    lambda i=i, p=p: offers.append(sched.get_num_new_matched_tokens(req(f"r{i}", p), 0))
+                )
         sched.shutdown()
     assert offers[0] == (6 * CHUNK, False) and len(set(offers)) == 1  # every request probed, each a hit
     assert moved == 0, f"{moved} of {len(offers)} probes gave the GIL up"

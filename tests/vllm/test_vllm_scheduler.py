@@ -525,7 +525,7 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
                     "exists": "key index",
                     "async_load_sharing": s.load_sharing,
                     "offer_pins": s.offer_pins_mode,
-                    "reply_wait": "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores)",
+                    "reply_wait": "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores); sends and reads keep the GIL",
                 }
                 assert s.offer_pins_mode.startswith("off")  # hold_offers is the connector's to give
                 assert info["slow"] == [] and s.load_sharing.startswith("n/a")
@@ -539,6 +539,31 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
             assert s.probe_view()["reply_waits"] == h.reply_waits and h.reply_waits["spin_us"] == 0
         finally:
             h.close()
+
+
+def test_a_scheduler_whose_round_trips_give_the_gil_up_reports_it_as_a_slow_path(
+    tmp_path: Any, keyer: ChunkKeyer, monkeypatch: Any
+) -> None:
+    """Without the GIL-keeping libzmq calls (``maru.client.gil_io``; here turned off), the scheduler
+    says so in its paths and as a slow path with the reason and the fix (``maru doctor``)."""
+    from maru.client import gil_io
+
+    monkeypatch.setenv("MARU_GIL_IO", "0")
+    gil_io._load.cache_clear()
+    try:
+        with ServerProcess(tmp_path, pool_size="4M") as srv:
+            with MaruHandler(srv.url, timeout_s=2) as h:
+                conf = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C)
+                s = MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: h)
+                assert s.get_num_new_matched_tokens(req("r", tokens(300)), 0) == (0, False)
+                (info,) = _scheduler_infos(srv.url)
+                assert h.reply_waits["gil_kept"] == 0
+    finally:
+        gil_io._load.cache_clear()
+    assert info["paths"]["reply_wait"].endswith("; sends and reads through pyzmq")
+    (slow,) = info["slow"]
+    assert slow.startswith("vLLM's scheduling thread gives the GIL up") and "MARU_GIL_IO=0" in slow
+    assert "Fix: pyzmq from its PyPI wheel" in slow
 
 
 def test_probing_through_the_key_index_offers_what_round_trips_offer(server, keyer, client) -> None:
