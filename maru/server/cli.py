@@ -19,6 +19,8 @@ from maru.config import (
     DEFAULT_POOL_SIZE,
     DEFAULT_PORT,
     DEFAULT_QUARANTINE_TIMEOUT_S,
+    DEFAULT_SPIN_US,
+    MIN_CPUS_TO_SPIN,
     MaruConfig,
     check_lease_timeout,
     default_pool_path,
@@ -118,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scheduler's prefix probe) is then a round trip to this server",
     )
     parser.add_argument(
+        "--spin-us",
+        type=int,
+        default=None,
+        help="after each request, poll for the next one this many microseconds before sleeping: a "
+        "request to a sleeping server waits for its thread to wake (0: never poll; default "
+        f"{DEFAULT_SPIN_US} on a host of {MIN_CPUS_TO_SPIN} cores or more, else 0)",
+    )
+    parser.add_argument(
         "--sysfs-root", default="/sys", help="where sysfs is mounted (default /sys; tests fake it)"
     )
     parser.add_argument(
@@ -156,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[MaruConfig, int | None, 
         max_clients=args.max_clients,
         group=args.group,
         key_index=args.key_index,
+        spin_us=args.spin_us,
     )
     if alignment is not None:
         cfg.alignment = alignment

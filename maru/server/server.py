@@ -230,7 +230,8 @@ class MaruServer(RequestHandlers, ServerViews):
         p = self.pool
         return (
             f"maru server ready on {self.cfg.url} pool={p.path} ({p.kind}) size={format_size(p.pool_size)} "
-            f"uuid={p.uuid} entries={self.registry.entries} state={self.state.dir}"
+            f"uuid={p.uuid} entries={self.registry.entries} state={self.state.dir} "
+            f"spin={self.cfg.resolved_spin_us()}us"
         )
 
     def request_stop(self, *_: Any) -> None:
@@ -259,6 +260,7 @@ class MaruServer(RequestHandlers, ServerViews):
         recv = partial(sock.recv_multipart, copy=False) if self._auth.enabled else sock.recv_multipart
         on_message = self._on_message
         monotonic = time.monotonic
+        spin_s = self.cfg.resolved_spin_us() * 1e-6
         try:
             while not self._stop:
                 try:
@@ -268,6 +270,8 @@ class MaruServer(RequestHandlers, ServerViews):
                     finally:
                         self._in_recv = False
                     on_message(frames)
+                    if spin_s:  # the next request of a burst is then answered without a wake-up
+                        _poll_for_next(sock, spin_s)
                 except _StopServing:
                     break
                 except zmq.Again:
@@ -493,3 +497,14 @@ def run_server(cfg: MaruConfig, pool_size: int | None, alignment: int | None, re
     server.serve_forever()
     log.info("maru server on %s stopped", cfg.url)
     return 0
+
+
+def _poll_for_next(sock: zmq.Socket, spin_s: float) -> None:
+    """Poll up to ``spin_s`` for the next frame without sleeping (``--spin-us``), so that one
+    following within that time is answered without a thread wake-up; the blocking receive after
+    this returns at once then, or sleeps as before."""
+    until = time.perf_counter() + spin_s
+    events = zmq.EVENTS
+    while not int(sock.getsockopt(events)) & 1:  # ZMQ_POLLIN; int(): the flag enum's & is slow
+        if time.perf_counter() >= until:
+            return
