@@ -294,6 +294,20 @@ class SessionClient:
 
         return self._rpc.post(Op.UNPIN, {"keys": keys, "client_id": self.client_id}, on_reply, on_lost)
 
+    def wake(self) -> bool:
+        """Post a heartbeat without waiting for it: a request the caller is about to make then
+        finds the server awake (``maru server --spin-us`` keeps it polling a while after each
+        request) rather than waiting for its thread to be woken. False (nothing sent) when not
+        connected or when another thread is talking to the server right now (it is awake then)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed or not self._connected or os.getpid() != self._pid:
+                return False
+            return self._rpc.post(Op.HEARTBEAT, {"client_id": self.client_id}, _ignore, _ignore)
+        finally:
+            self._lock.release()
+
     def _beat(self) -> None:
         """One heartbeat (from the heartbeat thread): renew the lease, notice a lost session."""
         if not self._lock.acquire(timeout=self._heartbeat_interval_s):
@@ -383,6 +397,10 @@ class SessionClient:
     def client_info(self) -> dict[str, Any] | None:
         """The info last given to ``set_client_info`` (None before any)."""
         return self._client_info_state()[1]
+
+
+def _ignore(op: int, body: Mapping[str, Any]) -> None:
+    """A posted wake-up's reply (or its loss) changes nothing."""
 
 
 def heartbeat_loop(ref: weakref.ReferenceType[MaruHandler], stop: threading.Event, interval: float) -> None:

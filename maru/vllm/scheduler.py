@@ -253,6 +253,7 @@ class MaruSchedulerConnector(LoadPlanning):
             return st
         if not self._eligible(request):
             return None
+        self._wake_for_pins()  # before the keys and the probe: a pin may follow them
         prompt = list(request.prompt_token_ids)
         st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(prompt))
         usable = self._usable(len(prompt))

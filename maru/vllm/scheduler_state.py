@@ -35,6 +35,7 @@ class RequestState:
 @dataclass
 class SchedulerStats:
     requests_probed: int = 0
+    server_wakes: int = 0  # wake-ups posted before a probe whose pin may follow (``_wake_for_pins``)
     requests_hit: int = 0
     tokens_offered: int = 0
     chunks_planned: int = 0

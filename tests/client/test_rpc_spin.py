@@ -130,3 +130,38 @@ def test_a_thread_that_never_polls_blocks_on_a_polling_channel() -> None:
     finally:
         ch.close()
         srv.close()
+
+
+def test_a_posted_wake_up_changes_no_answer_and_is_skipped_while_another_thread_talks(
+    tmp_path,  # noqa: ANN001
+) -> None:
+    with (
+        ServerProcess(tmp_path, pool_size="4M") as srv,
+        MaruHandler(srv.url, timeout_s=5, reply_spin_s=0.002) as h,
+    ):
+        objs = h.batch_alloc([16])
+        objs[0].buf[:] = b"w" * 16
+        h.batch_store(["wake/a"], objs)
+        for _ in range(5):
+            assert h.wake()  # a heartbeat posted, its reply read by the next exchange
+            assert h.exists(["wake/a", "wake/b"]) == [True, False]
+            [r] = h.batch_retrieve(["wake/a"])
+            assert r is not None and bytes(r.view) == b"w" * 16
+            h.batch_release([r])
+        assert not h._rpc._posted  # every posted reply was read
+        held, done = threading.Event(), threading.Event()
+
+        def talking() -> None:  # another thread in an exchange: the server is awake
+            with h._lock:
+                held.set()
+                done.wait(10)
+
+        t = threading.Thread(target=talking)
+        t.start()
+        assert held.wait(10)
+        try:
+            assert not h.wake()  # nothing posted, nothing waited for
+        finally:
+            done.set()
+            t.join()
+    assert not h.wake()  # closed: nothing is sent

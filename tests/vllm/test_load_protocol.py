@@ -109,6 +109,8 @@ def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end
     assert load.ticket and len(load.held) == 5  # pinned from the offer on: no eviction can fail it
     parts = conn.maru_stats()["hook_ms"]
     assert parts["get_num_new_matched_tokens/pin"]["calls"] == 1  # the offer's round trip, timed
+    sched = conn.maru_scheduler
+    assert sched is not None and sched.stats.server_wakes >= 1  # posted before a probe whose pin follows
     assert "build_connector_meta/pin" not in parts  # none again for the step
     # Its cost (a round trip per request with a hit) is a slow path `maru doctor` shows, with the fix.
     [slow] = [v for v in reported_slow(server).values() if any("per request with a hit" in n for n in v)]
