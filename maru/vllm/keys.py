@@ -25,6 +25,7 @@ instances with different block sizes or backends of the same model share one cac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -133,10 +134,16 @@ class ChunkKeyer:
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
         data = memoryview(_token_bytes(token_ids[: n * ct]))
         step = ct * 8
+        # Each chunk's bytes in pieces at the same offsets (``_HASH_PIECE``), worked out once.
+        cuts = [(a, min(a + _HASH_PIECE, step)) for a in range(0, step, _HASH_PIECE)]
+        blake2b = hashlib.blake2b
         chain: list[bytes] = []
         prev = self._root
-        for i in range(n):
-            prev = _digest(b"C" + prev, data[i * step : (i + 1) * step])
+        for base in range(0, n * step, step):
+            h = blake2b(b"C" + prev, digest_size=_DIGEST_SIZE)
+            for a, b in cuts:
+                h.update(data[base + a : base + b])
+            prev = h.digest()
             chain.append(prev)
         return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
 
@@ -163,9 +170,10 @@ class ChunkKeyer:
             return out
         data = memoryview(_token_bytes(tokens_after[:limit]))
         h = hashlib.blake2b(b"T" + parent, digest_size=_DIGEST_SIZE)
+        feed = h.update if step * 8 <= _HASH_PIECE else functools.partial(_feed, h)
         done = 0
         for n in range(step, limit + 1, step):
-            _feed(h, data[done * 8 : n * 8])
+            feed(data[done * 8 : n * 8])
             done = n
             if n > longer_than:
                 out.append((n, f"{self._prefix}{h.copy().hexdigest()}.t{n}"))
