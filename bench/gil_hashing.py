@@ -12,17 +12,18 @@ call per chunk (the chain of ``maru.vllm.keys`` as one blake2b call each, as bef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import statistics
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo: maru and bench
 
+from bench.busy_thread import BusyThread  # noqa: E402
 from maru.vllm.keys import ChunkKeyer, KeySpace  # noqa: E402
 
 
@@ -60,26 +61,11 @@ def main() -> None:
         "ChunkKeyer (pieces < 2048 B)": lambda: keyer.prompt_keys(toks),
     }
     rows = []
-    stop = threading.Event()
-
-    def busy() -> None:
-        x = 0
-        while not stop.is_set():
-            for _ in range(10_000):
-                x += 1
-
     for beside in ("alone", "beside a busy thread"):
-        th = None
-        if beside != "alone":
-            th = threading.Thread(target=busy, daemon=True)
-            th.start()
-            time.sleep(0.05)
-        for name, f in ways.items():
-            med, mean = per_call_us(f, a.calls)
-            rows.append((beside, name, med, mean))
-        if th is not None:
-            stop.set()
-            th.join()
+        with BusyThread() if beside != "alone" else contextlib.nullcontext():
+            for name, f in ways.items():
+                med, mean = per_call_us(f, a.calls)
+                rows.append((beside, name, med, mean))
     print(f"{a.tokens} tokens, {a.tokens // a.chunk} chunks of {a.chunk}; us per prompt ({a.calls} calls)")
     print(f"{'':<22} {'way':<30} {'median':>8} {'mean':>8}")
     for beside, name, med, mean in rows:

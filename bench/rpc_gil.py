@@ -11,13 +11,12 @@ round trip (median and mean).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,42 +24,24 @@ sys.path.insert(0, str(REPO))
 
 
 def one_way(trips: int, spin_us: float) -> list[tuple[str, float, float]]:
+    from bench.busy_thread import BusyThread
+    from bench.pin_trips import pin_trip_us, store_keys
     from maru.client import MaruHandler
     from maru.demo.server import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="maru-rpc-gil-"))
     srv = ServerProcess(work, pool_size="64M")
     srv.start()
-    stop = threading.Event()
     rows = []
     try:
         h = MaruHandler(srv.url, timeout_s=5, reply_spin_s=spin_us * 1e-6)
-        keys = [f"kv1/bench/{i:032x}" for i in range(64)]
-        objs = h.batch_alloc([4096] * len(keys))
-        for o in objs:
-            o.buf[:] = b"\1" * 4096
-        h.batch_store(keys, objs)
-
-        def busy() -> None:
-            x = 0
-            while not stop.is_set():
-                for _ in range(10_000):
-                    x += 1
-
+        keys = store_keys(h)
         for beside in ("alone", "beside a busy thread"):
-            if beside != "alone":
-                threading.Thread(target=busy, daemon=True).start()
-                time.sleep(0.05)
-            ts = []
-            for i in range(trips):
-                t0 = time.perf_counter()
-                got = h.batch_retrieve(keys[i % 30 : i % 30 + 2], pin=True, verify=False)
-                h.batch_release(got, wait=False)
-                ts.append((time.perf_counter() - t0) * 1e6)
+            with BusyThread() if beside != "alone" else contextlib.nullcontext():
+                ts = [pin_trip_us(h, keys, i) for i in range(trips)]
             rows.append((beside, statistics.median(ts), statistics.mean(ts)))
         h.close()
     finally:
-        stop.set()
         srv.cleanup()
     return rows
 

@@ -1,7 +1,7 @@
 """A lookup-and-pin round trip with gaps between requests, the server polling for the next request
 (``maru server --spin-us``) or sleeping at once.
 
-    .venv/bin/python bench/server_spin.py [--trips 300] [--spin-us 1000]
+    .venv/bin/python bench/server_spin.py [--trips 300] [--spin-us 2000]
 
 A request that lands on a sleeping server waits for the server's thread to be woken; vLLM's
 scheduler sends its offer pins a fraction of a millisecond apart, between its other work. Per gap
@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.pin_trips import pin_trip_us, store_keys  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
 from maru.demo.server import ServerProcess  # noqa: E402
 
@@ -31,18 +32,11 @@ def trips(spin_us: int, n: int) -> list[tuple[float, float, float]]:
     rows = []
     try:
         with MaruHandler(srv.url, timeout_s=5) as h:
-            keys = [f"kv1/bench/{i:032x}" for i in range(64)]
-            objs = h.batch_alloc([4096] * len(keys))
-            for o in objs:
-                o.buf[:] = b"\1" * 4096
-            h.batch_store(keys, objs)
+            keys = store_keys(h)
             for gap in (0.0, 0.0005, 0.002):
                 ts = []
                 for i in range(n):
-                    t0 = time.perf_counter()
-                    got = h.batch_retrieve(keys[i % 30 : i % 30 + 2], pin=True, verify=False)
-                    ts.append((time.perf_counter() - t0) * 1e6)
-                    h.batch_release(got, wait=False)
+                    ts.append(pin_trip_us(h, keys, i))
                     if gap:
                         time.sleep(gap)
                 ts.sort()
@@ -55,7 +49,7 @@ def trips(spin_us: int, n: int) -> list[tuple[float, float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trips", type=int, default=300)
-    ap.add_argument("--spin-us", type=int, default=1000)
+    ap.add_argument("--spin-us", type=int, default=2000)
     a = ap.parse_args()
     print(f"lookup-and-pin of 2 keys, {a.trips} trips per gap; us per round trip")
     print(f"{'server':<22} {'gap ms':>7} {'p50':>7} {'p90':>7}")

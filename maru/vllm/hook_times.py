@@ -75,17 +75,7 @@ class HookTimes:
 
 def timed(method: F) -> F:
     """Count the wrapped method's wall and thread CPU time into ``self.hook_times`` under its name."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
-
-    return wrapper  # type: ignore[return-value]
+    return timed_part(method.__name__)(method)
 
 
 def timed_wall(method: F) -> F:
