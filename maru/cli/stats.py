@@ -103,6 +103,14 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) 
     ki = snap.get("key_index")
     if isinstance(ki, dict):  # absent from older servers
         pool.add_row("key index (EXISTS without a round trip)", _key_index_text(ki))
+    if "spin_us" in snap:  # absent from older servers
+        us = int(snap["spin_us"])
+        pool.add_row(
+            "polls for the next request",
+            f"{us} us before sleeping (--spin-us)"
+            if us
+            else "no: sleeps at once (--spin-us 0, or under 8 cores)",
+        )
     header = (
         f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "
         f"{format_size(int(snap.get('pool_size', 0)))})  uptime {float(snap.get('uptime_s', 0)):.0f} s"

@@ -113,6 +113,7 @@ class ServerViews:
             pool_size=p.pool_size,
             max_object_size=self.max_object_size,
             lease_timeout_s=self.leases.timeout_s,
+            spin_us=self.cfg.resolved_spin_us(),  # polls this long for the next request (--spin-us)
             protocol_version=P.PROTOCOL_VERSION,
             pid=os.getpid(),
         )

@@ -11,6 +11,7 @@ import pytest
 
 from maru import MaruHandler
 from maru.cli import doctor, doctor_server
+from maru.config import MaruConfig
 from maru.protocol import Op
 from maru.versions import vllm_version
 from tests.helpers import RawClient, ServerProcess, flat, free_port, maru
@@ -125,6 +126,14 @@ def test_stats_once_shows_counters_that_moved(maru_server: ServerProcess) -> Non
     assert row("hit rate (lookups)") == "66.7%"
     assert row("entries") == "3"
     assert row("key index (EXISTS without a round trip)") == "3 keys in 32,768 slots"
+    # This test server's polling: the default for this machine's cores (none under 8).
+    spin = MaruConfig().resolved_spin_us()
+    want = (
+        f"{spin} us before sleeping (--spin-us)"
+        if spin
+        else "no: sleeps at once (--spin-us 0, or under 8 cores)"
+    )
+    assert row("polls for the next request") == want
 
 
 def test_stats_without_a_server_exits_non_zero_with_the_fix() -> None:
