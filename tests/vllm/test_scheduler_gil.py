@@ -66,3 +66,37 @@ def test_the_probe_of_new_requests_never_gives_the_gil_up(server) -> None:
         sched.shutdown()
     assert offers[0] == (6 * CHUNK, False) and len(set(offers)) == 1  # every request probed, each a hit
     assert moved == 0, f"{moved} of {len(offers)} probes gave the GIL up"
+
+
+@pytest.mark.usefixtures("long_switch_interval")
+def test_a_storing_requests_whole_life_on_the_scheduler_never_gives_the_gil_up(server) -> None:
+    """Matched (a miss), allocated, its stores planned in the step, decoding steps, finished: no
+    hook of a request that needs no round trip gives vLLM's scheduling thread's GIL up."""
+    from maru.vllm.metadata import MaruConnectorMetadata
+    from tests.vllm.helpers import blocks_obj, cached_out, new_out
+
+    with MaruHandler(server.url, timeout_s=5) as client:
+        sched = _scheduler(server, client)
+        sched.get_num_new_matched_tokens(req("warm", tokens(300, seed=3)), 0)  # connects
+        moved, metas = 0, []
+        with GilWitness() as w:
+            for i in range(6):
+                r = req(f"s{i}", tokens(2300 + 16 * i, seed=40 + i))
+                n_blocks = -(-len(r.prompt_token_ids) // BLOCK)
+                blocks = list(range(1000 * i, 1000 * i + n_blocks))
+                calls = [
+                    lambda r=r: sched.get_num_new_matched_tokens(r, 0),
+                    lambda r=r, b=blocks: sched.update_state_after_alloc(r, blocks_obj(b), 0),
+                    lambda r=r, b=blocks: metas.append(
+                        sched.build_connector_meta(new_out(r.request_id, b, 0, len(r.prompt_token_ids)))
+                    ),
+                    lambda r=r: metas.append(
+                        sched.build_connector_meta(cached_out(r.request_id, None, len(r.prompt_token_ids), 1))
+                    ),
+                    lambda r=r, b=blocks: sched.request_finished(r, b),
+                ]
+                moved += sum(w.gave_up(c) for c in calls)
+        sched.shutdown()
+    stores = [m for m in metas if isinstance(m, MaruConnectorMetadata) and m.stores]
+    assert len(stores) == 6  # each request's chunks were planned for storing in its first step
+    assert moved == 0, f"{moved} hook calls gave the GIL up"
