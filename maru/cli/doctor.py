@@ -174,6 +174,22 @@ def check_checksum(ctx: DoctorContext) -> CheckResult:
     )
 
 
+def check_zmq_calls(ctx: DoctorContext) -> CheckResult:
+    """Whether this host's clients send and read with the GIL kept (``maru.client.gil_io``) or
+    through pyzmq (each call gives the GIL up)."""
+    from maru.client import gil_io
+
+    if gil_io.gil_io() is not None:
+        return CheckResult("zmq calls", OK, "libzmq called directly, the GIL kept (maru.client.gil_io)")
+    return CheckResult(
+        "zmq calls",
+        WARN,
+        f"through pyzmq: each send and read gives the GIL up, and taking it back beside a busy thread "
+        f"can wait 5 ms: {gil_io.why_not()}",
+        f"pyzmq from its PyPI wheel (it bundles libzmq), and {gil_io.ENV_SWITCH} unset",
+    )
+
+
 def check_vllm(ctx: DoctorContext) -> CheckResult:
     """vLLM installed, and ``maru.vllm.MaruKVConnector`` importable (in a child: vLLM is slow to import)."""
     name = "vLLM connector"
@@ -280,6 +296,7 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_client_paths, False),
     (check_kv_ops, False),
     (check_checksum, False),
+    (check_zmq_calls, False),
     (check_cuda_registration, False),
     (check_vllm, False),
     (check_lmcache, False),

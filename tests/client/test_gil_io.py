@@ -124,3 +124,24 @@ def test_turned_off_it_goes_through_pyzmq_announced_once_and_reported(server) ->
     # Announced once for the process, however many channels, with the reason and the fix.
     assert out.stderr.count("send and read through pyzmq") == 1, out.stderr
     assert "MARU_GIL_IO=0 turns it off" in out.stderr and "Fix:" in out.stderr
+
+
+def test_maru_doctor_shows_which_zmq_calls_run() -> None:
+    from maru.cli.doctor import OK, WARN, DoctorContext, check_zmq_calls
+
+    r = check_zmq_calls(DoctorContext(url="tcp://127.0.0.1:9"))
+    assert r.status == OK and "GIL kept" in r.detail
+    code = (
+        "from maru.cli.doctor import DoctorContext, check_zmq_calls;"
+        "r = check_zmq_calls(DoctorContext(url='tcp://127.0.0.1:9'));"
+        "print(r.status, '|', r.detail, '|', r.fix)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "MARU_GIL_IO": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.startswith(WARN), out.stdout + out.stderr
+    assert "MARU_GIL_IO=0 turns it off" in out.stdout and "MARU_GIL_IO unset" in out.stdout
