@@ -90,11 +90,14 @@ class RawClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.timeout_ms = int(timeout_s * 1000)
+        # A DEALER's send blocks while it has no peer (e.g. after a refused CURVE handshake dropped
+        # the connection): bounded like the reply wait, so "no answer" is a TimeoutError either way.
+        self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         for opt, value in (sockopts or {}).items():
             self.sock.setsockopt(opt, value)
         self.sock.connect(url)
         self.client_id = client_id or uuid.uuid4().hex
-        self.timeout_ms = int(timeout_s * 1000)
         self._req = 0
 
     def send_raw(self, frame: bytes) -> None:
@@ -111,7 +114,10 @@ class RawClient:
 
         fields.setdefault("client_id", self.client_id)
         self._req += 1
-        self.sock.send(P.encode(op, self._req, fields))
+        try:
+            self.sock.send(P.encode(op, self._req, fields))
+        except self._zmq.Again:
+            raise TimeoutError(f"op {op} could not be sent within {self.timeout_ms} ms (no peer)") from None
         frame = self.recv_raw()
         if frame is None:
             raise TimeoutError(f"no reply to op {op} within {self.timeout_ms} ms")
