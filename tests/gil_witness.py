@@ -2,12 +2,15 @@
 
 ``GilWitness`` runs a thread that counts only while it holds the GIL and gives it back every few
 thousand counts (``time.sleep(0)``), so the main thread gets it back quickly after each of those.
-With a switch interval far longer than the test (``long_switch_interval``), the witness can count
-during a call of the main thread only if that call gave the GIL up.
+With a switch interval far longer than the test and the garbage collector off (``quiet_interpreter``:
+a collection may run the finalizer of any unrelated object, which may give the GIL up, e.g. a
+socket's close), the witness can count during a call of the main thread only if that call gave
+the GIL up.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -46,10 +49,13 @@ class GilWitness:
 
 
 @pytest.fixture
-def long_switch_interval() -> Iterator[None]:
+def quiet_interpreter() -> Iterator[None]:
     before = sys.getswitchinterval()
+    gc.collect()
+    gc.disable()
     sys.setswitchinterval(30.0)  # no forced switch within a test: only a call that gives the GIL up
     try:
         yield
     finally:
         sys.setswitchinterval(before)
+        gc.enable()

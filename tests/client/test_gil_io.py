@@ -13,7 +13,7 @@ import zmq
 
 from maru.client import MaruHandler
 from maru.client.gil_io import GilKeepingIO, gil_io, slow_note, why_not
-from tests.gil_witness import GilWitness, long_switch_interval  # noqa: F401 (a fixture)
+from tests.gil_witness import GilWitness, quiet_interpreter  # noqa: F401 (a fixture)
 from tests.pool_fixtures import module_server
 
 server = module_server("gil-io", pool_size="16M")
@@ -63,7 +63,7 @@ def test_a_send_that_cannot_be_queued_says_so_and_a_closed_socket_raises(io) -> 
         s.close(0)
 
 
-@pytest.mark.usefixtures("long_switch_interval")
+@pytest.mark.usefixtures("quiet_interpreter")
 def test_send_and_ready_read_keep_the_gil_where_pyzmqs_give_it_up(pair, io) -> None:
     a, b = pair
     frame = os.urandom(256)

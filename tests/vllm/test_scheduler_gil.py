@@ -18,7 +18,7 @@ from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.prefix_probe import answers_locally
 from maru.vllm.scheduler import MaruSchedulerConnector
-from tests.gil_witness import GilWitness, long_switch_interval  # noqa: F401 (a fixture)
+from tests.gil_witness import GilWitness, quiet_interpreter  # noqa: F401 (a fixture)
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server
 from tests.vllm.helpers import publish, req, tokens
@@ -34,7 +34,7 @@ def _scheduler(server: ServerProcess, client: MaruHandler) -> MaruSchedulerConne
     return MaruSchedulerConnector(cfg, keyer, BLOCK, client_factory=lambda: client)
 
 
-@pytest.mark.usefixtures("long_switch_interval")
+@pytest.mark.usefixtures("quiet_interpreter")
 def test_the_witness_sees_a_call_that_gives_the_gil_up() -> None:
     """The check can fail: a hashlib call on 2048 bytes or more gives the GIL up, and is seen (a
     long one here, so that the witness is scheduled in time even on a loaded machine)."""
@@ -46,7 +46,7 @@ def test_the_witness_sees_a_call_that_gives_the_gil_up() -> None:
     assert seen > 0
 
 
-@pytest.mark.usefixtures("long_switch_interval")
+@pytest.mark.usefixtures("quiet_interpreter")
 def test_the_probe_of_new_requests_never_gives_the_gil_up(server) -> None:
     system = tokens(2048, seed=1)
     prompts = [system + tokens(130 + 16 * u, seed=10 + u) for u in range(8)]
@@ -68,7 +68,7 @@ def test_the_probe_of_new_requests_never_gives_the_gil_up(server) -> None:
     assert moved == 0, f"{moved} of {len(offers)} probes gave the GIL up"
 
 
-@pytest.mark.usefixtures("long_switch_interval")
+@pytest.mark.usefixtures("quiet_interpreter")
 def test_a_storing_requests_whole_life_on_the_scheduler_never_gives_the_gil_up(server) -> None:
     """Matched (a miss), allocated, its stores planned in the step, decoding steps, finished: no
     hook of a request that needs no round trip gives vLLM's scheduling thread's GIL up."""
