@@ -108,7 +108,7 @@ def default_pool_path(port: int = DEFAULT_PORT) -> str:
 # at the p50 on this project's 2-core machine, bench/server_spin.py). Only where the host has the
 # cores for it: a polling server takes one while requests keep coming.
 DEFAULT_SPIN_US = 2000
-MIN_CPUS_TO_SPIN = 8
+MIN_CPUS_TO_SPIN = 8  # also the vLLM scheduler's reply polling (maru.vllm.config): each takes a core
 MAX_SPIN_US = 100_000
 
 

@@ -186,7 +186,7 @@ def check_zmq_calls(ctx: DoctorContext) -> CheckResult:
         WARN,
         f"through pyzmq: each send and read gives the GIL up, and taking it back beside a busy thread "
         f"can wait 5 ms: {gil_io.why_not()}",
-        f"pyzmq from its PyPI wheel (it bundles libzmq), and {gil_io.ENV_SWITCH} unset",
+        gil_io.FIX,
     )
 
 

@@ -34,6 +34,7 @@ import zmq
 
 _DONTWAIT = 1  # ZMQ_DONTWAIT
 ENV_SWITCH = "MARU_GIL_IO"
+FIX = f"pyzmq from its PyPI wheel (it bundles libzmq), and {ENV_SWITCH} unset"  # where why_not() is set
 
 
 class _Msg(ctypes.Structure):
@@ -169,5 +170,5 @@ def slow_note(who: str) -> str | None:
     return (
         f"{who} gives the GIL up at each send and read of a server round trip (pyzmq) and may wait "
         f"up to a switch interval (5 ms) to get it back from the process's other threads: {why}. "
-        f"Fix: pyzmq from its PyPI wheel (it bundles libzmq), and {ENV_SWITCH} unset"
+        f"Fix: {FIX}"
     )

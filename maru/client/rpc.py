@@ -58,6 +58,7 @@ from typing import Any
 import zmq
 
 from maru import protocol
+from maru.client import gil_io as _gil_io
 from maru.client.gil_io import GilKeepingIO, gil_io, why_not
 from maru.errors import ConfigError, HandlerClosedError, MaruTimeoutError, NotConnectedError, ProtocolError
 
@@ -95,10 +96,9 @@ def _io_for_channels() -> GilKeepingIO | None:
         _announced_pyzmq_io = True
         log.warning(
             "maru: round trips to the server send and read through pyzmq, giving the GIL up at each "
-            "(a busy thread of this process may then hold a caller up to 5 ms a call): %s. Fix: pyzmq "
-            "from its PyPI wheel (it bundles libzmq), and %s unset",
+            "(a busy thread of this process may then hold a caller up to 5 ms a call): %s. Fix: %s",
             why_not(),
-            "MARU_GIL_IO",
+            _gil_io.FIX,
         )
     return io
 

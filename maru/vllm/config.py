@@ -9,11 +9,10 @@ An unknown ``maru_*`` key is an error that names the valid ones, because a typo 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from maru.config import DEFAULT_SERVER_URL
+from maru.config import DEFAULT_SERVER_URL, MIN_CPUS_TO_SPIN, usable_cpus
 from maru.errors import ConfigError
 
 logger = logging.getLogger("maru.vllm")
@@ -30,11 +29,11 @@ DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 # round trip on an H200 host. A few bare round trips long; the most one request can spin.
 DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
 MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: this module stays free of zmq)
-# Below this many usable cores the default is not to poll: a polling client, its ZeroMQ I/O thread,
-# the server and the server's I/O thread must all run at once, beside the engine's own busy
-# threads (2 cores: a 1-key lookup's p50 went from 347 to 856 us, 272 of 303 replies outlasting
-# the polling, bench/reply_spin.py; 16 cores, the H200 host: the pin round trip 580 -> 380-399 us).
-MIN_CPUS_TO_SPIN = 8
+# Below MIN_CPUS_TO_SPIN usable cores (maru.config, the server's polling uses the same bound) the
+# default is not to poll: a polling client, its ZeroMQ I/O thread, the server and the server's I/O
+# thread must all run at once, beside the engine's own busy threads (2 cores: a 1-key lookup's p50
+# went from 347 to 856 us, 272 of 303 replies outlasting the polling, bench/reply_spin.py; 16
+# cores, the H200 host: the pin round trip 580 -> 380-399 us).
 
 
 def reply_wait_mode(waits: dict[str, int]) -> str:
@@ -65,13 +64,6 @@ def _as_bool(name: str, value: Any) -> bool:
     ):
         return value.strip().lower() in ("1", "true", "yes", "on")
     raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def _as_int(name: str, value: Any, minimum: int) -> int:
@@ -230,7 +222,7 @@ class MaruConnectorConfig:
         many; None: this process's CPU affinity), else 0."""
         if self.scheduler_reply_spin_us is not None:
             return self.scheduler_reply_spin_us
-        n = cpus if cpus is not None else _usable_cpus()
+        n = cpus if cpus is not None else usable_cpus()
         return DEFAULT_SCHEDULER_REPLY_SPIN_US if n >= MIN_CPUS_TO_SPIN else 0
 
     def layer_overlap(self, pipelined: bool) -> bool:
