@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: vLLM 0.26 from the gpu-vllm bundle, the GPU end-to-end tests with real vLLM
 # (tests/e2e/test_gpu_vllm_e2e.py), then the benchmark (bench/gpu_vllm_e2e.py), its table last.
-# Results to $OUT: tests.log, bench.log, gpu_vllm_e2e.{json,md,png}, logs.tgz (every engine's log).
+# Results to $OUT: tests.log, bench.log, gpu_vllm_e2e.{json,md,png}, hook_lines.log (each engine's
+# last hook-time lines), logs.tgz (every engine's log).
 # Before: the bundle pieces p0, p1 in /tmp/vp (earlier calls, see docs/gpu.md); p2, bundle.sha256
 # and install.sh in .vllmx/ (carried). Budgets (seconds): TESTS_S (default 200), BENCH_S (300); 0 skips that part.
 # TEST_PATHS: the GPU test files to run (default tests/e2e/test_gpu_vllm_e2e.py).
@@ -36,5 +37,11 @@ rc=0
 # The write-behind store queued all at once (maru_paced_store false), on its own: what pacing is worth.
 [ "${UNPACED_S:-100}" = 0 ] || timeout -s INT -k 30 "${UNPACED_S:-100}" python3 bench/gpu_vllm_e2e.py --out "$OUT/unpaced" \
   --log-dir "$LOGS/unpaced" --engines none unpaced --no-api --reps 2 2>&1 | tee "$OUT/bench_unpaced.log" | tail -12 || rc=1
+# Each engine's last hook-time lines (scheduler and worker: host time, and the device time of the forwards).
+for f in "$LOGS"/*.log; do
+  echo "== $(basename "$f")"
+  grep "host time in vLLM's hooks (scheduler" "$f" | tail -1
+  grep "host time in vLLM's hooks (worker" "$f" | tail -1
+done > "$OUT/hook_lines.log" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $rc

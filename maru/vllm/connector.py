@@ -257,13 +257,13 @@ class MaruKVConnector(KVConnectorBase_V1):
                 ChunkKeyer(self.key_space),
                 block_size,
                 tp_size=self.key_space.tp_size,
+                hook_times=self.hook_times,
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
                 # vLLM's default is on; an unresolved None counts as on.
                 local_prefix_cache=getattr(vllm_config.cache_config, "enable_prefix_caching", True)
                 is not False,
                 hold_offers=cfg.hold_offers and _WORKER_META,
                 pin_at_offer=bool(cfg.load_failures_fail),
-                hook_times=self.hook_times,
             )
             self._scheduler.connect_now()
             logger.info(
@@ -298,6 +298,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 head_size=self.key_space.head_size,
                 tp_rank=tp_rank,
                 tp_size=self.key_space.tp_size,
+                hook_times=self.hook_times,
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
                 backend_name_of=backend_name_of,
             )
@@ -380,7 +381,16 @@ class MaruKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.get_finished(finished_req_ids)
+        out = self._worker.get_finished(finished_req_ids)
+        if self.maru_config.log_timing and self.hook_times.due(_TIMING_LOG_S):
+            logger.info("Maru: host time in vLLM's hooks (worker, so far): %s", self._worker_times())
+        return out
+
+    def _worker_times(self) -> str:
+        """The worker's hook times, and the device time of its forwards by kind of step."""
+        assert self._worker is not None
+        clock = self._worker.step_clock.line()
+        return self.hook_times.line() + (f"; device time of the forwards: {clock}" if clock else "")
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -449,7 +459,8 @@ class MaruKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.maru_config.log_timing and self.hook_times.calls:
             side = "scheduler" if self._scheduler is not None else "worker"
-            logger.info("Maru: host time in vLLM's hooks (%s): %s", side, self.hook_times.line())
+            line = self._worker_times() if self._worker is not None else self.hook_times.line()
+            logger.info("Maru: host time in vLLM's hooks (%s): %s", side, line)
         if self._worker is not None:
             if self.maru_config.log_timing:
                 logger.info("Maru: worker stats %s", self._worker.stats.as_dict())

@@ -26,17 +26,20 @@ from typing import Any
 
 import torch
 
-from maru import checksum, kv_ops
+from maru import kv_ops
 from maru.errors import UnsupportedLayout
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer, StoreReport
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.hook_times import HookTimes, timed_part
 from maru.vllm.keys import rank_keys
-from maru.vllm.layer_loads import UNWAITED, LayerLoads
+from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, STORED, StepClock
+from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
 from maru.vllm.write_behind import WriteBehind
 
@@ -69,8 +72,11 @@ class MaruWorkerConnector:
         tp_size: int = 1,
         client_factory: Any = None,
         backend_name_of: Any = None,
+        hook_times: HookTimes | None = None,
     ) -> None:
+        """``hook_times``: where the parts of its hooks are counted (the connector's)."""
         self.cfg = cfg
+        self.hook_times = hook_times if hook_times is not None else HookTimes()
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -88,6 +94,8 @@ class MaruWorkerConnector:
         self._failed_blocks_step: set[int] = set()
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
+        self.step_clock = StepClock(cfg.log_timing)  # device time of the forwards, by kind of step
+        self._step_kind = PLAIN
         self._layer_index: dict[str, int] = {}
         hooks = LoadHooks(
             connect=self._engine_or_why,
@@ -113,6 +121,8 @@ class MaruWorkerConnector:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
+        if self.caches and self.caches[0].is_cuda:
+            self.step_clock.use_cuda(torch)
         self._layer_index = {n: i for i, n in enumerate(names)}
         backend = None
         if self._backend_name_of is not None:
@@ -142,7 +152,7 @@ class MaruWorkerConnector:
             self.layout.describe(),
             len(self.caches),
             backend,
-            _kv_ops_backend(),
+            kv_ops_backend(),
             self.cfg.server_url,
         )
         self._connect()
@@ -189,59 +199,8 @@ class MaruWorkerConnector:
         return self.disabled_reason or "maru server not reachable"
 
     def data_paths(self) -> dict[str, Any]:
-        """The client-info map (role, paths, slow) this worker reports to the server.
-
-        ``maru stats`` shows it and ``maru doctor`` warns when ``slow`` is not empty: the paths a
-        process actually runs are visible from outside it, not only in its own log.
-        """
-        eng = self.engine
-        paths: dict[str, Any] = {
-            "device": str(eng.device) if eng else "?",
-            "kv_ops": _kv_ops_backend(),
-            "layout": self.layout.describe() if self.layout is not None else "?",
-            "async_load": "on" if self.cfg.async_load else "off",
-            "layer_overlap": "on" if self.layer_overlap else "off",
-            # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
-            "load_failure": "ends the request" if self.cfg.load_failures_fail else "recomputed",
-            "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
-            if self.cfg.async_store
-            else "sync",
-        }
-        slow: list[str] = list(self.cfg.fallbacks)  # settings the connector replaced, with the fix
-        if self.stats.layer_loads_unwaited:
-            slow.append(f"{self.stats.layer_loads_unwaited} {UNWAITED}")
-        if eng is not None:
-            paths["load"] = eng.data_path
-            reg = eng.host_registration
-            if eng.device.type == "cuda":
-                paths["pool"] = reg.state if reg is not None else "not registered"
-                if reg is None or not reg.registered:
-                    why = reg.describe() if reg is not None else "the client exposes no pool mapping"
-                    slow.append(
-                        f"pool not registered with CUDA ({why}): pool<->GPU copies are pageable, ~11x "
-                        "slower. Fix: see `maru doctor` (pool registered with CUDA) and docs/gpu.md"
-                    )
-            if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
-                paths["checksum"] = checksum.implementation()
-                slow.extend(checksum.slow_reasons())
-            if ways := eng.path.store_ways:  # known after the first store
-                torch_ways = sorted(w for w in ways if w != "libcudart")
-                paths["store_issue"] = "; ".join((["libcudart"] if "libcudart" in ways else []) + torch_ways)
-                if torch_ways:
-                    slow.append(
-                        f"{'some' if 'libcudart' in ways else 'all'} stores are queued through "
-                        f"{' and '.join(torch_ways)}, not libcudart: the same bytes, about 5x the drain "
-                        "thread's host time a chunk (it shares the GIL with vLLM's forward). Fix: see "
-                        "the reason; only the chunk size (maru_kv_chunk_tokens) is warmed at start, so a "
-                        "prompt's partial tail alone goes this way (the store's full chunks still go "
-                        "through libcudart); libcudart must be reachable (maru doctor)"
-                    )
-            extra, path_slow = eng.path.report(
-                self.layer_overlap, self.cfg.async_store and self.cfg.paced_store
-            )
-            paths.update(extra)
-            slow.extend(path_slow)
-        return {"role": "vllm-connector", "rank": self.tp_rank, "paths": paths, "slow": slow}
+        """The client-info map (role, paths, slow) this worker reports to the server (``worker_paths``)."""
+        return worker_data_paths(self)
 
     def _report_paths(self) -> None:
         # The stores' ways when last reported (a reconnect reports afresh, with them).
@@ -289,6 +248,8 @@ class MaruWorkerConnector:
         ``wait_for_layer_load`` before each layer (``forward_runs_layer_hooks``); without it, the
         layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
+        self.step_clock.started()
+        self._step_kind = PLAIN
         if meta is None:
             return
         held = sum(1 for rt in (*meta.loads, *meta.async_loads) if rt.held)
@@ -306,9 +267,10 @@ class MaruWorkerConnector:
         if layered and not layer_hooks:
             layered = False
             self.stats.overlap_full_graph_loads += 1
+        self._step_kind = LAYERED if layered else LOADED
         try:
             if layered:
-                self.layer_loads.start(meta.loads)  # reports the tickets once its layers are placed
+                self._start_layer_load(meta)  # reports the tickets once its layers are placed
             else:
                 self._load(meta)
         except Exception as e:  # never raise into the forward; recompute instead
@@ -319,6 +281,10 @@ class MaruWorkerConnector:
             layered = layered and self.layer_loads.in_flight
         if not layered:  # the synchronous load has completed (or failed) here
             self._held_done(meta.loads)
+
+    @timed_part("start_load_kv/layer_issue")
+    def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:
+        self.layer_loads.start(meta.loads)
 
     @property
     def layer_names(self) -> list[str]:
@@ -359,6 +325,7 @@ class MaruWorkerConnector:
         ``finished_sending`` (``maru_async_store``): see ``WriteBehind.finished_sending``.
         """
         sending: set[str] = set()
+        self.step_clock.collect()
         try:
             sending = self.write_behind.finished_sending(finished_req_ids or set())
         except Exception:  # never raise into vLLM
@@ -386,6 +353,7 @@ class MaruWorkerConnector:
             rt.num_placed_tokens(),
         )
 
+    @timed_part("start_load_kv/load")
     def _load(self, meta: MaruConnectorMetadata) -> None:
         if not self.cfg.enable_load:
             # The scheduler never offers with loads disabled; defensive: recompute.
@@ -408,11 +376,15 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ store
     def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:
+        kind = self._step_kind
+        if kind == PLAIN and meta is not None and meta.stores and self.cfg.enable_store:
+            kind = STORED
+        self.step_clock.ended(kind)  # the forward is queued: its end, before Maru queues more
         try:
             # The layer load must be complete (and its failures known) before this step's stores
             # are filtered, and before the step ends.
             unwaited = self.stats.layer_loads_unwaited
-            self.layer_loads.finish()
+            self._finish_layer_load()
             if not unwaited and self.stats.layer_loads_unwaited:  # the first: maru doctor shows it
                 self._report_paths()
         except Exception:
@@ -429,6 +401,13 @@ class MaruWorkerConnector:
             self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
 
+    @timed_part("wait_for_save/layer_finish")
+    def _finish_layer_load(self) -> None:
+        """The step's layer load accounted (a verifying one: the host waits for its checksums)."""
+        if self.layer_loads.in_flight:
+            self.layer_loads.finish()
+
+    @timed_part("wait_for_save/store")
     def _store(self, meta: MaruConnectorMetadata) -> None:
         stores = []
         for rt in meta.stores:
@@ -576,10 +555,3 @@ def _close_engine_then_client(engine: Any, client: Any) -> None:
         except Exception as e:  # closing is best effort once the server is gone
             logger.warning("Maru: closing the transfer engine failed: %s", e)
     _close_quietly(client)
-
-
-def _kv_ops_backend() -> str:
-    try:
-        return str(kv_ops.backend())
-    except Exception:
-        return "unknown"

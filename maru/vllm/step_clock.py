@@ -1,0 +1,102 @@
+"""GPU time of each forward, by what Maru did in its step (``maru_log_timing`` only): what a load or
+a store costs the device, not just the host.
+
+The host-side hook times (``HookTimes``) say what Maru costs vLLM's threads; they cannot say how
+much longer a forward runs on the device while a layer load places its layers under it, or while a
+write-behind store's gathers and copies share the GPU, nor how long the device sits idle after a
+step whose host hook blocked (a load that waits for its checksums). ``StepClock`` records a CUDA
+event on the forward's stream when the step starts (``start_load_kv``) and when its forward has
+been issued (``wait_for_save``), and reads them back later without blocking (``collect``, from
+``get_finished``): per kind of step, the forwards' device time and the idle gap on the device
+between the previous forward's end and this one's start.
+
+Invariants: never synchronises (an event not yet reached is read at a later collect; at most
+``MAX_PENDING`` steps wait, older ones are dropped and counted); a step is counted once; off the
+GPU (no CUDA caches) or with ``maru_log_timing`` off, it records nothing and costs nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+MAX_PENDING = 64  # steps whose events are not read yet (a stalled device: the oldest are dropped)
+
+# Kinds of step, by what Maru did in it (the first that applies).
+LAYERED = "layer load"  # a load placed layer by layer under this forward
+LOADED = "load before"  # a load completed before this forward (the host waited for it)
+STORED = "store"  # this step's blocks stored (write-behind: gathered and copied behind it)
+PLAIN = "plain"  # nothing of Maru's
+
+
+@dataclass
+class _KindTimes:
+    steps: int = 0
+    forward_ms: float = 0.0  # device time from the step's start event to its end event
+    gap_ms: float = 0.0  # device idle time before the step: previous end event to this start
+
+
+class StepClock:
+    """Per-kind device time of the forwards (see the module docstring)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._torch: Any = None
+        self._pending: collections.deque[tuple[str, Any, Any]] = collections.deque()
+        self._start: Any = None
+        self._last_end: Any = None
+        self.kinds: dict[str, _KindTimes] = {}
+        self.dropped = 0
+
+    def use_cuda(self, torch_mod: Any) -> None:
+        """Record on CUDA (the caches are on a CUDA device); without it, nothing is recorded."""
+        if self.enabled:
+            self._torch = torch_mod
+
+    def _event(self) -> Any:
+        ev = self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def started(self) -> None:
+        """The step's forward is about to be queued on the current stream."""
+        if self._torch is not None:
+            self._start = self._event()
+
+    def ended(self, kind: str) -> None:
+        """The step's forward is queued; ``kind`` says what Maru did in the step."""
+        if self._torch is None or self._start is None:
+            return
+        start, self._start = self._start, None
+        self._pending.append((kind, start, self._event()))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+            self.dropped += 1
+            self._last_end = None  # the gap before the next one is unknown
+
+    def collect(self) -> None:
+        """Read back the steps the device has finished, in order, without waiting."""
+        while self._pending:
+            kind, start, end = self._pending[0]
+            if not end.query():
+                return
+            self._pending.popleft()
+            t = self.kinds.setdefault(kind, _KindTimes())
+            t.steps += 1
+            t.forward_ms += start.elapsed_time(end)
+            if self._last_end is not None:
+                t.gap_ms += max(0.0, self._last_end.elapsed_time(start))
+            self._last_end = end
+
+    def line(self) -> str:
+        """``kind: N steps, forward X ms each, device idle before Y ms each; ...`` ("" before any)."""
+        parts = [
+            f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each, device idle before "
+            f"{t.gap_ms / t.steps:.2f} ms each"
+            for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)
+            if t.steps
+        ]
+        if self.dropped:
+            parts.append(f"{self.dropped} steps not read back")
+        return "; ".join(parts)

@@ -1,0 +1,71 @@
+"""What a vLLM worker reports to the server about the paths it runs (``maru stats``, ``maru doctor``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maru import checksum, kv_ops
+from maru.vllm.layer_loads import UNWAITED
+
+
+def worker_data_paths(worker: Any) -> dict[str, Any]:
+    """The client-info map (role, paths, slow) this worker reports to the server.
+
+    ``maru stats`` shows it and ``maru doctor`` warns when ``slow`` is not empty: the paths a
+    process actually runs are visible from outside it, not only in its own log.
+    """
+    eng = worker.engine
+    paths: dict[str, Any] = {
+        "device": str(eng.device) if eng else "?",
+        "kv_ops": kv_ops_backend(),
+        "layout": worker.layout.describe() if worker.layout is not None else "?",
+        "async_load": "on" if worker.cfg.async_load else "off",
+        "layer_overlap": "on" if worker.layer_overlap else "off",
+        # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
+        "load_failure": "ends the request" if worker.cfg.load_failures_fail else "recomputed",
+        "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
+        if worker.cfg.async_store
+        else "sync",
+    }
+    slow: list[str] = list(worker.cfg.fallbacks)  # settings the connector replaced, with the fix
+    if worker.stats.layer_loads_unwaited:
+        slow.append(f"{worker.stats.layer_loads_unwaited} {UNWAITED}")
+    if eng is not None:
+        paths["load"] = eng.data_path
+        reg = eng.host_registration
+        if eng.device.type == "cuda":
+            paths["pool"] = reg.state if reg is not None else "not registered"
+            if reg is None or not reg.registered:
+                why = reg.describe() if reg is not None else "the client exposes no pool mapping"
+                slow.append(
+                    f"pool not registered with CUDA ({why}): pool<->GPU copies are pageable, ~11x "
+                    "slower. Fix: see `maru doctor` (pool registered with CUDA) and docs/gpu.md"
+                )
+        if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
+            paths["checksum"] = checksum.implementation()
+            slow.extend(checksum.slow_reasons())
+        if ways := eng.path.store_ways:  # known after the first store
+            torch_ways = sorted(w for w in ways if w != "libcudart")
+            paths["store_issue"] = "; ".join((["libcudart"] if "libcudart" in ways else []) + torch_ways)
+            if torch_ways:
+                slow.append(
+                    f"{'some' if 'libcudart' in ways else 'all'} stores are queued through "
+                    f"{' and '.join(torch_ways)}, not libcudart: the same bytes, about 5x the drain "
+                    "thread's host time a chunk (it shares the GIL with vLLM's forward). Fix: see "
+                    "the reason; only the chunk size (maru_kv_chunk_tokens) is warmed at start, so a "
+                    "prompt's partial tail alone goes this way (the store's full chunks still go "
+                    "through libcudart); libcudart must be reachable (maru doctor)"
+                )
+        extra, path_slow = eng.path.report(
+            worker.layer_overlap, worker.cfg.async_store and worker.cfg.paced_store
+        )
+        paths.update(extra)
+        slow.extend(path_slow)
+    return {"role": "vllm-connector", "rank": worker.tp_rank, "paths": paths, "slow": slow}
+
+
+def kv_ops_backend() -> str:
+    try:
+        return str(kv_ops.backend())
+    except Exception:
+        return "unknown"

@@ -1,0 +1,116 @@
+"""StepClock: device time of the forwards by kind of step, read back without waiting.
+
+CUDA events cannot run here: a fake device clock stands in (the CUDA path runs in the GPU passes,
+``bench/gpu_vllm_pass.sh``, whose worker lines carry it)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from maru.vllm.step_clock import LAYERED, MAX_PENDING, PLAIN, StepClock
+
+
+class FakeDevice:
+    """A device clock: each recorded event gets the current device time; ``now`` says how far
+    the device has run (an event past it is not reached yet)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0  # device time at which the next event is recorded, ms
+        self.now = 0.0
+
+    def torch(self) -> SimpleNamespace:
+        dev = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at: float | None = None
+
+            def record(self) -> None:
+                self.at = dev.t
+
+            def query(self) -> bool:
+                assert self.at is not None
+                return self.at <= dev.now
+
+            def elapsed_time(self, other: Event) -> float:
+                assert self.query() and other.query(), "elapsed_time on an event not reached"
+                return other.at - self.at  # type: ignore[operator]
+
+        return SimpleNamespace(cuda=SimpleNamespace(Event=Event))
+
+
+def test_forward_and_gap_per_kind_match_the_device_times() -> None:
+    rng = random.Random(7)
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch())
+    want: dict[str, list[float]] = {PLAIN: [0.0, 0.0, 0], LAYERED: [0.0, 0.0, 0]}
+    first = True
+    for _ in range(40):
+        kind = rng.choice([PLAIN, LAYERED])
+        gap, fwd = rng.uniform(0, 3), rng.uniform(1, 9)
+        dev.t += gap
+        clock.started()
+        dev.t += fwd
+        clock.ended(kind)
+        want[kind][0] += fwd
+        if not first:
+            want[kind][1] += gap
+        want[kind][2] += 1
+        first = False
+        if rng.random() < 0.3:
+            dev.now = dev.t  # the device caught up: collect reads everything so far
+            clock.collect()
+    dev.now = dev.t
+    clock.collect()
+    for kind, (fwd, gap, n) in want.items():
+        got = clock.kinds[kind]
+        assert got.steps == n
+        assert abs(got.forward_ms - fwd) < 1e-9
+        assert abs(got.gap_ms - gap) < 1e-9
+    assert f"{LAYERED}: {want[LAYERED][2]} steps" in clock.line()
+
+
+def test_collect_never_reads_an_event_the_device_has_not_reached() -> None:
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch())
+    for _ in range(3):
+        clock.started()
+        dev.t += 2.0
+        clock.ended(PLAIN)
+    dev.now = 4.0  # two steps done, the third still running
+    clock.collect()  # the fake raises if an unreached event were timed
+    assert clock.kinds[PLAIN].steps == 2
+    dev.now = dev.t
+    clock.collect()
+    assert clock.kinds[PLAIN].steps == 3
+
+
+def test_a_stalled_device_drops_the_oldest_steps_and_says_so() -> None:
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch())
+    for _ in range(MAX_PENDING + 5):
+        clock.started()
+        dev.t += 1.0
+        clock.ended(PLAIN)
+    dev.now = dev.t
+    clock.collect()
+    assert clock.kinds[PLAIN].steps == MAX_PENDING
+    assert clock.dropped == 5
+    assert "5 steps not read back" in clock.line()
+
+
+def test_off_or_without_cuda_it_records_nothing() -> None:
+    dev = FakeDevice()
+    off = StepClock(enabled=False)
+    off.use_cuda(dev.torch())
+    no_cuda = StepClock(enabled=True)
+    for clock in (off, no_cuda):
+        clock.started()
+        clock.ended(PLAIN)
+        clock.collect()
+        assert clock.kinds == {} and clock.line() == ""
