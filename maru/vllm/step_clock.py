@@ -10,7 +10,7 @@ been issued (``wait_for_save``), and reads them back later without blocking (``c
 ``get_finished``): per kind of step, the forwards' device time and the idle gap on the device
 between the previous forward's end and this one's start.
 
-Invariants: never synchronises (an event not yet reached is read at a later collect; at most
+Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises (an event not yet reached is read at a later collect; at most
 ``MAX_PENDING`` steps wait, older ones are dropped and counted); a step is counted once; off the
 GPU (no CUDA caches) or with ``maru_log_timing`` off, it records nothing and costs nothing.
 """
@@ -18,8 +18,11 @@ GPU (no CUDA caches) or with ``maru_log_timing`` off, it records nothing and cos
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("maru.vllm")
 
 MAX_PENDING = 64  # steps whose events are not read yet (a stalled device: the oldest are dropped)
 
@@ -59,17 +62,29 @@ class StepClock:
         ev.record()
         return ev
 
+    def _off(self, e: Exception) -> None:
+        """A diagnostic must never fail a step: stop timing, say why once."""
+        self._torch, self._start = None, None
+        self._pending.clear()
+        logger.warning("Maru: timing the forwards on the device stopped (%s: %s)", type(e).__name__, e)
+
     def started(self) -> None:
         """The step's forward is about to be queued on the current stream."""
         if self._torch is not None:
-            self._start = self._event()
+            try:
+                self._start = self._event()
+            except Exception as e:
+                self._off(e)
 
     def ended(self, kind: str) -> None:
         """The step's forward is queued; ``kind`` says what Maru did in the step."""
         if self._torch is None or self._start is None:
             return
         start, self._start = self._start, None
-        self._pending.append((kind, start, self._event()))
+        try:
+            self._pending.append((kind, start, self._event()))
+        except Exception as e:
+            self._off(e)
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.dropped += 1
@@ -77,6 +92,12 @@ class StepClock:
 
     def collect(self) -> None:
         """Read back the steps the device has finished, in order, without waiting."""
+        try:
+            self._collect()
+        except Exception as e:
+            self._off(e)
+
+    def _collect(self) -> None:
         while self._pending:
             kind, start, end = self._pending[0]
             if not end.query():

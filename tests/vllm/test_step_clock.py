@@ -5,8 +5,10 @@ CUDA events cannot run here: a fake device clock stands in (the CUDA path runs i
 
 from __future__ import annotations
 
+import logging
 import random
 from types import SimpleNamespace
+from typing import Any
 
 from maru.vllm.step_clock import LAYERED, MAX_PENDING, PLAIN, StepClock
 
@@ -114,3 +116,23 @@ def test_off_or_without_cuda_it_records_nothing() -> None:
         clock.ended(PLAIN)
         clock.collect()
         assert clock.kinds == {} and clock.line() == ""
+
+
+def test_a_failing_event_stops_the_timing_and_never_raises(caplog: Any) -> None:
+    class Broken:
+        class cuda:  # noqa: N801 - stands in for torch.cuda
+            class Event:
+                def __init__(self, enable_timing: bool = False) -> None:
+                    raise RuntimeError("no device")
+
+    clock = StepClock(enabled=True)
+    clock.use_cuda(Broken)
+    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+        clock.started()
+        clock.ended(PLAIN)
+        clock.started()
+        clock.collect()
+    assert clock.kinds == {}
+    assert [r.getMessage() for r in caplog.records].count(
+        "Maru: timing the forwards on the device stopped (RuntimeError: no device)"
+    ) == 1
