@@ -676,6 +676,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {res['env']['device']}, vLLM {res['env']['vllm']}, model: {res['env']['model']}; "
           f"pool {psize / GiB:.1f} GiB, server evictions: {evictions}; errors: {res['errors'] + res['api']['errors']}")  # fmt: skip
     print(md)
+    from maru.server.stats import service_us
+
+    svc = service_us(st) if isinstance(st, dict) else {}
+    if svc:  # with the clients' round trips (the API table), where a request's time goes
+        print("maru server's time by op (requests, mean us): " + ", ".join(
+            f"{op} {n} {us:.0f}" for op, (n, us) in sorted(svc.items(), key=lambda kv: -kv[1][0])))  # fmt: skip
     bad = [
         (r["workload"], m)
         for r in res["summary"]["rows"]

@@ -115,8 +115,35 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, dt: float | None) 
         f"maru server {snap.get('url', '')}  pool {snap.get('pool_path', '?')} ({snap.get('pool_kind', '?')}, "
         f"{format_size(int(snap.get('pool_size', 0)))})  uptime {float(snap.get('uptime_s', 0)):.0f} s"
     )
+    parts: list[Any] = [header, counters, pool]
+    ops = render_service(snap)
+    if ops is not None:
+        parts.append(ops)
     clients = render_clients(snap)
-    return Group(header, counters, pool) if clients is None else Group(header, counters, pool, clients)
+    if clients is not None:
+        parts.append(clients)
+    return Group(*parts)
+
+
+def render_service(snap: dict[str, Any]) -> Any:
+    """Requests by op with the server's mean time on one (None for a server older than that).
+
+    The server's time is decoding, handling and encoding; a client's round trip minus it is the
+    transport, the server waking up, and the client itself (docs/server.md)."""
+    from rich.table import Table
+
+    from maru.server.stats import service_us
+
+    rows = service_us(snap)
+    if not rows:
+        return None
+    t = Table(title="requests by op (since server start)", title_justify="left")
+    t.add_column("op")
+    t.add_column("requests", justify="right")
+    t.add_column("server time, mean", justify="right")
+    for op, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        t.add_row(op, f"{n:,}", f"{us:,.1f} us")
+    return t
 
 
 def _key_index_text(ki: dict[str, Any]) -> str:

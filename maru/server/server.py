@@ -424,7 +424,16 @@ class MaruServer(RequestHandlers, ServerViews):
         if len(frame) < P.HEADER_SIZE:
             self.stats.add("malformed_frames")
             return None
+        t0 = time.perf_counter()
         magic, version, op, req_id = P.HEADER.unpack_from(frame)
+        try:
+            return self._answer(magic, version, op, req_id, frame, user, conn)
+        finally:
+            self.stats.add_service(op, time.perf_counter() - t0)
+
+    def _answer(
+        self, magic: bytes, version: int, op: int, req_id: int, frame: bytes, user: str, conn: bytes
+    ) -> bytes:
         reply_op = (op | P.REPLY_BIT) & 0xFFFF
         try:
             body = self._handle(magic, version, op, frame, user, conn)

@@ -134,6 +134,10 @@ def test_stats_once_shows_counters_that_moved(maru_server: ServerProcess) -> Non
         else "no: sleeps at once (--spin-us 0, or under 8 cores)"
     )
     assert row("polls for the next request") == want
+    # Requests by op, with the server's mean time on one.
+    m = re.search(r"│\s*commit\s*│\s*([\d,]+)\s*│\s*([\d,.]+) us\s*│", out)
+    assert m, out
+    assert int(m.group(1).replace(",", "")) >= 3 and float(m.group(2).replace(",", "")) > 0
 
 
 def test_stats_without_a_server_exits_non_zero_with_the_fix() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -283,6 +284,10 @@ def test_prometheus_metrics_are_served_on_the_metrics_port(tmp_path: Path) -> No
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
     assert "maru_exists_misses_total 2.0" in text
     assert 'maru_requests_total{op="handshake"} 1.0' in text
+    # The server's own time on each op: some for those answered, none for the rest.
+    spent = dict(re.findall(r'maru_request_seconds_total\{op="(\w+)"\} (\S+)', text))
+    assert float(spent["exists"]) > 0 and float(spent["handshake"]) > 0
+    assert float(spent["commit"]) == 0.0
     assert "maru_pool_size_bytes 6.7108864e+07" in text
 
 
@@ -375,3 +380,18 @@ def test_an_evicted_key_stays_gone_after_sigkill_and_restart(tmp_path: Path) -> 
         pool = map_pool(srv.pool_path)
         assert pool[look[2][0] : look[2][0] + 4096] == b"n" * 4096
         pool.close()
+
+
+def test_stats_say_how_long_the_server_spent_on_each_op(tmp_path: Path) -> None:
+    from maru.server.stats import service_us
+
+    with ServerProcess(tmp_path) as srv, RawClient(srv.url) as c:
+        c.handshake()
+        for _ in range(7):
+            c.call(Op.EXISTS, keys=["a", "b", "c"])
+        snap = c.call(Op.STATS)
+    svc = service_us(snap)
+    assert svc["exists"][0] == 7 == snap["requests"]["exists"]
+    assert svc["handshake"][0] == 1
+    assert 0 < svc["exists"][1] < 1e6  # a mean of microseconds, not seconds
+    assert "commit" not in svc and snap["service_s"]["commit"] == 0.0
