@@ -7,8 +7,9 @@ write-behind store's gathers and copies share the GPU, nor how long the device s
 step whose host hook blocked (a load that waits for its checksums). ``StepClock`` records a CUDA
 event on the forward's stream when the step starts (``start_load_kv``) and when its forward has
 been issued (``wait_for_save``), and reads them back later without blocking (``collect``, from
-``get_finished``): per kind of step, the forwards' device time and the idle gap on the device
-between the previous forward's end and this one's start.
+``get_finished``): per kind of step, the forwards' device time, and how many steps were queued
+after the device had drained (the previous forward's end event reached before this one's start
+was queued: the host was behind, or the engine had nothing to run), with the median idle gap.
 
 Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises (an event not yet reached is read at a later collect; at most
 ``MAX_PENDING`` steps wait, older ones are dropped and counted); a step is counted once; off the
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("maru.vllm")
@@ -33,11 +35,19 @@ STORED = "store"  # this step's blocks stored (write-behind: gathered and copied
 PLAIN = "plain"  # nothing of Maru's
 
 
+GAPS_KEPT = 4096  # idle gaps kept per kind for the median (the most recent)
+IDLE_MS = 0.05  # a gap longer than this: the device had drained before the step was queued
+
+
 @dataclass
 class _KindTimes:
     steps: int = 0
     forward_ms: float = 0.0  # device time from the step's start event to its end event
-    gap_ms: float = 0.0  # device idle time before the step: previous end event to this start
+    # Device idle time before each step queued after the device had drained (previous end event
+    # to this start): the host was behind, or the engine had nothing to run (between requests:
+    # hence the median, not the mean, says which).
+    gaps_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS_KEPT))
+    after_idle: int = 0  # steps queued after the device had drained
 
 
 class StepClock:
@@ -107,14 +117,19 @@ class StepClock:
             t.steps += 1
             t.forward_ms += start.elapsed_time(end)
             if self._last_end is not None:
-                t.gap_ms += max(0.0, self._last_end.elapsed_time(start))
+                gap = self._last_end.elapsed_time(start)
+                if gap > IDLE_MS:
+                    t.after_idle += 1
+                    t.gaps_ms.append(gap)
             self._last_end = end
 
     def line(self) -> str:
-        """``kind: N steps, forward X ms each, device idle before Y ms each; ...`` ("" before any)."""
+        """``kind: N steps, forward X ms each, M queued after the device drained (idle before: median
+        Y ms); ...`` ("" before any step was read back)."""
         parts = [
-            f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each, device idle before "
-            f"{t.gap_ms / t.steps:.2f} ms each"
+            f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each, {t.after_idle} queued "
+            "after the device drained"
+            + (f" (idle before: median {statistics.median(t.gaps_ms):.2f} ms)" if t.gaps_ms else "")
             for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)
             if t.steps
         ]

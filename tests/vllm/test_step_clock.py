@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,31 +49,39 @@ def test_forward_and_gap_per_kind_match_the_device_times() -> None:
     dev = FakeDevice()
     clock = StepClock(enabled=True)
     clock.use_cuda(dev.torch())
-    want: dict[str, list[float]] = {PLAIN: [0.0, 0.0, 0], LAYERED: [0.0, 0.0, 0]}
+    fwds: dict[str, float] = {PLAIN: 0.0, LAYERED: 0.0}
+    gaps: dict[str, list[float]] = {PLAIN: [], LAYERED: []}
+    steps: dict[str, int] = {PLAIN: 0, LAYERED: 0}
     first = True
     for _ in range(40):
         kind = rng.choice([PLAIN, LAYERED])
-        gap, fwd = rng.uniform(0, 3), rng.uniform(1, 9)
+        # Half the steps queued while the device still ran the previous one (no gap).
+        gap, fwd = (rng.uniform(0.1, 30) if rng.random() < 0.5 else 0.0), rng.uniform(1, 9)
         dev.t += gap
         clock.started()
         dev.t += fwd
         clock.ended(kind)
-        want[kind][0] += fwd
-        if not first:
-            want[kind][1] += gap
-        want[kind][2] += 1
+        fwds[kind] += fwd
+        if not first and gap > 0:
+            gaps[kind].append(gap)
+        steps[kind] += 1
         first = False
         if rng.random() < 0.3:
             dev.now = dev.t  # the device caught up: collect reads everything so far
             clock.collect()
     dev.now = dev.t
     clock.collect()
-    for kind, (fwd, gap, n) in want.items():
+    for kind in (PLAIN, LAYERED):
         got = clock.kinds[kind]
-        assert got.steps == n
-        assert abs(got.forward_ms - fwd) < 1e-9
-        assert abs(got.gap_ms - gap) < 1e-9
-    assert f"{LAYERED}: {want[LAYERED][2]} steps" in clock.line()
+        assert got.steps == steps[kind]
+        assert abs(got.forward_ms - fwds[kind]) < 1e-9
+        assert got.after_idle == len(gaps[kind])
+        assert abs(statistics.median(got.gaps_ms) - statistics.median(gaps[kind])) < 1e-9
+        assert (
+            f"{kind}: {steps[kind]} steps, forward {fwds[kind] / steps[kind]:.2f} ms each, "
+            f"{len(gaps[kind])} queued after the device drained "
+            f"(idle before: median {statistics.median(gaps[kind]):.2f} ms)"
+        ) in clock.line()
 
 
 def test_collect_never_reads_an_event_the_device_has_not_reached() -> None:
