@@ -12,7 +12,8 @@ and how many keys each request checked. ``--local-hit``: vLLM's own prefix cache
 user's first round (a storing instance's next turn): the chunks it covers are not asked about.
 ``--round first``: time each user's first round instead (the system prompt's chunks, shared by
 every user, then the user's own tail), the burst that arrives at a conversation's start.
-``--busy F``: a second Python thread computes F of each millisecond (the GIL competition a
+``--block-hashes``: the requests carry vLLM's block hashes and the scheduler keyed the first round
+(its chunk keys then come from ``ChunkKeyCache``). ``--busy F``: a second Python thread computes F of each millisecond (the GIL competition a
 scheduler meets beside vLLM's worker thread); ``--switch-interval S``: the interpreter's switch
 interval (default 5 ms). ``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
 reported ready first); the pins' round trips and shared pins are reported too.
@@ -21,8 +22,10 @@ reported ready first); the pins' round trips and shared pins are reported too.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -70,6 +73,15 @@ def busy_loop(share: float, stop: threading.Event) -> None:
         time.sleep((1 - share) * 1e-3)
 
 
+def _block_hashes(tokens: list[int], bs: int) -> list[bytes]:
+    """A chain of block hashes as vLLM's prefix cache makes them (sha256 over the parent and the block)."""
+    out, parent = [], b""
+    for b in range(len(tokens) // bs):
+        parent = hashlib.sha256(parent + struct.pack(f"<{bs}q", *tokens[b * bs : (b + 1) * bs])).digest()
+        out.append(parent)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", type=int, default=16)
@@ -99,6 +111,11 @@ def main() -> int:
     ap.add_argument(
         "--spin-us", type=float, default=0.0,
         help="the scheduler's client polls for each reply this long before blocking (reply_spin_s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--block-hashes", action="store_true",
+        help="requests carry vLLM-like block hashes (sha256 chain, made untimed as vLLM makes them "
+        "before the hook), and the scheduler has seen the first round: chunk keys found by them",
     )  # fmt: skip
     a = ap.parse_args()
     if a.switch_interval is not None:
@@ -147,9 +164,13 @@ def main() -> int:
                 s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=MaruWorkerMeta(ready=1)))
             reqs = [
                 SimpleNamespace(request_id=f"{rep}-{u}", prompt_token_ids=p, num_tokens=len(p),
-                                lora_request=None, mm_features=[])
+                                lora_request=None, mm_features=[],
+                                block_hashes=_block_hashes(p, bs) if a.block_hashes else None)
                 for u, p in enumerate(timed)
             ]  # fmt: skip
+            if a.block_hashes and a.round == "second":  # the scheduler keyed the first round
+                for p in first:
+                    s._key_cache.prompt_keys(p, _block_hashes(p, bs), len(p))
             # Untimed: a new connector reports its probe path to the server once (one round trip),
             # which a serving scheduler pays once, not per request.
             s.get_num_new_matched_tokens(

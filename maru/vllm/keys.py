@@ -132,20 +132,36 @@ class ChunkKeyer:
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
-        data = memoryview(_token_bytes(token_ids[: n * ct]))
+        chain = self.chain_digests(token_ids, 0, n, self._root)
+        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
+
+    def chain_key(self, digest: bytes) -> str:
+        """The chunk key of a chain digest."""
+        return self._prefix + digest.hex()
+
+    @property
+    def root(self) -> bytes:
+        """The chain's start: the key space's digest (the parent of chunk 0)."""
+        return self._root
+
+    def chain_digests(self, token_ids: Sequence[int], start: int, stop: int, parent: bytes) -> list[bytes]:
+        """The chain digests of full chunks ``start`` to ``stop - 1`` of ``token_ids``, the chunk
+        before ``start`` having digest ``parent`` (the root for ``start`` 0)."""
+        ct = self.chunk_tokens
+        data = memoryview(_token_bytes(token_ids[start * ct : stop * ct]))
         step = ct * 8
         # Each chunk's bytes in pieces at the same offsets (``_HASH_PIECE``), worked out once.
         cuts = [(a, min(a + _HASH_PIECE, step)) for a in range(0, step, _HASH_PIECE)]
         blake2b = hashlib.blake2b
         chain: list[bytes] = []
-        prev = self._root
-        for base in range(0, n * step, step):
+        prev = parent
+        for base in range(0, (stop - start) * step, step):
             h = blake2b(b"C" + prev, digest_size=_DIGEST_SIZE)
             for a, b in cuts:
                 h.update(data[base + a : base + b])
             prev = h.digest()
             chain.append(prev)
-        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
+        return chain
 
     def tail_key(self, parent: bytes, tail_token_ids: Sequence[int]) -> str:
         """Key of a partial chunk: the tokens after the chunk boundary whose chain digest is ``parent``."""

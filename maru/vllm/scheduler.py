@@ -32,6 +32,7 @@ from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
 from maru.vllm.hook_times import HookTimes, timed_part
+from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
@@ -73,6 +74,7 @@ class MaruSchedulerConnector(LoadPlanning):
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens
         self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
+        self._key_cache = ChunkKeyCache(keyer, block_size)  # keys by vLLM's block hashes
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
@@ -255,7 +257,7 @@ class MaruSchedulerConnector(LoadPlanning):
             return None
         self._wake_for_pins()  # before the keys and the probe: a pin may follow them
         prompt = list(request.prompt_token_ids)
-        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(prompt))
+        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(request, prompt))
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
@@ -266,8 +268,11 @@ class MaruSchedulerConnector(LoadPlanning):
         return st
 
     @timed_part("get_num_new_matched_tokens/keys")
-    def _keys(self, prompt: list[int]) -> PromptKeys:
-        return self.keyer.prompt_keys(prompt)
+    def _keys(self, request: Any, prompt: list[int]) -> PromptKeys:
+        kc = self._key_cache
+        keys = kc.prompt_keys(prompt, getattr(request, "block_hashes", None), int(request.num_tokens))
+        self.stats.keys_remembered, self.stats.keys_hashed = kc.hits, kc.hashed
+        return keys
 
     def _usable(self, prompt_len: int) -> int:
         return self._prober.usable(prompt_len)

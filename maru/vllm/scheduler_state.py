@@ -35,6 +35,8 @@ class RequestState:
 @dataclass
 class SchedulerStats:
     requests_probed: int = 0
+    keys_remembered: int = 0  # chunk keys found by vLLM's block hash (``ChunkKeyCache``): not hashed
+    keys_hashed: int = 0  # chunk keys hashed from the tokens
     server_wakes: int = 0  # wake-ups posted before a probe whose pin may follow (``_wake_for_pins``)
     requests_hit: int = 0
     tokens_offered: int = 0

@@ -271,6 +271,10 @@ def test_a_prompt_extending_a_stored_one_loads_its_chunks_and_tail_and_stays_cor
     assert after["load_errors"] == before["load_errors"]
     assert runs.b["p4"]["cached"] == 288
     assert runs.b["p4"]["out"] == runs.n["p4"]["out"]
+    # P4 repeats P1's 4 chunks, which B keyed for P1: found by vLLM's own block hashes, not hashed
+    # again (ChunkKeyCache); the keys are right, or the load above would have missed.
+    s0, s1 = runs.b["after_p2"]["scheduler"], runs.b["after_p4"]["scheduler"]
+    assert s1["keys_remembered"] - s0["keys_remembered"] >= 4
 
 
 def test_chunked_prefill_stores_every_full_chunk_and_the_tail(
