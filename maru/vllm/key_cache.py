@@ -55,12 +55,12 @@ class ChunkKeyCache:
             assert block_hashes is not None
             digests = self._digests
             for c in range(n):
-                d = digests.get(block_hashes[(c + 1) * bpc - 1])
+                bh = block_hashes[(c + 1) * bpc - 1]
+                d = digests.get(bh)
                 if d is None:
                     break
+                digests.move_to_end(bh)  # recently used: kept longest
                 chain.append(d)
-            for c in range(len(chain)):  # recently used: kept longest
-                digests.move_to_end(block_hashes[(c + 1) * bpc - 1])
         self.hits += len(chain)
         if len(chain) < n:
             parent = chain[-1] if chain else keyer.root

@@ -11,9 +11,10 @@ been issued (``wait_for_save``), and reads them back later without blocking (``c
 after the device had drained (the previous forward's end event reached before this one's start
 was queued: the host was behind, or the engine had nothing to run), with the median idle gap.
 
-Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises (an event not yet reached is read at a later collect; at most
-``MAX_PENDING`` steps wait, older ones are dropped and counted); a step is counted once; off the
-GPU (no CUDA caches) or with ``maru_log_timing`` off, it records nothing and costs nothing.
+Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises
+(an event not yet reached is read at a later collect; at most ``MAX_PENDING`` steps wait, older
+ones are dropped and counted); a step is counted once; off the GPU (no CUDA caches) or with
+``maru_log_timing`` off, it records nothing and costs nothing.
 """
 
 from __future__ import annotations
