@@ -77,7 +77,12 @@ class StepClock:
         """A diagnostic must never fail a step: stop timing, say why once."""
         self._torch, self._start = None, None
         self._pending.clear()
-        logger.warning("Maru: timing the forwards on the device stopped (%s: %s)", type(e).__name__, e)
+        logger.warning(
+            "Maru: timing the forwards on the device stopped (%s: %s); loads and stores are unaffected, "
+            "only maru_log_timing's device times end here. Fix: report it with the vLLM and torch versions",
+            type(e).__name__,
+            e,
+        )
 
     def started(self) -> None:
         """The step's forward is about to be queued on the current stream."""
