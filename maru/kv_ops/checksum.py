@@ -330,11 +330,49 @@ def to_host(acc: torch.Tensor | None, pool: HostSums | None = None) -> torch.Ten
     return host
 
 
-def attach_host_checksums(handle: Any, objs: Sequence[torch.Tensor], wanted: bool) -> Any:
-    """Give a transfer that completed on the host (``kv_ops.Transfer``) the numpy checksums of
-    its host objects (``set_checksums``), when ``wanted``; returns the handle."""
-    if wanted:
-        sizes = [nbytes_of(o) for o in objs]
-        # finalize(raw, n) == raw ^ n: each checksum is stored as the raw sum that yields it.
-        handle.set_checksums([c ^ n for c, n in zip(checksums(objs), sizes, strict=True)], sizes)
+def attach_host_checksums(
+    handle: Any,
+    objs: Sequence[torch.Tensor],
+    wanted: bool,
+    slots: torch.Tensor | None = None,
+    segments: Sequence[Any] | None = None,
+    segment_tokens: int | None = None,
+) -> Any:
+    """Give a transfer that completed on the host (``kv_ops.Transfer``) the checksums of its host
+    objects (``set_checksums``), when ``wanted``; returns the handle.
+
+    A load given ``segments`` (committed ``SegmentSums`` per object) and its ``slots`` (one per
+    token of every object, negative = not written) reads only the segments it placed
+    (``maru.segments.host_checksum``). A store given ``segment_tokens`` also attaches each object's
+    segment sums (``set_segments``), from the same single read of its bytes.
+    """
+    if not wanted:
+        return handle
+    from maru import segments as sg
+
+    sizes = [nbytes_of(o) for o in objs]
+    if segment_tokens:
+        sums = [
+            sg.host_segment_sums(_bytes_view(o).numpy(), o.shape, o.element_size(), segment_tokens)
+            for o in objs
+        ]
+        most = max(len(s.raws) for s in sums)
+        flat = [r for s in sums for r in (*s.raws, *([0] * (most - len(s.raws))))]
+        handle.set_segments(segment_tokens, most, [o.shape[2] for o in objs], flat)
+        cs = [s.checksum(n) for s, n in zip(sums, sizes, strict=True)]
+    elif segments is not None and slots is not None:
+        written = slots.numpy() >= 0
+        cs, start = [], 0
+        for o, segs in zip(objs, segments, strict=True):
+            t = o.shape[2]
+            cs.append(
+                sg.host_checksum(
+                    _bytes_view(o).numpy(), o.shape, o.element_size(), written[start : start + t], segs
+                )
+            )
+            start += t
+    else:
+        cs = checksums(objs)
+    # finalize(raw, n) == raw ^ n: each checksum is stored as the raw sum that yields it.
+    handle.set_checksums([c ^ n for c, n in zip(cs, sizes, strict=True)], sizes)
     return handle

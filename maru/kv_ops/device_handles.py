@@ -31,6 +31,10 @@ class Transfer:
         self.nbytes = nbytes
         self.issue_s = 0.0  # host seconds spent issuing
         self.copies_shared = 0  # objects placed from another object's copy (the same host page)
+        self.unread_bytes = 0  # bytes of segments a verifying load neither placed nor read
+        # A store's segment sums (``maru.segments``): (tokens a segment, segments an object at most,
+        # tokens per object, host raw sums valid once done, the HostSums they came from).
+        self._segments: tuple[int, int, list[int], Any, Any] | None = None
         self._event = done_event  # None when complete at return (CPU, sync)
         self._sync = sync
         self._keepalive = keepalive
@@ -67,6 +71,35 @@ class Transfer:
             else:
                 raw = sums
         return [finalize(r, n) for r, n in zip(raw, self._sizes, strict=True)]
+
+    def set_segments(self, tokens: int, most: int, lengths: list[int], sums: Any, pool: Any = None) -> None:
+        """Attach a store's segment sums: ``sums[k * most + s]`` is segment ``s`` of object ``k``
+        (raw, int64), written by work this transfer's completion covers."""
+        self._segments = (tokens, most, list(lengths), sums, pool)
+
+    def segment_sums(self) -> list[Any] | None:
+        """Each object's ``SegmentSums`` (None where not computed). After ``wait()`` or ``done()``."""
+        if self._segments is None:
+            return None
+        from maru.segments import SegmentSums
+
+        with _SUMS_LOCK:
+            tokens, most, lengths, sums, pool = self._segments
+            if isinstance(sums, torch.Tensor):
+                raw = sums.tolist()
+                if self.done():
+                    self._segments = (tokens, most, lengths, raw, None)
+                    if pool is not None:
+                        pool.give_back(sums)
+            else:
+                raw = sums
+        out = []
+        for k, t in enumerate(lengths):
+            n = -(-t // tokens)
+            out.append(
+                SegmentSums(tokens, tuple(int(r) & 0xFFFFFFFFFFFFFFFF for r in raw[k * most : k * most + n]))
+            )
+        return out
 
     def done(self) -> bool:
         """True once every copy and kernel of this transfer finished (never blocks)."""

@@ -51,6 +51,7 @@ from maru.kv_ops.paced_store import PacedStores
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
+from maru.segments import SegmentSums
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -257,6 +258,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         pipelined: bool = True,
         checksums: bool = False,
         paced: bool = False,
+        segment_tokens: int | None = None,
     ) -> Transfer:
         """Gather the caches' KV at ``slot_mapping`` into chunk objects (host, e.g. pool pages).
 
@@ -265,25 +267,61 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         the gathered bytes, the checksum to commit with them). ``paced`` (GPU, staged store path):
         a store behind the inference engine's back (write-behind) that yields the copy engine
         between chunks and shares nothing with loads (``kv_ops.paced_store``; path "paced").
+        ``segment_tokens`` (with ``checksums``): also compute each object's segment sums of that
+        many tokens a segment (``maru.segments``; the handle's ``segment_sums()``): on a GPU from
+        the caches themselves, before the store's own work (``kv_ops.segment_kernels``).
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
+        seg = int(segment_tokens) if checksums and segment_tokens else None
         with self._lock:
+            # Queued first: every wait of the store's streams on the caller's stream comes after it,
+            # so the store's completion covers these sums.
+            segs = self._queue_segments(objs, slot_mapping, seg) if seg and self.on_gpu else None
             slots = self._slots(slot_mapping, objs, 0)
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):
                     ops.gather(self.caches, self.layout, s, backend=self.backend, out=obj)
-                return ck.attach_host_checksums(Transfer("store", "cpu-direct", nbytes), objs, checksums)
+                handle = Transfer("store", "cpu-direct", nbytes)
+                return ck.attach_host_checksums(handle, objs, checksums, segment_tokens=seg)
             self._check_pinned(objs)
             if pipelined and self._use_direct_store(objs[0]):
-                return self._issue_store_direct(objs, slots, nbytes, checksums)
-            if pipelined and paced:
-                handle = self._issue_store_paced(objs, slots, nbytes, checksums)
-                if handle is not None:
-                    return handle
-            if pipelined:
-                return self._issue_store(objs, slots, nbytes, checksums)
-            return self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)
+                handle = self._issue_store_direct(objs, slots, nbytes, checksums)
+            elif (
+                pipelined
+                and paced
+                and (paced_handle := self._issue_store_paced(objs, slots, nbytes, checksums))
+            ):
+                handle = paced_handle
+            elif pipelined:
+                handle = self._issue_store(objs, slots, nbytes, checksums)
+            else:
+                handle = self._sync_path(objs, slots, nbytes, load=False, checksums=checksums)
+            if segs is not None:
+                handle.set_segments(*segs)
+            return handle
+
+    def _queue_segments(self, objs: list[torch.Tensor], slot_mapping: Any, seg: int) -> tuple | None:
+        """Queue the segment sums of a store on the caller's stream, before the store's own work
+        (which waits for that stream): ``Transfer.set_segments``' arguments, or None where they
+        cannot be computed (rows not whole words, a slot mapping on the device or with a
+        negative slot: nothing to vouch for there)."""
+        from maru.kv_ops import segment_kernels as sk
+
+        if not sk.supported(self.layout, self.esize) or getattr(slot_mapping, "device", None) is None:
+            return None
+        if slot_mapping.device.type != "cpu":
+            return None
+        host = slot_mapping.to(torch.int64).numpy()
+        if host.size and int(host.min()) < 0:
+            return None
+        lengths = [o.shape[2] for o in objs]
+        # The device tensors are used on the current stream alone, where torch's caching allocator
+        # orders any reuse of their memory after this work; the pinned table is held by torch's host
+        # allocator until its upload ran. So nothing needs keeping alive here.
+        acc, most, _keep = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
+        sums = ck.to_host(acc, self._host_sums)
+        return seg, most, lengths, sums, self._host_sums
 
     def load_layers(
         self,
@@ -293,6 +331,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         skip_tokens: int = 0,
         placer: Placer | None = None,
         checksums: bool = False,
+        segments: Sequence[SegmentSums | None] | None = None,
     ) -> LayerLoad:
         """Issue a load layer by layer (the layer-overlap load); returns at once.
 
@@ -303,21 +342,28 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         ``checksums``: see the class docstring; the direct kernel computes them as it reads (the
         skipped rows too), the staged way sums the staging after the last layer (one launch). On a
         GPU both need rows of whole 8-byte words (``triton_kernels.direct_checksum_ok``).
+        ``segments`` (with ``checksums``): each object's committed segment sums (``maru.segments``)
+        or None; where the direct kernel and the CPU place only some segments of an object, they
+        read only those, and its checksum counts the others at their committed sums.
         """
         objs = self._objects(objects)
         nbytes = sum(o.numel() for o in objs) * self.esize
+        segments = list(segments) if checksums and segments is not None and any(segments) else None
+        if segments is not None and len(segments) != len(objs):
+            raise ValueError(f"{len(segments)} segment sums for {len(objs)} objects")
         with self._lock:
             if not self.on_gpu:
                 slots = self._slots(slot_mapping, objs, skip_tokens)
                 for i in range(self.num_layers):
                     for obj, s in self._per_chunk(objs, slots):
                         self._eager_layer(obj[i], i, s, placer)
-                return ck.attach_host_checksums(LayerLoad(nbytes, None, None, None), objs, checksums)
+                handle = LayerLoad(nbytes, None, None, None)
+                return ck.attach_host_checksums(handle, objs, checksums, slots, segments)
             self._check_pinned(objs)
             if checksums:
                 self._check_layer_checksums()
             if placer is None and self._use_direct(objs[0]):
-                return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes, checksums)
+                return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes, checksums, segments)
             slots = self._slots(slot_mapping, objs, skip_tokens)
             return self._issue_layers(objs, slots, nbytes, placer, checksums)
 

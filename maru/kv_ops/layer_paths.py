@@ -22,6 +22,7 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import D2H
 from maru.kv_ops.device_handles import LayerLoad
+from maru.segments import mark_unread
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -271,6 +272,7 @@ class LayerPaths:
         skip_tokens: int,
         nbytes: int,
         checksums: bool = False,
+        segments: list[Any] | None = None,
     ) -> LayerLoad:
         """One direct kernel (a graph replay) and one event per layer; no copies to issue.
 
@@ -291,6 +293,14 @@ class LayerPaths:
         if skip_tokens and not on_device:
             host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
             host_slots[:skip_tokens] = -1
+        prefill, unread = None, 0
+        if checksums and segments is not None and not on_device:
+            # Rows of segments that place nothing are left unread (slot -2), counted at their
+            # committed sums (maru.segments): the bus carries only what is placed, and its checksum.
+            marked = host_slots.clone() if host_slots is slot_mapping else host_slots
+            prefill, unread = mark_unread(marked.numpy(), [o.shape[2] for o in objs], segments)
+            if prefill is not None:
+                host_slots = marked
         graphed = self._layer_placer is not None
         tb = _bucket(total) if graphed else total
         if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb, checksum=checksums):
@@ -310,9 +320,13 @@ class LayerPaths:
         ticket = None
         if scratch is not None:  # the table in a pinned buffer of the pipeline's ring
             ticket, buf = scratch.take(tk.DIRECT_ROWS * (tb + 1))
-            host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb, out=buf)
+            host_tab = tk.direct_table_host(
+                chunks, host_slots, self.layout.row_size, self.esize, tb, out=buf, prefill=prefill
+            )
         else:
-            host_tab = tk.direct_table_host(chunks, host_slots, self.layout.row_size, self.esize, tb)
+            host_tab = tk.direct_table_host(
+                chunks, host_slots, self.layout.row_size, self.esize, tb, prefill=prefill
+            )
         self._after_caller(place)
         tab = None
         if graphed:
@@ -354,6 +368,9 @@ class LayerPaths:
         if sums is not None:
             handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
         handle.path = "layers-direct"
+        handle.unread_bytes = (
+            unread * self.num_layers * self.layout.num_kv * self.layout.row_size * self.esize
+        )
         handle.graphed = graphed
         handle.one_launch = one_launch
         handle.issue_s = t_end - t0

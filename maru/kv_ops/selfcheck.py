@@ -172,6 +172,7 @@ class Checker:
             f"scatter_blocks {p}",
         )
         self.check_direct(p, layout, obj, slots, seed)
+        self.check_segments(p, layout, case, seed)
 
     def check_direct(
         self, p: Params, layout: KVLayout, obj: torch.Tensor, slots: torch.Tensor, seed: int
@@ -222,6 +223,92 @@ class Checker:
                 got == want and all(self.same(x, y) for x, y in zip(d.storages(), f.storages(), strict=True)),
                 f"direct_scatter_layer(checksum=True) {p} chunks {[h.shape[2] for h in host]}",
             )
+
+    def check_segments(self, p: Params, layout: KVLayout, case: CacheCase, seed: int) -> None:
+        """Segment sums (``maru.segments``): the store kernel's sums from the caches equal the host
+        sums of the gathered objects; a direct layer load that skips a whole segment leaves its
+        rows unread (a changed byte there goes unnoticed: it was not read) yet vouches for what it
+        placed (a changed byte in a placed row fails), with the whole object's checksum."""
+        from maru.kv_ops import segment_kernels as sk
+
+        esize = torch.empty((), dtype=p.dtype).element_size()
+        if not sk.supported(layout, esize):
+            return
+        n, seg = 2 * p.block_size + 3, 3  # a segment size that divides neither the block nor the objects
+        # Whole chunks and a shorter tail (a per-chunk table), then a longer second object (per token).
+        for lengths in ([n - 2, 2], [5, n - 5]):
+            self._check_segments(p, layout, case, seed, lengths, seg, esize)
+
+    def _check_segments(
+        self,
+        p: Params,
+        layout: KVLayout,
+        case: CacheCase,
+        seed: int,
+        lengths: list[int],
+        seg: int,
+        esize: int,
+    ) -> None:
+        from maru import segments as sg
+        from maru.kv_ops import segment_kernels as sk
+
+        n = sum(lengths)
+        slots = torch.tensor(random_slots(layout.num_slots, n, generator=self.gen))
+        acc, most, _ = sk.queue_cache_segments(
+            case.caches, layout, lengths, slots.numpy(), seg, torch.device(self.device)
+        )
+        raw = acc.cpu().tolist()
+        whole = gather(case.caches, layout, slots.to(self.device), backend="reference").cpu()
+        objs = [whole[:, :, a : a + t].contiguous() for a, t in zip((0, lengths[0]), lengths, strict=True)]  # fmt: skip
+        host = [sg.host_segment_sums(o.view(torch.uint8).numpy(), o.shape, esize, seg) for o in objs]
+        got = [
+            sg.SegmentSums(seg, tuple(r & ((1 << 64) - 1) for r in raw[k * most : k * most + len(h.raws)]))
+            for k, h in enumerate(host)
+        ]
+        self.expect(got == host, f"segment sums from the caches {p}")
+        self.expect(
+            all(
+                h.checksum(o.numel() * esize) == checksum(o.view(torch.uint8).numpy())
+                for h, o in zip(host, objs, strict=True)
+            ),
+            f"segment sums add up to the checksum {p}",
+        )
+        # The direct load of those objects, the first seg + 1 tokens of the first one skipped: its
+        # segment 0 is read by nobody, segment 1 is read (token seg+1 is placed) but not all placed.
+        put = [o.pin_memory() if self.device != "cpu" else o.clone() for o in objs]
+        marked = slots.clone()
+        marked[: seg + 1] = -1
+        prefill, unread = sg.mark_unread(marked.numpy(), lengths, host)
+        self.expect(unread == seg and prefill is not None, f"mark_unread leaves segment 0 unread {p}")
+        for poke, should_pass in ((0, True), (seg + 1, False)):
+            for o, src in zip(put, objs, strict=True):
+                o.copy_(src)
+            put[0].view(torch.uint8)[-1, -1, poke, 0] ^= 0x5A  # one byte of token ``poke``
+            tab = triton_kernels.direct_table_host(
+                [(o.data_ptr(), o.shape[2]) for o in put], marked, layout.row_size, esize, n, prefill=prefill
+            ).to(self.device)
+            f = self._make(p, seed + 9)
+            frefs = layer_refs(f.caches, layout)
+            for layer in range(p.num_layers):
+                triton_kernels.direct_scatter_layer(tab, frefs[layer], layout, layer, n, checksum=True)
+            sums = [
+                finalize(r, o.numel() * esize) for r, o in zip(tab[5, :2].cpu().tolist(), objs, strict=True)
+            ]
+            want = [h.checksum(o.numel() * esize) for h, o in zip(host, objs, strict=True)]
+            self.expect(
+                (sums == want) == should_pass, f"direct load with segments, byte of token {poke} changed {p}"
+            )
+            if should_pass:  # and it placed exactly what the reference places
+                d = self._make(p, seed + 9)
+                for layer in range(p.num_layers):
+                    lk = {"layer": layer} if layout.is_cross_layer else {}
+                    dl = d.caches if layout.is_cross_layer else d.caches[layer]
+                    src = whole[layer].to(self.device)
+                    scatter_layer(src, dl, layout, marked.to(self.device), backend="reference", **lk)
+                self.expect(
+                    all(self.same(x, y) for x, y in zip(d.storages(), f.storages(), strict=True)),
+                    f"direct load with segments places what the reference does {p}",
+                )
 
     def check_axis_swap_is_caught(self) -> None:
         """The seed's bug, on the kernel: fed the token-major (logical) strides of an HND cache, the

@@ -393,23 +393,26 @@ def _direct_layer_kernel(
     # * 0 ("per token"): entry t of row 0 is the address of token t's row in layer 0, plane 0 of its
     #   object, entry t of row 1 that object's plane size, entry t of rows 3 and 4 its object and
     #   its row in that object (read only with CHECKSUM).
-    # Row 2 is always per token: the slot (-1: not written). The last column of row 1 holds the
-    # call's real token count (the rest of a graph bucket is padding). With CHECKSUM the kernel
-    # also reads the rows it does not write (skipped tokens: part of the object) and adds the
-    # ``maru.checksum`` terms of this layer and plane of each object into its entry of row 5.
+    # Row 2 is always per token: the slot (-1: not written; -2: not written and, with CHECKSUM,
+    # not read). The last column of row 1 holds the call's real token count (the rest of a graph
+    # bucket is padding). With CHECKSUM the kernel also reads the rows it does not write (skipped
+    # tokens: part of the object) unless their slot is -2, and adds the ``maru.checksum`` terms of
+    # this layer and plane of each object into its entry of row 5 (which the table starts at the
+    # committed sums of the segments left unread: ``direct_table_host``'s ``prefill``).
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < num_tokens
     slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
     valid = tmask & (slot >= 0)
+    readable = slot > -2  # -2: a row of a segment the load does not place (``maru.segments``)
     slot = tl.where(valid, slot, 0)
     chunk_t = tl.load(tab_ptr + tab_stride - 1)
     per_chunk = chunk_t > 0
     div = tl.maximum(chunk_t, 1)
     if CHECKSUM:
         total = tl.load(tab_ptr + 2 * tab_stride - 1)
-        read = tmask & (t < total)
+        read = tmask & (t < total) & readable
     else:
         read = valid
     k = tl.where(per_chunk, t // div, t)
@@ -473,6 +476,7 @@ def direct_table_host(
     esize: int,
     width: int | None = None,
     out: torch.Tensor | None = None,
+    prefill: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
@@ -483,6 +487,8 @@ def direct_table_host(
     addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
     CUDA is available, so the upload is asynchronous. ``out``: a flat int64 host tensor of at least
     ``DIRECT_ROWS * (width + 1)`` entries to build it in (``HostScratch``), instead of a new one.
+    ``prefill``: per object, the raw sum its checksum accumulator starts at (uint64: the committed
+    sums of the segments whose rows are marked -2, left unread); zeros when not given.
     """
     total = int(slots.numel())
     width = total if width is None else int(width)
@@ -518,7 +524,8 @@ def direct_table_host(
     out[1, width] = total
     out[2, :total] = slots.numpy()
     out[2, total:] = -1
-    out[5, :n] = 0  # the checksum accumulators, zeroed by the upload itself
+    # The checksum accumulators, set by the upload itself.
+    out[5, :n] = 0 if prefill is None else np.asarray(prefill, dtype=np.uint64).view(np.int64)
     return tab
 
 

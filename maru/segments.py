@@ -1,0 +1,205 @@
+"""Segment sums: an object's checksum split by token segments, so a partial load reads only what it places.
+
+A chunk object is ``[L, KV, T, ROW]``. A reader often places only its last tokens (vLLM's own
+prefix cache holds the first ones), yet a whole-object checksum makes it read every byte to
+vouch for the few it places: on the H200 a warm step read 690 MiB to place 450 MiB
+(bench/RESULTS.md, pass 34).
+
+The checksum (``maru.checksum``) is a sum mod 2**64 of a term per 64-bit word, each word mixed
+with its index in the object. So it splits exactly: segment ``s`` holds the tokens
+``[s*S, min((s+1)*S, T))`` of every layer and plane, its *raw sum* is the sum of the terms of
+those words (indices absolute in the object), and
+
+    checksum == (sum of every segment's raw sum mod 2**64) ^ nbytes.
+
+The writer commits the raw sums with the checksum; the server keeps them with the entry and
+refuses a COMMIT whose sums do not add up to its checksum (``consistent``). A reader that places
+tokens of some segments only reads the rows of those segments, starts its accumulator at the
+committed raw sums of the others (``SegmentSums.raw_of``), and compares the finished sum with the
+committed checksum as before. The comparison is exactly the whole-object one: every byte a reader
+places was read and summed, and what it did not read is counted at its committed value, so the
+check passes iff the bytes read match what the writer committed for them.
+
+Invariants: ``tokens >= 1``; ``1 <= len(raws) <= MAX_SEGMENTS``; every raw in ``[0, 2**64)``.
+A reader uses segment sums only when ``len(raws) == ceil(T / tokens)`` for its object (``fits``);
+else it reads the whole object (the whole checksum still holds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from maru.checksum import MASK64
+
+MAX_SEGMENTS = 4096  # 32 KiB of sums an object at most: the server's bound on a COMMIT's item
+MAX_SEGMENT_TOKENS = 1 << 20
+TARGET_SEGMENTS = 64  # a writer's S: its block size, grown until a chunk has at most this many
+
+
+@dataclass(frozen=True)
+class SegmentSums:
+    """The raw sums of an object's token segments of ``tokens`` tokens each (the last may be shorter)."""
+
+    tokens: int
+    raws: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.tokens) is not int or not 1 <= self.tokens <= MAX_SEGMENT_TOKENS:
+            raise ValueError(
+                f"segment tokens {self.tokens!r:.40} must be an int in [1, {MAX_SEGMENT_TOKENS}]"
+            )
+        if not 1 <= len(self.raws) <= MAX_SEGMENTS:
+            raise ValueError(f"an object has 1 to {MAX_SEGMENTS} segment sums, got {len(self.raws)}")
+        if any(type(r) is not int or not 0 <= r <= MASK64 for r in self.raws):
+            raise ValueError("segment sums must be unsigned 64-bit ints")
+
+    @property
+    def total(self) -> int:
+        """The object's raw sum (mod 2**64): its checksum is ``total ^ nbytes``."""
+        return sum(self.raws) & MASK64
+
+    def checksum(self, nbytes: int) -> int:
+        return self.total ^ int(nbytes)
+
+    def consistent(self, checksum: int, nbytes: int) -> bool:
+        """Whether these sums add up to ``checksum`` for an object of ``nbytes`` bytes."""
+        return self.checksum(nbytes) == int(checksum)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether these are the segments of an object of ``tokens`` tokens."""
+        return len(self.raws) == math.ceil(tokens / self.tokens)
+
+    def raw_of(self, segments: Iterable[int]) -> int:
+        """The raw sum (mod 2**64) of the given segments."""
+        raws = self.raws
+        return sum(raws[s] for s in segments) & MASK64
+
+    # -- the wire (msgpack) and SQLite form: [tokens, little-endian uint64 bytes] ------------------
+
+    def to_wire(self) -> list[Any]:
+        return [self.tokens, np.asarray(self.raws, dtype="<u8").tobytes()]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> SegmentSums:
+        """Parse ``[tokens, bytes]``; raises ValueError (with what was wrong) on anything else."""
+        if type(value) is not list or len(value) != 2:
+            raise ValueError("segment sums must be [tokens: int, sums: bytes]")
+        tokens, blob = value
+        if type(blob) is not bytes or not blob or len(blob) % 8:
+            raise ValueError("segment sums' bytes must be a non-empty multiple of 8 (little-endian uint64)")
+        if len(blob) // 8 > MAX_SEGMENTS:
+            raise ValueError(f"an object has at most {MAX_SEGMENTS} segment sums, got {len(blob) // 8}")
+        return cls(tokens, tuple(int(x) for x in np.frombuffer(blob, dtype="<u8")))
+
+
+def segment_tokens(block_size: int, chunk_tokens: int) -> int:
+    """The segment size a writer uses: the cache's block size (where vLLM's own prefix hits end),
+    doubled until a chunk has at most ``TARGET_SEGMENTS`` segments."""
+    s = max(1, int(block_size))
+    while math.ceil(chunk_tokens / s) > TARGET_SEGMENTS:
+        s *= 2
+    return s
+
+
+def pieces(shape: Sequence[int], esize: int, seg_tokens: int) -> list[tuple[int, int, int]]:
+    """The contiguous word ranges of each segment of an object ``[L, KV, T, ROW]`` of ``esize``-byte
+    elements: ``(segment, first word, end word)``, word indices absolute in the object. Rows must be
+    whole words (``ROW * esize % 8 == 0``)."""
+    L, KV, T, row = (int(x) for x in shape)
+    row_words, rem = divmod(row * esize, 8)
+    if rem:
+        raise ValueError(f"segment sums need rows of whole 8-byte words; a row here is {row * esize} bytes")
+    out = []
+    for plane in range(L * KV):
+        base = plane * T
+        for s, t0 in enumerate(range(0, T, seg_tokens)):
+            t1 = min(t0 + seg_tokens, T)
+            out.append((s, (base + t0) * row_words, (base + t1) * row_words))
+    return out
+
+
+def host_segment_sums(
+    buffer: Any, shape: Sequence[int], esize: int, seg_tokens: int, only: np.ndarray | None = None
+) -> SegmentSums:
+    """The segment sums of an object in host memory (C-contiguous ``[L, KV, T, ROW]``): each word read
+    once, compiled where ``maru.checksum`` is (numpy otherwise). ``only``: a bool per segment; the
+    others are not read (their sums are 0)."""
+    from maru.checksum import _as_bytes, _native, numpy_words_sum
+
+    data = _as_bytes(buffer)
+    words = data[: data.size // 8 * 8].view("<u8")
+    T = int(shape[2])
+    raws = [0] * math.ceil(T / seg_tokens)
+    nat = _native()
+    for s, a, b in pieces(shape, esize, seg_tokens):
+        if only is not None and not only[s]:
+            continue
+        if nat is not None:
+            raws[s] += int(nat.words_sum(data.ctypes.data, a, b))  # type: ignore[misc]
+        else:
+            raws[s] += numpy_words_sum(words, a, b)
+    return SegmentSums(seg_tokens, tuple(r & MASK64 for r in raws))
+
+
+def host_checksum(
+    buffer: Any, shape: Sequence[int], esize: int, written: np.ndarray, segs: SegmentSums | None
+) -> int:
+    """The checksum a verifying load of a host object vouches with: over the segments holding a
+    ``written`` token (bool per token), the others counted at their committed sums (``segs``).
+    Without usable segment sums, or with every segment written, the whole object's checksum."""
+    from maru.checksum import _as_bytes, checksum
+
+    shape = tuple(int(x) for x in shape)
+    if segs is None or not segs.fits(shape[2]):
+        return checksum(buffer)
+    need = read_segments(written, segs.tokens)
+    if need.all():
+        return checksum(buffer)
+    read = host_segment_sums(buffer, shape, esize, segs.tokens, only=need)
+    skipped = np.flatnonzero(~need).tolist()
+    return (read.total + segs.raw_of(skipped)) & MASK64 ^ _as_bytes(buffer).size
+
+
+def read_segments(written: np.ndarray, seg_tokens: int) -> np.ndarray:
+    """Which segments a placement must read: those holding a written token (``written``: per token
+    of the object, bool)."""
+    n = math.ceil(written.size / seg_tokens)
+    padded = np.zeros(n * seg_tokens, dtype=bool)
+    padded[: written.size] = written
+    return padded.reshape(n, seg_tokens).any(axis=1)
+
+
+def mark_unread(
+    slots: np.ndarray, lengths: Sequence[int], segments: Sequence[SegmentSums | None]
+) -> tuple[np.ndarray | None, int]:
+    """Plan a verifying load's partial reads: in ``slots`` (int64 per token of every object in order,
+    negative = not written; changed in place) set to -2 the rows of the segments that hold no
+    written token, and return (per object the raw sum of those segments as uint64, None when every
+    row is read; how many tokens are left unread).
+
+    Only objects whose first or last token is not written are looked at (a load skips the tokens
+    vLLM's own prefix cache holds, at the start of a request's first chunk): any other object is
+    read whole, which is always correct. Segment sums that do not fit their object are not used.
+    """
+    prefill: np.ndarray | None = None
+    unread = 0
+    start = 0
+    for k, tokens in enumerate(lengths):
+        end = start + tokens
+        segs = segments[k]
+        if segs is not None and tokens and (slots[start] < 0 or slots[end - 1] < 0) and segs.fits(tokens):
+            need = read_segments(slots[start:end] >= 0, segs.tokens)
+            if not need.all():
+                skip = np.repeat(~need, segs.tokens)[:tokens]
+                slots[start:end][skip] = -2
+                if prefill is None:
+                    prefill = np.zeros(len(lengths), dtype=np.uint64)
+                prefill[k] = segs.raw_of(np.flatnonzero(~need).tolist())
+                unread += int(skip.sum())
+        start = end
+    return prefill, unread

@@ -1,0 +1,96 @@
+"""maru.segments: segment sums split the checksum exactly; partial reads vouch for what they place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maru import segments as sg
+from maru.checksum import MASK64, checksum, reference_checksum
+
+SHAPE = (3, 2, 13, 12)  # L, KV, T (not a multiple of the segment), ROW (fp16: 24 bytes, 3 words)
+
+
+def _obj(seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("seg", [1, 3, 4, 13, 20])
+def test_segment_sums_add_up_to_the_checksum(seg: int) -> None:
+    obj = _obj(seg)
+    sums = sg.host_segment_sums(obj, obj.shape, 2, seg)
+    assert len(sums.raws) == -(-SHAPE[2] // seg)
+    assert sums.fits(SHAPE[2]) and not sums.fits(SHAPE[2] + seg)
+    assert sums.checksum(obj.nbytes) == checksum(obj) == reference_checksum(obj.tobytes())
+    assert sums.consistent(checksum(obj), obj.nbytes)
+    assert not sums.consistent(checksum(obj) ^ 1, obj.nbytes)
+
+
+def test_a_segment_sum_covers_its_tokens_in_every_layer_and_plane() -> None:
+    obj = _obj(1)
+    before = sg.host_segment_sums(obj, obj.shape, 2, 4)
+    obj[2, 1, 5, 7] ^= 1  # token 5: segment 1, last layer, V plane
+    after = sg.host_segment_sums(obj, obj.shape, 2, 4)
+    changed = [i for i, (a, b) in enumerate(zip(before.raws, after.raws, strict=True)) if a != b]
+    assert changed == [1]
+
+
+def test_wire_form_round_trips_and_bad_values_are_refused_with_what_is_wrong() -> None:
+    sums = sg.host_segment_sums(_obj(2), SHAPE, 2, 4)
+    assert sg.SegmentSums.from_wire(sums.to_wire()) == sums
+    with pytest.raises(ValueError, match="tokens"):
+        sg.SegmentSums.from_wire([0, b"\0" * 8])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        sg.SegmentSums.from_wire([4, b"\0" * 7])
+    with pytest.raises(ValueError, match="at most"):
+        sg.SegmentSums.from_wire([4, b"\0" * 8 * (sg.MAX_SEGMENTS + 1)])
+    with pytest.raises(ValueError, match="tokens: int"):
+        sg.SegmentSums.from_wire({"tokens": 4})
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        sg.SegmentSums(4, (1 << 64,))
+
+
+def test_segment_tokens_start_at_the_block_size_and_bound_the_count() -> None:
+    assert sg.segment_tokens(16, 256) == 16
+    assert sg.segment_tokens(16, 16384) == 16384 // sg.TARGET_SEGMENTS
+    assert -(-1000 // sg.segment_tokens(3, 1000)) <= sg.TARGET_SEGMENTS
+
+
+def test_mark_unread_leaves_whole_unwritten_segments_unread_and_prefills_their_sums() -> None:
+    a, b = _obj(3), _obj(4, (3, 2, 7, 12))
+    segs = [sg.host_segment_sums(a, a.shape, 2, 4), sg.host_segment_sums(b, b.shape, 2, 4)]
+    slots = np.arange(20, dtype=np.int64)
+    slots[:9] = -1  # object a: tokens 0..8 skipped: segments 0 and 1 unread, segment 2 read (token 8 too)
+    prefill, unread = sg.mark_unread(slots, [13, 7], segs)
+    assert unread == 8
+    assert (slots[:8] == -2).all() and slots[8] == -1 and (slots[9:] >= 0).all()
+    assert prefill is not None and int(prefill[0]) == (segs[0].raws[0] + segs[0].raws[1]) & MASK64
+    assert int(prefill[1]) == 0
+    untouched = np.arange(20, dtype=np.int64)
+    assert sg.mark_unread(untouched, [13, 7], segs) == (None, 0)
+    # Sums of another segmentation (they do not fit the object) are not used.
+    other = sg.host_segment_sums(a, a.shape, 2, 5)
+    again = np.arange(13, dtype=np.int64)
+    again[:9] = -1
+    assert sg.mark_unread(again, [13], [other.__class__(5, other.raws + (0,))]) == (None, 0)
+
+
+def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
+    obj = _obj(5)
+    segs = sg.host_segment_sums(obj, obj.shape, 2, 4)
+    written = np.ones(SHAPE[2], dtype=bool)
+    written[:6] = False  # segment 0 unread; segment 1 read (tokens 6, 7 placed)
+    assert sg.host_checksum(obj, obj.shape, 2, written, segs) == checksum(obj)
+    unread_poke = obj.copy()
+    unread_poke[1, 0, 2, 3] ^= 0x40  # token 2: a segment nobody places
+    assert sg.host_checksum(unread_poke, obj.shape, 2, written, segs) == checksum(obj)
+    read_poke = obj.copy()
+    read_poke[0, 1, 5, 0] ^= 0x40  # token 5: not placed, but in segment 1, which is read
+    assert sg.host_checksum(read_poke, obj.shape, 2, written, segs) != checksum(obj)
+    # Without segment sums: the whole object, so the unread poke is caught too.
+    assert sg.host_checksum(unread_poke, obj.shape, 2, written, None) != checksum(obj)
+
+
+def test_pieces_refuse_rows_that_are_not_whole_words() -> None:
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        sg.pieces((1, 2, 4, 3), 2, 2)
