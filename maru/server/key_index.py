@@ -34,6 +34,7 @@ from maru.pool.key_index import (
 )
 from maru.pool.perms import FileAccess
 from maru.procinfo import read_boot_id, read_pid_ns
+from maru.segments import SegmentSums
 from maru.server.registry import Journal
 
 log = logging.getLogger("maru.server")
@@ -46,8 +47,16 @@ class IndexedJournal:
         self.inner = inner
         self.index = index
 
-    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
-        self.inner.put(key, offset, size, tick, checksum)
+    def put(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        tick: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> None:
+        self.inner.put(key, offset, size, tick, checksum, segments)
         self.index.add(key)
 
     def remove(self, key: str) -> None:

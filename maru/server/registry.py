@@ -23,7 +23,9 @@ Invariants (each is a promise the tests try to break):
    ``QuarantineHolder``: nothing is evicted, freed or handed out there until
    ``release_quarantine`` (the server knows the holder is dead, fenced, or timed out).
 8. **Checksums travel with entries.** An entry keeps the checksum its writer sent in COMMIT
-   (None: the writer sent none) for as long as it lives; the journal persists it.
+   (None: the writer sent none) for as long as it lives; the journal persists it. So do its
+   segment sums (``maru.segments``; None: none were sent), which the server accepted only if they
+   add up to that checksum.
 
 The registry is single-threaded by design (the server's event loop is its only caller). Every
 change to the committed set is reported to a ``Journal`` so the server can persist it.
@@ -34,10 +36,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from maru.pool.allocator import ExtentAllocator
 from maru.protocol import CommitResult
+from maru.segments import SegmentSums
 
 ClientId = Hashable
 
@@ -45,7 +48,15 @@ ClientId = Hashable
 class Journal(Protocol):
     """Where the registry reports changes to committed entries (the server persists them)."""
 
-    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None: ...
+    def put(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        tick: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> None: ...
 
     def remove(self, key: str) -> None: ...
 
@@ -57,7 +68,15 @@ class Journal(Protocol):
 class NullJournal:
     """A journal that forgets (unit tests, or a server without persistence)."""
 
-    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
+    def put(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        tick: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> None:
         pass
 
     def remove(self, key: str) -> None:
@@ -78,10 +97,24 @@ class Entry:
     pins: dict[ClientId, int] = field(default_factory=dict)
     visible: bool = True
     checksum: int | None = None  # maru.checksum of the bytes, from the writer's COMMIT
+    # The segment sums, from the writer's COMMIT, kept in their wire form ``[tokens, bytes]``: about
+    # 550 bytes for 64 segments where a ``SegmentSums`` of Python ints takes about 3 KB, and LOOKUP
+    # sends it as it is. Only ever set from a valid ``SegmentSums`` (``with_segments``).
+    segments_wire: list[Any] | None = field(default=None, repr=False)
 
     @property
     def pinned(self) -> bool:
         return bool(self.pins)
+
+    @property
+    def segments(self) -> SegmentSums | None:
+        """The committed segment sums (decoded on each call; LOOKUP uses ``segments_wire``)."""
+        return None if self.segments_wire is None else SegmentSums.from_wire(self.segments_wire)
+
+    def with_segments(self, segments: SegmentSums | None) -> Entry:
+        """Keep ``segments`` (in their wire form) with this entry; returns the entry."""
+        self.segments_wire = None if segments is None else segments.to_wire()
+        return self
 
 
 @dataclass(frozen=True)
@@ -143,11 +176,11 @@ class KeyRegistry:
 
     # -- loading (restart) --------------------------------------------------------------------
 
-    def load(self, rows: Iterable[tuple[str, int, int, int, int | None]]) -> None:
-        """Install committed entries ``(key, offset, size, tick, checksum)`` whose extents the
-        allocator already marks used (``ExtentAllocator.from_used``). LRU order follows the ticks."""
-        for key, offset, size, tick, checksum in sorted(rows, key=lambda r: r[3]):
-            e = Entry(key, offset, size, tick, checksum=checksum)
+    def load(self, rows: Iterable[tuple[str, int, int, int, int | None, SegmentSums | None]]) -> None:
+        """Install committed entries ``(key, offset, size, tick, checksum, segments)`` whose extents
+        the allocator already marks used (``ExtentAllocator.from_used``). LRU order follows the ticks."""
+        for key, offset, size, tick, checksum, segments in sorted(rows, key=lambda r: r[3]):
+            e = Entry(key, offset, size, tick, checksum=checksum).with_segments(segments)
             self._entries[key] = e
             self._lru[key] = e
             self._lru_bytes += self.alloc.round_up(size)
@@ -173,8 +206,18 @@ class KeyRegistry:
         self._reserved_bytes += self.alloc.round_up(size)
         return r
 
-    def commit(self, client: ClientId, key: str, alloc_id: int, checksum: int | None = None) -> CommitResult:
-        """Publish the reservation ``alloc_id`` under ``key`` (write-once; see invariant 1)."""
+    def commit(
+        self,
+        client: ClientId,
+        key: str,
+        alloc_id: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> CommitResult:
+        """Publish the reservation ``alloc_id`` under ``key`` (write-once; see invariant 1).
+
+        ``checksum`` and ``segments`` go with the entry (invariant 8); the caller checked that the
+        segments add up to the checksum (the registry keeps what it is given)."""
         r = self._reservations.get(alloc_id)
         if r is None or r.client != client:
             return CommitResult.UNKNOWN_ALLOC
@@ -186,13 +229,13 @@ class KeyRegistry:
             self._touch(existing)
             return CommitResult.PRESENT
         self._tick += 1
-        e = Entry(key, r.offset, r.size, self._tick, checksum=checksum)
+        e = Entry(key, r.offset, r.size, self._tick, checksum=checksum).with_segments(segments)
         self._entries[key] = e
         self._lru[key] = e
         self._lru_bytes += self.alloc.round_up(e.size)
         self.counters.stores += 1
         self.counters.bytes_stored += r.size
-        self.journal.put(key, e.offset, e.size, e.tick, checksum)
+        self.journal.put(key, e.offset, e.size, e.tick, checksum, segments)
         return CommitResult.STORED
 
     def abort(self, client: ClientId, alloc_id: int) -> bool:

@@ -1,10 +1,13 @@
 """The server's durable state: SQLite in WAL mode in the state directory.
 
 What is stored: the pool identity (path, uuid, size, data offset, alignment) and every committed
-entry (key, offset, size, LRU tick, checksum). Schema 2 added the checksum: opening a schema-1
-database drops its entries (loudly): bytes nobody checksummed cannot be vouched for, and a key
-kept without one would stay a miss for every verifying reader while writers, seeing it present,
-never store it again. The cache refills. What is not: reservations and pins (volatile by design; a
+entry (key, offset, size, LRU tick, checksum, segment sums). Schema 2 added the checksum: opening a
+schema-1 database drops its entries (loudly): bytes nobody checksummed cannot be vouched for, and a
+key kept without one would stay a miss for every verifying reader while writers, seeing it present,
+never store it again. The cache refills. Schema 3 added the segment sums (``maru.segments``, a
+nullable BLOB: 4-byte little-endian segment tokens, then one little-endian uint64 raw sum per
+segment): a schema-2 database keeps its entries, with no segment sums (readers verify those whole).
+A blob that does not decode is read as no segment sums (logged once at start). What is not: reservations and pins (volatile by design; a
 restart drops them and clients handshake again) and the free map (derived from the entries).
 
 Promise: ``flush`` commits every change buffered since the last flush in one transaction; the
@@ -34,11 +37,12 @@ from pathlib import Path
 from maru.errors import MaruError, PoolError
 from maru.pool.backing import PoolInfo
 from maru.pool.perms import FileAccess
+from maru.segments import SegmentSums
 from maru.server.locks import FileLock
 
 log = logging.getLogger("maru.server.state")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATE_FILE = "maru-state.sqlite"
 LOCK_FILE = "maru-state.lock"
 TICK_FLUSH_S = 1.0
@@ -70,7 +74,7 @@ class StateStore:
         self.path = self.dir / STATE_FILE
         self.access = access or FileAccess()
         self.created: list[Path] = []  # what this process created (``remove_created`` deletes it)
-        self._puts: dict[str, tuple[int, int, int, int | None]] = {}
+        self._puts: dict[str, tuple[int, int, int, int | None, bytes | None]] = {}
         self._removes: set[str] = set()
         self.transactions = 0
         self.changes = 0  # bumped by every put/remove: tells the server a request changed something
@@ -115,7 +119,7 @@ class StateStore:
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, offset INTEGER NOT NULL, "
-                "size INTEGER NOT NULL, tick INTEGER NOT NULL, checksum INTEGER) WITHOUT ROWID"
+                "size INTEGER NOT NULL, tick INTEGER NOT NULL, checksum INTEGER, segments BLOB) WITHOUT ROWID"
             )
             self.db.execute("SELECT COUNT(*) FROM meta").fetchone()  # takes the lock, opens the WAL
             self._migrate()
@@ -206,20 +210,34 @@ class StateStore:
         return f"{n >> 10} KiB" if n < 10 << 20 else f"{n >> 20} MiB"
 
     def _migrate(self) -> None:
-        """Bring an older database to ``SCHEMA_VERSION`` (see the module docstring)."""
+        """Bring an older database to ``SCHEMA_VERSION`` (see the module docstring), in one transaction.
+
+        Schema 1 (no checksum column): entries dropped, both columns added. Schema 2 (no segments
+        column): the column added, entries kept with NULL segments.
+        """
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)")}
-        if "checksum" in columns:
+        if "checksum" in columns and "segments" in columns:
             return
         n = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
-        log.warning(
-            "state %s is from before object checksums (schema 1): dropping its %d entries, whose bytes "
-            "cannot be verified; the cache refills as clients store again",
-            self.path,
-            n,
-        )
+        if "checksum" not in columns:
+            log.warning(
+                "state %s is from before object checksums (schema 1): dropping its %d entries, whose bytes "
+                "cannot be verified; the cache refills as clients store again",
+                self.path,
+                n,
+            )
+        else:
+            log.info(
+                "state %s is from before segment sums (schema 2): keeping its %d entries without them "
+                "(readers verify those objects whole)",
+                self.path,
+                n,
+            )
         self.db.execute("BEGIN")
-        self.db.execute("DELETE FROM entries")
-        self.db.execute("ALTER TABLE entries ADD COLUMN checksum INTEGER")
+        if "checksum" not in columns:
+            self.db.execute("DELETE FROM entries")
+            self.db.execute("ALTER TABLE entries ADD COLUMN checksum INTEGER")
+        self.db.execute("ALTER TABLE entries ADD COLUMN segments BLOB")
         self.db.execute(
             "INSERT OR REPLACE INTO meta (k, v) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
@@ -283,10 +301,34 @@ class StateStore:
                 lambda db: db.executemany("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", rows)
             )
 
-    def load_entries(self) -> list[tuple[str, int, int, int, int | None]]:
-        """Every committed entry as ``(key, offset, size, tick, checksum)``."""
-        rows = self.db.execute("SELECT key, offset, size, tick, checksum FROM entries").fetchall()
-        return [(k, o, s, t, _from_sql(c)) for k, o, s, t, c in rows]
+    def load_entries(self) -> list[tuple[str, int, int, int, int | None, SegmentSums | None]]:
+        """Every committed entry as ``(key, offset, size, tick, checksum, segments)``.
+
+        A segments blob that does not decode (or sits on an entry without a checksum, or does not
+        add up to its checksum) loads as None, the entry kept: its readers verify it whole. One
+        warning for all of them: a damaged database must not stop the server, nor flood its log.
+        """
+        rows = self.db.execute("SELECT key, offset, size, tick, checksum, segments FROM entries").fetchall()
+        out: list[tuple[str, int, int, int, int | None, SegmentSums | None]] = []
+        bad: list[str] = []
+        for k, o, s, t, c, blob in rows:
+            checksum = _from_sql(c)
+            segments = None
+            if blob is not None:
+                segments = _segments_from_sql(blob)
+                if segments is None or checksum is None or not segments.consistent(checksum, s):
+                    segments = None
+                    bad.append(k)
+            out.append((k, o, s, t, checksum, segments))
+        if bad:
+            log.warning(
+                "state %s: the segment sums of %d entries (e.g. key %r) are unreadable or do not add up to "
+                "their checksums; those entries are kept without them (readers verify them whole)",
+                self.path,
+                len(bad),
+                bad[0],
+            )
+        return out
 
     def drop_entries(self, keys: list[str]) -> None:
         self._start_write(
@@ -305,9 +347,17 @@ class StateStore:
 
     # -- journal ------------------------------------------------------------------------------
 
-    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
+    def put(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        tick: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> None:
         self._removes.discard(key)
-        self._puts[key] = (offset, size, tick, _to_sql(checksum))
+        self._puts[key] = (offset, size, tick, _to_sql(checksum), _segments_to_sql(segments))
         self.changes += 1
 
     def remove(self, key: str) -> None:
@@ -340,8 +390,9 @@ class StateStore:
                 db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in removes])
             if puts:
                 db.executemany(
-                    "INSERT OR REPLACE INTO entries (key, offset, size, tick, checksum) VALUES (?, ?, ?, ?, ?)",
-                    [(k, o, s, t, c) for k, (o, s, t, c) in puts.items()],
+                    "INSERT OR REPLACE INTO entries (key, offset, size, tick, checksum, segments) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    [(k, o, s, t, c, g) for k, (o, s, t, c, g) in puts.items()],
                 )
 
         self._write(write)
@@ -454,3 +505,26 @@ def _to_sql(checksum: int | None) -> int | None:
 
 def _from_sql(value: int | None) -> int | None:
     return None if value is None else value + (1 << 64) if value < 0 else value
+
+
+# Segment sums in SQLite: 4-byte little-endian segment tokens, then the raw sums as little-endian
+# uint64 (the wire form's bytes): 8 bytes a segment, 4 an entry.
+_SEGMENT_TOKENS_BYTES = 4
+
+
+def _segments_to_sql(segments: SegmentSums | None) -> bytes | None:
+    if segments is None:
+        return None
+    tokens, raws = segments.to_wire()
+    return tokens.to_bytes(_SEGMENT_TOKENS_BYTES, "little") + raws
+
+
+def _segments_from_sql(blob: object) -> SegmentSums | None:
+    """The segment sums a blob holds, or None when it is not a valid encoding (never raises)."""
+    if not isinstance(blob, bytes) or len(blob) <= _SEGMENT_TOKENS_BYTES:
+        return None
+    tokens = int.from_bytes(blob[:_SEGMENT_TOKENS_BYTES], "little")
+    try:
+        return SegmentSums.from_wire([tokens, blob[_SEGMENT_TOKENS_BYTES:]])
+    except ValueError:
+        return None

@@ -32,6 +32,7 @@ from maru.config import format_size, parse_size
 from maru.errors import ConfigError
 from maru.pool.fingerprints import Fingerprints, KeyedFingerprints, PlainFingerprints
 from maru.protocol import ErrorCode, Op, namespace_of
+from maru.segments import SegmentSums
 from maru.server import validate as V
 from maru.server.auth import Caller
 from maru.server.registry import Journal, KeyRegistry
@@ -91,8 +92,16 @@ class _UsageJournal:
         # Everything but the calls that change usage goes to the real journal unchanged.
         return getattr(self._inner, name)
 
-    def put(self, key: str, offset: int, size: int, tick: int, checksum: int | None = None) -> None:
-        self._inner.put(key, offset, size, tick, checksum)
+    def put(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        tick: int,
+        checksum: int | None = None,
+        segments: SegmentSums | None = None,
+    ) -> None:
+        self._inner.put(key, offset, size, tick, checksum, segments)
         self.count(key, size)
 
     def discard_puts(self, keys: list[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from maru.pool.allocator import ExtentAllocator
 from maru.protocol import CommitResult
+from maru.segments import SegmentSums
 from maru.server.registry import KeyRegistry
 
 A = 4096
@@ -184,13 +185,42 @@ def test_committed_checksum_travels_with_the_entry() -> None:
     r = reg.reserve("w", 10)
     reg.commit("w", "k", r.alloc_id, (1 << 64) - 5)
     assert reg.lookup("k").checksum == (1 << 64) - 5
+    assert reg.peek("k").segments is None and reg.peek("k").segments_wire is None
+
+
+class _Puts:
+    """A journal that records its puts."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[object, ...]] = []
+
+    def put(self, *args: object) -> None:
+        self.puts.append(args)
+
+    def remove(self, key: str) -> None:
+        pass
+
+    def discard_puts(self, keys: list[str]) -> None:
+        pass
+
+
+def test_committed_segment_sums_travel_with_the_entry_and_its_journal_put() -> None:
+    journal = _Puts()
+    reg = KeyRegistry(ExtentAllocator(A, 5 * A, A), journal)
+    seg = SegmentSums(16, (1, (1 << 64) - 1, 3))
+    r = reg.reserve("w", 10)
+    reg.commit("w", "k", r.alloc_id, seg.checksum(10), seg)
+    e = reg.peek("k")
+    assert e.segments == seg and e.segments_wire == seg.to_wire()
+    assert journal.puts == [("k", e.offset, 10, e.tick, seg.checksum(10), seg)]
 
 
 def test_load_restores_entries_in_lru_order() -> None:
     alloc, rejected = ExtentAllocator.from_used(A, 5 * A, A, [(A, 10), (2 * A, 10), (3 * A, 10)])
     reg = KeyRegistry(alloc)
-    reg.load([("x", A, 10, 30, None), ("y", 2 * A, 10, 10, 7), ("z", 3 * A, 10, 20, None)])
-    assert reg.peek("y").checksum == 7
+    seg = SegmentSums(4, (5, 6, 7))
+    reg.load([("x", A, 10, 30, None, None), ("y", 2 * A, 10, 10, 7, seg), ("z", 3 * A, 10, 20, None, None)])
+    assert reg.peek("y").checksum == 7 and reg.peek("y").segments == seg and reg.peek("x").segments is None
     assert reg.lru_keys() == ["y", "z", "x"]
     store(reg, "n")
     store(reg, "m")  # the pool has 4 units: evicts y
