@@ -43,11 +43,15 @@ RESERVE      client_id, sizes: [int]                       allocs: [[alloc_id, o
                                                            quarantine; only when some is None)
 COMMIT       client_id, items: [[key, alloc_id]],          results: ["stored" | "present" |
              checksums: [int | None] (optional, one per    "unknown_alloc"]; "present" frees the
-             item: ``maru.checksum`` of the bytes)         duplicate's space (keys are write-once)
+             item: ``maru.checksum`` of the bytes),        duplicate's space (keys are write-once)
+             segments: [None | [tokens, sums]] (optional,
+             one per item, see "Segment sums" below)
 ABORT        client_id, alloc_ids: [int]                   freed: int
-LOOKUP       client_id, keys: [key], pin: bool             entries: [[offset, size] | None],
-                                                           checksums: [int | None] (one per key: the
-                                                           committed checksum; None: miss or none)
+LOOKUP       client_id, keys: [key], pin: bool,            entries: [[offset, size] | None],
+             segments: bool (optional, default false)      checksums: [int | None] (one per key: the
+                                                           committed checksum; None: miss or none),
+                                                           segments: [None | [tokens, sums]] (only
+                                                           when asked: one per key, see below)
 EXISTS       client_id, keys: [key]                        present: [bool], prefix: int (leading hits)
 PIN          client_id, keys: [key]                        pinned: [bool]
 UNPIN        client_id, keys: [key]                        unpinned: [bool]
@@ -91,6 +95,19 @@ handshakes again with ``fenced: true`` (it promises it made its old reservations
 unable to touch the pool), or ``--quarantine-timeout`` after the expiry. A client reports an
 object whose bytes fail their checksum with REPORT; the server counts it (``integrity_failures``)
 and deletes the entry if it still sits at that offset, so the key can be stored again.
+
+Segment sums (``maru.segments``). A COMMIT item with a checksum may carry its object's segment
+sums, ``[tokens: int, sums: bytes]`` (``SegmentSums.to_wire``: segment size in tokens, then one
+little-endian uint64 raw sum per token segment), so that a reader placing only some tokens reads
+only their segments. The server refuses the whole COMMIT with ``bad_request`` (nothing stored, the
+reservations still the client's) when ``segments`` is not a list of one entry per item, an entry
+does not parse (``SegmentSums.from_wire``: tokens in [1, 2**20], 1 to 4096 sums), an item has
+segments but no checksum, or an item's sums do not add up to its checksum for its reservation's
+size (``SegmentSums.consistent``). LOOKUP with ``segments: true`` answers the committed sums of each
+hit (None: a miss, none committed, or past ``SEGMENT_FRAME_BYTES`` of sums in this reply); without
+it the reply has no ``segments`` field. A server that predates them ignores both fields (its LOOKUP
+reply has no ``segments``). A client splits a COMMIT with sums by ``MAX_SEGMENT_BATCH`` items and
+``SEGMENT_FRAME_BYTES`` of sums (a frame's decode limits count them).
 
 Offsets are absolute byte offsets into the pool (the file or device the client maps).
 Keys are strings of at most ``MAX_KEY_BYTES`` UTF-8 bytes.
@@ -144,6 +161,13 @@ MAX_FRAME_DEPTH = 1 + MAX_CLIENT_INFO_DEPTH + 1
 # Replies carry more (RESERVE's [alloc_id, offset, size] triples; STATS's client list with info maps).
 MAX_REPLY_ELEMENTS = 8 * MAX_BATCH + MAX_STATS_CLIENTS * (2 * MAX_CLIENT_INFO_BYTES + 16) + 1024
 MAX_REPLY_DEPTH = MAX_FRAME_DEPTH + 2
+# Segment sums (see "Segment sums" above). A COMMIT item with sums costs nine decode elements (its
+# [key, alloc_id] pair, its checksum, its [tokens, sums]), so a client sends at most
+# MAX_SEGMENT_BATCH such items, and at most SEGMENT_FRAME_BYTES of sums, in one COMMIT: within
+# MAX_FRAME_ELEMENTS and MAX_FRAME_BYTES whatever the keys (a server of any version counts the
+# field). A LOOKUP reply carries at most SEGMENT_FRAME_BYTES of sums (the hits past it get None).
+MAX_SEGMENT_BATCH = MAX_BATCH // 2
+SEGMENT_FRAME_BYTES = MAX_FRAME_BYTES // 2
 
 
 class Op(enum.IntEnum):

@@ -13,6 +13,7 @@ from typing import Any
 
 from maru import protocol as P
 from maru.protocol import ErrorCode
+from maru.segments import SegmentSums
 from maru.server import validate as V
 
 log = logging.getLogger("maru.server")
@@ -129,7 +130,8 @@ class RequestHandlers:
                 raise V.Reject(
                     ErrorCode.BAD_REQUEST, f"checksum {c!r:.40} must be an unsigned 64-bit int or nil"
                 )
-        results = self._commit_durably(client, items, checksums)
+        segments = self._commit_segments(client, body, items, checksums)
+        results = self._commit_durably(client, items, checksums, segments)
         add = self.stats.add
         for (key, _), r in zip(items, results, strict=True):
             if r is P.CommitResult.STORED:
@@ -141,8 +143,60 @@ class RequestHandlers:
                 add("unknown_allocs")
         return P.ok(results=[r.value for r in results])
 
+    def _commit_segments(
+        self, client: Any, body: dict[str, Any], items: list[list[Any]], checksums: list[int | None]
+    ) -> list[SegmentSums | None]:
+        """The COMMIT's optional ``segments`` field, one ``SegmentSums`` or None per item; validated
+        whole before anything is committed (a refusal changes nothing).
+
+        Segments need the item's checksum and must add up to it for the size of the reservation
+        they commit (``SegmentSums.consistent``): a reader trusts the committed sums of the segments
+        it skips, so sums that disagree with the checksum would make every partial read of the
+        object fail (or, worse, vouch for bytes nobody summed). Items whose alloc id is not a live
+        reservation of this client are not checked: they commit as ``unknown_alloc`` anyway.
+        """
+        raw = body.get("segments")
+        if raw is None:
+            return [None] * len(items)
+        if type(raw) is not list or len(raw) != len(items):
+            raise V.Reject(
+                ErrorCode.BAD_REQUEST,
+                "segments must be a list of one entry per item: nil or [tokens: int, sums: bytes]",
+            )
+        out: list[SegmentSums | None] = []
+        reg = self.registry
+        for (key, alloc_id), checksum, wire in zip(items, checksums, raw, strict=True):
+            if wire is None:
+                out.append(None)
+                continue
+            try:
+                seg = SegmentSums.from_wire(wire)
+            except ValueError as e:
+                raise V.Reject(ErrorCode.BAD_REQUEST, f"segments of key {key!r:.80}: {e}") from None
+            if checksum is None:
+                raise V.Reject(
+                    ErrorCode.BAD_REQUEST,
+                    f"segments of key {key!r:.80} come without a checksum: segment sums are only "
+                    "committed with the checksum they add up to",
+                )
+            r = reg.reservation(alloc_id)
+            if r is not None and r.client == client and not seg.consistent(checksum, r.size):
+                raise V.Reject(
+                    ErrorCode.BAD_REQUEST,
+                    f"the segment sums of key {key!r:.80} do not add up to its checksum for its "
+                    f"{r.size}-byte object: the writer's sums are wrong; nothing of this COMMIT was "
+                    "stored and its reservations are still yours (commit them again with correct "
+                    "sums or none, or abort them)",
+                )
+            out.append(seg)
+        return out
+
     def _commit_durably(
-        self, client: Any, items: list[list[Any]], checksums: list[int | None]
+        self,
+        client: Any,
+        items: list[list[Any]],
+        checksums: list[int | None],
+        segments: list[SegmentSums | None],
     ) -> list[P.CommitResult]:
         """Commit ``items`` all or nothing: either every STORED is durable, or nothing changed.
 
@@ -162,7 +216,7 @@ class RequestHandlers:
                 later.append(i)
                 later_allocs.add(alloc_id)
                 continue
-            r = results[i] = reg.commit(client, key, alloc_id, checksums[i])
+            r = results[i] = reg.commit(client, key, alloc_id, checksums[i], segments[i])
             if r is P.CommitResult.STORED:
                 stored.append(i)
         try:
@@ -177,7 +231,7 @@ class RequestHandlers:
                 f"again later, or abort them): {e.message}",
             ) from None
         for i in later:
-            results[i] = reg.commit(client, items[i][0], items[i][1], checksums[i])
+            results[i] = reg.commit(client, items[i][0], items[i][1], checksums[i], segments[i])
         return results  # type: ignore[return-value]
 
     def _abort(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +248,9 @@ class RequestHandlers:
         pin = body.get("pin", False)
         if type(pin) is not bool:
             raise V.Reject(ErrorCode.BAD_REQUEST, "pin must be true or false")
+        want_segments = body.get("segments", False)
+        if type(want_segments) is not bool:
+            raise V.Reject(ErrorCode.BAD_REQUEST, "segments must be true or false")
         reg = self.registry
         found = [reg.pin(client, k) for k in keys] if pin else reg.lookup_many(keys)
         entries: list[list[int] | None] = []
@@ -214,6 +271,8 @@ class RequestHandlers:
         st["bytes_served"] += served
         if pin:
             st["pins"] += hits
+        if want_segments:
+            return P.ok(entries=entries, checksums=checksums, segments=_segments_of(found))
         return P.ok(entries=entries, checksums=checksums)
 
     def _exists(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -294,3 +353,19 @@ class RequestHandlers:
         self.stats.add("integrity_failures", len(items))
         self.stats.add("integrity_deletes", sum(deleted))
         return P.ok(deleted=deleted)
+
+
+def _segments_of(found: list[Any]) -> list[list[Any] | None]:
+    """The LOOKUP reply's ``segments``: each hit's committed sums in wire form (None: a miss, none
+    committed, or past ``P.SEGMENT_FRAME_BYTES`` in this reply, so the reply always fits in a frame
+    whatever its writers committed; those readers verify whole objects)."""
+    out: list[list[Any] | None] = []
+    left = P.SEGMENT_FRAME_BYTES
+    for e in found:
+        wire = None if e is None else e.segments_wire
+        if wire is not None:
+            left -= len(wire[1])
+            if left < 0:
+                wire = None
+        out.append(wire)
+    return out
