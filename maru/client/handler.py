@@ -16,9 +16,11 @@ Reservations made in an earlier session cannot be stored any more: ``store`` rai
 ``StaleAllocationError`` and publishes nothing; retrieved handles of an earlier session are
 no longer ``valid``.
 
-Integrity. ``store`` sends the checksum (``maru.checksum``) of each object's bytes; ``retrieve``
-recomputes it over the pinned view and returns None (a miss) when it differs, counts it
-(``integrity()``), warns once per key and reports it to the server (``maru stats``).
+Integrity. ``store`` sends the checksum (``maru.checksum``) of each object's bytes, and the segment
+sums (``maru.segments``) a caller gives; ``retrieve`` recomputes the checksum over the pinned view
+and returns None (a miss) when it differs, counts it (``integrity()``), warns once per key and
+reports it to the server (``maru stats``). ``retrieve(..., segments=True)`` also hands the committed
+segment sums to a caller that verifies partial reads itself.
 
 Client info. ``set_client_info`` describes this client to operators (``maru stats``,
 ``maru doctor``): the map goes with every handshake and, when it changes, with the next
@@ -39,17 +41,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from maru.checksum import checksum
-from maru.client.integrity import IntegrityLog
+from maru.client import frames
+from maru.client.integrity import IntegrityLog, check_hits
 from maru.client.local_exists import LocalExists
 from maru.client.mapping import PoolMapping
 from maru.client.objects import Allocation, AllocState, Retrieved, SessionToken
-from maru.client.replies import (
-    ServerInfo,
-    check_keys,
-    chunks,
-    reply_list,
-)
+from maru.client.replies import ServerInfo, check_keys, chunks, pool_full_error, reply_list
 from maru.client.rpc import CurveKeys, RpcChannel
 from maru.client.session import SessionClient, heartbeat_loop
 from maru.config import (
@@ -61,11 +58,11 @@ from maru.config import (
 from maru.errors import (
     HandlerClosedError,
     MaruError,
-    PoolFullError,
     ProtocolError,
     StaleAllocationError,
 )
 from maru.protocol import CommitResult, Op
+from maru.segments import SegmentSums
 
 log = logging.getLogger("maru.client")
 
@@ -219,20 +216,7 @@ class MaruHandler(SessionClient):
                         self._reserved[alloc_id] = obj
                         out.append(obj)
                     if missing:
-                        held = int(reply.get("quarantined", 0) or 0)
-                        quarantine = (
-                            f"; {format_size(held)} is held in quarantine for clients whose lease expired "
-                            "while they may still touch it (released when they are known dead or fenced, or "
-                            "after `maru server --quarantine-timeout`)"
-                            if held
-                            else ""
-                        )
-                        raise PoolFullError(
-                            f"pool {info.pool_path} ({format_size(info.data_size)}) is full: {missing} of "
-                            f"{len(sizes)} objects do not fit even after evicting every unpinned entry"
-                            f"{quarantine}; raise `maru server --pool-size`, store smaller objects, or release "
-                            "retrieved handles sooner (pinned entries cannot be evicted)"
-                        )
+                        raise pool_full_error(info, missing, len(sizes), reply)
                 if any(o.session != self._session for o in out):
                     # A new session began between two chunks: the earlier chunks' reservations died.
                     raise StaleAllocationError(
@@ -275,42 +259,42 @@ class MaruHandler(SessionClient):
                 freed += int(reply.get("freed", 0))
         return freed
 
-    def store(self, key: str, obj: Allocation, checksum: int | None = None) -> CommitResult:
+    def store(
+        self, key: str, obj: Allocation, checksum: int | None = None, segments: SegmentSums | None = None
+    ) -> CommitResult:
         """Publish ``obj`` under ``key``: from now on everyone sees the key with these bytes.
 
         Returns ``CommitResult.STORED``, or ``CommitResult.PRESENT`` when the key existed already
         (keys are write-once: this object's space is freed). Either way ``obj.buf`` is released.
-        ``checksum``: see ``batch_store``.
+        ``checksum``, ``segments``: see ``batch_store``.
         """
-        return self.batch_store([key], [obj], None if checksum is None else [checksum])[0]
+        return self.batch_store(
+            [key], [obj], None if checksum is None else [checksum], None if segments is None else [segments]
+        )[0]
 
     def batch_store(
-        self, keys: Sequence[str], objs: Sequence[Allocation], checksums: Sequence[int] | None = None
+        self,
+        keys: Sequence[str],
+        objs: Sequence[Allocation],
+        checksums: Sequence[int] | None = None,
+        segments: Sequence[SegmentSums | None] | None = None,
     ) -> list[CommitResult]:
         """Publish many objects, one COMMIT round trip per MAX_BATCH. Per key: STORED or PRESENT.
 
         Each object goes with the checksum of its bytes (``maru.checksum``), which readers check:
         computed here over ``obj.buf`` (about 1 GB/s per core, bench/RESULTS.md), or given in
         ``checksums`` by a caller that computed it already (e.g. on the GPU from the source; it
-        must be of exactly the bytes in the pool). Raises ``StaleAllocationError`` (publishing
-        nothing) if an object was reserved before the server restarted or this client's lease
-        expired.
+        must be of exactly the bytes in the pool). ``segments``: per object its ``SegmentSums``
+        or None, for readers that place only some tokens; only with given ``checksums``, which they
+        must add up to (``ValueError`` otherwise, before anything is sent). Raises
+        ``StaleAllocationError`` (publishing nothing) if an object was reserved before the server
+        restarted or this client's lease expired.
         """
         keys = check_keys(keys)
         objs = list(objs)
         if len(keys) != len(objs):
             raise ValueError(f"batch_store got {len(keys)} keys but {len(objs)} objects")
-        if checksums is None:
-            # Outside the connection lock: other threads keep talking to the server meanwhile.
-            sums: list[int | None] = [
-                checksum(o.buf) if isinstance(o, Allocation) and o.buf is not None else None for o in objs
-            ]
-        else:
-            sums = [int(c) for c in checksums]
-            if len(sums) != len(objs) or any(not 0 <= c < 1 << 64 for c in sums):
-                raise ValueError(
-                    f"batch_store needs one unsigned 64-bit checksum per object, got {checksums!r:.100}"
-                )
+        sums, wires = frames.commit_sums(keys, objs, checksums, segments)
         results: list[CommitResult] = []
         with self._held():
             stale = []
@@ -330,16 +314,9 @@ class MaruHandler(SessionClient):
                     f"{len(stale)} objects (e.g. for key {stale[0]!r}) were reserved before maru server at "
                     f"{self.url} restarted or this client's lease expired; nothing was stored: alloc again"
                 )
-            for kchunk, ochunk, schunk in zip(chunks(keys), chunks(objs), chunks(sums), strict=True):
+            for kchunk, ochunk, body in frames.commit_bodies(keys, objs, sums, wires):
                 try:
-                    reply = self._call(
-                        Op.COMMIT,
-                        {
-                            "items": [[k, o.alloc_id] for k, o in zip(kchunk, ochunk, strict=True)],
-                            "checksums": schunk,
-                        },
-                        retry=False,
-                    )
+                    reply = self._call(Op.COMMIT, body, retry=False)
                 except StaleAllocationError as e:
                     # The server forgot us before this chunk; earlier chunks (in ``results``) are stored.
                     e.results = results  # type: ignore[attr-defined]
@@ -405,13 +382,15 @@ class MaruHandler(SessionClient):
                 break
         return total
 
-    def retrieve(self, key: str, pin: bool = True, verify: bool = True) -> Retrieved | None:
+    def retrieve(
+        self, key: str, pin: bool = True, verify: bool = True, segments: bool = False
+    ) -> Retrieved | None:
         """Look ``key`` up. None if absent (or, with ``verify``, if its bytes fail their
         checksum); else a handle whose ``view`` reads the pool. Release it."""
-        return self.batch_retrieve([key], pin=pin, verify=verify)[0]
+        return self.batch_retrieve([key], pin=pin, verify=verify, segments=segments)[0]
 
     def batch_retrieve(
-        self, keys: Sequence[str], pin: bool = True, verify: bool = True
+        self, keys: Sequence[str], pin: bool = True, verify: bool = True, segments: bool = False
     ) -> list[Retrieved | None]:
         """Look many keys up, one LOOKUP round trip per MAX_BATCH; None for each absent key.
 
@@ -422,30 +401,34 @@ class MaruHandler(SessionClient):
         a mismatch, or an entry committed without a checksum, is a miss (None; the pin is released),
         counted in ``integrity()``; a mismatch is also reported to the server. A caller that
         checks the bytes itself after copying them (e.g. on the GPU) passes ``verify=False`` and
-        uses ``Retrieved.checksum``.
+        uses ``Retrieved.checksum``; with ``segments`` it also gets ``Retrieved.segments``, the
+        committed segment sums (None: none committed, or an older server), to read only the
+        segments it places.
         """
         keys = check_keys(keys)
         out: list[Retrieved | None] = []
         with self._held():
             for chunk in chunks(keys):
-                reply = self._call(Op.LOOKUP, {"keys": chunk, "pin": bool(pin)})
+                body: dict[str, Any] = {"keys": chunk, "pin": bool(pin)}
+                if segments:
+                    body["segments"] = True  # absent otherwise: the request other clients send
+                reply = self._call(Op.LOOKUP, body)
                 entries = reply_list(reply, "entries", len(chunk))
-                sums = reply.get("checksums")
-                if not isinstance(sums, list) or len(sums) != len(chunk):
-                    sums = [None] * len(chunk)  # an older server: nothing to verify against
+                sums = frames.lookup_checksums(reply, len(chunk))
+                segs = frames.lookup_segments(reply, len(chunk)) if segments else [None] * len(chunk)
                 views = self._mapped().read_views(entries)
                 on_release = self._unpin_one if pin else None
                 pins = self._pins
                 extents = self._pinned_extents
                 token = self._token
-                for k, e, view, c in zip(chunk, entries, views, sums, strict=True):
+                for k, e, view, c, g in zip(chunk, entries, views, sums, segs, strict=True):
                     if view is None:
                         out.append(None)
                         continue
                     if pin:
                         pins[k] += 1
                         extents[(e[0], e[1])] += 1
-                    out.append(Retrieved(k, e[0], view, pin, on_release, c, token))
+                    out.append(Retrieved(k, e[0], view, pin, on_release, c, token, g))
             if verify:
                 self._verify_hits(out)
         return out
@@ -453,31 +436,24 @@ class MaruHandler(SessionClient):
     def _verify_hits(self, handles: list[Retrieved | None]) -> None:
         """Replace each handle whose bytes fail their checksum (or have none) by None; release
         those and report the corrupt ones to the server. Call with ``_lock`` held."""
-        bad: list[int] = []
-        corrupt: list[list[Any]] = []
-        for i, r in enumerate(handles):
-            if r is None:
-                continue
-            if r.checksum is None:
-                self.integrity_log.unverifiable(r.key)
-                bad.append(i)
-            elif checksum(r.view) != r.checksum:
-                self.integrity_log.failure(r.key, r.offset, self.url)
-                corrupt.append([r.key, r.offset])
-                bad.append(i)
-        self.integrity_log.verified(len(handles) - handles.count(None) - len(bad))
+        bad, corrupt = check_hits(handles, self.integrity_log, self.url)
         if not bad:
             return
         dropped = [handles[i] for i in bad]
         for i in bad:
             handles[i] = None
         self.batch_release(dropped)
-        if corrupt:
-            try:
-                for chunk in chunks(corrupt):
-                    self._call(Op.REPORT, {"corrupt": chunk}, retry=False)
-            except MaruError as e:
-                log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
+        self._report(corrupt)
+
+    def _report(self, corrupt: list[list[Any]]) -> None:
+        """Send REPORT of ``[key, offset]`` pairs whose bytes failed; a failure is only logged."""
+        if not corrupt:
+            return
+        try:
+            for chunk in chunks(corrupt):
+                self._call(Op.REPORT, {"corrupt": chunk}, retry=False)
+        except MaruError as e:
+            log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
 
     def report_corrupt(self, handles: Sequence[Retrieved], verified: int = 0) -> None:
         """Count and report objects whose bytes a caller checked itself and found not matching
@@ -487,16 +463,9 @@ class MaruHandler(SessionClient):
         key can be stored again). The caller still releases the handles. Never raises a
         ``MaruError`` (a failed report is logged)."""
         self.integrity_log.verified(verified)
-        corrupt = [[r.key, r.offset] for r in handles]
         for r in handles:
             self.integrity_log.failure(r.key, r.offset, self.url)
-        if not corrupt:
-            return
-        try:
-            for chunk in chunks(corrupt):
-                self._call(Op.REPORT, {"corrupt": chunk}, retry=False)
-        except MaruError as e:
-            log.info("could not report %d corrupt objects to the server (%s)", len(corrupt), e)
+        self._report([[r.key, r.offset] for r in handles])
 
     def integrity(self) -> dict[str, int]:
         """This handler's integrity counters: verified, integrity_failures, unverifiable (entries

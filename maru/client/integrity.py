@@ -4,14 +4,20 @@
 committed checksum (``integrity_failures``: each is a miss, reported to the server so
 ``maru stats`` shows it), objects that carried no checksum (``unverifiable``: a miss for a
 verifying reader), and sessions fenced. A failure is logged as a warning once per key (a
-bounded set, so a flood of bad keys cannot grow memory), then at debug level.
+bounded set, so a flood of bad keys cannot grow memory), then at debug level. ``check_hits`` is
+the verifying read of retrieved hits that feeds it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from maru.checksum import checksum
+from maru.client.objects import Retrieved
 
 log = logging.getLogger("maru.client")
 
@@ -81,3 +87,25 @@ class IntegrityLog:
                 "fenced_sessions": c.fenced_sessions,
                 "fenced_bytes": c.fenced_bytes,
             }
+
+
+def check_hits(
+    handles: Sequence[Retrieved | None], integrity: IntegrityLog, url: str
+) -> tuple[list[int], list[list[Any]]]:
+    """Check each hit's bytes against its committed checksum (one read of each object), counting
+    in ``integrity``. Returns the indices of the hits that must be misses (no checksum, or bytes
+    that fail it) and ``[key, offset]`` of the failing ones (to REPORT to the server at ``url``)."""
+    bad: list[int] = []
+    corrupt: list[list[Any]] = []
+    for i, r in enumerate(handles):
+        if r is None:
+            continue
+        if r.checksum is None:
+            integrity.unverifiable(r.key)
+            bad.append(i)
+        elif checksum(r.view) != r.checksum:
+            integrity.failure(r.key, r.offset, url)
+            corrupt.append([r.key, r.offset])
+            bad.append(i)
+    integrity.verified(len(handles) - handles.count(None) - len(bad))
+    return bad, corrupt

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from maru.checksum import checksum as _checksum
 from maru.errors import IntegrityError, StaleViewError
+from maru.segments import SegmentSums
 
 
 class SessionToken:
@@ -91,7 +92,18 @@ class Retrieved:
     thousands of these, so construction cost matters.)
     """
 
-    __slots__ = ("key", "offset", "view", "size", "pinned", "released", "checksum", "session", "_on_release")
+    __slots__ = (
+        "key",
+        "offset",
+        "view",
+        "size",
+        "pinned",
+        "released",
+        "checksum",
+        "session",
+        "segments",
+        "_on_release",
+    )
 
     def __init__(
         self,
@@ -102,6 +114,7 @@ class Retrieved:
         on_release: Callable[[Retrieved], None] | None = None,
         checksum: int | None = None,
         session: SessionToken | None = None,
+        segments: SegmentSums | None = None,
     ) -> None:
         self.key = key
         self.offset = offset  # absolute offset in the pool: pool_address + offset is the first byte
@@ -111,6 +124,10 @@ class Retrieved:
         self.released = False
         self.checksum = checksum  # what the writer committed (maru.checksum); None: not known
         self.session = session
+        # The committed segment sums (``maru.segments``), when retrieved with ``segments=True`` and
+        # the writer committed them; they add up to ``checksum`` (the server checked). None: a
+        # reader verifies the whole object.
+        self.segments = segments
         self._on_release = on_release
 
     @property

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru import protocol
+from maru.config import format_size
 from maru.errors import MaruError, PoolFullError, ProtocolError, ServerError
 from maru.protocol import MAX_BATCH, ErrorCode, Op
 
@@ -96,6 +97,25 @@ def plain_info(value: Any, depth: int = 0) -> Any:
         if isinstance(value, base):
             return base(value)
     return value
+
+
+def pool_full_error(info: ServerInfo, missing: int, total: int, reply: dict[str, Any]) -> PoolFullError:
+    """What a RESERVE that left ``missing`` of ``total`` objects without space stands for (the
+    reply's ``quarantined`` bytes, when some, say how much expired clients hold)."""
+    held = int(reply.get("quarantined", 0) or 0)
+    quarantine = (
+        f"; {format_size(held)} is held in quarantine for clients whose lease expired "
+        "while they may still touch it (released when they are known dead or fenced, or "
+        "after `maru server --quarantine-timeout`)"
+        if held
+        else ""
+    )
+    return PoolFullError(
+        f"pool {info.pool_path} ({format_size(info.data_size)}) is full: {missing} of "
+        f"{total} objects do not fit even after evicting every unpinned entry"
+        f"{quarantine}; raise `maru server --pool-size`, store smaller objects, or release "
+        "retrieved handles sooner (pinned entries cannot be evicted)"
+    )
 
 
 def error_from_reply(op: int, reply: dict[str, Any], url: str) -> MaruError:
