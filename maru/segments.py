@@ -94,7 +94,7 @@ class SegmentSums:
             raise ValueError("segment sums' bytes must be a non-empty multiple of 8 (little-endian uint64)")
         if len(blob) // 8 > MAX_SEGMENTS:
             raise ValueError(f"an object has at most {MAX_SEGMENTS} segment sums, got {len(blob) // 8}")
-        return cls(tokens, tuple(int(x) for x in np.frombuffer(blob, dtype="<u8")))
+        return cls(tokens, tuple(np.frombuffer(blob, dtype="<u8").tolist()))
 
 
 def segment_tokens(block_size: int, chunk_tokens: int) -> int:
@@ -193,13 +193,22 @@ def mark_unread(
         end = start + tokens
         segs = segments[k]
         if segs is not None and tokens and (slots[start] < 0 or slots[end - 1] < 0) and segs.fits(tokens):
-            need = read_segments(slots[start:end] >= 0, segs.tokens)
-            if not need.all():
+            if slots[end - 1] >= 0:
+                # The usual case, a skipped prefix: the segments wholly before the first written token.
+                n = int(np.argmax(slots[start:end] >= 0)) // segs.tokens
+                skipped = list(range(n))
+                if n:
+                    slots[start : start + n * segs.tokens] = -2
+                    unread += n * segs.tokens
+            else:
+                need = read_segments(slots[start:end] >= 0, segs.tokens)
                 skip = np.repeat(~need, segs.tokens)[:tokens]
+                skipped = np.flatnonzero(~need).tolist()
                 slots[start:end][skip] = -2
+                unread += int(skip.sum())
+            if skipped:
                 if prefill is None:
                     prefill = np.zeros(len(lengths), dtype=np.uint64)
-                prefill[k] = segs.raw_of(np.flatnonzero(~need).tolist())
-                unread += int(skip.sum())
+                prefill[k] = segs.raw_of(skipped)
         start = end
     return prefill, unread

@@ -66,6 +66,13 @@ def test_mark_unread_leaves_whole_unwritten_segments_unread_and_prefills_their_s
     assert (slots[:8] == -2).all() and slots[8] == -1 and (slots[9:] >= 0).all()
     assert prefill is not None and int(prefill[0]) == (segs[0].raws[0] + segs[0].raws[1]) & MASK64
     assert int(prefill[1]) == 0
+    # A gap at the end too (the general path): segments 0 and 3 unread, 1 and 2 read.
+    tail = np.arange(13, dtype=np.int64)
+    tail[:4] = -1
+    tail[11:] = -1
+    prefill, unread = sg.mark_unread(tail, [13], segs[:1])
+    assert unread == 5 and (tail[:4] == -2).all() and (tail[12:] == -2).all() and tail[11] == -1
+    assert prefill is not None and int(prefill[0]) == (segs[0].raws[0] + segs[0].raws[3]) & MASK64
     untouched = np.arange(20, dtype=np.int64)
     assert sg.mark_unread(untouched, [13, 7], segs) == (None, 0)
     # Sums of another segmentation (they do not fit the object) are not used.

@@ -28,26 +28,24 @@ from typing import Any
 
 import torch
 
+from maru import segments
 from maru.client.objects import Retrieved
 from maru.errors import CONNECTION_LOST, MaruError
 from maru.kv_ops.geometry import ObjectGeometry
-from maru.protocol import CommitResult
 from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
 from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import (
     LoadReport,
     RequestTransfer,
-    StoreReport,
     chunk_slots,
-    slot_mapping,
     unique_keys,
 )
-from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
+from maru.transfer.store_side import StoreSide
 
 logger = logging.getLogger("maru.transfer")
 
 
-class KVTransferEngine:
+class KVTransferEngine(StoreSide):
     """Moves chunks between one worker's paged KV cache and the pool. One instance per worker.
 
     ``caches``: the per-layer cache tensors in layer order (or a one-element list holding a
@@ -74,6 +72,7 @@ class KVTransferEngine:
         verify: bool = True,
         chunk_tokens: int | None = None,
         paced_store: bool = True,
+        segment_tokens: int | None = None,
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -89,6 +88,12 @@ class KVTransferEngine:
         )
         self.verify = verify
         self.paced_store = paced_store
+        # Stores commit segment sums with each checksum (maru.segments): a load that places only
+        # a chunk's last tokens then reads only their segments. 0 turns them off.
+        esize = self.caches[0].element_size()
+        if segment_tokens is None and chunk_tokens and (int(layout.row_size) * esize) % 8 == 0:
+            segment_tokens = segments.segment_tokens(self.block_size, int(chunk_tokens))
+        self.path.segment_tokens = segment_tokens or None
 
     @property
     def paces_stores(self) -> bool:
@@ -112,267 +117,6 @@ class KVTransferEngine:
         let CUDA copy to pages that are no longer the pool's.
         """
         self.path.close()
-
-    # ------------------------------------------------------------------ store
-    def store(self, requests: Sequence[RequestTransfer]) -> StoreReport:
-        """Gather every chunk of ``requests`` into new pool objects, then publish them in one batch.
-
-        A key that appears twice (two requests sharing a prefix in one step) is stored once.
-        """
-        return self.commit_store(self.prepare_store(requests))
-
-    def prepare_store(
-        self, requests: Sequence[RequestTransfer], *, after: Any = None, paced: bool = False
-    ) -> PreparedStore:
-        """Reserve pool objects and gather the chunks into them; nothing is published yet.
-
-        When this returns the paged cache is no longer read: the blocks may be reused at once.
-        ``after``/``paced``: see ``DataPath.gather`` (a write-behind store on the drain thread).
-        """
-        t0 = time.perf_counter()
-        prep = PreparedStore(report=StoreReport())
-        reserved = self._reserve(requests, prep)
-        if reserved is not None:
-            self.finish_gather(self.issue_gather(*reserved, prep, paced=paced, after=after), prep)
-        prep.report.seconds += time.perf_counter() - t0
-        return prep
-
-    def _reserve(
-        self, requests: Sequence[RequestTransfer], prep: PreparedStore
-    ) -> tuple[list[tuple[RequestTransfer, Any]], list[Any]] | None:
-        """Every unique chunk of ``requests`` and a reserved pool object for each (one round trip).
-
-        None when there is nothing to store or the reservation failed (recorded in ``prep``).
-        """
-        rep = prep.report
-        todo: list[tuple[RequestTransfer, Any]] = []
-        seen: set[str] = set()
-        for req in requests:
-            for c in req.chunks:
-                if c.key not in seen:
-                    seen.add(c.key)
-                    todo.append((req, c))
-        if not todo:
-            return None
-        try:
-            objs = self.client.batch_alloc([self.geometry.nbytes(c.num_tokens) for _, c in todo])
-        except (MaruError, ValueError) as e:
-            rep.failed = len(todo)
-            rep.error = f"reserving {len(todo)} objects failed: {e}"
-            rep.server_lost = isinstance(e, CONNECTION_LOST)
-            return None
-        return todo, list(objs)
-
-    def issue_gather(
-        self,
-        todo: list[tuple[RequestTransfer, Any]],
-        objs: list[Any],
-        prep: PreparedStore,
-        *,
-        paced: bool = False,
-        after: Any = None,
-    ) -> IssuedGather:
-        """Issue the gather of every chunk into its reserved object on the data path (may be queued;
-        ``paced``, ``after``: see ``DataPath.gather``)."""
-        rep = prep.report
-        ig = IssuedGather()
-        slots: list[torch.Tensor] = []
-        per_req = self._store_slots(todo)
-        for (req, c), obj in zip(todo, objs, strict=True):
-            try:
-                s = per_req.get(id(c))
-                if s is None:  # its request's slots failed as a whole: this chunk's own error
-                    s = slot_mapping(req.block_ids, self.block_size, c.start, c.num_tokens)
-                o = self.geometry.over(obj.buf, c.num_tokens)
-            except Exception as e:
-                ig.bad.append(obj)
-                rep.error = f"gathering chunk {c.key} failed: {type(e).__name__}: {e}"
-                continue
-            ig.outs.append(o)
-            slots.append(s)
-            ig.ok.append((c, obj))
-        if ig.ok:
-            try:
-                ig.handle = self.path.gather(ig.outs, slots, paced=paced, after=after)
-            except Exception as e:  # nothing of it is published
-                rep.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
-                ig.bad.extend(obj for _, obj in ig.ok)
-                ig.ok, ig.outs = [], []
-        return ig
-
-    def _store_slots(self, todo: list[tuple[RequestTransfer, Any]]) -> dict[int, torch.Tensor]:
-        """Every chunk's slots (whole chunks), computed once per request (``chunk_slots``); keyed by
-        ``id(chunk)``. A request whose slots cannot be computed as a whole is left out."""
-        by_req: dict[str, tuple[RequestTransfer, list[Any]]] = {}
-        for req, c in todo:
-            by_req.setdefault(req.req_id, (req, []))[1].append(c)
-        out: dict[int, torch.Tensor] = {}
-        for req, chunks in by_req.values():
-            try:
-                flat = chunk_slots(req.block_ids, self.block_size, chunks, whole=True)
-            except Exception:
-                continue
-            o = 0
-            for c in chunks:
-                out[id(c)] = flat[o : o + c.num_tokens]
-                o += c.num_tokens
-        return out
-
-    def finish_gather(self, ig: IssuedGather, prep: PreparedStore) -> None:
-        """Wait for an issued gather, then record its complete objects in ``prep``; abort the others."""
-        handle, ig.handle = ig.handle, None
-        if handle is not None:
-            try:
-                handle.wait()  # the copies into the pool pages completed: only now may keys be published
-            except Exception as e:
-                prep.report.error = f"gathering {len(ig.ok)} chunks failed: {type(e).__name__}: {e}"
-                ig.bad.extend(obj for _, obj in ig.ok)
-                ig.ok = []
-                self.path.settle()  # no copy may still write a page we hand back
-            else:
-                sums = handle.checksums() or [None] * len(ig.ok)
-                failed = handle.failed_items()
-                for i in sorted(failed, reverse=True):
-                    c, obj = ig.ok.pop(i)
-                    sums.pop(i)
-                    ig.bad.append(obj)
-                    prep.report.error = f"gathering chunk {c.key} failed: {failed[i]}"
-                ig.sums = list(sums)
-            del handle
-        ig.outs = []  # drop the exports of the pool buffers before the client releases them
-        ok, bad, ig.ok, ig.bad = ig.ok, ig.bad, [], []
-        sums, ig.sums = ig.sums or [None] * len(ok), []
-        rep = prep.report
-        for (c, obj), cs in zip(ok, sums, strict=True):
-            prep.keys.append(c.key)
-            prep.objects.append(obj)
-            prep.checksums.append(cs)
-            rep.tokens += c.num_tokens
-            prep.nbytes += obj.size
-        if bad:
-            rep.failed += len(bad)
-            self._abort(bad)
-
-    def abort_prepared(self, prep: PreparedStore, why: str) -> StoreReport:
-        """Hand every prepared object back unpublished; the report counts them failed with ``why``."""
-        rep = prep.report
-        if prep.objects:
-            rep.failed += len(prep.objects)
-            rep.tokens = 0
-            rep.error = f"{len(prep.objects)} objects {why}"
-            self._abort(prep.objects)
-            prep.keys, prep.objects, prep.checksums = [], [], []
-        return rep
-
-    def _abort(self, objs: list[Any]) -> None:
-        try:
-            self.client.abort(objs)
-        except MaruError:
-            pass  # the server reclaims reservations with the lease
-
-    def commit_store(self, prep: PreparedStore) -> StoreReport:
-        """Publish what ``prepare_store`` gathered (one batch); returns the step's full report."""
-        t0 = time.perf_counter()
-        rep = prep.report
-        if prep.objects:
-            try:
-                # The path's checksums of the bytes it wrote; where one is missing the client
-                # computes them all over the pool objects.
-                sums = prep.checksums if prep.checksums and None not in prep.checksums else None
-                results = self.client.batch_store(prep.keys, prep.objects, checksums=sums)
-            except MaruError as e:
-                rep.failed += len(prep.objects)
-                rep.tokens = 0
-                rep.error = f"publishing {len(prep.objects)} objects failed: {e}"
-                rep.server_lost = isinstance(e, CONNECTION_LOST)
-                rep.seconds += time.perf_counter() - t0
-                return rep
-            for r in results:
-                if r == CommitResult.STORED:
-                    rep.stored += 1
-                else:
-                    rep.present += 1
-            rep.bytes = prep.nbytes
-        rep.seconds += time.perf_counter() - t0
-        return rep
-
-    # ------------------------------------------------------------------ write-behind store
-    def issue_store(self, requests: Sequence[RequestTransfer]) -> PendingStore:
-        """Start a write-behind store on the forward thread; ``complete_store`` finishes it.
-
-        Where the path defers the gather (CPU, CUDA) only the path's ``mark()`` is taken here (a
-        CUDA event on the forward's stream): the drain thread reserves the objects and issues the
-        gather ordered after it. Otherwise (the staged path) the objects are reserved and the
-        gather runs now. Until ``read_done`` is set the blocks of ``requests`` must not be reused
-        (``wait_store_read``).
-        """
-        pending = PendingStore(requests=list(requests), prep=PreparedStore(report=StoreReport()))
-        if self.path.defers_store_gather:
-            pending.after = self.path.mark()
-            return pending
-        t0 = time.perf_counter()
-        reserved = self._reserve(requests, pending.prep)
-        if reserved is not None:
-            pending.issued = self.issue_gather(*reserved, pending.prep, paced=self.paced_store)
-        else:
-            pending.read_done.set()
-        pending.prep.report.seconds += time.perf_counter() - t0
-        return pending
-
-    def complete_store(self, pending: PendingStore) -> StoreReport:
-        """Finish a write-behind store (drain thread): gather or wait for the gather, then publish.
-
-        A store cancelled by ``wait_store_read`` publishes nothing (its objects are aborted).
-        """
-        try:
-            if pending.issued is not None:
-                t0 = time.perf_counter()
-                self.finish_gather(pending.issued, pending.prep)
-                pending.prep.report.seconds += time.perf_counter() - t0
-            elif self.path.defers_store_gather:
-                if pending.take():
-                    pending.prep = self._gather_deferred(pending)  # reads the blocks
-                else:  # the preemption barrier gathered it on the forward thread
-                    pending.read_done.wait()
-        finally:
-            cancelled = pending.finish_reading()
-        if cancelled:
-            return self.abort_prepared(
-                pending.prep,
-                "cancelled: their blocks were released (request preempted) before the write-behind "
-                "gather finished reading them",
-            )
-        return self.commit_store(pending.prep)
-
-    def _gather_deferred(self, pending: PendingStore) -> PreparedStore:
-        """A deferred write-behind gather (drain thread, or the preemption barrier): reserve, gather
-        after the forward's mark, wait for the copies. The blocks are not read after this returns."""
-        return self.prepare_store(pending.requests, after=pending.after, paced=self.paced_store)
-
-    def wait_store_read(self, pending: PendingStore, timeout: float | None = None) -> bool:
-        """Block until ``pending`` no longer reads the paged cache (the preemption barrier).
-
-        Deferred gathers (CPU) not yet started by the drain thread run here, on the forward thread;
-        issued gathers are waited for. True: the blocks may be overwritten. False after ``timeout``
-        seconds: the store is cancelled (it publishes nothing), so the blocks may be overwritten too.
-        """
-        if self.path.defers_store_gather and pending.take():
-            try:
-                pending.prep = self._gather_deferred(pending)
-            finally:
-                pending.read_done.set()
-            return True
-        handle = pending.issued.handle if pending.issued is not None else None
-        if handle is not None and not pending.read_done.is_set():
-            try:
-                handle.wait()  # the copies finishing is what matters, not the drain thread reaching them
-                return True
-            except Exception as e:
-                logger.error("Maru: waiting for a write-behind gather failed (%s); it is cancelled", e)
-                self.path.settle()
-        elif pending.read_done.wait(timeout):
-            return True
-        return pending.cancel()
 
     # ------------------------------------------------------------------ load
     def load(self, requests: Sequence[RequestTransfer]) -> LoadReport:
@@ -425,7 +169,8 @@ class KVTransferEngine:
                 try:
                     batch.group_by_chunk()  # a chunk several requests want: adjacent, copied once
                     expected = [h.checksum for h in batch.placed] if self.verify else None
-                    batch.transfer = self.path.scatter(batch.objs, batch.slots, expected)
+                    segs = [h.segments for h in batch.placed] if self.verify else None
+                    batch.transfer = self.path.scatter(batch.objs, batch.slots, expected, segs)
                     rep.copies_shared = batch.transfer.copies_shared
                     rep.phases["issue"] = time.perf_counter() - t2
                 except Exception as e:  # reported as a load error: vLLM recomputes these blocks
@@ -458,7 +203,10 @@ class KVTransferEngine:
             remote = self._held_views(requests, keys, index, handles)
             if remote:
                 # verify=False: the path checks the bytes it places (after the copy), not a CPU pass.
-                got = self.client.batch_retrieve(remote, pin=True, verify=not self.verify)
+                # segments: what lets a load that places a chunk's last tokens read only those.
+                got = self.client.batch_retrieve(
+                    remote, pin=True, verify=not self.verify, segments=self.verify
+                )
                 for k, h in zip(remote, got, strict=True):
                     handles[index[k]] = h
         except MaruError as e:
@@ -485,7 +233,8 @@ class KVTransferEngine:
         views = self.client.pool_mapping.read_views([[held[k].offset, held[k].size] for k in local])
         for k, view in zip(local, views, strict=True):
             h = held[k]
-            handles[index[k]] = Retrieved(k, h.offset, view, False, None, h.checksum)
+            handles[index[k]] = r = Retrieved(k, h.offset, view, False, None, h.checksum)
+            r.segments = h.segments
         return [k for k in keys if k not in held]
 
     def _parts(

@@ -44,6 +44,10 @@ class TransferHandle(ABC):
         """``maru.checksum`` of each gathered object's bytes, where the path computed it."""
         return None
 
+    def segment_sums(self) -> list[Any] | None:
+        """Each gathered object's ``maru.segments.SegmentSums``, where the path computed them."""
+        return None
+
     @property
     def copies_shared(self) -> int:
         """Items placed from another item's copy (the same pool entry): bus bytes not moved."""
@@ -68,10 +72,12 @@ class CompletedHandle(TransferHandle):
         failed: dict[int, str] | None = None,
         mismatched: list[int] | None = None,
         sums: list[int | None] | None = None,
+        segments: list[Any] | None = None,
     ) -> None:
         self._failed = failed or {}
         self._mismatched = mismatched or []
         self._sums = sums
+        self._segments = segments
 
     def done(self) -> bool:
         return True
@@ -87,6 +93,9 @@ class CompletedHandle(TransferHandle):
 
     def checksums(self) -> list[int | None] | None:
         return self._sums
+
+    def segment_sums(self) -> list[Any] | None:
+        return self._segments
 
 
 class DeviceHandle(TransferHandle):
@@ -108,6 +117,10 @@ class DeviceHandle(TransferHandle):
 
     def checksums(self) -> list[int | None] | None:
         got = self.transfer.checksums()
+        return None if got is None else list(got)
+
+    def segment_sums(self) -> list[Any] | None:
+        got = self.transfer.segment_sums()
         return None if got is None else list(got)
 
     @property
@@ -171,7 +184,8 @@ class ThreadedLayerHandle(LayerHandle):
     (and, on a device, ran); an item whose placement raised is skipped from then on and named by
     ``failed_items()``; every event is set when the thread ends, so a waiter never hangs. With
     ``expected`` (committed checksums per group), after the last layer the path checks the bytes
-    it placed from (``path.placed_checksums``) before ``done()`` turns true.
+    it placed from (``path.placed_checksums``; only the segments it placed, given ``segments``)
+    before ``done()`` turns true.
     """
 
     def __init__(
@@ -180,11 +194,13 @@ class ThreadedLayerHandle(LayerHandle):
         groups: list[list[tuple[Any, Any]]],
         num_layers: int,
         expected: list[list[int]] | None = None,
+        segments: list[list[Any]] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self._path = path
         self._groups = groups
         self._expected = expected
+        self._segments = segments  # per group, the committed segment sums of its objects (or None)
         self._events = [threading.Event() for _ in range(num_layers)]
         self._done = threading.Event()
         self._failed: dict[int, str] = {}
@@ -230,7 +246,8 @@ class ThreadedLayerHandle(LayerHandle):
         for g, parts in enumerate(self._groups):
             want = self._expected[g] if self._expected is not None else []
             if g not in self._failed:
-                got = self._path.placed_checksums([obj for obj, _ in parts])
+                segs = self._segments[g] if self._segments is not None else None
+                got = self._path.placed_checksums(parts, segs)
                 self._mismatched += [flat + i for i in compare(got, want)]
             flat += len(parts)
 

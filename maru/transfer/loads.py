@@ -240,16 +240,20 @@ class LayerByLayerLoad:
         ready, pinned.ready = pinned.ready, []  # the handle keeps the tensors it needs
         self._reqs = [req for req, _ in ready]
         self._bytes = {req.req_id: sum(p[2] for p in parts) for req, parts in ready}
-        groups, expected = [], []
+        groups, expected, segments = [], [], []
         self._placed: list[tuple[int, Any]] = []  # (group, lookup handle) of each placed chunk, flat
         for g, (req, parts) in enumerate(ready):
             placed = [p for c, p in zip(req.chunks, parts, strict=True) if c.places()]
             groups.append([(p[0], p[1]) for p in placed])
             expected.append([p[3].checksum for p in placed])
+            segments.append([p[3].segments for p in placed])
             self._placed += [(g, p[3]) for p in placed]
         try:
             if any(groups):
-                self.handle = engine.path.scatter_layers(groups, expected if engine.verify else None)
+                verify = engine.verify
+                self.handle = engine.path.scatter_layers(
+                    groups, expected if verify else None, segments if verify else None
+                )
         except Exception as e:
             why = f"placing the layers failed: {type(e).__name__}: {e}"
             for req in self._reqs:
@@ -318,6 +322,7 @@ class LayerByLayerLoad:
             failed = dict.fromkeys(range(len(self._reqs)), why)
             self.engine.path.settle()  # no copy may still read a page we unpin
         self.report.seconds += handle.host_seconds
+        self.report.unread_bytes = int(getattr(getattr(handle, "load", None), "unread_bytes", 0) or 0)
         for g, why in failed.items():
             self._take_back(self._reqs[g], why)
         return self.report

@@ -34,6 +34,7 @@ import torch
 from maru import kv_ops
 from maru.kv_ops.checksum import checksum_tensor
 from maru.kv_ops.cuda_sync import current_stream_handle
+from maru.segments import host_checksum, host_segment_sums
 from maru.transfer.handles import (
     CompletedHandle,
     DeviceHandle,
@@ -68,6 +69,9 @@ class DataPath(ABC):
     # layer-overlap load is the default there (``MaruConnectorConfig.layer_overlap``).
     places_layers_on_device: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
+    # Tokens a segment of the segment sums a gather computes with each checksum (maru.segments);
+    # None: none (set by the engine, from the cache's block size and the chunk size).
+    segment_tokens: int | None = None
 
     def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
         self.caches = caches
@@ -96,15 +100,27 @@ class DataPath(ABC):
 
     @abstractmethod
     def scatter(
-        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+        self,
+        objs: list[torch.Tensor],
+        slots: list[torch.Tensor],
+        expected: list[int] | None = None,
+        segments: list[Any] | None = None,
     ) -> TransferHandle:
         """Place each object's tokens at its slots (-1: skipped). Raises if it could not be issued.
-        ``expected``: committed checksums, checked against the placed bytes (``mismatched()``)."""
+        ``expected``: committed checksums, checked against the placed bytes (``mismatched()``);
+        ``segments``: their committed segment sums (or None each), which let a path that can read
+        only the segments it places."""
 
     @abstractmethod
-    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
+    def scatter_layers(
+        self,
+        groups: list[Chunks],
+        expected: list[list[int]] | None = None,
+        segments: list[list[Any]] | None = None,
+    ) -> LayerHandle:
         """Place every group (one request's chunks) layer by layer; items of the handle are groups.
-        ``expected``: per group, its objects' committed checksums (``mismatched()`` is flat)."""
+        ``expected``: per group, its objects' committed checksums (``mismatched()`` is flat);
+        ``segments``: per group, their committed segment sums (as ``scatter``)."""
 
     def settle(self) -> None:  # noqa: B027 - nothing is queued on a synchronous path
         """After a failed transfer: wait for whatever this path queued (never raises)."""
@@ -151,16 +167,23 @@ class _HostPlacement(DataPath):
         # called: CPU caches are written synchronously, and the staged path never defers (``after``).
         failed: dict[int, str] = {}
         sums: list[int | None] = []
+        segs: list[Any] = []
         for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
             try:
-                sums.append(self._gather_one(obj, s))
+                cs, seg = self._gather_one(obj, s)
             except Exception as e:  # that object is aborted, never published
                 failed[i] = f"{type(e).__name__}: {e}"
-                sums.append(None)
-        return CompletedHandle(failed, sums=sums)
+                cs, seg = None, None
+            sums.append(cs)
+            segs.append(seg)
+        return CompletedHandle(failed, sums=sums, segments=segs)
 
     def scatter(
-        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+        self,
+        objs: list[torch.Tensor],
+        slots: list[torch.Tensor],
+        expected: list[int] | None = None,
+        segments: list[Any] | None = None,
     ) -> TransferHandle:
         failed: dict[int, str] = {}
         bad: list[int] = []
@@ -172,21 +195,45 @@ class _HostPlacement(DataPath):
                 failed[i] = f"{type(e).__name__}: {e}"
                 continue
             # After the scatter: a change to the pool object before or during it shows here.
-            if expected is not None and self._checksum(obj, placed) != expected[i]:
+            seg = segments[i] if segments is not None else None
+            if expected is not None and self._checksum(obj, placed, s, seg) != expected[i]:
                 bad.append(i)
         self.sync()  # complete on return: it may be reported from any thread
         return CompletedHandle(failed, mismatched=bad)
 
-    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
+    def scatter_layers(
+        self,
+        groups: list[Chunks],
+        expected: list[list[int]] | None = None,
+        segments: list[list[Any]] | None = None,
+    ) -> LayerHandle:
         moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]
-        return ThreadedLayerHandle(self, moved, self.num_layers, expected)
+        return ThreadedLayerHandle(self, moved, self.num_layers, expected, segments)
 
-    def placed_checksums(self, objs: list[torch.Tensor]) -> list[int]:
-        """After a layer-by-layer placement: ``maru.checksum`` of each object it placed from."""
-        return [self._checksum(obj, self._to_device(obj)) for obj in objs]
+    def placed_checksums(
+        self, parts: list[tuple[torch.Tensor, Any]], segments: list[Any] | None = None
+    ) -> list[int]:
+        """After a layer-by-layer placement of ``parts`` (object, slots): the checksum each object
+        vouches with (``_checksum``)."""
+        segs = segments if segments is not None else [None] * len(parts)
+        return [
+            self._checksum(obj, self._to_device(obj), s, seg)
+            for (obj, s), seg in zip(parts, segs, strict=True)
+        ]
 
-    def _checksum(self, obj: torch.Tensor, placed: torch.Tensor) -> int:
-        """The checksum of the bytes a placement read: the pool object itself on the CPU."""
+    def _checksum(self, obj: torch.Tensor, placed: torch.Tensor, slots: Any = None, segs: Any = None) -> int:
+        """The checksum of the bytes a placement read. The pool object itself on the CPU: given its
+        committed segment sums, only the segments holding a placed token (``slots`` >= 0) are read
+        and the others count at their committed sums (``maru.segments.host_checksum``)."""
+        if segs is not None and slots is not None and placed.device.type == "cpu":
+            written = slots.cpu().numpy() >= 0
+            return host_checksum(
+                placed.reshape(-1).view(torch.uint8).numpy(),
+                placed.shape,
+                placed.element_size(),
+                written,
+                segs,
+            )
         return checksum_tensor(placed)
 
     def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
@@ -202,8 +249,8 @@ class _HostPlacement(DataPath):
         """Wait until the work this thread queued on the caches' device ran (no-op on CPU)."""
 
     @abstractmethod
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
-        """Gather one object; its checksum where the path computed it (else None)."""
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> tuple[int | None, Any]:
+        """Gather one object; its checksum and segment sums where the path computed them (else None)."""
 
 
 class CpuPath(_HostPlacement):
@@ -212,9 +259,15 @@ class CpuPath(_HostPlacement):
     name = "cpu"
     defers_store_gather = True
 
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> tuple[int | None, Any]:
         kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=obj)
-        return None  # batch_store checksums the pool object (numpy, the same pass it would be here)
+        if not self.segment_tokens or (obj.shape[3] * obj.element_size()) % 8:
+            return None, None  # batch_store checksums the pool object (the same pass it would be here)
+        # One read of the object gives both: the segment sums add up to the checksum.
+        segs = host_segment_sums(
+            obj.reshape(-1).view(torch.uint8).numpy(), obj.shape, obj.element_size(), self.segment_tokens
+        )
+        return segs.checksum(obj.numel() * obj.element_size()), segs
 
 
 class StagedPath(_HostPlacement):
@@ -235,10 +288,10 @@ class StagedPath(_HostPlacement):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> int | None:
+    def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> tuple[int | None, Any]:
         staged = kv_ops.gather(self.caches, self.layout, slots.to(self.device), backend=self.backend)
         obj.copy_(staged)  # synchronous: the object is complete before it is published
-        return checksum_tensor(staged)  # on the device: no CPU pass over the pool bytes
+        return checksum_tensor(staged), None  # on the device: no CPU pass over the pool bytes
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -293,7 +346,7 @@ class PipelinedPath(DataPath):
     ) -> TransferHandle:
         try:
             if after is None:
-                return DeviceHandle(self.pipeline.store(objs, _joined(slots), checksums=True, paced=paced))
+                return DeviceHandle(self._store(objs, slots, paced))
             # From another thread: the pipeline follows its caller's current stream, so that stream
             # is one that first waits for the mark (the forward's writes queued before it).
             if self._follower is None:
@@ -303,16 +356,25 @@ class PipelinedPath(DataPath):
                     self.pipeline._sync.wait_on(self._follower.cuda_stream, after.event)
                 else:
                     self._follower.wait_event(after)
-                return DeviceHandle(self.pipeline.store(objs, _joined(slots), checksums=True, paced=paced))
+                return DeviceHandle(self._store(objs, slots, paced))
         except ValueError:
             raise  # rejected before anything was queued
         except Exception:
             self.settle()  # an issue that failed half way may have queued copies
             raise
 
+    def _store(self, objs: list[torch.Tensor], slots: list[torch.Tensor], paced: bool) -> Any:
+        seg = self.segment_tokens
+        return self.pipeline.store(objs, _joined(slots), checksums=True, paced=paced, segment_tokens=seg)
+
     def scatter(
-        self, objs: list[torch.Tensor], slots: list[torch.Tensor], expected: list[int] | None = None
+        self,
+        objs: list[torch.Tensor],
+        slots: list[torch.Tensor],
+        expected: list[int] | None = None,
+        segments: list[Any] | None = None,
     ) -> TransferHandle:
+        # A whole-chunk load copies each object whole (the copy engine): its checksum reads it all.
         try:
             load = self.pipeline.load(objs, _joined(slots), checksums=expected is not None)
             return DeviceHandle(load, expected)
@@ -320,12 +382,21 @@ class PipelinedPath(DataPath):
             self.settle()  # a failure at issue may leave copies queued
             raise
 
-    def scatter_layers(self, groups: list[Chunks], expected: list[list[int]] | None = None) -> LayerHandle:
+    def scatter_layers(
+        self,
+        groups: list[Chunks],
+        expected: list[list[int]] | None = None,
+        segments: list[list[Any]] | None = None,
+    ) -> LayerHandle:
         # One call for every group: they succeed or fail together.
         flat = [c for g in groups for c in g]
+        segs = None if segments is None else [s for g in segments for s in g]
         try:
             load = self.pipeline.load_layers(
-                [o for o, _ in flat], _joined([s for _, s in flat]), checksums=expected is not None
+                [o for o, _ in flat],
+                _joined([s for _, s in flat]),
+                checksums=expected is not None,
+                segments=segs,
             )
         except Exception:
             self.settle()

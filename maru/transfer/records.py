@@ -47,12 +47,14 @@ class HeldChunk:
     hands the locations to the worker with the load, so the worker places the bytes without a
     lookup round trip; the pin is the scheduler's, released once the worker reports the load's
     ``ticket`` done (``maru.vllm.offer_pins``). The bytes are still checked against ``checksum``
-    after they are placed, as for any load."""
+    after they are placed, as for any load; with its committed ``segments`` (``maru.segments``), a
+    load that places only its last tokens reads only their segments."""
 
     key: str
     offset: int
     size: int
     checksum: int | None
+    segments: Any = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class LoadReport:
     # Chunks placed from another request's copy of the same pool entry (one copy served several
     # requests of the step: a shared prefix); counted in ``chunks``/``bytes`` like the others.
     copies_shared: int = 0
+    # Of ``bytes``: bytes of segments the load neither placed nor read (``maru.segments``: a chunk
+    # whose first tokens vLLM's own cache holds is read from the first segment it places).
+    unread_bytes: int = 0
     # Where ``seconds`` went (host wall time, seconds): "lookup" (the lookup-and-pin round trip),
     # "prepare" (checks, object views, slot mappings), "issue" (the path call), "wait" (from issue
     # to completion, as seen by ``collect``). A benchmark's breakdown, not a contract.

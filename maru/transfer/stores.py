@@ -21,6 +21,7 @@ class PreparedStore:
     keys: list[str] = field(default_factory=list)
     objects: list[Any] = field(default_factory=list)
     checksums: list[int | None] = field(default_factory=list)  # of the bytes written, where known
+    segments: list[Any] = field(default_factory=list)  # their SegmentSums, where known (maru.segments)
     nbytes: int = 0
 
 
@@ -37,6 +38,7 @@ class IssuedGather:
     ok: list[tuple[ChunkRef, Any]] = field(default_factory=list)
     bad: list[Any] = field(default_factory=list)
     sums: list[int | None] = field(default_factory=list)
+    segments: list[Any] = field(default_factory=list)  # SegmentSums parallel to ``sums`` (or None)
     outs: list[torch.Tensor] = field(default_factory=list)
 
 

@@ -185,7 +185,7 @@ class OfferPins:
         self.stats.pin_trips += 1
         t0 = time.perf_counter()
         try:
-            out = client.batch_retrieve(keys, pin=True, verify=False)
+            out = client.batch_retrieve(keys, pin=True, verify=False, segments=True)
         finally:
             self.stats.pin_trip_ms += (time.perf_counter() - t0) * 1e3
         for i, h in enumerate(out):
@@ -210,7 +210,7 @@ class OfferPins:
         self._handed[ticket] = _Handed(list(have.values()), time.monotonic())
         self.stats.handed += 1
         held = tuple(
-            HeldChunk(rk, p.handle.offset, p.handle.size, p.handle.checksum)
+            HeldChunk(rk, p.handle.offset, p.handle.size, p.handle.checksum, p.handle.segments)
             for k in keys
             for rk in rank_keys(k, self.tp_size)
             if (p := have.get(rk)) is not None

@@ -301,12 +301,13 @@ class MaruWorkerConnector:
         self.stats.add_load(rep, under_forward)
         if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
-                "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB in %.2f ms %s%s%s",
+                "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB%s in %.2f ms %s%s%s",
                 len(rep.loaded_req_ids),
                 rep.tokens,
                 rep.chunks,
                 f" ({rep.copies_shared} placed from a shared copy)" if rep.copies_shared else "",
                 rep.bytes / 2**20,
+                f" ({rep.unread_bytes / 2**20:.1f} MiB of it left unread)" if rep.unread_bytes else "",
                 rep.seconds * 1e3,
                 "of host time" if under_forward else f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s)",
                 how,

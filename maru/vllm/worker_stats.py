@@ -19,6 +19,7 @@ class WorkerStats:
     loads_from_held_pins: int = 0  # requests whose chunks came pinned by the scheduler (no lookup)
     load_seconds: float = 0.0  # of the loads the step waited for (not the layer loads)
     bytes_loaded_under_forward: int = 0  # of bytes_loaded: layer loads, placed under the forward
+    bytes_left_unread: int = 0  # of bytes_loaded: segments a load neither placed nor read (maru.segments)
     chunks_stored: int = 0
     chunks_present: int = 0
     tokens_stored: int = 0
@@ -50,6 +51,7 @@ class WorkerStats:
         self.chunks_loaded += rep.chunks
         self.bytes_loaded += rep.bytes
         self.load_copies_shared += rep.copies_shared
+        self.bytes_left_unread += rep.unread_bytes
         if under_forward:
             self.bytes_loaded_under_forward += rep.bytes
         else:

@@ -1,0 +1,123 @@
+"""Segment sums on a real GPU: every store way commits sums that match the pool bytes, and a direct
+layer load that skips a chunk's first tokens reads only the segments it places.
+
+The shapes and the registered pool are those of ``test_device_pipeline_gpu``. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu]
+
+from maru import kv_ops  # noqa: E402
+from maru import segments as sg  # noqa: E402
+from maru.checksum import checksum  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
+from tests.kv_ops.test_device_pipeline_gpu import (  # noqa: E402
+    BACKEND,
+    CHUNK,
+    HS,
+    NH,
+    RegisteredPool,
+    _reference_gather,
+    _slots,
+    make_caches,
+)
+
+SEG = 16
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RegisteredPool]:
+    p = RegisteredPool(1 << 30)
+    yield p
+    p.close()
+
+
+@pytest.fixture(autouse=True)
+def _rewind(pool: RegisteredPool) -> None:
+    pool.next = 0
+
+
+def _host_sums(obj: torch.Tensor) -> sg.SegmentSums:
+    return sg.host_segment_sums(obj.reshape(-1).view(torch.uint8).numpy(), obj.shape, 2, SEG)
+
+
+@pytest.mark.parametrize(
+    "way", ["staged", "staged_eager", "staged_torch", "direct", "paced", "sync"]
+)  # fmt: skip
+def test_every_store_way_commits_segment_sums_of_the_bytes_it_wrote(pool: RegisteredPool, way: str) -> None:
+    src = make_caches("flash_attn_HND", 31)
+    engine = pl.DevicePipeline(
+        src.layers,
+        src.layout(),
+        backend=BACKEND,
+        use_graphs=not way.endswith("_eager"),
+        raw_cuda=not way.endswith("_torch"),
+        store_path="direct" if way == "direct" else "staged",
+    )
+    sizes = [CHUNK, CHUNK, 37]  # 37: a last segment of 5 tokens
+    slots = _slots(src, sum(sizes), 32)
+    objs = [pool.alloc(engine, t) for t in sizes]
+    handle = engine.store(
+        objs, slots, checksums=True, segment_tokens=SEG, paced=way == "paced", pipelined=way != "sync"
+    )
+    handle.wait()
+    got = handle.segment_sums()
+    assert got == [_host_sums(o) for o in objs]
+    sums = handle.checksums()
+    assert sums == [checksum(o.reshape(-1).view(torch.uint8).numpy()) for o in objs]
+    assert all(s.consistent(c, o.numel() * 2) for s, c, o in zip(got, sums, strict=True))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_layer_load_skipping_first_tokens_reads_only_the_segments_it_places(
+    pool: RegisteredPool, graphs: bool
+) -> None:
+    src = make_caches("flashinfer_NHD", 41)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    sizes = [CHUNK, CHUNK, CHUNK, 100]  # two requests: chunks 0-1 and 2-3
+    slots = _slots(src, sum(sizes), 42)
+    objs = [pool.alloc(engine, t) for t in sizes]
+    store = engine.store(objs, slots, checksums=True, segment_tokens=SEG)
+    store.wait()
+    segs = store.segment_sums()
+    whole = [checksum(o.reshape(-1).view(torch.uint8).numpy()) for o in objs]
+    # Request 1 skips 40 tokens of chunk 0 (segments 0 and 1 unread, segment 2 read from token 32);
+    # request 2 skips all of chunk 2 but its last 8 tokens (segments 0-14 unread).
+    load_slots = slots.clone()
+    load_slots[:40] = -1
+    load_slots[2 * CHUNK : 3 * CHUNK - 8] = -1
+    fresh = make_caches("flashinfer_NHD", 43)
+    expected = fresh.clone()
+    kv_ops.scatter(
+        _reference_gather(src, slots), expected.layers, fresh.layout(), load_slots.cuda(), backend="reference"
+    )
+    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=graphs)
+    handle = loader.load_layers(objs, load_slots, checksums=True, segments=segs)
+    handle.wait()
+    assert handle.path == "layers-direct"
+    assert handle.checksums() == whole
+    row_bytes = 32 * 2 * NH * HS * 2  # every layer and plane of one token
+    assert handle.unread_bytes == (32 + 15 * SEG) * row_bytes
+    assert torch.equal(fresh.bits(), expected.bits())
+
+    # A changed byte in a segment nobody places goes unread; one in a read segment is caught.
+    for token, caught in ((5, False), (35, True)):
+        saved = objs[0].clone()
+        objs[0].view(torch.uint8)[7, 1, token, 3] ^= 0x21
+        again = loader.load_layers(objs, load_slots, checksums=True, segments=segs)
+        again.wait()
+        assert (again.checksums()[0] != whole[0]) == caught
+        assert again.checksums()[1:] == whole[1:]
+        objs[0].copy_(saved)
+
+    # Without segment sums the same load reads everything and vouches with the whole checksum.
+    plain = loader.load_layers(objs, load_slots, checksums=True)
+    plain.wait()
+    assert plain.checksums() == whole and plain.unread_bytes == 0
