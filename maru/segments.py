@@ -148,21 +148,23 @@ def host_segment_sums(
 
 def host_checksum(
     buffer: Any, shape: Sequence[int], esize: int, written: np.ndarray, segs: SegmentSums | None
-) -> int:
-    """The checksum a verifying load of a host object vouches with: over the segments holding a
-    ``written`` token (bool per token), the others counted at their committed sums (``segs``).
-    Without usable segment sums, or with every segment written, the whole object's checksum."""
+) -> tuple[int, int]:
+    """(the checksum a verifying load of a host object vouches with, the tokens it left unread):
+    read over the segments holding a ``written`` token (bool per token), the others counted at
+    their committed sums (``segs``). Without usable segment sums, or with every segment written,
+    the whole object's checksum."""
     from maru.checksum import _as_bytes, checksum
 
     shape = tuple(int(x) for x in shape)
     if segs is None or not segs.fits(shape[2]):
-        return checksum(buffer)
+        return checksum(buffer), 0
     need = read_segments(written, segs.tokens)
     if need.all():
-        return checksum(buffer)
+        return checksum(buffer), 0
     read = host_segment_sums(buffer, shape, esize, segs.tokens, only=need)
     skipped = np.flatnonzero(~need).tolist()
-    return (read.total + segs.raw_of(skipped)) & MASK64 ^ _as_bytes(buffer).size
+    unread = int(np.repeat(~need, segs.tokens)[: shape[2]].sum())
+    return (read.total + segs.raw_of(skipped)) & MASK64 ^ _as_bytes(buffer).size, unread
 
 
 def read_segments(written: np.ndarray, seg_tokens: int) -> np.ndarray:

@@ -87,15 +87,15 @@ def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
     segs = sg.host_segment_sums(obj, obj.shape, 2, 4)
     written = np.ones(SHAPE[2], dtype=bool)
     written[:6] = False  # segment 0 unread; segment 1 read (tokens 6, 7 placed)
-    assert sg.host_checksum(obj, obj.shape, 2, written, segs) == checksum(obj)
+    assert sg.host_checksum(obj, obj.shape, 2, written, segs) == (checksum(obj), 4)
     unread_poke = obj.copy()
     unread_poke[1, 0, 2, 3] ^= 0x40  # token 2: a segment nobody places
-    assert sg.host_checksum(unread_poke, obj.shape, 2, written, segs) == checksum(obj)
+    assert sg.host_checksum(unread_poke, obj.shape, 2, written, segs) == (checksum(obj), 4)
     read_poke = obj.copy()
     read_poke[0, 1, 5, 0] ^= 0x40  # token 5: not placed, but in segment 1, which is read
-    assert sg.host_checksum(read_poke, obj.shape, 2, written, segs) != checksum(obj)
+    assert sg.host_checksum(read_poke, obj.shape, 2, written, segs)[0] != checksum(obj)
     # Without segment sums: the whole object, so the unread poke is caught too.
-    assert sg.host_checksum(unread_poke, obj.shape, 2, written, None) != checksum(obj)
+    assert sg.host_checksum(unread_poke, obj.shape, 2, written, None) == (checksum(unread_poke), 0)
 
 
 def test_pieces_refuse_rows_that_are_not_whole_words() -> None:

@@ -365,11 +365,11 @@ def attach_host_checksums(
         cs, start = [], 0
         for o, segs in zip(objs, segments, strict=True):
             t = o.shape[2]
-            cs.append(
-                sg.host_checksum(
-                    _bytes_view(o).numpy(), o.shape, o.element_size(), written[start : start + t], segs
-                )
+            c, unread = sg.host_checksum(
+                _bytes_view(o).numpy(), o.shape, o.element_size(), written[start : start + t], segs
             )
+            cs.append(c)
+            handle.unread_bytes += unread * (o.numel() // t) * o.element_size()
             start += t
     else:
         cs = checksums(objs)

@@ -172,6 +172,8 @@ class KVTransferEngine(StoreSide):
                     segs = [h.segments for h in batch.placed] if self.verify else None
                     batch.transfer = self.path.scatter(batch.objs, batch.slots, expected, segs)
                     rep.copies_shared = batch.transfer.copies_shared
+                    # Host paths complete at issue; the copy engine's whole-chunk loads read all.
+                    rep.unread_bytes = batch.transfer.unread_bytes
                     rep.phases["issue"] = time.perf_counter() - t2
                 except Exception as e:  # reported as a load error: vLLM recomputes these blocks
                     why = f"placing the chunks failed: {type(e).__name__}: {e}"

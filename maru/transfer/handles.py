@@ -48,6 +48,10 @@ class TransferHandle(ABC):
         """Each gathered object's ``maru.segments.SegmentSums``, where the path computed them."""
         return None
 
+    # Of the bytes a verifying scatter moved, those of segments it neither placed nor read
+    # (``maru.segments``); known once the handle is.
+    unread_bytes: int = 0
+
     @property
     def copies_shared(self) -> int:
         """Items placed from another item's copy (the same pool entry): bus bytes not moved."""
@@ -124,6 +128,10 @@ class DeviceHandle(TransferHandle):
         return None if got is None else list(got)
 
     @property
+    def unread_bytes(self) -> int:  # type: ignore[override]
+        return int(getattr(self.transfer, "unread_bytes", 0) or 0)
+
+    @property
     def copies_shared(self) -> int:
         return int(getattr(self.transfer, "copies_shared", 0))
 
@@ -160,6 +168,10 @@ class DeviceLayerHandle(LayerHandle):
 
     def mismatched(self) -> list[int]:
         return compare(self.load.checksums(), self.expected)
+
+    @property
+    def unread_bytes(self) -> int:  # type: ignore[override]
+        return int(getattr(self.load, "unread_bytes", 0) or 0)
 
     def wait_for_layer(self, layer: int) -> None:
         self.load.wait_for_layer(layer)
@@ -247,7 +259,8 @@ class ThreadedLayerHandle(LayerHandle):
             want = self._expected[g] if self._expected is not None else []
             if g not in self._failed:
                 segs = self._segments[g] if self._segments is not None else None
-                got = self._path.placed_checksums(parts, segs)
+                got, unread = self._path.placed_checksums(parts, segs)
+                self.unread_bytes += unread
                 self._mismatched += [flat + i for i in compare(got, want)]
             flat += len(parts)
 

@@ -322,7 +322,7 @@ class LayerByLayerLoad:
             failed = dict.fromkeys(range(len(self._reqs)), why)
             self.engine.path.settle()  # no copy may still read a page we unpin
         self.report.seconds += handle.host_seconds
-        self.report.unread_bytes = int(getattr(getattr(handle, "load", None), "unread_bytes", 0) or 0)
+        self.report.unread_bytes = handle.unread_bytes
         for g, why in failed.items():
             self._take_back(self._reqs[g], why)
         return self.report

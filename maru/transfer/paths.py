@@ -187,6 +187,7 @@ class _HostPlacement(DataPath):
     ) -> TransferHandle:
         failed: dict[int, str] = {}
         bad: list[int] = []
+        unread = 0
         for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
             try:
                 placed = self._to_device(obj)
@@ -195,11 +196,16 @@ class _HostPlacement(DataPath):
                 failed[i] = f"{type(e).__name__}: {e}"
                 continue
             # After the scatter: a change to the pool object before or during it shows here.
-            seg = segments[i] if segments is not None else None
-            if expected is not None and self._checksum(obj, placed, s, seg) != expected[i]:
-                bad.append(i)
+            if expected is not None:
+                seg = segments[i] if segments is not None else None
+                cs, skipped = self._checksum(obj, placed, s, seg)
+                unread += skipped
+                if cs != expected[i]:
+                    bad.append(i)
         self.sync()  # complete on return: it may be reported from any thread
-        return CompletedHandle(failed, mismatched=bad)
+        handle = CompletedHandle(failed, mismatched=bad)
+        handle.unread_bytes = unread
+        return handle
 
     def scatter_layers(
         self,
@@ -212,29 +218,34 @@ class _HostPlacement(DataPath):
 
     def placed_checksums(
         self, parts: list[tuple[torch.Tensor, Any]], segments: list[Any] | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
         """After a layer-by-layer placement of ``parts`` (object, slots): the checksum each object
-        vouches with (``_checksum``)."""
+        vouches with (``_checksum``), and the bytes left unread."""
         segs = segments if segments is not None else [None] * len(parts)
-        return [
+        got = [
             self._checksum(obj, self._to_device(obj), s, seg)
             for (obj, s), seg in zip(parts, segs, strict=True)
         ]
+        return [c for c, _ in got], sum(u for _, u in got)
 
-    def _checksum(self, obj: torch.Tensor, placed: torch.Tensor, slots: Any = None, segs: Any = None) -> int:
-        """The checksum of the bytes a placement read. The pool object itself on the CPU: given its
-        committed segment sums, only the segments holding a placed token (``slots`` >= 0) are read
-        and the others count at their committed sums (``maru.segments.host_checksum``)."""
+    def _checksum(
+        self, obj: torch.Tensor, placed: torch.Tensor, slots: Any = None, segs: Any = None
+    ) -> tuple[int, int]:
+        """(The checksum of the bytes a placement read, the bytes it left unread.) The pool object
+        itself on the CPU: given its committed segment sums, only the segments holding a placed
+        token (``slots`` >= 0) are read and the others count at their committed sums
+        (``maru.segments.host_checksum``)."""
         if segs is not None and slots is not None and placed.device.type == "cpu":
             written = slots.cpu().numpy() >= 0
-            return host_checksum(
+            cs, tokens = host_checksum(
                 placed.reshape(-1).view(torch.uint8).numpy(),
                 placed.shape,
                 placed.element_size(),
                 written,
                 segs,
             )
-        return checksum_tensor(placed)
+            return cs, tokens * (placed.numel() // placed.shape[2]) * placed.element_size()
+        return checksum_tensor(placed), 0
 
     def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
         """Place layer ``layer`` of one chunk object ``[L, KV, T, ROW]`` at ``slots``."""

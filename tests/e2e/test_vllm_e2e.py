@@ -40,6 +40,7 @@ from tests.e2e.vllm_cpu import (
     P4,
     P5,
     P6,
+    P7,
     C,
     assert_stored_kv_matches,
     engine,
@@ -174,6 +175,13 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         res.b["p3"] = gen(b, P3)
         res.b["after_p3"] = b.call({"op": "stats"})
         res.b["flag_consumed"] = not flag.exists()
+        # vLLM's own cache then holds P1's first 160 tokens (P7's five blocks): P4's load from Maru
+        # starts one block into P1's third chunk, whose first segment it neither places nor reads.
+        assert b.call({"op": "reset_prefix_cache"})["ok"]
+        res.b["p7"] = gen(b, P7)
+        res.b["after_p7"] = b.call({"op": "stats"})
+        res.b["p4_inside"] = gen(b, P4)
+        res.b["after_p4_inside"] = b.call({"op": "stats"})
 
     # M: vLLM's default multi-process mode (what `vllm serve` runs): scheduler-side connector in the
     # engine-core process, worker-side in the worker process, metadata serialized between them;
@@ -275,6 +283,24 @@ def test_a_prompt_extending_a_stored_one_loads_its_chunks_and_tail_and_stays_cor
     # again (ChunkKeyCache); the keys are right, or the load above would have missed.
     s0, s1 = runs.b["after_p2"]["scheduler"], runs.b["after_p4"]["scheduler"]
     assert s1["keys_remembered"] - s0["keys_remembered"] >= 4
+
+
+def test_a_load_starting_inside_a_chunk_reads_only_the_segments_it_places(runs: Runs) -> None:
+    """Segment sums (maru.segments) in real vLLM: A committed them; B's load of P4 from token 160
+    (vLLM's own cache holds five blocks) leaves the first block of P1's third chunk unread and
+    still vouches for every byte it places: the output is identical."""
+    before, after = runs.b["after_p7"]["worker"], runs.b["after_p4_inside"]["worker"]
+    cached = runs.b["p4_inside"]["cached"]  # B stored P4's own chunks too when it first ran it
+    assert cached >= 288 and cached % C == 0
+    loaded = after["tokens_loaded"] - before["tokens_loaded"]
+    assert loaded == cached - 5 * BS
+    assert after["load_errors"] == before["load_errors"]
+    # Each object is counted whole in bytes_loaded; of those, one block of the third chunk (one
+    # segment: S is the block size) is what was left unread.
+    moved = after["bytes_loaded"] - before["bytes_loaded"]
+    unread = after["bytes_left_unread"] - before["bytes_left_unread"]
+    assert unread > 0 and unread * (loaded + BS) == moved * BS
+    assert runs.b["p4_inside"]["out"] == runs.n["p4"]["out"]
 
 
 def test_chunked_prefill_stores_every_full_chunk_and_the_tail(

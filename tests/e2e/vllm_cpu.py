@@ -36,6 +36,7 @@ P1 = random_tokens(300, 1)  # 4 chunks of 64 and a 32-token tail (vLLM may take 
 P2 = P1[: 2 * C] + random_tokens(172, 2)  # shares exactly two chunks with P1
 P3 = random_tokens(300, 3)  # stored by A; one chunk evicted before B's load
 P4 = P1 + random_tokens(100, 4)  # extends P1: P1's full chunks and P1's stored tail still apply
+P7 = P1[: 5 * BS] + random_tokens(20, 7)  # P1's first five blocks: two chunks and half a third
 P5, P6 = (
     random_tokens(300, 5),
     random_tokens(300, 6),
