@@ -72,7 +72,7 @@ def test_every_store_way_commits_segment_sums_of_the_bytes_it_wrote(pool: Regist
     assert got == [_host_sums(o) for o in objs]
     sums = handle.checksums()
     assert sums == [checksum(o.reshape(-1).view(torch.uint8).numpy()) for o in objs]
-    assert all(s.consistent(c, o.numel() * 2) for s, c, o in zip(got, sums, strict=True))
+    assert all(s.consistent(c, o.numel() * 2) for s, c, o in zip(got, sums, objs, strict=True))
 
 
 @pytest.mark.parametrize("graphs", [True, False])
