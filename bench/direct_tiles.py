@@ -42,6 +42,7 @@ def _time(fn, reps: int) -> float:  # noqa: ANN001
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--production", action="store_true", help="only the production tiles")
     args = ap.parse_args()
     nb = NCHUNK * CHUNK // BS * 2
     caches = [torch.randn(2, nb, BS, NH, HS, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
@@ -70,6 +71,8 @@ def main() -> None:
         if checksums:
             assert h.checksums() == want, "checksums differ"
         ms = _time(lambda: eng.load_layers(objs, load, checksums=checksums, **kw).wait_on(), args.reps)
+        if not checksums:  # the kernel reads only the rows it places
+            return ms, int((load >= 0).sum()) * L * 2 * NH * HS * 2
         return ms, total - h.unread_bytes
 
     saved = (tk.TuneParams.block_t, tk.TuneParams.num_warps)
@@ -78,6 +81,8 @@ def main() -> None:
     )
     print("|---:|---:|---|---|---:|---:|---:|---:|")
     rows = [(bt, w, True, True) for bt, w in itertools.product((1, 2, 4, 8, 16), (2, 4, 8))]
+    if args.production:
+        rows = [(saved[0], saved[1], True, True)]
     rows += [(saved[0], saved[1], True, False), (saved[0], saved[1], False, False)]
     for bt, w, cs, sg in rows:
         tk.TuneParams.block_t, tk.TuneParams.num_warps = bt, w

@@ -61,6 +61,40 @@ if triton is not None:
         return x
 
     @triton.jit
+    def row_terms(
+        vals,
+        word0,
+        r0,
+        read,
+        ROW: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        ESIZE: tl.constexpr,
+    ):
+        """Per row of ``vals`` (``[BLOCK_T, BLOCK_R]`` elements of ``ESIZE`` bytes: columns ``r0 ..``
+        of rows of ``ROW`` elements, whole 8-byte words, whose first word has index ``word0`` in its
+        object), the wrapping sum of the ``maru.checksum`` terms of those words. Rows where ``read``
+        is false and columns past ``ROW`` count 0. What a kernel that fuses the checksum into a
+        placement (``triton_kernels``) or reads rows for segment sums (``segment_kernels``) adds."""
+        EPW: tl.constexpr = 8 // ESIZE  # elements a word
+        if ESIZE == 1:
+            u = vals.to(tl.uint8, bitcast=True)
+        elif ESIZE == 2:
+            u = vals.to(tl.uint16, bitcast=True)
+        elif ESIZE == 4:
+            u = vals.to(tl.uint32, bitcast=True)
+        else:
+            u = vals.to(tl.uint64, bitcast=True)
+        shifts = (tl.arange(0, EPW) * (8 * ESIZE)).to(tl.uint64)
+        wcol = tl.arange(0, BLOCK_R // EPW)
+        parts = tl.reshape(u.to(tl.uint64), [BLOCK_T, BLOCK_R // EPW, EPW])
+        words = tl.sum(parts << shifts[None, None, :], axis=2)  # little-endian: element j at 8*ESIZE*j
+        widx = word0[:, None] + (r0 // EPW + wcol)[None, :]
+        terms = mix_words(words, widx.to(tl.uint64))
+        wm = read[:, None] & ((r0 + wcol * EPW) < ROW)[None, :]
+        return tl.sum(tl.where(wm, terms, 0).to(tl.uint64), axis=1)
+
+    @triton.jit
     def _block_sum(src, nbytes, start, first_word, BLOCK: tl.constexpr):
         """Wrapping sum of the mixes of words ``[start, start + BLOCK)`` of the ``nbytes`` at
         ``src``, word j counted as index ``first_word + j`` of its object; a partial last word is

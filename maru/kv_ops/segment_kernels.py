@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from maru.kv_ops import ops
-from maru.kv_ops.checksum import mix_words
+from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.triton_kernels import prepared, row_is_contiguous, row_offsets, tiles
@@ -80,27 +80,12 @@ def _cache_segments_kernel(
     EPW: tl.constexpr = 8 // ESIZE  # elements a word
     word0 = ((layer * NUM_KV + kv) * tokens + within) * ROW // EPW
     sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
-    shifts = (tl.arange(0, EPW) * (8 * ESIZE)).to(tl.uint64)
-    wcol = tl.arange(0, BLOCK_R // EPW)
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
         c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
         m = valid[:, None] & (c < ROW)[None, :]
         vals = tl.load(cache_row[:, None] + c_off[None, :], mask=m, other=0)
-        if ESIZE == 1:
-            u = vals.to(tl.uint8, bitcast=True)
-        elif ESIZE == 2:
-            u = vals.to(tl.uint16, bitcast=True)
-        elif ESIZE == 4:
-            u = vals.to(tl.uint32, bitcast=True)
-        else:
-            u = vals.to(tl.uint64, bitcast=True)
-        parts = tl.reshape(u.to(tl.uint64), [BLOCK_T, BLOCK_R // EPW, EPW])
-        words = tl.sum(parts << shifts[None, None, :], axis=2)  # little-endian: element j at 8*ESIZE*j
-        widx = word0[:, None] + (r0 // EPW + wcol)[None, :]
-        terms = mix_words(words, widx.to(tl.uint64))
-        wm = valid[:, None] & ((r0 + wcol * EPW) < ROW)[None, :]
-        sums += tl.sum(tl.where(wm, terms, 0).to(tl.uint64), axis=1)
+        sums += row_terms(vals, word0, r0, valid, ROW, BLOCK_T, BLOCK_R, ESIZE)
     first = tl.min(tl.where(valid, gid, 1 << 62), axis=0)
     last = tl.max(tl.where(valid, gid, -1), axis=0)
     if first == last:  # the usual tile: one segment, one atomic

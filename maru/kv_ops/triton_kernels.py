@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from maru.kv_ops.checksum import mix_words
+from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import as_bits
@@ -435,8 +435,6 @@ def _direct_layer_kernel(
         # Word index of the row's first element in its object (ROW * ESIZE % 8 == 0: rows are words).
         word0 = ((layer * NUM_KV + kv) * plane + row_in_obj * ROW) // EPW
         sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
-        shifts = (tl.arange(0, EPW) * (8 * ESIZE)).to(tl.uint64)
-        wcol = tl.arange(0, BLOCK_R // EPW)
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
         c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
@@ -445,20 +443,7 @@ def _direct_layer_kernel(
         vals = tl.load(src_row[:, None] + c[None, :], mask=rm, other=0)
         tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
         if CHECKSUM:
-            if ESIZE == 1:
-                u = vals.to(tl.uint8, bitcast=True)
-            elif ESIZE == 2:
-                u = vals.to(tl.uint16, bitcast=True)
-            elif ESIZE == 4:
-                u = vals.to(tl.uint32, bitcast=True)
-            else:
-                u = vals.to(tl.uint64, bitcast=True)
-            parts = tl.reshape(u.to(tl.uint64), [BLOCK_T, BLOCK_R // EPW, EPW])
-            words = tl.sum(parts << shifts[None, None, :], axis=2)  # little-endian: element j at 8*ESIZE*j
-            widx = word0[:, None] + (r0 // EPW + wcol)[None, :]
-            terms = mix_words(words, widx.to(tl.uint64))
-            wm = read[:, None] & ((r0 + wcol * EPW) < ROW)[None, :]
-            sums += tl.sum(tl.where(wm, terms, 0).to(tl.uint64), axis=1)
+            sums += row_terms(vals, word0, r0, read, ROW, BLOCK_T, BLOCK_R, ESIZE)
     if CHECKSUM:
         acc = tab_ptr + 5 * tab_stride
         first = tl.min(tl.where(read, obj, 1 << 62), axis=0)
