@@ -530,9 +530,10 @@ def direct_scatter_layer(
     buffer and no per-chunk copy to issue. ``tab``: ``[DIRECT_ROWS, W + 1]`` int64 on the caches'
     device (see ``direct_table_host``; ``num_tokens`` <= W); ``ref``: (bits tensor over the cache
     storage, element offset of this layer's base), as ``ops.layer_refs`` gives. With ``checksum``
-    it also reads the skipped rows and adds this layer's ``maru.checksum`` terms of every object
-    into row 5 of the table (object k at entry k): after every layer ran, entry k is the raw sum of
-    object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
+    it also reads the skipped rows (slot -1; not those marked -2: rows of segments left unread) and
+    adds this layer's ``maru.checksum`` terms of every object into row 5 of the table (object k at
+    entry k, which starts at the table's ``prefill``): after every layer ran, entry k is the raw sum
+    of object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
     """
     if num_tokens == 0:
         return
