@@ -385,6 +385,8 @@ def attach_host_checksums(
     from maru import segments as sg
 
     sizes = [nbytes_of(o) for o in objs]
+    if segment_tokens and objs and (objs[0].shape[-1] * objs[0].element_size()) % 8:
+        segment_tokens = None  # rows not whole words: no segment sums (the engine does not ask)
     if segment_tokens:
         sums = [
             sg.host_segment_sums(_bytes_view(o).numpy(), o.shape, o.element_size(), segment_tokens)

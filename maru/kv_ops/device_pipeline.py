@@ -308,12 +308,25 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         negative slot: nothing to vouch for there)."""
         from maru.kv_ops import segment_kernels as sk
 
-        if not sk.supported(self.layout, self.esize) or getattr(slot_mapping, "device", None) is None:
-            return None
-        if slot_mapping.device.type != "cpu":
-            return None
-        host = slot_mapping.to(torch.int64).numpy()
-        if host.size and int(host.min()) < 0:
+        why = None
+        if not sk.supported(self.layout, self.esize):
+            why = f"a row of the cache is {self.layout.row_size * self.esize} bytes, not whole 8-byte words"
+        elif getattr(slot_mapping, "device", None) is None or slot_mapping.device.type != "cpu":
+            why = "the store's slot mapping is not a host tensor"
+        else:
+            host = slot_mapping.to(torch.int64).numpy()
+            if host.size and int(host.min()) < 0:
+                why = "the store's slot mapping has negative slots"
+        if why is not None:
+            announce_once(
+                log,
+                "kv_ops.no-segment-sums",
+                logging.WARNING,
+                "maru.kv_ops: stores commit no segment sums (%s): a later load that places only a "
+                "chunk's last tokens reads the whole chunk to verify it. Fix: pass host slot mappings "
+                "of written tokens (the connector does)",
+                why,
+            )
             return None
         lengths = [o.shape[2] for o in objs]
         # The device tensors are used on the current stream alone, where torch's caching allocator

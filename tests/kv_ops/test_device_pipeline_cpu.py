@@ -309,3 +309,44 @@ def test_probe_registration_registers_then_releases_the_pool_file(pool: ShmPool)
     rec = cuda_host.probe_registration(pool.path, registry=cuda_host.CudaHostRegistry(lambda: rt))
     assert rec.registered and rec.size == 8 << 20 and rec.registered_bytes == 8 << 20
     assert [c[0] for c in rt.calls] == ["register", "unregister"]  # pinned only for the probe
+
+
+def test_segment_sums_on_cpu_caches_match_the_pool_bytes_and_partial_loads_read_less(pool: ShmPool) -> None:
+    from maru import segments as sg
+    from maru.checksum import checksum
+
+    src = _case("cpu_attn", "HND", 8)
+    sizes = [8, 8, 5]
+    slots = torch.tensor(random_slots(48, sum(sizes), generator=torch.Generator().manual_seed(9)))
+    objs = _chunks(pool, _engine(src), sizes)
+    store = _engine(src).store(objs, slots, checksums=True, segment_tokens=4)
+    store.wait()
+    segs = store.segment_sums()
+    raw = [o.reshape(-1).view(torch.uint8).numpy() for o in objs]
+    assert segs == [sg.host_segment_sums(r, o.shape, 2, 4) for r, o in zip(raw, objs, strict=True)]
+    assert store.checksums() == [checksum(r) for r in raw]
+    # A load skipping the first 5 tokens of the first object: segment 0 (4 tokens) is not read.
+    load = slots.clone()
+    load[:5] = -1
+    fresh, expected = _case("cpu_attn", "HND", 10), _case("cpu_attn", "HND", 10)
+    handle = _engine(fresh).load_layers(objs, load, checksums=True, segments=segs)
+    handle.wait()
+    assert handle.checksums() == store.checksums()
+    row = objs[0].numel() // sizes[0] * 2  # bytes of one token, every layer and plane
+    assert handle.unread_bytes == 4 * row
+    token0 = 0
+    for obj, t in zip(objs, sizes, strict=True):
+        naive_scatter(expected, load[token0 : token0 + t].tolist(), obj)
+        token0 += t
+    assert _same_storage(fresh, expected)
+
+
+def test_a_store_that_cannot_have_segment_sums_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    announce.forget("kv_ops.no-segment-sums")
+    engine = _engine(_case("kv_first", "NHD", 11))
+    objs = [torch.zeros(engine.object_shape(4), dtype=torch.bfloat16)]
+    with caplog.at_level(logging.WARNING, logger="maru.kv_ops"):
+        assert engine._queue_segments(objs, torch.tensor([3, -1, 5, 6]), 4) is None
+        assert engine._queue_segments(objs, torch.tensor([3, -1, 5, 6]), 4) is None
+    said = [r.getMessage() for r in caplog.records if "segment sums" in r.getMessage()]
+    assert len(said) == 1 and "negative slots" in said[0] and "Fix:" in said[0]
