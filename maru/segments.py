@@ -152,19 +152,22 @@ def host_checksum(
     """(the checksum a verifying load of a host object vouches with, the tokens it left unread):
     read over the segments holding a ``written`` token (bool per token), the others counted at
     their committed sums (``segs``). Without usable segment sums, or with every segment written,
-    the whole object's checksum."""
-    from maru.checksum import _as_bytes, checksum
+    the whole object's checksum; also for objects whose part to read is large enough for
+    ``maru.checksum`` to split a whole read over threads (the pieces are read on this thread, and
+    such a whole read is faster)."""
+    from maru.checksum import PARALLEL_BYTES, _as_bytes, _threads, checksum
 
     shape = tuple(int(x) for x in shape)
     if segs is None or not segs.fits(shape[2]):
         return checksum(buffer), 0
     need = read_segments(written, segs.tokens)
-    if need.all():
+    nbytes = _as_bytes(buffer).size
+    if need.all() or (nbytes * need.mean() >= PARALLEL_BYTES and _threads() > 1):
         return checksum(buffer), 0
     read = host_segment_sums(buffer, shape, esize, segs.tokens, only=need)
     skipped = np.flatnonzero(~need).tolist()
     unread = int(np.repeat(~need, segs.tokens)[: shape[2]].sum())
-    return (read.total + segs.raw_of(skipped)) & MASK64 ^ _as_bytes(buffer).size, unread
+    return (read.total + segs.raw_of(skipped)) & MASK64 ^ nbytes, unread
 
 
 def read_segments(written: np.ndarray, seg_tokens: int) -> np.ndarray:

@@ -101,3 +101,20 @@ def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
 def test_pieces_refuse_rows_that_are_not_whole_words() -> None:
     with pytest.raises(ValueError, match="whole 8-byte words"):
         sg.pieces((1, 2, 4, 3), 2, 2)
+
+
+def test_a_partial_read_large_enough_for_threads_reads_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces are read on the calling thread; from ``PARALLEL_BYTES`` a whole read is split over
+    threads and faster, so it is taken (and vouches for everything, unread poke included)."""
+    import maru.checksum as mc
+
+    obj = _obj(6)
+    segs = sg.host_segment_sums(obj, obj.shape, 2, 4)
+    written = np.ones(SHAPE[2], dtype=bool)
+    written[:6] = False
+    poked = obj.copy()
+    poked[1, 0, 2, 3] ^= 0x40  # unread by a partial read
+    assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(obj), 4)
+    monkeypatch.setattr(mc, "PARALLEL_BYTES", 64)
+    monkeypatch.setattr(mc, "_threads", lambda: 2)
+    assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(poked), 0)
