@@ -307,7 +307,7 @@ class MaruWorkerConnector:
                 rep.chunks,
                 f" ({rep.copies_shared} placed from a shared copy)" if rep.copies_shared else "",
                 rep.bytes / 2**20,
-                f" ({rep.unread_bytes / 2**20:.1f} MiB of it left unread)" if rep.unread_bytes else "",
+                f" ({_size(rep.unread_bytes)} of it left unread)" if rep.unread_bytes else "",
                 rep.seconds * 1e3,
                 "of host time" if under_forward else f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s)",
                 how,
@@ -556,3 +556,8 @@ def _close_engine_then_client(engine: Any, client: Any) -> None:
         except Exception as e:  # closing is best effort once the server is gone
             logger.warning("Maru: closing the transfer engine failed: %s", e)
     _close_quietly(client)
+
+
+def _size(nbytes: int) -> str:
+    """MiB with one decimal, or KiB below a tenth of a MiB (a small model's few rows)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes / 2**10:.1f} KiB"
