@@ -149,7 +149,7 @@ def host_segment_sums(
 def host_checksum(
     buffer: Any, shape: Sequence[int], esize: int, written: np.ndarray, segs: SegmentSums | None
 ) -> tuple[int, int]:
-    """(the checksum a verifying load of a host object vouches with, the tokens it left unread):
+    """(the checksum a verifying load of a host object vouches with, the bytes it left unread):
     read over the segments holding a ``written`` token (bool per token), the others counted at
     their committed sums (``segs``). Without usable segment sums, or with every segment written,
     the whole object's checksum; also for objects whose part to read is large enough for
@@ -167,7 +167,7 @@ def host_checksum(
     read = host_segment_sums(buffer, shape, esize, segs.tokens, only=need)
     skipped = np.flatnonzero(~need).tolist()
     unread = int(np.repeat(~need, segs.tokens)[: shape[2]].sum())
-    return (read.total + segs.raw_of(skipped)) & MASK64 ^ nbytes, unread
+    return (read.total + segs.raw_of(skipped)) & MASK64 ^ nbytes, unread * (nbytes // shape[2])
 
 
 def read_segments(written: np.ndarray, seg_tokens: int) -> np.ndarray:

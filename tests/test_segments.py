@@ -9,6 +9,7 @@ from maru import segments as sg
 from maru.checksum import MASK64, checksum, reference_checksum
 
 SHAPE = (3, 2, 13, 12)  # L, KV, T (not a multiple of the segment), ROW (fp16: 24 bytes, 3 words)
+TOKEN_BYTES = 3 * 2 * 12 * 2  # one token of every layer and plane
 
 
 def _obj(seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
@@ -87,10 +88,10 @@ def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
     segs = sg.host_segment_sums(obj, obj.shape, 2, 4)
     written = np.ones(SHAPE[2], dtype=bool)
     written[:6] = False  # segment 0 unread; segment 1 read (tokens 6, 7 placed)
-    assert sg.host_checksum(obj, obj.shape, 2, written, segs) == (checksum(obj), 4)
+    assert sg.host_checksum(obj, obj.shape, 2, written, segs) == (checksum(obj), 4 * TOKEN_BYTES)
     unread_poke = obj.copy()
     unread_poke[1, 0, 2, 3] ^= 0x40  # token 2: a segment nobody places
-    assert sg.host_checksum(unread_poke, obj.shape, 2, written, segs) == (checksum(obj), 4)
+    assert sg.host_checksum(unread_poke, obj.shape, 2, written, segs) == (checksum(obj), 4 * TOKEN_BYTES)
     read_poke = obj.copy()
     read_poke[0, 1, 5, 0] ^= 0x40  # token 5: not placed, but in segment 1, which is read
     assert sg.host_checksum(read_poke, obj.shape, 2, written, segs)[0] != checksum(obj)
@@ -114,7 +115,7 @@ def test_a_partial_read_large_enough_for_threads_reads_whole(monkeypatch: pytest
     written[:6] = False
     poked = obj.copy()
     poked[1, 0, 2, 3] ^= 0x40  # unread by a partial read
-    assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(obj), 4)
+    assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(obj), 4 * TOKEN_BYTES)
     monkeypatch.setattr(mc, "PARALLEL_BYTES", 64)
     monkeypatch.setattr(mc, "_threads", lambda: 2)
     assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(poked), 0)

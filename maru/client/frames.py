@@ -142,7 +142,14 @@ def lookup_segments(reply: dict[str, Any], n: int) -> list[SegmentSums | None]:
     return out
 
 
+# Why this process last got segment sums it could not parse (maru doctor shows it through the
+# connector's reported paths); None: never.
+bad_segments_seen: str | None = None
+
+
 def _announce_bad(why: str) -> None:
+    global bad_segments_seen
+    bad_segments_seen = why
     announce_once(
         log,
         BAD_SEGMENTS_ANNOUNCEMENT,

@@ -382,16 +382,9 @@ def attach_host_checksums(
     """
     if not wanted:
         return handle
-    from maru import segments as sg
-
     sizes = [nbytes_of(o) for o in objs]
-    if segment_tokens and objs and (objs[0].shape[-1] * objs[0].element_size()) % 8:
-        segment_tokens = None  # rows not whole words: no segment sums (the engine does not ask)
-    if segment_tokens:
-        sums = [
-            sg.host_segment_sums(_bytes_view(o).numpy(), o.shape, o.element_size(), segment_tokens)
-            for o in objs
-        ]
+    sums = [host_segment_sums(o, segment_tokens) for o in objs] if segment_tokens else []
+    if sums and None not in sums:
         most = max(len(s.raws) for s in sums)
         flat = [r for s in sums for r in (*s.raws, *([0] * (most - len(s.raws))))]
         handle.set_segments(segment_tokens, most, [o.shape[2] for o in objs], flat)
@@ -400,15 +393,30 @@ def attach_host_checksums(
         written = slots.numpy() >= 0
         cs, start = [], 0
         for o, segs in zip(objs, segments, strict=True):
-            t = o.shape[2]
-            c, unread = sg.host_checksum(
-                _bytes_view(o).numpy(), o.shape, o.element_size(), written[start : start + t], segs
-            )
+            c, unread = placed_checksum(o, written[start : start + o.shape[2]], segs)
             cs.append(c)
-            handle.unread_bytes += unread * (o.numel() // t) * o.element_size()
-            start += t
+            handle.unread_bytes += unread
+            start += o.shape[2]
     else:
         cs = checksums(objs)
     # finalize(raw, n) == raw ^ n: each checksum is stored as the raw sum that yields it.
     handle.set_checksums([c ^ n for c, n in zip(cs, sizes, strict=True)], sizes)
     return handle
+
+
+def host_segment_sums(obj: torch.Tensor, seg_tokens: int) -> Any:
+    """``maru.segments.host_segment_sums`` of a host chunk object ``[L, KV, T, ROW]``; None where its
+    rows are not whole 8-byte words (no segment sums for such a layout)."""
+    from maru import segments as sg
+
+    if (obj.shape[-1] * obj.element_size()) % 8:
+        return None
+    return sg.host_segment_sums(_bytes_view(obj).numpy(), obj.shape, obj.element_size(), seg_tokens)
+
+
+def placed_checksum(obj: torch.Tensor, written: Any, segs: Any) -> tuple[int, int]:
+    """(checksum, bytes left unread) a verifying load of the host object ``obj`` vouches with, given
+    which of its tokens it wrote and its committed segment sums (``maru.segments.host_checksum``)."""
+    from maru import segments as sg
+
+    return sg.host_checksum(_bytes_view(obj).numpy(), obj.shape, obj.element_size(), written, segs)

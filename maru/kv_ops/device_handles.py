@@ -81,6 +81,7 @@ class Transfer:
         """Each object's ``SegmentSums`` (None where not computed). After ``wait()`` or ``done()``."""
         if self._segments is None:
             return None
+        from maru.checksum import MASK64
         from maru.segments import SegmentSums
 
         with _SUMS_LOCK:
@@ -96,9 +97,8 @@ class Transfer:
         out = []
         for k, t in enumerate(lengths):
             n = -(-t // tokens)
-            out.append(
-                SegmentSums(tokens, tuple(int(r) & 0xFFFFFFFFFFFFFFFF for r in raw[k * most : k * most + n]))
-            )
+            # Raw sums come back as int64 (two's complement): as unsigned 64-bit values.
+            out.append(SegmentSums(tokens, tuple(int(r) & MASK64 for r in raw[k * most : k * most + n])))
         return out
 
     def done(self) -> bool:

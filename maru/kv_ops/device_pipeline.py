@@ -84,6 +84,9 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
     layer kernel read; computed on the device (``kv_ops.checksum``), no host pass over the bytes.
     """
 
+    # Why the last store committed no segment sums (None: it did, or none were asked for).
+    segments_off: str | None = None
+
     def __init__(
         self,
         caches: Any,
@@ -317,6 +320,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
             host = slot_mapping.to(torch.int64).numpy()
             if host.size and int(host.min()) < 0:
                 why = "the store's slot mapping has negative slots"
+        self.segments_off = why  # shown by maru doctor (the worker's reported paths)
         if why is not None:
             announce_once(
                 log,
@@ -329,10 +333,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
             )
             return None
         lengths = [o.shape[2] for o in objs]
-        # The device tensors are used on the current stream alone, where torch's caching allocator
-        # orders any reuse of their memory after this work; the pinned table is held by torch's host
-        # allocator until its upload ran. So nothing needs keeping alive here.
-        acc, most, _keep = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
+        acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
         sums = ck.to_host(acc, self._host_sums)
         return seg, most, lengths, sums, self._host_sums
 

@@ -10,7 +10,8 @@ Reading the caches rather than the bytes the store wrote is deliberate: the stor
 checksum covers what reached the pool, these sums cover what the forward computed, and the
 writer commits only objects where the two agree (``SegmentSums.consistent``). A store path that
 wrote any byte wrong is caught before the key is published, not after a reader loaded it.
-The caches are read from device memory (HBM): ~10 us of device time a 32 MiB chunk on an H200.
+The caches are read from device memory (HBM), not over the bus; on the H200 the storing
+instance's steps showed no added time (bench/RESULTS.md, pass 35; not timed alone).
 """
 
 from __future__ import annotations
@@ -127,23 +128,16 @@ def queue_cache_segments(
     slots: np.ndarray,
     seg_tokens: int,
     device: torch.device,
-) -> tuple[torch.Tensor, int, Any]:
+) -> tuple[torch.Tensor, int]:
     """Queue, on the current stream, the segment sums of the chunk objects a store of ``lengths``
     tokens per object at ``slots`` (host int64, every slot >= 0) will write.
 
-    Returns (device int64 accumulators, ``[n * most]``; ``most``; what must stay alive until the
-    kernel ran). Raw sums: segment ``s`` of object ``k`` is entry ``k * most + s``; entries past an
-    object's last segment stay 0. Needs ``supported(layout, esize)``.
+    Returns (device int64 accumulators, ``[n * most]``; ``most``). Raw sums: segment ``s`` of object
+    ``k`` is entry ``k * most + s``; entries past an object's last segment stay 0. Needs
+    ``supported(layout, esize)``. Nothing needs keeping alive by the caller: the device tensors
+    are used on the current stream alone, where torch's caching allocator orders any reuse of their
+    memory after this work, and torch's host allocator holds the pinned table until its upload ran.
     """
-    host, most = segments_table(lengths, slots, seg_tokens)
-    total = host.shape[1]
-    acc = torch.zeros(len(lengths) * most, dtype=torch.int64, device=device)
-    if total == 0:
-        return acc, most, None
-    pinned = torch.from_numpy(host)
-    if device.type == "cuda":
-        pinned = pinned.pin_memory()
-    tab = pinned.to(device, non_blocking=True)
     refs = ops.layer_refs(caches, layout)
     cache0, offsets, _align = prepared(refs)
     esize = cache0.element_size()
@@ -151,6 +145,15 @@ def queue_cache_segments(
         raise ValueError(
             f"segment sums need rows of whole 8-byte words; a row here is {layout.row_size * esize} bytes"
         )
+    host, most = segments_table(lengths, slots, seg_tokens)
+    total = host.shape[1]
+    acc = torch.zeros(len(lengths) * most, dtype=torch.int64, device=device)
+    if total == 0:
+        return acc, most
+    pinned = torch.from_numpy(host)
+    if device.type == "cuda":
+        pinned = pinned.pin_memory()
+    tab = pinned.to(device, non_blocking=True)
     block_t, block_r, num_warps = tiles(layout, total)
     grid = (triton.cdiv(total, block_t), len(refs) * layout.num_kv)
     _SEGMENTS.launch(
@@ -178,4 +181,4 @@ def queue_cache_segments(
         row_is_contiguous(layout),
         esize,
     )
-    return acc, most, (pinned, tab, offsets)
+    return acc, most

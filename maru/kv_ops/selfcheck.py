@@ -254,7 +254,7 @@ class Checker:
 
         n = sum(lengths)
         slots = torch.tensor(random_slots(layout.num_slots, n, generator=self.gen))
-        acc, most, _ = sk.queue_cache_segments(
+        acc, most = sk.queue_cache_segments(
             case.caches, layout, lengths, slots.numpy(), seg, torch.device(self.device)
         )
         raw = acc.cpu().tolist()

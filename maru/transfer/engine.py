@@ -90,9 +90,12 @@ class KVTransferEngine(StoreSide):
         self.paced_store = paced_store
         # Stores commit segment sums with each checksum (maru.segments): a load that places only
         # a chunk's last tokens then reads only their segments. 0 turns them off.
-        esize = self.caches[0].element_size()
-        if segment_tokens is None and chunk_tokens and (int(layout.row_size) * esize) % 8 == 0:
-            segment_tokens = segments.segment_tokens(self.block_size, int(chunk_tokens))
+        row_bytes = int(layout.row_size) * self.caches[0].element_size()
+        if segment_tokens is None and chunk_tokens:
+            if row_bytes % 8 == 0:
+                segment_tokens = segments.segment_tokens(self.block_size, int(chunk_tokens))
+            else:
+                self.path.no_segments = f"a row of the cache is {row_bytes} bytes, not whole 8-byte words"
         self.path.segment_tokens = segment_tokens or None
 
     @property
@@ -235,8 +238,7 @@ class KVTransferEngine(StoreSide):
         views = self.client.pool_mapping.read_views([[held[k].offset, held[k].size] for k in local])
         for k, view in zip(local, views, strict=True):
             h = held[k]
-            handles[index[k]] = r = Retrieved(k, h.offset, view, False, None, h.checksum)
-            r.segments = h.segments
+            handles[index[k]] = Retrieved(k, h.offset, view, False, None, h.checksum, segments=h.segments)
         return [k for k in keys if k not in held]
 
     def _parts(

@@ -32,9 +32,8 @@ from typing import Any, ClassVar
 import torch
 
 from maru import kv_ops
-from maru.kv_ops.checksum import checksum_tensor
+from maru.kv_ops.checksum import checksum_tensor, host_segment_sums, placed_checksum
 from maru.kv_ops.cuda_sync import current_stream_handle
-from maru.segments import host_checksum, host_segment_sums
 from maru.transfer.handles import (
     CompletedHandle,
     DeviceHandle,
@@ -70,8 +69,13 @@ class DataPath(ABC):
     places_layers_on_device: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
     # Tokens a segment of the segment sums a gather computes with each checksum (maru.segments);
-    # None: none (set by the engine, from the cache's block size and the chunk size).
+    # None: none (set by the engine, from the cache's block size and the chunk size), and why not.
     segment_tokens: int | None = None
+    no_segments: str | None = None
+
+    def segments_off(self) -> str | None:
+        """Why this path's stores commit no segment sums (None: they do, or were not asked to)."""
+        return self.no_segments
 
     def __init__(self, caches: list[torch.Tensor], layout: Any, *, backend: str | None = None) -> None:
         self.caches = caches
@@ -236,15 +240,7 @@ class _HostPlacement(DataPath):
         token (``slots`` >= 0) are read and the others count at their committed sums
         (``maru.segments.host_checksum``)."""
         if segs is not None and slots is not None and placed.device.type == "cpu":
-            written = slots.cpu().numpy() >= 0
-            cs, tokens = host_checksum(
-                placed.reshape(-1).view(torch.uint8).numpy(),
-                placed.shape,
-                placed.element_size(),
-                written,
-                segs,
-            )
-            return cs, tokens * (placed.numel() // placed.shape[2]) * placed.element_size()
+            return placed_checksum(placed, slots.cpu().numpy() >= 0, segs)
         return checksum_tensor(placed), 0
 
     def place_layer(self, obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
@@ -272,12 +268,10 @@ class CpuPath(_HostPlacement):
 
     def _gather_one(self, obj: torch.Tensor, slots: torch.Tensor) -> tuple[int | None, Any]:
         kv_ops.gather(self.caches, self.layout, slots, backend=self.backend, out=obj)
-        if not self.segment_tokens or (obj.shape[3] * obj.element_size()) % 8:
+        segs = host_segment_sums(obj, self.segment_tokens) if self.segment_tokens else None
+        if segs is None:
             return None, None  # batch_store checksums the pool object (the same pass it would be here)
         # One read of the object gives both: the segment sums add up to the checksum.
-        segs = host_segment_sums(
-            obj.reshape(-1).view(torch.uint8).numpy(), obj.shape, obj.element_size(), self.segment_tokens
-        )
         return segs.checksum(obj.numel() * obj.element_size()), segs
 
 
@@ -425,6 +419,9 @@ class PipelinedPath(DataPath):
     def store_ways(self) -> frozenset[str]:
         """How the pipeline queued its staged stores so far: "libcudart", "torch (<why>)"."""
         return self.pipeline.store_ways
+
+    def segments_off(self) -> str | None:
+        return self.no_segments or getattr(self.pipeline, "segments_off", None)
 
     @property
     def paces_stores(self) -> bool:

@@ -220,10 +220,7 @@ class StoreSide:
                 # computes them all over the pool objects.
                 sums = prep.checksums if prep.checksums and None not in prep.checksums else None
                 segs = prep.segments if sums is not None and any(prep.segments) else None
-                if segs is None:
-                    results = self.client.batch_store(prep.keys, prep.objects, checksums=sums)
-                else:
-                    results = self.client.batch_store(prep.keys, prep.objects, checksums=sums, segments=segs)
+                results = self.client.batch_store(prep.keys, prep.objects, checksums=sums, segments=segs)
             except MaruError as e:
                 rep.failed += len(prep.objects)
                 rep.tokens = 0

@@ -112,7 +112,8 @@ class MaruWorkerConnector:
         self.async_loads = AsyncLoads(  # maru_async_load
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
-        self._store_ways: frozenset[str] = frozenset()  # the stores' ways as last reported (_report_paths)
+        # The stores' ways and why they commit no segment sums, as last reported (_report_paths).
+        self._store_ways: tuple[frozenset[str], str | None] = (frozenset(), None)
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -204,7 +205,8 @@ class MaruWorkerConnector:
 
     def _report_paths(self) -> None:
         # The stores' ways when last reported (a reconnect reports afresh, with them).
-        self._store_ways = self.engine.path.store_ways if self.engine is not None else frozenset()
+        path = self.engine.path if self.engine is not None else None
+        self._store_ways = (path.store_ways, path.segments_off()) if path is not None else (frozenset(), None)
         report = getattr(self._client, "set_client_info", None)
         if report is None:
             return
@@ -454,8 +456,9 @@ class MaruWorkerConnector:
         self.write_behind.collect(timeout_s)
 
     def _account_store(self, rep: StoreReport) -> None:
-        ways = self.engine.path.store_ways if self.engine is not None else frozenset()
-        if ways != self._store_ways:  # a way seen the first time: report it (maru stats, doctor)
+        path = self.engine.path if self.engine is not None else None
+        seen = (path.store_ways, path.segments_off()) if path is not None else (frozenset(), None)
+        if seen != self._store_ways:  # a way or reason seen the first time: report it (maru stats, doctor)
             self._report_paths()
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present

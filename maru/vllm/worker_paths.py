@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from maru import checksum, kv_ops
+from maru.client import frames
 from maru.vllm.layer_loads import UNWAITED
 
 
@@ -44,6 +45,18 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         if eng.device.type == "cpu":  # CUDA caches are checked by a Triton kernel instead
             paths["checksum"] = checksum.implementation()
             slow.extend(checksum.slow_reasons())
+        paths["segment_sums"] = f"{eng.path.segment_tokens} tokens" if eng.path.segment_tokens else "off"
+        if why := eng.path.segments_off():
+            slow.append(
+                f"stores commit no segment sums ({why}): a load that places only a chunk's last "
+                "tokens reads the whole chunk to verify it (more bus bytes). Fix: see the reason "
+                "(docs/reliability.md, segment sums)"
+            )
+        if bad := frames.bad_segments_seen:
+            slow.append(
+                f"the server sent segment sums that do not parse ({bad}): those chunks are verified "
+                "whole (more bus bytes). Fix: run a client and server of the same Maru version"
+            )
         if ways := eng.path.store_ways:  # known after the first store
             torch_ways = sorted(w for w in ways if w != "libcudart")
             paths["store_issue"] = "; ".join((["libcudart"] if "libcudart" in ways else []) + torch_ways)

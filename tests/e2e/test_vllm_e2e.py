@@ -242,6 +242,7 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
     paths = workers[0]["paths"]
     assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "write-behind")  # the default
     assert paths["checksum"] == "native"  # the compiled loop (this machine has a C compiler)
+    assert paths["segment_sums"] == f"{BS} tokens"  # chunks of two blocks: a segment a block
     assert workers[0]["slow"] == []  # the CPU path is the fast path here: nothing for the doctor to flag
     # vLLM's scheduler side reports how its prefix probes reach the pool: the key index.
     schedulers = [i for i in infos if i.get("role") == "vllm-scheduler"]

@@ -21,6 +21,7 @@ from maru.kv_ops.testing import CacheCase, bits, naive_token
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.paths import CpuPath
 from maru.transfer.records import ChunkRef, RequestTransfer
+from maru.vllm.metadata import MaruConnectorMetadata
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client
 from tests.transfer.helpers import BS, CHUNK, case, flip_behind, load_in_mode, request
@@ -135,3 +136,34 @@ def test_a_store_whose_bytes_differ_from_the_cache_publishes_nothing(client: Mar
     assert "do not match the KV cache" in (rep.error or "")
     assert client.exists([c.key for c in req.chunks]) == [False, False]
     assert client.usage()["reserved"] == 0  # the objects were handed back
+
+
+def test_a_worker_reports_its_segment_sums_and_why_it_has_none(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    """``maru stats`` and ``maru doctor`` show what the connector's stores commit: the segment size,
+    and a reason (a slower later load) when a store could not have segment sums."""
+    from tests.pool_fixtures import stop_worker
+    from tests.transfer.helpers import worker
+
+    w = worker(server, case("kv_first", "NHD", 21))
+    try:
+        req = request("seg-doctor", [1, 2, 3, 4], 2 * CHUNK)
+        w.start_load_kv(None)
+        w.wait_for_save(MaruConnectorMetadata(stores=[req]))
+        w.flush_stores()
+        info = w.data_paths()
+        assert info["paths"]["segment_sums"] == f"{BS} tokens"
+        assert not [s for s in info["slow"] if "segment sums" in s]
+        w.engine.path.no_segments = "a test's reason"
+        slow = [s for s in w.data_paths()["slow"] if "segment sums" in s]
+        assert len(slow) == 1 and "a test's reason" in slow[0] and "Fix:" in slow[0]
+    finally:
+        stop_worker(w)
+
+
+def test_an_engine_over_rows_of_partial_words_says_it_has_no_segment_sums(client: MaruHandler) -> None:
+    odd = case("kv_first", "NHD", 22, torch.float16, num_kv_heads=1, head_size=3)  # 6-byte rows
+    eng = _engine(odd, client, segment_tokens=None)
+    assert eng.path.segment_tokens is None
+    assert "not whole 8-byte words" in (eng.path.segments_off() or "")
