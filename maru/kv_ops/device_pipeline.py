@@ -12,7 +12,8 @@ placement kernels:
   runs it on streams and slots of its own with a short kernel between chunk copies, so that the
   inference engine's own copies are not held behind it (``kv_ops.paced_store``). Commit (publish keys) only after
   ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
-* LAYERS (``load_layers``): see ``kv_ops.layer_paths``; one event per layer.
+* LAYERS (``load_layers``): see ``kv_ops.layer_copies`` (the copy engines, the default where CUDA
+  has batched copies) and ``kv_ops.layer_paths`` (direct and staged); one event per layer.
 
 Invariants:
 
@@ -45,6 +46,7 @@ from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync, current_stream_handle
 from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
 from maru.kv_ops.host_scratch import HostScratch
+from maru.kv_ops.layer_copies import CopiedLayers
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.paced_store import PacedStores
@@ -52,6 +54,8 @@ from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
 from maru.segments import SegmentSums
+
+LAYER_PATHS = ("auto", "copied", "direct", "staged")
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -64,7 +68,7 @@ __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "hos
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedStores):
+class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, StorePaths, PacedStores):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -102,8 +106,8 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
         layer_checksums: bool = False,
         store_path: str = "staged",
     ) -> None:
-        if layer_path not in ("auto", "direct", "staged"):
-            raise ValueError(f"layer_path must be 'auto', 'direct' or 'staged', got {layer_path!r}")
+        if layer_path not in LAYER_PATHS:
+            raise ValueError(f"layer_path must be one of {LAYER_PATHS}, got {layer_path!r}")
         if store_path not in STORE_PATHS:
             raise ValueError(f"store_path must be one of {STORE_PATHS}, got {store_path!r}")
         self.store_path = store_path
@@ -376,6 +380,13 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
             self._check_pinned(objs)
             if checksums:
                 self._check_layer_checksums()
+            if placer is None and self._use_copies(slot_mapping, objs[0]):
+                try:
+                    return self._issue_layers_copied(
+                        objs, slot_mapping, skip_tokens, nbytes, checksums, segments
+                    )
+                except torch.OutOfMemoryError as e:  # its staging: nothing was queued yet
+                    self._copies_failed(e)
             if placer is None and self._use_direct(objs[0]):
                 return self._issue_layers_direct(objs, slot_mapping, skip_tokens, nbytes, checksums, segments)
             slots = self._slots(slot_mapping, objs, skip_tokens)
@@ -406,6 +417,8 @@ class DevicePipeline(PipelineInputs, ChunkLoads, LayerPaths, StorePaths, PacedSt
                 for slot in self._ring:
                     slot.placer.warm(int(chunk_tokens), checksum=True)
                 self._warm_paced(int(chunk_tokens))
+            if layer_tokens and self.warm_copied():
+                return  # the copied way replays no graphs: none to capture for the direct way
             if self._layer_placer is None:
                 return
             for tokens in layer_tokens:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -223,6 +224,40 @@ class Checker:
                 got == want and all(self.same(x, y) for x, y in zip(d.storages(), f.storages(), strict=True)),
                 f"direct_scatter_layer(checksum=True) {p} chunks {[h.shape[2] for h in host]}",
             )
+            self._check_direct_staged(p, layout, host, s, width, d, want, seed)
+
+    def _check_direct_staged(
+        self, p: Params, layout: KVLayout, host: list[torch.Tensor], s: torch.Tensor, width: int,
+        d: CacheCase, want: list[int], seed: int,
+    ) -> None:  # fmt: skip
+        """The copied layer way's reads (``kv_ops.layer_copies``): layer i of every object staged in
+        slot i % 2 of a device buffer, each object's region in its own layer layout, read with
+        the slot's offset (``stage_off``): the same placement and the same checksums."""
+        regions = [h[0].numel() for h in host]  # elements of one layer of each object
+        offsets = [sum(regions[:k]) for k in range(len(host))]
+        slot = sum(regions)
+        staging = torch.zeros(2 * slot, dtype=host[0].dtype, device=self.device)
+        chunks = [
+            (staging.data_ptr() + o * staging.element_size(), h.shape[2])
+            for o, h in zip(offsets, host, strict=True)
+        ]
+        tab = triton_kernels.direct_table_host(chunks, s, layout.row_size, host[0].element_size(), width)
+        tab = tab.to(self.device)
+        g = self._make(p, seed + 5)
+        grefs = layer_refs(g.caches, layout)
+        for layer in range(p.num_layers):
+            at = (layer % 2) * slot
+            for h, o, r in zip(host, offsets, regions, strict=True):
+                staging[at + o : at + o + r].copy_(h[layer].reshape(-1))
+            triton_kernels.direct_scatter_layer(
+                tab, grefs[layer], layout, layer, width, checksum=True, stage_off=at * staging.element_size()
+            )
+        raw = tab[5, : len(host)].cpu().tolist()
+        got = [finalize(r, h.numel() * h.element_size()) for r, h in zip(raw, host, strict=True)]
+        self.expect(
+            got == want and all(self.same(x, y) for x, y in zip(d.storages(), g.storages(), strict=True)),
+            f"direct_scatter_layer from a staged layer {p} chunks {[h.shape[2] for h in host]}",
+        )
 
     def check_segments(self, p: Params, layout: KVLayout, case: CacheCase, seed: int) -> None:
         """Segment sums (``maru.segments``): the store kernel's sums from the caches equal the host
@@ -340,7 +375,8 @@ def run(device: str = "cpu", quick: bool = False, seed: int = 0) -> list[str]:
         try:
             checker.check(p)
         except Exception as exc:  # report and keep going: one broken layout must not hide the others
-            checker.expect(False, f"error {p}: {type(exc).__name__}: {exc}")
+            where = [f.name for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__]
+            checker.expect(False, f"error {p} in {' < '.join(reversed(where))}: {type(exc).__name__}: {exc}")
     checker.check_axis_swap_is_caught()
     print(
         f"selfcheck: {checker.count - len(checker.failures)}/{checker.count} comparisons matched on {device}",

@@ -366,6 +366,7 @@ def _direct_layer_kernel(
     tab_ptr,
     cache_ptr,
     layer,
+    stage_off,
     num_tokens,
     tab_stride,
     s_block,
@@ -384,6 +385,7 @@ def _direct_layer_kernel(
     ROW_CONTIG: tl.constexpr,
     CHECKSUM: tl.constexpr,
     ESIZE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     # One program per (token tile, plane). The table's last column, row 0, says how rows 0 and 1 are
     # indexed (read at run time, so one captured graph serves both):
@@ -399,6 +401,8 @@ def _direct_layer_kernel(
     # tokens: part of the object) unless their slot is -2, and adds the ``maru.checksum`` terms of
     # this layer and plane of each object into its entry of row 5 (which the table starts at the
     # committed sums of the segments left unread: ``direct_table_host``'s ``prefill``).
+    # STAGED: the table names a device slot holding layer ``layer`` of each object in its layer
+    # layout, read ``stage_off`` bytes further (``kv_ops.layer_copies``); else the objects.
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -419,11 +423,18 @@ def _direct_layer_kernel(
     within = tl.where(per_chunk, t - k * div, 0)
     addr = tl.load(tab_ptr + k, mask=read, other=0)
     plane = tl.load(tab_ptr + tab_stride + k, mask=read, other=0)
-    src_row = (
-        addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
-        + (layer * NUM_KV + kv) * plane
-        + within.to(tl.int64) * ROW
-    )
+    if STAGED:
+        src_row = (
+            (addr + stage_off).to(tl.pointer_type(cache_ptr.dtype.element_ty))
+            + kv * plane
+            + within.to(tl.int64) * ROW
+        )
+    else:
+        src_row = (
+            addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
+            + (layer * NUM_KV + kv) * plane
+            + within.to(tl.int64) * ROW
+        )
     blk = slot // BS
     off_in_block = slot % BS
     s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
@@ -522,6 +533,7 @@ def direct_scatter_layer(
     num_tokens: int,
     *,
     checksum: bool = False,
+    stage_off: int | None = None,
 ) -> None:
     """Place layer ``layer`` of the chunk objects a direct table names into one layer's cache.
 
@@ -534,6 +546,9 @@ def direct_scatter_layer(
     adds this layer's ``maru.checksum`` terms of every object into row 5 of the table (object k at
     entry k, which starts at the table's ``prefill``): after every layer ran, entry k is the raw sum
     of object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
+    ``stage_off``: the table names a device staging slot holding layer ``layer`` of every object
+    in the object's own layer layout ([KV, T, ROW] at each address; ``kv_ops.layer_copies``): read
+    the rows there, ``stage_off`` bytes further. None: read layer ``layer`` of the objects.
     """
     if num_tokens == 0:
         return
@@ -552,6 +567,7 @@ def direct_scatter_layer(
         tab,
         cache,
         layer,
+        0 if stage_off is None else stage_off,
         num_tokens,
         tab.stride(0),
         layout.block_stride,
@@ -570,6 +586,7 @@ def direct_scatter_layer(
         row_is_contiguous(layout),
         checksum,
         esize,
+        stage_off is not None,
     )
 
 

@@ -447,6 +447,12 @@ class PipelinedPath(DataPath):
             )
         if not layer_overlap:
             return entries, slow
+        if getattr(self.pipeline, "_copied_ok", None):  # kv_ops.layer_copies: no layer graphs
+            entries["layer_way"] = "copy engines"
+            return entries, slow
+        if why := getattr(self.pipeline, "copied_off", None):
+            entries["layer_way"] = "direct (the SMs read the pool)"
+            slow.append(f"layer-overlap loads read the pool with the SMs, beside the forward pass: {why}")
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))
         placer = getattr(self.pipeline, "_layer_placer", None)
         one_launch = (
@@ -502,7 +508,8 @@ class PipelinedPath(DataPath):
             t0 = time.perf_counter()
             pipeline.warm(0, layer_tokens=_buckets_up_to(LAYER_WARM_TOKENS))
             logger.info(
-                "Maru: layer-overlap graphs captured for loads up to %d tokens in %.2f s",
+                "Maru: layer-overlap loads warmed (%s) for loads up to %d tokens in %.2f s",
+                "copy engines" if pipeline._copied_ok else "graphs captured",
                 LAYER_WARM_TOKENS,
                 time.perf_counter() - t0,
             )

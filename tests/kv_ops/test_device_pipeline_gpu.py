@@ -189,6 +189,8 @@ def test_reference_placement_agrees_with_the_per_token_definition_on_hnd() -> No
         "layers_torch",
         "layers_staged",
         "layers_staged_eager",
+        "layers_direct",
+        "layers_direct_eager",
     ],
 )
 def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
@@ -200,7 +202,8 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     # _staged: the layer path through staging copies instead of the direct (zero-copy) kernel;
     # _directstore: the store written in place by the gather kernel instead of through the ring
     graphs, raw = not path.endswith("_eager"), not path.endswith("_torch")
-    layer_path = "staged" if "_staged" in path else "auto"
+    # _direct: the layer path read over the bus by the SMs, not through the copy engines (auto)
+    layer_path = "staged" if "_staged" in path else "direct" if "layers_direct" in path else "auto"
     store_path = "direct" if "_directstore" in path else "staged"
     path = path.split("_")[0]
     kw = dict(
@@ -235,9 +238,13 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     loader = pl.DevicePipeline(fresh.layers, fresh.layout(), **kw)
     if path == "layers":
         handle = loader.load_layers(objs, slots)
-        assert handle.graphed == (graphs and BACKEND != "reference")
-        direct = layer_path == "auto" and BACKEND != "reference"
-        assert handle.path == ("layers-direct" if direct else "layers")
+        if BACKEND == "reference" or layer_path == "staged":
+            assert handle.path == "layers"
+        elif layer_path == "direct" or not raw:  # no libcudart through ctypes: no batched copies
+            assert handle.path == "layers-direct"
+            assert handle.graphed == graphs
+        else:
+            assert handle.path == "layers-copied"
         for i in range(L):
             handle.wait_for_layer(i)
     else:
@@ -301,8 +308,9 @@ def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: Regi
     engine.store(objs, slots).wait()
     fresh = make_caches("flash_attn_HND", 28)
     loader = pl.DevicePipeline(
-        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True, lazy_capture=False
-    )
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True,
+        lazy_capture=False, layer_path="direct",
+    )  # fmt: skip
     loader.warm(0, layer_tokens=[2 * CHUNK])  # bucket 512: two chunks fit, three do not
     expected = fresh.clone()
     kv_ops.scatter(
@@ -424,7 +432,7 @@ def test_one_launch_layer_loads_order_each_layer_and_reuse_their_graphs_in_turn(
     fresh = make_caches("flashinfer_HND", 70)
     loader = pl.DevicePipeline(
         fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=False, layer_graphs=True,
-        lazy_capture=False, layer_checksums=checksums,
+        lazy_capture=False, layer_checksums=checksums, layer_path="direct",
     )  # fmt: skip
     loader.warm(0, layer_tokens=[2 * CHUNK])
     reader = torch.cuda.Stream()
@@ -543,7 +551,7 @@ def test_consecutive_loads_of_one_page_share_a_copy_and_each_lands_at_its_slots(
     assert handle.checksums() == [sums[o.data_ptr()] for o in objs]
 
 
-@pytest.mark.parametrize("mode", ["chunks", "layers"])
+@pytest.mark.parametrize("mode", ["chunks", "layers", "layers_copied"])
 def test_loads_issued_back_to_back_past_the_scratch_ring_each_land_their_own_slots(
     pool: RegisteredPool, mode: str
 ) -> None:
@@ -567,12 +575,17 @@ def test_loads_issued_back_to_back_past_the_scratch_ring_each_land_their_own_slo
         kv_ops.scatter(
             obj.cuda(), expected.layers, fresh.layout(), part, backend="reference", skip_tokens=skips[k]
         )
-    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, layer_checksums=True)
+    way = "copied" if mode == "layers_copied" else "direct"  # copied: the staging ring reused too
+    if way == "copied" and BACKEND == "reference":
+        pytest.skip("the copied layer way places with the Triton kernel")
+    loader = pl.DevicePipeline(
+        fresh.layers, fresh.layout(), backend=BACKEND, layer_checksums=True, layer_path=way
+    )
     loader.warm(CHUNK, layer_tokens=[CHUNK])
     handles = []
     for k, obj in enumerate(objs):
         part = all_slots[k * CHUNK : (k + 1) * CHUNK]  # a host mapping: the pinned scratch way
-        if mode == "layers":
+        if mode.startswith("layers"):
             handles.append(loader.load_layers([obj], part, skip_tokens=skips[k], checksums=True))
         else:
             handles.append(loader.load([obj], part, skip_tokens=skips[k], checksums=True))
@@ -584,3 +597,5 @@ def test_loads_issued_back_to_back_past_the_scratch_ring_each_land_their_own_slo
     assert [h.checksums()[0] for h in handles] == want
     if mode == "layers":
         assert all(h.one_launch for h in handles)  # the lean raw issue ran
+    if mode == "layers_copied":
+        assert all(h.path == "layers-copied" for h in handles)

@@ -75,9 +75,9 @@ def test_every_store_way_commits_segment_sums_of_the_bytes_it_wrote(pool: Regist
     assert all(s.consistent(c, o.numel() * 2) for s, c, o in zip(got, sums, objs, strict=True))
 
 
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("way", ["copied", "direct", "direct_eager"])
 def test_a_layer_load_skipping_first_tokens_reads_only_the_segments_it_places(
-    pool: RegisteredPool, graphs: bool
+    pool: RegisteredPool, way: str
 ) -> None:
     src = make_caches("flashinfer_NHD", 41)
     engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
@@ -98,10 +98,13 @@ def test_a_layer_load_skipping_first_tokens_reads_only_the_segments_it_places(
     kv_ops.scatter(
         _reference_gather(src, slots), expected.layers, fresh.layout(), load_slots.cuda(), backend="reference"
     )
-    loader = pl.DevicePipeline(fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=graphs)
+    loader = pl.DevicePipeline(
+        fresh.layers, fresh.layout(), backend=BACKEND, use_graphs=way != "direct_eager",
+        layer_path=way.split("_")[0],
+    )  # fmt: skip
     handle = loader.load_layers(objs, load_slots, checksums=True, segments=segs)
     handle.wait()
-    assert handle.path == "layers-direct"
+    assert handle.path == f"layers-{way.split('_')[0]}"
     assert handle.checksums() == whole
     row_bytes = 32 * 2 * NH * HS * 2  # every layer and plane of one token
     assert handle.unread_bytes == (32 + 15 * SEG) * row_bytes

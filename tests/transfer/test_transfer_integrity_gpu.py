@@ -65,13 +65,13 @@ def test_the_kernel_on_cuda_matches_maru_checksum(size: int) -> None:
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
-@pytest.mark.parametrize("how", ["chunks", "chunks-direct-store", "direct", "staged-layers"])
+@pytest.mark.parametrize("how", ["chunks", "chunks-direct-store", "direct", "copied", "staged-layers"])
 def test_device_pipeline_checksums_are_of_the_bytes_it_moved(physical: str, how: str) -> None:
     from maru.kv_ops.device_pipeline import DevicePipeline
 
     case = _case(physical, 1)
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
-    lp = {"direct": "direct", "staged-layers": "staged"}.get(how, "auto")
+    lp = {"direct": "direct", "copied": "copied", "staged-layers": "staged"}.get(how, "auto")
     sp = "direct" if how == "chunks-direct-store" else "staged"  # the store in place, or the ring
     pipe = DevicePipeline(case.caches, layout, layer_path=lp, layer_checksums=True, store_path=sp)
     tokens = [16, 16, 5]
