@@ -287,18 +287,20 @@ class CopiedLayers:
         copied, placed = self._layer_events()
         refs = ops.layer_refs(self.caches, self.layout)
         t_copies = time.perf_counter()
-        batch, stride = self._batch, m * 8
+        batch, row8 = self._batch, m * 8  # bytes of one layer's row of the address arrays
         with torch.cuda.stream(self._place_stream):  # the kernels launch on the current stream
             for i in range(self.num_layers):
                 if i >= ring:  # slot i % ring was last read by layer i - ring's placement
                     sync.wait_on(copy_h, placed[i - ring])
                 if m:
-                    at = i * stride
+                    at = i * row8
                     batch.copy(dsts.ctypes.data + at, srcs.ctypes.data + at, sizes.ctypes.data, m, copy_h)
                 sync.record_on(copied[i], copy_h)
                 sync.wait_on(place_h, copied[i])
-                at = (i % ring) * stride
-                tk.direct_scatter_layer(tab, refs[i], self.layout, i, width, checksum=checksums, stage_off=at)
+                slot = (i % ring) * stride
+                tk.direct_scatter_layer(
+                    tab, refs[i], self.layout, i, width, checksum=checksums, stage_off=slot
+                )
                 sync.record_on(placed[i], place_h)
         done = sums = None
         if checksums:  # the kernels summed every object into row 5 of the table

@@ -84,6 +84,7 @@ class Checker:
         self.gen = torch.Generator().manual_seed(seed)
         self.failures: list[str] = []
         self.count = 0
+        self.unbuilt: list[str] = []  # kernels this compiler refused to build (no result to compare)
 
     def _make(self, p: Params, seed: int) -> CacheCase:
         gen = torch.Generator().manual_seed(seed)
@@ -249,9 +250,23 @@ class Checker:
             at = (layer % 2) * slot
             for h, o, r in zip(host, offsets, regions, strict=True):
                 staging[at + o : at + o + r].copy_(h[layer].reshape(-1))
-            triton_kernels.direct_scatter_layer(
-                tab, grefs[layer], layout, layer, width, checksum=True, stage_off=at * staging.element_size()
-            )
+            try:
+                triton_kernels.direct_scatter_layer(
+                    tab,
+                    grefs[layer],
+                    layout,
+                    layer,
+                    width,
+                    checksum=True,
+                    stage_off=at * staging.element_size(),
+                )
+            except RuntimeError as e:  # the compiler refused it: that layout keeps the direct way
+                if "PassManager" not in str(e):
+                    raise
+                self.unbuilt.append(f"staged direct_scatter_layer {p}")
+                print(f"NOT BUILT staged direct_scatter_layer {p}: {e} (the copied layer way stays off "
+                      "for this layout: kv_ops.layer_copies.warm_copied)", flush=True)  # fmt: skip
+                return
         raw = tab[5, : len(host)].cpu().tolist()
         got = [finalize(r, h.numel() * h.element_size()) for r, h in zip(raw, host, strict=True)]
         self.expect(
@@ -379,7 +394,8 @@ def run(device: str = "cpu", quick: bool = False, seed: int = 0) -> list[str]:
             checker.expect(False, f"error {p} in {' < '.join(reversed(where))}: {type(exc).__name__}: {exc}")
     checker.check_axis_swap_is_caught()
     print(
-        f"selfcheck: {checker.count - len(checker.failures)}/{checker.count} comparisons matched on {device}",
+        f"selfcheck: {checker.count - len(checker.failures)}/{checker.count} comparisons matched on {device}"
+        + (f"; {len(checker.unbuilt)} kernel(s) the compiler did not build" if checker.unbuilt else ""),
         flush=True,
     )
     return checker.failures
