@@ -253,6 +253,7 @@ class BatchCopies:
         srcs = np.array([src.data_ptr(), src.data_ptr() + half], dtype=np.uint64)
         sizes = np.array([half, half], dtype=np.uint64)
         stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # after the zeros land (a busy stream)
         try:
             self.copy(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, 2, stream.cuda_stream)
             stream.synchronize()

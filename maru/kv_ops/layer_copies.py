@@ -20,7 +20,16 @@ Invariants:
   (slot > -2 with checksums, >= 0 without). Rows outside that range are never read.
 * The copy into slot s waits for the placement that last read s (layer i - R of this call, or the
   previous call's last placement); the placement of layer i waits for its copy alone.
-* Every operation starts after the work queued on the caller's stream (``_after_caller``).
+* The placements start after the work queued on the caller's stream (``_after_caller``); the
+  copies do not wait for it (they write only the staging, and read pool pages the caller pinned).
+
+Opt-in (``layer_path="copied"``), not the default: inside real vLLM 0.26 on an H200 (bench/RESULTS.md,
+thirty-sixth pass) the issue of a warm burst step (30 chunks, 32 layers: 32 batched copies of ~45
+ranges, 32 kernel launches, 128 event calls) took 6.5-7.5 ms of the worker's host time, against
+~2.4 ms for the direct way's one graph launch, and the step's forward took 19.7 ms (V2 runner) and
+15.6 ms (V1) against 12-13 ms: the host issue, not the bus, bounds it there. What it would need:
+the placements in one CUDA graph (event-wait nodes for the copies) and the copies issued off the
+forward's thread.
 """
 
 from __future__ import annotations
@@ -143,36 +152,24 @@ class CopiedLayers:
     _copy_tab: Any = None  # the device table the placements read
 
     def _use_copies(self, slot_mapping: Any, obj: torch.Tensor | None = None) -> bool:
-        """Whether this layer load takes the copied way: decided once per engine (the batched copy
-        proved on one probe batch, the first objects pinned: the pool registered with CUDA), then
-        per call (a host slot mapping: the rows to copy are planned on the host). Announced once either way; ``layer_path="copied"`` raises instead."""
-        if self.layer_path not in ("auto", "copied"):
+        """Whether this layer load takes the copied way (``layer_path="copied"`` only): checked
+        once per engine (the batched copy proved on one probe batch, the first objects pinned: the
+        pool registered with CUDA; raises with the reason if not), then per call (a host slot
+        mapping: the rows to copy are planned on the host; a device one takes the direct way)."""
+        if self.layer_path != "copied":  # opt-in: see the module docstring's last paragraph
             return False
         if self._copied_ok is None:
             why = self._copied_blocker(obj)
-            self._copied_ok = why is None
-            self.copied_off = why
-            if why is None:
-                announce_once(
-                    log,
-                    "kv_ops.layer-copied",
-                    logging.INFO,
-                    "maru.kv_ops: layer-overlap load through the copy engines (one batched copy a layer into "
-                    "a device staging slot, then the placement kernel from device memory): the SMs stay "
-                    "with the forward pass",
-                )
-            elif self.layer_path == "copied":
+            self._copied_ok, self.copied_off = why is None, why
+            if why is not None:
                 raise RuntimeError(f"layer_path='copied' cannot run: {why}")
-            else:
-                announce_once(
-                    log,
-                    "kv_ops.layer-not-copied",
-                    logging.WARNING,
-                    "maru.kv_ops: the layer-overlap load reads the pool with the SMs (the direct way), "
-                    "which slows a forward pass beside it (a GEMM stream took 2.96x as long on an H200): %s. "
-                    "Fix: a CUDA runtime of 12.8 or later (torch's cu128 wheels or newer)",
-                    why,
-                )
+            announce_once(
+                log,
+                "kv_ops.layer-copied",
+                logging.INFO,
+                "maru.kv_ops: layer-overlap load through the copy engines (one batched copy a layer into "
+                "a device staging slot, then the placement kernel from device memory)",
+            )
         return bool(self._copied_ok) and slot_mapping.device.type == "cpu"
 
     def _copied_blocker(self, obj: torch.Tensor | None) -> str | None:
@@ -204,6 +201,9 @@ class CopiedLayers:
                 self._sync.synchronize(self._stage_free)
             self._stage = None
             self._stage = torch.empty(need, dtype=torch.uint8, device=self.device)
+            # The allocator hands out blocks in the current stream's order; the copies run on
+            # another stream, so they wait for the work queued there that may still use the block.
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self._stage
 
     def _copies_failed(self, error: BaseException) -> None:
