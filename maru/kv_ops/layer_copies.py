@@ -45,7 +45,7 @@ import torch
 
 from maru.announce import announce_once
 from maru.kv_ops import ops
-from maru.kv_ops.cuda_sync import D2H, BatchCopies
+from maru.kv_ops.cuda_sync import BatchCopies
 from maru.kv_ops.device_handles import LayerLoad
 from maru.kv_ops.layer_paths import _bucket
 from maru.segments import mark_unread
@@ -139,10 +139,10 @@ class CopiedLayers:
     _copy_stream: Any
     _place_stream: Any
     _place_h: int
-    _done_event: Callable[[], Any]
     _after_caller: Callable[..., None]
     _layer_events: Callable[[], tuple[list[Any], list[Any]]]
     _check_slots: Callable[..., torch.Tensor]
+    _table_sums: Callable[[torch.Tensor, int], tuple[torch.Tensor, Any]]
 
     _batch: BatchCopies | None = None
     _copied_ok: bool | None = None  # decided once, on the first layer load that could use it
@@ -304,11 +304,7 @@ class CopiedLayers:
                 sync.record_on(placed[i], place_h)
         done = sums = None
         if checksums:  # the kernels summed every object into row 5 of the table
-            sums = self._host_sums.take(n)
-            row5 = tab.data_ptr() + tk.DIRECT_SUMS_ROW * tab.stride(0) * 8
-            sync.copy(sums.data_ptr(), row5, n * 8, place_h, D2H)
-            done = self._done_event()
-            sync.record_on(done, place_h)
+            sums, done = self._table_sums(tab, n)
         t_end = time.perf_counter()
         self._stage_free = done if done is not None else placed[-1]
         handle = LayerLoad(nbytes, placed, sync, (objs, tab, staging, srcs, dsts, sizes), done)

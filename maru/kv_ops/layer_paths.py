@@ -346,12 +346,7 @@ class LayerPaths:
             t_place = time.perf_counter()
             placed = self._layer_placer.scatter_direct_all(tb, checksum=checksums, stream=place_h)
             if checksums:  # the kernels summed every object into row 5 of the table
-                n = len(objs)
-                sums = self._host_sums.take(n)
-                row5 = tab.data_ptr() + tk.DIRECT_SUMS_ROW * tab.stride(0) * 8
-                sync.copy(sums.data_ptr(), row5, n * 8, place_h, D2H)
-                done = self._done_event()
-                sync.record_on(done, place_h)
+                sums, done = self._table_sums(tab, len(objs))
         else:
             try:
                 tab, placed, done, sums, t_place = self._issue_direct_torch(
@@ -377,6 +372,18 @@ class LayerPaths:
         handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
         handle.place_issue_s = t_end - t_place
         return handle
+
+    def _table_sums(self, tab: torch.Tensor, n: int) -> tuple[torch.Tensor, Any]:
+        """Queue (raw, placement stream) the copy of the ``n`` sums the direct kernels added into
+        row 5 of device table ``tab`` to pinned host sums; returns them and the event after it."""
+        from maru.kv_ops import triton_kernels as tk
+
+        sums = self._host_sums.take(n)
+        row5 = tab.data_ptr() + tk.DIRECT_SUMS_ROW * tab.stride(0) * 8
+        self._sync.copy(sums.data_ptr(), row5, n * 8, self._place_h, D2H)
+        done = self._done_event()
+        self._sync.record_on(done, self._place_h)
+        return sums, done
 
     def _issue_direct_torch(
         self,
