@@ -62,6 +62,10 @@ API_LOADS: dict[str, dict[str, Any]] = {
     "async": {"maru_async_load": True},
     "overlap": {"maru_overlap_load_with_compute": True},  # on the V1 runner: pins once a step
     "overlap-v2": {"maru_overlap_load_with_compute": True},  # set explicitly: the default's load
+    # The layer load through the copy engines (kv_ops.layer_copies): on the default (V2) runner,
+    # and with "overlap" on the V1 runner (ENGINE_ENV).
+    "copied": {"maru_layer_path": "copied"},
+    "overlap-copied": {"maru_overlap_load_with_compute": True, "maru_layer_path": "copied"},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so

@@ -181,7 +181,11 @@ OFFLINE: dict[str, dict[str, Any] | None] = {
 # Same-step loads (sync, layer overlap) run on vLLM's V1 model runner: on the V2 runner (vLLM's
 # default on GPUs) the connector replaces them by asynchronous loads (vLLM #49250, docs/vllm.md), so
 # the "async" engine is also what the default configuration runs there.
-ENGINE_ENV = {"sync": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "overlap": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+ENGINE_ENV = {
+    "sync": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "overlap": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "overlap-copied": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+}
 STORE_MODE = {
     "sync": "sync store",
     "async": "write-behind",

@@ -8,6 +8,8 @@
 # TEST_PATHS: the GPU test files to run (default tests/e2e/test_gpu_vllm_e2e.py).
 # Example: API_LOADS="default sync overlap async" BENCH_S=420 bash bench/gpu_vllm_pass.sh
 #          API_STORES="sync unpaced probe" API_PAIR=1 bash bench/gpu_vllm_pass.sh
+#          API_LOADS="default copied overlap overlap-copied" bash bench/gpu_vllm_pass.sh  (the layer
+#          load through the copy engines, maru_layer_path=copied, against the direct way)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 if [ ! -d /tmp/site/vllm ]; then

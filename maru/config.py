@@ -26,6 +26,9 @@ DEFAULT_QUARANTINE_TIMEOUT_S = 600.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 DEFAULT_MAX_CLIENTS = 1024
+# How a GPU layer-by-layer load reads the pool (``kv_ops.device_pipeline``, docs/gpu.md): auto is
+# the direct kernel; copied, the copy engines (kv_ops.layer_copies); staged, per-chunk copies.
+LAYER_PATHS = ("auto", "copied", "direct", "staged")
 
 _UNITS = {
     "": 1,

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
+from maru.config import LAYER_PATHS
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.chunk_loads import ChunkLoads
@@ -54,8 +55,6 @@ from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
 from maru.segments import SegmentSums
-
-LAYER_PATHS = ("auto", "copied", "direct", "staged")
 
 log = logging.getLogger("maru.kv_ops")
 

@@ -154,15 +154,23 @@ class CopiedLayers:
     def _use_copies(self, slot_mapping: Any, obj: torch.Tensor | None = None) -> bool:
         """Whether this layer load takes the copied way (``layer_path="copied"`` only): checked
         once per engine (the batched copy proved on one probe batch, the first objects pinned: the
-        pool registered with CUDA; raises with the reason if not), then per call (a host slot
-        mapping: the rows to copy are planned on the host; a device one takes the direct way)."""
+        pool registered with CUDA; if not, the direct way, announced with the reason and reported
+        by ``layer_way``), then per call (a host slot mapping: the rows to copy are planned on the
+        host; a device one takes the direct way)."""
         if self.layer_path != "copied":  # opt-in: see the module docstring's last paragraph
             return False
         if self._copied_ok is None:
             why = self._copied_blocker(obj)
             self._copied_ok, self.copied_off = why is None, why
-            if why is not None:
-                raise RuntimeError(f"layer_path='copied' cannot run: {why}")
+            if why is not None:  # the direct way instead: announced, and a slow path (layer_way)
+                announce_once(
+                    log,
+                    "kv_ops.layer-not-copied",
+                    logging.WARNING,
+                    "maru.kv_ops: layer_path='copied' cannot run (%s); layer loads take the direct way",
+                    why,
+                )
+                return False
             announce_once(
                 log,
                 "kv_ops.layer-copied",
@@ -171,6 +179,18 @@ class CopiedLayers:
                 "a device staging slot, then the placement kernel from device memory)",
             )
         return bool(self._copied_ok) and slot_mapping.device.type == "cpu"
+
+    def layer_way(self) -> tuple[str | None, str | None]:
+        """(``paths.layer_way`` for the worker's report, or None: the direct way as ever; a slow
+        path's sentence, or None): what ``layer_path="copied"`` got."""
+        if self._copied_ok:
+            return "copy engines", None
+        if self.copied_off is not None:
+            return "direct (the SMs read the pool)", (
+                f"layer_path 'copied' was asked for, but layer-overlap loads read the pool with the SMs "
+                f"beside the forward pass: {self.copied_off}"
+            )
+        return None, None
 
     def _copied_blocker(self, obj: torch.Tensor | None) -> str | None:
         from maru.kv_ops.selection import choose

@@ -73,6 +73,7 @@ class KVTransferEngine(StoreSide):
         chunk_tokens: int | None = None,
         paced_store: bool = True,
         segment_tokens: int | None = None,
+        layer_path: str = "auto",
     ) -> None:
         if not caches:
             raise ValueError("no KV caches to transfer")
@@ -84,8 +85,9 @@ class KVTransferEngine(StoreSide):
         self.num_layers = self.geometry.num_layers
         self.device = self.caches[0].device
         self.path = path or choose_path(
-            self.caches, layout, client, backend=backend, pipelined=pipelined, chunk_tokens=chunk_tokens
-        )
+            self.caches, layout, client, backend=backend, pipelined=pipelined, chunk_tokens=chunk_tokens,
+            layer_path=layer_path,
+        )  # fmt: skip
         self.verify = verify
         self.paced_store = paced_store
         # Stores commit segment sums with each checksum (maru.segments): a load that places only

@@ -447,12 +447,10 @@ class PipelinedPath(DataPath):
             )
         if not layer_overlap:
             return entries, slow
-        if getattr(self.pipeline, "_copied_ok", None):  # kv_ops.layer_copies: no layer graphs
-            entries["layer_way"] = "copy engines"
-            return entries, slow
-        if why := getattr(self.pipeline, "copied_off", None):
-            entries["layer_way"] = "direct (the SMs read the pool)"
-            slow.append(f"layer-overlap loads read the pool with the SMs, beside the forward pass: {why}")
+        way, why = self.pipeline.layer_way()  # kv_ops.layer_copies
+        entries.update({"layer_way": way} if way else {})
+        if why or way == "copy engines":  # the copied way has no layer graphs to report
+            return entries, slow + ([why] if why else [])
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))
         placer = getattr(self.pipeline, "_layer_placer", None)
         one_launch = (
@@ -485,6 +483,7 @@ class PipelinedPath(DataPath):
         *,
         backend: str | None = None,
         chunk_tokens: int | None = None,
+        layer_path: str = "auto",
     ) -> PipelinedPath:
         """The pipeline over ``caches``, its graphs captured now (never while serving): the layer-
         overlap graphs, and the chunk graphs for ``chunk_tokens`` (chunks of other sizes, and every
@@ -501,6 +500,7 @@ class PipelinedPath(DataPath):
             layer_graphs=True,
             lazy_capture=False,
             layer_checksums=True,  # the engine verifies every load: warm those graphs
+            layer_path=layer_path,
         )
         if chunk_tokens and pipeline.graphs:
             pipeline.warm(int(chunk_tokens))
@@ -524,6 +524,7 @@ def choose_path(
     backend: str | None = None,
     pipelined: bool = True,
     chunk_tokens: int | None = None,
+    layer_path: str = "auto",
 ) -> DataPath:
     """The data path for ``caches``: CPU, else pipelined (pool registered with CUDA), else staged.
 
@@ -539,7 +540,9 @@ def choose_path(
     if device.type == "cuda" and pipelined:
         try:
             registration, mapping = _register_pool(client)
-            path = PipelinedPath.build(caches, layout, backend=backend, chunk_tokens=chunk_tokens)
+            path = PipelinedPath.build(
+                caches, layout, backend=backend, chunk_tokens=chunk_tokens, layer_path=layer_path
+            )
         except Exception as e:  # any problem here must leave a working (slower) connector
             logger.warning(
                 "Maru: the pipelined GPU transfer engine could not be built (%s: %s); using the staged "

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from maru.config import DEFAULT_SERVER_URL, MIN_CPUS_TO_SPIN, usable_cpus
+from maru.config import DEFAULT_SERVER_URL, LAYER_PATHS, MIN_CPUS_TO_SPIN, usable_cpus
 from maru.errors import ConfigError
 
 logger = logging.getLogger("maru.vllm")
@@ -141,6 +141,11 @@ class MaruConnectorConfig:
     # Write-behind stores on a GPU yield the copy engine between chunks and share no stream with
     # loads (kv_ops.paced_store): vLLM's own small copies wait for one chunk at most, not a whole store.
     paced_store: bool = True
+    # How a GPU worker's layer-by-layer load reads the pool (``kv_ops.device_pipeline.LAYER_PATHS``):
+    # ``auto`` (the direct kernel, the SMs reading the pool), or ``copied`` (one batched copy a
+    # layer on the copy engines: kinder to the forward beside it, but a longer host issue; see
+    # docs/gpu.md), ``direct``, ``staged``. One that cannot run here is replaced, announced.
+    layer_path: str = "auto"
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -174,6 +179,10 @@ class MaruConnectorConfig:
             name = key[len("maru_") :]
             if name in ("server_url", "namespace", "model_id", "model_revision"):
                 kw[name] = _as_str(key, value)
+            elif name == "layer_path":
+                kw[name] = _as_str(key, value)
+                if kw[name] not in LAYER_PATHS:
+                    raise ConfigError(f"{key} must be one of {', '.join(LAYER_PATHS)}, got {value!r}")
             elif name in ("kv_chunk_tokens", "max_inflight_loads", "max_inflight_load_chunks"):
                 kw[name] = _as_int(key, value, 1)
             elif name == "async_min_load_tokens":
@@ -214,6 +223,7 @@ class MaruConnectorConfig:
             else bool(self.overlap_load_with_compute),
             "async_store": self.async_store,
             "paced_store": self.paced_store,
+            "layer_path": self.layer_path,
         }
 
     def reply_spin_us(self, cpus: int | None = None) -> int:

@@ -179,6 +179,7 @@ class MaruWorkerConnector:
             self._client,
             chunk_tokens=self.cfg.kv_chunk_tokens,
             paced_store=self.cfg.paced_store,
+            layer_path=self.cfg.layer_path,
         )
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)

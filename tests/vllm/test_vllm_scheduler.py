@@ -440,6 +440,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "overlap_load_with_compute": "auto (on GPU caches)",
         "async_store": True,
         "paced_store": True,
+        "layer_path": "auto",
     }
     # Layer by layer where the caches are on a GPU, unless set or loads are asynchronous.
     assert (d.layer_overlap(pipelined=True), d.layer_overlap(pipelined=False)) == (True, False)
@@ -475,6 +476,10 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         MaruConnectorConfig.from_extra_config(
             {"maru_async_load": True, "maru_overlap_load_with_compute": True}
         )
+    # The GPU layer load's way (kv_ops.layer_copies): one of the engine's, else refused by name.
+    assert MaruConnectorConfig.from_extra_config({"maru_layer_path": "copied"}).layer_path == "copied"
+    with pytest.raises(ConfigError, match="maru_layer_path must be one of auto, copied, direct, staged"):
+        MaruConnectorConfig.from_extra_config({"maru_layer_path": "fast"})
 
 
 def test_a_failed_async_load_probes_again_offers_nothing_more_and_stores_the_missing_chunk(
