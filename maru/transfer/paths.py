@@ -45,8 +45,7 @@ from maru.transfer.handles import (
 
 logger = logging.getLogger("maru.transfer")
 
-# The layer-overlap load replays CUDA graphs captured at start for every power-of-two bucket up to
-# this many tokens (one graph per layer and bucket); a larger load launches eagerly, announced.
+# Layer-load graphs are captured at start per power-of-two bucket up to this many tokens (larger: eager).
 LAYER_WARM_TOKENS = 16384
 
 Chunks = list[tuple[torch.Tensor, torch.Tensor]]  # (object [L, KV, T, ROW] over a pool page, slots [T])
@@ -449,8 +448,9 @@ class PipelinedPath(DataPath):
             return entries, slow
         way, why = self.pipeline.layer_way()  # kv_ops.layer_copies
         entries.update({"layer_way": way} if way else {})
-        if why or way == "copy engines":  # the copied way has no layer graphs to report
-            return entries, slow + ([why] if why else [])
+        slow += [why] if why else []
+        if way == "copy engines":  # no layer graphs to report
+            return entries, slow
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))
         placer = getattr(self.pipeline, "_layer_placer", None)
         one_launch = (

@@ -355,9 +355,11 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
 
     monkeypatch.setattr(launch, "_LAUNCHERS", [])  # only the launchers of this test
 
-    def report(graphs: bool, one: bool, can: bool) -> tuple[dict, list[str]]:
+    def report(graphs: bool, one: bool, can: bool, way: tuple = (None, None)) -> tuple[dict, list[str]]:
         placer = SimpleNamespace(can_launch_all=lambda: can)
-        pipe = SimpleNamespace(layer_graphs=graphs, one_launch_layers=one, _layer_placer=placer)
+        pipe = SimpleNamespace(
+            layer_graphs=graphs, one_launch_layers=one, _layer_placer=placer, layer_way=lambda: way
+        )
         return PipelinedPath.report(SimpleNamespace(pipeline=pipe), True)  # type: ignore[arg-type]
 
     want = {"kernel_launch": "direct", "layer_graphs": "on", "layer_launch": "one"}
@@ -368,6 +370,16 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
         assert "one graph per layer" in slow[0] and "Fix:" in slow[0]
     paths, slow = report(False, True, True)
     assert paths["layer_graphs"] == "off" and "without CUDA graphs" in slow[0]
+    # maru_layer_path=copied (kv_ops.layer_copies): the copy engines, no layer graphs to speak of;
+    # or the direct way it fell back to, with the reason as a slow path.
+    assert report(True, True, True, ("copy engines", None)) == (
+        {"kernel_launch": "direct", "layer_way": "copy engines"}, [],
+    )  # fmt: skip
+    paths, slow = report(
+        True, True, True, ("direct (the SMs read the pool)", "layer_path 'copied' ... CUDA 12.4")
+    )
+    assert paths["layer_way"].startswith("direct") and slow == ["layer_path 'copied' ... CUDA 12.4"]
+    assert paths["layer_launch"] == "one"  # the direct way it runs, reported as ever
     assert PipelinedPath.report(SimpleNamespace(pipeline=None), False) == ({"kernel_launch": "direct"}, [])  # type: ignore[arg-type]
     # A kernel that gave up on the direct launch (an unknown Triton) shows, with its reason and fix.
     gave_up = launch.Launcher(SimpleNamespace(params=None, fn=SimpleNamespace(__name__="_k")))
