@@ -188,7 +188,8 @@ class CopiedLayers:
         if self.copied_off is not None:
             return "direct (the SMs read the pool)", (
                 f"layer_path 'copied' was asked for, but layer-overlap loads read the pool with the SMs "
-                f"beside the forward pass: {self.copied_off}"
+                f"beside the forward pass: {self.copied_off}. Fix: as the reason says (a CUDA runtime "
+                "of 12.8 or later, the pool registered with CUDA: maru doctor), or maru_layer_path=auto"
             )
         return None, None
 
