@@ -21,56 +21,21 @@ Usage (GPU): ``python bench/layer_contention.py [--reps 10]``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import numpy as np
 import torch
 
 from maru import kv_ops
-from maru.cudart import find_cudart
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import device_pipeline as pl
 from maru.kv_ops import ops
 from maru.kv_ops import triton_kernels as tk
+from maru.kv_ops.cuda_sync import BatchCopies
 from maru.segments import mark_unread
 
 L, NH, HS, BS, CHUNK, NCHUNK = 32, 8, 128, 16, 256, 30
 ROW, ES = NH * HS, 2
-
-
-class Batch:
-    """``cudaMemcpyBatchAsync`` through ctypes, both signatures (12.8: with failIdx; 13: without)."""
-
-    def __init__(self) -> None:
-        lib = ctypes.PyDLL(find_cudart())
-        v = ctypes.c_int()
-        lib.cudaRuntimeGetVersion(ctypes.byref(v))
-        self.version = v.value
-        self.fn = lib.cudaMemcpyBatchAsync
-        self.fn.restype = ctypes.c_int
-        # cudaMemcpyAttributes: srcAccessOrder, srcLocHint {type, id}, dstLocHint {type, id}, flags.
-        self.attrs = (ctypes.c_int * 6)(1, 2, 0, 1, 0, 1)  # stream order, host -> device 0, prefer overlap
-        self.idx = (ctypes.c_size_t * 1)(0)
-        self.fail = ctypes.c_size_t(0)
-
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        n = len(sizes)
-        args = [
-            ctypes.c_void_p(dsts.ctypes.data),
-            ctypes.c_void_p(srcs.ctypes.data),
-            ctypes.c_void_p(sizes.ctypes.data),
-            ctypes.c_size_t(n),
-            ctypes.c_void_p(ctypes.addressof(self.attrs)),
-            ctypes.c_void_p(ctypes.addressof(self.idx)),
-            ctypes.c_size_t(1),
-        ]
-        if self.version < 13000:
-            args.append(ctypes.byref(self.fail))
-        args.append(ctypes.c_void_p(stream))
-        err = self.fn(*args)
-        if err:
-            raise RuntimeError(f"cudaMemcpyBatchAsync: cudaError {err} (runtime {self.version})")
 
 
 def main() -> None:
@@ -134,11 +99,9 @@ def main() -> None:
         )
     sync = eng._sync
     copy_s, place_s = torch.cuda.Stream(), torch.cuda.Stream()
-    batch = None
-    try:
-        batch = Batch()
-    except AttributeError as e:
-        print(f"no cudaMemcpyBatchAsync: {e}")
+    batch = BatchCopies.load(0)  # the binding kv_ops.layer_copies uses
+    if batch is None:
+        print(f"no cudaMemcpyBatchAsync: {BatchCopies.why_not}")
     evs = [torch.cuda.Event() for _ in range(L)]
     host_ms: dict[str, float] = {}
 
@@ -151,7 +114,7 @@ def main() -> None:
         for i in range(L):
             if way == "ce-batch":
                 d, s, z = per_layer[i]
-                batch(d, s, z, h)
+                batch.copy(d.ctypes.data, s.ctypes.data, z.ctypes.data, len(z), h)
             else:
                 for k in range(NCHUNK):
                     off = i * 2 * plane + first_read[k] * ROW * ES

@@ -9,6 +9,7 @@ through the ``maru_server`` fixture.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import subprocess
@@ -34,6 +35,15 @@ __all__ = [
     "reported_slow",
     "wait_until",
 ]
+
+
+def map_pool(path: str) -> mmap.mmap:
+    """The whole pool file at ``path``, mapped read-write (what a client maps)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:

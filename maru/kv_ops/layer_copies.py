@@ -147,6 +147,7 @@ class CopiedLayers:
     _batch: BatchCopies | None = None
     _copied_ok: bool | None = None  # decided once, on the first layer load that could use it
     copied_off: str | None = None  # why the copied way is not used (None: it is, or not decided)
+    copies_oom: str | None = None  # why some loads took the direct way (no staging memory), if any
     _stage: Any = None  # the staging slots (device bytes), grown to a call's need
     _stage_free: Any = None  # event: the last placement that read the staging
     _copy_tab: Any = None  # the device table the placements read
@@ -183,6 +184,12 @@ class CopiedLayers:
     def layer_way(self) -> tuple[str | None, str | None]:
         """(``paths.layer_way`` for the worker's report, or None: the direct way as ever; a slow
         path's sentence, or None): what ``layer_path="copied"`` got."""
+        if self._copied_ok and self.copies_oom is not None:
+            return "copy engines", (
+                f"some layer-overlap loads found no device memory for their staging and read the pool "
+                f"with the SMs instead ({self.copies_oom}). Fix: vLLM's gpu_memory_utilization a few "
+                "hundredths lower"
+            )
         if self._copied_ok:
             return "copy engines", None
         if self.copied_off is not None:
@@ -228,7 +235,9 @@ class CopiedLayers:
         return self._stage
 
     def _copies_failed(self, error: BaseException) -> None:
-        """A copied load that could not get its staging: this call loads directly (announced once)."""
+        """A copied load that could not get its staging: this call loads directly (announced once,
+        and a slow path in ``layer_way`` from now on)."""
+        self.copies_oom = str(error).splitlines()[0][:160]
         announce_once(
             log,
             "kv_ops.layer-copied-oom",
@@ -237,7 +246,7 @@ class CopiedLayers:
             "the SMs instead (the direct way). Fix: leave the GPU a little headroom (vLLM's "
             "gpu_memory_utilization a few hundredths lower): the staging holds 2 to %d layers of a "
             "step's loaded tokens, about %d MiB at most unless one layer of them is larger",
-            str(error).splitlines()[0][:160],
+            self.copies_oom,
             RING_LAYERS,
             STAGING_BUDGET >> 20,
         )
@@ -257,9 +266,8 @@ class CopiedLayers:
         t0 = time.perf_counter()
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
         slots = slot_mapping.to(torch.int64)
-        slots = (
-            slots.clone() if slots is slot_mapping or slots.data_ptr() == slot_mapping.data_ptr() else slots
-        )
+        if slots.data_ptr() == slot_mapping.data_ptr():  # marked below: never the caller's tensor
+            slots = slots.clone()
         if skip_tokens:
             slots[:skip_tokens] = -1
         marked = slots.numpy()

@@ -34,8 +34,7 @@ from maru.pool.key_index import (
 )
 from maru.pool.perms import FileAccess
 from maru.procinfo import read_boot_id, read_pid_ns
-from maru.segments import SegmentSums
-from maru.server.registry import Journal
+from maru.server.registry import Entry, Journal
 
 log = logging.getLogger("maru.server")
 
@@ -47,17 +46,9 @@ class IndexedJournal:
         self.inner = inner
         self.index = index
 
-    def put(
-        self,
-        key: str,
-        offset: int,
-        size: int,
-        tick: int,
-        checksum: int | None = None,
-        segments: SegmentSums | None = None,
-    ) -> None:
-        self.inner.put(key, offset, size, tick, checksum, segments)
-        self.index.add(key)
+    def put(self, entry: Entry) -> None:
+        self.inner.put(entry)
+        self.index.add(entry.key)
 
     def remove(self, key: str) -> None:
         self.inner.remove(key)

@@ -48,15 +48,9 @@ ClientId = Hashable
 class Journal(Protocol):
     """Where the registry reports changes to committed entries (the server persists them)."""
 
-    def put(
-        self,
-        key: str,
-        offset: int,
-        size: int,
-        tick: int,
-        checksum: int | None = None,
-        segments: SegmentSums | None = None,
-    ) -> None: ...
+    def put(self, entry: Entry) -> None:
+        """``entry`` was committed (its key, place, tick, checksum and segment sums)."""
+        ...
 
     def remove(self, key: str) -> None: ...
 
@@ -68,15 +62,7 @@ class Journal(Protocol):
 class NullJournal:
     """A journal that forgets (unit tests, or a server without persistence)."""
 
-    def put(
-        self,
-        key: str,
-        offset: int,
-        size: int,
-        tick: int,
-        checksum: int | None = None,
-        segments: SegmentSums | None = None,
-    ) -> None:
+    def put(self, entry: Entry) -> None:
         pass
 
     def remove(self, key: str) -> None:
@@ -235,7 +221,7 @@ class KeyRegistry:
         self._lru_bytes += self.alloc.round_up(e.size)
         self.counters.stores += 1
         self.counters.bytes_stored += r.size
-        self.journal.put(key, e.offset, e.size, e.tick, checksum, segments)
+        self.journal.put(e)
         return CommitResult.STORED
 
     def abort(self, client: ClientId, alloc_id: int) -> bool:

@@ -33,12 +33,16 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from maru.errors import MaruError, PoolError
 from maru.pool.backing import PoolInfo
 from maru.pool.perms import FileAccess
 from maru.segments import SegmentSums
 from maru.server.locks import FileLock
+
+if TYPE_CHECKING:  # the registry's entries are what it journals; it never imports this module
+    from maru.server.registry import Entry
 
 log = logging.getLogger("maru.server.state")
 
@@ -347,17 +351,10 @@ class StateStore:
 
     # -- journal ------------------------------------------------------------------------------
 
-    def put(
-        self,
-        key: str,
-        offset: int,
-        size: int,
-        tick: int,
-        checksum: int | None = None,
-        segments: SegmentSums | None = None,
-    ) -> None:
-        self._removes.discard(key)
-        self._puts[key] = (offset, size, tick, _to_sql(checksum), _segments_to_sql(segments))
+    def put(self, entry: Entry) -> None:
+        e = entry
+        self._removes.discard(e.key)
+        self._puts[e.key] = (e.offset, e.size, e.tick, _to_sql(e.checksum), _segments_to_sql(e.segments_wire))
         self.changes += 1
 
     def remove(self, key: str) -> None:
@@ -512,11 +509,12 @@ def _from_sql(value: int | None) -> int | None:
 _SEGMENT_TOKENS_BYTES = 4
 
 
-def _segments_to_sql(segments: SegmentSums | None) -> bytes | None:
-    if segments is None:
+def _segments_to_sql(wire: list[Any] | None) -> bytes | None:
+    """An entry's segment sums in their wire form (``Entry.segments_wire``: valid, or None)."""
+    if wire is None:
         return None
-    tokens, raws = segments.to_wire()
-    return tokens.to_bytes(_SEGMENT_TOKENS_BYTES, "little") + raws
+    tokens, raws = wire
+    return int(tokens).to_bytes(_SEGMENT_TOKENS_BYTES, "little") + raws
 
 
 def _segments_from_sql(blob: object) -> SegmentSums | None:

@@ -32,10 +32,9 @@ from maru.config import format_size, parse_size
 from maru.errors import ConfigError
 from maru.pool.fingerprints import Fingerprints, KeyedFingerprints, PlainFingerprints
 from maru.protocol import ErrorCode, Op, namespace_of
-from maru.segments import SegmentSums
 from maru.server import validate as V
 from maru.server.auth import Caller
-from maru.server.registry import Journal, KeyRegistry
+from maru.server.registry import Entry, Journal, KeyRegistry
 
 RIGHTS = {"r": "read", "w": "write", "d": "delete"}
 _KEY_OPS = {Op.LOOKUP: "r", Op.EXISTS: "r", Op.PIN: "r", Op.DELETE: "d"}
@@ -92,17 +91,9 @@ class _UsageJournal:
         # Everything but the calls that change usage goes to the real journal unchanged.
         return getattr(self._inner, name)
 
-    def put(
-        self,
-        key: str,
-        offset: int,
-        size: int,
-        tick: int,
-        checksum: int | None = None,
-        segments: SegmentSums | None = None,
-    ) -> None:
-        self._inner.put(key, offset, size, tick, checksum, segments)
-        self.count(key, size)
+    def put(self, entry: Entry) -> None:
+        self._inner.put(entry)
+        self.count(entry.key, entry.size)
 
     def discard_puts(self, keys: list[str]) -> None:
         # Undone commits (the state disk refused them) no longer count against their namespace.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maru.kv_ops.layer_copies import CopyPlan
+from maru.kv_ops.layer_copies import CopiedLayers, CopyPlan
 
 L = 5
 
@@ -81,3 +81,17 @@ def test_whole_objects_are_one_copy_a_layer_and_partial_ones_one_a_plane() -> No
     assert (srcs[1] - srcs[0]).tolist() == [2 * 8 * 16] * 4  # the next layer of each object
     assert (dsts[2] == dsts[0]).all() and (dsts[1] - dsts[0] == plan.slot_stride).all()
     assert plan.slot_stride % plan.SLOT_ALIGN == 0 and plan.slot_stride >= plan.slot_bytes
+
+
+def test_layer_way_reports_what_copied_got_and_every_fallback_with_its_fix() -> None:
+    """What the worker reports (``paths.layer_way`` and a slow path: ``maru stats``/``maru doctor``)."""
+    way = CopiedLayers()
+    assert way.layer_way() == (None, None)  # not asked for: the direct way, nothing to say
+    way._copied_ok, way.copied_off = False, "the CUDA runtime is 12.4; batched copies need 12.8"
+    name, why = way.layer_way()
+    assert name.startswith("direct") and "12.4" in why and "Fix:" in why
+    way._copied_ok, way.copied_off = True, None
+    assert way.layer_way() == ("copy engines", None)
+    way._copies_failed(MemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"))
+    name, why = way.layer_way()
+    assert name == "copy engines" and "out of memory" in why and "Fix:" in why

@@ -9,21 +9,13 @@ import time
 from pathlib import Path
 
 from maru.protocol import Op
-from tests.helpers import RawClient, ServerProcess
+from tests.helpers import RawClient, ServerProcess, map_pool
 
 WRITERS = 2
 ROUNDS = 3
 # The kill comes after at least this many new acknowledgements (raise it for a longer run:
 # MARU_CRASH_ACKED=10000 gives the figure in docs/reliability.md).
 ACKED_PER_ROUND = int(os.environ.get("MARU_CRASH_ACKED", "200"))
-
-
-def map_pool(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
 
 
 class Writer(threading.Thread):

@@ -4,7 +4,6 @@ answers them when asked, SQLite keeps them across restarts, and older state data
 from __future__ import annotations
 
 import mmap
-import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -16,19 +15,11 @@ from maru import protocol as P
 from maru.checksum import checksum
 from maru.protocol import Op
 from maru.segments import MAX_SEGMENTS, SegmentSums, host_segment_sums
-from tests.helpers import RawClient, ServerProcess
+from tests.helpers import RawClient, ServerProcess, map_pool
 
 SHAPE = (2, 2, 37, 32)  # [L, KV, T, ROW]: 37 tokens, not a multiple of the segment size
 SEG_TOKENS = 8
 STATE_FILE = "maru-state.sqlite"
-
-
-def map_pool(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
 
 
 def random_object(seed: int) -> tuple[bytes, int, SegmentSums]:

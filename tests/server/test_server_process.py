@@ -18,15 +18,7 @@ import pytest
 from maru import protocol as P
 from maru.pool import open_pool
 from maru.protocol import Op
-from tests.helpers import REPO_ROOT, RawClient, ServerProcess, free_port
-
-
-def map_pool(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+from tests.helpers import REPO_ROOT, RawClient, ServerProcess, free_port, map_pool
 
 
 def put(c: RawClient, pool: mmap.mmap, items: dict[str, bytes]) -> dict[str, list[int]]:

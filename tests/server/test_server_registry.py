@@ -192,10 +192,10 @@ class _Puts:
     """A journal that records its puts."""
 
     def __init__(self) -> None:
-        self.puts: list[tuple[object, ...]] = []
+        self.puts: list[object] = []
 
-    def put(self, *args: object) -> None:
-        self.puts.append(args)
+    def put(self, entry: object) -> None:
+        self.puts.append(entry)
 
     def remove(self, key: str) -> None:
         pass
@@ -212,7 +212,7 @@ def test_committed_segment_sums_travel_with_the_entry_and_its_journal_put() -> N
     reg.commit("w", "k", r.alloc_id, seg.checksum(10), seg)
     e = reg.peek("k")
     assert e.segments == seg and e.segments_wire == seg.to_wire()
-    assert journal.puts == [("k", e.offset, 10, e.tick, seg.checksum(10), seg)]
+    assert journal.puts == [e] and (e.key, e.size, e.checksum) == ("k", 10, seg.checksum(10))
 
 
 def test_load_restores_entries_in_lru_order() -> None:

@@ -15,15 +15,7 @@ from pathlib import Path
 
 from maru.protocol import Op
 from maru.server.state import STATE_FILE
-from tests.helpers import RawClient, ServerProcess, flat, maru
-
-
-def map_pool(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+from tests.helpers import RawClient, ServerProcess, flat, map_pool, maru
 
 
 def fill(path: Path, leave: int) -> None:
