@@ -46,6 +46,7 @@ from maru.client.integrity import IntegrityLog, check_hits
 from maru.client.local_exists import LocalExists
 from maru.client.mapping import PoolMapping
 from maru.client.objects import Allocation, AllocState, Retrieved, SessionToken
+from maru.client.posted import PostedLookups
 from maru.client.replies import ServerInfo, check_keys, chunks, pool_full_error, reply_list
 from maru.client.rpc import CurveKeys, RpcChannel
 from maru.client.session import SessionClient, heartbeat_loop
@@ -67,7 +68,7 @@ from maru.segments import SegmentSums
 log = logging.getLogger("maru.client")
 
 
-class MaruHandler(SessionClient):
+class MaruHandler(PostedLookups, SessionClient):
     """Client of one ``maru server``: reserve, write, publish, look up, read. See module docs."""
 
     def __init__(
@@ -414,21 +415,7 @@ class MaruHandler(SessionClient):
                     body["segments"] = True  # absent otherwise: the request other clients send
                 reply = self._call(Op.LOOKUP, body)
                 entries = reply_list(reply, "entries", len(chunk))
-                sums = frames.lookup_checksums(reply, len(chunk))
-                segs = frames.lookup_segments(reply, len(chunk)) if segments else [None] * len(chunk)
-                views = self._mapped().read_views(entries)
-                on_release = self._unpin_one if pin else None
-                pins = self._pins
-                extents = self._pinned_extents
-                token = self._token
-                for k, e, view, c, g in zip(chunk, entries, views, sums, segs, strict=True):
-                    if view is None:
-                        out.append(None)
-                        continue
-                    if pin:
-                        pins[k] += 1
-                        extents[(e[0], e[1])] += 1
-                    out.append(Retrieved(k, e[0], view, pin, on_release, c, token, g))
+                out += self._lookup_handles(chunk, reply, entries, pin, segments)
             if verify:
                 self._verify_hits(out)
         return out

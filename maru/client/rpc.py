@@ -11,10 +11,13 @@ the request went out but no reply came back). After either failure the socket is
 so a request queued while the server was away is never delivered later by surprise.
 
 Posted requests (``post``): sent without waiting, for requests whose answer changes nothing for
-the caller (UNPIN on the load path: one round trip less per load). The server answers requests of
-one connection in order, so anything this channel sends later sees a posted request applied. Its
-reply is read by whichever later exchange meets it and handed to ``on_reply``; if the socket is
-replaced before that, ``on_lost`` gets the request back (it may or may not have been applied).
+the caller (UNPIN on the load path: one round trip less per load), or whose answer the caller wants
+later (a lookup-and-pin posted when a request arrives, read when its offer is made: the round trips
+of requests arriving together then overlap). The server answers requests of one connection in
+order, so anything this channel sends later sees a posted request applied. Its reply is read by
+whichever later exchange meets it (or by ``wait_posted``/``read_posted``) and handed to
+``on_reply``; if the socket is replaced before that, ``on_lost`` gets the request back (it may or
+may not have been applied).
 
 Waiting for a reply (``reply_spin_s``). A blocking receive lets the thread go to sleep without
 the GIL; when the reply comes, the thread needs the GIL back, and while another thread of the
@@ -217,8 +220,11 @@ class RpcChannel:
         for op, body, _, on_lost in posted.values():
             _run_callback(on_lost, op, body)
 
-    def post(self, op: int, body: dict[str, Any], on_reply: PostedCallback, on_lost: PostedCallback) -> bool:
-        """Send one request without waiting for its reply; False (nothing sent) when not connected.
+    def post(
+        self, op: int, body: dict[str, Any], on_reply: PostedCallback, on_lost: PostedCallback
+    ) -> int | None:
+        """Send one request without waiting for its reply: its request id (>= 1), or None (nothing
+        sent) when not connected.
 
         ``on_reply(op, reply_body)`` runs when a later exchange reads the reply; ``on_lost(op,
         body)`` when the socket is replaced first. Both run in the thread that holds this channel,
@@ -232,9 +238,52 @@ class RpcChannel:
             try:
                 self._send(sock, protocol.encode(op, req_id, body))
             except zmq.Again:
-                return False  # IMMEDIATE: no live connection; the caller sends it the usual way
+                return None  # IMMEDIATE: no live connection; the caller sends it the usual way
             self._posted[req_id] = (op, body, on_reply, on_lost)
+            return req_id
+
+    def wait_posted(self, req_id: int, timeout_s: float) -> bool:
+        """Read replies until the posted request ``req_id``'s callback ran (or it was lost): True;
+        False if no such reply came within ``timeout_s`` (the socket is kept: a slow server's late
+        reply still reaches the callback at a later read). Polls first as ``request`` does."""
+        with self._lock:
+            if req_id not in self._posted or self._sock is None:
+                return req_id not in self._posted
+            sock = self._sock
+            deadline = time.monotonic() + timeout_s
+            spin = self.reply_spin_s if not getattr(_thread_flags, "never_poll", False) else 0.0
+            spin_until = time.perf_counter() + spin if spin else 0.0
+            while req_id in self._posted:
+                reply = self._spin(sock, spin_until) if spin_until else None
+                if reply is None:
+                    spin_until = 0.0
+                    remaining_ms = int((deadline - time.monotonic()) * 1000)
+                    if remaining_ms <= 0:
+                        return False
+                    if remaining_ms != self._rcvtimeo_ms:
+                        sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                        self._rcvtimeo_ms = remaining_ms
+                    try:
+                        reply = sock.recv()
+                    except zmq.Again:
+                        return False
+                self._take_reply(reply, None)  # a posted request's reply goes to its callback
             return True
+
+    def read_posted(self) -> int:
+        """Hand every reply already here to its posted request's callback, without waiting: how
+        many frames were read."""
+        with self._lock:
+            if self._sock is None or not self._posted:
+                return 0
+            n = 0
+            while self._posted:
+                reply = self._spin(self._sock, 0.0)
+                if reply is None:
+                    return n
+                n += 1
+                self._take_reply(reply, None)
+            return n
 
     def _take_reply(self, reply: bytes, req_id: int | None) -> tuple[int, int] | None:
         """(op, id) of ``reply`` when it answers ``req_id``; a posted request's reply goes to its

@@ -292,7 +292,10 @@ class SessionClient:
             if token is self._token:
                 self._pending_unpins += keys
 
-        return self._rpc.post(Op.UNPIN, {"keys": keys, "client_id": self.client_id}, on_reply, on_lost)
+        return (
+            self._rpc.post(Op.UNPIN, {"keys": keys, "client_id": self.client_id}, on_reply, on_lost)
+            is not None
+        )
 
     def wake(self) -> bool:
         """Post a heartbeat without waiting for it: a request the caller is about to make then
@@ -304,7 +307,7 @@ class SessionClient:
         try:
             if self._closed or not self._connected or os.getpid() != self._pid:
                 return False
-            return self._rpc.post(Op.HEARTBEAT, {"client_id": self.client_id}, _ignore, _ignore)
+            return self._rpc.post(Op.HEARTBEAT, {"client_id": self.client_id}, _ignore, _ignore) is not None
         finally:
             self._lock.release()
 

@@ -150,7 +150,7 @@ def test_a_refused_posted_request_reaches_its_callback_and_the_exchange_goes_on(
     # Nothing listening: a post sends nothing and says so (the caller then waits the usual way).
     idle = RpcChannel("tcp://127.0.0.1:9")
     try:
-        assert idle.post(Op.UNPIN, {"keys": ["k"]}, lambda op, b: None, lambda op, b: None) is False
+        assert idle.post(Op.UNPIN, {"keys": ["k"]}, lambda op, b: None, lambda op, b: None) is None
     finally:
         idle.close()
 

@@ -1,0 +1,142 @@
+"""``MaruHandler.post_lookup``: a lookup-and-pin sent now and read later, against a real server.
+
+Its handles must equal a ``batch_retrieve``'s (bytes, offsets, checksums, segment sums), its pins
+must count as the handler's and go back when released; a lookup given up before or after its reply
+must leave nothing pinned; a server that stops answering must make ``result`` raise in time, and a
+reply read by another call on the way must not be lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maru import MaruHandler
+from maru.errors import MaruTimeoutError
+from maru.protocol import MAX_BATCH
+from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
+
+server = module_server("posted-lookups", pool_size="8M")
+
+
+@pytest.fixture
+def h(server: ServerProcess) -> Iterator[MaruHandler]:
+    with MaruHandler(server.url, timeout_s=5, heartbeat_interval_s=0.2) as handler:
+        yield handler
+
+
+def _put(h: MaruHandler, keys: list[str], seed: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i, k in enumerate(keys):
+        data = rng.integers(0, 256, 512 + 64 * i, dtype=np.uint8).tobytes()
+        obj = h.alloc(len(data))
+        obj.buf[:] = data
+        h.store(k, obj)
+        out[k] = data
+    return out
+
+
+def _pinned(h: MaruHandler) -> int:
+    return int(h.usage()["pinned"])
+
+
+def _until_unpinned(h: MaruHandler) -> None:
+    deadline = time.monotonic() + 10
+    while _pinned(h):
+        assert time.monotonic() < deadline, "pins of a given-up lookup were never sent back"
+        time.sleep(0.05)
+
+
+def test_posted_lookups_in_flight_together_give_what_batch_retrieve_gives(h: MaruHandler) -> None:
+    data = _put(h, [f"pl-a{i}" for i in range(6)], seed=1)
+    asks = [["pl-a0", "pl-a1"], ["pl-a2", "pl-absent", "pl-a3"], ["pl-a4", "pl-a5", "pl-a0"]]
+    posted = [h.post_lookup(keys, segments=True) for keys in asks]  # three in flight at once
+    assert all(p is not None for p in posted)
+    got = [p.result(5) for p in posted if p is not None]
+    assert _pinned(h) == 6  # every entry found is pinned (pl-a0 by two handles)
+    ref = h.batch_retrieve([k for keys in asks for k in keys], verify=False, segments=True)
+    flat = [r for rs in got for r in rs]
+    assert (
+        [r is None for r in flat] == [r is None for r in ref] == [k == "pl-absent" for ks in asks for k in ks]
+    )
+    for r, want in zip(flat, ref, strict=True):
+        if r is None or want is None:
+            continue
+        assert (r.key, r.offset, r.size, r.checksum) == (want.key, want.offset, want.size, want.checksum)
+        assert bytes(r.view) == data[r.key]
+        assert r.valid and r.pinned
+    h.batch_release(ref)
+    h.batch_release(flat)
+    assert _pinned(h) == 0
+
+
+def test_a_reply_read_by_another_call_on_the_way_is_kept_for_its_lookup(h: MaruHandler) -> None:
+    data = _put(h, ["pl-b0"], seed=2)
+    p = h.post_lookup(["pl-b0"])
+    assert p is not None
+    h.usage()  # any exchange reads the posted reply before its own
+    assert p.done
+    (r,) = p.result(0.0)  # no wait left
+    assert r is not None and bytes(r.view) == data["pl-b0"]
+    with pytest.raises(RuntimeError):
+        p.result(1)  # taken once
+    r.release()
+    assert _pinned(h) == 0
+
+
+@pytest.mark.parametrize("when", ["before its reply", "after its reply"])
+def test_a_lookup_given_up_leaves_nothing_pinned(h: MaruHandler, when: str) -> None:
+    _put(h, ["pl-c0", "pl-c1"], seed=3)
+    p = h.post_lookup(["pl-c0", "pl-c1", "pl-c-absent"])
+    assert p is not None
+    if when == "after its reply":
+        h.read_posted()
+        deadline = time.monotonic() + 5
+        while not p.done:
+            assert time.monotonic() < deadline
+            h.read_posted()
+    p.abandon()
+    p.abandon()  # idempotent
+    with pytest.raises(RuntimeError):
+        p.result(1)
+    _until_unpinned(h)  # sent back at once, or with the next heartbeat's UNPIN
+    (r,) = h.batch_retrieve(["pl-c0"])  # the entries themselves are untouched
+    assert r is not None
+    r.release()
+
+
+def test_too_many_keys_or_none_are_not_posted(h: MaruHandler) -> None:
+    assert h.post_lookup([]) is None
+    assert h.post_lookup([f"pl-many{i}" for i in range(MAX_BATCH + 1)]) is None
+
+
+def test_a_server_that_stops_answering_makes_result_raise_in_time_and_nothing_stays_pinned(
+    tmp_path: Path,
+) -> None:
+    srv = ServerProcess(tmp_path, pool_size="4M")
+    srv.start()
+    try:
+        with MaruHandler(srv.url, timeout_s=1.0, heartbeat_interval_s=0.2) as h:
+            _put(h, ["pl-d0"], seed=4)
+            os.kill(srv.pid, signal.SIGSTOP)  # hung: the request goes out, no reply comes
+            try:
+                p = h.post_lookup(["pl-d0"])
+                assert p is not None
+                t0 = time.monotonic()
+                with pytest.raises(MaruTimeoutError):
+                    p.result(0.3)
+                assert time.monotonic() - t0 < 5
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+            # The late reply pinned pl-d0 on the server: given up, it is sent back.
+            _until_unpinned(h)
+    finally:
+        srv.cleanup()
