@@ -66,6 +66,10 @@ API_LOADS: dict[str, dict[str, Any]] = {
     # and with "overlap" on the V1 runner (ENGINE_ENV).
     "copied": {"maru_layer_path": "copied"},
     "overlap-copied": {"maru_overlap_load_with_compute": True, "maru_layer_path": "copied"},
+    # Pins taken the way they were before 2026-12-03's arrival pins (maru_pin_on_arrival off): a
+    # round trip waited for at each offer (V2 runner) or once a step (V1, with "overlap").
+    "at-offer": {"maru_pin_on_arrival": False},
+    "overlap-at-step": {"maru_overlap_load_with_compute": True, "maru_pin_on_arrival": False},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so
@@ -236,6 +240,9 @@ _PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
 _REPLIES = re.compile(r"replies: (\d+) read while polling \(spin \d+ us\), (\d+) blocked past it")
 # The hook's parts (``timed_part``): where its time went.
 _PROBE_PART = re.compile(r"get_num_new_matched_tokens/(\w+) \d+ calls ([\d.]+) ms")
+# The request's arrival (``on_new_request``: its keys, probe and posted pins, before it is scheduled).
+_ARRIVAL_HOOK = re.compile(r"on_new_request (\d+) calls ([\d.]+) ms")
+_ARRIVAL_PART = re.compile(r"on_new_request/(\w+) \d+ calls ([\d.]+) ms")
 
 
 @dataclass(frozen=True)
@@ -243,13 +250,17 @@ class SchedulerLine:
     """The scheduler's last periodic hook-time line of an engine log, per ``get_num_new_matched_tokens``
     call (us): wall, its thread's CPU, the offer pins' round trips; and (replies read while polling,
     waits that blocked past it); ``parts``: the wall time of the hook's parts (prompt keys, probe,
-    offer pin), per hook call. Each None (or empty) where the line predates it."""
+    offer pin), per hook call. Each None (or empty) where the line predates it. ``arrival_us``: the
+    time of vLLM's ``on_new_request`` hook (keys, probe and pins posted at arrival) per
+    ``get_num_new_matched_tokens`` call, not in ``wall_us``; its parts are in ``parts`` as
+    ``arrival <part>``."""
 
     wall_us: float
     cpu_us: float | None
     pin_trip_us: float | None
     replies: tuple[int, int] | None
     parts: dict[str, float] = field(default_factory=dict)
+    arrival_us: float = 0.0
 
 
 def scheduler_line(path: Path) -> SchedulerLine | None:
@@ -264,12 +275,16 @@ def scheduler_line(path: Path) -> SchedulerLine | None:
     calls = int(m.group(1))
     trips = _PIN_TRIPS.search(lines[-1])
     replies = _REPLIES.search(lines[-1])
+    arrival = _ARRIVAL_HOOK.search(lines[-1])
+    parts = {name: float(ms) * 1e3 / calls for name, ms in _PROBE_PART.findall(lines[-1])}
+    parts.update({f"arrival {n}": float(ms) * 1e3 / calls for n, ms in _ARRIVAL_PART.findall(lines[-1])})
     return SchedulerLine(
         wall_us=float(m.group(2)) * 1e3 / calls,
         cpu_us=float(m.group(3)) if m.group(3) else None,
         pin_trip_us=float(trips.group(1)) * 1e3 / calls if trips else None,
         replies=(int(replies.group(1)), int(replies.group(2))) if replies else None,
-        parts={name: float(ms) * 1e3 / calls for name, ms in _PROBE_PART.findall(lines[-1])},
+        parts=parts,
+        arrival_us=float(arrival.group(2)) * 1e3 / calls if arrival else 0.0,
     )
 
 
@@ -352,7 +367,8 @@ def run_api(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int = 1)
         key = row["server"]
         names = [f"{key}-a", f"{key}-b"] if key in PAIRS else [key]
         got = [v for n in names if n in live and (v := scheduler_line(live[n].log_path)) is not None]
-        row["sched_probe_us"] = statistics.mean(v.wall_us for v in got) if got else None
+        # A new request's scheduler time: at its arrival (on_new_request) and at its offer.
+        row["sched_probe_us"] = statistics.mean(v.wall_us + v.arrival_us for v in got) if got else None
         # The same time split: the scheduling thread's own CPU, and the offer pins' round trips;
         # the rest of the wall time it sat waiting for the GIL (or for another round trip).
         cpu = [v.cpu_us for v in got if v.cpu_us is not None]

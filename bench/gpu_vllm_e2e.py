@@ -185,6 +185,7 @@ ENGINE_ENV = {
     "sync": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "overlap": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "overlap-copied": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "overlap-at-step": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
 }
 STORE_MODE = {
     "sync": "sync store",

@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +40,10 @@ class PostedLookup:
         self.req_id = 0  # the channel's request id, once sent
         self._owner = owner
         self._token = owner._token  # the session the pins would belong to
-        self._done = threading.Event()
+        # Set once, by a callback run under the handler's lock; read without it. A bool, not a
+        # threading.Event (nobody waits on it: ``result`` reads the channel): a post is ~15 us
+        # cheaper on the CI machine without the Event's Condition.
+        self._done = False
         self._handles: list[Retrieved | None] | None = None
         self._error: str | None = None
         self._abandoned = False
@@ -50,7 +52,7 @@ class PostedLookup:
     @property
     def done(self) -> bool:
         """True once the reply was read or the request was lost (never blocks)."""
-        return self._done.is_set()
+        return self._done
 
     def result(self, timeout_s: float) -> list[Retrieved | None]:
         """The handles (None where the key is absent), reading replies for up to ``timeout_s``.
@@ -58,9 +60,9 @@ class PostedLookup:
         got no reply in time (the handles are then never made: see ``abandon``). Once only."""
         if self._taken or self._abandoned:
             raise RuntimeError("a posted lookup's result is taken once, and not after abandon()")
-        if not self._done.is_set():
+        if not self._done:
             self._owner._wait_posted(self, timeout_s)
-        if not self._done.is_set():
+        if not self._done:
             self.abandon()
             raise MaruTimeoutError(
                 f"no reply to a posted lookup of {len(self.keys)} keys within {timeout_s:g} s from "
@@ -88,7 +90,7 @@ class PostedLookup:
     def on_reply(self, op: int, reply: Mapping[str, Any]) -> None:
         owner = self._owner
         entries: list[Any] = []
-        if self._done.is_set():  # answered already (lost, then read after all): pins go back
+        if self._done:  # answered already (lost, then read after all): pins go back
             if reply.get("ok"):
                 owner._pending_unpins += [
                     k for k, e in zip(self.keys, reply.get("entries") or (), strict=False) if e
@@ -111,11 +113,11 @@ class PostedLookup:
             # What the server pinned goes back (no handle was made for it).
             owner._pending_unpins += [k for k, e in zip(self.keys, entries, strict=False) if e]
         finally:
-            self._done.set()
+            self._done = True
 
     def on_lost(self, op: int, body: Mapping[str, Any]) -> None:
         self._error = "the connection to the maru server was replaced before a posted lookup's reply"
-        self._done.set()
+        self._done = True
 
 
 class PostedLookups:

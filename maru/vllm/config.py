@@ -134,6 +134,12 @@ class MaruConnectorConfig:
     # nothing offered can be evicted before its load, and a worker's load makes no lookup round
     # trip. Off: the worker looks its loads up itself, and an eviction in between is recomputed.
     hold_offers: bool = True
+    # Where offers are pinned one at a time (vLLM's V2 runner): a request's pins are posted when it
+    # arrives (vLLM's ``on_new_request``), not waited for; its offer reads the reply. Requests
+    # arriving together have their round trips in flight together instead of one after another on
+    # vLLM's scheduling thread. Off: a round trip waited for at each offer. (On the V1 runner a
+    # step's loads share one round trip: nothing is posted there.)
+    pin_on_arrival: bool = True
     # Write-behind is the default: its safety rests on vLLM's delayed free (finished_sending) and
     # preemption hook (handle_preemptions), both in every vLLM the connector supports; the
     # connector turns it off, announced, on a vLLM without the hook (``without_write_behind``).

@@ -470,6 +470,11 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     @timed
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    @timed
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -110,3 +110,23 @@ def timed_part(name: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return wrap
+
+
+def timed_step(part: str, hook: str) -> Callable[[F], F]:
+    """``timed_part`` for a helper more than one hook runs: counted as ``"<hook>/<part>"`` under the
+    hook its caller names in ``self.running_hook`` (``hook`` when it names none), so a part is
+    always inside the hook whose time holds it."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                name = f"{getattr(self, 'running_hook', None) or hook}/{part}"
+                self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap

@@ -41,11 +41,19 @@ class LoadPlanning:
     _workers_ready: bool = False
     _readiness: tuple[int, int] = (0, 0)
     _withheld_note: str | None = None  # said once if offers stay withheld (``maru doctor``)
+    running_hook: str | None = None  # the hook a shared helper's time is counted in (``timed_step``)
     _woken_at: float = 0.0  # perf_counter of the last wake-up posted (``_wake_for_pins``)
     _reported_path: str | None
     stats: SchedulerStats
     _reqs: dict[str, RequestState]
     _client: Any
+    cfg: Any
+
+    def _state(self, request: Any) -> RequestState | None:  # pragma: no cover - the scheduler's
+        raise NotImplementedError
+
+    def _probe(self, st: RequestState, local_computed: int) -> None:  # pragma: no cover
+        raise NotImplementedError
 
     def _get_client(self) -> Any:  # pragma: no cover - MaruSchedulerConnector's
         raise NotImplementedError
@@ -55,6 +63,44 @@ class LoadPlanning:
 
     def _report_path(self) -> None:  # pragma: no cover - MaruSchedulerConnector's
         raise NotImplementedError
+
+    # Seen once vLLM announced a request (``on_new_request``) and its pins were posted then.
+    _arrivals: bool = False
+
+    @property
+    def offer_pins_mode(self) -> str:
+        """How loads are pinned before the worker runs them (``maru stats``, ``maru doctor``)."""
+        if self.pins is None:
+            return "off (the worker looks its loads up; an eviction in between is recomputed)"
+        if self.pin_at_offer:
+            how = "at each offer (a failed same-step load cannot be recomputed here)"
+        else:
+            how = "per step (one round trip for a step's loads)"
+        if self._arrivals:
+            return (
+                "posted at each request's arrival, read at its offer (the round trips of requests "
+                "arriving together overlap); what was not posted: at the offer"
+            )
+        return how.replace("at each offer (", "at each offer (a round trip per request with a hit: ")
+
+    @property
+    def at_offer_note(self) -> str | None:
+        """The slower path of pins taken at the offer (for ``maru doctor``); None where none runs."""
+        if self.pins is None or not self.pin_at_offer or self._arrivals:
+            return None
+        why = (
+            "pin_on_arrival is off (maru_pin_on_arrival)"
+            if not self.cfg.pin_on_arrival
+            else "this vLLM has not announced a request's arrival (on_new_request) yet"
+        )
+        return (
+            "offers are pinned one lookup-and-pin round trip per request with a hit (none where "
+            "another request holds every chunk of it pinned), on vLLM's scheduling thread (~0.5 ms "
+            "a request on an H200 host): vLLM's V2 model runner cannot recompute a failed same-step "
+            f"load, so no offer may be made of a chunk that is not pinned yet, and {why}. Fix: leave "
+            "maru_pin_on_arrival on with a vLLM that calls on_new_request (0.26 and later), or run "
+            "vLLM with VLLM_USE_V2_MODEL_RUNNER=0 (a step's loads then share one round trip)"
+        )
 
     def _wake_for_pins(self) -> None:
         """Post a wake-up to the server (``client.wake``: a heartbeat not waited for) before a new
@@ -144,11 +190,12 @@ class LoadPlanning:
         worker then looks the chunks up itself."""
         if self.pins is None:
             return
-        wants = {
-            st.req_id: self._keys_between(st, *st.pending_load)
-            for st in self._reqs.values()
-            if st.pending_load is not None and not self.pins.holds(st.req_id)
-        }
+        wants = {}
+        for st in self._reqs.values():
+            if st.pending_load is not None:
+                keys = self._keys_between(st, *st.pending_load)
+                if not self.pins.holds_all(st.req_id, keys):  # pinned at the offer or at arrival
+                    wants[st.req_id] = list(keys)
         client = self._client if wants else None
         if client is None:
             return
@@ -158,6 +205,50 @@ class LoadPlanning:
             for req_id in wants:
                 self.pins.drop(req_id)
             self._drop_client(e)
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM's word that ``request`` arrived (``on_new_request``, on the scheduling thread, before
+        it is scheduled): its keys and probe now, and the pins of what the probe found posted
+        without waiting (``OfferPins.prefetch``), so its offer reads a reply already here. Requests
+        arriving together then have their pin round trips in flight together. Never raises."""
+        # Only where offers are pinned one at a time (vLLM's V2 runner). Where a step's loads are
+        # pinned together (V1) that is one round trip a step already, and posting a lookup per
+        # request costs more: 350 against 221 us of scheduler time a new request in real vLLM on
+        # an H200 (bench/RESULTS.md, thirty-seventh pass), the step still waiting as long.
+        if self.pins is None or not self.pin_at_offer or not self.cfg.pin_on_arrival:
+            return
+        if not self.cfg.enable_load or not self._workers_ready:
+            return  # its offer would be withheld: nothing to pin for it
+        self.running_hook = "on_new_request"  # its keys and probe are counted in this hook
+        try:
+            st = self._state(request)
+            if st is None or st.present is not None:
+                return
+            self._probe(st, 0)  # vLLM's own hit is not known yet: every chunk is asked about
+            client = self._client
+            keys = self._found_keys(st)
+            if keys and client is not None:
+                self._prefetch(client, st.req_id, keys)
+            if not self._arrivals:  # the first: report the pins' way again (``maru doctor``)
+                self._arrivals = True
+                self._reported_path = None
+                self._report_path()
+        except Exception:  # never raise into vLLM: the offer pins it the usual way
+            logger.exception("Maru: posting the pins of request %s failed", request.request_id)
+        finally:
+            self.running_hook = None
+
+    @timed_part("on_new_request/post_pins")
+    def _prefetch(self, client: Any, req_id: str, keys: list[str]) -> None:
+        self.pins.prefetch(client, req_id, keys)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _found_keys(st: RequestState) -> list[str]:
+        """Every key the probe found: full chunks, and the tails where a run of them ends (any of
+        them may be offered, depending on where vLLM's own hit ends)."""
+        assert st.present is not None
+        keys = [k for k, here in zip(st.keys.full, st.present, strict=False) if here]
+        return keys + [key for _, key in st.tail_hits.values()]
 
     def _drop_pins(self, req_id: str) -> None:
         if self.pins is not None:

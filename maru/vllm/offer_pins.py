@@ -25,6 +25,15 @@ Life of a pin set (one per request, ``OfferPins``):
 3. ``drop``: a set never handed over (the request finished, or vLLM took none of the offer) is
    released at once.
 
+Pins posted at arrival (``prefetch``, from vLLM's ``on_new_request``): when a request arrives, before
+vLLM schedules it, the keys its probe found are pinned by a lookup posted without waiting
+(``MaruHandler.post_lookup``); live pins other requests hold are shared at once. ``hold`` and
+``hold_many`` first read the replies their request waits for (already there, usually: a burst of
+requests arriving together has its round trips in flight together, and overlapped with the
+engine's step), then pin what is still missing the usual way. A post that fails (a lost
+connection, no reply in the client's timeout) only sends its keys down that usual way. A reply
+whose request went meanwhile is released at the next ``flush``.
+
 Invariants: a server pin is released only when no set (open or handed over) refers to it any
 more; a handed-over set is released only after all ``tp_size`` workers reported its ticket,
 or, as a guard against a lost report, ``STALE_S`` seconds after the hand-over (logged, counted:
@@ -62,6 +71,14 @@ class _Pin:
     refs: int = 0
 
 
+@dataclass(eq=False)
+class _Post:
+    """A lookup-and-pin posted at a request's arrival (``prefetch``), not read yet."""
+
+    lookup: Any  # the client's PostedLookup
+    rks: list[str]
+
+
 @dataclass
 class _Handed:
     pins: list[_Pin]
@@ -78,6 +95,11 @@ class OfferPinStats:
     handed: int = 0  # pin sets handed to the workers with a load
     released: int = 0  # ... released after every worker reported them
     dropped: int = 0  # sets released without a load (request finished, offer not taken)
+    pin_posts: int = 0  # lookups posted at a request's arrival (``prefetch``), not waited for
+    pins_posted: int = 0  # rank keys asked in them
+    post_waits: int = 0  # offers (or steps) that waited for a posted reply still on its way
+    post_wait_ms: float = 0.0  # their wait, summed (on vLLM's scheduling thread)
+    posts_failed: int = 0  # posts lost or not answered in time: their keys were pinned the usual way
     stale: int = 0  # handed sets released by the STALE_S guard (no worker report)
     open_now: int = 0
     handed_now: int = 0
@@ -98,6 +120,9 @@ class OfferPins:
         self._open: dict[str, dict[str, _Pin]] = {}  # req_id -> rank key -> its pin
         self._handed: dict[str, _Handed] = {}  # ticket -> the pins the workers may still read
         self._release: list[Any] = []  # handles to unpin at the next flush
+        self._posts: list[_Post] = []  # posted at arrival, not read yet
+        self._posting: dict[str, _Post] = {}  # rank key -> the unread post that pins it
+        self._awaiting: dict[str, set[str]] = {}  # req_id -> rank keys it takes when their post is read
         self._seq = itertools.count(1)
         self.stats = OfferPinStats()
 
@@ -141,6 +166,7 @@ class OfferPins:
         """Pin ``keys`` (chunk keys in prompt order) for ``req_id``; how many leading keys are held
         (every rank's shard). Pins past the first key not held are released (``flush``). Raises
         what ``client.batch_retrieve`` raises (nothing is held then beyond what was before)."""
+        self._settle([req_id], client)
         have = self._open.setdefault(req_id, {})
         for rk in [rk for rk, p in have.items() if not p.handle.valid]:
             self._let_go([have.pop(rk)])  # lost with its session: asked for again below
@@ -165,6 +191,7 @@ class OfferPins:
         not hold yet: the step's loads, at ``build_connector_meta``. Nothing is cut here (the offer
         was made already): a key found gone is simply not held, and the worker looks it up itself
         (and fails the load, which vLLM recomputes). Raises what ``client.batch_retrieve`` raises."""
+        self._settle(list(wants), client)
         asks: list[tuple[str, str]] = []
         for req_id, keys in wants.items():
             have = self._open.setdefault(req_id, {})
@@ -173,6 +200,125 @@ class OfferPins:
         for (req_id, rk), p in zip(asks, self._acquire(client, [rk for _, rk in asks]), strict=True):
             if p is not None:
                 self._open[req_id][rk] = p
+
+    # ------------------------------------------------------------------ posted at arrival
+    def prefetch(self, client: Any, req_id: str, keys: Sequence[str]) -> int:
+        """At ``req_id``'s arrival: a reference on the live pin of each of ``keys``' rank keys, and
+        one lookup-and-pin posted (not waited for) for the others, which ``hold``/``hold_many``
+        read. How many rank keys were posted. Never raises: what is not posted is pinned later."""
+        have = self._open.setdefault(req_id, {})
+        waits = self._awaiting.setdefault(req_id, set())
+        ask: list[str] = []
+        for k in keys:
+            for rk in rank_keys(k, self.tp_size):
+                if rk in have or rk in waits:
+                    continue
+                p = self._live(rk)
+                if p is not None:
+                    p.refs += 1
+                    have[rk] = p
+                    self.stats.pins_shared += 1
+                elif rk in self._posting:
+                    waits.add(rk)  # another request's post pins it: taken when that is read
+                elif rk not in ask:
+                    ask.append(rk)
+        lookup = None
+        post = getattr(client, "post_lookup", None)
+        if ask and post is not None:
+            try:
+                lookup = post(ask, segments=True)
+            except MaruError as e:
+                logger.info(
+                    "Maru: posting the pins of request %s failed (%s); pinned at its offer", req_id, e
+                )
+        if lookup is not None:
+            pp = _Post(lookup, ask)
+            self._posts.append(pp)
+            for rk in ask:
+                self._posting[rk] = pp
+            waits.update(ask)
+            self.stats.pin_posts += 1
+            self.stats.pins_posted += len(ask)
+        if not waits:
+            del self._awaiting[req_id]
+        if not have:
+            del self._open[req_id]
+        return len(ask) if lookup is not None else 0
+
+    def _settle(self, req_ids: Sequence[str], client: Any) -> None:
+        """Read the posts ``req_ids`` wait for (waiting up to the client's timeout for each)."""
+        posts = {
+            id(pp): pp
+            for r in req_ids
+            for rk in self._awaiting.get(r, ())
+            if (pp := self._posting.get(rk)) is not None
+        }
+        if not posts:
+            return
+        timeout = float(getattr(client, "timeout_s", 5.0))
+        t0 = time.perf_counter()
+        read = getattr(client, "read_posted", None)
+        if read is not None and not all(pp.lookup.done for pp in posts.values()):
+            read()  # replies already here (the server answers in order): no wait for those
+        waited = not all(pp.lookup.done for pp in posts.values())
+        for pp in posts.values():
+            self._read(pp, timeout)
+        if waited:
+            self.stats.post_waits += 1
+            self.stats.post_wait_ms += (time.perf_counter() - t0) * 1e3
+
+    def _read(self, pp: _Post, timeout_s: float) -> None:
+        """Take one post's reply: its pins join the shared ones, and each request waiting for one
+        of its keys takes a reference; a pin no request waits for any more is released (``flush``)."""
+        self._posts.remove(pp)
+        for rk in pp.rks:
+            if self._posting.get(rk) is pp:
+                del self._posting[rk]
+        try:
+            handles = pp.lookup.result(timeout_s)
+        except (MaruError, RuntimeError) as e:
+            self.stats.posts_failed += 1
+            logger.info("Maru: a lookup-and-pin posted at arrival failed (%s); pinned at the offer", e)
+            handles = [None] * len(pp.rks)
+        for rk, h in zip(pp.rks, handles, strict=True):
+            if h is None:
+                continue
+            if h.checksum is None or self._live(rk) is not None:  # unverifiable, or pinned meanwhile
+                self._release.append(h)
+                continue
+            self._pins[rk] = _Pin(rk, h)
+        asked = set(pp.rks)
+        for req_id in list(self._awaiting):
+            waits = self._awaiting[req_id]
+            got = waits & asked
+            if not got:
+                continue
+            waits -= got
+            have = self._open.setdefault(req_id, {})
+            for rk in got:
+                p = self._live(rk)
+                if p is not None and rk not in have:
+                    p.refs += 1
+                    have[rk] = p
+            if not waits:
+                del self._awaiting[req_id]
+            if not have:
+                del self._open[req_id]
+        for rk in pp.rks:
+            p = self._pins.get(rk)
+            if p is not None and p.refs <= 0:  # its request went before the reply was read
+                del self._pins[rk]
+                self._release.append(p.handle)
+
+    def _read_arrived(self, client: Any) -> None:
+        """Take the replies of posts already here (none waited for)."""
+        if not self._posts:
+            return
+        read = getattr(client, "read_posted", None)
+        if read is not None:
+            read()
+        for pp in [pp for pp in self._posts if pp.lookup.done]:
+            self._read(pp, 0.0)
 
     def _pin(self, client: Any, keys: list[str]) -> list[Any]:
         """One lookup-and-pin round trip (none for no keys): a handle per key, None where the key
@@ -197,10 +343,17 @@ class OfferPins:
     def holds(self, req_id: str) -> bool:
         return bool(self._open.get(req_id))
 
+    def holds_all(self, req_id: str, keys: Sequence[str]) -> bool:
+        """Whether ``req_id``'s set holds every rank key of ``keys`` (no post of them unread)."""
+        have = self._open.get(req_id) or {}
+        return all(rk in have for k in keys for rk in rank_keys(k, self.tp_size))
+
     def hand_over(self, req_id: str, keys: Sequence[str]) -> tuple[tuple[HeldChunk, ...], str]:
         """Give the request's set to the workers with its load of ``keys``: (the locations of those
         keys' shards, the ticket). Pins of other keys in the set ride along and go with the ticket.
-        ``((), "")`` when the request holds nothing (the worker then looks the chunks up itself)."""
+        ``((), "")`` when the request holds nothing (the worker then looks the chunks up itself).
+        A post still unread for the request (keys outside this load) is released when read."""
+        self._awaiting.pop(req_id, None)
         have = self._open.pop(req_id, None) or {}
         lost = [rk for rk, p in have.items() if not p.handle.valid]
         self._let_go(have.pop(rk) for rk in lost)  # a session lost since: the worker looks them up
@@ -218,7 +371,9 @@ class OfferPins:
         return held, ticket
 
     def drop(self, req_id: str) -> None:
-        """Release a set never handed over (a handed one waits for its workers)."""
+        """Release a set never handed over (a handed one waits for its workers); what a post not
+        read yet would have given it is released when that is read."""
+        self._awaiting.pop(req_id, None)
         have = self._open.pop(req_id, None)
         if have:
             self.stats.dropped += 1
@@ -257,6 +412,11 @@ class OfferPins:
 
     def flush(self, client: Any) -> None:
         """Send the pending releases (one UNPIN, not waited for); never raises."""
+        if client is not None:
+            try:
+                self._read_arrived(client)  # posts whose requests went meanwhile: released now
+            except Exception as e:  # never raises: a post not read stays for the next flush
+                logger.info("Maru: reading posted pins failed (%s)", e)
         rel, self._release = self._release, []
         if not rel or client is None:
             for h in rel:  # no connection: the session (and its pins) is gone already
@@ -269,6 +429,11 @@ class OfferPins:
 
     def close(self, client: Any) -> None:
         """Release everything (shutdown)."""
+        for pp in self._posts:
+            pp.lookup.abandon()
+        self._posts.clear()
+        self._posting.clear()
+        self._awaiting.clear()
         self._release += [p.handle for p in self._pins.values()]
         self._pins.clear()
         self._open.clear()
@@ -281,4 +446,6 @@ class OfferPins:
         self.stats.pinned_now = len(self._pins)
         out: dict[str, int | float] = dict(self.stats.__dict__)
         out["pin_trip_ms"] = round(self.stats.pin_trip_ms, 3)
+        out["post_wait_ms"] = round(self.stats.post_wait_ms, 3)
+        out["posts_unread"] = len(self._posts)
         return out

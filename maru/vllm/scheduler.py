@@ -31,7 +31,7 @@ from maru.client.gil_io import slow_note
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
-from maru.vllm.hook_times import HookTimes, timed_part
+from maru.vllm.hook_times import HookTimes, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
@@ -89,17 +89,6 @@ class MaruSchedulerConnector(LoadPlanning):
         self.stats = SchedulerStats()
         self.pins = OfferPins(tp_size) if hold_offers and cfg.enable_load else None
         self.pin_at_offer = pin_at_offer
-        # A slower path, for `maru doctor`: a pin round trip per request with a hit, not per step.
-        self._at_offer_note = (
-            "offers are pinned one lookup-and-pin round trip per request with a hit (none where "
-            "another request holds every chunk of it pinned), on vLLM's scheduling thread (~0.5 ms "
-            "a request on an H200 host), not once a step: vLLM's V2 model "
-            "runner cannot recompute a failed same-step load, so no offer may be made of a chunk "
-            "that is not pinned yet. Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 (a step's loads "
-            "then share one round trip)"
-            if self.pins is not None and pin_at_offer
-            else None
-        )
         # maru_async_load: the loads in flight (admitted, not yet in finished_recving).
         self._admission = LoadAdmission(
             cfg.max_inflight_loads, cfg.max_inflight_load_chunks, self.chunk, share=local_prefix_cache
@@ -133,18 +122,6 @@ class MaruSchedulerConnector(LoadPlanning):
     def delayed_frees(self) -> set[str]:
         """Finished requests whose blocks vLLM holds until the worker reports their stores drained."""
         return set(self._delayed)
-
-    @property
-    def offer_pins_mode(self) -> str:
-        """How loads are pinned before the worker runs them (``maru stats``, ``maru doctor``)."""
-        if self.pins is None:
-            return "off (the worker looks its loads up; an eviction in between is recomputed)"
-        if self.pin_at_offer:
-            return (
-                "at each offer (a round trip per request with a hit: a failed same-step load cannot "
-                "be recomputed here)"
-            )
-        return "per step (one round trip for a step's loads)"
 
     def probe_view(self) -> dict[str, Any]:
         """How prefix probes reach the pool (the key index, or a server round trip, and why)."""
@@ -213,7 +190,7 @@ class MaruSchedulerConnector(LoadPlanning):
                         for n in (
                             self._unshared,
                             self._share_timeout_note,
-                            self._at_offer_note,
+                            self.at_offer_note,
                             self._withheld_note,
                             slow_note("vLLM's scheduling thread"),
                         )
@@ -267,7 +244,7 @@ class MaruSchedulerConnector(LoadPlanning):
         self._reqs[request.request_id] = st
         return st
 
-    @timed_part("get_num_new_matched_tokens/keys")
+    @timed_step("keys", "get_num_new_matched_tokens")
     def _keys(self, request: Any, prompt: list[int]) -> PromptKeys:
         kc = self._key_cache
         keys = kc.prompt_keys(prompt, getattr(request, "block_hashes", None), int(request.num_tokens))
@@ -277,7 +254,7 @@ class MaruSchedulerConnector(LoadPlanning):
     def _usable(self, prompt_len: int) -> int:
         return self._prober.usable(prompt_len)
 
-    @timed_part("get_num_new_matched_tokens/probe")
+    @timed_step("probe", "get_num_new_matched_tokens")
     def _probe(self, st: RequestState, local_computed: int) -> None:
         """Which of the request's chunks and block-aligned tails the pool holds (``PrefixProbe``);
         the full chunks vLLM's own hit covers (``local_computed`` tokens) are not asked about."""

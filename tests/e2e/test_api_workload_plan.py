@@ -122,5 +122,12 @@ def test_scheduler_line_reads_the_last_periodic_line_old_and_new(tmp_path) -> No
         f.write(head + h.line() + "\n")
     got = aw.scheduler_line(log)
     assert got is not None and got.wall_us == 1000.0 and got.cpu_us == 500.0
-    assert got.parts == {"probe": 200.0, "pin": 100.0}
+    assert got.parts == {"probe": 200.0, "pin": 100.0} and got.arrival_us == 0.0
+    # Pins posted at arrival: that hook's time and parts, per offer call too.
+    h.add("on_new_request", 0.0008, 0.0004)
+    h.add("on_new_request/post_pins", 0.0002, 0.0001)
+    with log.open("a") as f:
+        f.write(head + h.line() + "\n")
+    got = aw.scheduler_line(log)
+    assert got is not None and got.arrival_us == 200.0 and got.parts["arrival post_pins"] == 50.0
     assert aw.scheduler_line(tmp_path / "missing.log") is None

@@ -212,6 +212,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("Bovl-settle", lambda: bo.settle())  # every write-behind store of Y published
         stage("Bovl-stats", lambda: bo.stats())
         stage("Bsync-Y", lambda: _gen(bs, Y))
+        stage("Bsync-stats", lambda: bs.stats())
         stage("P-run", lambda: _gen(p, P, max_tokens=P_TOKENS))
         stage("P-settle", lambda: p.settle())
         stage("P-stats", lambda: p.stats())
@@ -270,6 +271,15 @@ def test_a_chunk_deleted_after_the_offer_loads_from_its_pin_or_without_pins_is_r
     ref = runs.need("A-E")
     one = {k: [v[prompt_index]] for k, v in ref.items() if k in ("tokens", "logprobs")}
     assert_same(r, one)
+
+
+def test_on_the_v2_runner_each_offer_was_pinned_at_its_request_s_arrival(runs: Runs) -> None:
+    """B-sync runs vLLM's V2 runner (offers pinned one at a time): vLLM announced every request
+    (on_new_request), its pins were posted then, and no offer waited for a round trip of its own."""
+    pins = runs.need("Bsync-stats")["scheduler"]["offer_pins"]
+    assert pins["pin_posts"] >= 3 and pins["posts_failed"] == 0  # X, E1, Y (at least)
+    assert pins["pin_trips"] == 0
+    assert pins["open_now"] == 0 and pins["posts_unread"] == 0
 
 
 def test_preemption_under_write_behind_frees_every_block_and_stores_every_chunk(runs: Runs) -> None:

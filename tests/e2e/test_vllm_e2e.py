@@ -228,6 +228,9 @@ def test_second_instance_loads_the_prompt_and_its_output_is_identical(runs: Runs
     w = runs.b["after_p1"]["worker"]
     assert (w["tokens_loaded"], w["chunks_loaded"], w["load_errors"]) == (288, 5, 0)
     assert w["loads_from_held_pins"] == 1  # placed from the scheduler's pins: no lookup round trip
+    # On the V1 runner a step's loads are pinned in one round trip: nothing posted at arrival.
+    pins = runs.b["after_p1"]["scheduler"]["offer_pins"]
+    assert pins["pin_posts"] == 0 and pins["pin_trips"] == 1
     # vLLM's scheduler found the prompt through the server's key index: no EXISTS round trip.
     sched = runs.b["after_p1"]["scheduler"]
     assert sched["probe_path"] == "key index" and sched["probes_local"] >= 1 and sched["probes_remote"] == 0
