@@ -16,6 +16,7 @@ from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.hook_times import timed_part
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.offer_pins import OfferPins
+from maru.vllm.recent_keys import RecentKeys
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -41,6 +42,7 @@ class LoadPlanning:
     _workers_ready: bool = False
     _readiness: tuple[int, int] = (0, 0)
     _withheld_note: str | None = None  # said once if offers stay withheld (``maru doctor``)
+    recent_keys: RecentKeys  # set by MaruSchedulerConnector
     running_hook: str | None = None  # the hook a shared helper's time is counted in (``timed_step``)
     _woken_at: float = 0.0  # perf_counter of the last wake-up posted (``_wake_for_pins``)
     _reported_path: str | None
@@ -224,9 +226,12 @@ class LoadPlanning:
             st = self._state(request)
             if st is None or st.present is not None:
                 return
-            self._probe(st, 0)  # vLLM's own hit is not known yet: every chunk is asked about
+            # vLLM's own hit is not known yet: guessed from what this engine placed lately (probed
+            # again at the offer if vLLM's real hit is shorter; ``RecentKeys``).
+            guess = self.recent_keys.leading(st.keys.full)
+            self._probe(st, guess * self.chunk)
             client = self._client
-            keys = self._found_keys(st)
+            keys = [k for k in self._found_keys(st, guess) if k not in self.recent_keys]
             if keys and client is not None:
                 self._prefetch(client, st.req_id, keys)
             if not self._arrivals:  # the first: report the pins' way again (``maru doctor``)
@@ -243,11 +248,12 @@ class LoadPlanning:
         self.pins.prefetch(client, req_id, keys)  # type: ignore[union-attr]
 
     @staticmethod
-    def _found_keys(st: RequestState) -> list[str]:
-        """Every key the probe found: full chunks, and the tails where a run of them ends (any of
-        them may be offered, depending on where vLLM's own hit ends)."""
+    def _found_keys(st: RequestState, skip: int = 0) -> list[str]:
+        """Every key the probe found past the first ``skip`` full chunks (taken as vLLM's own):
+        full chunks, and the tails where a run of them ends (any of them may be offered,
+        depending on where vLLM's own hit ends)."""
         assert st.present is not None
-        keys = [k for k, here in zip(st.keys.full, st.present, strict=False) if here]
+        keys = [k for k, here in zip(st.keys.full[skip:], st.present[skip:], strict=False) if here]
         return keys + [key for _, key in st.tail_hits.values()]
 
     def _drop_pins(self, req_id: str) -> None:
@@ -286,6 +292,7 @@ class LoadPlanning:
                 return None
             s = hits * C
             chunks.append(ChunkRef(tail[1], s, tail[0], max(0, begin - s), min(tail[0], end - s)))
+        self.recent_keys.note(c.key for c in chunks)  # in vLLM's cache after this load
         held, ticket = self.pins.hand_over(st.req_id, [c.key for c in chunks]) if self.pins else ((), "")
         return RequestTransfer(st.req_id, tuple(st.block_ids), tuple(chunks), held, ticket)
 

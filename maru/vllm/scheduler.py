@@ -40,6 +40,7 @@ from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
+from maru.vllm.recent_keys import RecentKeys
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -75,6 +76,7 @@ class MaruSchedulerConnector(LoadPlanning):
         self.chunk = cfg.kv_chunk_tokens
         self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
         self._key_cache = ChunkKeyCache(keyer, block_size)  # keys by vLLM's block hashes
+        self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
@@ -410,6 +412,7 @@ class MaruSchedulerConnector(LoadPlanning):
                 st.tail_planned = tail_now = True
         self.stats.chunks_planned += len(planned)
         self.stats.tails_planned += int(tail_now)
+        self.recent_keys.note(c.key for c in chunks)  # computed in vLLM's cache this step
         return chunks, planned, tail_now
 
     def build_connector_meta(self, so: Any) -> MaruConnectorMetadata:

@@ -256,3 +256,68 @@ def test_through_the_connector_on_the_v2_runner_an_announced_request_is_no_slow_
         assert hooks["on_new_request"]["calls"] == 1
     finally:
         conn.shutdown()
+
+
+def test_what_this_engine_placed_lately_is_neither_probed_nor_pinned_at_arrival(server: Any) -> None:
+    """The chunks an engine loaded or stored lately are taken as vLLM's own hit at a request's
+    arrival (``RecentKeys``): only the rest is probed and posted. A guess only: when vLLM's real
+    hit is shorter, the offer probes again and pins the rest with a round trip of its own."""
+    keyer = _keyer()
+    p = tokens(300, seed=71)
+    q = p[: 4 * C] + tokens(100, seed=72)  # P's four chunks, a fifth chunk of its own, a tail
+    src = _store_prompt(server, keyer, p, SRC_BLOCKS)
+    _store_prompt(server, keyer, q, list(range(12)), present=4 * C)
+    with _instance(server, keyer, 96, at_offer=True, blocks=24) as (s, client, w, _, dst):
+        assert s.pins is not None
+        stats = s.pins.stats
+        r1 = req("p", p)
+        s.on_new_request(r1)
+        assert stats.pins_posted == 5  # nothing placed lately: every chunk found, and the tail
+        assert s.get_num_new_matched_tokens(r1, 0) == (288, False)
+        s.update_state_after_alloc(r1, blocks_obj(DST_BLOCKS), 288)
+        meta = s.build_connector_meta(new_out("p", DST_BLOCKS, 288, 12))
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert _same_tokens(src, SRC_BLOCKS, dst, DST_BLOCKS, 288)
+        s.update_connector_output(_out(w.build_worker_meta() or MaruWorkerMeta(ready=1)))
+        assert _pinned(client) == 0
+        # Q arrives: its first four chunks are P's, loaded just now. Only its fifth chunk and its
+        # tail are probed and posted.
+        probes = s.hook_times.as_dict()["on_new_request/probe"]["calls"]
+        r2 = req("q", q)
+        s.on_new_request(r2)
+        assert stats.pins_posted == 5 + 2 and stats.pin_posts == 2
+        assert s._reqs["q"].probed_local == 4 * C
+        assert s.hook_times.as_dict()["on_new_request/probe"]["calls"] == probes + 1
+        # vLLM's own hit is shorter than the guess (it evicted P's blocks): probed again at the
+        # offer, the first four chunks pinned by a round trip of the offer's own.
+        assert s.get_num_new_matched_tokens(r2, 0) == (352, False)
+        assert stats.pin_trips == 1 and _pinned(client) == 6
+        s.request_finished(r2, [])
+        s.build_connector_meta(empty_out())
+        _until_unpinned(s, client)
+        # As guessed: vLLM holds the four chunks; no round trip at the offer.
+        r3 = req("q2", q)
+        s.on_new_request(r3)
+        assert s.get_num_new_matched_tokens(r3, 4 * C) == (352 - 4 * C, False)
+        assert stats.pin_trips == 1 and _pinned(client) == 2
+
+
+def test_a_storing_engine_does_not_pin_its_own_stores_at_arrival(server: Any) -> None:
+    keyer = _keyer()
+    p = tokens(300, seed=73)
+    with _instance(server, keyer, 95, at_offer=True) as (s, client, w, _, _src):
+        r = req("p", p)
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # nothing in the pool yet
+        s.update_state_after_alloc(r, blocks_obj(SRC_BLOCKS), 0)
+        meta = s.build_connector_meta(new_out("p", SRC_BLOCKS, 0, 300))
+        assert meta.stores
+        w.wait_for_save(meta)
+        w.flush_stores()
+        s.request_finished(r, [])
+        # The same prompt again: its chunks and tail are this engine's own stores, in vLLM's cache.
+        again = req("p2", p)
+        s.on_new_request(again)
+        assert s.pins is not None and s.pins.stats.pin_posts == 0 and _pinned(client) == 0
+        assert s._reqs["p2"].probed_local == 4 * C
