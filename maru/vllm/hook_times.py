@@ -97,25 +97,18 @@ def timed_wall(method: F) -> F:
 def timed_part(name: str) -> Callable[[F], F]:
     """``timed``, under ``name`` (``"hook/part"``), for a method that runs inside a hook: its time
     is also in the hook's. A part of the hook's time, not an addition to it."""
-
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
-
-        return wrapper  # type: ignore[return-value]
-
-    return wrap
+    return _timed_as(lambda _self: name)
 
 
 def timed_step(part: str, hook: str) -> Callable[[F], F]:
     """``timed_part`` for a helper more than one hook runs: counted as ``"<hook>/<part>"`` under the
     hook its caller names in ``self.running_hook`` (``hook`` when it names none), so a part is
     always inside the hook whose time holds it."""
+    return _timed_as(lambda self: f"{getattr(self, 'running_hook', None) or hook}/{part}")
+
+
+def _timed_as(name_of: Callable[[Any], str]) -> Callable[[F], F]:
+    """Wall and thread CPU time of the wrapped method into ``self.hook_times`` under ``name_of(self)``."""
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
@@ -124,8 +117,7 @@ def timed_step(part: str, hook: str) -> Callable[[F], F]:
             try:
                 return method(self, *args, **kwargs)
             finally:
-                name = f"{getattr(self, 'running_hook', None) or hook}/{part}"
-                self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
+                self.hook_times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
 
         return wrapper  # type: ignore[return-value]
 

@@ -10,7 +10,9 @@ others.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +34,17 @@ from tests.vllm.test_offer_pins import (
 from tests.vllm.test_offer_pins import server as server  # noqa: F401 - the module's fixture
 
 pytest.importorskip("vllm")
+
+
+@contextlib.contextmanager
+def _scheduler(server: Any, keyer: Any, **cfg: Any) -> Iterator[tuple[Any, Any]]:
+    """A scheduler side pinning at each offer (vLLM's V2 runner) and its client, closed on exit."""
+    s, client = _sched(server, keyer, at_offer=True, **cfg)
+    try:
+        yield s, client
+    finally:
+        s.shutdown()
+        client.close()
 
 
 def _until_unpinned(s: Any, client: Any) -> None:
@@ -91,8 +104,7 @@ def test_requests_arriving_together_have_their_posts_in_flight_together_and_shar
     _store_prompt(server, keyer, prompts[0], SRC_BLOCKS)
     for p in prompts[1:]:
         _store_prompt(server, keyer, p, SRC_BLOCKS, present=len(head))
-    s, client = _sched(server, keyer, at_offer=True)
-    try:
+    with _scheduler(server, keyer) as (s, client):
         reqs = [req(f"r{i}", p) for i, p in enumerate(prompts)]
         for r in reqs:  # all arrive before the first is scheduled
             s.on_new_request(r)
@@ -115,9 +127,6 @@ def test_requests_arriving_together_have_their_posts_in_flight_together_and_shar
         assert heads[0] == heads[1] == heads[2]  # one pin, one location, for the shared head
         s.update_connector_output(_out(MaruWorkerMeta({t: 1 for _, t in held}, ready=1)))
         assert _pinned(client) == 0
-    finally:
-        s.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("how", ["finished before its offer", "none of its offer taken", "fully vLLM's"])
@@ -125,8 +134,7 @@ def test_a_request_that_loads_nothing_leaves_nothing_pinned(server: Any, how: st
     keyer = _keyer()
     toks = tokens(300, seed=66)
     _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer, at_offer=True)
-    try:
+    with _scheduler(server, keyer) as (s, client):
         r = req("b", toks)
         s.on_new_request(r)
         if how == "finished before its offer":
@@ -140,17 +148,13 @@ def test_a_request_that_loads_nothing_leaves_nothing_pinned(server: Any, how: st
         s.build_connector_meta(empty_out())
         _until_unpinned(s, client)
         assert s.pins is not None and s.pins.snapshot()["pinned_now"] == 0
-    finally:
-        s.shutdown()
-        client.close()
 
 
 def test_a_chunk_gone_before_the_post_reached_the_server_cuts_the_offer(server: Any) -> None:
     keyer = _keyer()
     toks = tokens(300, seed=67)
     _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer, at_offer=True)
-    try:
+    with _scheduler(server, keyer) as (s, client):
         gone = s.keyer.prompt_keys(toks).full[2]
         post = client.post_lookup
 
@@ -167,9 +171,6 @@ def test_a_chunk_gone_before_the_post_reached_the_server_cuts_the_offer(server: 
         meta = s.build_connector_meta(new_out("b", DST_BLOCKS, 128, 172))
         assert [c.key for c in meta.loads[0].chunks] == s.keyer.prompt_keys(toks).full[:2]
         assert gone in [c.key for rt in meta.stores for c in rt.chunks]  # refilled when computed
-    finally:
-        s.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("failure", ["not sent", "lost"])
@@ -177,8 +178,7 @@ def test_a_post_that_fails_is_pinned_at_the_offer_instead(server: Any, failure: 
     keyer = _keyer()
     toks = tokens(300, seed=68)
     _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer, at_offer=True)
-    try:
+    with _scheduler(server, keyer) as (s, client):
         post = client.post_lookup
 
         def failing(keys: list[str], **kw: Any) -> Any:
@@ -198,25 +198,18 @@ def test_a_post_that_fails_is_pinned_at_the_offer_instead(server: Any, failure: 
         s.request_finished(r, [])
         s.build_connector_meta(empty_out())
         _until_unpinned(s, client)  # the lost post's late reply too: its pins went back
-    finally:
-        s.shutdown()
-        client.close()
 
 
 def test_off_by_config_nothing_is_posted(server: Any) -> None:
     keyer = _keyer()
     toks = tokens(300, seed=69)
     _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    s, client = _sched(server, keyer, at_offer=True, pin_on_arrival=False)
-    try:
+    with _scheduler(server, keyer, pin_on_arrival=False) as (s, client):
         r = req("b", toks)
         s.on_new_request(r)
         assert s.pins is not None and s.pins.stats.pin_posts == 0 and _pinned(client) == 0
         assert s.get_num_new_matched_tokens(r, 0) == (288, False)
         assert s.pins.stats.pin_trips == 1
-    finally:
-        s.shutdown()
-        client.close()
 
 
 def test_through_the_connector_on_the_v2_runner_an_announced_request_is_no_slow_path(server: Any) -> None:
