@@ -70,7 +70,14 @@ def _pin_trips(pins: Any) -> str:
     if not isinstance(pins, dict):
         return "off"
     n, ms = pins.get("pin_trips", 0), pins.get("pin_trip_ms", 0.0)
-    return f"{n} round trips, {ms:.1f} ms ({ms * 1e3 / n if n else 0.0:.0f} us each)"
+    out = f"{n} round trips, {ms:.1f} ms ({ms * 1e3 / n if n else 0.0:.0f} us each)"
+    if pins.get("pin_posts"):  # posted at arrival (V2 runner): how many offers still waited
+        out += (
+            f", {pins['pin_posts']} posted at arrival ({pins.get('pins_posted', 0)} keys, "
+            f"{pins.get('post_waits', 0)} offers waited {pins.get('post_wait_ms', 0.0):.1f} ms, "
+            f"{pins.get('posts_failed', 0)} failed)"
+        )
+    return out
 
 
 def _reply_waits(w: Any) -> str:

@@ -131,3 +131,17 @@ def test_scheduler_line_reads_the_last_periodic_line_old_and_new(tmp_path) -> No
     got = aw.scheduler_line(log)
     assert got is not None and got.arrival_us == 200.0 and got.parts["arrival post_pins"] == 50.0
     assert aw.scheduler_line(tmp_path / "missing.log") is None
+
+
+def test_the_offer_pins_part_of_the_timing_line_says_how_the_posted_pins_went() -> None:
+    pytest.importorskip("vllm")
+    from maru.vllm.connector import _pin_trips
+
+    assert _pin_trips(None) == "off"
+    plain = {"pin_trips": 4, "pin_trip_ms": 2.0}
+    assert _pin_trips(plain) == "4 round trips, 2.0 ms (500 us each)"
+    posted = {**plain, "pin_posts": 16, "pins_posted": 40, "post_waits": 3, "post_wait_ms": 0.6}
+    said = _pin_trips(posted)
+    assert said.endswith("16 posted at arrival (40 keys, 3 offers waited 0.6 ms, 0 failed)")
+    m = aw._PIN_TRIPS.search(f"offer pins: {said}; replies: ...")  # the bench still reads the trips
+    assert m is not None and float(m.group(1)) == 2.0
