@@ -16,7 +16,9 @@ every user, then the user's own tail), the burst that arrives at a conversation'
 (its chunk keys then come from ``ChunkKeyCache``). ``--busy F``: a second Python thread computes F of each millisecond (the GIL competition a
 scheduler meets beside vLLM's worker thread); ``--switch-interval S``: the interpreter's switch
 interval (default 5 ms). ``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
-reported ready first); the pins' round trips and shared pins are reported too.
+reported ready first); the pins' round trips and shared pins are reported too. ``--arrival`` (with
+``--pin-at-offer``): the burst is announced first (vLLM's ``on_new_request``: each request probed
+and its pins posted, not waited for), then offered: the offers read the replies.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def main() -> int:
         help="a second Python thread computes this share of each millisecond (0-1), like vLLM's "
         "worker thread preparing a step beside the scheduler: each request then competes for the GIL",
     )  # fmt: skip
+    ap.add_argument(
+        "--arrival", action="store_true",
+        help="with --pin-at-offer: every request of the burst is announced first (vLLM's "
+        "on_new_request: probed, its pins posted), then offered; the time of both is counted",
+    )  # fmt: skip
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
     ap.add_argument(
         "--spin-us", type=float, default=0.0,
@@ -181,6 +188,9 @@ def main() -> int:
             client.keys = 0
             before = s.pins.snapshot() if s.pins is not None else {}
             t0 = time.perf_counter()
+            if a.arrival:  # the burst arrives before it is scheduled (posts in flight together)
+                for r in reqs:
+                    s.on_new_request(r)
             for u, r in enumerate(reqs):
                 local = len(first[u]) // bs * bs if a.local_hit and a.round == "second" else 0
                 offered = s.get_num_new_matched_tokens(r, local)
