@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from maru.client.objects import Retrieved
 from maru.client.replies import MAX_BATCH, check_keys, error_from_reply, reply_list
 from maru.errors import MaruError, MaruTimeoutError, NotConnectedError
 from maru.protocol import Op
+
+log = logging.getLogger("maru.client")
 
 
 class PostedLookup:
@@ -173,8 +176,8 @@ class PostedLookups:
         try:
             if not self._closed:
                 self._rpc.read_posted()
-        except Exception:
-            pass
+        except Exception as e:  # the next exchange (or ``result``) reads them instead
+            log.info("reading posted replies failed (%s); a later call reads them", e)
         finally:
             self._lock.release()
 

@@ -251,20 +251,13 @@ class RpcChannel:
                 return req_id not in self._posted
             sock = self._sock
             deadline = time.monotonic() + timeout_s
-            spin = self.reply_spin_s if not getattr(_thread_flags, "never_poll", False) else 0.0
-            spin_until = time.perf_counter() + spin if spin else 0.0
+            spin_until = self._spin_until()
             while req_id in self._posted:
                 reply = self._spin(sock, spin_until) if spin_until else None
                 if reply is None:
                     spin_until = 0.0
-                    remaining_ms = int((deadline - time.monotonic()) * 1000)
-                    if remaining_ms <= 0:
-                        return False
-                    if remaining_ms != self._rcvtimeo_ms:
-                        sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
-                        self._rcvtimeo_ms = remaining_ms
                     try:
-                        reply = sock.recv()
+                        reply = self._recv_within(sock, int((deadline - time.monotonic()) * 1000))
                     except zmq.Again:
                         return False
                 self._take_reply(reply, None)  # a posted request's reply goes to its callback
@@ -335,8 +328,7 @@ class RpcChannel:
                     f"cannot reach maru server at {self.url} within {timeout_s:g} s: {self._hint()}"
                 ) from None
             sock.send(frame, zmq.NOBLOCK)
-        spin = self.reply_spin_s if not getattr(_thread_flags, "never_poll", False) else 0.0
-        spin_until = time.perf_counter() + spin if spin else 0.0
+        spin_until = self._spin_until()
         while True:
             reply = self._spin(sock, spin_until) if spin_until else None
             if reply is not None:
@@ -350,14 +342,8 @@ class RpcChannel:
                 self.spun_out += 1
             remaining_ms = wait_ms if wait_ms >= 0 else int((deadline - time.monotonic()) * 1000)
             wait_ms = -1
-            # A blocking recv with a timeout is measurably faster than poll() then recv().
-            if remaining_ms != self._rcvtimeo_ms:
-                sock.setsockopt(zmq.RCVTIMEO, max(1, remaining_ms))
-                self._rcvtimeo_ms = remaining_ms
             try:
-                if remaining_ms <= 0:
-                    raise zmq.Again()
-                reply = sock.recv()
+                reply = self._recv_within(sock, remaining_ms)
             except zmq.Again:
                 raise MaruTimeoutError(
                     f"no reply from maru server at {self.url} within {timeout_s:g} s "
@@ -382,6 +368,21 @@ class RpcChannel:
         it cannot be queued now."""
         if self._io is None or not self._io.send(sock, frame):
             sock.send(frame, zmq.NOBLOCK)  # raises zmq.Again where the direct send could not
+
+    def _spin_until(self) -> float:
+        """When polling for a reply should stop (perf_counter); 0.0: block at once."""
+        spin = self.reply_spin_s if not getattr(_thread_flags, "never_poll", False) else 0.0
+        return time.perf_counter() + spin if spin else 0.0
+
+    def _recv_within(self, sock: zmq.Socket, remaining_ms: int) -> bytes:
+        """The next frame, blocking up to ``remaining_ms``; ``zmq.Again`` when none came (or none
+        is left). A blocking recv with a timeout is measurably faster than poll() then recv()."""
+        if remaining_ms <= 0:
+            raise zmq.Again()
+        if remaining_ms != self._rcvtimeo_ms:
+            sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+            self._rcvtimeo_ms = remaining_ms
+        return sock.recv()
 
     def _spin(self, sock: zmq.Socket, until: float) -> bytes | None:
         """The next frame, polled for without blocking until ``until`` (perf_counter); None if none came.

@@ -68,6 +68,7 @@ class LoadPlanning:
 
     # Seen once vLLM announced a request (``on_new_request``) and its pins were posted then.
     _arrivals: bool = False
+    _posts_failing: bool = False  # what the last report said of ``OfferPins.failing_posts``
 
     @property
     def offer_pins_mode(self) -> str:
@@ -88,13 +89,20 @@ class LoadPlanning:
     @property
     def at_offer_note(self) -> str | None:
         """The slower path of pins taken at the offer (for ``maru doctor``); None where none runs."""
-        if self.pins is None or not self.pin_at_offer or self._arrivals:
+        if self.pins is None or not self.pin_at_offer:
             return None
-        why = (
-            "pin_on_arrival is off (maru_pin_on_arrival)"
-            if not self.cfg.pin_on_arrival
-            else "this vLLM has not announced a request's arrival (on_new_request) yet"
-        )
+        if self._arrivals and not self.pins.failing_posts():
+            return None
+        if self._arrivals:
+            why = (
+                f"{self.pins.stats.posts_failed} of {self.pins.stats.pin_posts} lookups posted at "
+                f"arrival failed (the first: {self.pins.post_failure}; check the server with "
+                "`maru doctor` and its log)"
+            )
+        elif not self.cfg.pin_on_arrival:
+            why = "pin_on_arrival is off (maru_pin_on_arrival)"
+        else:
+            why = "this vLLM has not announced a request's arrival (on_new_request) yet"
         return (
             "offers are pinned one lookup-and-pin round trip per request with a hit (none where "
             "another request holds every chunk of it pinned), on vLLM's scheduling thread (~0.5 ms "
@@ -234,8 +242,11 @@ class LoadPlanning:
             keys = [k for k in self._found_keys(st, guess) if k not in self.recent_keys]
             if keys and client is not None:
                 self._prefetch(client, st.req_id, keys)
-            if not self._arrivals:  # the first: report the pins' way again (``maru doctor``)
-                self._arrivals = True
+            failing = self.pins.failing_posts()  # type: ignore[union-attr]
+            if not self._arrivals or failing != self._posts_failing:
+                # The first arrival, or posts started or stopped failing: report the pins' way
+                # again (``maru doctor``).
+                self._arrivals, self._posts_failing = True, failing
                 self._reported_path = None
                 self._report_path()
         except Exception:  # never raise into vLLM: the offer pins it the usual way

@@ -123,6 +123,7 @@ class OfferPins:
         self._posts: list[_Post] = []  # posted at arrival, not read yet
         self._posting: dict[str, _Post] = {}  # rank key -> the unread post that pins it
         self._awaiting: dict[str, set[str]] = {}  # req_id -> rank keys it takes when their post is read
+        self.post_failure: str | None = None  # why the first post failed (``failing_posts``)
         self._seq = itertools.count(1)
         self.stats = OfferPinStats()
 
@@ -278,7 +279,14 @@ class OfferPins:
             handles = pp.lookup.result(timeout_s)
         except (MaruError, RuntimeError) as e:
             self.stats.posts_failed += 1
-            logger.info("Maru: a lookup-and-pin posted at arrival failed (%s); pinned at the offer", e)
+            if self.post_failure is None:  # said once; ``failing_posts`` puts it in `maru doctor`
+                self.post_failure = str(e)
+                logger.warning(
+                    "Maru: a lookup-and-pin posted at a request's arrival failed (%s); its offer is "
+                    "pinned with a round trip of its own instead (slower, never wrong). If it keeps "
+                    "happening, check the server with `maru doctor`",
+                    e,
+                )
             handles = [None] * len(pp.rks)
         for rk, h in zip(pp.rks, handles, strict=True):
             if h is None:
@@ -340,8 +348,11 @@ class OfferPins:
                 out[i] = None
         return out
 
-    def holds(self, req_id: str) -> bool:
-        return bool(self._open.get(req_id))
+    def failing_posts(self) -> bool:
+        """Whether posts at arrival mostly fail (at least 4, and half of them): offers are then
+        pinned one round trip each again, the slower path ``maru doctor`` should show."""
+        n = self.stats.posts_failed
+        return n >= 4 and 2 * n >= self.stats.pin_posts
 
     def holds_all(self, req_id: str, keys: Sequence[str]) -> bool:
         """Whether ``req_id``'s set holds every rank key of ``keys`` (no post of them unread)."""

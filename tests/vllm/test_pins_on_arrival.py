@@ -200,6 +200,41 @@ def test_a_post_that_fails_is_pinned_at_the_offer_instead(server: Any, failure: 
         _until_unpinned(s, client)  # the lost post's late reply too: its pins went back
 
 
+def test_posts_that_keep_failing_are_a_slow_path_maru_doctor_shows(server: Any, caplog: Any) -> None:
+    from tests.helpers import reported_slow
+
+    keyer = _keyer()
+    toks = tokens(300, seed=74)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    with _scheduler(server, keyer) as (s, client):
+        post = client.post_lookup
+
+        def lost(keys: list[str], **kw: Any) -> Any:
+            lookup = post(keys, **kw)
+            lookup.on_lost(0, {})  # its connection replaced before the reply was read
+            return lookup
+
+        client.post_lookup = lost  # type: ignore[method-assign]
+        for i in range(5):
+            r = req(f"f{i}", toks)
+            s.on_new_request(r)  # the fifth arrival sees the first four failed
+            assert s.get_num_new_matched_tokens(r, 0) == (288, False)  # pinned at the offer: loads
+            s.request_finished(r, [])
+        assert s.pins is not None and s.pins.failing_posts()
+        assert [m for m in caplog.messages if "posted at a request's arrival failed" in m]  # once
+        slow = reported_slow(server)[client.client_id]
+        assert [n for n in slow if "lookups posted at arrival failed" in n and "maru doctor" in n]
+        client.post_lookup = post  # type: ignore[method-assign]
+        for i in range(8):  # posts work again: the slow path goes once they are the majority
+            r = req(f"g{i}", toks)
+            s.on_new_request(r)
+            assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+            s.request_finished(r, [])
+        s.build_connector_meta(empty_out())
+        assert not s.pins.failing_posts()
+        assert not [n for n in reported_slow(server)[client.client_id] if "posted at arrival" in n]
+
+
 def test_off_by_config_nothing_is_posted(server: Any) -> None:
     keyer = _keyer()
     toks = tokens(300, seed=69)
