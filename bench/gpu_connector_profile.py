@@ -130,7 +130,7 @@ def timeline(loader: KVTransferEngine, sched: MaruHandler, reqs: list[RequestTra
 
 def micro(loader: KVTransferEngine, sched: MaruHandler, req: RequestTransfer, reps: int = 200) -> None:
     """The direct layer issue's pieces, each timed alone over ``reps`` calls (medians, us)."""
-    from maru.kv_ops import triton_kernels as tk
+    from maru.kv_ops import direct_kernel as dk
 
     pipe = loader.path.pipeline
     pins = OfferPins()
@@ -156,16 +156,16 @@ def micro(loader: KVTransferEngine, sched: MaruHandler, req: RequestTransfer, re
         torch.cuda.synchronize()
         return statistics.median(out) * 1e6
 
-    _, buf = pipe._scratch.take(tk.DIRECT_ROWS * (tb + 1))
+    _, buf = pipe._scratch.take(dk.DIRECT_ROWS * (tb + 1))
     row, es = pipe.layout.row_size, pipe.esize
     tab = pipe._layer_placer.direct_table(tb)
     res = {
-        "direct_table_host": timed(lambda: tk.direct_table_host(chunks, slots, row, es, tb, out=buf)),
-        "scratch.take": timed(lambda: pipe._scratch.take(tk.DIRECT_ROWS * (tb + 1))),
+        "direct_table_host": timed(lambda: dk.direct_table_host(chunks, slots, row, es, tb, out=buf)),
+        "scratch.take": timed(lambda: pipe._scratch.take(dk.DIRECT_ROWS * (tb + 1))),
         "_after_caller": timed(lambda: pipe._after_caller(pipe._place_stream)),
         "table upload (raw)": timed(
             lambda: pipe._sync.copy(
-                tab.data_ptr(), buf.data_ptr(), tk.DIRECT_ROWS * (tb + 1) * 8, pipe._place_h
+                tab.data_ptr(), buf.data_ptr(), dk.DIRECT_ROWS * (tb + 1) * 8, pipe._place_h
             )
         ),
         "graph launch, all layers": timed(

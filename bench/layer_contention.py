@@ -29,8 +29,8 @@ import torch
 from maru import kv_ops
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import device_pipeline as pl
+from maru.kv_ops import direct_kernel as dk
 from maru.kv_ops import ops
-from maru.kv_ops import triton_kernels as tk
 from maru.kv_ops.cuda_sync import BatchCopies
 from maru.segments import mark_unread
 
@@ -76,7 +76,7 @@ def main() -> None:
     mirror = [torch.empty_like(o, device="cuda") for o in objs]
     marked = load.clone().numpy()
     prefill, unread = mark_unread(marked, [CHUNK] * NCHUNK, segs)
-    tab_host = tk.direct_table_host(
+    tab_host = dk.direct_table_host(
         [(m.data_ptr(), CHUNK) for m in mirror], torch.from_numpy(marked), ROW, ES, prefill=prefill
     )
     refs = ops.layer_refs(caches, layout)
@@ -128,7 +128,7 @@ def main() -> None:
         with torch.cuda.stream(place_s):
             for i in range(L):
                 place_s.wait_event(evs[i])
-                tk.direct_scatter_layer(tab, refs[i], layout, i, NCHUNK * CHUNK, checksum=True)
+                dk.direct_scatter_layer(tab, refs[i], layout, i, NCHUNK * CHUNK, checksum=True)
         host_ms[way] = (time.perf_counter() - t0) * 1e3
         end = torch.cuda.Event()
         end.record(place_s)
@@ -157,7 +157,7 @@ def main() -> None:
         else:
             ce(way)
             torch.cuda.synchronize()
-            got = ce.tab[tk.DIRECT_SUMS_ROW, :NCHUNK].cpu().numpy().view(np.uint64)  # type: ignore[attr-defined]
+            got = ce.tab[dk.DIRECT_SUMS_ROW, :NCHUNK].cpu().numpy().view(np.uint64)  # type: ignore[attr-defined]
             ok = [ck.finalize(int(g), o.numel() * ES) for g, o in zip(got, objs, strict=True)] == list(want)
         snap = torch.cat([c.flatten() for c in caches])
         same = True if ref_caches is None else bool(torch.equal(snap, ref_caches))

@@ -55,7 +55,7 @@ MARKED = [
     ("maru.transfer.engine", "KVTransferEngine", "start_layer_load"),
     ("maru.kv_ops.device_pipeline", "DevicePipeline", "load_layers"),
     ("maru.kv_ops.layer_paths", "LayerPaths", "_issue_layers_direct"),
-    ("maru.kv_ops.triton_kernels", None, "direct_table_host"),
+    ("maru.kv_ops.direct_kernel", None, "direct_table_host"),
     ("maru.kv_ops.placer", "GraphedPlacer", "scatter_direct_all"),
 ]
 

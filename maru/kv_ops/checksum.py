@@ -17,7 +17,7 @@ Entry points:
   of objects, in one launch; ``finalize(raw, nbytes)`` turns raw sums into checksums. This is
   what the pipelines use (no host sync).
 * ``mix_words``: the per-word term, for kernels that fuse the checksum into a placement
-  (``triton_kernels.direct_scatter_layer``).
+  (``direct_kernel.direct_scatter_layer``).
 
 Contracts: tensors are contiguous; on the device their first byte is 8-byte aligned (the kernel
 reads whole words; every pool object and staging slot is); any byte length (a partial last word

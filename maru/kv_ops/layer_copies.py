@@ -2,7 +2,7 @@
 
 Per layer i: ONE ``cudaMemcpyBatchAsync`` brings the rows of layer i that the load reads, of every
 chunk object, from the pool into a staging slot on the device; then the direct layer kernel
-(``triton_kernels.direct_scatter_layer``, the same kernel and table as the direct way) places and
+(``direct_kernel.direct_scatter_layer``, the same kernel and table as the direct way) places and
 checksums them from that slot instead of over the bus; one event is recorded. Why: the direct way
 reads host memory with the SMs, so inside a forward pass it shares them with the model: on an H200,
 a burst step's load beside a stream of GEMMs ran at 68% of pinned bandwidth and made the GEMMs take
@@ -261,7 +261,7 @@ class CopiedLayers:
         segments: list[Any] | None = None,
     ) -> LayerLoad:
         """Queue the copied layer load (module docstring); returns at once."""
-        from maru.kv_ops import triton_kernels as tk
+        from maru.kv_ops import direct_kernel as dk
 
         t0 = time.perf_counter()
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
@@ -294,12 +294,12 @@ class CopiedLayers:
         # the facts their compiled kernels were bound on at warm-up (``kv_ops.launch``).
         width = _bucket(total)
         if scratch is not None:
-            ticket, buf = scratch.take(tk.DIRECT_ROWS * (width + 1))
-            host_tab = tk.direct_table_host(
+            ticket, buf = scratch.take(dk.DIRECT_ROWS * (width + 1))
+            host_tab = dk.direct_table_host(
                 chunks, slots, self.layout.row_size, self.esize, width, out=buf, prefill=prefill
             )
         else:
-            host_tab = tk.direct_table_host(
+            host_tab = dk.direct_table_host(
                 chunks, slots, self.layout.row_size, self.esize, width, prefill=prefill
             )
         # The copies write only the staging and read pinned pool pages: they need not wait for the
@@ -327,7 +327,7 @@ class CopiedLayers:
                 sync.record_on(copied[i], copy_h)
                 sync.wait_on(place_h, copied[i])
                 slot = (i % ring) * stride
-                tk.direct_scatter_layer(
+                dk.direct_scatter_layer(
                     tab, refs[i], self.layout, i, width, checksum=checksums, stage_off=slot
                 )
                 sync.record_on(placed[i], place_h)
@@ -349,13 +349,13 @@ class CopiedLayers:
     def _table(self, width: int) -> torch.Tensor:
         """The ``[DIRECT_ROWS, width + 1]`` device table of a call: one buffer, grown, written and
         read on the placement stream only (a later call's upload follows this call's kernels)."""
-        from maru.kv_ops import triton_kernels as tk
+        from maru.kv_ops import direct_kernel as dk
 
-        need = tk.DIRECT_ROWS * (width + 1)
+        need = dk.DIRECT_ROWS * (width + 1)
         if self._copy_tab is None or self._copy_tab.numel() < need:
             with torch.cuda.stream(self._place_stream):
                 self._copy_tab = torch.empty(max(need, 1 << 15), dtype=torch.int64, device=self.device)
-        return self._copy_tab[:need].view(tk.DIRECT_ROWS, width + 1)
+        return self._copy_tab[:need].view(dk.DIRECT_ROWS, width + 1)
 
     def warm_copied(self) -> bool:
         """Compile and bind the copied way's kernels now, with loads that place nothing: every

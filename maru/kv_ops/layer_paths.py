@@ -30,7 +30,7 @@ Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
 def _rows_are_words(layout: Any, esize: int) -> bool:
-    from maru.kv_ops.triton_kernels import direct_checksum_ok
+    from maru.kv_ops.direct_kernel import direct_checksum_ok
 
     return direct_checksum_ok(layout, esize)
 
@@ -281,7 +281,7 @@ class LayerPaths:
         static buffer of the call's bucket, so a later call's upload is ordered after this call's
         kernels by the stream.
         """
-        from maru.kv_ops import triton_kernels as tk
+        from maru.kv_ops import direct_kernel as dk
 
         t0 = time.perf_counter()
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
@@ -319,12 +319,12 @@ class LayerPaths:
         scratch = self._scratch if sync.raw else None
         ticket = None
         if scratch is not None:  # the table in a pinned buffer of the pipeline's ring
-            ticket, buf = scratch.take(tk.DIRECT_ROWS * (tb + 1))
-            host_tab = tk.direct_table_host(
+            ticket, buf = scratch.take(dk.DIRECT_ROWS * (tb + 1))
+            host_tab = dk.direct_table_host(
                 chunks, host_slots, self.layout.row_size, self.esize, tb, out=buf, prefill=prefill
             )
         else:
-            host_tab = tk.direct_table_host(
+            host_tab = dk.direct_table_host(
                 chunks, host_slots, self.layout.row_size, self.esize, tb, prefill=prefill
             )
         self._after_caller(place)
@@ -376,10 +376,10 @@ class LayerPaths:
     def _table_sums(self, tab: torch.Tensor, n: int) -> tuple[torch.Tensor, Any]:
         """Queue (raw, placement stream) the copy of the ``n`` sums the direct kernels added into
         row 5 of device table ``tab`` to pinned host sums; returns them and the event after it."""
-        from maru.kv_ops import triton_kernels as tk
+        from maru.kv_ops import direct_kernel as dk
 
         sums = self._host_sums.take(n)
-        row5 = tab.data_ptr() + tk.DIRECT_SUMS_ROW * tab.stride(0) * 8
+        row5 = tab.data_ptr() + dk.DIRECT_SUMS_ROW * tab.stride(0) * 8
         self._sync.copy(sums.data_ptr(), row5, n * 8, self._place_h, D2H)
         done = self._done_event()
         self._sync.record_on(done, self._place_h)
@@ -401,12 +401,12 @@ class LayerPaths:
         """The direct layer issue through torch, on the placement stream: a device slot mapping,
         no raw calls, per-layer launches, or a table without a graph. Returns (the device table,
         the per-layer events, the done event, the host sums, when the placements started)."""
-        from maru.kv_ops import triton_kernels as tk
+        from maru.kv_ops import direct_kernel as dk
 
         sync, place = self._sync, self._place_stream
         with torch.cuda.stream(place):  # the table upload and the kernels run on the placement stream
             if tab is None:
-                tab = torch.empty((tk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
+                tab = torch.empty((dk.DIRECT_ROWS, tb + 1), dtype=torch.int64, device=self.device)
             tab.copy_(host_tab, non_blocking=True)
             if slot_mapping.device.type != "cpu":  # the slot row comes from the device mapping
                 tab[2, :total].copy_(slot_mapping.to(torch.int64), non_blocking=True)
@@ -423,7 +423,7 @@ class LayerPaths:
                     if graphed:
                         self._layer_placer.scatter_layer_direct(i, tb, checksum=checksums)
                     else:
-                        tk.direct_scatter_layer(tab, refs[i], self.layout, i, tb, checksum=checksums)
+                        dk.direct_scatter_layer(tab, refs[i], self.layout, i, tb, checksum=checksums)
                     sync.record(placed[i], place)
             done = sums = None
             if checksums:  # the kernels summed every object into row 5 of the table

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from maru.kv_ops import checksum as ck
-from maru.kv_ops import triton_kernels
+from maru.kv_ops import direct_kernel, triton_kernels
 from maru.kv_ops.cuda_sync import D2D, current_stream_handle
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import _first_tensor, layer_refs
@@ -102,7 +102,7 @@ class GraphedPlacer:
     def direct_table(self, num_tokens: int) -> torch.Tensor:
         """The static ``[DIRECT_ROWS, T + 1]`` table the direct (zero-copy) layer graphs for T tokens read.
 
-        Rows as ``triton_kernels.direct_table_host`` builds them; slots start at -1 (nothing placed).
+        Rows as ``direct_kernel.direct_table_host`` builds them; slots start at -1 (nothing placed).
         No staging buffer: the direct kernel reads the chunk objects where they lie.
         """
         tab = self._direct.get(num_tokens)
@@ -114,7 +114,7 @@ class GraphedPlacer:
                 )
             # W + 1 columns: the last says how the addresses are indexed (see direct_table_host).
             tab = torch.zeros(
-                (triton_kernels.DIRECT_ROWS, num_tokens + 1), dtype=torch.int64, device=self.device
+                (direct_kernel.DIRECT_ROWS, num_tokens + 1), dtype=torch.int64, device=self.device
             )
             tab[2].fill_(-1)
             self._direct[num_tokens] = tab
@@ -131,7 +131,7 @@ class GraphedPlacer:
             # (CUDA refuses the external flag outside a capture).
             capturing = torch.cuda.is_current_stream_capturing()
             for i in range(self.num_layers):
-                triton_kernels.direct_scatter_layer(
+                direct_kernel.direct_scatter_layer(
                     tab, self._refs[i], self.layout, i, num_tokens, checksum=op.endswith("+checksum")
                 )
                 if capturing:
@@ -141,7 +141,7 @@ class GraphedPlacer:
             return
         if op in ("direct", "direct+checksum"):
             tab = self.direct_table(num_tokens)
-            triton_kernels.direct_scatter_layer(
+            direct_kernel.direct_scatter_layer(
                 tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
             )
             return
@@ -175,7 +175,7 @@ class GraphedPlacer:
             # which the caller zeroed for the replay that follows. Keep the row as it was.
             sums = None
             if key[0].startswith("direct") and key[0].endswith("+checksum"):
-                sums = self.direct_table(key[1])[triton_kernels.DIRECT_SUMS_ROW].clone()
+                sums = self.direct_table(key[1])[direct_kernel.DIRECT_SUMS_ROW].clone()
             # Compile and build the layer table outside the capture (neither may run inside it).
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -184,7 +184,7 @@ class GraphedPlacer:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             if sums is not None:
-                self.direct_table(key[1])[triton_kernels.DIRECT_SUMS_ROW].copy_(sums)
+                self.direct_table(key[1])[direct_kernel.DIRECT_SUMS_ROW].copy_(sums)
             graph = torch.cuda.CUDAGraph()
             # No Python garbage collection during the capture: torch no longer collects before a
             # capture, and a collection inside it that frees another placer's graphs (a dead reference

@@ -20,13 +20,13 @@ import torch
 from maru.checksum import checksum
 from maru.kv_ops import (
     detect_layouts,
+    direct_kernel,
     gather,
     gather_blocks,
     gather_layer,
     scatter,
     scatter_blocks,
     scatter_layer,
-    triton_kernels,
 )
 from maru.kv_ops.checksum import finalize
 from maru.kv_ops.layout import KVLayout
@@ -198,7 +198,7 @@ class Checker:
         s[0] = -1  # a skipped token is never written
         width = n + 5  # padded columns (slot -1), as a graph bucket pads them
         chunks = [(h.data_ptr(), h.shape[2]) for h in host]
-        tab = triton_kernels.direct_table_host(chunks, s, layout.row_size, obj.element_size(), width)
+        tab = direct_kernel.direct_table_host(chunks, s, layout.row_size, obj.element_size(), width)
         tab = tab.to(self.device)
         d, e = self._make(p, seed + 5), self._make(p, seed + 5)
         refs = layer_refs(e.caches, layout)
@@ -206,18 +206,18 @@ class Checker:
             lk = {"layer": layer} if layout.is_cross_layer else {}
             dl = d.caches if layout.is_cross_layer else d.caches[layer]
             scatter_layer(obj[layer], dl, layout, s.to(self.device), backend="reference", **lk)
-            triton_kernels.direct_scatter_layer(tab, refs[layer], layout, layer, width)
+            direct_kernel.direct_scatter_layer(tab, refs[layer], layout, layer, width)
         self.expect(
             all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
             f"direct_scatter_layer {p} chunks {[h.shape[2] for h in host]}",
         )
-        if triton_kernels.direct_checksum_ok(layout, obj.element_size()):
+        if direct_kernel.direct_checksum_ok(layout, obj.element_size()):
             # The fused checksum: the same placement, and each object's maru.checksum (skipped
             # token included) in row 5, whatever the table's indexing.
             f = self._make(p, seed + 5)
             frefs = layer_refs(f.caches, layout)
             for layer in range(p.num_layers):
-                triton_kernels.direct_scatter_layer(tab, frefs[layer], layout, layer, width, checksum=True)
+                direct_kernel.direct_scatter_layer(tab, frefs[layer], layout, layer, width, checksum=True)
             raw = tab[5, : len(host)].cpu().tolist()
             got = [finalize(r, h.numel() * h.element_size()) for r, h in zip(raw, host, strict=True)]
             want = [checksum(h.reshape(-1).view(torch.uint8).numpy()) for h in host]
@@ -242,7 +242,7 @@ class Checker:
             (staging.data_ptr() + o * staging.element_size(), h.shape[2])
             for o, h in zip(offsets, host, strict=True)
         ]
-        tab = triton_kernels.direct_table_host(chunks, s, layout.row_size, host[0].element_size(), width)
+        tab = direct_kernel.direct_table_host(chunks, s, layout.row_size, host[0].element_size(), width)
         tab = tab.to(self.device)
         g = self._make(p, seed + 5)
         grefs = layer_refs(g.caches, layout)
@@ -251,7 +251,7 @@ class Checker:
             for h, o, r in zip(host, offsets, regions, strict=True):
                 staging[at + o : at + o + r].copy_(h[layer].reshape(-1))
             try:
-                triton_kernels.direct_scatter_layer(
+                direct_kernel.direct_scatter_layer(
                     tab,
                     grefs[layer],
                     layout,
@@ -334,13 +334,13 @@ class Checker:
             for o, src in zip(put, objs, strict=True):
                 o.copy_(src)
             put[0].view(torch.uint8)[-1, -1, poke, 0] ^= 0x5A  # one byte of token ``poke``
-            tab = triton_kernels.direct_table_host(
+            tab = direct_kernel.direct_table_host(
                 [(o.data_ptr(), o.shape[2]) for o in put], marked, layout.row_size, esize, n, prefill=prefill
             ).to(self.device)
             f = self._make(p, seed + 9)
             frefs = layer_refs(f.caches, layout)
             for layer in range(p.num_layers):
-                triton_kernels.direct_scatter_layer(tab, frefs[layer], layout, layer, n, checksum=True)
+                direct_kernel.direct_scatter_layer(tab, frefs[layer], layout, layer, n, checksum=True)
             sums = [
                 finalize(r, o.numel() * esize) for r, o in zip(tab[5, :2].cpu().tolist(), objs, strict=True)
             ]

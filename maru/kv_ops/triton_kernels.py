@@ -7,8 +7,8 @@
 * block-granular (``BLOCKWISE=True``): the index array holds block ids; token ``t`` of the object is
   offset ``t % BS`` of block ``ids[t // BS]``.
 
-``direct_scatter_layer`` is a fourth kernel: one layer placed straight from chunk objects in
-GPU-addressable host memory (a registered pool), whose addresses a small table gives.
+The direct (zero-copy) layer load's kernel, which reads chunk objects in GPU-addressable host
+memory, is in ``kv_ops.direct_kernel``; it shares ``row_offsets``, ``tiles`` and ``base_view``.
 
 Every address is computed from the ``KVLayout`` strides in physical memory (block, token, head, dim
 strides per K/V plane), never from the shape's axis order, so NHD, HND, padded, packed and the CPU
@@ -22,25 +22,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import as_bits
 
 __all__ = [
-    "DIRECT_ROWS",
-    "DIRECT_SUMS_ROW",
     "TuneParams",
     "as_bits",
     "base_view",
-    "direct_checksum_ok",
-    "direct_scatter_layer",
-    "direct_table_host",
     "layer_table",
     "place",
     "row_is_contiguous",
@@ -353,247 +346,3 @@ def place(
 
 # Triton compiles for the tensors' integer views; the direct launch passes addresses (no views per call).
 _PLACE = Launcher(_place_kernel, triton_view=as_bits)
-
-
-# ---------------------------------------------------------------------- direct (zero-copy) layer load
-
-DIRECT_ROWS = 6  # source address, plane stride, slot, object (per token), token in object, checksum sums
-DIRECT_SUMS_ROW = 5  # where the checksum variant adds each object's terms
-
-
-@triton.jit
-def _direct_layer_kernel(
-    tab_ptr,
-    cache_ptr,
-    layer,
-    stage_off,
-    num_tokens,
-    tab_stride,
-    s_block,
-    s_head,
-    kv_stride,
-    k_s_tok,
-    v_s_tok,
-    K_S_DIM: tl.constexpr,
-    V_S_DIM: tl.constexpr,
-    BS: tl.constexpr,
-    HS: tl.constexpr,
-    ROW: tl.constexpr,
-    NUM_KV: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    ROW_CONTIG: tl.constexpr,
-    CHECKSUM: tl.constexpr,
-    ESIZE: tl.constexpr,
-    STAGED: tl.constexpr,
-):
-    # One program per (token tile, plane). The table's last column, row 0, says how rows 0 and 1 are
-    # indexed (read at run time, so one captured graph serves both):
-    # * C > 0 ("per chunk"): every chunk but the last holds C tokens; entry k of row 0 is the byte
-    #   address of chunk k's object (host memory the GPU can address: a registered pool), entry k of
-    #   row 1 its elements per plane (its T * ROW); token t is row t - k*C of chunk k = t // C;
-    # * 0 ("per token"): entry t of row 0 is the address of token t's row in layer 0, plane 0 of its
-    #   object, entry t of row 1 that object's plane size, entry t of rows 3 and 4 its object and
-    #   its row in that object (read only with CHECKSUM).
-    # Row 2 is always per token: the slot (-1: not written; -2: not written and, with CHECKSUM,
-    # not read). The last column of row 1 holds the call's real token count (the rest of a graph
-    # bucket is padding). With CHECKSUM the kernel also reads the rows it does not write (skipped
-    # tokens: part of the object) unless their slot is -2, and adds the ``maru.checksum`` terms of
-    # this layer and plane of each object into its entry of row 5 (which the table starts at the
-    # committed sums of the segments left unread: ``direct_table_host``'s ``prefill``).
-    # STAGED: the table names a device slot holding layer ``layer`` of each object in its layer
-    # layout, read ``stage_off`` bytes further (``kv_ops.layer_copies``); else the objects.
-    pid_t = tl.program_id(0)
-    kv = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < num_tokens
-    slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
-    valid = tmask & (slot >= 0)
-    readable = slot > -2  # -2: a row of a segment the load does not place (``maru.segments``)
-    slot = tl.where(valid, slot, 0)
-    chunk_t = tl.load(tab_ptr + tab_stride - 1)
-    per_chunk = chunk_t > 0
-    div = tl.maximum(chunk_t, 1)
-    if CHECKSUM:
-        total = tl.load(tab_ptr + 2 * tab_stride - 1)
-        read = tmask & (t < total) & readable
-    else:
-        read = valid
-    k = tl.where(per_chunk, t // div, t)
-    within = tl.where(per_chunk, t - k * div, 0)
-    addr = tl.load(tab_ptr + k, mask=read, other=0)
-    plane = tl.load(tab_ptr + tab_stride + k, mask=read, other=0)
-    if STAGED:
-        src_row = (
-            (addr + stage_off).to(tl.pointer_type(cache_ptr.dtype.element_ty))
-            + kv * plane
-            + within.to(tl.int64) * ROW
-        )
-    else:
-        src_row = (
-            addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
-            + (layer * NUM_KV + kv) * plane
-            + within.to(tl.int64) * ROW
-        )
-    blk = slot // BS
-    off_in_block = slot % BS
-    s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
-    cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
-    if CHECKSUM:
-        EPW: tl.constexpr = 8 // ESIZE  # elements a word
-        obj = tl.where(per_chunk, k, tl.load(tab_ptr + 3 * tab_stride + t, mask=read, other=0))
-        row_in_obj = tl.where(per_chunk, within, tl.load(tab_ptr + 4 * tab_stride + t, mask=read, other=0))
-        # Word index of the row's first element in its object (ROW * ESIZE % 8 == 0: rows are words).
-        word0 = ((layer * NUM_KV + kv) * plane + row_in_obj * ROW) // EPW
-        sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
-    for r0 in range(0, ROW, BLOCK_R):
-        c = r0 + tl.arange(0, BLOCK_R)
-        c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
-        m = valid[:, None] & (c < ROW)[None, :]
-        rm = read[:, None] & (c < ROW)[None, :]
-        vals = tl.load(src_row[:, None] + c[None, :], mask=rm, other=0)
-        tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
-        if CHECKSUM:
-            sums += row_terms(vals, word0, r0, read, ROW, BLOCK_T, BLOCK_R, ESIZE)
-    if CHECKSUM:
-        acc = tab_ptr + 5 * tab_stride
-        first = tl.min(tl.where(read, obj, 1 << 62), axis=0)
-        last = tl.max(tl.where(read, obj, -1), axis=0)
-        if first == last:  # the usual tile: one object, one atomic
-            tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
-        else:
-            tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
-
-
-def direct_table_host(
-    chunks: list[tuple[int, int]],
-    slots: torch.Tensor,
-    row: int,
-    esize: int,
-    width: int | None = None,
-    out: torch.Tensor | None = None,
-    prefill: np.ndarray | None = None,
-) -> torch.Tensor:
-    """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
-
-    ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
-    order; ``slots``: one slot per token of all chunks (CPU, int64; negative = not written). Columns
-    past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
-    length C and the last at most C (the connector's usual step: whole chunks, one tail), the
-    addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
-    CUDA is available, so the upload is asynchronous. ``out``: a flat int64 host tensor of at least
-    ``DIRECT_ROWS * (width + 1)`` entries to build it in (``HostScratch``), instead of a new one.
-    ``prefill``: per object, the raw sum its checksum accumulator starts at (uint64: the committed
-    sums of the segments whose rows are marked -2, left unread); zeros when not given.
-    """
-    total = int(slots.numel())
-    width = total if width is None else int(width)
-    if width < total:
-        raise ValueError(f"table width {width} < {total} tokens")
-    lengths = [t for _, t in chunks]
-    if sum(lengths) != total:
-        raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
-    if out is not None:
-        tab = out[: DIRECT_ROWS * (width + 1)].view(DIRECT_ROWS, width + 1)
-    else:
-        tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=torch.cuda.is_available())
-    # numpy over the same memory: this runs on the layer load's issue path, and a numpy op costs a
-    # fraction of torch's per-op overhead.
-    out = tab.numpy()
-    n = len(chunks)
-    ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=n)
-    counts = np.asarray(lengths, dtype=np.int64)
-    first = lengths[0] if lengths else 0
-    if first > 0 and all(t == first for t in lengths[:-1]) and lengths[-1] <= first:
-        out[0, :n] = ptrs
-        out[1, :n] = counts * row
-        out[0, width] = first
-    else:
-        starts = np.cumsum(counts) - counts
-        within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        out[0, :total] = np.repeat(ptrs, counts) + within * (row * esize)
-        out[1, :total] = np.repeat(counts * row, counts)
-        out[3, :total] = np.repeat(np.arange(n, dtype=np.int64), counts)
-        out[4, :total] = within
-        out[0, width] = 0
-    # Rows 0, 1, 3 and 4 past the used entries are never read (tokens past the count): not cleared.
-    out[1, width] = total
-    out[2, :total] = slots.numpy()
-    out[2, total:] = -1
-    # The checksum accumulators, set by the upload itself.
-    out[5, :n] = 0 if prefill is None else np.asarray(prefill, dtype=np.uint64).view(np.int64)
-    return tab
-
-
-def direct_scatter_layer(
-    tab: torch.Tensor,
-    ref: tuple[torch.Tensor, int],
-    layout: KVLayout,
-    layer: int,
-    num_tokens: int,
-    *,
-    checksum: bool = False,
-    stage_off: int | None = None,
-) -> None:
-    """Place layer ``layer`` of the chunk objects a direct table names into one layer's cache.
-
-    The kernel reads the objects where they are (zero-copy: host memory registered with CUDA, read
-    over the bus by the SMs), so one launch per layer places every chunk of the call, with no staging
-    buffer and no per-chunk copy to issue. ``tab``: ``[DIRECT_ROWS, W + 1]`` int64 on the caches'
-    device (see ``direct_table_host``; ``num_tokens`` <= W); ``ref``: (bits tensor over the cache
-    storage, element offset of this layer's base), as ``ops.layer_refs`` gives. With ``checksum``
-    it also reads the skipped rows (slot -1; not those marked -2: rows of segments left unread) and
-    adds this layer's ``maru.checksum`` terms of every object into row 5 of the table (object k at
-    entry k, which starts at the table's ``prefill``): after every layer ran, entry k is the raw sum
-    of object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
-    ``stage_off``: the table names a device staging slot holding layer ``layer`` of every object
-    in the object's own layer layout ([KV, T, ROW] at each address; ``kv_ops.layer_copies``): read
-    the rows there, ``stage_off`` bytes further. None: read layer ``layer`` of the objects.
-    """
-    if num_tokens == 0:
-        return
-    cache = base_view(ref)
-    esize = cache.element_size()
-    if checksum and not direct_checksum_ok(layout, esize):
-        raise ValueError(
-            f"the direct kernel checksums whole 64-bit words of each row: a row of {layout.row_size} "
-            f"elements of {esize} bytes is not a multiple of 8 bytes"
-        )
-    block_t, block_r, num_warps = tiles(layout, num_tokens)
-    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
-    _DIRECT.launch(
-        grid,
-        num_warps,
-        tab,
-        cache,
-        layer,
-        0 if stage_off is None else stage_off,
-        num_tokens,
-        tab.stride(0),
-        layout.block_stride,
-        layout.head_stride,
-        layout.kv_stride,
-        layout.k_token_stride,
-        layout.v_token_stride,
-        layout.k_dim_stride,  # K_S_DIM and the rest: the constexprs, in the kernel's order
-        layout.v_dim_stride,
-        layout.block_size,
-        layout.head_size,
-        layout.row_size,
-        layout.num_kv,
-        block_t,
-        block_r,
-        row_is_contiguous(layout),
-        checksum,
-        esize,
-        stage_off is not None,
-    )
-
-
-_DIRECT = Launcher(_direct_layer_kernel)
-
-
-def direct_checksum_ok(layout: KVLayout, esize: int) -> bool:
-    """Whether ``direct_scatter_layer`` can checksum objects of ``layout``: rows of whole words
-    (every real model's: head sizes are multiples of 4 elements)."""
-    return esize in (1, 2, 4, 8) and (layout.row_size * esize) % 8 == 0

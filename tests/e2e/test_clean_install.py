@@ -28,7 +28,7 @@ import torch
 
 import maru
 from maru import kv_ops
-from maru.kv_ops import triton_kernels
+from maru.kv_ops import direct_kernel
 from maru.kv_ops.ops import as_bits
 from maru.kv_ops.testing import make_cache, random_slots
 
@@ -44,8 +44,8 @@ assert torch.equal(as_bits(got), as_bits(want)), "triton gather differs from the
 kv_ops.scatter(want.flip(2).contiguous(), case.caches, layout, slots, backend="triton")
 back = kv_ops.gather(case.caches, layout, slots, backend="reference")
 assert torch.equal(as_bits(back)[:, :, slots >= 0], as_bits(want.flip(2))[:, :, slots >= 0])
-tab = triton_kernels.direct_table_host([(4096, 8), (8192, 3)], torch.arange(11), layout.row_size, 2)
-assert tab.shape == (triton_kernels.DIRECT_ROWS, 12) and int(tab[0, 11]) == 8
+tab = direct_kernel.direct_table_host([(4096, 8), (8192, 3)], torch.arange(11), layout.row_size, 2)
+assert tab.shape == (direct_kernel.DIRECT_ROWS, 12) and int(tab[0, 11]) == 8
 # The checksum's C source ships with the package (package data) and builds here.
 from maru import checksum, native
 assert checksum.implementation() == "native", native.load().reason

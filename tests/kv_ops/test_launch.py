@@ -194,9 +194,9 @@ def test_key_tells_apart_what_triton_specialises_on() -> None:
 
 def test_the_kernels_are_launched_through_launchers() -> None:
     pytest.importorskip("triton")
-    from maru.kv_ops import checksum, triton_kernels
+    from maru.kv_ops import checksum, direct_kernel, triton_kernels
 
-    for lau in (triton_kernels._PLACE, triton_kernels._DIRECT, checksum._CHECKSUM, checksum._CHECKSUM_PIECES):
+    for lau in (triton_kernels._PLACE, direct_kernel._DIRECT, checksum._CHECKSUM, checksum._CHECKSUM_PIECES):
         assert isinstance(lau, Launcher)
         assert lau._constexpr is not None and any(lau._constexpr), lau.name
 
