@@ -70,6 +70,9 @@ API_LOADS: dict[str, dict[str, Any]] = {
     # round trip waited for at each offer (V2 runner) or once a step (V1, with "overlap").
     "at-offer": {"maru_pin_on_arrival": False},
     "overlap-at-step": {"maru_overlap_load_with_compute": True, "maru_pin_on_arrival": False},
+    # The default configuration with the direct layer kernel's grid set through MARU_DIRECT_PROGRAMS
+    # (gpu_vllm_e2e.ENGINE_ENV; TuneParams.direct_programs): a program a token tile, or at most N.
+    **{f"programs-{n}": {} for n in ("a-tile", "264", "132", "66", "33")},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so

@@ -186,6 +186,10 @@ ENGINE_ENV = {
     "overlap": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "overlap-copied": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "overlap-at-step": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    **{
+        f"programs-{n}": {"MARU_DIRECT_PROGRAMS": "0" if n == "a-tile" else n}
+        for n in ("a-tile", "264", "132", "66", "33")
+    },
 }
 STORE_MODE = {
     "sync": "sync store",

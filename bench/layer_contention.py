@@ -31,6 +31,7 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops import device_pipeline as pl
 from maru.kv_ops import direct_kernel as dk
 from maru.kv_ops import ops
+from maru.kv_ops import triton_kernels as tk
 from maru.kv_ops.cuda_sync import BatchCopies
 from maru.segments import mark_unread
 
@@ -42,6 +43,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--gemm", type=int, default=4096)
+    ap.add_argument(
+        "--programs",
+        default="0,512,264,132,66,33,16",
+        help="the direct way's programs a plane to sweep (TuneParams.direct_programs; 0: one a tile)",
+    )
+    ap.add_argument(
+        "--tiles", default="4,8,16", help="tokens a program (TuneParams.block_t) to sweep with them"
+    )
+    ap.add_argument("--ways", default="direct,copied,ce-loop,ce-batch", help="the ways of the first table")
     args = ap.parse_args()
     nb = NCHUNK * CHUNK // BS * 2
     caches = [torch.randn(2, nb, BS, NH, HS, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
@@ -209,7 +219,7 @@ def main() -> None:
 
     print("| way | beside | load ms | GB/s | % of pinned | host issue ms | GEMM time x |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for way in ("direct", "copied", "ce-loop", "ce-batch"):
+    for way in args.ways.split(","):
         if way == "ce-batch" and batch is None:
             continue
         fn = (lambda w=way: direct(w)) if way in ("direct", "copied") else (lambda w=way: ce(w))
@@ -222,6 +232,36 @@ def main() -> None:
                 flush=True,
             )
     print(f"read {read_bytes / 2**20:.0f} MiB a load ({unread} tokens left unread)")
+
+    # The direct way with fewer programs, each looping over its tiles (TuneParams.direct_programs),
+    # and other tile sizes: every setting checked against the first placement and the committed sums.
+    print("\n| programs a plane | tokens a program | beside | load ms | GB/s | % of pinned | GEMM time x |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    tune = tk.TuneParams
+    keep = (tune.direct_programs, tune.block_t)
+    try:
+        for bt in (int(x) for x in args.tiles.split(",")):
+            for cap in (int(x) for x in args.programs.split(",")):
+                tune.direct_programs, tune.block_t = cap, bt
+                for c in caches:
+                    c.zero_()
+                direct("direct")
+                torch.cuda.synchronize()
+                ok = direct.h.checksums() == want  # type: ignore[attr-defined]
+                same = bool(torch.equal(torch.cat([c.flatten() for c in caches]), ref_caches))
+                if not (ok and same):
+                    print(f"| {cap} | {bt} | WRONG: checksums {ok}, placement same {same} | | | | |")
+                    continue
+                for busy in (False, True):
+                    ms, slow = timed(lambda: direct("direct"), busy)
+                    gbs = read_bytes / ms / 1e6
+                    print(
+                        f"| {cap or 'a tile'} | {bt} | {'GEMMs' if busy else 'nothing'} | {ms:.2f} | {gbs:.1f} | "
+                        f"{100 * gbs / pinned:.1f}% | {slow:.2f} |",
+                        flush=True,
+                    )
+    finally:
+        tune.direct_programs, tune.block_t = keep
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import triton.language as tl
 from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
-from maru.kv_ops.triton_kernels import base_view, row_is_contiguous, row_offsets, tiles
+from maru.kv_ops.triton_kernels import TuneParams, base_view, row_is_contiguous, row_offsets, tiles
 
 __all__ = [
     "DIRECT_ROWS",
@@ -58,7 +58,7 @@ def _direct_layer_kernel(
     ESIZE: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    # One program per (token tile, plane). The table's last column, row 0, says how rows 0 and 1 are
+    # Programs per (token tiles, plane). The table's last column, row 0, says how rows 0 and 1 are
     # indexed (read at run time, so one captured graph serves both):
     # * C > 0 ("per chunk"): every chunk but the last holds C tokens; entry k of row 0 is the byte
     #   address of chunk k's object (host memory the GPU can address: a registered pool), entry k of
@@ -74,66 +74,73 @@ def _direct_layer_kernel(
     # committed sums of the segments left unread: ``direct_table_host``'s ``prefill``).
     # STAGED: the table names a device slot holding layer ``layer`` of each object in its layer
     # layout, read ``stage_off`` bytes further (``kv_ops.layer_copies``); else the objects.
+    # A program places token tiles pid_t, pid_t + P, ... (P: the grid's first axis). With one program
+    # a tile (P = the tiles) that is one pass; a smaller grid (``TuneParams.direct_programs``) keeps
+    # the load on a few SMs beside the forward's kernels instead of queueing a program per tile.
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < num_tokens
-    slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
-    valid = tmask & (slot >= 0)
-    readable = slot > -2  # -2: a row of a segment the load does not place (``maru.segments``)
-    slot = tl.where(valid, slot, 0)
     chunk_t = tl.load(tab_ptr + tab_stride - 1)
     per_chunk = chunk_t > 0
     div = tl.maximum(chunk_t, 1)
     if CHECKSUM:
         total = tl.load(tab_ptr + 2 * tab_stride - 1)
-        read = tmask & (t < total) & readable
-    else:
-        read = valid
-    k = tl.where(per_chunk, t // div, t)
-    within = tl.where(per_chunk, t - k * div, 0)
-    addr = tl.load(tab_ptr + k, mask=read, other=0)
-    plane = tl.load(tab_ptr + tab_stride + k, mask=read, other=0)
-    if STAGED:
-        src_row = (
-            (addr + stage_off).to(tl.pointer_type(cache_ptr.dtype.element_ty))
-            + kv * plane
-            + within.to(tl.int64) * ROW
-        )
-    else:
-        src_row = (
-            addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
-            + (layer * NUM_KV + kv) * plane
-            + within.to(tl.int64) * ROW
-        )
-    blk = slot // BS
-    off_in_block = slot % BS
     s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
-    cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
-    if CHECKSUM:
-        EPW: tl.constexpr = 8 // ESIZE  # elements a word
-        obj = tl.where(per_chunk, k, tl.load(tab_ptr + 3 * tab_stride + t, mask=read, other=0))
-        row_in_obj = tl.where(per_chunk, within, tl.load(tab_ptr + 4 * tab_stride + t, mask=read, other=0))
-        # Word index of the row's first element in its object (ROW * ESIZE % 8 == 0: rows are words).
-        word0 = ((layer * NUM_KV + kv) * plane + row_in_obj * ROW) // EPW
-        sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
-    for r0 in range(0, ROW, BLOCK_R):
-        c = r0 + tl.arange(0, BLOCK_R)
-        c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
-        m = valid[:, None] & (c < ROW)[None, :]
-        rm = read[:, None] & (c < ROW)[None, :]
-        vals = tl.load(src_row[:, None] + c[None, :], mask=rm, other=0)
-        tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
+    for tile in range(pid_t, tl.cdiv(num_tokens, BLOCK_T), tl.num_programs(0)):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < num_tokens
+        slot = tl.load(tab_ptr + 2 * tab_stride + t, mask=tmask, other=-1)
+        valid = tmask & (slot >= 0)
+        readable = slot > -2  # -2: a row of a segment the load does not place (``maru.segments``)
+        slot = tl.where(valid, slot, 0)
         if CHECKSUM:
-            sums += row_terms(vals, word0, r0, read, ROW, BLOCK_T, BLOCK_R, ESIZE)
-    if CHECKSUM:
-        acc = tab_ptr + 5 * tab_stride
-        first = tl.min(tl.where(read, obj, 1 << 62), axis=0)
-        last = tl.max(tl.where(read, obj, -1), axis=0)
-        if first == last:  # the usual tile: one object, one atomic
-            tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
+            read = tmask & (t < total) & readable
         else:
-            tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
+            read = valid
+        k = tl.where(per_chunk, t // div, t)
+        within = tl.where(per_chunk, t - k * div, 0)
+        addr = tl.load(tab_ptr + k, mask=read, other=0)
+        plane = tl.load(tab_ptr + tab_stride + k, mask=read, other=0)
+        if STAGED:
+            src_row = (
+                (addr + stage_off).to(tl.pointer_type(cache_ptr.dtype.element_ty))
+                + kv * plane
+                + within.to(tl.int64) * ROW
+            )
+        else:
+            src_row = (
+                addr.to(tl.pointer_type(cache_ptr.dtype.element_ty))
+                + (layer * NUM_KV + kv) * plane
+                + within.to(tl.int64) * ROW
+            )
+        blk = slot // BS
+        off_in_block = slot % BS
+        cache_row = cache_ptr + kv * kv_stride + blk * s_block + off_in_block * s_tok
+        if CHECKSUM:
+            EPW: tl.constexpr = 8 // ESIZE  # elements a word
+            obj = tl.where(per_chunk, k, tl.load(tab_ptr + 3 * tab_stride + t, mask=read, other=0))
+            row_in_obj = tl.where(
+                per_chunk, within, tl.load(tab_ptr + 4 * tab_stride + t, mask=read, other=0)
+            )
+            # Word index of the row's first element in its object (ROW * ESIZE % 8 == 0: rows are words).
+            word0 = ((layer * NUM_KV + kv) * plane + row_in_obj * ROW) // EPW
+            sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
+        for r0 in range(0, ROW, BLOCK_R):
+            c = r0 + tl.arange(0, BLOCK_R)
+            c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
+            m = valid[:, None] & (c < ROW)[None, :]
+            rm = read[:, None] & (c < ROW)[None, :]
+            vals = tl.load(src_row[:, None] + c[None, :], mask=rm, other=0)
+            tl.store(cache_row[:, None] + c_off[None, :], vals, mask=m)
+            if CHECKSUM:
+                sums += row_terms(vals, word0, r0, read, ROW, BLOCK_T, BLOCK_R, ESIZE)
+        if CHECKSUM:
+            acc = tab_ptr + 5 * tab_stride
+            first = tl.min(tl.where(read, obj, 1 << 62), axis=0)
+            last = tl.max(tl.where(read, obj, -1), axis=0)
+            if first == last:  # the usual tile: one object, one atomic
+                tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
+            else:
+                tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
 
 
 def direct_table_host(
@@ -196,6 +203,14 @@ def direct_table_host(
     return tab
 
 
+def tile_programs(num_tokens: int, block_t: int, cap: int | None = None) -> int:
+    """The direct kernel's programs a plane for ``num_tokens`` tokens in tiles of ``block_t``: one a
+    tile, at most ``cap`` (None: ``TuneParams.direct_programs``; 0: no cap), each looping over its share."""
+    n = triton.cdiv(num_tokens, block_t)
+    cap = TuneParams.direct_programs if cap is None else cap
+    return min(n, cap) if cap > 0 else n
+
+
 def direct_scatter_layer(
     tab: torch.Tensor,
     ref: tuple[torch.Tensor, int],
@@ -205,6 +220,7 @@ def direct_scatter_layer(
     *,
     checksum: bool = False,
     stage_off: int | None = None,
+    programs: int | None = None,
 ) -> None:
     """Place layer ``layer`` of the chunk objects a direct table names into one layer's cache.
 
@@ -220,6 +236,7 @@ def direct_scatter_layer(
     ``stage_off``: the table names a device staging slot holding layer ``layer`` of every object
     in the object's own layer layout ([KV, T, ROW] at each address; ``kv_ops.layer_copies``): read
     the rows there, ``stage_off`` bytes further. None: read layer ``layer`` of the objects.
+    ``programs``: the grid's programs a plane (``tile_programs``; None: ``TuneParams``').
     """
     if num_tokens == 0:
         return
@@ -231,7 +248,7 @@ def direct_scatter_layer(
             f"elements of {esize} bytes is not a multiple of 8 bytes"
         )
     block_t, block_r, num_warps = tiles(layout, num_tokens)
-    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv)
+    grid = (tile_programs(num_tokens, block_t, programs), layout.num_kv)
     _DIRECT.launch(
         grid,
         num_warps,

@@ -20,6 +20,7 @@ scalar-and-vector mask). ``row_offsets``, ``tiles``, ``row_is_contiguous``, ``la
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -140,6 +141,9 @@ class TuneParams:
     block_t: int = 4
     max_block_r: int = 1024
     num_warps: int = 4
+    # The direct layer kernel's programs a plane (``direct_kernel.tile_programs``): 0 is one a token
+    # tile. ``MARU_DIRECT_PROGRAMS`` overrides it (an A/B of benches in real vLLM, not a setting).
+    direct_programs: int = int(os.environ.get("MARU_DIRECT_PROGRAMS", "0"))
 
 
 def tiles(
