@@ -71,8 +71,9 @@ API_LOADS: dict[str, dict[str, Any]] = {
     "at-offer": {"maru_pin_on_arrival": False},
     "overlap-at-step": {"maru_overlap_load_with_compute": True, "maru_pin_on_arrival": False},
     # The default configuration with the direct layer kernel's grid set through MARU_DIRECT_PROGRAMS
-    # (gpu_vllm_e2e.ENGINE_ENV; TuneParams.direct_programs): a program a token tile, or at most N.
-    **{f"programs-{n}": {} for n in ("a-tile", "264", "132", "66", "33")},
+    # (gpu_vllm_e2e.ENGINE_ENV; TuneParams.direct_programs): a program a token tile (the default
+    # before 2026-12-03's thirty-eighth pass), or at most N over both planes (default: one an SM).
+    **{f"programs-{n}": {} for n in ("a-tile", "528", "264", "66")},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so

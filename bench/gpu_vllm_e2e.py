@@ -188,7 +188,7 @@ ENGINE_ENV = {
     "overlap-at-step": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     **{
         f"programs-{n}": {"MARU_DIRECT_PROGRAMS": "0" if n == "a-tile" else n}
-        for n in ("a-tile", "264", "132", "66", "33")
+        for n in ("a-tile", "528", "264", "66")
     },
 }
 STORE_MODE = {

@@ -45,8 +45,9 @@ def main() -> None:
     ap.add_argument("--gemm", type=int, default=4096)
     ap.add_argument(
         "--programs",
-        default="0,512,264,132,66,33,16",
-        help="the direct way's programs a plane to sweep (TuneParams.direct_programs; 0: one a tile)",
+        default="0,-1,528,264,66,32",
+        help="the direct way's programs, both planes, to sweep (TuneParams.direct_programs; 0: one a "
+        "tile; -1: one an SM, the default)",
     )
     ap.add_argument(
         "--tiles", default="4,8,16", help="tokens a program (TuneParams.block_t) to sweep with them"
@@ -235,7 +236,9 @@ def main() -> None:
 
     # The direct way with fewer programs, each looping over its tiles (TuneParams.direct_programs),
     # and other tile sizes: every setting checked against the first placement and the committed sums.
-    print("\n| programs a plane | tokens a program | beside | load ms | GB/s | % of pinned | GEMM time x |")
+    print(
+        "\n| programs (both planes) | tokens a program | beside | load ms | GB/s | % of pinned | GEMM time x |"
+    )
     print("|---:|---:|---|---:|---:|---:|---:|")
     tune = tk.TuneParams
     keep = (tune.direct_programs, tune.block_t)
@@ -256,7 +259,7 @@ def main() -> None:
                     ms, slow = timed(lambda: direct("direct"), busy)
                     gbs = read_bytes / ms / 1e6
                     print(
-                        f"| {cap or 'a tile'} | {bt} | {'GEMMs' if busy else 'nothing'} | {ms:.2f} | {gbs:.1f} | "
+                        f"| {({0: 'a tile', -1: 'an SM'}).get(cap, cap)} | {bt} | {'GEMMs' if busy else 'nothing'} | {ms:.2f} | {gbs:.1f} | "
                         f"{100 * gbs / pinned:.1f}% | {slow:.2f} |",
                         flush=True,
                     )

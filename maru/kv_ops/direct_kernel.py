@@ -9,6 +9,8 @@ chunk to issue. Addresses in the cache come from the ``KVLayout`` strides, as in
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import triton
@@ -75,8 +77,8 @@ def _direct_layer_kernel(
     # STAGED: the table names a device slot holding layer ``layer`` of each object in its layer
     # layout, read ``stage_off`` bytes further (``kv_ops.layer_copies``); else the objects.
     # A program places token tiles pid_t, pid_t + P, ... (P: the grid's first axis). With one program
-    # a tile (P = the tiles) that is one pass; a smaller grid (``TuneParams.direct_programs``) keeps
-    # the load on a few SMs beside the forward's kernels instead of queueing a program per tile.
+    # a tile (P = the tiles) that is one pass; a smaller grid (``TuneParams.direct_programs``: one an
+    # SM) leaves SMs to the forward's kernels instead of queueing a program per tile.
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
     chunk_t = tl.load(tab_ptr + tab_stride - 1)
@@ -203,12 +205,30 @@ def direct_table_host(
     return tab
 
 
-def tile_programs(num_tokens: int, block_t: int, cap: int | None = None) -> int:
+def tile_programs(num_tokens: int, block_t: int, num_kv: int, device: Any, cap: int | None = None) -> int:
     """The direct kernel's programs a plane for ``num_tokens`` tokens in tiles of ``block_t``: one a
-    tile, at most ``cap`` (None: ``TuneParams.direct_programs``; 0: no cap), each looping over its share."""
+    tile, or fewer, each looping over its share. ``cap`` (None: ``TuneParams.direct_programs``) is
+    the programs of all ``num_kv`` planes together: -1 one an SM of ``device`` (one a tile where
+    that is unknown: no CUDA device), 0 one a tile, N at most N."""
     n = triton.cdiv(num_tokens, block_t)
     cap = TuneParams.direct_programs if cap is None else cap
-    return min(n, cap) if cap > 0 else n
+    if cap < 0:
+        cap = _sm_count(device)
+    return min(n, max(1, cap // num_kv)) if cap > 0 else n
+
+
+_SMS: dict[Any, int] = {}
+
+
+def _sm_count(device: Any) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached: asked once a device); 0 for others."""
+    hit = _SMS.get(device)
+    if hit is None:
+        dev = torch.device(device)
+        hit = _SMS[device] = (
+            torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        )
+    return hit
 
 
 def direct_scatter_layer(
@@ -236,7 +256,7 @@ def direct_scatter_layer(
     ``stage_off``: the table names a device staging slot holding layer ``layer`` of every object
     in the object's own layer layout ([KV, T, ROW] at each address; ``kv_ops.layer_copies``): read
     the rows there, ``stage_off`` bytes further. None: read layer ``layer`` of the objects.
-    ``programs``: the grid's programs a plane (``tile_programs``; None: ``TuneParams``').
+    ``programs``: the grid's programs of all planes (``tile_programs``' cap; None: ``TuneParams``').
     """
     if num_tokens == 0:
         return
@@ -248,7 +268,7 @@ def direct_scatter_layer(
             f"elements of {esize} bytes is not a multiple of 8 bytes"
         )
     block_t, block_r, num_warps = tiles(layout, num_tokens)
-    grid = (tile_programs(num_tokens, block_t, programs), layout.num_kv)
+    grid = (tile_programs(num_tokens, block_t, layout.num_kv, cache.device, programs), layout.num_kv)
     _DIRECT.launch(
         grid,
         num_warps,

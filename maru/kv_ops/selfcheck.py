@@ -216,16 +216,16 @@ class Checker:
             # token included) in row 5, whatever the table's indexing.
             f = self._make(p, seed + 5)
             frefs = layer_refs(f.caches, layout)
-            for layer in range(p.num_layers):  # two programs a plane: each loops over several tiles
+            for layer in range(p.num_layers):  # 4 programs (2 a plane): each loops over several tiles
                 direct_kernel.direct_scatter_layer(
-                    tab, frefs[layer], layout, layer, width, checksum=True, programs=2
+                    tab, frefs[layer], layout, layer, width, checksum=True, programs=4
                 )
             raw = tab[5, : len(host)].cpu().tolist()
             got = [finalize(r, h.numel() * h.element_size()) for r, h in zip(raw, host, strict=True)]
             want = [checksum(h.reshape(-1).view(torch.uint8).numpy()) for h in host]
             self.expect(
                 got == want and all(self.same(x, y) for x, y in zip(d.storages(), f.storages(), strict=True)),
-                f"direct_scatter_layer(checksum=True, programs=2) {p} chunks {[h.shape[2] for h in host]}",
+                f"direct_scatter_layer(checksum=True, programs=4) {p} chunks {[h.shape[2] for h in host]}",
             )
             self._check_direct_staged(p, layout, host, s, width, d, want, seed)
 

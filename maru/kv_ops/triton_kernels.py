@@ -141,9 +141,13 @@ class TuneParams:
     block_t: int = 4
     max_block_r: int = 1024
     num_warps: int = 4
-    # The direct layer kernel's programs a plane (``direct_kernel.tile_programs``): 0 is one a token
-    # tile. ``MARU_DIRECT_PROGRAMS`` overrides it (an A/B of benches in real vLLM, not a setting).
-    direct_programs: int = int(os.environ.get("MARU_DIRECT_PROGRAMS", "0"))
+    # The direct layer kernel's programs, all planes together (``direct_kernel.tile_programs``): -1 is
+    # one an SM of the device, 0 one a token tile. A program a tile queues ~1800 programs a layer for
+    # a burst step, which take the SMs from the forward's GEMMs (3x slower beside the load, the load
+    # itself 69% of pinned); one an SM: GEMMs 1.46x, the load 80%, alone unchanged (H200, bench/
+    # layer_contention.py, RESULTS "thirty-eighth pass"). ``MARU_DIRECT_PROGRAMS`` overrides it (an
+    # A/B of benches in real vLLM, not a setting).
+    direct_programs: int = int(os.environ.get("MARU_DIRECT_PROGRAMS", "-1"))
 
 
 def tiles(
