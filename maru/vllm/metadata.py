@@ -35,6 +35,10 @@ class MaruConnectorMetadata:
     stores: list[RequestTransfer] = field(default_factory=list)
     async_loads: list[RequestTransfer] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # With ``maru_log_timing`` only, for the worker's step clock: the tokens vLLM scheduled in this
+    # step, and whether some request got more than one (a prefill step).
+    step_tokens: int = 0
+    prefill: bool = False
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

@@ -480,6 +480,9 @@ class MaruSchedulerConnector(LoadPlanning):
             self.pins.flush(self._client)  # the sets dropped since the last step: one UNPIN
         self._admission.settle()
         self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
+        if self.cfg.log_timing:  # what the worker's step clock files the forward under
+            counts = (getattr(so, "num_scheduled_tokens", None) or {}).values()
+            meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:

@@ -10,6 +10,10 @@ been issued (``wait_for_save``), and reads them back later without blocking (``c
 ``get_finished``): per kind of step, the forwards' device time, and how many steps were queued
 after the device had drained (the previous forward's end event reached before this one's start
 was queued: the host was behind, or the engine had nothing to run), with the median idle gap.
+Where the scheduler side says what vLLM scheduled (``maru_log_timing``), a step in which some
+request got more than one token is counted apart, as "<kind> (prefill)", with its tokens: a
+storing instance's prefill steps are then compared with another instance's plain prefill steps of
+the same workload, not with a mean over decode steps too.
 
 Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises
 (an event not yet reached is read at a later collect; at most ``MAX_PENDING`` steps wait, older
@@ -49,6 +53,7 @@ class _KindTimes:
     # hence the median, not the mean, says which).
     gaps_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS_KEPT))
     after_idle: int = 0  # steps queued after the device had drained
+    tokens: int = 0  # tokens vLLM scheduled in these steps (0 where the scheduler did not say)
 
 
 class StepClock:
@@ -57,7 +62,7 @@ class StepClock:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._torch: Any = None
-        self._pending: collections.deque[tuple[str, Any, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[str, int, Any, Any]] = collections.deque()
         self._start: Any = None
         self._last_end: Any = None
         self.kinds: dict[str, _KindTimes] = {}
@@ -92,13 +97,16 @@ class StepClock:
             except Exception as e:
                 self._off(e)
 
-    def ended(self, kind: str) -> None:
-        """The step's forward is queued; ``kind`` says what Maru did in the step."""
+    def ended(self, kind: str, tokens: int = 0, prefill: bool = False) -> None:
+        """The step's forward is queued; ``kind`` says what Maru did in the step; ``tokens``: what vLLM
+        scheduled in it; ``prefill``: some request got more than one token (counted apart)."""
         if self._torch is None or self._start is None:
             return
         start, self._start = self._start, None
+        if prefill:
+            kind = f"{kind} (prefill)"
         try:
-            self._pending.append((kind, start, self._event()))
+            self._pending.append((kind, tokens, start, self._event()))
         except Exception as e:
             self._off(e)
         while len(self._pending) > MAX_PENDING:
@@ -115,12 +123,13 @@ class StepClock:
 
     def _collect(self) -> None:
         while self._pending:
-            kind, start, end = self._pending[0]
+            kind, tokens, start, end = self._pending[0]
             if not end.query():
                 return
             self._pending.popleft()
             t = self.kinds.setdefault(kind, _KindTimes())
             t.steps += 1
+            t.tokens += tokens
             t.forward_ms += start.elapsed_time(end)
             if self._last_end is not None:
                 gap = self._last_end.elapsed_time(start)
@@ -130,11 +139,12 @@ class StepClock:
             self._last_end = end
 
     def line(self) -> str:
-        """``kind: N steps, forward X ms each, M queued after the device drained (idle before: median
-        Y ms); ...`` ("" before any step was read back)."""
+        """``kind: N steps, forward X ms each[, T tokens each], M queued after the device drained (idle
+        before: median Y ms); ...`` ("" before any step was read back)."""
         parts = [
-            f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each, {t.after_idle} queued "
-            "after the device drained"
+            f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each"
+            + (f", {t.tokens / t.steps:.0f} tokens each" if t.tokens else "")
+            + f", {t.after_idle} queued after the device drained"
             + (f" (idle before: median {statistics.median(t.gaps_ms):.2f} ms)" if t.gaps_ms else "")
             for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)
             if t.steps

@@ -383,7 +383,8 @@ class MaruWorkerConnector:
         kind = self._step_kind
         if kind == PLAIN and meta is not None and meta.stores and self.cfg.enable_store:
             kind = STORED
-        self.step_clock.ended(kind)  # the forward is queued: its end, before Maru queues more
+        # The forward is queued: its end, before Maru queues more.
+        self.step_clock.ended(kind, *((meta.step_tokens, meta.prefill) if meta is not None else ()))
         try:
             # The layer load must be complete (and its failures known) before this step's stores
             # are filtered, and before the step ends.

@@ -148,3 +148,24 @@ def test_a_failing_event_stops_the_timing_and_never_raises(caplog: Any) -> None:
         if "timing the forwards on the device stopped" in r.getMessage()
     ]
     assert len(said) == 1 and "(RuntimeError: no device)" in said[0] and "Fix:" in said[0]
+
+
+def test_prefill_steps_are_counted_apart_with_their_tokens() -> None:
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch())
+    for fwd, tokens, prefill in ((20.0, 8192, True), (3.0, 16, False), (10.0, 4000, True), (3.5, 16, False)):
+        clock.started()
+        dev.t += fwd
+        clock.ended(PLAIN, tokens, prefill)
+    clock.started()
+    dev.t += 1.0
+    clock.ended(PLAIN)  # no count from the scheduler side: a plain step without tokens
+    dev.now = dev.t
+    clock.collect()
+    pre, plain = clock.kinds[f"{PLAIN} (prefill)"], clock.kinds[PLAIN]
+    assert (pre.steps, pre.forward_ms, pre.tokens) == (2, 30.0, 12192)
+    assert (plain.steps, plain.forward_ms, plain.tokens) == (3, 7.5, 32)
+    line = clock.line()
+    assert "plain (prefill): 2 steps, forward 15.00 ms each, 6096 tokens each" in line
+    assert "plain: 3 steps, forward 2.50 ms each, 11 tokens each" in line

@@ -690,3 +690,21 @@ def test_async_loads_without_vllms_prefix_cache_are_announced_as_a_slower_path(
             assert on.load_sharing == "on"
         finally:
             h.close()
+
+
+def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(server, keyer, client) -> None:
+    timed = make_sched(server, keyer, client, log_timing=True)
+    untimed = make_sched(server, keyer, client)
+    for s in (timed, untimed):
+        s.get_num_new_matched_tokens(req("a", tokens(300)), 0)
+    prefill = new_out("a", list(range(5)), 0, 200)
+    prefill.num_scheduled_tokens["b"] = 1  # a decoding request beside it
+    meta = timed.build_connector_meta(prefill)
+    assert (meta.step_tokens, meta.prefill) == (201, True)
+    decode = cached_out("a", None, 300, 1)
+    decode.num_scheduled_tokens["b"] = 1
+    assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(decode)) == (2, False)
+    assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(empty_out())) == (0, False)
+    # Off (the default), nothing is counted.
+    meta = untimed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
+    assert (meta.step_tokens, meta.prefill) == (0, False)
