@@ -220,6 +220,20 @@ def tile_programs(num_tokens: int, block_t: int, num_kv: int, device: Any, cap: 
 _SMS: dict[Any, int] = {}
 
 
+def grid_override() -> str | None:
+    """Why the direct kernel's grid is not the default (one program an SM), for ``maru doctor``:
+    a bench's ``MARU_DIRECT_PROGRAMS`` left set; None when it is the default."""
+    cap = TuneParams.direct_programs
+    if cap == -1:
+        return None
+    grid = "a program a token tile" if cap == 0 else f"at most {cap} programs"
+    return (
+        f"{grid} (MARU_DIRECT_PROGRAMS={cap}), not one an SM: measured on an H200, a program a tile "
+        "slowed the forward's GEMMs 2.7-3.0x beside a burst's layer load against 1.5-1.6x (bench/"
+        "RESULTS.md, thirty-eighth pass). Fix: unset MARU_DIRECT_PROGRAMS (a bench setting)"
+    )
+
+
 def _sm_count(device: Any) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (cached: asked once a device); 0 for others."""
     hit = _SMS.get(device)

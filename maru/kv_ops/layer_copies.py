@@ -182,7 +182,7 @@ class CopiedLayers:
         return bool(self._copied_ok) and slot_mapping.device.type == "cpu"
 
     def layer_way(self) -> tuple[str | None, str | None]:
-        """(``paths.layer_way`` for the worker's report, or None: the direct way as ever; a slow
+        """(``paths.layer_way`` for the worker's report, or None: the direct way with its default grid; a slow
         path's sentence, or None): what ``layer_path="copied"`` got."""
         if self._copied_ok and self.copies_oom is not None:
             return "copy engines", (
@@ -198,7 +198,15 @@ class CopiedLayers:
                 f"beside the forward pass: {self.copied_off}. Fix: as the reason says (a CUDA runtime "
                 "of 12.8 or later, the pool registered with CUDA: maru doctor), or maru_layer_path=auto"
             )
-        return None, None
+        from maru.kv_ops.direct_kernel import grid_override
+        from maru.kv_ops.triton_kernels import TuneParams
+
+        override = grid_override()
+        if override is None:
+            return None, None
+        return f"direct, grid of MARU_DIRECT_PROGRAMS={TuneParams.direct_programs}", (
+            f"the direct layer kernel's grid is {override}"
+        )
 
     def _copied_blocker(self, obj: torch.Tensor | None) -> str | None:
         from maru.kv_ops.selection import choose

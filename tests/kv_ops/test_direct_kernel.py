@@ -52,3 +52,21 @@ def test_the_default_is_one_an_sm_unless_the_environment_says_otherwise() -> Non
         for e in (env, dict(env, MARU_DIRECT_PROGRAMS="0"))
     ]
     assert [o.strip() for o in out] == ["-1", "0"]
+
+
+def test_a_grid_left_set_by_the_environment_is_reported_as_a_slow_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from maru.kv_ops.layer_copies import CopiedLayers
+
+    direct_way = SimpleNamespace(_copied_ok=False, copies_oom=None, copied_off=None)
+    monkeypatch.setattr(TuneParams, "direct_programs", -1)
+    assert direct_kernel.grid_override() is None
+    assert CopiedLayers.layer_way(direct_way) == (None, None)  # type: ignore[arg-type]
+    for cap, grid in ((0, "a program a token tile"), (64, "at most 64 programs")):
+        monkeypatch.setattr(TuneParams, "direct_programs", cap)
+        way, why = CopiedLayers.layer_way(direct_way)  # type: ignore[arg-type]
+        assert way == f"direct, grid of MARU_DIRECT_PROGRAMS={cap}"
+        assert why is not None and grid in why and "Fix: unset MARU_DIRECT_PROGRAMS" in why
