@@ -397,7 +397,11 @@ class MaruKVConnector(KVConnectorBase_V1):
         """The worker's hook times, and the device time of its forwards by kind of step."""
         assert self._worker is not None
         clock = self._worker.step_clock.line()
-        return self.hook_times.line() + (f"; device time of the forwards: {clock}" if clock else "")
+        return (
+            self.hook_times.line()
+            + self._worker.stats.timing_note()
+            + (f"; device time of the forwards: {clock}" if clock else "")
+        )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

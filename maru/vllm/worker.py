@@ -95,7 +95,9 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self.step_clock = StepClock(cfg.log_timing)  # device time of the forwards, by kind of step
-        self._step_kind = PLAIN
+        # What Maru did in the step under way (step_clock's kinds); None between a step's wait_for_save
+        # and the next start_load_kv.
+        self._step_kind: str | None = None
         self._layer_index: dict[str, int] = {}
         hooks = LoadHooks(
             connect=self._engine_or_why,
@@ -252,6 +254,8 @@ class MaruWorkerConnector:
         layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
         self.step_clock.started()
+        if self._step_kind is not None:  # the last step's start_load_kv saw no wait_for_save
+            self.stats.steps_without_forward += 1
         self._step_kind = PLAIN
         if meta is None:
             return
@@ -380,7 +384,7 @@ class MaruWorkerConnector:
 
     # ------------------------------------------------------------------ store
     def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:
-        kind = self._step_kind
+        kind, self._step_kind = self._step_kind or PLAIN, None  # None: this step had its forward
         if kind == PLAIN and meta is not None and meta.stores and self.cfg.enable_store:
             kind = STORED
         # The forward is queued: its end, before Maru queues more.

@@ -40,6 +40,13 @@ class WorkerStats:
     stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
     sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
     sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)
+    # maru_async_store: of those, how many vLLM had named finished before their stores had read their
+    # blocks, and the time from that naming to their report, summed (the blocks held for the stores)
+    sending_delayed: int = 0
+    sending_delay_s: float = 0.0
+    # start_load_kv calls not followed by wait_for_save: steps vLLM ran without a forward (e.g. while
+    # finished requests wait for finished_sending)
+    steps_without_forward: int = 0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
@@ -56,6 +63,20 @@ class WorkerStats:
             self.bytes_loaded_under_forward += rep.bytes
         else:
             self.load_seconds += rep.seconds
+
+    def timing_note(self) -> str:
+        """What the worker's timing line adds (``maru_log_timing``): the finished requests whose blocks
+        waited for their write-behind stores, and vLLM's steps without a forward; "" when neither."""
+        held = (
+            f"; finished requests held for their stores: {self.sending_delayed} of {self.sending_reported}, "
+            f"{1e3 * self.sending_delay_s / self.sending_delayed:.1f} ms each"
+            if self.sending_delayed
+            else ""
+        )
+        idle = (
+            f"; steps without a forward: {self.steps_without_forward}" if self.steps_without_forward else ""
+        )
+        return held + idle
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

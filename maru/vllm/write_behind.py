@@ -71,6 +71,7 @@ class WriteBehind:
         self._drain: BackgroundRunner | None = None
         self._owed: set[str] = set()
         self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still reading
+        self._finished_at: dict[str, float] = {}  # of _finished: when vLLM named it finished
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
         self.mode = "not connected yet"
 
@@ -99,6 +100,8 @@ class WriteBehind:
         if preempted:
             self._owed -= preempted
             self._finished -= preempted
+            for r in preempted:
+                self._finished_at.pop(r, None)
         self._owed.update(rt.req_id for rt in meta.stores)
 
     def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
@@ -163,10 +166,18 @@ class WriteBehind:
         batch read their blocks.
         """
         self.collect()
+        now = time.monotonic()
         self._finished |= finished_req_ids & self._owed
         done = {r for r in self._finished if not self._reading(r)}
         self._finished -= done
         self._owed -= done
+        for r in self._finished.difference(self._finished_at):
+            self._finished_at[r] = now  # held: its stores still read its blocks
+        for r in done:
+            since = self._finished_at.pop(r, None)
+            if since is not None:
+                self.stats.sending_delayed += 1
+                self.stats.sending_delay_s += now - since
         self.stats.sending_reported += len(done)
         self.stats.sending_held = len(self._finished)
         return done

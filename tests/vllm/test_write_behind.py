@@ -504,3 +504,51 @@ def test_how_the_data_path_queued_its_stores_is_reported_once_known_and_again_on
         assert "Fix:" in note[0] and "partial tail" in note[0]
     finally:
         stop_worker(w)
+
+
+def test_the_time_finished_requests_wait_for_their_stores_and_steps_without_a_forward_are_counted(
+    server: ServerProcess, client: MaruHandler
+) -> None:
+    src = case("kv_first", "NHD", 23)
+    held, quick = request("wb-held", [5, 9], CHUNK), request("wb-quick", [1, 3], CHUNK)
+    w = worker(server.url, src)
+    gate = gated(w)
+    try:
+        w.start_load_kv(None)
+        w.wait_for_save(Meta(stores=[held]))
+        t0 = time.monotonic()
+        assert w.get_finished({held.req_id}) == (None, None)  # named finished, its store still reading
+        time.sleep(0.2)
+        gate.set()
+        assert finished_sending(w, set()) == {held.req_id}
+        waited = time.monotonic() - t0
+        s = w.stats
+        assert s.sending_delayed == 1 and 0.2 <= s.sending_delay_s <= waited
+        # A request whose store read its blocks before vLLM named it finished is not held.
+        w.start_load_kv(None)
+        w.wait_for_save(Meta(stores=[quick]))
+        w.write_behind.collect(None)
+        assert w.get_finished({quick.req_id}) == ({quick.req_id}, None)
+        assert (s.sending_reported, s.sending_delayed) == (2, 1)
+        # vLLM's steps without a forward call start_load_kv but not wait_for_save.
+        assert s.steps_without_forward == 0
+        w.start_load_kv(None)
+        w.start_load_kv(None)
+        w.start_load_kv(None)
+        w.wait_for_save(None)
+        w.start_load_kv(None)
+        assert s.steps_without_forward == 2
+    finally:
+        gate.set()
+        stop_worker(w)
+
+
+def test_the_timing_note_says_how_long_finished_requests_waited_and_how_many_steps_had_no_forward() -> None:
+    from maru.vllm.worker_stats import WorkerStats
+
+    s = WorkerStats()
+    assert s.timing_note() == ""
+    s.sending_reported, s.sending_delayed, s.sending_delay_s, s.steps_without_forward = 10, 4, 0.05, 7
+    assert s.timing_note() == (
+        "; finished requests held for their stores: 4 of 10, 12.5 ms each; steps without a forward: 7"
+    )
