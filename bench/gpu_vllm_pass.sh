@@ -10,6 +10,9 @@
 #          API_STORES="sync unpaced probe" API_PAIR=1 bash bench/gpu_vllm_pass.sh
 #          API_LOADS="default copied overlap overlap-copied" bash bench/gpu_vllm_pass.sh  (the layer
 #          load through the copy engines, maru_layer_path=copied, against the direct way)
+#          API_STORES="idle alt-switch-500" bash bench/gpu_vllm_pass.sh  (a storing instance whose
+#          engine runs a 0.5 ms GIL switch interval: make it first with `python bench/ab_tree.py
+#          switch-500` and carry .ab/switch-500; the attached idle connector as the baseline)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 if [ ! -d /tmp/site/vllm ]; then

@@ -1,0 +1,63 @@
+"""Make a patched copy of ``maru/`` in ``.ab/<name>`` for an A/B run in real vLLM.
+
+``bench/gpu_vllm_e2e.py --api-stores alt-<name>`` (``API_STORES=alt-<name>`` in
+``bench/gpu_vllm_pass.sh``) runs one more cold, storing API instance from that tree, taking turns with
+the others (``api_workload.store_env``). ``.ab/`` is ignored by git: this script makes the trees a
+diagnosis needs, on the machine that runs it (the device has the working tree, not ``.ab/``, unless
+it is carried).
+
+Presets (``--preset``):
+
+* ``switch-<us>``: the engine process's GIL switch interval set to ``<us>`` microseconds when
+  ``maru.vllm`` is imported (CPython's default is 5000). A test of whether the storing instance's
+  host cost is threads waiting for the GIL (bench/RESULTS.md, thirty-eighth pass): vLLM's loop, its
+  input thread and Maru's drain thread share one interpreter.
+
+Usage: python bench/ab_tree.py switch-500 [--preset switch-500]   (the name is the preset by default)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def preset_appends(preset: str) -> list[tuple[str, str]]:
+    """(file under the tree, line appended to it) for ``preset``; ValueError for an unknown one."""
+    if preset.startswith("switch-") and preset[len("switch-") :].isdigit():
+        us = int(preset[len("switch-") :])
+        if us <= 0:
+            raise ValueError("switch-<us> needs a positive interval")
+        line = f"import sys as _s; _s.setswitchinterval({us}e-6)  # ab_tree {preset}"
+        return [("maru/vllm/__init__.py", line)]
+    raise ValueError(f"unknown preset {preset!r}: switch-<us>")
+
+
+def make_tree(name: str, appends: list[tuple[str, str]], root: Path = ROOT) -> Path:
+    """``root/.ab/<name>/maru``: a fresh copy of ``root/maru`` with each line appended to its file.
+    Returns the tree (the directory holding ``maru/``)."""
+    tree = root / ".ab" / name
+    if tree.exists():
+        shutil.rmtree(tree)
+    shutil.copytree(root / "maru", tree / "maru", ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, line in appends:
+        path = tree / rel
+        text = path.read_text()
+        path.write_text(text + ("" if text.endswith("\n") else "\n") + line + "\n")
+    return tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", help="the tree's name: .ab/<name>, run as --api-stores alt-<name>")
+    ap.add_argument("--preset", help="the patch (default: the name)")
+    a = ap.parse_args()
+    tree = make_tree(a.name, preset_appends(a.preset or a.name))
+    print(f"{tree}: run it with API_STORES=alt-{a.name} bash bench/gpu_vllm_pass.sh (carry .ab/{a.name})")
+
+
+if __name__ == "__main__":
+    main()

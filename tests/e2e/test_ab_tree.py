@@ -1,0 +1,37 @@
+"""bench/ab_tree.py: a patched copy of maru/ for an A/B instance, the working tree untouched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.ab_tree import make_tree, preset_appends
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_switch_preset_sets_the_interval_when_maru_vllm_is_imported(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")  # a root whose maru/ is the real one, read only
+    tree = make_tree("switch-500", preset_appends("switch-500"), root=tmp_path)
+    assert (tree / "maru" / "vllm" / "__init__.py").read_text() != (
+        REPO / "maru/vllm/__init__.py"
+    ).read_text()
+    assert "ab_tree" not in (REPO / "maru/vllm/__init__.py").read_text()
+    code = "import sys, maru.vllm, maru; print(sys.getswitchinterval(), maru.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env={"PYTHONPATH": str(tree)}, capture_output=True,
+        text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert float(out[0]) == pytest.approx(500e-6) and out[1].startswith(str(tree))
+    # Made again: a fresh copy, the line once.
+    tree = make_tree("switch-500", preset_appends("switch-500"), root=tmp_path)
+    assert (tree / "maru/vllm/__init__.py").read_text().count("setswitchinterval") == 1
+
+
+def test_unknown_or_bad_presets_are_refused() -> None:
+    for bad in ("switch-", "switch-0", "switch-x", "other"):
+        with pytest.raises(ValueError):
+            preset_appends(bad)
