@@ -247,7 +247,9 @@ class OfferPins:
         return len(ask) if lookup is not None else 0
 
     def _settle(self, req_ids: Sequence[str], client: Any) -> None:
-        """Read the posts ``req_ids`` wait for (waiting up to the client's timeout for each)."""
+        """Read the posts ``req_ids`` wait for, all within one client timeout: a stalled server
+        holds vLLM's scheduling thread for one timeout, not one per post (the posts not answered
+        by then fail, and their keys are pinned the usual way)."""
         posts = {
             id(pp): pp
             for r in req_ids
@@ -262,8 +264,9 @@ class OfferPins:
         if read is not None and not all(pp.lookup.done for pp in posts.values()):
             read()  # replies already here (the server answers in order): no wait for those
         waited = not all(pp.lookup.done for pp in posts.values())
+        deadline = t0 + timeout
         for pp in posts.values():
-            self._read(pp, timeout)
+            self._read(pp, max(0.0, deadline - time.perf_counter()))
         if waited:
             self.stats.post_waits += 1
             self.stats.post_wait_ms += (time.perf_counter() - t0) * 1e3

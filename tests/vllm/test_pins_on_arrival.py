@@ -349,3 +349,33 @@ def test_a_storing_engine_does_not_pin_its_own_stores_at_arrival(server: Any) ->
         s.on_new_request(again)
         assert s.pins is not None and s.pins.stats.pin_posts == 0 and _pinned(client) == 0
         assert s._reqs["p2"].probed_local == 4 * C
+
+
+def test_a_stalled_server_holds_the_offer_one_client_timeout_not_one_per_post() -> None:
+    from maru.errors import MaruTimeoutError
+    from maru.vllm.offer_pins import OfferPins
+
+    waited: list[float] = []
+
+    class Unanswered:  # a posted lookup whose reply never comes: result waits its timeout out
+        done = False
+
+        def __init__(self, keys: list[str]) -> None:
+            self.keys = keys
+
+        def result(self, timeout_s: float) -> Any:
+            waited.append(timeout_s)
+            time.sleep(timeout_s)
+            raise MaruTimeoutError("no reply")
+
+        def abandon(self) -> None:
+            pass
+
+    client = SimpleNamespace(timeout_s=0.2, post_lookup=lambda keys, **kw: Unanswered(keys))
+    pins = OfferPins()
+    for i in range(3):
+        assert pins.prefetch(client, f"r{i}", [f"k{i}"]) == 1
+    pins._settle(["r0", "r1", "r2"], client)
+    assert pins.stats.posts_failed == 3 and len(waited) == 3
+    assert waited[0] == pytest.approx(0.2, abs=0.01) and sum(waited) <= 0.2 + 1e-6  # one timeout in all
+    assert not pins._posts and not pins._awaiting  # their keys go the usual way
