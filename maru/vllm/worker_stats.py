@@ -47,6 +47,10 @@ class WorkerStats:
     # start_load_kv calls not followed by wait_for_save: steps vLLM ran without a forward (e.g. while
     # finished requests wait for finished_sending)
     steps_without_forward: int = 0
+    # maru_async_store: the drain thread's CPU time and wall time over its stores (CPU time is mostly
+    # Python run holding the GIL that vLLM's engine loop needs: the storing instance's host cost)
+    drain_cpu_s: float = 0.0
+    drain_wall_s: float = 0.0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
@@ -66,7 +70,8 @@ class WorkerStats:
 
     def timing_note(self) -> str:
         """What the worker's timing line adds (``maru_log_timing``): the finished requests whose blocks
-        waited for their write-behind stores, and vLLM's steps without a forward; "" when neither."""
+        waited for their write-behind stores, vLLM's steps without a forward and the drain thread's time a
+        store batch; "" when none."""
         held = (
             f"; finished requests held for their stores: {self.sending_delayed} of {self.sending_reported}, "
             f"{1e3 * self.sending_delay_s / self.sending_delayed:.1f} ms each"
@@ -76,7 +81,13 @@ class WorkerStats:
         idle = (
             f"; steps without a forward: {self.steps_without_forward}" if self.steps_without_forward else ""
         )
-        return held + idle
+        drain = (
+            f"; drain thread: {1e3 * self.drain_cpu_s / self.deferred_commits:.2f} ms CPU, "
+            f"{1e3 * self.drain_wall_s / self.deferred_commits:.2f} ms wall a store batch"
+            if self.deferred_commits and self.drain_wall_s
+            else ""
+        )
+        return held + idle + drain
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

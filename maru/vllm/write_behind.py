@@ -119,11 +119,17 @@ class WriteBehind:
     def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
-        # In the forward thread's mode: the engine's buffers (slot mappings, staging) are made and
-        # updated in place on both threads (the preemption barrier gathers on the forward thread),
-        # and an inference tensor may be updated in place only under inference mode.
-        with torch.inference_mode(inference):
-            return engine.complete_store(pending)
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        try:
+            # In the forward thread's mode: the engine's buffers (slot mappings, staging) are made and
+            # updated in place on both threads (the preemption barrier gathers on the forward thread),
+            # and an inference tensor may be updated in place only under inference mode.
+            with torch.inference_mode(inference):
+                return engine.complete_store(pending)
+        finally:
+            # Floats added on one thread, read on the other: a torn read is impossible under the GIL.
+            self.stats.drain_cpu_s += time.thread_time() - cpu0
+            self.stats.drain_wall_s += time.perf_counter() - wall0
 
     def busy(self) -> bool:
         """Whether work is queued on the drain thread."""
