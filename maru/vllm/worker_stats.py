@@ -47,8 +47,10 @@ class WorkerStats:
     # start_load_kv calls not followed by wait_for_save: steps vLLM ran without a forward (e.g. while
     # finished requests wait for finished_sending)
     steps_without_forward: int = 0
-    # maru_async_store: the drain thread's CPU time and wall time over its stores (CPU time is mostly
-    # Python run holding the GIL that vLLM's engine loop needs: the storing instance's host cost)
+    # maru_async_store: the store batches the drain thread finished, and its CPU and wall time over
+    # them. The CPU time is not its GIL hold: its waits end in cudaEventSynchronize, which spins on
+    # the CPU with the GIL given up (events made without cudaEventBlockingSync).
+    drain_batches: int = 0
     drain_cpu_s: float = 0.0
     drain_wall_s: float = 0.0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
@@ -82,9 +84,9 @@ class WorkerStats:
             f"; steps without a forward: {self.steps_without_forward}" if self.steps_without_forward else ""
         )
         drain = (
-            f"; drain thread: {1e3 * self.drain_cpu_s / self.deferred_commits:.2f} ms CPU, "
-            f"{1e3 * self.drain_wall_s / self.deferred_commits:.2f} ms wall a store batch"
-            if self.deferred_commits and self.drain_wall_s
+            f"; drain thread: {1e3 * self.drain_cpu_s / self.drain_batches:.2f} ms CPU, "
+            f"{1e3 * self.drain_wall_s / self.drain_batches:.2f} ms wall a store batch"
+            if self.drain_batches
             else ""
         )
         return held + idle + drain

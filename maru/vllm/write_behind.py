@@ -130,6 +130,7 @@ class WriteBehind:
             # Floats added on one thread, read on the other: a torn read is impossible under the GIL.
             self.stats.drain_cpu_s += time.thread_time() - cpu0
             self.stats.drain_wall_s += time.perf_counter() - wall0
+            self.stats.drain_batches += 1  # the divisor of the two: batches in flight are not in them
 
     def busy(self) -> bool:
         """Whether work is queued on the drain thread."""
