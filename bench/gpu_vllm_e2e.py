@@ -544,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         "--api-graphs", action="store_true",
         help="API servers with vLLM's default CUDA graphs and torch.compile (not --enforce-eager)",
     )  # fmt: skip
+    ap.add_argument(
+        "--api-gil-probe-ms", type=float, default=0.0,
+        help="the API instances with a connector run maru_gil_probe_ms at this period: their timing line "
+        "says how long a thread of the engine process waited for the GIL (0: no probe)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
@@ -597,11 +602,15 @@ def main(argv: list[str] | None = None) -> int:
     res["pool_bytes"] = psize
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB in /dev/shm")
 
+    probe = {"maru_gil_probe_ms": a.api_gil_probe_ms} if a.api_gil_probe_ms > 0 else {}
     api_specs = (
         {}
         if a.no_api
         else api_instances(
-            lambda ns, extra: maru_extra(srv.url, setup, ns, extra), a.api_loads, a.api_stores, a.api_pair
+            lambda ns, extra: maru_extra(srv.url, setup, ns, {**probe, **extra}),
+            a.api_loads,
+            a.api_stores,
+            a.api_pair,
         )
     )
     if torch.cuda.is_available():  # refused before anything starts, with what to leave out

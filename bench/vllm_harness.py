@@ -291,6 +291,7 @@ class ApiServer:
             env["PYTHONPATH"] = os.pathsep.join((alt, env["PYTHONPATH"]))
         env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -298,7 +299,32 @@ class ApiServer:
             )  # fmt: skip
         return self
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
+    def lost_a_port_race(self) -> bool:
+        """Whether this start failed because a port vLLM picked was taken before it bound it
+        (EADDRINUSE: vLLM picks its torch.distributed rendezvous port free, then binds it later, and
+        instances started together can pick the same one). Such a start is worth one more try."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_from", 0))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "EADDRINUSE" in text or "Address already in use" in text
+
+    def wait_ready(self, timeout: float = 600.0, port_retries: int = 2) -> None:
+        """Wait until the server answers /health; a start that lost a port race (``lost_a_port_race``)
+        is started again, up to ``port_retries`` times, said in the log."""
+        for attempt in range(port_retries + 1):
+            try:
+                return self._wait_ready(timeout)
+            except RuntimeError:
+                if attempt == port_retries or not self.lost_a_port_race():
+                    raise
+                log(f"api {self.name}: a port was taken while it started (EADDRINUSE); starting it again")
+                self.close()
+                self.start()
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None

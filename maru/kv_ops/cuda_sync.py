@@ -42,8 +42,10 @@ class TorchSync:
 
     raw = False
 
-    def event(self) -> Any:
-        return torch.cuda.Event()
+    def event(self, blocking: bool = False) -> Any:
+        """A new event; ``blocking``: a host thread that synchronizes on it sleeps until it completes
+        instead of spinning (for waits off the forward thread: the write-behind drain)."""
+        return torch.cuda.Event(blocking=blocking)
 
     def record(self, event: Any, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -61,6 +63,7 @@ class TorchSync:
 H2D = 1  # cudaMemcpyHostToDevice
 D2H = 2  # cudaMemcpyDeviceToHost
 D2D = 3  # cudaMemcpyDeviceToDevice
+_EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync: cudaEventSynchronize sleeps instead of spinning
 _EVENT_DISABLE_TIMING = 2
 _EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady
@@ -114,9 +117,14 @@ class RawSync(TorchSync):
         if err:
             raise RuntimeError(f"{what} failed: cudaError {err}")
 
-    def event(self) -> int:
+    def event(self, blocking: bool = False) -> int:
+        """A new raw event (no timing). ``blocking`` (``cudaEventBlockingSync``): ``synchronize``
+        sleeps in the driver until the event completes; without it the wait spins a core, which a
+        waiter on the forward thread wants (lower wake-up latency) and a background thread does not
+        (its CPU time would be the spin's, not its work's)."""
         handle = ctypes.c_void_p()
-        self._check(self._create(ctypes.byref(handle), _EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags")
+        flags = _EVENT_DISABLE_TIMING | (_EVENT_BLOCKING_SYNC if blocking else 0)
+        self._check(self._create(ctypes.byref(handle), flags), "cudaEventCreateWithFlags")
         return int(handle.value or 0)
 
     def record(self, event: int, stream: torch.cuda.Stream) -> None:

@@ -540,7 +540,9 @@ class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, Store
     ) -> Transfer:
         """The handle of a transfer whose last work is queued on ``stream``: its done event recorded
         there, the checksums attached, the tensors its work reads kept alive (``keep``: more)."""
-        done = self._done_event()
+        # A store's completion is waited for by the write-behind drain thread: a blocking event, so
+        # that wait sleeps instead of spinning a core (loads are waited for on the forward thread).
+        done = self._done_event(blocking=kind == "store")
         self._sync.record(done, stream)
         handle = Transfer(kind, path, nbytes, done, self._sync, (objs, slots, acc, *keep))
         if sums is not None:
@@ -548,16 +550,18 @@ class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, Store
         handle.issue_s = time.perf_counter() - t0
         return handle
 
-    def _done_event(self) -> Any:
+    def _done_event(self, blocking: bool = False) -> Any:
         # Raw events are engine-owned; done events of the pipelined path are recycled over 64 calls
-        # (a handle kept longer waits, at worst, for a later transfer: never too early).
+        # (a handle kept longer waits, at worst, for a later transfer: never too early). Blocking
+        # and spinning events are two rings.
         if not self._sync.raw:
-            return self._sync.event()
-        if not hasattr(self, "_done_events"):
-            self._done_events = [self._sync.event() for _ in range(64)]
-            self._done_next = 0
-        self._done_next = (self._done_next + 1) % len(self._done_events)
-        return self._done_events[self._done_next]
+            return self._sync.event(blocking=blocking)
+        rings = self.__dict__.setdefault("_done_rings", {})
+        ring = rings.get(blocking)
+        if ring is None:
+            ring = rings[blocking] = [[self._sync.event(blocking=blocking) for _ in range(64)], 0]
+        ring[1] = (ring[1] + 1) % len(ring[0])
+        return ring[0][ring[1]]
 
     def _sync_path(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, *, load: bool, checksums: bool

@@ -116,6 +116,10 @@ class MaruConnectorConfig:
     enable_store: bool = True
     store_partial_tail: bool = True
     log_timing: bool = False
+    # Milliseconds between the wake-ups of a probe thread in the engine process that times how late
+    # each wake-up is (its wait for the GIL, ``maru.vllm.gil_probe``), in the timing line and
+    # ``maru_stats``. 0: no probe. A diagnostic: one GIL hand-off a period.
+    gil_probe_ms: float = 0.0
     async_load: bool = False
     max_inflight_loads: int = DEFAULT_MAX_INFLIGHT_LOADS
     max_inflight_load_chunks: int = DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS
@@ -202,6 +206,12 @@ class MaruConnectorConfig:
                     )
             elif name == "timeout_s":
                 kw[name] = _as_float(key, value, 0.0)
+            elif name == "gil_probe_ms":
+                kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
+                if kw[name] > 1000:
+                    raise ConfigError(
+                        f"{key} must be at most 1000 (ms; 1-5 resolves GIL waits), got {value!r}"
+                    )
             elif name == "store_drain_delay_s":
                 kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
             else:

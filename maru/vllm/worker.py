@@ -32,6 +32,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer, StoreReport
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.gil_probe import GilProbe
 from maru.vllm.hook_times import HookTimes, timed_part
 from maru.vllm.keys import rank_keys
 from maru.vllm.layer_loads import LayerLoads
@@ -95,6 +96,9 @@ class MaruWorkerConnector:
         self._next_store_warning = 0.0
         self.stats = WorkerStats()
         self.step_clock = StepClock(cfg.log_timing)  # device time of the forwards, by kind of step
+        self._stepped_at = -1e9  # monotonic time of the last start_load_kv: the GIL probe's "active"
+        probe_s = cfg.gil_probe_ms / 1e3
+        self.gil_probe = GilProbe(probe_s, self.stats, self._stepping) if probe_s > 0 else None
         # What Maru did in the step under way (step_clock's kinds); None between a step's wait_for_save
         # and the next start_load_kv.
         self._step_kind: str | None = None
@@ -254,6 +258,9 @@ class MaruWorkerConnector:
         layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
         self.step_clock.started()
+        if self.gil_probe is not None:
+            self._stepped_at = time.monotonic()
+            self.gil_probe.start()  # in the engine process: the first step (once)
         if self._step_kind is not None:  # the last step's start_load_kv saw no wait_for_save
             self.stats.steps_without_forward += 1
         self._step_kind = PLAIN
@@ -524,7 +531,14 @@ class MaruWorkerConnector:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def _stepping(self) -> bool:
+        """Whether the engine ran a step within the last quarter second (a step's forward of a
+        large prefill takes tens of ms; an idle engine runs none)."""
+        return time.monotonic() - self._stepped_at < 0.25
+
     def shutdown(self) -> None:
+        if self.gil_probe is not None:
+            self.gil_probe.stop()
         try:
             self.layer_loads.finish()
             self.layer_loads.release(wait=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -48,11 +48,17 @@ class WorkerStats:
     # finished requests wait for finished_sending)
     steps_without_forward: int = 0
     # maru_async_store: the store batches the drain thread finished, and its CPU and wall time over
-    # them. The CPU time is not its GIL hold: its waits end in cudaEventSynchronize, which spins on
-    # the CPU with the GIL given up (events made without cudaEventBlockingSync).
+    # them. Its waits for the device sleep (store done events are cudaEventBlockingSync), so the CPU
+    # time is its work (an upper bound of its GIL hold: ctypes calls that block give the GIL up).
     drain_batches: int = 0
     drain_cpu_s: float = 0.0
     drain_wall_s: float = 0.0
+    # maru_gil_probe_ms (maru.vllm.gil_probe): the probe thread's wake-ups while the engine ran
+    # steps, how late they were in all and at most (its wait for the GIL), and their histogram
+    gil_probe_wakeups: int = 0
+    gil_probe_late_s: float = 0.0
+    gil_probe_max_late_s: float = 0.0
+    gil_probe_hist: list[int] = field(default_factory=list)
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
@@ -89,7 +95,9 @@ class WorkerStats:
             if self.drain_batches
             else ""
         )
-        return held + idle + drain
+        from maru.vllm.gil_probe import probe_note  # the probe imports this module
+
+        return held + idle + drain + probe_note(self)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -141,7 +141,9 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         for name, p in (("p1", P1), ("p2", P2), ("p3", P3), ("p4", P4)):
             res.n[name] = gen(n, p)
 
-    with engine("A", tmp, model_dir, {"extra": extra}, max_num_batched_tokens=96) as a:
+    # A also runs the GIL probe (maru_gil_probe_ms): in a real engine process, its thread counts.
+    probed = {**extra, "maru_gil_probe_ms": 1}
+    with engine("A", tmp, model_dir, {"extra": probed}, max_num_batched_tokens=96) as a:
         res.a["p1"] = gen(a, P1)
         res.a["p3"] = gen(a, P3)
         # A request is reported finished once its write-behind stores have read its blocks; the
@@ -274,6 +276,15 @@ def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> No
     assert "same-step loads kept" in log  # the V2 runner's protocol: policy "fail" (vLLM's default)
     assert "computed instead of loaded" not in log
     assert "'loads_from_held_pins': 1" in log  # the worker's stats at shutdown (maru_log_timing)
+
+
+def test_the_gil_probe_times_wake_ups_inside_the_engine_process(runs: Runs) -> None:
+    """maru_gil_probe_ms in a real engine: the probe thread ran while A stepped, and its histogram
+    holds every wake-up it counted (the timing line's figures come from these counters)."""
+    w = runs.a["stats"]["worker"]
+    assert w["gil_probe_wakeups"] > 0
+    assert sum(w["gil_probe_hist"]) == w["gil_probe_wakeups"]
+    assert 0 <= w["gil_probe_late_s"] and w["gil_probe_max_late_s"] <= w["gil_probe_late_s"]
 
 
 def test_partial_prefix_loads_exactly_the_shared_chunks(runs: Runs) -> None:

@@ -225,6 +225,8 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
     store = engine.store(objs, slots, pipelined=path != "sync")
     if path != "sync":
         assert store.path == ("direct" if store_path == "direct" else "pipelined")
+    if path != "sync" and raw:  # the drain thread sleeps on a store's event; a load's spins
+        assert store._event in engine._done_rings[True][0]
     store.wait()
     expected_obj = _reference_gather(src, slots).cpu()
     token0 = 0
@@ -250,6 +252,8 @@ def test_store_then_load_into_a_fresh_cache_reproduces_it_byte_for_byte(
             handle.wait_for_layer(i)
     else:
         handle = loader.load(objs, slots, pipelined=path == "pipelined")
+        if path == "pipelined" and raw:
+            assert handle._event in loader._done_rings[False][0]
         handle.wait_on()
     torch.cuda.current_stream().synchronize()
     assert handle.done()

@@ -226,6 +226,9 @@ def test_keys_without_the_maru_prefix_are_ignored() -> None:
         {"maru_scheduler_reply_spin_us": -1},
         {"maru_scheduler_reply_spin_us": 20_000},
         {"maru_scheduler_reply_spin_us": True},
+        {"maru_gil_probe_ms": -1},
+        {"maru_gil_probe_ms": 5000},
+        {"maru_gil_probe_ms": "often"},
     ],
 )
 def test_bad_values_are_errors(extra: dict[str, object]) -> None:

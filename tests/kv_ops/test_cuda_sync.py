@@ -1,0 +1,62 @@
+"""``RawSync`` against a stand-in libcudart (no GPU here): the flags its events are made with.
+
+A done event the write-behind drain thread waits on must be ``cudaEventBlockingSync`` (the wait
+sleeps; spinning would make the thread's CPU time the spin's), the forward thread's must not (a
+sleeping waiter wakes later). The stand-in records each call's arguments as ctypes passes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+
+from maru.kv_ops.cuda_sync import RawSync
+
+
+class FakeCudart:
+    """Every libcudart function RawSync binds; ``cudaEventCreateWithFlags`` writes a new handle."""
+
+    def __init__(self) -> None:
+        self.flags: list[int] = []
+        self.synced: list[int] = []
+        self._next = 0x1000
+
+        def create(handle: Any, flags: int) -> int:
+            self._next += 16
+            ctypes.cast(handle, ctypes.POINTER(ctypes.c_void_p))[0] = self._next
+            self.flags.append(flags)
+            return 0
+
+        def sync(event: int) -> int:
+            self.synced.append(event)
+            return 0
+
+        self.cudaEventCreateWithFlags = create
+        self.cudaEventSynchronize = sync
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("cuda"):
+            raise AttributeError(name)
+        fn = lambda *args: 0  # noqa: E731 - a call that succeeds
+        setattr(self, name, fn)
+        return fn
+
+
+def test_events_spin_by_default_and_sleep_when_asked() -> None:
+    lib = FakeCudart()
+    sync = RawSync(lib)  # type: ignore[arg-type]
+    spin, sleep = sync.event(), sync.event(blocking=True)
+    assert spin != sleep and spin and sleep
+    disable_timing, blocking_sync = 2, 1  # cudaEventDisableTiming, cudaEventBlockingSync
+    assert lib.flags == [disable_timing, disable_timing | blocking_sync]
+    sync.synchronize(sleep)
+    assert lib.synced == [sleep]
+
+
+def test_a_failed_event_creation_raises_with_the_cuda_error() -> None:
+    lib = FakeCudart()
+    lib.cudaEventCreateWithFlags = lambda handle, flags: 2  # cudaErrorMemoryAllocation
+    with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags failed: cudaError 2"):
+        RawSync(lib).event(blocking=True)  # type: ignore[arg-type]
