@@ -13,6 +13,17 @@ Presets (``--preset``):
   host cost is threads waiting for the GIL (bench/RESULTS.md, thirty-eighth pass): vLLM's loop, its
   input thread and Maru's drain thread share one interpreter.
 
+* ``nodevice``: a write-behind store reserves its pool objects and hands them back (abort) without
+  any device work (no gather, no copies, no segment sums) and publishes nothing; the forward
+  thread's part and the delayed free are unchanged. Against the default storing instance: what the
+  store's device work costs the requests beside it.
+* ``nodrain``: the drain thread does nothing for a store (no round trip, no device work, nothing
+  published); only the forward thread's part and the delayed free remain. Against ``nodevice``:
+  what the drain's host work costs; against the idle connector: what the bookkeeping costs.
+
+The store presets publish nothing: their instances store under a namespace of their own
+(``api-alt-<name>``), so no other instance's hits depend on them.
+
 Usage: python bench/ab_tree.py switch-500 [--preset switch-500]   (the name is the preset by default)
 """
 
@@ -33,7 +44,31 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
             raise ValueError("switch-<us> needs a positive interval")
         line = f"import sys as _s; _s.setswitchinterval({us}e-6)  # ab_tree {preset}"
         return [("maru/vllm/__init__.py", line)]
-    raise ValueError(f"unknown preset {preset!r}: switch-<us>")
+    if preset in STORE_PRESETS:
+        return [("maru/transfer/store_side.py", STORE_PRESETS[preset])]
+    raise ValueError(f"unknown preset {preset!r}: switch-<us>, {', '.join(STORE_PRESETS)}")
+
+
+# Appended to maru/transfer/store_side.py (the tree's copy): the write-behind store's drain work cut down.
+STORE_PRESETS = {
+    "nodevice": """
+def _ab_issue_gather(self, todo, objs, prep, *, paced=False, after=None):  # ab_tree nodevice
+    ig = IssuedGather()
+    ig.bad.extend(objs)  # finish_gather hands them back: no device work, nothing published
+    return ig
+
+
+StoreSide.issue_gather = _ab_issue_gather
+""",
+    "nodrain": """
+def _ab_complete_store(self, pending):  # ab_tree nodrain
+    pending.finish_reading()  # the blocks are free at once: nothing read them
+    return StoreReport()
+
+
+StoreSide.complete_store = _ab_complete_store
+""",
+}
 
 
 def make_tree(name: str, appends: list[tuple[str, str]], root: Path = ROOT) -> Path:
@@ -46,7 +81,7 @@ def make_tree(name: str, appends: list[tuple[str, str]], root: Path = ROOT) -> P
     for rel, line in appends:
         path = tree / rel
         text = path.read_text()
-        path.write_text(text + ("" if text.endswith("\n") else "\n") + line + "\n")
+        path.write_text(text + ("" if text.endswith("\n") else "\n") + line.strip("\n") + "\n")
     return tree
 
 

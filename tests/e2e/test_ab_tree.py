@@ -35,3 +35,36 @@ def test_unknown_or_bad_presets_are_refused() -> None:
     for bad in ("switch-", "switch-0", "switch-x", "other"):
         with pytest.raises(ValueError):
             preset_appends(bad)
+
+
+def _run_in(tree: Path, code: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env={"PYTHONPATH": str(tree)}, capture_output=True,
+        text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def test_the_nodevice_preset_hands_every_reserved_object_back_without_a_gather(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree("nodevice", preset_appends("nodevice"), root=tmp_path)
+    code = (
+        "from maru.transfer.store_side import StoreSide\n"
+        "ig = StoreSide.issue_gather(None, [('r', 'c')] * 2, ['o1', 'o2'], None)\n"
+        "print(StoreSide.issue_gather.__name__, ig.bad, ig.ok, ig.handle)"
+    )
+    assert _run_in(tree, code) == "_ab_issue_gather ['o1', 'o2'] [] None"
+    assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
+
+
+def test_the_nodrain_preset_frees_the_blocks_and_publishes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree("nodrain", preset_appends("nodrain"), root=tmp_path)
+    code = (
+        "from maru.transfer.store_side import StoreSide\n"
+        "from maru.transfer.stores import PendingStore, PreparedStore\n"
+        "from maru.transfer.records import StoreReport\n"
+        "p = PendingStore(requests=[], prep=PreparedStore(report=StoreReport()))\n"
+        "rep = StoreSide.complete_store(None, p)\n"
+        "print(p.reading_done(), rep.stored, rep.failed, rep.tokens)"
+    )
+    assert _run_in(tree, code) == "True 0 0 0"
