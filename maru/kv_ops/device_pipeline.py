@@ -54,6 +54,7 @@ from maru.kv_ops.paced_store import PacedStores
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
+from maru.kv_ops.store_segments import StoreSegments
 from maru.segments import SegmentSums
 
 log = logging.getLogger("maru.kv_ops")
@@ -67,7 +68,9 @@ __all__ = ["DEFAULT_RING_SLOTS", "DevicePipeline", "LayerLoad", "Transfer", "hos
 # ---------------------------------------------------------------------- the engine
 
 
-class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, StorePaths, PacedStores):
+class DevicePipeline(
+    PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, StorePaths, PacedStores, StoreSegments
+):
     """Stores and loads chunk objects between host memory and one set of paged caches.
 
     ``caches``: the per-layer cache tensors (or the one cross-layer tensor) as the inference engine
@@ -307,39 +310,6 @@ class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, Store
                 handle.set_segments(*segs)
             return handle
 
-    def _queue_segments(self, objs: list[torch.Tensor], slot_mapping: Any, seg: int) -> tuple | None:
-        """Queue the segment sums of a store on the caller's stream, before the store's own work
-        (which waits for that stream): ``Transfer.set_segments``' arguments, or None where they
-        cannot be computed (rows not whole words, a slot mapping on the device or with a
-        negative slot: nothing to vouch for there)."""
-        from maru.kv_ops import segment_kernels as sk
-
-        why = None
-        if not sk.supported(self.layout, self.esize):
-            why = f"a row of the cache is {self.layout.row_size * self.esize} bytes, not whole 8-byte words"
-        elif getattr(slot_mapping, "device", None) is None or slot_mapping.device.type != "cpu":
-            why = "the store's slot mapping is not a host tensor"
-        else:
-            host = slot_mapping.to(torch.int64).numpy()
-            if host.size and int(host.min()) < 0:
-                why = "the store's slot mapping has negative slots"
-        self.segments_off = why  # shown by maru doctor (the worker's reported paths)
-        if why is not None:
-            announce_once(
-                log,
-                "kv_ops.no-segment-sums",
-                logging.WARNING,
-                "maru.kv_ops: stores commit no segment sums (%s): a later load that places only a "
-                "chunk's last tokens reads the whole chunk to verify it. Fix: pass host slot mappings "
-                "of written tokens (the connector does)",
-                why,
-            )
-            return None
-        lengths = [o.shape[2] for o in objs]
-        acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
-        sums = ck.to_host(acc, self._host_sums)
-        return seg, most, lengths, sums, self._host_sums
-
     def load_layers(
         self,
         objects: Sequence[torch.Tensor] | torch.Tensor,
@@ -408,6 +378,7 @@ class DevicePipeline(PipelineInputs, ChunkLoads, CopiedLayers, LayerPaths, Store
                 ck.warm(
                     torch.empty(self.object_shape(int(chunk_tokens)), dtype=self.dtype, device=self.device)
                 )
+                self._warm_segments(int(chunk_tokens))
             if chunk_tokens and self.graphs:
                 if any(slot.used for slot in self._ring):
                     # A capture replays its op once eagerly; after a transfer the static slots hold

@@ -1,0 +1,81 @@
+"""The segment sums of a store on the device (``maru.segments``), queued by ``DevicePipeline.store``.
+
+A mixin of ``DevicePipeline``: it uses the pipeline's caches, layout and host sums buffers. The
+kernel (``kv_ops.segment_kernels``) reads the caches themselves, on the caller's stream, before the
+store's own work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from maru.announce import announce_once
+from maru.kv_ops import checksum as ck
+from maru.kv_ops.layout import KVLayout
+
+log = logging.getLogger("maru.kv_ops")
+
+
+class StoreSegments:
+    """``_queue_segments`` and its warm-up (a mixin of ``DevicePipeline``)."""
+
+    # Set by DevicePipeline.__init__.
+    caches: Any
+    layout: KVLayout
+    device: torch.device
+    esize: int
+    _host_sums: Any
+    segments_off: str | None = None
+
+    def _warm_segments(self, chunk_tokens: int) -> None:
+        """Compile the segment-sum kernel a store launches (``_queue_segments``) now. Left to first
+        use, the first store compiled it on the write-behind drain thread: 0.4-1.0 s of an H200
+        instance's first store (bench/RESULTS.md, fortieth pass), the GIL mostly held, the first
+        request's blocks held as long. One launch over the caches' first ``chunk_tokens`` slots
+        (read only; its sums are dropped): Triton specialises on nothing a store's sizes change
+        (token counts are whole blocks)."""
+        from maru.kv_ops import segment_kernels as sk
+
+        if not ck._triton_runs_on(self.device) or not sk.supported(self.layout, self.esize):
+            return
+        slots = np.arange(chunk_tokens, dtype=np.int64) % max(1, self.layout.num_slots)
+        sk.queue_cache_segments(
+            self.caches, self.layout, [chunk_tokens], slots, self.layout.block_size, self.device
+        )
+
+    def _queue_segments(self, objs: list[torch.Tensor], slot_mapping: Any, seg: int) -> tuple | None:
+        """Queue the segment sums of a store on the caller's stream, before the store's own work
+        (which waits for that stream): ``Transfer.set_segments``' arguments, or None where they
+        cannot be computed (rows not whole words, a slot mapping on the device or with a
+        negative slot: nothing to vouch for there)."""
+        from maru.kv_ops import segment_kernels as sk
+
+        why = None
+        if not sk.supported(self.layout, self.esize):
+            why = f"a row of the cache is {self.layout.row_size * self.esize} bytes, not whole 8-byte words"
+        elif getattr(slot_mapping, "device", None) is None or slot_mapping.device.type != "cpu":
+            why = "the store's slot mapping is not a host tensor"
+        else:
+            host = slot_mapping.to(torch.int64).numpy()
+            if host.size and int(host.min()) < 0:
+                why = "the store's slot mapping has negative slots"
+        self.segments_off = why  # shown by maru doctor (the worker's reported paths)
+        if why is not None:
+            announce_once(
+                log,
+                "kv_ops.no-segment-sums",
+                logging.WARNING,
+                "maru.kv_ops: stores commit no segment sums (%s): a later load that places only a "
+                "chunk's last tokens reads the whole chunk to verify it. Fix: pass host slot mappings "
+                "of written tokens (the connector does)",
+                why,
+            )
+            return None
+        lengths = [o.shape[2] for o in objs]
+        acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
+        sums = ck.to_host(acc, self._host_sums)
+        return seg, most, lengths, sums, self._host_sums
