@@ -77,6 +77,11 @@ def _pin_trips(pins: Any) -> str:
             f"{pins.get('post_waits', 0)} offers waited {pins.get('post_wait_ms', 0.0):.1f} ms, "
             f"{pins.get('posts_failed', 0)} failed)"
         )
+    if reads := pins.get("post_reads", 0):  # where the offers' time reading them goes
+        out += (
+            f"; replies read by {reads} offers, {pins.get('post_read_ms', 0.0) * 1e3 / reads:.0f} us each "
+            f"({pins.get('post_read_cpu_ms', 0.0) * 1e3 / reads:.0f} on CPU)"
+        )
     return out
 
 

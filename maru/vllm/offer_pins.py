@@ -100,6 +100,11 @@ class OfferPinStats:
     post_waits: int = 0  # offers (or steps) that waited for a posted reply still on its way
     post_wait_ms: float = 0.0  # their wait, summed (on vLLM's scheduling thread)
     posts_failed: int = 0  # posts lost or not answered in time: their keys were pinned the usual way
+    # Offers (or steps) that read posted replies, and that reading's wall and thread CPU time, summed
+    # (the replies decoded and made handles; a wait for one still on its way included)
+    post_reads: int = 0
+    post_read_ms: float = 0.0
+    post_read_cpu_ms: float = 0.0
     stale: int = 0  # handed sets released by the STALE_S guard (no worker report)
     open_now: int = 0
     handed_now: int = 0
@@ -259,7 +264,7 @@ class OfferPins:
         if not posts:
             return
         timeout = float(getattr(client, "timeout_s", 5.0))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         read = getattr(client, "read_posted", None)
         if read is not None and not all(pp.lookup.done for pp in posts.values()):
             read()  # replies already here (the server answers in order): no wait for those
@@ -267,9 +272,13 @@ class OfferPins:
         deadline = t0 + timeout
         for pp in posts.values():
             self._read(pp, max(0.0, deadline - time.perf_counter()))
+        wall = (time.perf_counter() - t0) * 1e3
         if waited:
             self.stats.post_waits += 1
-            self.stats.post_wait_ms += (time.perf_counter() - t0) * 1e3
+            self.stats.post_wait_ms += wall
+        self.stats.post_reads += 1
+        self.stats.post_read_ms += wall
+        self.stats.post_read_cpu_ms += (time.thread_time() - c0) * 1e3
 
     def _read(self, pp: _Post, timeout_s: float) -> None:
         """Take one post's reply: its pins join the shared ones, and each request waiting for one

@@ -145,3 +145,5 @@ def test_the_offer_pins_part_of_the_timing_line_says_how_the_posted_pins_went() 
     assert said.endswith("16 posted at arrival (40 keys, 3 offers waited 0.6 ms, 0 failed)")
     m = aw._PIN_TRIPS.search(f"offer pins: {said}; replies: ...")  # the bench still reads the trips
     assert m is not None and float(m.group(1)) == 2.0
+    read = {**posted, "post_reads": 16, "post_read_ms": 4.0, "post_read_cpu_ms": 3.2}
+    assert _pin_trips(read).endswith("0 failed); replies read by 16 offers, 250 us each (200 on CPU)")

@@ -117,6 +117,7 @@ def test_requests_arriving_together_have_their_posts_in_flight_together_and_shar
         for r in reqs:
             assert s.get_num_new_matched_tokens(r, 0) == (offer, False)
         assert stats.pin_trips == 0 and stats.posts_failed == 0
+        assert stats.post_reads == 3 and stats.post_read_ms > 0  # each offer read its own post
         # (How many offers found their reply still on its way is timing: bench/, not asserted.)
         assert s.pins.snapshot()["posts_unread"] == 0
         assert _pinned(client) == 3 + 2 * 3  # every key once
