@@ -44,27 +44,33 @@ def _run_in(tree: Path, code: str) -> str:
     ).stdout.strip()  # fmt: skip
 
 
-def test_the_nodevice_preset_hands_every_reserved_object_back_without_a_gather(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("nodevice", preset_appends("nodevice"), root=tmp_path)
-    code = (
+# Each store preset, run in its tree: what it does to a store (no vLLM, no server: the patched
+# methods are called with what they read).
+STORE_CHECKS = {
+    # reserve and hand back: every reserved object goes back, no gather was issued
+    "nodevice": (
         "from maru.transfer.store_side import StoreSide\n"
         "ig = StoreSide.issue_gather(None, [('r', 'c')] * 2, ['o1', 'o2'], None)\n"
-        "print(StoreSide.issue_gather.__name__, ig.bad, ig.ok, ig.handle)"
-    )
-    assert _run_in(tree, code) == "_ab_issue_gather ['o1', 'o2'] [] None"
-    assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
-
-
-def test_the_nodrain_preset_frees_the_blocks_and_publishes_nothing(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("nodrain", preset_appends("nodrain"), root=tmp_path)
-    code = (
+        "print(StoreSide.issue_gather.__name__, ig.bad, ig.ok, ig.handle)",
+        "_ab_issue_gather ['o1', 'o2'] [] None",
+    ),
+    # the drain does nothing: the blocks are free at once, nothing stored or failed
+    "nodrain": (
         "from maru.transfer.store_side import StoreSide\n"
         "from maru.transfer.stores import PendingStore, PreparedStore\n"
         "from maru.transfer.records import StoreReport\n"
         "p = PendingStore(requests=[], prep=PreparedStore(report=StoreReport()))\n"
         "rep = StoreSide.complete_store(None, p)\n"
-        "print(p.reading_done(), rep.stored, rep.failed, rep.tokens)"
-    )
-    assert _run_in(tree, code) == "True 0 0 0"
+        "print(p.reading_done(), rep.stored, rep.failed, rep.tokens)",
+        "True 0 0 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(STORE_CHECKS))
+def test_the_store_presets_patch_the_trees_store_side_alone(tmp_path: Path, preset: str) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree(preset, preset_appends(preset), root=tmp_path)
+    code, expected = STORE_CHECKS[preset]
+    assert _run_in(tree, code) == expected
+    assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
