@@ -38,6 +38,20 @@ LAYERED = "layer load"  # a load placed layer by layer under this forward
 LOADED = "load before"  # a load completed before this forward (the host waited for it)
 STORED = "store"  # this step's blocks stored (write-behind: gathered and copied behind it)
 PLAIN = "plain"  # nothing of Maru's
+# Nothing of Maru's in this step, while an earlier step's write-behind store still works on the
+# device (its gathers and copies not all done): the steps a store's device work can slow down.
+BESIDE = "plain, beside a store"
+
+
+def kind_of_step(kind: str, stores_now: bool, store_on_device: bool) -> str:
+    """The kind a step is counted under: ``kind`` (what its start saw: a load) unless plain; a plain
+    step that stores its blocks is ``STORED``, one run while an earlier store's device work may
+    still run is ``BESIDE``."""
+    if kind != PLAIN:
+        return kind
+    if stores_now:
+        return STORED
+    return BESIDE if store_on_device else PLAIN
 
 
 GAPS_KEPT = 4096  # idle gaps kept per kind for the median (the most recent)

@@ -39,7 +39,7 @@ from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
-from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, STORED, StepClock
+from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock, kind_of_step
 from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
 from maru.vllm.write_behind import WriteBehind
@@ -392,8 +392,9 @@ class MaruWorkerConnector:
     # ------------------------------------------------------------------ store
     def wait_for_save(self, meta: MaruConnectorMetadata | None) -> None:
         kind, self._step_kind = self._step_kind or PLAIN, None  # None: this step had its forward
-        if kind == PLAIN and meta is not None and meta.stores and self.cfg.enable_store:
-            kind = STORED
+        if self.step_clock.enabled:
+            stores_now = meta is not None and bool(meta.stores) and self.cfg.enable_store
+            kind = kind_of_step(kind, stores_now, kind == PLAIN and self.write_behind.on_device())
         # The forward is queued: its end, before Maru queues more.
         self.step_clock.ended(kind, *((meta.step_tokens, meta.prefill) if meta is not None else ()))
         try:

@@ -132,6 +132,11 @@ class WriteBehind:
             self.stats.drain_wall_s += time.perf_counter() - wall0
             self.stats.drain_batches += 1  # the divisor of the two: batches in flight are not in them
 
+    def on_device(self) -> bool:
+        """Whether a store batch issued earlier may still have device work running: its read of the
+        blocks (the gather, and the copies behind it) not known complete. Never blocks."""
+        return any(not p.reading_done() for p, _ in self._batches)
+
     def busy(self) -> bool:
         """Whether work is queued on the drain thread."""
         return self._drain is not None and len(self._drain) > 0

@@ -11,7 +11,7 @@ import statistics
 from types import SimpleNamespace
 from typing import Any
 
-from maru.vllm.step_clock import LAYERED, MAX_PENDING, PLAIN, StepClock
+from maru.vllm.step_clock import BESIDE, LAYERED, LOADED, MAX_PENDING, PLAIN, STORED, StepClock, kind_of_step
 
 
 class FakeDevice:
@@ -169,3 +169,11 @@ def test_prefill_steps_are_counted_apart_with_their_tokens() -> None:
     line = clock.line()
     assert "plain (prefill): 2 steps, forward 15.00 ms each, 6096 tokens each" in line
     assert "plain: 3 steps, forward 2.50 ms each, 11 tokens each" in line
+
+
+def test_a_plain_step_is_told_apart_by_its_own_store_and_by_an_earlier_store_on_the_device() -> None:
+    assert kind_of_step(PLAIN, stores_now=False, store_on_device=False) == PLAIN
+    assert kind_of_step(PLAIN, stores_now=False, store_on_device=True) == BESIDE
+    assert kind_of_step(PLAIN, stores_now=True, store_on_device=True) == STORED  # its own store first
+    for loaded in (LAYERED, LOADED):  # what its start saw (a load) comes first
+        assert kind_of_step(loaded, stores_now=True, store_on_device=True) == loaded

@@ -107,8 +107,10 @@ def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_byt
     w = worker(server.url, src)
     gate = gated(w)
     try:
+        assert not w.write_behind.on_device()
         w.wait_for_save(Meta(stores=[req]))
         assert w.stats.stores_in_flight == 1
+        assert w.write_behind.on_device()  # its read of the blocks not done: the step clock's "beside"
         assert w.get_finished(set()) == (None, None)  # not finished: nothing to report
         # Finished (vLLM says so one step later), store still in flight: vLLM keeps the blocks.
         assert w.get_finished({req.req_id, "never-stored"}) == (None, None)
@@ -116,6 +118,7 @@ def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_byt
         assert client.exists(keys) == [False, False]
         gate.set()
         assert finished_sending(w, set()) == {req.req_id}  # the id given earlier was kept
+        assert not w.write_behind.on_device()  # reported: its blocks were read
         assert w.get_finished(set()) == (None, None)  # reported once
         w.write_behind.collect(None)  # the report may come before the publish (blocks read is enough)
         assert client.exists(keys) == [True, True]
