@@ -43,9 +43,21 @@ class StoreSegments:
         if not ck._triton_runs_on(self.device) or not sk.supported(self.layout, self.esize):
             return
         slots = np.arange(chunk_tokens, dtype=np.int64) % max(1, self.layout.num_slots)
-        sk.queue_cache_segments(
-            self.caches, self.layout, [chunk_tokens], slots, self.layout.block_size, self.device
-        )
+        try:
+            sk.queue_cache_segments(
+                self.caches, self.layout, [chunk_tokens], slots, self.layout.block_size, self.device
+            )
+        except Exception as e:  # a warm-up must not cost the engine: the first store compiles it
+            announce_once(
+                log,
+                "kv_ops.segments-warm",
+                logging.WARNING,
+                "maru.kv_ops: the segment-sum kernel could not be compiled at start (%s: %s); the first "
+                "store compiles it (up to ~1 s of that store, on the write-behind drain thread). Fix: "
+                "report it with `maru doctor` output",
+                type(e).__name__,
+                e,
+            )
 
     def _queue_segments(self, objs: list[torch.Tensor], slot_mapping: Any, seg: int) -> tuple | None:
         """Queue the segment sums of a store on the caller's stream, before the store's own work

@@ -7,8 +7,8 @@ times how late each wake-up is: a wake-up needs the GIL, so the lateness is the 
 OS's timer slack, ~0.05-0.1 ms). It counts only wake-ups while the engine runs steps (``active``):
 an idle engine's are on time and would dilute the figure.
 
-Its cost: one GIL hand-off a period (the default, 2 ms: 500 a second). A diagnostic for the timing
-line (``maru_log_timing``), off by default.
+Its cost: one GIL hand-off a period (at 2 ms, 500 a second). A diagnostic for the timing line
+(``maru_log_timing``), off by default.
 """
 
 from __future__ import annotations
