@@ -83,6 +83,7 @@ from bench.vllm_harness import (  # noqa: E402
     Engine,
     ModelSpec,
     delta,
+    host_facts,
     log,
     make_model,
     maru_kv_config,
@@ -439,7 +440,8 @@ def markdown(res: dict, setup: Setup) -> str:
             f"Multi-round ({setup.users} users x {setup.rounds} rounds, {setup.system_tokens}-token system "
             f"prompt, {setup.turn_tokens}-token turns, OpenAI API server"
             f"{', CUDA graphs' if res['api'].get('graphs') else ', eager'}, streaming"
-            f"{', ' + res['env']['runner'] if res.get('env', {}).get('runner') else ''}):",
+            f"{', ' + res['env']['runner'] if res.get('env', {}).get('runner') else ''}"
+            f"{'; host: ' + res['env']['host'] if res.get('env', {}).get('host') else ''}):",
             "",
             "| instance | requests | TTFT p50 | TTFT p95 | mean | mean of each round | p50 of each repetition "
             "| vLLM's TTFT / queue / prefill, mean | the rest of the answer, mean | tokens loaded from Maru "
@@ -582,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"{setup.model.layers} layers, {setup.model.kv_heads} KV heads x {setup.model.head_size}, "
         f"{setup.model.dtype}, hidden {setup.model.hidden}",
         "runner": runner_label(dict(os.environ)),
+        "host": host_facts(),
     }
     log(f"env: {res['env']}")
     res["pinned_h2d_GBps"] = pinned_h2d_gbps()

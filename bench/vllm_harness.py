@@ -157,6 +157,25 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def host_facts(loop_n: int = 2_000_000) -> str:
+    """The host's CPU model, its CPU count, and the best of three runs of a fixed pure-Python loop:
+    two starts of one machine kind ran the same API workload 1.6x apart (bench/RESULTS.md, fortieth
+    pass), and the storing cost with them; a pass says which host it had."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    best = float("inf")
+    for _ in range(3):
+        t, x = time.perf_counter(), 0
+        for i in range(loop_n):
+            x += i
+        best = min(best, time.perf_counter() - t)
+    return f"{model}, {os.cpu_count()} CPUs, Python loop of {loop_n:,} adds {best * 1e3:.0f} ms"
+
+
 def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
     """``n`` token ids drawn from a seeded generator (prompts of different seeds share no prefix)."""
     import random

@@ -86,3 +86,12 @@ def test_another_failure_is_not_retried(tmp_path: Path) -> None:
         assert srv.starts() == 1
     finally:
         srv.close()
+
+
+def test_host_facts_name_the_cpu_and_time_a_fixed_loop() -> None:
+    from bench.vllm_harness import host_facts
+
+    said = host_facts(loop_n=10_000)
+    assert said.count(",") >= 2 and "CPUs" in said
+    ms = int(said.rsplit(" adds ", 1)[1].removesuffix(" ms"))
+    assert ms >= 0
