@@ -32,12 +32,22 @@ class GilProbe:
     ``stats.gil_probe_wakeups``.
     """
 
-    def __init__(self, period_s: float, stats: WorkerStats, active: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        period_s: float,
+        stats: WorkerStats,
+        active: Callable[[], bool],
+        draining: Callable[[], bool] | None = None,
+    ) -> None:
+        """``draining()``: whether the write-behind drain thread is at work on a store now; its
+        wake-ups are also counted apart (``gil_probe_drain_*``): the mean over all of them is
+        diluted, the drain running in a few percent of the stepping time."""
         if period_s <= 0:
             raise ValueError("the probe's period must be positive")
         self.period_s = period_s
         self.stats = stats
         self._active = active
+        self._draining = draining
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         stats.gil_probe_hist = [0] * (len(BUCKETS_MS) + 1)
@@ -57,12 +67,17 @@ class GilProbe:
             time.sleep(self.period_s)  # gives the GIL up; taking it back is what is timed
             late = time.perf_counter() - t0 - self.period_s
             if self._active():
-                self.record(late)
+                self.record(late, draining=self._draining is not None and self._draining())
 
-    def record(self, late_s: float) -> None:
-        """File one wake-up ``late_s`` seconds late (only the probe thread calls it)."""
+    def record(self, late_s: float, draining: bool = False) -> None:
+        """File one wake-up ``late_s`` seconds late (only the probe thread calls it); ``draining``:
+        the drain thread was at work on a store when it woke."""
         s = self.stats
         late_s = max(0.0, late_s)
+        if draining:
+            s.gil_probe_drain_wakeups += 1
+            s.gil_probe_drain_late_s += late_s
+            s.gil_probe_drain_over_1ms += late_s > 1e-3
         s.gil_probe_wakeups += 1
         s.gil_probe_late_s += late_s
         s.gil_probe_max_late_s = max(s.gil_probe_max_late_s, late_s)
@@ -95,8 +110,15 @@ def probe_note(stats: WorkerStats) -> str:
         v = quantile_ms(hist, q)
         return f"> {BUCKETS_MS[-1]:g}" if v == float("inf") else f"<= {v:g}"
 
+    d = stats.gil_probe_drain_wakeups
+    drain = (
+        f" (while a store drained: {d}, {1e3 * stats.gil_probe_drain_late_s / d:.2f} ms late on average, "
+        f"{stats.gil_probe_drain_over_1ms} over 1 ms)"
+        if d
+        else ""
+    )
     return (
         f"; GIL probe: {n} wake-ups while stepping, {1e3 * stats.gil_probe_late_s / n:.2f} ms late on "
         f"average, p50 {bound(0.5)} ms, p99 {bound(0.99)} ms, max {1e3 * stats.gil_probe_max_late_s:.1f} ms, "
-        f"{over_1ms} over 1 ms"
+        f"{over_1ms} over 1 ms{drain}"
     )

@@ -98,7 +98,11 @@ class MaruWorkerConnector:
         self.step_clock = StepClock(cfg.log_timing)  # device time of the forwards, by kind of step
         self._stepped_at = -1e9  # monotonic time of the last start_load_kv: the GIL probe's "active"
         probe_s = cfg.gil_probe_ms / 1e3
-        self.gil_probe = GilProbe(probe_s, self.stats, self._stepping) if probe_s > 0 else None
+        self.gil_probe = (
+            GilProbe(probe_s, self.stats, self._stepping, lambda: self.write_behind.draining)
+            if probe_s > 0
+            else None
+        )
         # What Maru did in the step under way (step_clock's kinds); None between a step's wait_for_save
         # and the next start_load_kv.
         self._step_kind: str | None = None

@@ -59,6 +59,10 @@ class WorkerStats:
     gil_probe_late_s: float = 0.0
     gil_probe_max_late_s: float = 0.0
     gil_probe_hist: list[int] = field(default_factory=list)
+    # of those, the wake-ups while the write-behind drain thread was at work on a store
+    gil_probe_drain_wakeups: int = 0
+    gil_probe_drain_late_s: float = 0.0
+    gil_probe_drain_over_1ms: int = 0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 

@@ -73,6 +73,7 @@ class WriteBehind:
         self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still reading
         self._finished_at: dict[str, float] = {}  # of _finished: when vLLM named it finished
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
+        self.draining = False  # the drain thread is at work on a store (set on that thread)
         self.mode = "not connected yet"
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
@@ -120,6 +121,7 @@ class WriteBehind:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
         cpu0, wall0 = time.thread_time(), time.perf_counter()
+        self.draining = True  # read by the GIL probe (maru_gil_probe_ms)
         try:
             # In the forward thread's mode: the engine's buffers (slot mappings, staging) are made and
             # updated in place on both threads (the preemption barrier gathers on the forward thread),
@@ -127,6 +129,7 @@ class WriteBehind:
             with torch.inference_mode(inference):
                 return engine.complete_store(pending)
         finally:
+            self.draining = False
             # Floats added on one thread, read on the other: a torn read is impossible under the GIL.
             self.stats.drain_cpu_s += time.thread_time() - cpu0
             self.stats.drain_wall_s += time.perf_counter() - wall0

@@ -24,6 +24,7 @@ def test_wake_ups_are_filed_in_their_bucket_and_the_note_reads_them() -> None:
         probe.record(late_ms / 1e3)
     probe.record(-0.00001)  # the OS woke it a hair early: filed as on time
     assert s.gil_probe_wakeups == 7 == sum(s.gil_probe_hist)
+    assert s.gil_probe_drain_wakeups == 0 and "while a store drained" not in probe_note(s)
     assert s.gil_probe_hist[0] == 3  # <= 0.1 ms
     assert s.gil_probe_hist[BUCKETS_MS.index(0.5)] == 2
     assert s.gil_probe_hist[BUCKETS_MS.index(5.0)] == 1
@@ -88,3 +89,43 @@ def test_the_config_key_reads_milliseconds_and_zero_is_off() -> None:
     assert MaruConnectorConfig().gil_probe_ms == 0.0
     assert MaruConnectorConfig.from_extra_config({"maru_gil_probe_ms": "2"}).gil_probe_ms == 2.0
     assert MaruConnectorConfig.from_extra_config({"maru_gil_probe_ms": 0}).gil_probe_ms == 0.0
+
+
+def test_wake_ups_while_a_store_drains_are_also_counted_apart() -> None:
+    s = WorkerStats()
+    probe = GilProbe(0.002, s, lambda: True, draining=lambda: True)
+    probe.record(0.0005, draining=True)
+    probe.record(0.004, draining=True)
+    probe.record(0.0001)
+    assert (s.gil_probe_wakeups, s.gil_probe_drain_wakeups, s.gil_probe_drain_over_1ms) == (3, 2, 1)
+    assert probe_note(s).endswith(
+        "1 over 1 ms (while a store drained: 2, 2.25 ms late on average, 1 over 1 ms)"
+    )
+
+
+def test_the_write_behind_says_when_its_drain_thread_is_at_work() -> None:
+    from maru.transfer.records import StoreReport
+    from maru.transfer.stores import PendingStore, PreparedStore
+    from maru.vllm.write_behind import WriteBehind
+
+    release, entered = threading.Event(), threading.Event()
+
+    class Engine:  # the two calls WriteBehind makes of a transfer engine
+        def issue_store(self, stores: list) -> PendingStore:
+            return PendingStore(requests=list(stores), prep=PreparedStore(report=StoreReport()))
+
+        def complete_store(self, pending: PendingStore) -> StoreReport:
+            entered.set()
+            assert release.wait(10)
+            pending.finish_reading()
+            return StoreReport()
+
+    wb = WriteBehind(WorkerStats(), lambda rep: None, timeout_s=5.0)
+    assert not wb.draining
+    wb.issue(Engine(), [])  # type: ignore[arg-type]
+    assert entered.wait(10)
+    assert wb.draining  # read by the probe from its own thread
+    release.set()
+    wb.collect(None)
+    assert not wb.draining and wb.stats.drain_batches == 1
+    wb.close()
