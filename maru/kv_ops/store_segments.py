@@ -30,6 +30,8 @@ class StoreSegments:
     esize: int
     _host_sums: Any
     segments_off: str | None = None
+    # Why the warm-up could not compile the kernel, a slow path of maru doctor's (None: it did)
+    segments_unwarmed: str | None = None
 
     def _warm_segments(self, chunk_tokens: int) -> None:
         """Compile the segment-sum kernel a store launches (``_queue_segments``) now. Left to first
@@ -48,15 +50,13 @@ class StoreSegments:
                 self.caches, self.layout, [chunk_tokens], slots, self.layout.block_size, self.device
             )
         except Exception as e:  # a warm-up must not cost the engine: the first store compiles it
+            self.segments_unwarmed = (
+                f"the segment-sum kernel could not be compiled at start ({type(e).__name__}: {e}): the "
+                "first store compiles it (up to ~1 s on the write-behind drain thread, the first "
+                "request's blocks held meanwhile). Fix: report it with `maru doctor` output"
+            )
             announce_once(
-                log,
-                "kv_ops.segments-warm",
-                logging.WARNING,
-                "maru.kv_ops: the segment-sum kernel could not be compiled at start (%s: %s); the first "
-                "store compiles it (up to ~1 s of that store, on the write-behind drain thread). Fix: "
-                "report it with `maru doctor` output",
-                type(e).__name__,
-                e,
+                log, "kv_ops.segments-warm", logging.WARNING, "maru.kv_ops: %s", self.segments_unwarmed
             )
 
     def _queue_segments(self, objs: list[torch.Tensor], slot_mapping: Any, seg: int) -> tuple | None:

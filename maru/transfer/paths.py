@@ -6,11 +6,11 @@
 ``maru.transfer.handles``. Slot mappings come in as host int64 tensors (one per chunk); a path
 moves them where it needs them.
 
-Integrity: a scatter given ``expected`` (each object's committed checksum) checks the bytes it
-actually placed from, after the copy that placed them (the handle's ``mismatched()``): CPU: the
-pool object after the scatter (numpy); staged: the device copy; pipelined: the device staging
-slot after its copy; direct layer load: inside the kernel, over the rows it read. A gather on a
-device path also returns the checksums of what it wrote (``checksums()``), computed on the device.
+Integrity: a scatter given ``expected`` (each object's committed checksum) checks the bytes it actually
+placed from, after the copy that placed them (the handle's ``mismatched()``): CPU: the pool object after
+the scatter (numpy); staged: the device copy; pipelined: the device staging slot after its copy; direct
+layer load: inside the kernel, over the rows it read. A gather on a device path also returns the
+checksums of what it wrote (``checksums()``), computed on the device.
 
 * ``CpuPath``: kv_ops straight on pool memory (CPU caches).
 * ``PipelinedPath``: a ``kv_ops.DevicePipeline`` over the CUDA-registered pool (copy engine and
@@ -54,17 +54,15 @@ Chunks = list[tuple[torch.Tensor, torch.Tensor]]  # (object [L, KV, T, ROW] over
 class DataPath(ABC):
     """Moves chunk objects between one worker's paged caches and pool pages (see module docstring).
 
-    ``defers_store_gather``: a write-behind store gathers on the drain thread (work that must not
-    stall the forward thread), not when it is issued; the forward thread only takes a ``mark()``
-    that the later ``gather(..., after=mark)`` is ordered after. ``registration``: the pool
-    mapping's CUDA registration record where one was attempted; ``close()`` undoes it (before the
-    pool is unmapped).
+    ``defers_store_gather``: a write-behind store gathers on the drain thread (work that must not stall
+    the forward thread), not when it is issued; the forward thread only takes a ``mark()`` that the
+    later ``gather(..., after=mark)`` is ordered after. ``registration``: the pool mapping's CUDA
+    registration record where one was attempted; ``close()`` undoes it (before the pool is unmapped).
     """
 
     name: ClassVar[str]
     defers_store_gather: ClassVar[bool] = False
-    # Layer loads placed by the device under the forward (one event a layer, no host thread): the
-    # layer-overlap load is the default there (``MaruConnectorConfig.layer_overlap``).
+    # Layer loads placed by the device under the forward: the layer-overlap load's default there.
     places_layers_on_device: ClassVar[bool] = False
     pipeline: Any = None  # the kv_ops.DevicePipeline, on the pipelined path
     # Tokens a segment of the segment sums a gather computes with each checksum (maru.segments);
@@ -444,6 +442,8 @@ class PipelinedPath(DataPath):
                 "them): a small copy of vLLM's may wait for a whole store (~10 ms per 0.5 GB). Fix: torch "
                 "2.x as measured (2.11)"
             )
+        if unwarmed := getattr(self.pipeline, "segments_unwarmed", None):  # kv_ops.store_segments
+            slow.append(unwarmed)
         if not layer_overlap:
             return entries, slow
         way, why = self.pipeline.layer_way()  # kv_ops.layer_copies

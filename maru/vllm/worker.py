@@ -398,7 +398,8 @@ class MaruWorkerConnector:
         kind, self._step_kind = self._step_kind or PLAIN, None  # None: this step had its forward
         if self.step_clock.enabled:
             stores_now = meta is not None and bool(meta.stores) and self.cfg.enable_store
-            kind = kind_of_step(kind, stores_now, kind == PLAIN and self.write_behind.on_device())
+            beside = kind == PLAIN and not stores_now and self.write_behind.on_device()
+            kind = kind_of_step(kind, stores_now, beside)
         # The forward is queued: its end, before Maru queues more.
         self.step_clock.ended(kind, *((meta.step_tokens, meta.prefill) if meta is not None else ()))
         try:

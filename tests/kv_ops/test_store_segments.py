@@ -49,9 +49,12 @@ def test_a_segment_warm_up_that_fails_is_said_once_and_raises_nothing(
     said = [r.getMessage() for r in caplog.records if "segment-sum kernel" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: no kernel for you" in said[0]
     assert "the first store compiles it" in said[0]
+    assert part.segments_unwarmed is not None and said[0].endswith(part.segments_unwarmed)  # doctor
 
 
 def test_no_warm_up_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ck, "_triton_runs_on", lambda device: False)
     monkeypatch.setattr(sk, "queue_cache_segments", lambda *a: pytest.fail("launched off the GPU"))
-    _pipeline_part()._warm_segments(256)
+    part = _pipeline_part()
+    part._warm_segments(256)
+    assert part.segments_unwarmed is None
