@@ -36,6 +36,8 @@ rc=0
 # API_GIL_PROBE_MS: the API instances with a connector run the GIL probe at this period (ms);
 # API_GRAPHS=1: the API servers with vLLM's default CUDA graphs and torch.compile (not eager);
 # VLLM_USE_V2_MODEL_RUNNER=0 in the environment: every instance on the V1 runner (same-step loads);
+# MARU_PROFILE=N (or N:site,site): the engines profile one call in N of their hooks and drain thread
+#   (maru/vllm/sampled_profile.py; each engine's last table per site in $OUT/profiles.log);
 # BENCH_ARGS: more arguments, e.g. "--workloads 1x4k --engines none" (a shorter offline part).
 [ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
   --api-loads ${API_LOADS:-default} ${API_STORES:+--api-stores $API_STORES} ${API_PAIR:+--api-pair} \
@@ -49,5 +51,13 @@ for f in "$LOGS"/*.log; do
   grep "host time in vLLM's hooks (scheduler" "$f" | tail -1
   grep "host time in vLLM's hooks (worker" "$f" | tail -1
 done > "$OUT/hook_lines.log" 2>/dev/null
+# MARU_PROFILE in the environment: each engine's last profile table of each site.
+for f in "$LOGS"/*.log; do
+  grep -q "Maru: profile of " "$f" || continue
+  echo "== $(basename "$f")"
+  awk '/Maru: profile of /{site=$0; sub(/.*Maru: profile of /, "", site); sub(/:.*/, "", site); cur=site; buf[cur]=""; n[cur]=0}
+       cur!="" {if (n[cur]++ < 42) buf[cur]=buf[cur] $0 "\n"}
+       END{for (k in buf) printf "%s\n", buf[k]}' "$f"
+done > "$OUT/profiles.log" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $rc

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from maru.vllm.sampled_profile import profile_for
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -74,8 +76,22 @@ class HookTimes:
 
 
 def timed(method: F) -> F:
-    """Count the wrapped method's wall and thread CPU time into ``self.hook_times`` under its name."""
-    return timed_part(method.__name__)(method)
+    """Count the wrapped method's wall and thread CPU time into ``self.hook_times`` under its name;
+    with ``MARU_PROFILE`` a sample of its calls is profiled too (``maru.vllm.sampled_profile``)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            prof = profile_for(name)
+            if prof is not None:
+                return prof.run(method, self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+        finally:
+            self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def timed_wall(method: F) -> F:

@@ -34,6 +34,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer, StoreReport
 from maru.transfer.stores import PendingStore
 from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.sampled_profile import profile_for
 from maru.vllm.worker_stats import WorkerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -127,6 +128,9 @@ class WriteBehind:
             # updated in place on both threads (the preemption barrier gathers on the forward thread),
             # and an inference tensor may be updated in place only under inference mode.
             with torch.inference_mode(inference):
+                prof = profile_for("drain")  # MARU_PROFILE: a diagnosis, off by default
+                if prof is not None:
+                    return prof.run(engine.complete_store, pending)
                 return engine.complete_store(pending)
         finally:
             self.draining = False

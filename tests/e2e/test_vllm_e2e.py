@@ -141,9 +141,11 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
         for name, p in (("p1", P1), ("p2", P2), ("p3", P3), ("p4", P4)):
             res.n[name] = gen(n, p)
 
-    # A also runs the GIL probe (maru_gil_probe_ms): in a real engine process, its thread counts.
+    # A also runs the GIL probe (maru_gil_probe_ms): in a real engine process, its thread counts;
+    # and profiles its drain thread and one scheduler hook (MARU_PROFILE, every call).
     probed = {**extra, "maru_gil_probe_ms": 1}
-    with engine("A", tmp, model_dir, {"extra": probed}, max_num_batched_tokens=96) as a:
+    profiled = {"MARU_PROFILE": "1:drain,get_num_new_matched_tokens"}
+    with engine("A", tmp, model_dir, {"extra": probed}, env=profiled, max_num_batched_tokens=96) as a:
         res.a["p1"] = gen(a, P1)
         res.a["p3"] = gen(a, P3)
         # A request is reported finished once its write-behind stores have read its blocks; the
@@ -276,6 +278,17 @@ def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> No
     assert "same-step loads kept" in log  # the V2 runner's protocol: policy "fail" (vLLM's default)
     assert "computed instead of loaded" not in log
     assert "'loads_from_held_pins': 1" in log  # the worker's stats at shutdown (maru_log_timing)
+
+
+def test_maru_profile_logs_the_drain_thread_and_a_hook_inside_the_engine(runs: Runs) -> None:
+    """MARU_PROFILE in a real engine: the drain thread's store batches and the named scheduler hook
+    were profiled and their tables logged (the functions that ran in them by name); no other hook."""
+    log = runs.logs["A"]
+    assert "MARU_PROFILE: one call in 1 of drain, get_num_new_matched_tokens is profiled" in log
+    for site in ("drain", "get_num_new_matched_tokens"):
+        table = log[log.index(f"Maru: profile of {site}: ") :].split("Maru: ", 2)[1]
+        assert "us of this thread's CPU" in table and "maru/" in table, table  # Maru's functions, timed
+    assert "profile of wait_for_save" not in log and "profile of build_connector_meta" not in log
 
 
 def test_the_gil_probe_times_wake_ups_inside_the_engine_process(runs: Runs) -> None:
