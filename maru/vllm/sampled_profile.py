@@ -1,4 +1,4 @@
-"""Sampled cProfiles of the connector's own code inside a real engine (``MARU_PROFILE``): a diagnosis.
+"""Sampled profiles of the connector's own code inside a real engine (``MARU_PROFILE``): a diagnosis.
 
 Why: the hook timings say how long a hook took (``maru.vllm.hook_times``), not which functions
 took it. On an H200 host, reading the replies of pins posted at arrival cost an offer 145 us
@@ -9,16 +9,21 @@ connector level (bench/RESULTS.md, fortieth pass). What takes it is only visible
 ``MARU_PROFILE=N`` profiles one call in ``N`` of every site: each scheduler and worker hook that
 ``hook_times.timed`` counts, and each store batch of the drain thread (``drain``).
 ``MARU_PROFILE=N:site,site`` limits it to those sites (hook names, or ``drain``). A profiled call
-runs slower, so only a sample is; every ``DUMP_EVERY`` profiled calls of a site its table (the
-top functions by own time, summed over its profiled calls) is logged, and after the first (the engine's log: a killed
-engine keeps its last tables). Off unless set; a bad value is said once and ignored.
+runs slower, so only a sample is. After a site's first profiled call and every ``DUMP_EVERY``-th,
+its table (the top functions by own time, per profiled call) is logged (the engine's log: a
+killed engine keeps its last tables). Off unless set; a bad value is said once and ignored.
 
-The profiler is the standard library's pure-Python ``profile`` (``sys.setprofile``: the calling
-thread only), not ``cProfile``: from Python 3.12 ``cProfile`` hooks ``sys.monitoring``, one tool
-for the whole interpreter, so a second thread's profiler fails to start (it stopped an engine
-on the H200 this way) and one thread's table would hold every thread's calls. Own times are
-the calling thread's CPU time (``time.thread_time``), inflated by the profiler's own per-call
-overhead (a few microseconds): compare functions, not absolute times.
+The profiler is this module's own (``_ThreadProfiler``: ``sys.setprofile``, the calling thread
+only), neither ``cProfile`` nor ``profile``: from Python 3.12 ``cProfile`` hooks
+``sys.monitoring``, one tool for the whole interpreter, so a second thread's profiler fails to
+start, and ``profile`` asserts on its own frame bookkeeping under 3.12 (an ``AssertionError``
+raised inside the profiled call); each stopped an engine on the H200. This one never raises: a
+call or return it cannot pair is left out of the table, never thrown into the profiled code.
+Times are wall time on the calling thread (``time.perf_counter``: reading the thread's CPU clock
+costs a system call, several times the profiled code's own calls): a function that blocks (a
+reply, an event, the GIL taken by another thread) shows that time as its own. They are
+inflated by the profiler's per-call overhead (about a microsecond): compare functions, not
+absolute times.
 
 Invariant: a thread runs one profiler at a time: a profiled call inside another (a hook inside a
 profiled hook) is run plainly, so the outer table stays whole.
@@ -28,8 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-import profile
-import pstats
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +49,54 @@ T = TypeVar("T")
 _active = threading.local()  # .on: this thread runs a profiled call now
 
 
+class _ThreadProfiler:
+    """Own and cumulative CPU time and calls per function, for calls made on one thread while
+    ``sys.setprofile(self.event)`` is set there. ``event`` never raises."""
+
+    def __init__(self) -> None:
+        # function -> [own s, cumulative s, calls]; a recursive call's cumulative time counts at
+        # each level of a recursion
+        self.totals: dict[str, list[float]] = {}
+        self._stack: list[list[Any]] = []  # [function, start, time in callees]
+        self._clock = time.perf_counter
+
+    def event(self, frame: Any, event: str, arg: Any) -> None:
+        try:
+            now = self._clock()
+            if event == "call" or event == "c_call":
+                self._stack.append([_name(frame, event, arg), now, 0.0])
+            elif self._stack:  # return, c_return, c_exception: pairs with the last call
+                fn, t0, inner = self._stack.pop()
+                spent = now - t0
+                row = self.totals.get(fn)
+                if row is None:
+                    row = self.totals[fn] = [0.0, 0.0, 0]
+                row[0] += spent - inner
+                row[1] += spent
+                row[2] += 1
+                if self._stack:
+                    self._stack[-1][2] += spent
+        except Exception:  # a diagnosis never throws into the code it watches
+            return
+
+    def merge_into(self, totals: dict[str, list[float]]) -> None:
+        for fn, (own, cum, calls) in self.totals.items():
+            row = totals.setdefault(fn, [0.0, 0.0, 0])
+            row[0] += own
+            row[1] += cum
+            row[2] += calls
+
+
+def _name(frame: Any, event: str, arg: Any) -> str:
+    if event == "c_call":
+        mod = getattr(arg, "__module__", None) or getattr(
+            type(getattr(arg, "__self__", None)), "__name__", ""
+        )
+        return f"{{{mod}.{getattr(arg, '__qualname__', None) or getattr(arg, '__name__', '?')}}}"
+    code = frame.f_code
+    return f"{_short(code.co_filename)}:{code.co_firstlineno}({code.co_name})"
+
+
 class SampledProfile:
     """Profiles one call in ``every`` of one site (``run``); ``table`` sums the profiled calls."""
 
@@ -55,63 +107,41 @@ class SampledProfile:
         self.every = every
         self.calls = 0
         self.profiled = 0
-        self._stats: pstats.Stats | None = None
-        self._failed = False
+        self._totals: dict[str, list[float]] = {}
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, profiled when it is the ``every``-th call since the last one
-        profiled (and no profiled call runs on this thread already). Never raises for the
-        profiler's sake: a profile that cannot be summed is said once and left out."""
+        profiled (and no profiled call runs on this thread already, nor another profile function)."""
         self.calls += 1
-        if self.calls % self.every or getattr(_active, "on", False):
+        if self.calls % self.every or getattr(_active, "on", False) or sys.getprofile() is not None:
             return fn(*args, **kwargs)
-        prof = profile.Profile(time.thread_time)  # this thread's CPU: other threads' time stays out
+        prof = _ThreadProfiler()
         _active.on = True
+        sys.setprofile(prof.event)
         try:
-            return prof.runcall(fn, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
+            sys.setprofile(None)
             _active.on = False
-            self._account(prof)
-
-    def _account(self, prof: profile.Profile) -> None:
-        try:
-            if self._stats is None:
-                self._stats = pstats.Stats(prof)
-            else:
-                self._stats.add(prof)
-        except Exception as e:  # a diagnosis must never fail the engine
-            if not self._failed:
-                self._failed = True
-                logger.warning("Maru: profiling %s failed (%s); its calls run unprofiled", self.site, e)
-            return
-        self.profiled += 1
-        if self.profiled == 1 or self.profiled % DUMP_EVERY == 0:  # the first: short runs too
-            logger.info("Maru: %s", self.table())
+            prof.merge_into(self._totals)
+            self.profiled += 1
+            if self.profiled == 1 or self.profiled % DUMP_EVERY == 0:  # the first: short runs too
+                logger.info("Maru: %s", self.table())
 
     def table(self) -> str:
-        """The profiled calls' top functions by own time, in microseconds (pstats' seconds print
-        three decimals: a hook's whole call is below that), headed by the site."""
-        head = f"profile of {self.site}: {self.profiled} of {self.calls} calls, us of this thread's CPU"
-        if self._stats is None:
-            return f"{head}:\n(nothing profiled yet)\n"
-        rows = sorted(
-            ((k, v) for k, v in self._stats.stats.items() if not _profiler_own(k)),  # type: ignore[attr-defined]
-            key=lambda kv: kv[1][2],
-            reverse=True,
+        """The profiled calls' top functions by own time, in microseconds per profiled call."""
+        head = (
+            f"profile of {self.site}: {self.profiled} of {self.calls} calls, us of wall time on this thread"
         )
+        rows = [(fn, r) for fn, r in self._totals.items() if fn != "{sys.setprofile}"]
+        if not rows:
+            return f"{head}:\n(nothing profiled yet)\n"
+        rows.sort(key=lambda kv: kv[1][0], reverse=True)
         n = max(1, self.profiled)
         lines = [f"{head} (per profiled call: own, with callees; calls):"]
-        for (path, line, func), (_cc, nc, tt, ct, _callers) in rows[:TOP]:
-            where = f"{_short(path)}:{line}({func})" if line else func
-            lines.append(f"{tt * 1e6 / n:9.1f} {ct * 1e6 / n:9.1f} {nc / n:7.1f}  {where}")
+        for fn, (own, cum, calls) in rows[:TOP]:
+            lines.append(f"{own * 1e6 / n:9.1f} {cum * 1e6 / n:9.1f} {calls / n:7.1f}  {fn}")
         return "\n".join(lines) + "\n"
-
-
-def _profiler_own(key: tuple[str, int, str]) -> bool:
-    """The profiler's own entries: its pseudo-frames (the call it ran, "profiler") and the
-    ``sys.setprofile`` that ends it."""
-    path, line, func = key
-    return path == "profile" or (line == 0 and func == "setprofile")
 
 
 def _short(path: str) -> str:

@@ -117,3 +117,86 @@ def test_a_timed_hook_profiles_a_sample_of_its_calls_and_still_counts_every_call
     p = profile_for("some_hook")
     assert p is not None and (p.calls, p.profiled) == (4, 2)
     assert "profiled_work_alpha" in p.table()
+
+
+def test_two_threads_profile_at_once_each_its_own_calls() -> None:
+    """What stopped an engine on Python 3.12 (one profiler per interpreter): here each thread's
+    table holds its own function only."""
+    import threading
+
+    a, b = SampledProfile("a", every=1), SampledProfile("b", every=1)
+    errors: list[BaseException] = []
+
+    def loop(p: SampledProfile, fn: object) -> None:
+        try:
+            for _ in range(200):
+                p.run(fn, 200)  # type: ignore[arg-type]
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [
+        threading.Thread(target=loop, args=(a, profiled_work_alpha)),
+        threading.Thread(target=loop, args=(b, plain_work_beta)),
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and a.profiled == b.profiled == 200
+    assert "profiled_work_alpha" in a.table() and "plain_work_beta" not in a.table()
+    assert "plain_work_beta" in b.table() and "profiled_work_alpha" not in b.table()
+
+
+def _raises() -> None:
+    raise KeyError("from the profiled code")
+
+
+def _generator_work() -> int:
+    def g() -> object:
+        for i in range(5):
+            yield profiled_work_alpha(i)
+
+    try:
+        _raises()
+    except KeyError:
+        pass
+    return sum(g())  # type: ignore[call-overload]
+
+
+def test_the_profiled_codes_exceptions_and_generators_pass_through_unchanged() -> None:
+    import sys
+
+    p = SampledProfile("e", every=1)
+    with pytest.raises(KeyError, match="from the profiled code"):
+        p.run(_raises)
+    assert p.run(_generator_work) == 0 + 0 + 1 + 3 + 6
+    assert sys.getprofile() is None  # taken off again, raised or not
+    table = p.table()
+    assert "_generator_work" in table and "profiled_work_alpha" in table and "_raises" in table
+
+
+def test_a_thread_with_a_profile_function_already_set_runs_the_call_plainly() -> None:
+    import sys
+
+    seen: list[str] = []
+
+    def other(frame: object, event: str, arg: object) -> None:
+        seen.append(event)
+
+    p = SampledProfile("busy", every=1)
+    sys.setprofile(other)
+    try:
+        assert p.run(profiled_work_alpha, 5) == 10
+    finally:
+        sys.setprofile(None)
+    assert p.profiled == 0 and seen  # the other tool kept its place and saw the call
+
+
+def test_the_event_function_never_raises_on_unpaired_events() -> None:
+    from maru.vllm.sampled_profile import _ThreadProfiler
+
+    prof = _ThreadProfiler()
+    prof.event(None, "return", None)  # a return before any call (set inside a function)
+    prof.event(None, "c_return", len)
+    prof.event(object(), "call", None)  # a frame without f_code: swallowed, not raised
+    assert prof.totals == {}
