@@ -49,6 +49,13 @@ def test_wire_form_round_trips_and_bad_values_are_refused_with_what_is_wrong() -
         sg.SegmentSums.from_wire({"tokens": 4})
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         sg.SegmentSums(4, (1 << 64,))
+    with pytest.raises(ValueError, match="tokens"):
+        sg.SegmentSums.from_wire([True, b"\0" * 8])  # a bool is not a token count
+    # Parsed without the per-sum check: the same value (and hash) as one built with it.
+    top = sg.SegmentSums(16, ((1 << 64) - 1, 0, 12345))
+    back = sg.SegmentSums.from_wire(top.to_wire())
+    assert back == top and hash(back) == hash(top) and back.raws == top.raws
+    assert all(type(r) is int for r in back.raws)
 
 
 def test_segment_tokens_start_at_the_block_size_and_bound_the_count() -> None:

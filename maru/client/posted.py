@@ -202,8 +202,9 @@ class PostedLookups:
             if view is None:
                 out.append(None)
                 continue
-            if pin:
-                pins[k] += 1
-                extents[(e[0], e[1])] += 1
+            if pin:  # .get, not Counter's += (its __missing__ is a Python call for each new key)
+                pins[k] = pins.get(k, 0) + 1
+                ext = (e[0], e[1])
+                extents[ext] = extents.get(ext, 0) + 1
             out.append(Retrieved(k, e[0], view, pin, on_release, c, token, g))
         return out

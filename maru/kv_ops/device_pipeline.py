@@ -162,6 +162,7 @@ class DevicePipeline(
         self.graphs = use_graphs and self._graphs_usable()
         self._ring = [StagingSlot(self, self._new_placer()) for _ in range(self.ring_slots)]
         self._host_sums = ck.HostSums()  # the checksums' device-to-host buffers, reused
+        self._segment_bufs = {}  # the store's segment sums' device buffers, per stream (StoreSegments)
         self._next_slot = 0
         # The layer path may replay graphs while the chunk paths run eagerly (layer_graphs=True,
         # use_graphs=False): per-layer issue cost is what the layer-overlap load is judged on.

@@ -103,9 +103,12 @@ def supported(layout: KVLayout, esize: int) -> bool:
     return esize in (1, 2, 4, 8) and (layout.row_size * esize) % 8 == 0
 
 
-def segments_table(lengths: list[int], slots: np.ndarray, seg_tokens: int) -> tuple[np.ndarray, int]:
+def segments_table(
+    lengths: list[int], slots: np.ndarray, seg_tokens: int, out: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """The host ``[SEG_ROWS, total]`` int64 table of ``queue_cache_segments`` and the segments an
-    object has at most (accumulator ``k * most + s`` is segment ``s`` of object ``k``)."""
+    object has at most (accumulator ``k * most + s`` is segment ``s`` of object ``k``); written
+    into ``out`` (``SEG_ROWS * total`` int64, e.g. a pinned scratch buffer's) where given."""
     counts = np.asarray(lengths, dtype=np.int64)
     total = int(counts.sum())
     if slots.size != total:
@@ -113,7 +116,7 @@ def segments_table(lengths: list[int], slots: np.ndarray, seg_tokens: int) -> tu
     most = max(math.ceil(int(t) / seg_tokens) for t in lengths)
     starts = np.cumsum(counts) - counts
     within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-    tab = np.empty((SEG_ROWS, total), dtype=np.int64)
+    tab = np.empty((SEG_ROWS, total), dtype=np.int64) if out is None else out.reshape(SEG_ROWS, total)
     tab[0] = slots
     tab[1] = within
     tab[2] = np.repeat(counts, counts)
@@ -137,7 +140,23 @@ def queue_cache_segments(
     ``supported(layout, esize)``. Nothing needs keeping alive by the caller: the device tensors
     are used on the current stream alone, where torch's caching allocator orders any reuse of their
     memory after this work, and torch's host allocator holds the pinned table until its upload ran.
+    (The pipeline's raw way, ``StoreSegments``, builds the table in its own buffers and calls
+    ``launch_cache_segments``.)
     """
+    host, most = segments_table(lengths, slots, seg_tokens)
+    acc = torch.zeros(len(lengths) * most, dtype=torch.int64, device=device)
+    if host.shape[1] == 0:
+        return acc, most
+    pinned = torch.from_numpy(host)
+    if device.type == "cuda":
+        pinned = pinned.pin_memory()
+    launch_cache_segments(caches, layout, pinned.to(device, non_blocking=True), acc)
+    return acc, most
+
+
+def launch_cache_segments(caches: Any, layout: KVLayout, tab: torch.Tensor, acc: torch.Tensor) -> None:
+    """Launch the segment-sum kernel on the current stream over the device table ``tab``
+    (``[SEG_ROWS, total]`` int64, ``segments_table``'s rows) into the zeroed accumulators ``acc``."""
     refs = ops.layer_refs(caches, layout)
     cache0, offsets, _align = prepared(refs)
     esize = cache0.element_size()
@@ -145,15 +164,7 @@ def queue_cache_segments(
         raise ValueError(
             f"segment sums need rows of whole 8-byte words; a row here is {layout.row_size * esize} bytes"
         )
-    host, most = segments_table(lengths, slots, seg_tokens)
-    total = host.shape[1]
-    acc = torch.zeros(len(lengths) * most, dtype=torch.int64, device=device)
-    if total == 0:
-        return acc, most
-    pinned = torch.from_numpy(host)
-    if device.type == "cuda":
-        pinned = pinned.pin_memory()
-    tab = pinned.to(device, non_blocking=True)
+    total = int(tab.shape[1])
     block_t, block_r, num_warps = tiles(layout, total)
     grid = (triton.cdiv(total, block_t), len(refs) * layout.num_kv)
     _SEGMENTS.launch(
@@ -181,4 +192,3 @@ def queue_cache_segments(
         row_is_contiguous(layout),
         esize,
     )
-    return acc, most

@@ -15,6 +15,7 @@ import torch
 
 from maru.announce import announce_once
 from maru.kv_ops import checksum as ck
+from maru.kv_ops.cuda_sync import current_stream_handle
 from maru.kv_ops.layout import KVLayout
 
 log = logging.getLogger("maru.kv_ops")
@@ -29,6 +30,11 @@ class StoreSegments:
     device: torch.device
     esize: int
     _host_sums: Any
+    _scratch: Any
+    _sync: Any
+    _sums_to_host: Any
+    # Device buffers of the raw way, per raw stream handle: {"tab": ..., "acc": ...}
+    _segment_bufs: dict[int, dict[str, torch.Tensor]]
     segments_off: str | None = None
     # Why the warm-up could not compile the kernel, a slow path of maru doctor's (None: it did)
     segments_unwarmed: str | None = None
@@ -72,7 +78,9 @@ class StoreSegments:
         elif getattr(slot_mapping, "device", None) is None or slot_mapping.device.type != "cpu":
             why = "the store's slot mapping is not a host tensor"
         else:
-            host = slot_mapping.to(torch.int64).numpy()
+            host = (
+                slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+            ).numpy()
             if host.size and int(host.min()) < 0:
                 why = "the store's slot mapping has negative slots"
         self.segments_off = why  # shown by maru doctor (the worker's reported paths)
@@ -88,6 +96,45 @@ class StoreSegments:
             )
             return None
         lengths = [o.shape[2] for o in objs]
-        acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
-        sums = ck.to_host(acc, self._host_sums)
+        if self._scratch is not None and self._sync.raw and host.size:
+            acc, most = self._queue_segments_raw(lengths, host, seg)
+            sums = self._sums_to_host(acc, current_stream_handle(self.device))
+        else:
+            acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
+            sums = ck.to_host(acc, self._host_sums)
         return seg, most, lengths, sums, self._host_sums
+
+    def _queue_segments_raw(self, lengths: list[int], host: np.ndarray, seg: int) -> tuple[torch.Tensor, int]:
+        """``queue_cache_segments`` without a torch op but the launch: the table written into a
+        pinned scratch buffer (``HostScratch``) and sent with one raw copy, the accumulators
+        zeroed with a raw memset, both in device buffers kept per stream. The write-behind drain
+        thread queues it: each torch op there (a pinned allocation, an upload, a fill; six a store
+        before) let go of the GIL and took it back beside vLLM's loop, ~0.2-2 ms a store batch of
+        its wall time in an H200 engine (the fortieth pass's profile, bench/RESULTS.md)."""
+        from maru.kv_ops import segment_kernels as sk
+
+        stream = current_stream_handle(self.device)
+        total = int(host.size)
+        ticket, buf = self._scratch.take(sk.SEG_ROWS * total)
+        try:
+            _, most = sk.segments_table(lengths, host, seg, out=buf.numpy())
+            tab = self._segment_words(stream, "tab", sk.SEG_ROWS * total).view(sk.SEG_ROWS, total)
+            acc = self._segment_words(stream, "acc", len(lengths) * most)
+            self._sync.zero(acc.data_ptr(), 8 * acc.numel(), stream)
+            self._sync.copy(tab.data_ptr(), buf.data_ptr(), 8 * sk.SEG_ROWS * total, stream)
+        finally:
+            self._scratch.uploaded(ticket, stream)
+        sk.launch_cache_segments(self.caches, self.layout, tab, acc)
+        return acc, most
+
+    def _segment_words(self, stream: int, name: str, n: int) -> torch.Tensor:
+        """``n`` int64 of a device buffer kept for the segment sums queued on raw ``stream``: every
+        writer and reader of it is queued on that stream (the sums' download too), so a later
+        store's writes follow this one's reads. Grown, never shrunk; allocated while that stream is
+        the current one (the caller's), so the allocator orders any reuse of a replaced one after it."""
+        bufs = self._segment_bufs.setdefault(stream, {})
+        buf = bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(int(n), 4096), dtype=torch.int64, device=self.device)
+            bufs[name] = buf
+        return buf[:n]

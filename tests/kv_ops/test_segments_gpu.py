@@ -75,6 +75,29 @@ def test_every_store_way_commits_segment_sums_of_the_bytes_it_wrote(pool: Regist
     assert all(s.consistent(c, o.numel() * 2) for s, c, o in zip(got, sums, objs, strict=True))
 
 
+@pytest.mark.parametrize("raw", [True, False])
+def test_stores_in_a_row_reuse_the_kept_segment_buffers_and_each_sums_its_own_bytes(
+    pool: RegisteredPool, raw: bool
+) -> None:
+    """The raw way (no torch op but the launch: the table in a pinned scratch buffer, the
+    accumulators in device buffers kept per stream) gives each of several stores in a row, small
+    after large after small, the sums of its own bytes; without raw calls the torch way runs and
+    keeps nothing."""
+    src = make_caches("flash_attn_HND", 35)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND, raw_cuda=raw)
+    for i, sizes in enumerate(([37], [CHUNK, CHUNK, CHUNK, 21], [CHUNK // 2], [CHUNK, 5])):
+        slots = _slots(src, sum(sizes), 3 + 7 * i)
+        objs = [pool.alloc(engine, t) for t in sizes]
+        handle = engine.store(objs, slots, checksums=True, segment_tokens=SEG, paced=True)
+        handle.wait()
+        assert handle.segment_sums() == [_host_sums(o) for o in objs], sizes
+    kept = engine._segment_bufs
+    if raw and engine._sync.raw:
+        assert len(kept) == 1 and set(next(iter(kept.values()))) == {"tab", "acc"}
+    else:
+        assert kept == {}
+
+
 def test_warm_compiles_the_segment_kernel_before_the_first_store(pool: RegisteredPool) -> None:
     """A store's first segment-sum launch finds the kernel ``warm`` compiled (left to first use, a
     fresh instance's first write-behind store compiled it on the drain thread: 0.4-1 s on an H200)."""
