@@ -7,6 +7,7 @@ when called (the worker side).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,14 +213,24 @@ def chunk_slots(
         raise ValueError(
             f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"
         )
-    if total and full and contiguous:
-        # The usual step: whole chunks one after the other. Only their blocks are converted.
+    if total and contiguous:
+        # The usual step: chunks one after the other (a store's whole chunks, a load's placed ranges).
+        # Only the blocks up to the last placed token are converted, a block's slots at once.
         first = chunks[0].start
         lo = first // block_size
         tab = np.asarray(block_ids[lo:nblocks], dtype=np.int64)
-        rows = (tab[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)
-        skip = first - lo * block_size
-        return torch.from_numpy(np.ascontiguousarray(rows[skip : skip + total]))
+        rows = (tab[:, None] * block_size + _block_offsets(block_size)).reshape(-1)
+        skip = first - lo * block_size  # rows[skip + t] is the slot of the chunks' token t
+        if full:
+            return torch.from_numpy(np.ascontiguousarray(rows[skip : skip + total]))
+        out = np.full(total, -1, dtype=np.int64)
+        o = skip
+        for c in chunks:  # a few slice copies: ~4x faster than the general way's dozen numpy calls
+            pb, pe = c.placed()
+            if pe > pb:
+                out[o - skip + pb : o - skip + pe] = rows[o + pb : o + pe]
+            o += c.num_tokens
+        return torch.from_numpy(out)
     counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
     offs = np.cumsum(counts) - counts
@@ -235,6 +246,16 @@ def chunk_slots(
     np.minimum(blocks, len(table) - 1, out=blocks)  # unplaced tokens may have no block
     out = np.where(placed, table[blocks] * block_size + within, -1)
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=8)
+def _block_offsets(block_size: int) -> Any:
+    """``[[0, 1, ..., block_size - 1]]`` (int64, read only): a block's slots are its first plus these."""
+    import numpy as np
+
+    row = np.arange(block_size, dtype=np.int64)[None, :]
+    row.flags.writeable = False
+    return row
 
 
 def block_table(block_ids: Sequence[int]) -> Any:
