@@ -12,7 +12,9 @@ and how many keys each request checked. ``--local-hit``: vLLM's own prefix cache
 user's first round (a storing instance's next turn): the chunks it covers are not asked about.
 ``--round first``: time each user's first round instead (the system prompt's chunks, shared by
 every user, then the user's own tail), the burst that arrives at a conversation's start.
-``--block-hashes``: the requests carry vLLM's block hashes and the scheduler keyed the first round
+``--finished`` (with ``--block-hashes``): the scheduler stored and saw finish each user's first round
+(its chunks and block hashes noted: the arrival's guess of vLLM's hit, ``RecentKeys`` and
+``RecentBlocks``). ``--block-hashes``: the requests carry vLLM's block hashes and the scheduler keyed the first round
 (its chunk keys then come from ``ChunkKeyCache``). ``--busy F``: a second Python thread computes F of each millisecond (the GIL competition a
 scheduler meets beside vLLM's worker thread); ``--switch-interval S``: the interpreter's switch
 interval (default 5 ms). ``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
@@ -124,6 +126,12 @@ def main() -> int:
         help="requests carry vLLM-like block hashes (sha256 chain, made untimed as vLLM makes them "
         "before the hook), and the scheduler has seen the first round: chunk keys found by them",
     )  # fmt: skip
+    ap.add_argument(
+        "--finished", action="store_true",
+        help="(second round, with --block-hashes) the engine stored and finished each user's first "
+        "round before: its chunks and vLLM's block hashes are noted (RecentKeys, RecentBlocks), as "
+        "a storing instance's scheduler has them when the next turns arrive",
+    )  # fmt: skip
     a = ap.parse_args()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
@@ -177,7 +185,12 @@ def main() -> int:
             ]  # fmt: skip
             if a.block_hashes and a.round == "second":  # the scheduler keyed the first round
                 for p in first:
-                    s._key_cache.prompt_keys(p, _block_hashes(p, bs), len(p))
+                    pk = s._key_cache.prompt_keys(p, _block_hashes(p, bs), len(p))
+                    if a.finished:  # ... stored it, and saw it finish
+                        s.recent_keys.note(pk.full)
+                        s.recent_blocks.note(
+                            SimpleNamespace(num_tokens=len(p), block_hashes=_block_hashes(p, bs))
+                        )
             # Untimed: a new connector reports its probe path to the server once (one round trip),
             # which a serving scheduler pays once, not per request.
             s.get_num_new_matched_tokens(

@@ -16,7 +16,7 @@ from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.hook_times import timed_part
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.offer_pins import OfferPins
-from maru.vllm.recent_keys import RecentKeys
+from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -43,6 +43,7 @@ class LoadPlanning:
     _readiness: tuple[int, int] = (0, 0)
     _withheld_note: str | None = None  # said once if offers stay withheld (``maru doctor``)
     recent_keys: RecentKeys  # set by MaruSchedulerConnector
+    recent_blocks: RecentBlocks  # set by MaruSchedulerConnector
     running_hook: str | None = None  # the hook a shared helper's time is counted in (``timed_step``)
     _woken_at: float = 0.0  # perf_counter of the last wake-up posted (``_wake_for_pins``)
     _reported_path: str | None
@@ -58,6 +59,9 @@ class LoadPlanning:
         raise NotImplementedError
 
     def _get_client(self) -> Any:  # pragma: no cover - MaruSchedulerConnector's
+        raise NotImplementedError
+
+    def _usable(self, prompt_len: int) -> int:  # pragma: no cover - MaruSchedulerConnector's
         raise NotImplementedError
 
     def _drop_client(self, why: Exception) -> None:  # pragma: no cover - MaruSchedulerConnector's
@@ -234,12 +238,15 @@ class LoadPlanning:
             st = self._state(request)
             if st is None or st.present is not None:
                 return
-            # vLLM's own hit is not known yet: guessed from what this engine placed lately (probed
-            # again at the offer if vLLM's real hit is shorter; ``RecentKeys``).
-            guess = self.recent_keys.leading(st.keys.full)
-            self._probe(st, guess * self.chunk)
+            # vLLM's own hit is not known yet: guessed from what this engine placed lately, and to
+            # the block from the requests that finished lately (probed again at the offer if
+            # vLLM's real hit is shorter; ``RecentKeys``, ``RecentBlocks``).
+            guess = self.recent_keys.leading(st.keys.full) * self.chunk
+            blocks = min(self.recent_blocks.leading_tokens(request), self._usable(len(st.prompt)))
+            guess = max(guess, blocks)
+            self._probe(st, guess)
             client = self._client
-            keys = [k for k in self._found_keys(st, guess) if k not in self.recent_keys]
+            keys = [k for k in self._found_keys(st, guess // self.chunk) if k not in self.recent_keys]
             if keys and client is not None:
                 self._prefetch(client, st.req_id, keys)
             failing = self.pins.failing_posts()  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 CAPACITY = 16384  # keys (~1.5 MB); far more chunks than a GPU's KV cache holds for one model
 
@@ -31,14 +32,7 @@ class RecentKeys:
 
     def note(self, keys: Iterable[str]) -> None:
         """``keys`` are (about to be) in vLLM's cache: loaded, or computed in a step that stores them."""
-        d = self._keys
-        for k in keys:
-            if k in d:
-                d.move_to_end(k)
-            else:
-                d[k] = None
-        while len(d) > self.capacity:
-            d.popitem(last=False)
+        _note_recent(self._keys, keys, self.capacity)
 
     def leading(self, keys: Sequence[str]) -> int:
         """How many of ``keys`` (a prompt's full chunks, in order) lead the prompt noted."""
@@ -55,3 +49,70 @@ class RecentKeys:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+BLOCK_CAPACITY = 65536  # vLLM block hashes (~6 MB; 1M tokens at 16 a block, about an H200's KV cache)
+
+
+class RecentBlocks:
+    """vLLM's block hashes of the requests that finished lately: a finer guess of vLLM's own hit
+    at a request's arrival than ``RecentKeys`` (whose chunks end at the last whole chunk this
+    engine placed or stored).
+
+    Why: a conversation's next turn repeats the previous turn's prompt and answer, which vLLM's
+    own cache holds up to their last full block, past the last whole chunk. Guessed at that chunk,
+    the arrival probe asked about every block-aligned tail after it (15 candidate keys hashed and
+    looked up a request, on vLLM's scheduling thread, 16 requests in a row a round); guessed at the
+    block, it asks about the tails past the previous answer only. vLLM's block hashes are a chain
+    (a block's hash stands for every token before it), so the hash of a new request's block ``i``
+    seen in a finished request means that request had the same first ``i + 1`` blocks.
+
+    Invariant: a guess only, like ``RecentKeys`` (the offer probes again when vLLM's real hit is
+    shorter). Block hashes that do not line up with the request's tokens (another hash block size)
+    give no guess.
+    """
+
+    def __init__(self, block_size: int, capacity: int = BLOCK_CAPACITY) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._hashes: OrderedDict[Any, None] = OrderedDict()
+
+    def note(self, request: Any) -> None:
+        """``request`` finished: its full blocks (prompt and output) are in vLLM's cache now."""
+        hashes = _lined_up(request, self.block_size)
+        if hashes:
+            _note_recent(self._hashes, hashes, self.capacity)
+
+    def leading_tokens(self, request: Any) -> int:
+        """Tokens of ``request`` a finished request had as its prefix, in whole blocks (0: none)."""
+        hashes = _lined_up(request, self.block_size)
+        if not hashes or not self._hashes:
+            return 0
+        d = self._hashes
+        for i in range(len(hashes), 0, -1):  # a new turn's own blocks are its last few: from the end
+            if hashes[i - 1] in d:
+                return i * self.block_size
+        return 0
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
+def _note_recent(d: OrderedDict[Any, None], items: Iterable[Any], capacity: int) -> None:
+    """Mark ``items`` the most recent in ``d``; the least recent go past ``capacity``."""
+    for k in items:
+        if k in d:
+            d.move_to_end(k)
+        else:
+            d[k] = None
+    while len(d) > capacity:
+        d.popitem(last=False)
+
+
+def _lined_up(request: Any, block_size: int) -> Sequence[Any] | None:
+    """``request.block_hashes`` when there is one per full block of its tokens, else None."""
+    hashes = getattr(request, "block_hashes", None)
+    n = getattr(request, "num_tokens", None)
+    if not hashes or not isinstance(n, int) or len(hashes) != n // block_size:
+        return None
+    return hashes  # type: ignore[no-any-return]

@@ -40,7 +40,7 @@ from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
-from maru.vllm.recent_keys import RecentKeys
+from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -77,6 +77,7 @@ class MaruSchedulerConnector(LoadPlanning):
         self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
         self._key_cache = ChunkKeyCache(keyer, block_size)  # keys by vLLM's block hashes
         self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
+        self.recent_blocks = RecentBlocks(block_size)  # ... to the block, from finished requests
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
@@ -555,6 +556,7 @@ class MaruSchedulerConnector(LoadPlanning):
         (whatever became of the store: drained, failed, dropped, connector off), on every rank.
         vLLM calls this for finished and aborted requests, never for preempted ones."""
         st = self._reqs.pop(request.request_id, None)
+        self.recent_blocks.note(request)  # its blocks stay in vLLM's prefix cache: a later guess
         self._drop_pins(request.request_id)  # pins handed over with a load wait for the workers
         # An aborted request's load may never be reported: nobody may wait for its chunks.
         self._admission.finish(request.request_id)

@@ -352,6 +352,53 @@ def test_a_storing_engine_does_not_pin_its_own_stores_at_arrival(server: Any) ->
         assert s._reqs["p2"].probed_local == 4 * C
 
 
+def _hashed(rid: str, toks: list[int]) -> Any:
+    """``req`` with vLLM's block hashes (a chain over blocks of ``BS`` tokens)."""
+    from tests.vllm.test_recent_keys import chain
+
+    r = req(rid, toks)
+    r.block_hashes = chain(toks, block=BS)
+    return r
+
+
+def test_a_next_turn_is_probed_from_the_last_full_block_of_the_turn_that_finished(server: Any) -> None:
+    """``RecentBlocks``: a finished request's blocks guess vLLM's own hit of the next turn to the
+    block (past the last whole chunk the engine stored), so the arrival probe asks about the new
+    tokens' tails only. A guess: a shorter real hit is probed again at the offer."""
+    keyer = _keyer()
+    p = tokens(300, seed=83)  # 4 chunks of 64, 9 full blocks of 32 (288 tokens), 12 more tokens
+    with _instance(server, keyer, 97, at_offer=True) as (s, client, w, _, _src):
+        r = _hashed("p", p)
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        s.update_state_after_alloc(r, blocks_obj(SRC_BLOCKS), 0)
+        meta = s.build_connector_meta(new_out("p", SRC_BLOCKS, 0, 300))
+        w.wait_for_save(meta)
+        w.flush_stores()
+        s.request_finished(r, [])
+        assert len(s.recent_blocks) == 9
+        q = p + tokens(40, seed=84)  # the next turn: 340 tokens, 5 chunks, 10 full blocks
+        r2 = _hashed("q", q)
+        probes_before = s.stats.requests_probed
+        s.on_new_request(r2)
+        assert s._reqs["q"].probed_local == 9 * BS  # not 4 * C = 256: the whole turn before
+        assert s.pins is not None and s.pins.stats.pin_posts == 0 and _pinned(client) == 0
+        # As guessed: no second probe at the offer, nothing to load past vLLM's own hit.
+        assert s.get_num_new_matched_tokens(r2, 9 * BS) == (0, False)
+        assert s.stats.requests_probed == probes_before + 1
+        s.request_finished(r2, [])
+        # vLLM's own hit shorter than the guess (it evicted the turn's last blocks): probed again
+        # from there, and the pool's chunks past it offered.
+        r3 = _hashed("q3", q)
+        s.on_new_request(r3)
+        assert s._reqs["q3"].probed_local == 10 * BS  # q finished: its 10 blocks are noted now
+        assert s.get_num_new_matched_tokens(r3, 2 * C) == (288 - 2 * C, False)
+        assert s._reqs["q3"].probed_local == 2 * C
+        s.request_finished(r3, [])
+        s.build_connector_meta(empty_out())
+        _until_unpinned(s, client)
+
+
 def test_a_stalled_server_holds_the_offer_one_client_timeout_not_one_per_post() -> None:
     from maru.errors import MaruTimeoutError
     from maru.vllm.offer_pins import OfferPins
