@@ -78,10 +78,15 @@ class RecentBlocks:
         self._hashes: OrderedDict[Any, None] = OrderedDict()
 
     def note(self, request: Any) -> None:
-        """``request`` finished: its full blocks (prompt and output) are in vLLM's cache now."""
+        """``request`` finished: its computed full blocks (prompt and output) are in vLLM's cache
+        now. Only those: an aborted request's hashes also cover blocks it never computed."""
         hashes = _lined_up(request, self.block_size)
-        if hashes:
-            _note_recent(self._hashes, hashes, self.capacity)
+        if not hashes:
+            return
+        computed = getattr(request, "num_computed_tokens", None)
+        if isinstance(computed, int):
+            hashes = hashes[: max(0, computed) // self.block_size]
+        _note_recent(self._hashes, hashes, self.capacity)
 
     def leading_tokens(self, request: Any) -> int:
         """Tokens of ``request`` a finished request had as its prefix, in whole blocks (0: none)."""

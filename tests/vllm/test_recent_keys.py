@@ -52,6 +52,20 @@ def test_hashes_that_do_not_line_up_with_the_tokens_give_no_guess_and_are_not_no
     assert rb.leading_tokens(request(toks)) == 4 * BS
 
 
+def test_only_the_blocks_a_request_computed_are_noted() -> None:
+    """An aborted request's hashes cover its whole prompt; vLLM's cache holds only what it computed."""
+    rb = RecentBlocks(BS)
+    toks = list(range(6 * BS))
+    aborted = request(toks)
+    aborted.num_computed_tokens = 2 * BS + 5  # two full blocks computed before the abort
+    rb.note(aborted)
+    assert len(rb) == 2 and rb.leading_tokens(request(toks)) == 2 * BS
+    done = request(toks)
+    done.num_computed_tokens = 6 * BS - 1  # finished: all but the last sampled token computed
+    rb.note(done)
+    assert rb.leading_tokens(request(toks + [1] * BS)) == 5 * BS
+
+
 def test_the_least_recently_finished_go_first_past_the_capacity() -> None:
     rb = RecentBlocks(BS, capacity=6)
     a, b = list(range(4 * BS)), list(range(500, 500 + 4 * BS))
