@@ -192,6 +192,25 @@ _read = False
 def profile_for(site: str) -> SampledProfile | None:
     """The sampled profile of ``site`` when ``MARU_PROFILE`` asks for it, else None (the common
     case: one dict lookup after the first call)."""
+    profiles = _current()
+    return None if profiles is None else profiles.for_site(site)
+
+
+def slow_note() -> str | None:
+    """The slow path this process reports while ``MARU_PROFILE`` is set (``maru doctor``): what it
+    costs and the fix. None when nothing is profiled."""
+    profiles = _current()
+    if profiles is None:
+        return None
+    sites = ", ".join(sorted(profiles.sites)) if profiles.sites else "every hook and the drain thread"
+    return (
+        f"{ENV} profiles one call in {profiles.every} of {sites} in this engine: a profiled call runs "
+        f"several times slower (a diagnosis). Fix: unset {ENV} when the diagnosis is done"
+    )
+
+
+def _current() -> Profiles | None:
+    """``MARU_PROFILE`` as read at the first call (said once: what is profiled, or a bad value)."""
     global _profiles, _read
     if not _read:
         _read = True
@@ -208,7 +227,7 @@ def profile_for(site: str) -> SampledProfile | None:
                 _profiles.every,
                 ", ".join(sorted(_profiles.sites)) if _profiles.sites else "every hook and the drain thread",
             )
-    return None if _profiles is None else _profiles.for_site(site)
+    return _profiles
 
 
 def reset() -> None:

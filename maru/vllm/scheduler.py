@@ -41,6 +41,7 @@ from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
+from maru.vllm.sampled_profile import slow_note as profiling_note
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -196,6 +197,7 @@ class MaruSchedulerConnector(LoadPlanning):
                             self.at_offer_note,
                             self._withheld_note,
                             slow_note("vLLM's scheduling thread"),
+                            profiling_note(),
                         )
                         if n
                     ],

@@ -7,6 +7,7 @@ from typing import Any
 from maru import checksum, kv_ops
 from maru.client import frames
 from maru.vllm.layer_loads import UNWAITED
+from maru.vllm.sampled_profile import slow_note as profiling_note
 
 
 def worker_data_paths(worker: Any) -> dict[str, Any]:
@@ -29,6 +30,8 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         else "sync",
     }
     slow: list[str] = list(worker.cfg.fallbacks)  # settings the connector replaced, with the fix
+    if (profiling := profiling_note()) is not None:
+        slow.append(profiling)
     if worker.stats.layer_loads_unwaited:
         slow.append(f"{worker.stats.layer_loads_unwaited} {UNWAITED}")
     if eng is not None:

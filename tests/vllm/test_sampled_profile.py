@@ -200,3 +200,34 @@ def test_the_event_function_never_raises_on_unpaired_events() -> None:
     prof.event(None, "c_return", len)
     prof.event(object(), "call", None)  # a frame without f_code: swallowed, not raised
     assert prof.totals == {}
+
+
+def test_profiling_is_a_slow_path_maru_doctor_shows_with_its_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sampled_profile.slow_note() is None  # unset: nothing to report
+    sampled_profile.reset()
+    monkeypatch.setenv(sampled_profile.ENV, "4:drain")
+    note = sampled_profile.slow_note()
+    assert note is not None and "one call in 4 of drain" in note and "Fix: unset MARU_PROFILE" in note
+
+
+def test_the_scheduler_reports_profiling_to_the_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """Through a real server: the scheduler side's client info lists it as slow (``maru doctor``)."""
+    from maru.client import MaruHandler
+    from maru.vllm.config import MaruConnectorConfig
+    from maru.vllm.keys import ChunkKeyer, KeySpace
+    from maru.vllm.scheduler import MaruSchedulerConnector
+    from tests.helpers import ServerProcess
+    from tests.vllm.helpers import BS, C, req, tokens
+    from tests.vllm.test_vllm_scheduler import _scheduler_infos
+
+    monkeypatch.setenv(sampled_profile.ENV, "3")
+    with ServerProcess(tmp_path, pool_size="4M") as srv:  # type: ignore[arg-type]
+        with MaruHandler(srv.url, timeout_s=2) as h:
+            keyer = ChunkKeyer(KeySpace("model-profiled", "", "float32", 2, 2, 32, C))
+            conf = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=C)
+            s = MaruSchedulerConnector(conf, keyer, BS, client_factory=lambda: h)
+            assert s.get_num_new_matched_tokens(req("r", tokens(300)), 0) == (0, False)
+            (info,) = _scheduler_infos(srv.url)
+    assert any(n.startswith("MARU_PROFILE profiles one call in 3 of every hook") for n in info["slow"])
