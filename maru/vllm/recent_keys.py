@@ -51,7 +51,7 @@ class RecentKeys:
         return len(self._keys)
 
 
-BLOCK_CAPACITY = 65536  # vLLM block hashes (~6 MB; 1M tokens at 16 a block, about an H200's KV cache)
+BLOCK_CAPACITY = 65536  # vLLM block hashes noted (~6 MB; at a chunk's or a turn's end: far past a KV cache)
 
 
 class RecentBlocks:
@@ -67,13 +67,22 @@ class RecentBlocks:
     (a block's hash stands for every token before it), so the hash of a new request's block ``i``
     seen in a finished request means that request had the same first ``i + 1`` blocks.
 
+    Only every ``stride``-th block's hash (a chunk's last: ``stride`` blocks a chunk) and the
+    request's last computed block's are noted: by the chain, the last stands for the whole turn
+    (what a next turn needs), the others for its chunks (a prefix shared with other
+    conversations, guessed as ``RecentKeys`` would); noting all 160 of a 2.5k-token turn cost a
+    finished request ~30 us of vLLM's scheduling thread on the CI machine.
+
     Invariant: a guess only, like ``RecentKeys`` (the offer probes again when vLLM's real hit is
     shorter). Block hashes that do not line up with the request's tokens (another hash block size)
     give no guess.
     """
 
-    def __init__(self, block_size: int, capacity: int = BLOCK_CAPACITY) -> None:
+    def __init__(self, block_size: int, stride: int = 1, capacity: int = BLOCK_CAPACITY) -> None:
+        if stride < 1:
+            raise ValueError(f"stride of {stride} blocks: must be >= 1")
         self.block_size = block_size
+        self.stride = stride
         self.capacity = capacity
         self._hashes: OrderedDict[Any, None] = OrderedDict()
 
@@ -83,10 +92,16 @@ class RecentBlocks:
         hashes = _lined_up(request, self.block_size)
         if not hashes:
             return
+        n = len(hashes)
         computed = getattr(request, "num_computed_tokens", None)
         if isinstance(computed, int):
-            hashes = hashes[: max(0, computed) // self.block_size]
-        _note_recent(self._hashes, hashes, self.capacity)
+            n = min(n, max(0, computed) // self.block_size)
+        if n == 0:
+            return
+        noted = list(hashes[self.stride - 1 : n : self.stride])
+        if n % self.stride:
+            noted.append(hashes[n - 1])
+        _note_recent(self._hashes, noted, self.capacity)
 
     def leading_tokens(self, request: Any) -> int:
         """Tokens of ``request`` a finished request had as its prefix, in whole blocks (0: none)."""

@@ -78,7 +78,8 @@ class MaruSchedulerConnector(LoadPlanning):
         self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
         self._key_cache = ChunkKeyCache(keyer, block_size)  # keys by vLLM's block hashes
         self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
-        self.recent_blocks = RecentBlocks(block_size)  # ... to the block, from finished requests
+        # ... to the block, from finished requests (a chunk's last blocks and each turn's last)
+        self.recent_blocks = RecentBlocks(block_size, stride=max(1, self.chunk // block_size))
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server

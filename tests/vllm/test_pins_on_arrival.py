@@ -376,7 +376,7 @@ def test_a_next_turn_is_probed_from_the_last_full_block_of_the_turn_that_finishe
         w.wait_for_save(meta)
         w.flush_stores()
         s.request_finished(r, [])
-        assert len(s.recent_blocks) == 9
+        assert len(s.recent_blocks) == 5  # the last block of each of its 4 chunks, and of the turn
         q = p + tokens(40, seed=84)  # the next turn: 340 tokens, 5 chunks, 10 full blocks
         r2 = _hashed("q", q)
         probes_before = s.stats.requests_probed

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 from types import SimpleNamespace
 
+import pytest
+
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 
 BS = 16
@@ -64,6 +66,20 @@ def test_only_the_blocks_a_request_computed_are_noted() -> None:
     done.num_computed_tokens = 6 * BS - 1  # finished: all but the last sampled token computed
     rb.note(done)
     assert rb.leading_tokens(request(toks + [1] * BS)) == 5 * BS
+
+
+def test_with_a_stride_a_turns_end_and_its_chunks_ends_are_noted_and_guessed() -> None:
+    """``stride`` blocks a chunk: only each chunk's last block's hash and the turn's last are kept;
+    a next turn is still guessed to the block, another conversation sharing a prefix to the chunk."""
+    rb = RecentBlocks(BS, stride=4)
+    turn1 = list(range(2000, 2000 + 10 * BS + 3))  # 10 full blocks: chunks end at blocks 4 and 8
+    rb.note(request(turn1))
+    assert len(rb) == 3  # blocks 4, 8 and 10 (the turn's last)
+    assert rb.leading_tokens(request(turn1 + [5] * (2 * BS))) == 10 * BS  # the next turn: to the block
+    other_user = turn1[: 6 * BS] + [9] * (3 * BS)  # shares 6 blocks: guessed to the chunk before
+    assert rb.leading_tokens(request(other_user)) == 4 * BS
+    with pytest.raises(ValueError, match="stride"):
+        RecentBlocks(BS, stride=0)
 
 
 def test_the_least_recently_finished_go_first_past_the_capacity() -> None:
