@@ -110,7 +110,7 @@ class StoreSegments:
         zeroed with a raw memset, both in device buffers kept per stream. The write-behind drain
         thread queues it: each torch op there (a pinned allocation, an upload, a fill; six a store
         before) let go of the GIL and took it back beside vLLM's loop, ~0.2-2 ms a store batch of
-        its wall time in an H200 engine (the fortieth pass's profile, bench/RESULTS.md)."""
+        its wall time in an H200 engine (the forty-first pass's profile, bench/RESULTS.md)."""
         from maru.kv_ops import segment_kernels as sk
 
         stream = current_stream_handle(self.device)
