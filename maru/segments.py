@@ -49,10 +49,7 @@ class SegmentSums:
     raws: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if type(self.tokens) is not int or not 1 <= self.tokens <= MAX_SEGMENT_TOKENS:
-            raise ValueError(
-                f"segment tokens {self.tokens!r:.40} must be an int in [1, {MAX_SEGMENT_TOKENS}]"
-            )
+        _check_tokens(self.tokens)
         if not 1 <= len(self.raws) <= MAX_SEGMENTS:
             raise ValueError(f"an object has 1 to {MAX_SEGMENTS} segment sums, got {len(self.raws)}")
         if any(type(r) is not int or not 0 <= r <= MASK64 for r in self.raws):
@@ -94,14 +91,18 @@ class SegmentSums:
             raise ValueError("segment sums' bytes must be a non-empty multiple of 8 (little-endian uint64)")
         if len(blob) // 8 > MAX_SEGMENTS:
             raise ValueError(f"an object has at most {MAX_SEGMENTS} segment sums, got {len(blob) // 8}")
-        if type(tokens) is not int or not 1 <= tokens <= MAX_SEGMENT_TOKENS:
-            raise ValueError(f"segment tokens {tokens!r:.40} must be an int in [1, {MAX_SEGMENT_TOKENS}]")
+        _check_tokens(tokens)
         # Made without ``__post_init__``'s check of each sum: unsigned 64-bit ints by construction
         # (read as "<u8"). That check was most of a pin reply's handle on vLLM's scheduling thread.
         out = object.__new__(cls)
         object.__setattr__(out, "tokens", tokens)
         object.__setattr__(out, "raws", tuple(np.frombuffer(blob, dtype="<u8").tolist()))
         return out
+
+
+def _check_tokens(tokens: Any) -> None:
+    if type(tokens) is not int or not 1 <= tokens <= MAX_SEGMENT_TOKENS:
+        raise ValueError(f"segment tokens {tokens!r:.40} must be an int in [1, {MAX_SEGMENT_TOKENS}]")
 
 
 def segment_tokens(block_size: int, chunk_tokens: int) -> int:

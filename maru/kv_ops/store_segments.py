@@ -97,14 +97,17 @@ class StoreSegments:
             return None
         lengths = [o.shape[2] for o in objs]
         if self._scratch is not None and self._sync.raw and host.size:
-            acc, most = self._queue_segments_raw(lengths, host, seg)
-            sums = self._sums_to_host(acc, current_stream_handle(self.device))
+            stream = current_stream_handle(self.device)
+            acc, most = self._queue_segments_raw(lengths, host, seg, stream)
+            sums = self._sums_to_host(acc, stream)
         else:
             acc, most = sk.queue_cache_segments(self.caches, self.layout, lengths, host, seg, self.device)
             sums = ck.to_host(acc, self._host_sums)
         return seg, most, lengths, sums, self._host_sums
 
-    def _queue_segments_raw(self, lengths: list[int], host: np.ndarray, seg: int) -> tuple[torch.Tensor, int]:
+    def _queue_segments_raw(
+        self, lengths: list[int], host: np.ndarray, seg: int, stream: int
+    ) -> tuple[torch.Tensor, int]:
         """``queue_cache_segments`` without a torch op but the launch: the table written into a
         pinned scratch buffer (``HostScratch``) and sent with one raw copy, the accumulators
         zeroed with a raw memset, both in device buffers kept per stream. The write-behind drain
@@ -113,8 +116,7 @@ class StoreSegments:
         its wall time in an H200 engine (the forty-first pass's profile, bench/RESULTS.md)."""
         from maru.kv_ops import segment_kernels as sk
 
-        stream = current_stream_handle(self.device)
-        total = int(host.size)
+        total = int(host.size)  # queued on raw ``stream``, the caller's current one
         ticket, buf = self._scratch.take(sk.SEG_ROWS * total)
         try:
             _, most = sk.segments_table(lengths, host, seg, out=buf.numpy())

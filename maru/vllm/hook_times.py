@@ -79,19 +79,7 @@ def timed(method: F) -> F:
     """Count the wrapped method's wall and thread CPU time into ``self.hook_times`` under its name;
     with ``MARU_PROFILE`` a sample of its calls is profiled too (``maru.vllm.sampled_profile``)."""
     name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            prof = profile_for(name)
-            if prof is not None:
-                return prof.run(method, self, *args, **kwargs)
-            return method(self, *args, **kwargs)
-        finally:
-            self.hook_times.add(name, time.perf_counter() - t0, time.thread_time() - c0)
-
-    return wrapper  # type: ignore[return-value]
+    return _timed_as(lambda _self: name, profiled_as=name)(method)
 
 
 def timed_wall(method: F) -> F:
@@ -123,14 +111,18 @@ def timed_step(part: str, hook: str) -> Callable[[F], F]:
     return _timed_as(lambda self: f"{getattr(self, 'running_hook', None) or hook}/{part}")
 
 
-def _timed_as(name_of: Callable[[Any], str]) -> Callable[[F], F]:
-    """Wall and thread CPU time of the wrapped method into ``self.hook_times`` under ``name_of(self)``."""
+def _timed_as(name_of: Callable[[Any], str], profiled_as: str | None = None) -> Callable[[F], F]:
+    """Wall and thread CPU time of the wrapped method into ``self.hook_times`` under ``name_of(self)``;
+    ``profiled_as``: the ``MARU_PROFILE`` site whose sample of calls is profiled (hooks, not parts)."""
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
+                prof = profile_for(profiled_as) if profiled_as is not None else None
+                if prof is not None:
+                    return prof.run(method, self, *args, **kwargs)
                 return method(self, *args, **kwargs)
             finally:
                 self.hook_times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)

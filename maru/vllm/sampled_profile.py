@@ -50,7 +50,7 @@ _active = threading.local()  # .on: this thread runs a profiled call now
 
 
 class _ThreadProfiler:
-    """Own and cumulative CPU time and calls per function, for calls made on one thread while
+    """Own and cumulative wall time and calls per function, for calls made on one thread while
     ``sys.setprofile(self.event)`` is set there. ``event`` never raises."""
 
     def __init__(self) -> None:
@@ -175,6 +175,9 @@ class Profiles:
         sites = frozenset(s.strip() for s in names.split(",") if s.strip()) or None
         return cls(every, sites)
 
+    def described(self) -> str:
+        return ", ".join(sorted(self.sites)) if self.sites else "every hook and the drain thread"
+
     def for_site(self, site: str) -> SampledProfile | None:
         if self.sites is not None and site not in self.sites:
             return None
@@ -202,9 +205,8 @@ def slow_note() -> str | None:
     profiles = _current()
     if profiles is None:
         return None
-    sites = ", ".join(sorted(profiles.sites)) if profiles.sites else "every hook and the drain thread"
     return (
-        f"{ENV} profiles one call in {profiles.every} of {sites} in this engine: a profiled call runs "
+        f"{ENV} profiles one call in {profiles.every} of {profiles.described()} in this engine: a profiled call runs "
         f"several times slower (a diagnosis). Fix: unset {ENV} when the diagnosis is done"
     )
 
@@ -225,7 +227,7 @@ def _current() -> Profiles | None:
                 "Maru: %s: one call in %d of %s is profiled (a diagnosis: profiled calls run slower)",
                 ENV,
                 _profiles.every,
-                ", ".join(sorted(_profiles.sites)) if _profiles.sites else "every hook and the drain thread",
+                _profiles.described(),
             )
     return _profiles
 
