@@ -76,20 +76,27 @@ class StepClock:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._torch: Any = None
+        self._device: int | None = None
         self._pending: collections.deque[tuple[str, int, Any, Any]] = collections.deque()
         self._start: Any = None
         self._last_end: Any = None
         self.kinds: dict[str, _KindTimes] = {}
         self.dropped = 0
 
-    def use_cuda(self, torch_mod: Any) -> None:
-        """Record on CUDA (the caches are on a CUDA device); without it, nothing is recorded."""
+    def use_cuda(self, torch_mod: Any, device_index: int | None = None) -> None:
+        """Record on CUDA (the caches are on CUDA device ``device_index``, the forward's); without
+        it, nothing is recorded."""
         if self.enabled:
             self._torch = torch_mod
+            self._device = device_index
 
     def _event(self) -> Any:
         ev = self._torch.cuda.Event(enable_timing=True)
-        ev.record()
+        # The current stream of the caches' device, named: ``record()`` alone looks the current
+        # device up through torch's Python (availability checks, an environment read): most of
+        # the step clock's time on the forward thread in the forty-first pass's profile (126 of
+        # 154 us a profiled event, bench/RESULTS.md), paid by every instance timed that way.
+        ev.record(self._torch.cuda.current_stream(self._device))
         return ev
 
     def _off(self, e: Exception) -> None:

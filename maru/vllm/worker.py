@@ -133,7 +133,7 @@ class MaruWorkerConnector:
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         if self.caches and self.caches[0].is_cuda:
-            self.step_clock.use_cuda(torch)
+            self.step_clock.use_cuda(torch, self.caches[0].device.index)
         self._layer_index = {n: i for i, n in enumerate(names)}
         backend = None
         if self._backend_name_of is not None:

@@ -21,6 +21,7 @@ class FakeDevice:
     def __init__(self) -> None:
         self.t = 0.0  # device time at which the next event is recorded, ms
         self.now = 0.0
+        self.index = 3  # the caches' device (use_cuda's device_index; not the default 0)
 
     def torch(self) -> SimpleNamespace:
         dev = self
@@ -30,7 +31,8 @@ class FakeDevice:
                 assert enable_timing
                 self.at: float | None = None
 
-            def record(self) -> None:
+            def record(self, stream: Any = None) -> None:
+                assert stream == ("stream of", dev.index)  # the caches' device's current stream
                 self.at = dev.t
 
             def query(self) -> bool:
@@ -41,14 +43,14 @@ class FakeDevice:
                 assert self.query() and other.query(), "elapsed_time on an event not reached"
                 return other.at - self.at  # type: ignore[operator]
 
-        return SimpleNamespace(cuda=SimpleNamespace(Event=Event))
+        return SimpleNamespace(cuda=SimpleNamespace(Event=Event, current_stream=lambda i: ("stream of", i)))
 
 
 def test_forward_and_gap_per_kind_match_the_device_times() -> None:
     rng = random.Random(7)
     dev = FakeDevice()
     clock = StepClock(enabled=True)
-    clock.use_cuda(dev.torch())
+    clock.use_cuda(dev.torch(), dev.index)
     fwds: dict[str, float] = {PLAIN: 0.0, LAYERED: 0.0}
     gaps: dict[str, list[float]] = {PLAIN: [], LAYERED: []}
     steps: dict[str, int] = {PLAIN: 0, LAYERED: 0}
@@ -87,7 +89,7 @@ def test_forward_and_gap_per_kind_match_the_device_times() -> None:
 def test_collect_never_reads_an_event_the_device_has_not_reached() -> None:
     dev = FakeDevice()
     clock = StepClock(enabled=True)
-    clock.use_cuda(dev.torch())
+    clock.use_cuda(dev.torch(), dev.index)
     for _ in range(3):
         clock.started()
         dev.t += 2.0
@@ -103,7 +105,7 @@ def test_collect_never_reads_an_event_the_device_has_not_reached() -> None:
 def test_a_stalled_device_drops_the_oldest_steps_and_says_so() -> None:
     dev = FakeDevice()
     clock = StepClock(enabled=True)
-    clock.use_cuda(dev.torch())
+    clock.use_cuda(dev.torch(), dev.index)
     for _ in range(MAX_PENDING + 5):
         clock.started()
         dev.t += 1.0
@@ -118,7 +120,7 @@ def test_a_stalled_device_drops_the_oldest_steps_and_says_so() -> None:
 def test_off_or_without_cuda_it_records_nothing() -> None:
     dev = FakeDevice()
     off = StepClock(enabled=False)
-    off.use_cuda(dev.torch())
+    off.use_cuda(dev.torch(), dev.index)
     no_cuda = StepClock(enabled=True)
     for clock in (off, no_cuda):
         clock.started()
@@ -153,7 +155,7 @@ def test_a_failing_event_stops_the_timing_and_never_raises(caplog: Any) -> None:
 def test_prefill_steps_are_counted_apart_with_their_tokens() -> None:
     dev = FakeDevice()
     clock = StepClock(enabled=True)
-    clock.use_cuda(dev.torch())
+    clock.use_cuda(dev.torch(), dev.index)
     for fwd, tokens, prefill in ((20.0, 8192, True), (3.0, 16, False), (10.0, 4000, True), (3.5, 16, False)):
         clock.started()
         dev.t += fwd
