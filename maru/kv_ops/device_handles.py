@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from maru.kv_ops.cuda_sync import current_raw_stream
+
 _SUMS_LOCK = threading.Lock()
 
 
@@ -116,8 +118,12 @@ class Transfer:
 
     def wait_on(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current stream) wait for this transfer; the host does not block."""
-        if self._event is not None:
-            self._sync.wait(stream or torch.cuda.current_stream(), self._event)
+        if self._event is None:
+            return
+        if stream is None and getattr(self._sync, "raw", False):
+            self._sync.wait_on(current_raw_stream(), self._event)
+            return
+        self._sync.wait(stream or torch.cuda.current_stream(), self._event)
 
 
 class LayerLoad(Transfer):
@@ -144,9 +150,15 @@ class LayerLoad(Transfer):
         self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
 
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
-        """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block."""
-        if self._layer_events is not None:
-            self._sync.wait(stream or torch.cuda.current_stream(), self._layer_events[layer])
+        """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block.
+        Called once a layer from inside the forward: the raw calls take the current stream's handle
+        without building a torch Stream."""
+        if self._layer_events is None:
+            return
+        if stream is None and getattr(self._sync, "raw", False):
+            self._sync.wait_on(current_raw_stream(), self._layer_events[layer])
+            return
+        self._sync.wait(stream or torch.cuda.current_stream(), self._layer_events[layer])
 
     def layer_done(self, layer: int) -> bool:
         return self._layer_events is None or self._sync.query(self._layer_events[layer])

@@ -60,3 +60,41 @@ def test_a_failed_event_creation_raises_with_the_cuda_error() -> None:
     lib.cudaEventCreateWithFlags = lambda handle, flags: 2  # cudaErrorMemoryAllocation
     with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags failed: cudaError 2"):
         RawSync(lib).event(blocking=True)  # type: ignore[arg-type]
+
+
+class _RecordingSync:
+    """A sync with raw calls that records what each wait was queued on."""
+
+    raw = True
+
+    def __init__(self) -> None:
+        self.raw_waits: list[tuple[int, int]] = []
+        self.torch_waits: list[tuple[Any, int]] = []
+
+    def wait_on(self, stream: int, event: int) -> None:
+        self.raw_waits.append((stream, event))
+
+    def wait(self, stream: Any, event: int) -> None:
+        self.torch_waits.append((stream, event))
+
+
+def test_a_layer_wait_on_the_current_stream_takes_its_raw_handle_not_a_torch_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``wait_for_layer`` runs once a layer inside the forward: with raw calls the current stream's
+    handle comes from ``current_raw_stream`` (no torch Stream built); a stream given is used as is."""
+    from maru.kv_ops import device_handles
+
+    monkeypatch.setattr(device_handles, "current_raw_stream", lambda: 0xBEEF)
+    sync = _RecordingSync()
+    load = device_handles.LayerLoad(1 << 20, [101, 102, 103], sync, keepalive=None)
+    load.wait_for_layer(1)
+    load.wait_on()
+    assert sync.raw_waits == [(0xBEEF, 102), (0xBEEF, 103)]  # layer 1's event; the done event (last)
+    given = object()
+    load.wait_for_layer(2, stream=given)
+    assert sync.torch_waits == [(given, 103)]
+    cpu = device_handles.LayerLoad(1 << 20, None, None, None)  # a CPU load: nothing to wait for
+    cpu.wait_for_layer(0)
+    cpu.wait_on()
+    assert len(sync.raw_waits) == 2
