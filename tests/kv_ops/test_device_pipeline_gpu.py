@@ -397,7 +397,12 @@ def test_direct_layer_path_refuses_pageable_objects_and_auto_falls_back(pool: Re
     assert torch.equal(_reference_gather(src, slots).view(torch.int16), want.view(torch.int16))
 
 
-def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool: RegisteredPool) -> None:
+@pytest.mark.parametrize("named", [True, False], ids=["stream_given", "current_stream"])
+def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(
+    pool: RegisteredPool, named: bool
+) -> None:
+    """Given the reader stream, or (as vLLM's forward calls it) with none, inside the reader's stream
+    context: the raw calls then take the current stream's handle themselves (``current_raw_stream``)."""
     src = make_caches("flashinfer_HND", 7)
     engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     slots = _slots(src, 4 * CHUNK, 8)
@@ -408,8 +413,9 @@ def test_wait_for_layer_orders_a_reader_stream_after_that_layers_placement(pool:
     reader = torch.cuda.Stream()
     seen = []
     for i in (0, 13, 31):
-        handle.wait_for_layer(i, reader)
         with torch.cuda.stream(reader):
+            handle.wait_for_layer(i, reader if named else None)
+            torch.cuda._sleep(2_000_000)  # the reader would read too early if the wait were elsewhere
             seen.append(
                 kv_ops.gather_layer(fresh.layers[i], fresh.layout(), slots.cuda(), backend="reference")
             )
