@@ -52,32 +52,33 @@ class ChunkLoads:
     _handle: Callable[..., Transfer]
 
     def _issue_load(
-        self, objs: list[torch.Tensor], slot_mapping: Any, skip_tokens: int, nbytes: int, checksums: bool
+        self,
+        objs: list[torch.Tensor],
+        slot_mapping: torch.Tensor | Callable[[], torch.Tensor],
+        skip_tokens: int,
+        nbytes: int,
+        checksums: bool,
     ) -> Transfer:
-        """Copies run up to R chunks ahead of placements; the first copies are queued before anything else.
+        """Copies run up to R chunks ahead of placements; the first copy is queued before anything else.
 
         Consecutive objects over the same host page (one prefix chunk wanted by several requests of
         a step, e.g. a shared system prompt) share one copy: the staged chunk is placed once per
         object, and its slot is freed after the last of them. Each object keeps its own checksum.
+
+        The first chunk's copy is queued before the slot mapping's host work (made by the caller's
+        function, checked, uploaded): a one-chunk load is then on the bus from its first
+        microseconds. The mapping's upload may queue behind that copy on the copy engine, and the
+        first placement waits for that copy anyway; the later copies follow the upload.
 
         With the raw CUDA calls and a host slot mapping, the mapping goes up from a pinned scratch
         buffer in one raw copy and into each graph's static slot buffer with one raw copy a chunk
         (no torch op, no pinning per call); the checksum sums are zeroed and copied back raw.
         """
         t0 = time.perf_counter()
-        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
+        if not callable(slot_mapping):
+            slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
         place_h = self._place_h
-        # The slot mapping goes up first (a few KB, queued ahead of the chunk copies: behind them
-        # on the copy engine it would hold the first placements back until the first R copies ran).
-        pinned = self._pinned_slots(slot_mapping, skip_tokens)
-        slots = None
-        if pinned is not None:
-            try:
-                slots = self._device_words("_slots_dev", pinned[1].numel())
-                sync.copy(slots.data_ptr(), pinned[1].data_ptr(), 8 * pinned[1].numel(), place_h)
-            finally:
-                self._scratch.uploaded(pinned[0], place_h)
         self._start()
         n = len(objs)
         # lead[j]: the first object of copy j; later objects up to lead[j + 1] are the same page.
@@ -96,7 +97,20 @@ class ChunkLoads:
             staged.append((slot, stage, graphed))
 
         copies, ahead = len(lead), min(self.ring_slots, len(lead))
-        for j in range(ahead):
+        issue_copy(0)
+        if callable(slot_mapping):  # raising here, the caller settles the queued copy (paths.py)
+            slot_mapping = self._check_slots(slot_mapping(), objs, skip_tokens)
+        # The mapping goes up before the other copies (a few KB: behind them on the copy engine it
+        # would hold the first placements back until R copies ran).
+        pinned = self._pinned_slots(slot_mapping, skip_tokens)
+        slots = None
+        if pinned is not None:
+            try:
+                slots = self._device_words("_slots_dev", pinned[1].numel())
+                sync.copy(slots.data_ptr(), pinned[1].data_ptr(), 8 * pinned[1].numel(), place_h)
+            finally:
+                self._scratch.uploaded(pinned[0], place_h)
+        for j in range(1, ahead):
             issue_copy(j)
         if slots is None:  # validated and moved while the bus is busy
             slots = self._slots(slot_mapping, objs, skip_tokens)

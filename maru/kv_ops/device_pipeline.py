@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -234,7 +234,7 @@ class DevicePipeline(
     def load(
         self,
         objects: Sequence[torch.Tensor] | torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor | Callable[[], torch.Tensor],
         *,
         skip_tokens: int = 0,
         pipelined: bool = True,
@@ -242,6 +242,8 @@ class DevicePipeline(
     ) -> Transfer:
         """Scatter chunk objects (host) into the caches at ``slot_mapping`` (their tokens, in order).
 
+        ``slot_mapping`` may be a function returning it: the pipelined path calls it once its first
+        chunk copy is queued (the mapping's host work then runs while that copy is on the bus).
         ``skip_tokens=n`` leaves the first n tokens of the call unwritten (blocks shared with the
         engine's own prefix cache). Returns at once on a GPU; ``wait()``/``wait_on()`` the handle.
         ``checksums``: see the class docstring (skipped tokens are part of their object).
@@ -252,6 +254,8 @@ class DevicePipeline(
             if self.on_gpu and pipelined:
                 self._check_pinned(objs)
                 return self._issue_load(objs, slot_mapping, skip_tokens, nbytes, checksums)
+            if callable(slot_mapping):
+                slot_mapping = slot_mapping()
             slots = self._slots(slot_mapping, objs, skip_tokens)
             if not self.on_gpu:
                 for obj, s in self._per_chunk(objs, slots):

@@ -37,6 +37,7 @@ from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import (
     LoadReport,
     RequestTransfer,
+    blocks_needed,
     chunk_slots,
     unique_keys,
 )
@@ -243,14 +244,22 @@ class KVTransferEngine(StoreSide):
             handles[index[k]] = Retrieved(k, h.offset, view, False, None, h.checksum, segments=h.segments)
         return [k for k in keys if k not in held]
 
+    def _objects(
+        self, req: RequestTransfer, handles: list[Any], index: dict[str, int]
+    ) -> tuple[list[Any], list[torch.Tensor]]:
+        """(lookup handle, object over its pinned page) of each of ``req``'s chunks."""
+        hs = [handles[index[c.key]] for c in req.chunks]
+        return hs, self.geometry.over_many(
+            (h.view, c.num_tokens) for h, c in zip(hs, req.chunks, strict=True)
+        )
+
     def _parts(
         self, req: RequestTransfer, handles: list[Any], index: dict[str, int]
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk."""
         out = []
         flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
-        hs = [handles[index[c.key]] for c in req.chunks]
-        objs = self.geometry.over_many((h.view, c.num_tokens) for h, c in zip(hs, req.chunks, strict=True))
+        hs, objs = self._objects(req, handles, index)
         o = 0
         for c, h, obj in zip(req.chunks, hs, objs, strict=True):
             out.append((obj, flat[o : o + c.num_tokens], int(h.size), h))
@@ -260,16 +269,18 @@ class KVTransferEngine(StoreSide):
     def _add_request(
         self, req: RequestTransfer, handles: list[Any], index: dict[str, int], batch: IssuedScatter
     ) -> str | None:
-        """Add ``req``'s placed chunks to ``batch``; None, or why the request cannot be placed."""
+        """Add ``req``'s placed chunks to ``batch`` (their slots deferred: ``DeferredSlots``); None,
+        or why the request cannot be placed."""
         try:
-            parts = self._parts(req, handles, index)
+            hs, objs = self._objects(req, handles, index)
         except Exception as e:
             return f"preparing the chunks failed: {type(e).__name__}: {e}"
-        batch.add(
-            req,
-            [(o, s, h) for c, (o, s, _, h) in zip(req.chunks, parts, strict=True) if c.places()],
-            sum(p[2] for p in parts),
-        )
+        placed, row = [], 0
+        for c, h, obj in zip(req.chunks, hs, objs, strict=True):
+            if c.places():
+                placed.append((obj, row, c.num_tokens, h))
+            row += c.num_tokens
+        batch.add(req, self.block_size, placed, sum(int(h.size) for h in hs))
         return None
 
     def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:
@@ -286,6 +297,9 @@ class KVTransferEngine(StoreSide):
                 return (
                     f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
                 )
+        need = blocks_needed(self.block_size, req.chunks)  # the slots, made later, must not fail
+        if need > len(req.block_ids):
+            return f"its placed tokens need {need} blocks of {self.block_size}, the request has {len(req.block_ids)}"
         return None
 
     def report_corrupt(self, corrupt: list[Any], verified: int) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from maru.transfer.handles import LayerHandle
 from maru.transfer.records import LoadReport, RequestTransfer
+from maru.transfer.slot_plan import DeferredSlots
 
 if TYPE_CHECKING:
     from maru.transfer.engine import KVTransferEngine
@@ -62,25 +63,33 @@ class IssuedScatter:
 
     ``requests``: (request, chunks, bytes) of each request whose chunks went into the scatter;
     ``owner[i]``: the position in ``requests`` of the request scatter item i belongs to, so a
-    chunk that fails alone fails only its request. ``objs``/``slots`` are gathered before issue,
-    ``transfer`` is the path's handle once issued (None: nothing to place).
+    chunk that fails alone fails only its request. ``objs``/``slots`` are gathered before issue
+    (the slots deferred: the path makes them once its first copy is queued), ``transfer`` is the
+    path's handle once issued (None: nothing to place).
     """
 
     requests: list[tuple[RequestTransfer, int, int]] = field(default_factory=list)
     owner: list[int] = field(default_factory=list)
     objs: list[torch.Tensor] = field(default_factory=list)
-    slots: list[torch.Tensor] = field(default_factory=list)
+    slots: DeferredSlots = field(default_factory=DeferredSlots)
     placed: list[Any] = field(default_factory=list)  # item i's lookup handle (its committed checksum)
     transfer: Any = None
 
     def add(
-        self, req: RequestTransfer, placed: list[tuple[torch.Tensor, torch.Tensor, Any]], nbytes: int
+        self,
+        req: RequestTransfer,
+        block_size: int,
+        placed: list[tuple[torch.Tensor, int, int, Any]],
+        nbytes: int,
     ) -> None:
+        """``req`` with its placed chunks: (object, the chunk's first row in the request's mapping,
+        its tokens, lookup handle) each."""
         k = len(self.requests)
         self.requests.append((req, len(req.chunks), nbytes))
-        for o, s, h in placed:
+        r = self.slots.add_request(req, block_size)
+        for o, row, tokens, h in placed:
             self.objs.append(o)
-            self.slots.append(s)
+            self.slots.add_item(r, row, tokens)
             self.placed.append(h)
             self.owner.append(k)
 
@@ -96,7 +105,7 @@ class IssuedScatter:
         if repeats:
             order = sorted(range(len(self.placed)), key=lambda i: (first[id(self.placed[i])], i))
             self.objs = [self.objs[i] for i in order]
-            self.slots = [self.slots[i] for i in order]
+            self.slots.reorder(order)
             self.placed = [self.placed[i] for i in order]
             self.owner = [self.owner[i] for i in order]
         return repeats

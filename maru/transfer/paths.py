@@ -42,6 +42,7 @@ from maru.transfer.handles import (
     ThreadedLayerHandle,
     TransferHandle,
 )
+from maru.transfer.slot_plan import DeferredSlots, joined_slots, listed
 
 logger = logging.getLogger("maru.transfer")
 
@@ -103,12 +104,12 @@ class DataPath(ABC):
     def scatter(
         self,
         objs: list[torch.Tensor],
-        slots: list[torch.Tensor],
+        slots: list[torch.Tensor] | DeferredSlots,
         expected: list[int] | None = None,
         segments: list[Any] | None = None,
     ) -> TransferHandle:
         """Place each object's tokens at its slots (-1: skipped). Raises if it could not be issued.
-        ``expected``: committed checksums, checked against the placed bytes (``mismatched()``);
+        ``slots``: per object, or ``DeferredSlots`` (made when the path needs them). ``expected``: committed checksums, checked against the placed bytes (``mismatched()``);
         ``segments``: their committed segment sums (or None each), which let a path that can read
         only the segments it places."""
 
@@ -182,14 +183,14 @@ class _HostPlacement(DataPath):
     def scatter(
         self,
         objs: list[torch.Tensor],
-        slots: list[torch.Tensor],
+        slots: list[torch.Tensor] | DeferredSlots,
         expected: list[int] | None = None,
         segments: list[Any] | None = None,
     ) -> TransferHandle:
         failed: dict[int, str] = {}
         bad: list[int] = []
         unread = 0
-        for i, (obj, s) in enumerate(zip(objs, slots, strict=True)):
+        for i, (obj, s) in enumerate(zip(objs, listed(slots), strict=True)):
             try:
                 placed = self._to_device(obj)
                 kv_ops.scatter(placed, self.caches, self.layout, self._to_device(s), backend=self.backend)
@@ -367,18 +368,20 @@ class PipelinedPath(DataPath):
 
     def _store(self, objs: list[torch.Tensor], slots: list[torch.Tensor], paced: bool) -> Any:
         seg = self.segment_tokens
-        return self.pipeline.store(objs, _joined(slots), checksums=True, paced=paced, segment_tokens=seg)
+        return self.pipeline.store(objs, joined_slots(slots), checksums=True, paced=paced, segment_tokens=seg)
 
     def scatter(
         self,
         objs: list[torch.Tensor],
-        slots: list[torch.Tensor],
+        slots: list[torch.Tensor] | DeferredSlots,
         expected: list[int] | None = None,
         segments: list[Any] | None = None,
     ) -> TransferHandle:
         # A whole-chunk load copies each object whole (the copy engine): its checksum reads it all.
         try:
-            load = self.pipeline.load(objs, _joined(slots), checksums=expected is not None)
+            # Deferred slots are made after the first chunk copy is queued (``DevicePipeline.load``).
+            mapping = slots.joined if isinstance(slots, DeferredSlots) else joined_slots(slots)
+            load = self.pipeline.load(objs, mapping, checksums=expected is not None)
             return DeviceHandle(load, expected)
         except Exception:
             self.settle()  # a failure at issue may leave copies queued
@@ -396,7 +399,7 @@ class PipelinedPath(DataPath):
         try:
             load = self.pipeline.load_layers(
                 [o for o, _ in flat],
-                _joined([s for _, s in flat]),
+                joined_slots([s for _, s in flat]),
                 checksums=expected is not None,
                 segments=segs,
             )
@@ -579,12 +582,6 @@ def _buckets_up_to(tokens: int) -> list[int]:
         out.append(tb)
         tb *= 2
     return out
-
-
-def _joined(slots: list[torch.Tensor]) -> torch.Tensor:
-    """The chunks' slot mappings as one (no ``torch.cat`` for a single chunk: ~20 us on the
-    H200 host, on every load's issue path)."""
-    return slots[0] if len(slots) == 1 else torch.cat(slots)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,17 @@ def slot_mapping(
     return torch.from_numpy(slots)
 
 
+def blocks_needed(block_size: int, chunks: Sequence[ChunkRef], *, whole: bool = False) -> int:
+    """The blocks a request needs for the placed tokens of ``chunks`` (``whole``: all of them):
+    ``chunk_slots`` raises where the request has fewer."""
+    last = 0
+    for c in chunks:
+        pb, pe = (0, c.num_tokens) if whole else c.placed()
+        if pe > pb:
+            last = max(last, c.start + pe)
+    return -(-last // block_size)
+
+
 def chunk_slots(
     block_ids: Sequence[int],
     block_size: int,
@@ -208,7 +219,7 @@ def chunk_slots(
         if pe > pb:
             last = max(last, c.start + pe)
         total += c.num_tokens
-    nblocks = (last + block_size - 1) // block_size
+    nblocks = -(-last // block_size)
     if nblocks > len(block_ids):
         raise ValueError(
             f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"

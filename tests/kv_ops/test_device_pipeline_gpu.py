@@ -610,3 +610,51 @@ def test_loads_issued_back_to_back_past_the_scratch_ring_each_land_their_own_slo
         assert all(h.one_launch for h in handles)  # the lean raw issue ran
     if mode == "layers_copied":
         assert all(h.path == "layers-copied" for h in handles)
+
+
+@pytest.mark.parametrize("graphs,raw", [(True, True), (False, True), (True, False)])
+def test_a_mapping_given_as_a_function_is_made_after_the_first_copy_and_places_the_same(
+    pool: RegisteredPool, graphs: bool, raw: bool
+) -> None:
+    """``load(objs, fn)``: the mapping is asked for once, right after the first chunk's copy was
+    queued (the engine's ``DeferredSlots``), more chunks than the ring holds; the placement and every
+    checksum equal the reference. A function that raises fails that load only: the next load of
+    the same pipeline (its ring advanced past the abandoned copy) places correctly."""
+    src = make_caches("flashinfer_HND", 111)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    sizes = [CHUNK, CHUNK, CHUNK, CHUNK, 70]
+    objs = [pool.alloc(engine, t) for t in sizes]
+    slots = _slots(src, sum(sizes), 112, negatives=9)
+    engine.store(objs, slots).wait()
+    want_sums = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+    fresh = make_caches("flashinfer_HND", 113)
+    expected = fresh.clone()
+    kv_ops.scatter(
+        _reference_gather(src, slots), expected.layers, fresh.layout(), slots.cuda(), backend="reference"
+    )
+    loader = pl.DevicePipeline(
+        fresh.layers, fresh.layout(), backend=BACKEND, ring_slots=2, use_graphs=graphs, raw_cuda=raw
+    )
+    copies: list[int] = []
+    real_h2d = loader._h2d
+    loader._h2d = lambda stage, host: (copies.append(1), real_h2d(stage, host))[1]  # type: ignore[method-assign]
+    asked: list[int] = []
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("no mapping")
+
+    with pytest.raises(RuntimeError, match="no mapping"):
+        loader.load(objs[:2], broken, checksums=True)
+    loader.synchronize()  # as the data path settles after a failed issue
+    copies.clear()
+
+    def mapping() -> torch.Tensor:
+        asked.append(len(copies))
+        return slots
+
+    handle = loader.load(objs, mapping, checksums=True)
+    handle.wait()
+    assert asked == [1]  # once, after exactly the first copy
+    assert len(copies) == len(objs)
+    assert torch.equal(fresh.bits(), expected.bits())
+    assert handle.checksums() == want_sums

@@ -1,13 +1,20 @@
-"""``IssuedScatter.group_by_chunk``: the items of one chunk several requests want become adjacent
-(so the GPU path copies it once), every item keeping its own object, slots, handle and owner."""
+"""``IssuedScatter``: the items of one chunk several requests want become adjacent (so the GPU
+path copies it once), every item keeping its own object, slots, handle and owner; the deferred
+slots (``DeferredSlots``) equal the eager per-chunk mappings, in item order, after grouping too."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from maru.transfer.loads import IssuedScatter
+from maru.transfer.records import ChunkRef, RequestTransfer, blocks_needed, chunk_slots, slot_mapping
+from maru.transfer.slot_plan import DeferredSlots, joined_slots, listed
+
+BS = 16  # block size; chunks of 48 tokens (not a multiple of anything else here)
+CHUNK = 48
 
 
 class _Handle:
@@ -15,31 +22,92 @@ class _Handle:
         self.key = key
 
 
+def _request(rng: random.Random, name: str, keys: list[str]) -> RequestTransfer:
+    """A request over ``keys`` in order, random blocks, its first and last chunks partly placed."""
+    n = len(keys)
+    chunks = []
+    for i, key in enumerate(keys):
+        pb = rng.randint(0, CHUNK - 1) if i == 0 else 0
+        pe = rng.randint(pb, CHUNK) if i == n - 1 else -1
+        chunks.append(ChunkRef(key, i * CHUNK, CHUNK, pb, pe))
+    blocks = tuple(rng.sample(range(10_000), -(-n * CHUNK // BS)))
+    return RequestTransfer(name, blocks, tuple(chunks))
+
+
 def test_grouping_makes_repeats_adjacent_and_keeps_each_item_whole() -> None:
     rng = random.Random(5)
     for _ in range(200):
-        handles = [_Handle(f"k{i}") for i in range(rng.randint(1, 6))]
+        handles = {f"k{i}": _Handle(f"k{i}") for i in range(rng.randint(1, 6))}
         batch = IssuedScatter()
-        items = []
+        items = []  # (object id, key, owner, eager slots)
         for owner in range(rng.randint(1, 5)):
-            for h in rng.sample(handles, rng.randint(1, len(handles))):
-                obj, slots = torch.empty(1), torch.tensor([rng.randint(0, 99)])
-                batch.objs.append(obj)
-                batch.slots.append(slots)
-                batch.placed.append(h)
-                batch.owner.append(owner)
-                items.append((id(obj), id(slots), h, owner))
+            keys = rng.sample(sorted(handles), rng.randint(1, len(handles)))
+            req = _request(rng, f"r{owner}", keys)
+            placed, row = [], 0
+            for c in req.chunks:
+                if c.places():
+                    obj = torch.empty(1)
+                    placed.append((obj, row, c.num_tokens, handles[c.key]))
+                    eager = slot_mapping(req.block_ids, BS, c.start, c.num_tokens, c.placed())
+                    items.append((id(obj), c.key, owner, eager))
+                row += c.num_tokens
+            batch.add(req, BS, placed, 0)
         repeats = batch.group_by_chunk()
-        assert repeats == len(items) - len({id(t[2]) for t in items})
-        after = list(zip(map(id, batch.objs), map(id, batch.slots), batch.placed, batch.owner, strict=True))
-        assert sorted(after, key=str) == sorted(items, key=str)  # the same items, none split
+        assert repeats == len(items) - len({t[1] for t in items})
+        got = batch.slots.per_item()
+        assert len(got) == len(batch.objs) == len(batch.placed) == len(batch.owner) == len(items)
+        by_obj = {t[0]: t for t in items}
+        for obj, h, owner, slots in zip(batch.objs, batch.placed, batch.owner, got, strict=True):
+            _, key, want_owner, eager = by_obj[id(obj)]  # each item whole: its key, owner, slots
+            assert (h.key, owner) == (key, want_owner)
+            assert torch.equal(slots, eager)
+        want_joined = [by_obj[id(o)][3] for o in batch.objs]
+        assert torch.equal(batch.slots.joined(), joined_slots(want_joined))
         keys = [h.key for h in batch.placed]
         seen: list[str] = []
         for k in keys:  # each key's items form one run, runs in first-seen order
             if not seen or seen[-1] != k:
                 assert k not in seen
                 seen.append(k)
-        assert seen == list(dict.fromkeys(t[2].key for t in items))
+        assert seen == list(dict.fromkeys(t[1] for t in items))
         for key in seen:  # within a key, the original order (stable)
-            want = [t[3] for t in items if t[2].key == key]
+            want = [t[2] for t in items if t[1] == key]
             assert [o for h, o in zip(batch.placed, batch.owner, strict=True) if h.key == key] == want
+
+
+def test_deferred_slots_are_made_once_per_request_and_lists_pass_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from maru.transfer import slot_plan
+
+    calls: list[str] = []
+
+    def counting(block_ids, block_size, chunks):  # type: ignore[no-untyped-def]
+        calls.append(chunks[0].key)
+        return chunk_slots(block_ids, block_size, chunks)
+
+    monkeypatch.setattr(slot_plan, "chunk_slots", counting)
+    rng = random.Random(9)
+    deferred = DeferredSlots()
+    reqs = [_request(rng, f"r{i}", [f"a{i}", f"b{i}", f"c{i}"]) for i in range(2)]
+    for req in reqs:
+        r = deferred.add_request(req, BS)
+        for i in range(3):
+            deferred.add_item(r, i * CHUNK, CHUNK)
+    assert calls == []  # nothing made before it is asked for
+    first = deferred.per_item()
+    assert deferred.per_item() is first and calls == ["a0", "a1"]
+    assert torch.equal(deferred.joined(), torch.cat([chunk_slots(q.block_ids, BS, q.chunks) for q in reqs]))
+    plain = [torch.arange(3)]
+    assert listed(plain) == plain and listed(deferred) is first
+
+
+def test_blocks_needed_is_where_chunk_slots_stops() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        req = _request(rng, "r", [f"k{i}" for i in range(rng.randint(1, 4))])
+        need = blocks_needed(BS, req.chunks)
+        chunk_slots(req.block_ids[:need], BS, req.chunks)  # enough
+        if need:
+            with pytest.raises(ValueError, match="blocks"):
+                chunk_slots(req.block_ids[: need - 1], BS, req.chunks)

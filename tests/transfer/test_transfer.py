@@ -124,6 +124,26 @@ def test_load_is_all_or_nothing_per_request_when_a_chunk_was_evicted(client: Mar
     assert client.delete([a.chunks[0].key, a.chunks[1].key]) == [True, True]
 
 
+def test_a_request_with_too_few_blocks_fails_alone_before_anything_is_copied(client: MaruHandler) -> None:
+    """Slot mappings are made after the copies are queued (``DeferredSlots``), so a block table too
+    short for the placed tokens is caught at the check, for that request only; the others load."""
+    src, dst = _case("blocks_first", "HND", 31), _case("blocks_first", "HND", 32)
+    a = request("short-a", [0, 1, 2, 3], 2 * CHUNK)
+    b = request("short-b", [4, 5, 6, 7], 2 * CHUNK)
+    plain_engine(src, client).store([a, b])
+    a_short = RequestTransfer(a.req_id, a.block_ids[:3], a.chunks)  # the last chunk needs block 4
+    rep = plain_engine(dst, client).load([a_short, b])
+    assert rep.loaded_req_ids == [b.req_id]
+    assert "need 4 blocks" in rep.failed[a.req_id] and "has 3" in rep.failed[a.req_id]
+    fresh = _case("blocks_first", "HND", 32)  # what dst held before the load
+    for s in range(16 * BS):  # b placed byte exact (same blocks as stored); every other slot untouched
+        want = src if s // BS in b.block_ids else fresh
+        for layer in range(3):
+            for kv in range(2):
+                assert bits_equal(naive_token(dst, layer, kv, s), naive_token(want, layer, kv, s)), (s, layer)
+    assert client.usage()["pinned"] == 0
+
+
 def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
     src = _case("kv_first", "NHD", 6)
     a = request("shared", [0, 1, 2, 3], 2 * CHUNK)

@@ -1,0 +1,82 @@
+"""A scatter's slot mappings, computed when the data path first asks for them (``DeferredSlots``).
+
+A load's copies into the GPU's staging need only the chunk objects; its placements need the
+slots. The GPU path queues its first chunk copy, then asks for the mapping, so the mapping's host
+work (one numpy pass a request, the upload) runs while the bus is already busy: a one-chunk load's
+copy used to start only after it (bench/RESULTS.md, forty-second pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from maru.transfer.records import RequestTransfer, chunk_slots
+
+
+def joined_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The chunks' slot mappings as one (no ``torch.cat`` for a single chunk: ~20 us on the
+    H200 host, on every load's issue path)."""
+    if len(slots) == 1:
+        return slots[0]
+    return torch.cat(list(slots)) if slots else torch.empty(0, dtype=torch.int64)
+
+
+class DeferredSlots:
+    """The slot mapping of each item of a scatter, in item order, made on first use.
+
+    Items are slices of their request's mapping: ``add_request`` registers a request (its blocks
+    and chunks), ``add_item`` one of its chunks by token offset and count. Invariant: ``per_item()``
+    equals ``chunk_slots`` of each item's request, sliced to the item, in the current item order
+    (``reorder`` permutes items, never their slices); each request's mapping is computed once.
+    The caller checks beforehand that every request has the blocks its placed tokens need
+    (``blocks_needed``), so making the mappings raises only on a bug.
+    """
+
+    def __init__(self) -> None:
+        self._requests: list[tuple[Sequence[int], int, Sequence[Any]]] = []
+        self._items: list[tuple[int, int, int]] = []  # (request, token offset, tokens)
+        self._made: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add_request(self, req: RequestTransfer, block_size: int) -> int:
+        """Register ``req``'s mapping (its blocks and chunks); returns its index for ``add_item``."""
+        self._requests.append((req.block_ids, block_size, req.chunks))
+        return len(self._requests) - 1
+
+    def add_item(self, request: int, offset: int, tokens: int) -> None:
+        """One item: rows ``[offset, offset + tokens)`` of request ``request``'s mapping."""
+        self._items.append((request, offset, tokens))
+        self._made = None
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Items in the order ``order`` (a permutation of their positions)."""
+        self._items = [self._items[i] for i in order]
+        self._made = None
+
+    def per_item(self) -> list[torch.Tensor]:
+        """Each item's host slot mapping (int64; -1 where a token is not placed)."""
+        if self._made is None:
+            flat: dict[int, torch.Tensor] = {}
+            out = []
+            for r, o, t in self._items:
+                m = flat.get(r)
+                if m is None:
+                    block_ids, block_size, chunks = self._requests[r]
+                    m = flat[r] = chunk_slots(block_ids, block_size, chunks)
+                out.append(m[o : o + t])
+            self._made = out
+        return self._made
+
+    def joined(self) -> torch.Tensor:
+        """Every item's mapping, concatenated in item order."""
+        return joined_slots(self.per_item())
+
+
+def listed(slots: Sequence[torch.Tensor] | DeferredSlots) -> list[torch.Tensor]:
+    """Per-item mappings from either form a data path's ``scatter`` accepts."""
+    return slots.per_item() if isinstance(slots, DeferredSlots) else list(slots)
