@@ -129,6 +129,41 @@ def test_wait_for_layer_returns_with_that_layer_placed_for_every_chunk(client: M
     assert same(dst, ref)
 
 
+def test_requests_sharing_chunks_in_one_layer_step_place_what_the_chunk_load_places(
+    client: MaruHandler,
+) -> None:
+    """A step's objects are made together (``KVTransferEngine._views_of``, one per pinned page): three
+    requests share prefix chunks, each with its own blocks and placed range, beside one missing a
+    chunk (failed alone). The layer-by-layer load leaves the caches byte for byte as the chunk load
+    (its own objects and deferred slots) does, and every pin is released."""
+    from maru.transfer.records import ChunkRef
+
+    src = case("blocks_first", "HND", 41)
+    a = request("layer-share-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    gone = request("layer-share-gone", [6, 7, 8, 9], 2 * CHUNK)
+    assert plain_engine(src, client).store([a, gone]).stored == 5
+    assert client.delete([gone.chunks[1].key]) == [True]
+    k = a.chunks
+    step = [
+        RequestTransfer("sa", (9, 2, 7, 4, 11, 0), k),
+        RequestTransfer(
+            "sb", (5, 13, 1, 8), (ChunkRef(k[0].key, 0, CHUNK, BS), ChunkRef(k[1].key, CHUNK, CHUNK, 0, 3))
+        ),
+        RequestTransfer("sc", (12, 3, 10, 6), (k[0], ChunkRef(k[2].key, CHUNK, CHUNK, 1, CHUNK))),
+        RequestTransfer("sgone", (14, 15, 16, 17), gone.chunks),
+    ]
+    ref, dst = case("blocks_first", "HND", 42), case("blocks_first", "HND", 42)
+    rep_ref = plain_engine(ref, client).load(step)
+    pins = CountingPins(client)
+    eng = plain_engine(dst, pins)
+    pinned = eng.pin(step)
+    assert set(pinned.failed) == {"sgone"} and "gone" in pinned.failed["sgone"]
+    rep = eng.start_layer_load(pinned).wait()
+    assert sorted(rep.loaded_req_ids) == sorted(rep_ref.loaded_req_ids) == ["sa", "sb", "sc"]
+    assert same(dst, ref) and not same(dst, case("blocks_first", "HND", 42))
+    assert pins.pinned == pins.released and client.usage()["pinned"] == 0
+
+
 def test_layer_load_places_nothing_of_a_request_missing_a_chunk_and_unpins_everything(
     client: MaruHandler,
 ) -> None:

@@ -1,0 +1,123 @@
+"""Host time of the worker's load prep for a burst of held turns, in process (CPU caches).
+
+    .venv/bin/python bench/load_prep_cpu.py [--users 15] [--reps 40] [--profile]
+
+A real ``maru server``, a ``KVTransferEngine`` over CPU caches of 32 layers (2 KV heads of 64,
+fp16, block 16, 256-token chunks: the layer and chunk counts of the H200 runs, fewer bytes). Each
+user stored two chunks; a load step then places, for every user, the last 128 tokens of the first
+chunk and 112 of the second (a multi-round turn's hit ends inside a chunk), the chunks held pinned
+by a second client (the scheduler's offer pins: ``RequestTransfer.held``, no lookup round trip).
+Timed: ``engine.pin`` of the step (what ``start_load_kv`` pays before the layer load's issue:
+the held views, each request's checks, objects and slot mappings), then its release. Reported:
+min / median microseconds a step; ``--profile``: the top functions of the timed calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from maru import kv_ops  # noqa: E402
+from maru.client import MaruHandler  # noqa: E402
+from maru.demo.server import ServerProcess  # noqa: E402
+from maru.kv_ops.testing import make_cache  # noqa: E402
+from maru.transfer.engine import KVTransferEngine  # noqa: E402
+from maru.transfer.records import ChunkRef, HeldChunk, RequestTransfer  # noqa: E402
+
+BS, NH, HS, LAYERS, CHUNK = 16, 2, 64, 32, 256
+
+
+def engine(seed: int, client: MaruHandler, num_blocks: int) -> KVTransferEngine:
+    case = make_cache(
+        "kv_first",
+        "NHD",
+        num_blocks=num_blocks,
+        block_size=BS,
+        num_kv_heads=NH,
+        head_size=HS,
+        num_layers=LAYERS,
+        dtype=torch.float16,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
+    caches = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
+    return KVTransferEngine(caches, layout, client, chunk_tokens=CHUNK)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--users", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    per_user = 2 * CHUNK // BS
+    stored = [
+        RequestTransfer(
+            f"u{u}",
+            tuple(range(u * per_user, (u + 1) * per_user)),
+            (ChunkRef(f"prep/u{u}/c0", 0, CHUNK), ChunkRef(f"prep/u{u}/c1", CHUNK, CHUNK)),
+        )
+        for u in range(a.users)
+    ]
+    blocks = a.users * per_user + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProcess(tmp, pool_size=(a.users * 2 + 4) * (8 << 20), log_level="WARNING")
+        srv.start()
+        client, holder = MaruHandler(srv.url, timeout_s=30), MaruHandler(srv.url, timeout_s=30)
+        try:
+            assert engine(1, client, blocks).store(stored).stored == 2 * a.users
+            keys = [c.key for q in stored for c in q.chunks]
+            handles = holder.batch_retrieve(keys, pin=True, verify=False, segments=True)
+            held = {h.key: HeldChunk(h.key, h.offset, h.size, h.checksum, h.segments) for h in handles}
+            step = [
+                RequestTransfer(
+                    q.req_id,
+                    tuple(reversed(q.block_ids)),  # other blocks than the stored ones
+                    (
+                        ChunkRef(q.chunks[0].key, 0, CHUNK, place_begin=128),
+                        ChunkRef(q.chunks[1].key, CHUNK, CHUNK, 0, 112),
+                    ),
+                    held=(held[q.chunks[0].key], held[q.chunks[1].key]),
+                )
+                for q in stored
+            ]
+            eng = engine(2, client, blocks)
+            prof = cProfile.Profile() if a.profile else None
+            times = []
+            for i in range(a.reps + 5):
+                if prof is not None and i >= 5:
+                    prof.enable()
+                t0 = time.perf_counter()
+                pinned = eng.pin(step)
+                dt = time.perf_counter() - t0
+                if prof is not None:
+                    prof.disable()
+                assert not pinned.failed and len(pinned.ready) == a.users, pinned.failed
+                eng.release(pinned)
+                if i >= 5:  # warm-up
+                    times.append(dt)
+            holder.batch_release(handles)
+        finally:
+            client.close()
+            holder.close()
+            srv.cleanup()
+    print(
+        f"engine.pin of {a.users} held turns (2 chunks each, placed in part): "
+        f"min {min(times) * 1e6:.0f} us, median {statistics.median(times) * 1e6:.0f} us"
+    )
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
