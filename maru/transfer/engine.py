@@ -41,6 +41,7 @@ from maru.transfer.records import (
     chunk_slots,
     unique_keys,
 )
+from maru.transfer.slot_plan import DeferredSlots
 from maru.transfer.store_side import StoreSide
 
 logger = logging.getLogger("maru.transfer")
@@ -192,7 +193,7 @@ class KVTransferEngine(StoreSide):
                     for req, _, _ in batch.requests:
                         rep.failed[req.req_id] = why
                     batch.requests = []
-                batch.objs, batch.slots = [], []  # the transfer keeps what it reads
+                batch.objs, batch.slots = [], DeferredSlots()  # the transfer keeps what it reads
         except BaseException:
             self.path.settle()  # unexpected: no copy may still read a page we unpin
             batch = IssuedScatter()
@@ -371,8 +372,9 @@ class KVTransferEngine(StoreSide):
         self, requests: list[RequestTransfer], handles: list[Any], index: dict[str, int]
     ) -> dict[int, torch.Tensor]:
         """The object over each pinned page the requests place from, by key position, made in one
-        ``over_many`` (one warnings scope for a step's objects, not one a request: ~12 us each on
-        the CI machine); {} if that fails, and each request then makes its own (and fails alone)."""
+        ``over_many``: one warnings scope for a step's objects, not one a request (15 held turns:
+        0.94-1.43 -> 0.55-0.57 ms, minimum, on the CI machine: ``bench/load_prep_cpu.py``); {} if it fails,
+        and each request then makes its own (and fails alone)."""
         # A key's tokens are the same in every request (its size was checked against them).
         tokens = {index[c.key]: c.num_tokens for req in requests for c in req.chunks}
         try:
