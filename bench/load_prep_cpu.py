@@ -27,31 +27,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from maru import kv_ops  # noqa: E402
+from bench.load_rpc_cpu import BS  # noqa: E402
+from bench.load_rpc_cpu import engine as rpc_engine  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
 from maru.demo.server import ServerProcess  # noqa: E402
-from maru.kv_ops.testing import make_cache  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
 from maru.transfer.records import ChunkRef, HeldChunk, RequestTransfer  # noqa: E402
 
-BS, NH, HS, LAYERS, CHUNK = 16, 2, 64, 32, 256
+NH, HS, LAYERS, CHUNK = 2, 64, 32, 256  # BS: load_rpc_cpu's 16
 
 
 def engine(seed: int, client: MaruHandler, num_blocks: int) -> KVTransferEngine:
-    case = make_cache(
-        "kv_first",
-        "NHD",
-        num_blocks=num_blocks,
-        block_size=BS,
-        num_kv_heads=NH,
-        head_size=HS,
-        num_layers=LAYERS,
-        dtype=torch.float16,
-        generator=torch.Generator().manual_seed(seed),
+    return rpc_engine(
+        seed, client, num_blocks, heads=NH, head_size=HS, layers=LAYERS, chunk=CHUNK, dtype=torch.float16
     )
-    layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
-    caches = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
-    return KVTransferEngine(caches, layout, client, chunk_tokens=CHUNK)
 
 
 def main() -> None:

@@ -48,20 +48,34 @@ class AwaitedUnpins:
         return getattr(self.inner, name)
 
 
-def engine(seed: int, client: Any, num_blocks: int) -> KVTransferEngine:
+def engine(
+    seed: int,
+    client: Any,
+    num_blocks: int,
+    *,
+    heads: int = NH,
+    head_size: int = HS,
+    layers: int = LAYERS,
+    chunk: int = CHUNK,
+    dtype: torch.dtype | None = None,
+) -> KVTransferEngine:
+    """A ``KVTransferEngine`` over fresh random CPU caches (kv_first, NHD; block size ``BS``);
+    also ``bench/load_prep_cpu.py``'s, with its geometry."""
+    kw = {} if dtype is None else {"dtype": dtype}
     case = make_cache(
         "kv_first",
         "NHD",
         num_blocks=num_blocks,
         block_size=BS,
-        num_kv_heads=NH,
-        head_size=HS,
-        num_layers=LAYERS,
+        num_kv_heads=heads,
+        head_size=head_size,
+        num_layers=layers,
         generator=torch.Generator().manual_seed(seed),
+        **kw,
     )
     layout = kv_ops.detect_layouts(case.caches, **case.detect_kwargs())
     caches = [case.caches] if isinstance(case.caches, torch.Tensor) else case.caches
-    return KVTransferEngine(caches, layout, client, chunk_tokens=CHUNK)
+    return KVTransferEngine(caches, layout, client, chunk_tokens=chunk)
 
 
 def main() -> None:
