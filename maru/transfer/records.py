@@ -122,10 +122,18 @@ class LoadReport:
     # Of ``bytes``: bytes of segments the load neither placed nor read (``maru.segments``: a chunk
     # whose first tokens vLLM's own cache holds is read from the first segment it places).
     unread_bytes: int = 0
-    # Where ``seconds`` went (host wall time, seconds): "lookup" (the lookup-and-pin round trip),
-    # "prepare" (checks, object views, slot mappings), "issue" (the path call), "wait" (from issue
-    # to completion, as seen by ``collect``). A benchmark's breakdown, not a contract.
+    # Where ``seconds`` went (host wall time, seconds). A chunk load: "lookup" (the lookup-and-pin
+    # round trip), "prepare" (checks, object views), "issue" (the path call, the slot mappings in
+    # it), "wait" (from issue to completion, as seen by ``collect``). A layer load: "pin"
+    # (``KVTransferEngine.pin``: checks, objects, slot mappings), "prepare" (its per-request
+    # lists), "issue" (the path call). A diagnosis's breakdown, not a contract.
     phases: dict[str, float] = field(default_factory=dict)
+
+    def phases_line(self) -> str:
+        """``pin 0.31 / prepare 0.05 / issue 0.62 ms`` (in the order they ran); "" when none."""
+        if not self.phases:
+            return ""
+        return " / ".join(f"{k} {v * 1e3:.2f}" for k, v in self.phases.items()) + " ms"
 
 
 def unique_keys(requests: Sequence[RequestTransfer]) -> tuple[list[str], dict[str, int]]:

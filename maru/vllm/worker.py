@@ -319,7 +319,7 @@ class MaruWorkerConnector:
         self.stats.add_load(rep, under_forward)
         if self.cfg.log_timing and (rep.loaded_req_ids or rep.failed):
             logger.info(
-                "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB%s in %.2f ms %s%s%s",
+                "Maru timing: load %d req %d tokens %d chunks%s %.1f MiB%s in %.2f ms %s%s%s%s",
                 len(rep.loaded_req_ids),
                 rep.tokens,
                 rep.chunks,
@@ -330,6 +330,7 @@ class MaruWorkerConnector:
                 "of host time" if under_forward else f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s)",
                 how,
                 f", {len(rep.failed)} failed" if rep.failed else "",
+                f" ({p})" if (p := rep.phases_line()) else "",
             )
 
     def get_finished(

@@ -23,6 +23,7 @@ compares with what A stored.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,6 +282,10 @@ def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> No
     assert runs.m["p1"]["out"] == runs.n["p1"]["out"]
     assert "load 1 req 288 tokens 5 chunks" in runs.logs["M"]
     log = runs.logs["M"]
+    # The timing line says where the load's host time went (the layer load's pin, its lists, the
+    # path's issue; a chunk load's round trip, prepare, issue, wait).
+    phases = r"\((?:pin|lookup) \d+\.\d\d / prepare \d+\.\d\d / issue \d+\.\d\d(?: / wait \d+\.\d\d)? ms\)"
+    assert re.search(r"Maru timing: load 1 req 288 tokens 5 chunks[^\n]* " + phases, log), log
     assert "same-step loads kept" in log  # the V2 runner's protocol: policy "fail" (vLLM's default)
     assert "computed instead of loaded" not in log
     assert "'loads_from_held_pins': 1" in log  # the worker's stats at shutdown (maru_log_timing)

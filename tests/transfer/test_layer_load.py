@@ -70,6 +70,11 @@ def test_layer_by_layer_load_places_the_same_bytes_as_the_synchronous_load(
     eng = plain_engine(dst, pins)
     before = case(fmt, physical, 2)
     ll = eng.start_layer_load(eng.pin([dreq]))
+    # Where the issue's host time went: the pin, the lists, the path's issue; they add up to it.
+    assert list(ll.report.phases) == ["pin", "prepare", "issue"]
+    assert min(ll.report.phases.values()) >= 0
+    assert abs(sum(ll.report.phases.values()) - ll.report.seconds) < 1e-9
+    assert ll.report.phases_line().startswith("pin ") and ll.report.phases_line().endswith(" ms")
     rep = ll.wait()
     assert rep.loaded_req_ids == [req.req_id] and not rep.failed
     assert rep.tokens == n_tokens and rep.chunks == 3
