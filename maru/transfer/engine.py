@@ -39,6 +39,7 @@ from maru.transfer.records import (
     RequestTransfer,
     blocks_needed,
     chunk_slots,
+    too_few_blocks,
     unique_keys,
 )
 from maru.transfer.slot_plan import DeferredSlots
@@ -324,7 +325,7 @@ class KVTransferEngine(StoreSide):
                 )
         need = blocks_needed(self.block_size, req.chunks)  # the slots, made later, must not fail
         if need > len(req.block_ids):
-            return f"its placed tokens need {need} blocks of {self.block_size}, the request has {len(req.block_ids)}"
+            return too_few_blocks(need, self.block_size, len(req.block_ids))
         return None
 
     def report_corrupt(self, corrupt: list[Any], verified: int) -> None:

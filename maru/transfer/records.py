@@ -190,9 +190,14 @@ def slot_mapping(
     return torch.from_numpy(slots)
 
 
+def too_few_blocks(need: int, block_size: int, have: int) -> str:
+    """Why a request's slots cannot be made (``chunk_slots``' error, the engine's check)."""
+    return f"its placed tokens need {need} blocks of {block_size}, the request has {have}"
+
+
 def blocks_needed(block_size: int, chunks: Sequence[ChunkRef], *, whole: bool = False) -> int:
     """The blocks a request needs for the placed tokens of ``chunks`` (``whole``: all of them):
-    ``chunk_slots`` raises where the request has fewer."""
+    ``chunk_slots`` raises where the request has fewer (it checks with this)."""
     last = 0
     for c in chunks:
         pb, pe = (0, c.num_tokens) if whole else c.placed()
@@ -219,19 +224,15 @@ def chunk_slots(
     import torch
 
     n = len(chunks)
-    total, last, full, contiguous = 0, 0, True, True
+    nblocks = blocks_needed(block_size, chunks, whole=whole)
+    if nblocks > len(block_ids):
+        raise ValueError(too_few_blocks(nblocks, block_size, len(block_ids)))
+    total, full, contiguous = 0, True, True
     for i, c in enumerate(chunks):
         pb, pe = (0, c.num_tokens) if whole else c.placed()
         full = full and pb == 0 and pe == c.num_tokens
         contiguous = contiguous and (i == 0 or c.start == chunks[i - 1].end)
-        if pe > pb:
-            last = max(last, c.start + pe)
         total += c.num_tokens
-    nblocks = -(-last // block_size)
-    if nblocks > len(block_ids):
-        raise ValueError(
-            f"tokens up to {last} need {nblocks} blocks of {block_size}, the request has {len(block_ids)}"
-        )
     if total and contiguous:
         # The usual step: chunks one after the other (a store's whole chunks, a load's placed ranges).
         # Only the blocks up to the last placed token are converted, a block's slots at once.
