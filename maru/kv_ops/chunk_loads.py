@@ -166,14 +166,15 @@ class ChunkLoads:
             return None
         return self._scratch.take_slots(slot_mapping, skip_tokens)  # type: ignore[no-any-return]
 
-    def _device_words(self, name: str, n: int) -> torch.Tensor:
-        """``n`` int64 of a device buffer the pipeline keeps (attribute ``name``) for the loads'
-        placement-stream work: every writer and reader of it is queued on the placement stream,
-        so a later load's writes follow this one's reads. Grown, never shrunk; a replaced buffer
-        was allocated on the placement stream, so the allocator reuses it only in its order."""
+    def _device_words(self, name: str, n: int, stream: Any = None) -> torch.Tensor:
+        """``n`` int64 of a device buffer the pipeline keeps (attribute ``name``) for the work of
+        one stream (``stream``, default the placement stream): every writer and reader of it is
+        queued on that stream, so a later transfer's writes follow this one's reads. Grown, never
+        shrunk; a replaced buffer was allocated on that stream, so the allocator reuses it only in
+        its order."""
         buf = getattr(self, name, None)
         if buf is None or buf.numel() < n:
-            with torch.cuda.stream(self._place_stream):
+            with torch.cuda.stream(self._place_stream if stream is None else stream):
                 buf = torch.empty(max(int(n), 4096), dtype=torch.int64, device=self.device)
             setattr(self, name, buf)
         return buf[:n]

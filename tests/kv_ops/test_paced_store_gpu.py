@@ -170,6 +170,38 @@ def test_a_partial_tail_alone_goes_the_torch_way_and_every_chunk_is_the_referenc
     assert "libcudart" in engine.store_ways and any(w.startswith("torch (") for w in engine.store_ways)
 
 
+@pytest.mark.parametrize("raw_cuda", [True, False], ids=["libcudart", "torch"])
+@pytest.mark.parametrize("paced", [True, False])
+def test_stores_queued_back_to_back_keep_their_own_checksums(
+    pool: RegisteredPool, paced: bool, raw_cuda: bool
+) -> None:
+    """The lane keeps one device buffer for the stores' sums (no allocation a store): three
+    stores queued without a wait between them, each into objects of its own from its own slot
+    mapping, each hand back the checksums of its own bytes; the buffer is the lane's, the same
+    across stores, and the ring's and the paced lane's are two."""
+    src = make_caches("flash_attn_HND", 71)
+    engine = pl.DevicePipeline(src.layers, src.layout(), raw_cuda=raw_cuda)
+    engine.warm(CHUNK)
+    sizes = [CHUNK, CHUNK, 96]
+    handles = []
+    for seed in (72, 73, 74):
+        slots = _slots(src, sum(sizes), seed, negatives=2)
+        objs = [pool.alloc(engine, t) for t in sizes]
+        handles.append((engine.store(objs, slots, paced=paced, checksums=True), objs, slots))
+    name = "_store_acc_paced" if paced else "_store_acc_pipelined"
+    kept = getattr(engine, name)
+    assert not hasattr(engine, "_store_acc_pipelined" if paced else "_store_acc_paced")
+    sums_seen = set()
+    for h, objs, slots in handles:
+        h.wait()
+        _check_objects_n(objs, _reference_gather(src, slots).cpu(), slots)
+        want = [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+        assert h.checksums() == want
+        sums_seen.add(tuple(want))
+    assert len(sums_seen) == 3  # three different stores: a shared buffer mixing them would show
+    assert getattr(engine, name).data_ptr() == kept.data_ptr()
+
+
 def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
     token0 = 0
     for obj in objs:
