@@ -26,6 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed, timed_wall
+from maru.vllm.interpreter_clock import CLOCK as GC_CLOCK
+from maru.vllm.interpreter_clock import PythonPace
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.layer_loads import forward_runs_layer_hooks
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
@@ -230,6 +232,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._worker: MaruWorkerConnector | None = None
         self._last_reported: dict[str, Any] = {}
         self.hook_times = HookTimes()  # host time inside each vLLM hook (``timed``)
+        self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
+        if cfg.log_timing:
+            GC_CLOCK.install()  # the process's collections, timed (``interpreter_clock``)
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             logger.warning(
                 "Maru: pipeline parallelism (pipeline_parallel_size=%d) is not supported; the connector "
@@ -394,6 +399,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         out = self._worker.get_finished(finished_req_ids)
+        if self.maru_config.log_timing:
+            self._pace.maybe_sample()
         if self.maru_config.log_timing and self.hook_times.due(_TIMING_LOG_S):
             logger.info("Maru: host time in vLLM's hooks (worker, so far): %s", self._worker_times())
         return out
@@ -406,6 +413,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             self.hook_times.line()
             + self._worker.stats.timing_note()
             + (f"; device time of the forwards: {clock}" if clock else "")
+            + GC_CLOCK.note(self.hook_times.gc_s)
+            + self._pace.note()
         )
 
     def save_kv_layer(
@@ -514,7 +523,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 logger.info(
                     "Maru: host time in vLLM's hooks (scheduler, so far): %s; probes: %s (%s local, %s "
                     "remote); async loads planned %d, shared %d, window-deferred %d; offer pins: %s; "
-                    "replies: %s",
+                    "replies: %s%s",
                     self.hook_times.line(),
                     st.get("probe_path"),
                     st.get("probes_local", 0),
@@ -524,6 +533,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                     st["async_loads_deferred"],
                     _pin_trips(st.get("offer_pins")),
                     _reply_waits(st.get("reply_waits")),
+                    GC_CLOCK.note(self.hook_times.gc_s),
                 )
 
     @timed

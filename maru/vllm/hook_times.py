@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from maru.vllm.interpreter_clock import CLOCK as GC_CLOCK
 from maru.vllm.sampled_profile import profile_for
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,6 +35,9 @@ class HookTimes:
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        # Seconds of the process's garbage collections that fell inside these hooks (parts are
+        # inside hooks: not counted twice); 0 unless ``interpreter_clock.CLOCK`` is installed.
+        self.gc_s = 0.0
         self._logged_at = time.monotonic()
         self._logged_calls = 0
 
@@ -89,11 +93,12 @@ def timed_wall(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, g0 = time.perf_counter(), GC_CLOCK.total_s
         try:
             return method(self, *args, **kwargs)
         finally:
             self.hook_times.add(name, time.perf_counter() - t0)
+            self.hook_times.gc_s += GC_CLOCK.total_s - g0
 
     return wrapper  # type: ignore[return-value]
 
@@ -113,19 +118,24 @@ def timed_step(part: str, hook: str) -> Callable[[F], F]:
 
 def _timed_as(name_of: Callable[[Any], str], profiled_as: str | None = None) -> Callable[[F], F]:
     """Wall and thread CPU time of the wrapped method into ``self.hook_times`` under ``name_of(self)``;
-    ``profiled_as``: the ``MARU_PROFILE`` site whose sample of calls is profiled (hooks, not parts)."""
+    ``profiled_as``: the ``MARU_PROFILE`` site whose sample of calls is profiled (hooks, not parts);
+    a hook (not a part) also counts the garbage collections inside it (``HookTimes.gc_s``)."""
+    hook = profiled_as is not None
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0, g0 = time.perf_counter(), time.thread_time(), GC_CLOCK.total_s
             try:
-                prof = profile_for(profiled_as) if profiled_as is not None else None
+                prof = profile_for(profiled_as) if hook else None
                 if prof is not None:
                     return prof.run(method, self, *args, **kwargs)
                 return method(self, *args, **kwargs)
             finally:
-                self.hook_times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
+                times = self.hook_times
+                times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
+                if hook:
+                    times.gc_s += GC_CLOCK.total_s - g0
 
         return wrapper  # type: ignore[return-value]
 

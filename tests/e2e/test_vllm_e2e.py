@@ -286,6 +286,14 @@ def test_multiprocess_engine_loads_through_serialized_metadata(runs: Runs) -> No
     # path's issue; a chunk load's round trip, prepare, issue, wait).
     phases = r"\((?:pin|lookup) \d+\.\d\d / prepare \d+\.\d\d / issue \d+\.\d\d(?: / wait \d+\.\d\d)? ms\)"
     assert re.search(r"Maru timing: load 1 req 288 tokens 5 chunks[^\n]* " + phases, log), log
+    # The worker's line says what the interpreter took: the forward thread's Python pace, and the
+    # process's collections since vLLM froze its heap when there were any (a run this short may
+    # have none; the collector's clock: tests/vllm/test_interpreter_clock.py).
+    worker_line = r"Maru: host time in vLLM's hooks \(worker\): [^\n]*"
+    gc_note = (
+        r"(?:; garbage collector: \d+ collections \(gen 0 / 1 / 2: [\d /]+\), [^\n]* inside Maru's hooks)?"
+    )
+    assert re.search(worker_line + gc_note + r"; Python: 20,000 adds in \d+\.\d\d ms", log), log
     assert "same-step loads kept" in log  # the V2 runner's protocol: policy "fail" (vLLM's default)
     assert "computed instead of loaded" not in log
     assert "'loads_from_held_pins': 1" in log  # the worker's stats at shutdown (maru_log_timing)
