@@ -9,22 +9,27 @@ chunk and 112 of the second (a multi-round turn's hit ends inside a chunk), the 
 by a second client (the scheduler's offer pins: ``RequestTransfer.held``, no lookup round trip).
 Timed: ``engine.pin`` of the step (what ``start_load_kv`` pays before the layer load's issue:
 the held views, each request's checks, objects and slot mappings), then its release. Reported:
-min / median microseconds a step; ``--profile``: the top functions of the timed calls.
+min / median microseconds a step; ``--profile``: the top functions of the timed calls; ``--cold MB``:
+caches turned over before each call (MB MiB touched, other Python run), as between two load steps
+in an engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.load_rpc_cpu import BS  # noqa: E402
@@ -48,7 +53,16 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=15)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="before each timed call, touch MB MiB of memory and run other Python (an engine's step "
+        "runs between two load steps): the prep with cold caches, as in the engine",
+    )
     a = ap.parse_args()
+    evict = _evictor(a.cold) if a.cold else (lambda: None)
     per_user = 2 * CHUNK // BS
     stored = [
         RequestTransfer(
@@ -84,6 +98,7 @@ def main() -> None:
             prof = cProfile.Profile() if a.profile else None
             times = []
             for i in range(a.reps + 5):
+                evict()
                 if prof is not None and i >= 5:
                     prof.enable()
                 t0 = time.perf_counter()
@@ -101,11 +116,26 @@ def main() -> None:
             holder.close()
             srv.cleanup()
     print(
-        f"engine.pin of {a.users} held turns (2 chunks each, placed in part): "
+        f"engine.pin of {a.users} held turns (2 chunks each, placed in part{', cold caches' if a.cold else ''}): "
         f"min {min(times) * 1e6:.0f} us, median {statistics.median(times) * 1e6:.0f} us"
     )
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def _evictor(mb: int) -> Callable[[], None]:
+    """What runs between two load steps in an engine, roughly: memory touched (every cache line of
+    ``mb`` MiB: the data caches emptied of the prep's objects) and other Python run (dicts, lists,
+    strings: the interpreter's own caches turned over)."""
+    big = np.ones(mb << 18, dtype=np.float32)  # mb MiB
+
+    def evict() -> None:
+        float(big.sum())
+        junk = [{"id": i, "tokens": list(range(i % 7, i % 7 + 8)), "name": str(i)} for i in range(4000)]
+        sorted(junk, key=lambda d: d["name"])
+        json.dumps(junk[:500])
+
+    return evict
 
 
 if __name__ == "__main__":
