@@ -400,6 +400,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             return None, None
         out = self._worker.get_finished(finished_req_ids)
         if self.maru_config.log_timing:
+            GC_CLOCK.arm()
             self._pace.maybe_sample()
         if self.maru_config.log_timing and self.hook_times.due(_TIMING_LOG_S):
             logger.info("Maru: host time in vLLM's hooks (worker, so far): %s", self._worker_times())
@@ -518,6 +519,8 @@ class MaruKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+            if self.maru_config.log_timing:
+                GC_CLOCK.arm()
             if self.maru_config.log_timing and self.hook_times.due(_TIMING_LOG_S):
                 st = self.maru_stats()
                 logger.info(

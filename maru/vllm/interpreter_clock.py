@@ -7,8 +7,8 @@ where: the garbage collector (vLLM freezes its start-up heap, but a collection s
 young object of the process, and the hooks allocate) and the interpreter's own pace on that thread
 (another busy thread or process on the core, the clock speed).
 
-``GcClock`` times every collection of the process (``gc.callbacks``) once vLLM has frozen its
-start-up heap (``gc.freeze``: serving has begun): by generation, the longest, and the part that fell
+``GcClock`` times every collection of the process (``gc.callbacks``) from the first serving step
+after vLLM froze its start-up heap (``gc.freeze``): by generation, the longest, and the part that fell
 inside Maru's hooks (``hook_times`` reads ``total_s`` around each hook).
 ``PythonPace`` times a fixed loop on the engine's thread now and then (at most every
 ``PACE_EVERY_S``), to compare with the benchmark harness's "Python loop of 2,000,000 adds" (this
@@ -41,7 +41,7 @@ class GcClock:
         self.longest_s = 0.0
         self.longest_gen = -1
         self.installed = False
-        self.armed = False  # collections are counted once vLLM froze its heap (serving)
+        self.armed = False  # collections are counted once armed (``arm``: serving)
         self._t0 = 0.0
 
     def install(self) -> None:
@@ -49,6 +49,14 @@ class GcClock:
         if not self.installed:
             gc.callbacks.append(self._callback)
             self.installed = True
+
+    def arm(self) -> None:
+        """Count from now on, once vLLM has frozen its start-up heap (``gc.freeze``): called from a
+        hook that runs each serving step (the worker's ``get_finished``, the scheduler's
+        ``update_connector_output``). The explicit full collections of vLLM's start-up (0.3-0.6 s
+        each, some after the worker's first freeze and before the engine core's) are not counted."""
+        if not self.armed and gc.get_freeze_count() > 0:
+            self.armed = True
 
     def uninstall(self) -> None:
         if self.installed:
@@ -61,13 +69,8 @@ class GcClock:
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         try:
             if phase == "start":
-                # Serving starts when vLLM has frozen its start-up heap (``gc.freeze``, the engine
-                # core's last init step); the explicit full collections before that (0.5 s on the CI
-                # machine's CPU engine) are start-up, not what a step meets.
-                if not self.armed and gc.get_freeze_count() == 0:
-                    return
-                self.armed = True
-                self._t0 = time.perf_counter()
+                if self.armed:
+                    self._t0 = time.perf_counter()
                 return
             if not self._t0:
                 return

@@ -58,20 +58,28 @@ def test_install_is_once_and_uninstall_stops_the_count(clock: ic.GcClock) -> Non
     assert clock.collections == [0, 0, 0] and clock.note(0.0) == ""
 
 
-def test_collections_before_the_heap_is_frozen_are_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not counted until vLLM froze its heap (``gc.freeze``); from then on, every one."""
+def test_collections_count_once_armed_after_the_heap_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not counted until armed (a serving step's hook), and arming waits for vLLM's ``gc.freeze``;
+    an unfreeze later (a shutdown) does not stop the count."""
     c = ic.GcClock()
     frozen = [0]
     monkeypatch.setattr(ic.gc, "get_freeze_count", lambda: frozen[0])
-    c._callback("start", {"generation": 2})
-    c._callback("stop", {"generation": 2})
+
+    def collect(gen: int) -> None:
+        c._callback("start", {"generation": gen})
+        c._callback("stop", {"generation": gen})
+
+    collect(2)  # start-up
+    c.arm()  # a step before any freeze (a warm-up run): not yet
+    collect(2)
     assert c.collections == [0, 0, 0] and not c.armed
     frozen[0] = 5000
-    c._callback("start", {"generation": 0})
-    c._callback("stop", {"generation": 0})
-    frozen[0] = 0  # an unfreeze later (a shutdown) does not stop the count
-    c._callback("start", {"generation": 1})
-    c._callback("stop", {"generation": 1})
+    collect(2)  # frozen, but no serving step yet (vLLM's explicit collections of its start-up)
+    assert c.collections == [0, 0, 0]
+    c.arm()
+    collect(0)
+    frozen[0] = 0
+    collect(1)
     assert c.collections == [1, 1, 0] and c.armed
 
 
