@@ -39,6 +39,9 @@ class MaruConnectorMetadata:
     # step, and whether some request got more than one (a prefill step).
     step_tokens: int = 0
     prefill: bool = False
+    # With ``maru_log_timing`` only: ``time.monotonic()`` (system-wide, so comparable in the worker's
+    # process too) when the scheduler side planned this step (``build_connector_meta``); 0: unknown.
+    scheduled_at: float = 0.0
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

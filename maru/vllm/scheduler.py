@@ -487,6 +487,7 @@ class MaruSchedulerConnector(LoadPlanning):
         if self.cfg.log_timing:  # what the worker's step clock files the forward under
             counts = (getattr(so, "num_scheduled_tokens", None) or {}).values()
             meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
+            meta.scheduled_at = time.monotonic()
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:

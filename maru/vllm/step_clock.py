@@ -13,7 +13,10 @@ was queued: the host was behind, or the engine had nothing to run), with the med
 Where the scheduler side says what vLLM scheduled (``maru_log_timing``), a step in which some
 request got more than one token is counted apart, as "<kind> (prefill)", with its tokens: a
 storing instance's prefill steps are then compared with another instance's plain prefill steps of
-the same workload, not with a mean over decode steps too.
+the same workload, not with a mean over decode steps too. Where the plan also says when it was made
+(``scheduled_at``), each kind also gets the host time from the scheduler's plan to the step's start
+here: a device idle before a step splits into the time before vLLM scheduled it and the host's work
+after.
 
 Invariants: never raises into vLLM (an error stops the timing, logged once); never synchronises
 (an event not yet reached is read at a later collect; at most ``MAX_PENDING`` steps wait, older
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +72,9 @@ class _KindTimes:
     gaps_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS_KEPT))
     after_idle: int = 0  # steps queued after the device had drained
     tokens: int = 0  # tokens vLLM scheduled in these steps (0 where the scheduler did not say)
+    # Host time from the scheduler side's plan of the step (``build_connector_meta``) to its start
+    # here (``start_load_kv``: the forward about to be queued), where the plan said when.
+    planned_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS_KEPT))
 
 
 class StepClock:
@@ -79,6 +86,7 @@ class StepClock:
         self._device: int | None = None
         self._pending: collections.deque[tuple[str, int, Any, Any]] = collections.deque()
         self._start: Any = None
+        self._planned_ms: float | None = None  # this step's plan-to-start host time, if known
         self._last_end: Any = None
         self.kinds: dict[str, _KindTimes] = {}
         self.dropped = 0
@@ -110,9 +118,11 @@ class StepClock:
             e,
         )
 
-    def started(self) -> None:
-        """The step's forward is about to be queued on the current stream."""
+    def started(self, scheduled_at: float = 0.0) -> None:
+        """The step's forward is about to be queued on the current stream; ``scheduled_at``: when
+        the scheduler side planned it (``time.monotonic()``; 0: unknown)."""
         if self._torch is not None:
+            self._planned_ms = (time.monotonic() - scheduled_at) * 1e3 if scheduled_at else None
             try:
                 self._start = self._event()
             except Exception as e:
@@ -126,6 +136,9 @@ class StepClock:
         start, self._start = self._start, None
         if prefill:
             kind = f"{kind} (prefill)"
+        planned, self._planned_ms = self._planned_ms, None
+        if planned is not None and planned >= 0:  # another host's clock could be behind: dropped
+            self.kinds.setdefault(kind, _KindTimes()).planned_ms.append(planned)
         try:
             self._pending.append((kind, tokens, start, self._event()))
         except Exception as e:
@@ -161,12 +174,18 @@ class StepClock:
 
     def line(self) -> str:
         """``kind: N steps, forward X ms each[, T tokens each], M queued after the device drained (idle
-        before: median Y ms); ...`` ("" before any step was read back)."""
+        before: median Y ms)[, started a median Z ms after the scheduler planned it]; ...`` ("" before
+        any step was read back)."""
         parts = [
             f"{k}: {t.steps} steps, forward {t.forward_ms / t.steps:.2f} ms each"
             + (f", {t.tokens / t.steps:.0f} tokens each" if t.tokens else "")
             + f", {t.after_idle} queued after the device drained"
             + (f" (idle before: median {statistics.median(t.gaps_ms):.2f} ms)" if t.gaps_ms else "")
+            + (
+                f", started a median {statistics.median(t.planned_ms):.2f} ms after the scheduler planned it"
+                if t.planned_ms
+                else ""
+            )
             for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)
             if t.steps
         ]

@@ -179,3 +179,43 @@ def test_a_plain_step_is_told_apart_by_its_own_store_and_by_an_earlier_store_on_
     assert kind_of_step(PLAIN, stores_now=True, store_on_device=True) == STORED  # its own store first
     for loaded in (LAYERED, LOADED):  # what its start saw (a load) comes first
         assert kind_of_step(loaded, stores_now=True, store_on_device=True) == loaded
+
+
+def test_the_host_time_from_the_schedulers_plan_to_the_start_is_filed_per_kind(monkeypatch: Any) -> None:
+    """A step planned at ``scheduled_at`` (``time.monotonic``) and started later is filed with
+    the host time between them under its kind (prefill apart); a step whose plan did not say
+    when, or whose plan time lies ahead of this clock, files nothing."""
+    import maru.vllm.step_clock as sc
+
+    now = [1000.0]
+    monkeypatch.setattr(sc.time, "monotonic", lambda: now[0])
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch(), dev.index)
+    rng = random.Random(11)
+    want: dict[str, list[float]] = {PLAIN: [], f"{STORED} (prefill)": []}
+    for i in range(30):
+        prefill = i % 3 == 0
+        kind = STORED if prefill else PLAIN
+        delay_ms = rng.uniform(0.05, 9.0)
+        planned = now[0]
+        now[0] += delay_ms / 1e3
+        said = i % 5 != 4  # every fifth plan said nothing
+        clock.started(planned if said else 0.0)
+        dev.t += 3.0
+        clock.ended(kind, 100, prefill)
+        if said:
+            want[f"{kind} (prefill)" if prefill else kind].append(delay_ms)
+        now[0] += 0.01
+    clock.started(now[0] + 5.0)  # a plan "in the future" (another host's clock): dropped
+    clock.ended(PLAIN)
+    dev.now = dev.t
+    clock.collect()
+    for kind, delays in want.items():
+        got = list(clock.kinds[kind].planned_ms)
+        assert len(got) == len(delays)
+        assert all(abs(a - b) < 1e-6 for a, b in zip(got, delays, strict=True))
+        assert (
+            f"started a median {statistics.median(delays):.2f} ms after the scheduler planned it"
+            in clock.line()
+        )

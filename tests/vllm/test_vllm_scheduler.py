@@ -7,6 +7,7 @@ end-to-end tests with real vLLM are in test_vllm_e2e.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -699,12 +700,14 @@ def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(ser
         s.get_num_new_matched_tokens(req("a", tokens(300)), 0)
     prefill = new_out("a", list(range(5)), 0, 200)
     prefill.num_scheduled_tokens["b"] = 1  # a decoding request beside it
+    t0 = time.monotonic()
     meta = timed.build_connector_meta(prefill)
     assert (meta.step_tokens, meta.prefill) == (201, True)
+    assert t0 <= meta.scheduled_at <= time.monotonic()  # when it was planned, for the worker's clock
     decode = cached_out("a", None, 300, 1)
     decode.num_scheduled_tokens["b"] = 1
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(decode)) == (2, False)
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(empty_out())) == (0, False)
     # Off (the default), nothing is counted.
     meta = untimed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
-    assert (meta.step_tokens, meta.prefill) == (0, False)
+    assert (meta.step_tokens, meta.prefill, meta.scheduled_at) == (0, False, 0.0)
