@@ -110,6 +110,7 @@ class MaruHandler(PostedLookups, SessionClient):
         self._pins: Counter[str] = Counter()
         self._pinned_extents: Counter[tuple[int, int]] = Counter()  # (offset, size) of held pins
         self._pending_unpins: list[str] = []
+        self._abandoned_posts: list[Any] = []  # posted lookups given up without the lock (posted.py)
         self._closed = False
         self._connected = False
         self._pid = os.getpid()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,9 @@ class PostedLookup:
         self._handles: list[Retrieved | None] | None = None
         self._error: str | None = None
         self._abandoned = False
+        # Set without the handler's lock (``abandon`` while another thread's exchange holds it);
+        # ``on_reply`` and the settling (both under the lock) read it.
+        self._abandon_requested = False
         self._taken = False
 
     @property
@@ -79,14 +83,32 @@ class PostedLookup:
 
     def abandon(self) -> None:
         """Give the lookup up: handles already made are released (one UNPIN, not waited for); a
-        reply still to come has its pins sent back (``_pending_unpins``). Idempotent."""
-        with self._owner._lock:
-            if self._abandoned or self._taken:
-                return
-            self._abandoned = True
-            handles, self._handles = self._handles, None
+        reply still to come has its pins sent back (``_pending_unpins``). Idempotent. Never waits
+        for the connection: while another thread's exchange holds it (a heartbeat stuck on a server
+        that stopped answering), the lookup is settled by the handler's next heartbeat instead
+        (``settle_abandoned``), and a reply read meanwhile has its pins sent back."""
+        owner = self._owner
+        if self._abandoned or self._taken:
+            return
+        self._abandon_requested = True
+        if not owner._lock.acquire(timeout=0):
+            owner._abandoned_posts.append(self)  # list.append: atomic; settled under the lock
+            return
+        try:
+            handles = self._abandon_locked()
+        finally:
+            owner._lock.release()
         if handles:
-            self._owner.batch_release(handles, wait=False)
+            owner.batch_release(handles, wait=False)
+
+    def _abandon_locked(self) -> list[Retrieved | None] | None:
+        """Mark it given up; the handles to release, if its reply was read already. Call with the
+        handler's lock held."""
+        if self._abandoned or self._taken:
+            return None
+        self._abandoned = True
+        handles, self._handles = self._handles, None
+        return handles
 
     # ------------------------------------------------------------------ the channel's callbacks
     # They run in the thread whose exchange read the reply, with the handler's lock held.
@@ -107,7 +129,7 @@ class PostedLookup:
             if self._token is not owner._token:  # the session ended since the post: so did its pins
                 self._error = "the session of a posted lookup ended before its reply was read"
                 return
-            if self._abandoned:
+            if self._abandoned or self._abandon_requested:
                 owner._pending_unpins += [k for k, e in zip(self.keys, entries, strict=True) if e]
                 return
             self._handles = owner._lookup_handles(self.keys, reply, entries, True, self.segments)
@@ -135,12 +157,16 @@ class PostedLookups:
     _pins: Any
     _pinned_extents: Any
     _pending_unpins: list[str]
+    _abandoned_posts: list[PostedLookup]
     _closed: bool
     _connected: bool
     _pid: int
 
+    timeout_s: float
+
     # MaruHandler's (declared, not defined here: this class comes first in its bases).
     _held: Callable[[], Any]
+    _acquire: Callable[[float], None]
     _mapped: Callable[[], Any]
     _unpin_one: Callable[[Retrieved], None]
     batch_release: Callable[..., None]
@@ -168,6 +194,17 @@ class PostedLookups:
             posted.req_id = req_id
             return posted
 
+    def settle_abandoned(self) -> None:
+        """Settle the lookups given up while another thread held the connection (``abandon``):
+        their handles, if their replies were read, are released. Call with ``_lock`` held (the
+        heartbeat does, every beat)."""
+        if not self._abandoned_posts:
+            return
+        posts, self._abandoned_posts = self._abandoned_posts, []
+        handles = [h for p in posts for h in (p._abandon_locked() or ())]
+        if handles:
+            self.batch_release(handles, wait=False)
+
     def read_posted(self) -> None:
         """Read the replies of posted lookups already here (none waited for), so a lookup given up
         since has its pins sent back and ``PostedLookup.done`` is current. Never raises."""
@@ -182,11 +219,19 @@ class PostedLookups:
             self._lock.release()
 
     def _wait_posted(self, posted: PostedLookup, timeout_s: float) -> None:
+        """Read replies for up to ``timeout_s`` in all: the wait for the connection (another thread's
+        exchange, e.g. a heartbeat to a server that stopped answering) counts in it."""
+        t0 = time.monotonic()
         try:
-            with self._held():
-                self._rpc.wait_posted(posted.req_id, timeout_s)
+            self._acquire(max(0.0, min(timeout_s, self.timeout_s)))
         except (MaruTimeoutError, NotConnectedError):
             return  # result() reports it
+        try:
+            self._rpc.wait_posted(posted.req_id, max(0.0, timeout_s - (time.monotonic() - t0)))
+        except (MaruTimeoutError, NotConnectedError):
+            return
+        finally:
+            self._lock.release()
 
     def _lookup_handles(
         self, keys: list[str], reply: Mapping[str, Any], entries: list[Any], pin: bool, segments: bool

@@ -349,6 +349,7 @@ class SessionClient:
             self._rehandshake(session)  # the new handshake carries the latest info
         elif body:
             self._client_info_sent = info_version
+        self.settle_abandoned()  # type: ignore[attr-defined]  # PostedLookups (posted.py)
         if self._pending_unpins:
             for chunk in chunks(self._pending_unpins):
                 self._call(Op.UNPIN, {"keys": chunk}, retry=False)
