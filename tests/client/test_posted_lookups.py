@@ -172,3 +172,39 @@ def test_result_keeps_its_timeout_while_another_thread_holds_the_connection(h: M
         release.set()
         t.join()
     _until_unpinned(h)  # the reply, read later, has its pin sent back
+
+
+def test_a_lookup_given_up_while_the_connection_is_held_is_settled_by_the_heartbeat(h: MaruHandler) -> None:
+    """Its reply already read (handles made, pinned), ``abandon`` while another thread holds the
+    connection returns at once; the next heartbeat releases the handles: nothing stays pinned."""
+    _put(h, ["pl-f0", "pl-f1"], seed=6)
+    p = h.post_lookup(["pl-f0", "pl-f1"])
+    assert p is not None
+    deadline = time.monotonic() + 5
+    while not p.done:  # the reply read by this thread (the heartbeat could read it too)
+        h.read_posted()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _pinned(h) == 2
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with h._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(5)
+        t0 = time.monotonic()
+        p.abandon()
+        assert time.monotonic() - t0 < 1.0  # deferred, not waited for
+        assert p in h._abandoned_posts
+    finally:
+        release.set()
+        t.join()
+    _until_unpinned(h)
+    assert h._abandoned_posts == []
+    with pytest.raises(RuntimeError):
+        p.result(1)  # given up: no result any more
