@@ -58,7 +58,8 @@ UNPIN        client_id, keys: [key]                        unpinned: [bool]
 DELETE       client_id, keys: [key]                        deleted: [bool]
 HEARTBEAT    client_id, info (optional: replaces the       server_id, known: bool (False: the lease
              client's info when it has a lease)            expired or the server restarted;
-                                                           handshake again; the info was not kept)
+                                                           handshake again; the info was not kept),
+                                                           pins: int (this session's pins now)
 STATS        client_id                                     counters: {name: int}, requests: {op: int},
                                                            errors: {code: int}, gauges: {name: int},
                                                            uptime_s, server_id, url, pool_path,

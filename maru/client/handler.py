@@ -111,6 +111,8 @@ class MaruHandler(PostedLookups, SessionClient):
         self._pinned_extents: Counter[tuple[int, int]] = Counter()  # (offset, size) of held pins
         self._pending_unpins: list[str] = []
         self._abandoned_posts: list[Any] = []  # posted lookups given up without the lock (posted.py)
+        self.stray_pins = 0  # the server's pins of this session no handle holds (last heartbeat)
+        self._warned_stray_session = -1  # the session whose stray pins were announced
         self._closed = False
         self._connected = False
         self._pid = os.getpid()
@@ -457,8 +459,10 @@ class MaruHandler(PostedLookups, SessionClient):
 
     def integrity(self) -> dict[str, int]:
         """This handler's integrity counters: verified, integrity_failures, unverifiable (entries
-        without a checksum, served as misses), fenced_sessions, fenced_bytes."""
-        return self.integrity_log.snapshot()
+        without a checksum, served as misses), fenced_sessions, fenced_bytes, and stray_pins (at the
+        last heartbeat, the pins the server held for this session beyond those of its handles:
+        pinning requests lost with their socket, docs/client.md "Threading")."""
+        return {**self.integrity_log.snapshot(), "stray_pins": self.stray_pins}
 
     def batch_release(self, handles: Iterable[Retrieved | None], wait: bool = True) -> None:
         """Release many retrieve handles with one UNPIN round trip (None entries are skipped).

@@ -270,6 +270,27 @@ class SessionClient:
         finally:
             self._lock.release()
 
+    def _check_pins(self, server_pins: int) -> None:
+        """Compare the session's pins on the server (the heartbeat's reply) with what this handler
+        knows of: its handles' pins and the UNPINs it has yet to send. The server answers a
+        connection's requests in order, so every earlier request is applied and every earlier
+        posted reply was read (this heartbeat read it) when this reply was: the two are equal unless a
+        pinning request was lost with its socket after the server applied it. Those pins are
+        announced once a session; ``stray_pins`` says how many there are now. Call with ``_lock``."""
+        known = sum(self._pins.values()) + len(self._pending_unpins)
+        self.stray_pins = max(0, server_pins - known)
+        if self.stray_pins and self._warned_stray_session != self._session:
+            self._warned_stray_session = self._session
+            log.warning(
+                "maru server at %s holds %d pins of this client that none of its handles holds: a "
+                "pinning lookup lost with its connection (the server was slow or stopped) was applied "
+                "after all. Those entries cannot be evicted until this handler closes or its lease "
+                "ends; nothing reads through them (see docs/client.md, Threading). integrity() "
+                "reports stray_pins",
+                self.url,
+                self.stray_pins,
+            )
+
     def _post_unpin(self, keys: list[str]) -> bool:
         """Send UNPIN for ``keys`` without waiting (``RpcChannel.post``); False if not sent. Call
         with ``_lock`` held. A lost UNPIN goes to ``_pending_unpins`` (the heartbeat sends it)
@@ -347,8 +368,11 @@ class SessionClient:
         if not reply.get("known", True) or reply.get("server_id") != self._info.server_id:
             log.info("maru server at %s forgot this client (restart or expired lease)", self.url)
             self._rehandshake(session)  # the new handshake carries the latest info
-        elif body:
-            self._client_info_sent = info_version
+        else:
+            if body:
+                self._client_info_sent = info_version
+            if type(reply.get("pins")) is int:  # an older server does not say
+                self._check_pins(reply["pins"])
         self.settle_abandoned()  # type: ignore[attr-defined]  # PostedLookups (posted.py)
         if self._pending_unpins:
             for chunk in chunks(self._pending_unpins):

@@ -315,10 +315,14 @@ class RequestHandlers:
         return P.ok(deleted=deleted)
 
     def _heartbeat(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
+        # ``pins``: the session's pins now, which the client compares with the pins its handles
+        # hold (a pinning request lost with its socket may have been applied: docs/client.md).
         if "info" in body:
             info = V.info_field(body)  # validated before the lease is touched: a bad request changes nothing
-            return P.ok(server_id=self.server_id, known=self.leases.set_info(client, info))
-        return P.ok(server_id=self.server_id, known=self.leases.renew(client))
+            known = self.leases.set_info(client, info)
+        else:
+            known = self.leases.renew(client)
+        return P.ok(server_id=self.server_id, known=known, pins=self.registry.pin_count(client))
 
     def _stats(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
         # ``clients`` is only in the STATS reply, not in ``snapshot`` (the Prometheus thread reads

@@ -302,6 +302,10 @@ class KeyRegistry:
             held.append(e)
         return e
 
+    def pin_count(self, client: ClientId) -> int:
+        """How many pins ``client`` holds now, over every entry (a key pinned twice counts twice)."""
+        return sum(e.pins.get(client, 0) for held in self._client_pins.get(client, {}).values() for e in held)
+
     def unpin(self, client: ClientId, key: str) -> bool:
         """Take one pin of ``client`` off ``key`` (the visible entry first, else a deleted one)."""
         held = self._client_pins.get(client, {}).get(key)

@@ -208,3 +208,43 @@ def test_a_lookup_given_up_while_the_connection_is_held_is_settled_by_the_heartb
     assert h._abandoned_posts == []
     with pytest.raises(RuntimeError):
         p.result(1)  # given up: no result any more
+
+
+def test_pins_the_server_holds_beyond_the_handles_are_announced_as_stray(
+    h: MaruHandler, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pinning lookup applied by the server but never turned into a handle (as one lost with its
+    socket would be; here sent past the handler's bookkeeping) shows at the next heartbeat as
+    ``stray_pins``, announced once; the handles' own pins are not counted, and once the stray pin
+    is gone the count is back to 0."""
+    from maru.protocol import Op
+
+    _put(h, ["pl-g0", "pl-g1"], seed=7)
+    legit = h.batch_retrieve(["pl-g0"], verify=False)  # a handle's pin: not stray
+    assert legit[0] is not None and legit[0].pinned
+
+    def beat_seen() -> None:
+        with h._lock:  # one heartbeat now, as the heartbeat thread sends it
+            h._beat_locked()
+
+    beat_seen()
+    assert h.integrity()["stray_pins"] == 0
+    with caplog.at_level("WARNING", logger="maru.client"), h._lock:
+        reply = h._rpc.request(
+            Op.LOOKUP, {"keys": ["pl-g1", "pl-g0"], "pin": True, "client_id": h.client_id}, 5
+        )
+    assert reply["ok"] and all(reply["entries"])
+    with caplog.at_level("WARNING", logger="maru.client"):
+        beat_seen()
+        beat_seen()
+    assert h.integrity()["stray_pins"] == 2
+    assert (
+        sum("holds 2 pins of this client that none of its handles holds" in r.message for r in caplog.records)
+        == 1
+    )
+    with h._lock:  # the stray pins given back past the handler too
+        assert h._rpc.request(Op.UNPIN, {"keys": ["pl-g1", "pl-g0"], "client_id": h.client_id}, 5)["ok"]
+    beat_seen()
+    assert h.integrity()["stray_pins"] == 0
+    assert _pinned(h) == 1  # the handle's pin is still there
+    h.batch_release(legit)
