@@ -112,6 +112,10 @@ class MaruHandler(PostedLookups, SessionClient):
         self._pending_unpins: list[str] = []
         self._abandoned_posts: list[Any] = []  # posted lookups given up without the lock (posted.py)
         self.stray_pins = 0  # the server's pins of this session no handle holds (last heartbeat)
+        # Keys of pinning requests whose fate is unknown (lost with their socket, or no readable
+        # reply): where the server holds stray pins, the heartbeat gives back theirs (session.py).
+        self._lost_pins: Counter[str] = Counter()
+        self._lost_at = 0.0
         self._warned_stray_session = -1  # the session whose stray pins were announced
         self._closed = False
         self._connected = False
@@ -412,13 +416,22 @@ class MaruHandler(PostedLookups, SessionClient):
         keys = check_keys(keys)
         out: list[Retrieved | None] = []
         with self._held():
-            for chunk in chunks(keys):
-                body: dict[str, Any] = {"keys": chunk, "pin": bool(pin)}
-                if segments:
-                    body["segments"] = True  # absent otherwise: the request other clients send
-                reply = self._call(Op.LOOKUP, body)
-                entries = reply_list(reply, "entries", len(chunk))
-                out += self._lookup_handles(chunk, reply, entries, pin, segments)
+            try:
+                for chunk in chunks(keys):
+                    body: dict[str, Any] = {"keys": chunk, "pin": bool(pin)}
+                    if segments:
+                        body["segments"] = True  # absent otherwise: the request other clients send
+                    try:
+                        reply = self._call(Op.LOOKUP, body)
+                        entries = reply_list(reply, "entries", len(chunk))
+                    except MaruError:
+                        if pin:  # it may have been applied (no reply, or one unreadable): see _lost_pin
+                            self._lost_pin(chunk)
+                        raise
+                    out += self._lookup_handles(chunk, reply, entries, pin, segments)
+            except BaseException:
+                self.batch_release(out)  # the chunks before the one that failed: nothing is kept
+                raise
             if verify:
                 self._verify_hits(out)
         return out

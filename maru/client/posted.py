@@ -143,6 +143,8 @@ class PostedLookup:
     def on_lost(self, op: int, body: Mapping[str, Any]) -> None:
         self._error = "the connection to the maru server was replaced before a posted lookup's reply"
         self._done = True
+        if self._token is self._owner._token:  # it may have been applied: its pins are this session's
+            self._owner._lost_pin(self.keys)
 
 
 class PostedLookups:
@@ -158,6 +160,7 @@ class PostedLookups:
     _pinned_extents: Any
     _pending_unpins: list[str]
     _abandoned_posts: list[PostedLookup]
+    _lost_pin: Callable[[list[str]], None]
     _closed: bool
     _connected: bool
     _pid: int

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("maru.client")
 
 _BOOT_ID = read_boot_id()
+# How long the keys of a lost pinning request are kept to give its pins back: after a socket is
+# replaced, the server can apply a request of the old connection only until it has read what was
+# already in that connection's pipe (well under a second); a minute is far beyond it.
+LOST_PINS_KEPT_S = 60.0
 _PID_NS = read_pid_ns()
 _START: dict[int, int] = {}
 
@@ -270,26 +274,70 @@ class SessionClient:
         finally:
             self._lock.release()
 
+    def _lost_pin(self, keys: list[str]) -> None:
+        """Note the keys of a pinning request whose fate is unknown: it went out and its reply was
+        lost with its socket or could not be read, so the server may have applied it. Call with
+        ``_lock`` held."""
+        self._lost_pins.update(keys)
+        self._lost_at = time.monotonic()
+
     def _check_pins(self, server_pins: int) -> None:
         """Compare the session's pins on the server (the heartbeat's reply) with what this handler
         knows of: its handles' pins and the UNPINs it has yet to send. The server answers a
         connection's requests in order, so every earlier request is applied and every earlier
         posted reply was read (this heartbeat read it) when this reply was: the two are equal unless a
-        pinning request was lost with its socket after the server applied it. Those pins are
-        announced once a session; ``stray_pins`` says how many there are now. Call with ``_lock``."""
+        pinning request was lost with its socket after the server applied it. Those stray pins are
+        given back where their keys are known (``_give_back_stray``); any left are announced once a
+        session, and ``stray_pins`` says how many there are. Call with ``_lock`` held."""
         known = sum(self._pins.values()) + len(self._pending_unpins)
-        self.stray_pins = max(0, server_pins - known)
-        if self.stray_pins and self._warned_stray_session != self._session:
+        stray = max(0, server_pins - known)
+        if stray and self._lost_pins:
+            given = self._give_back_stray()
+            if given:
+                log.info(
+                    "maru server at %s held %d pins of this client that none of its handles held "
+                    "(pinning lookups lost with their connection, applied after all); %d given back",
+                    self.url,
+                    stray,
+                    given,
+                )
+            stray = max(0, stray - given)
+        elif self._lost_pins and time.monotonic() - self._lost_at > LOST_PINS_KEPT_S:
+            self._lost_pins.clear()  # a request lost that long ago can no longer be applied
+        self.stray_pins = stray
+        if stray and self._warned_stray_session != self._session:
             self._warned_stray_session = self._session
             log.warning(
                 "maru server at %s holds %d pins of this client that none of its handles holds: a "
                 "pinning lookup lost with its connection (the server was slow or stopped) was applied "
-                "after all. Those entries cannot be evicted until this handler closes or its lease "
-                "ends; nothing reads through them (see docs/client.md, Threading). integrity() "
-                "reports stray_pins",
+                "after all. Those not given back yet (their keys unknown, or held by a handle too) "
+                "keep their entries from eviction until they are, this handler closes or its lease "
+                "ends; nothing reads through them (docs/client.md, Threading). integrity() reports "
+                "stray_pins",
                 self.url,
-                self.stray_pins,
+                stray,
             )
+
+    def _give_back_stray(self) -> int:
+        """UNPIN the keys of lost pinning requests that no handle of this handler holds and no
+        pending UNPIN names: any pin of this session on such a key is stray, so an UNPIN of it
+        takes only those (one per lost request at most; one the server does not hold is a no-op).
+        The pins given back. Call with ``_lock`` held."""
+        pending = set(self._pending_unpins)
+        keys = [
+            k
+            for k, n in self._lost_pins.items()
+            if not self._pins.get(k) and k not in pending
+            for _ in range(n)
+        ]
+        given = 0
+        try:
+            for chunk in chunks(keys):
+                reply = self._call(Op.UNPIN, {"keys": chunk}, retry=False)
+                given += sum(1 for u in reply.get("unpinned") or () if u is True)
+        except MaruError as e:  # the next heartbeat tries again
+            log.info("giving back stray pins failed (%s); the next heartbeat tries again", e)
+        return given
 
     def _post_unpin(self, keys: list[str]) -> bool:
         """Send UNPIN for ``keys`` without waiting (``RpcChannel.post``); False if not sent. Call

@@ -49,6 +49,14 @@ def _pinned(h: MaruHandler) -> int:
     return int(h.usage()["pinned"])
 
 
+def _session_pins(h: MaruHandler) -> int:
+    """The pins the server holds for this handler's session (a heartbeat's ``pins``)."""
+    from maru.protocol import Op
+
+    with h._lock:
+        return int(h._call(Op.HEARTBEAT, {}, retry=False)["pins"])
+
+
 def _until_unpinned(h: MaruHandler) -> None:
     deadline = time.monotonic() + 10
     while _pinned(h):
@@ -126,8 +134,8 @@ def test_a_server_that_stops_answering_makes_result_raise_in_time_and_nothing_st
     srv.start()
     try:
         # A heartbeat that meets the stopped server waits min(timeout_s, 2 s) for its reply; a
-        # stop longer than that (a loaded machine) would replace the socket, and a pinning request
-        # lost with its socket may have been applied (docs/client.md "Threading": the known limit).
+        # stop longer than that (a loaded machine) would replace the socket (the lost lookup's pins
+        # are then given back another way: test_a_pinning_lookup_lost_to_a_stopped_server_...).
         # This test is about the late reply read on the same socket.
         with MaruHandler(srv.url, timeout_s=10.0, heartbeat_interval_s=0.2) as h:
             _put(h, ["pl-d0"], seed=4)
@@ -248,3 +256,59 @@ def test_pins_the_server_holds_beyond_the_handles_are_announced_as_stray(
     assert h.integrity()["stray_pins"] == 0
     assert _pinned(h) == 1  # the handle's pin is still there
     h.batch_release(legit)
+
+
+def test_stray_pins_of_lost_lookups_are_given_back_where_no_handle_holds_the_key(h: MaruHandler) -> None:
+    """Pins applied for requests the handler noted lost (``_lost_pin``, as a lost socket does) go
+    back at the next heartbeat, except on a key a handle also holds: that one waits until the
+    handle is released. The handle's own pin is never touched."""
+    from maru.protocol import Op
+
+    _put(h, ["pl-h0", "pl-h1"], seed=8)
+    legit = h.batch_retrieve(["pl-h0"], verify=False)
+    with h._lock:
+        reply = h._rpc.request(
+            Op.LOOKUP, {"keys": ["pl-h0", "pl-h1", "pl-h1"], "pin": True, "client_id": h.client_id}, 5
+        )
+        assert reply["ok"] and all(reply["entries"])
+        h._lost_pin(["pl-h0", "pl-h1", "pl-h1"])
+    assert _session_pins(h) == 4
+    with h._lock:
+        h._beat_locked()
+    assert h.integrity()["stray_pins"] == 1  # pl-h0's: a handle holds that key
+    assert _session_pins(h) == 2  # pl-h1's two given back; the handle's and one stray on pl-h0 left
+    assert legit[0] is not None and legit[0].pinned
+    h.batch_release(legit)
+    with h._lock:
+        h._beat_locked()
+    assert h.integrity()["stray_pins"] == 0
+    assert _session_pins(h) == 0
+
+
+def test_a_pinning_lookup_lost_to_a_stopped_server_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """The server stops; a pinning lookup times out and its socket is replaced; the server resumes
+    and may apply it after all. Whichever happened, nothing stays pinned."""
+    srv = ServerProcess(tmp_path, pool_size="4M")
+    srv.start()
+    try:
+        with MaruHandler(srv.url, timeout_s=0.5, heartbeat_interval_s=0.2) as h:
+            _put(h, ["pl-i0", "pl-i1"], seed=9)
+            os.kill(srv.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(MaruTimeoutError):
+                    h.batch_retrieve(["pl-i0", "pl-i1"], verify=False)
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+            assert set(h._lost_pins) == {"pl-i0", "pl-i1"}
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    if _pinned(h) == 0:
+                        break
+                except MaruTimeoutError:
+                    pass  # reconnecting
+                assert time.monotonic() < deadline, "a lost lookup's pins stayed"
+                time.sleep(0.05)
+            assert h.integrity()["stray_pins"] == 0
+    finally:
+        srv.cleanup()
