@@ -115,6 +115,7 @@ class MaruHandler(PostedLookups, SessionClient):
         # Keys of pinning requests whose fate is unknown (lost with their socket, or no readable
         # reply): where the server holds stray pins, the heartbeat gives back theirs (session.py).
         self._lost_pins: Counter[str] = Counter()
+        self._server_counts_pins = False  # its heartbeat replies say the session's pins
         self._lost_at = 0.0
         self._warned_stray_session = -1  # the session whose stray pins were announced
         self._closed = False

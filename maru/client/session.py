@@ -275,8 +275,9 @@ class SessionClient:
             self._lock.release()
 
     def _lost_pin(self, keys: list[str]) -> None:
-        """Note the keys of a pinning request whose fate is unknown: it went out and its reply was
-        lost with its socket or could not be read, so the server may have applied it. Call with
+        """Note the keys of a request whose fate is unknown, a pinning lookup (applied or not) or
+        an UNPIN (not applied or applied): it went out and its reply was lost with its socket or
+        could not be read. The heartbeat's pin count tells, and gives back what is stray. Call with
         ``_lock`` held."""
         self._lost_pins.update(keys)
         self._lost_at = time.monotonic()
@@ -296,7 +297,8 @@ class SessionClient:
             if given:
                 log.info(
                     "maru server at %s held %d pins of this client that none of its handles held "
-                    "(pinning lookups lost with their connection, applied after all); %d given back",
+                    "(requests lost with their connection: lookups applied after all, or UNPINs "
+                    "not); %d given back",
                     self.url,
                     stray,
                     given,
@@ -310,7 +312,7 @@ class SessionClient:
             log.warning(
                 "maru server at %s holds %d pins of this client that none of its handles holds: a "
                 "pinning lookup lost with its connection (the server was slow or stopped) was applied "
-                "after all. Those not given back yet (their keys unknown, or held by a handle too) "
+                "after all, or an UNPIN so lost was not. Those not given back yet (their keys unknown, or held by a handle too) "
                 "keep their entries from eviction until they are, this handler closes or its lease "
                 "ends; nothing reads through them (docs/client.md, Threading). integrity() reports "
                 "stray_pins",
@@ -358,7 +360,14 @@ class SessionClient:
                 )
 
         def on_lost(op: int, body: Mapping[str, Any]) -> None:
-            if token is self._token:
+            if token is not self._token:
+                return
+            if self._server_counts_pins:
+                # It may have been applied: sent again, it could take the pin of another handle
+                # on the same key. The heartbeat's pin count says whether it was, and gives back
+                # only pins no handle holds (``_give_back_stray``).
+                self._lost_pin(keys)
+            else:  # a server that does not count a session's pins: sent again by the heartbeat
                 self._pending_unpins += keys
 
         return (
@@ -420,6 +429,7 @@ class SessionClient:
             if body:
                 self._client_info_sent = info_version
             if type(reply.get("pins")) is int:  # an older server does not say
+                self._server_counts_pins = True
                 self._check_pins(reply["pins"])
         self.settle_abandoned()  # type: ignore[attr-defined]  # PostedLookups (posted.py)
         if self._pending_unpins:

@@ -20,7 +20,7 @@ import pytest
 
 from maru import MaruHandler
 from maru.errors import MaruTimeoutError
-from maru.protocol import MAX_BATCH
+from maru.protocol import MAX_BATCH, Op
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server
 
@@ -51,8 +51,6 @@ def _pinned(h: MaruHandler) -> int:
 
 def _session_pins(h: MaruHandler) -> int:
     """The pins the server holds for this handler's session (a heartbeat's ``pins``)."""
-    from maru.protocol import Op
-
     with h._lock:
         return int(h._call(Op.HEARTBEAT, {}, retry=False)["pins"])
 
@@ -225,8 +223,6 @@ def test_pins_the_server_holds_beyond_the_handles_are_announced_as_stray(
     socket would be; here sent past the handler's bookkeeping) shows at the next heartbeat as
     ``stray_pins``, announced once; the handles' own pins are not counted, and once the stray pin
     is gone the count is back to 0."""
-    from maru.protocol import Op
-
     _put(h, ["pl-g0", "pl-g1"], seed=7)
     legit = h.batch_retrieve(["pl-g0"], verify=False)  # a handle's pin: not stray
     assert legit[0] is not None and legit[0].pinned
@@ -262,8 +258,6 @@ def test_stray_pins_of_lost_lookups_are_given_back_where_no_handle_holds_the_key
     """Pins applied for requests the handler noted lost (``_lost_pin``, as a lost socket does) go
     back at the next heartbeat, except on a key a handle also holds: that one waits until the
     handle is released. The handle's own pin is never touched."""
-    from maru.protocol import Op
-
     _put(h, ["pl-h0", "pl-h1"], seed=8)
     legit = h.batch_retrieve(["pl-h0"], verify=False)
     with h._lock:
@@ -312,3 +306,40 @@ def test_a_pinning_lookup_lost_to_a_stopped_server_leaves_nothing_pinned(tmp_pat
             assert h.integrity()["stray_pins"] == 0
     finally:
         srv.cleanup()
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "never-arrived"])
+def test_an_unpin_lost_with_its_socket_never_takes_another_handles_pin(h: MaruHandler, applied: bool) -> None:
+    """Two handles on one key; the UNPIN of the first is posted and lost with its socket, applied
+    by the server or not. Sending it again could take the second handle's pin; instead the heartbeat's
+    pin count tells: applied, nothing is stray; not applied, the stray pin waits while the second
+    handle holds the key and goes back once it is released. The second handle stays pinned throughout."""
+    _put(h, ["pl-j0"], seed=10)
+    with h._lock:
+        h._beat_locked()  # the server says it counts pins
+    assert h._server_counts_pins
+    first = h.batch_retrieve(["pl-j0"], verify=False)
+    second = h.batch_retrieve(["pl-j0"], verify=False)
+    assert _session_pins(h) == 2
+    real_post = h._rpc.post
+
+    def lost_post(op: int, body: dict, on_reply, on_lost):  # type: ignore[no-untyped-def]
+        if op != Op.UNPIN:
+            return real_post(op, body, on_reply, on_lost)
+        req = real_post(op, body, lambda *a: None, lambda *a: None) if applied else 7
+        on_lost(op, body)  # the socket replaced before its reply was read
+        return req
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(h._rpc, "post", lost_post)
+        h.batch_release(first, wait=False)
+    assert h._pending_unpins == [] and h._lost_pins["pl-j0"] == 1
+    with h._lock:
+        h._beat_locked()
+    assert _session_pins(h) == (1 if applied else 2)  # the second handle's pin is there
+    assert h.integrity()["stray_pins"] == (0 if applied else 1)
+    assert second[0] is not None and second[0].pinned
+    h.batch_release(second)
+    with h._lock:
+        h._beat_locked()
+    assert _session_pins(h) == 0 and h.integrity()["stray_pins"] == 0
