@@ -8,6 +8,7 @@ reply read by another call on the way must not be lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -53,6 +54,27 @@ def _session_pins(h: MaruHandler) -> int:
     """The pins the server holds for this handler's session (a heartbeat's ``pins``)."""
     with h._lock:
         return int(h._call(Op.HEARTBEAT, {}, retry=False)["pins"])
+
+
+@contextlib.contextmanager
+def _connection_held_elsewhere(h: MaruHandler) -> Iterator[None]:
+    """Another thread holds the handler's connection (as an exchange with a stopped server does)
+    for the duration of the block."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with h._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(5)
+        yield
+    finally:
+        release.set()
+        t.join()
 
 
 def _until_unpinned(h: MaruHandler) -> None:
@@ -159,24 +181,11 @@ def test_result_keeps_its_timeout_while_another_thread_holds_the_connection(h: M
     _put(h, ["pl-e0"], seed=5)
     p = h.post_lookup(["pl-e0"])
     assert p is not None
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with h._lock:
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert held.wait(5)
+    with _connection_held_elsewhere(h):
         t0 = time.monotonic()
         with pytest.raises(MaruTimeoutError):
             p.result(0.2)
         assert time.monotonic() - t0 < 2.5  # not the handler's 5 s timeout
-    finally:
-        release.set()
-        t.join()
     _until_unpinned(h)  # the reply, read later, has its pin sent back
 
 
@@ -192,24 +201,11 @@ def test_a_lookup_given_up_while_the_connection_is_held_is_settled_by_the_heartb
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert _pinned(h) == 2
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with h._lock:
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert held.wait(5)
+    with _connection_held_elsewhere(h):
         t0 = time.monotonic()
         p.abandon()
         assert time.monotonic() - t0 < 1.0  # deferred, not waited for
         assert p in h._abandoned_posts
-    finally:
-        release.set()
-        t.join()
     _until_unpinned(h)
     assert h._abandoned_posts == []
     with pytest.raises(RuntimeError):
