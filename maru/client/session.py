@@ -287,7 +287,8 @@ class SessionClient:
         knows of: its handles' pins and the UNPINs it has yet to send. The server answers a
         connection's requests in order, so every earlier request is applied and every earlier
         posted reply was read (this heartbeat read it) when this reply was: the two are equal unless a
-        pinning request was lost with its socket after the server applied it. Those stray pins are
+        request was lost with its socket, a pinning lookup the server applied after all or an UNPIN
+        it never got (``_lost_pin``). Those stray pins are
         given back where their keys are known (``_give_back_stray``); any left are announced once a
         session, and ``stray_pins`` says how many there are. Call with ``_lock`` held."""
         known = sum(self._pins.values()) + len(self._pending_unpins)
@@ -312,17 +313,17 @@ class SessionClient:
             log.warning(
                 "maru server at %s holds %d pins of this client that none of its handles holds: a "
                 "pinning lookup lost with its connection (the server was slow or stopped) was applied "
-                "after all, or an UNPIN so lost was not. Those not given back yet (their keys unknown, or held by a handle too) "
-                "keep their entries from eviction until they are, this handler closes or its lease "
-                "ends; nothing reads through them (docs/client.md, Threading). integrity() reports "
-                "stray_pins",
+                "after all, or an UNPIN so lost was not. Those not given back yet (their keys "
+                "unknown, or held by a handle too) keep their entries from eviction until they are, "
+                "this handler closes or its lease ends; nothing reads through them (docs/client.md, "
+                "Threading). integrity() reports stray_pins",
                 self.url,
                 stray,
             )
 
     def _give_back_stray(self) -> int:
-        """UNPIN the keys of lost pinning requests that no handle of this handler holds and no
-        pending UNPIN names: any pin of this session on such a key is stray, so an UNPIN of it
+        """UNPIN the keys of lost requests (``_lost_pin``) that no handle of this handler holds and
+        no pending UNPIN names: any pin of this session on such a key is stray, so an UNPIN of it
         takes only those (one per lost request at most; one the server does not hold is a no-op).
         The pins given back. Call with ``_lock`` held."""
         pending = set(self._pending_unpins)
