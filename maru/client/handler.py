@@ -59,6 +59,8 @@ from maru.config import (
 from maru.errors import (
     HandlerClosedError,
     MaruError,
+    MaruTimeoutError,
+    PoolError,
     ProtocolError,
     StaleAllocationError,
 )
@@ -425,11 +427,15 @@ class MaruHandler(PostedLookups, SessionClient):
                     try:
                         reply = self._call(Op.LOOKUP, body)
                         entries = reply_list(reply, "entries", len(chunk))
-                    except MaruError:
-                        if pin:  # it may have been applied (no reply, or one unreadable): see _lost_pin
+                        got = self._lookup_handles(chunk, reply, entries, pin, segments)
+                    except (MaruTimeoutError, ProtocolError, PoolError):
+                        # Went out with no reply, or a reply no handle could be made from: the
+                        # server may hold its pins (given back by the heartbeat: _lost_pin). A
+                        # refusal or a request never sent pinned nothing.
+                        if pin:
                             self._lost_pin(chunk)
                         raise
-                    out += self._lookup_handles(chunk, reply, entries, pin, segments)
+                    out += got
             except BaseException:
                 self.batch_release(out)  # the chunks before the one that failed: nothing is kept
                 raise

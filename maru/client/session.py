@@ -337,7 +337,11 @@ class SessionClient:
         try:
             for chunk in chunks(keys):
                 reply = self._call(Op.UNPIN, {"keys": chunk}, retry=False)
-                given += sum(1 for u in reply.get("unpinned") or () if u is True)
+                for k, u in zip(chunk, reply.get("unpinned") or (), strict=False):
+                    if u is True:  # that lost request's pin is back: it cannot be applied again
+                        given += 1
+                        self._lost_pins[k] -= 1
+            self._lost_pins = +self._lost_pins  # the keys with nothing left to give back go
         except MaruError as e:  # the next heartbeat tries again
             log.info("giving back stray pins failed (%s); the next heartbeat tries again", e)
         return given

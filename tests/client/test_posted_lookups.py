@@ -266,12 +266,13 @@ def test_stray_pins_of_lost_lookups_are_given_back_where_no_handle_holds_the_key
     with h._lock:
         h._beat_locked()
     assert h.integrity()["stray_pins"] == 1  # pl-h0's: a handle holds that key
+    assert h._lost_pins == {"pl-h0": 1}  # pl-h1's lost requests are settled: not asked again
     assert _session_pins(h) == 2  # pl-h1's two given back; the handle's and one stray on pl-h0 left
     assert legit[0] is not None and legit[0].pinned
     h.batch_release(legit)
     with h._lock:
         h._beat_locked()
-    assert h.integrity()["stray_pins"] == 0
+    assert h.integrity()["stray_pins"] == 0 and not h._lost_pins
     assert _session_pins(h) == 0
 
 
