@@ -275,7 +275,7 @@ class PacedStores:
         """The chunks with every call a libcudart call that keeps the GIL (about a microsecond
         each: the drain thread holds the GIL ~10 us a chunk, not ~100): the slot mapping copied
         into the slot's graph (device to device), the gather graph, then on the copy stream the
-        yield graph and the copy to the pool; after ``ready`` the checksum graph, its sum copied
+        yield graph and the copy to the pool; before ``ready`` the checksum graph, its sum copied
         into ``acc``. The same streams, slots and events as ``_queue_chunks_each``, whose way a
         chunk without raw graphs (``gather`` 0) takes, in its turn."""
         sync = self._sync
@@ -293,6 +293,12 @@ class PacedStores:
                 sync.wait_on(g, slot.free)  # its previous copy to the pool must have read it
             placer.slots_from(slot_at + 8 * token0, ch.tokens, g)
             sync.launch_graph(ch.gather, g)
+            if acc is not None:
+                # Before ``ready``: the slot's ``free`` (after the copy to the pool, which waits for
+                # ``ready``) then covers this read of it too. A ring slot's next user may be a
+                # load's copy on another stream that waits for ``free`` alone.
+                sync.launch_graph(ch.checksum, g)
+                sync.copy(acc_at + 8 * k, ch.sum_at, 8, g, D2D)
             sync.record_on(slot.ready, g)
             sync.wait_on(c, slot.ready)
             if k and yield_exec:
@@ -300,9 +306,6 @@ class PacedStores:
             sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, c, D2H)
             sync.record_on(slot.free, c)
             slot.used = True
-            if acc is not None:  # after ``ready``: the copy to the pool does not wait for it
-                sync.launch_graph(ch.checksum, g)
-                sync.copy(acc_at + 8 * k, ch.sum_at, 8, g, D2D)
             token0 += ch.tokens
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
@@ -331,6 +334,10 @@ class PacedStores:
         if slot.used:
             sync.wait(gather, slot.free)  # its previous copy to the pool must have read it
         slot.place(stage, graphed, chunk_slots, load=False)
+        if acc is not None:
+            # Before ``ready``: the slot's ``free`` then covers this read of it too (a ring slot's
+            # next user may be a load's copy on another stream, which waits for ``free`` alone).
+            ck.accumulate(stage, acc, k)
         sync.record(slot.ready, gather)
         sync.wait(copy, slot.ready)
         if k and lane.paced:
@@ -338,10 +345,6 @@ class PacedStores:
         self._d2h(host, stage, copy)  # type: ignore[attr-defined]
         sync.record(slot.free, copy)
         slot.used = True
-        if acc is not None:
-            # After ``ready``: the copy to the pool does not wait for it; the slot's next gather
-            # is queued behind it on this stream.
-            ck.accumulate(stage, acc, k)
 
     def _paced(self) -> StoreLane | None:
         """The paced stores' lane (a gather stream, a device-to-host stream and staging slots of
