@@ -9,8 +9,10 @@ after the caller's queued work; issue never blocks the host on the GPU).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,17 @@ def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _lead_of(lead: list[int], k: int) -> int:
     """The first object of the copy object ``k`` is placed from (``lead`` ascending, lead[0] = 0)."""
     return lead[bisect.bisect_right(lead, k) - 1]
+
+
+@dataclass
+class Prestaged:
+    """A host object's copy queued into a staging slot ahead of its load (``ChunkLoads.prestage``)."""
+
+    address: int
+    nbytes: int
+    slot: StagingSlot
+    stage: torch.Tensor
+    graphed: bool
 
 
 class ChunkLoads:
@@ -50,6 +63,61 @@ class ChunkLoads:
     _take_slot: Callable[[], StagingSlot]
     _h2d: Callable[[torch.Tensor, torch.Tensor], None]
     _handle: Callable[..., Transfer]
+    _lock: Any
+    on_gpu: bool
+    esize: int
+    object_bytes: Callable[[int], int]
+    _prestaged: Prestaged | None = None
+    prestages = 0  # first chunks copied before their load was prepared (``issuing``)
+    prestages_unused = 0  # of them, the ones the load did not start with (copied, never placed)
+
+    @contextlib.contextmanager
+    def issuing(self, address: int = 0, nbytes: int = 0, tokens: int = 0) -> Iterator[None]:
+        """Hold the pipeline for one load's issue, its first object copied at once where given.
+
+        With ``address`` (a host object of ``nbytes`` bytes and ``tokens`` tokens, the load's first
+        placed chunk): its copy into the next staging slot is queued before anything else
+        (``prestage``), so that the caller's checks, objects and slot mappings run while it is on
+        the bus (a one-chunk load: ~0.1 ms of host work before its copy started). The ``load``
+        called inside starts with that copy if its first object is these bytes; otherwise the copy
+        is dropped (the slot is free again for the copies after it, nothing reads the bytes).
+        The lock is held throughout: no other transfer can take the slot meanwhile.
+        """
+        with self._lock:
+            if address:
+                self.prestage(address, nbytes, tokens)
+            try:
+                yield
+            finally:
+                if self._prestaged is not None:
+                    self._drop(self._prestaged)
+                    self._prestaged = None
+
+    def _drop(self, pre: Prestaged) -> None:
+        """A prestaged copy no load starts with: the slot's next user (a copy, or a store's gather
+        on another stream) must still wait for it, so the slot's ``free`` is recorded after it."""
+        self._sync.record(pre.slot.free, self._copy_stream)
+        self.prestages_unused += 1
+
+    def prestage(self, address: int, nbytes: int, tokens: int) -> bool:
+        """Queue the copy of the host object at ``address`` into the next staging slot (under
+        ``issuing``, which holds the lock); whether it was queued. Only with the raw CUDA calls on
+        a GPU and an object of this pipeline's geometry (else the load copies it as usual). The
+        copy waits for the slot's previous placement only, not for the caller's stream: it writes
+        nothing the caller's work reads, and the placement waits for both."""
+        if not self.on_gpu or not self._sync.raw or nbytes != self.object_bytes(tokens) or nbytes <= 0:
+            return False
+        sync, copy = self._sync, self._copy_stream
+        slot = self._take_slot()
+        stage, graphed = slot.buffer(tokens)
+        if slot.used:
+            sync.wait(copy, slot.free)  # its previous placement must have read it
+        sync.copy(stage.data_ptr(), address, nbytes, copy.cuda_stream)
+        sync.record(slot.ready, copy)
+        slot.used = True
+        self._prestaged = Prestaged(address, nbytes, slot, stage, graphed)
+        self.prestages += 1
+        return True
 
     def _issue_load(
         self,
@@ -75,6 +143,7 @@ class ChunkLoads:
         (no torch op, no pinning per call); the checksum sums are zeroed and copied back raw.
         """
         t0 = time.perf_counter()
+        pre, self._prestaged = self._prestaged, None
         if not callable(slot_mapping):
             slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)  # before any copy is queued
         sync, copy, place = self._sync, self._copy_stream, self._place_stream
@@ -86,7 +155,14 @@ class ChunkLoads:
         staged: list[tuple[StagingSlot, torch.Tensor, bool]] = []
 
         def issue_copy(j: int) -> None:
+            nonlocal pre
             obj = objs[lead[j]]
+            if pre is not None:  # queued already (``issuing``): the first copy, if it is these bytes
+                used, pre = pre, None
+                if used.address == obj.data_ptr() and used.nbytes == obj.numel() * self.esize:
+                    staged.append((used.slot, used.stage, used.graphed))
+                    return
+                self._drop(used)
             slot = self._take_slot()
             stage, graphed = slot.buffer(obj.shape[2])
             if slot.used:

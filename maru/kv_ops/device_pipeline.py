@@ -131,7 +131,7 @@ class DevicePipeline(
         self.layer_path = layer_path
         self.layer_checksums = layer_checksums  # which direct layer graphs ``warm`` captures
         self._direct_ok: bool | None = None  # decided on the first layer load (needs an object)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # ``issuing`` holds it across a load's issue
         self.on_gpu = self.device.type == "cuda"
         self.graphs = False
         self._scratch: HostScratch | None = None

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -102,6 +103,7 @@ class KVTransferEngine(StoreSide):
             else:
                 self.path.no_segments = f"a row of the cache is {row_bytes} bytes, not whole 8-byte words"
         self.path.segment_tokens = segment_tokens or None
+        self._pool_base = _pool_address(client)  # where a lookup's page is: its copy queued early
 
     @property
     def paces_stores(self) -> bool:
@@ -159,11 +161,33 @@ class KVTransferEngine(StoreSide):
         """The second half of ``start_load``: check each request and issue one scatter for all.
 
         Unpins everything (one round trip) if it raises."""
-        rep, index, handles = looked.report, looked.index, looked.handles
-        if handles is None:
-            return InflightLoad(self, rep, [], IssuedScatter(), looked.t0)
+        if looked.handles is None:
+            return InflightLoad(self, looked.report, [], IssuedScatter(), looked.t0)
         batch = IssuedScatter()
         t1 = time.perf_counter()
+        with self._issuing(looked):
+            return self._issue_checked(looked, batch, t1)
+
+    def _issuing(self, looked: LookedUp) -> contextlib.AbstractContextManager[Any]:
+        """The path held for this load's issue, with the copy of its first placed chunk queued at
+        once (``DevicePipeline.issuing``): a one-chunk load is on the bus while its checks and
+        objects are made. Only where the pool's address in this process is known."""
+        pipe = self.path.pipeline
+        if pipe is None or not self._pool_base or not pipe.on_gpu or looked.handles is None:
+            return contextlib.nullcontext()
+        for req in looked.requests:
+            for c in req.chunks:
+                if c.places():
+                    h = looked.handles[looked.index[c.key]]
+                    if h is None or h.view is None:
+                        return contextlib.nullcontext()
+                    # The page's bounds were checked when its view was made (lookup or held pin).
+                    return pipe.issuing(self._pool_base + h.offset, int(h.size), c.num_tokens)  # type: ignore[no-any-return]
+        return contextlib.nullcontext()
+
+    def _issue_checked(self, looked: LookedUp, batch: IssuedScatter, t1: float) -> InflightLoad:
+        rep, index, handles = looked.report, looked.index, looked.handles
+        assert handles is not None
         try:
             checked = []
             for req in looked.requests:
@@ -409,3 +433,12 @@ class KVTransferEngine(StoreSide):
             logger.warning(
                 "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e
             )
+
+
+def _pool_address(client: Any) -> int:
+    """The pool mapping's address in this process (0 where the client maps no pool: a test's)."""
+    try:
+        address = client.pool_mapping.address
+    except Exception:
+        return 0
+    return address if isinstance(address, int) else 0

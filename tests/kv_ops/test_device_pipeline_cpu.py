@@ -153,6 +153,25 @@ def test_load_with_skip_tokens_leaves_the_shared_prefix_untouched(pool: ShmPool)
         assert _same_storage(fresh, expected), path
 
 
+def test_a_prestage_on_cpu_caches_queues_nothing_and_the_load_inside_places_the_same(pool: ShmPool) -> None:
+    """``issuing(address, ...)`` around a load: on CPU caches there is no copy to queue early (the
+    load places straight from the pool), so nothing is prestaged or dropped, and the load is exact."""
+    src = _case("kv_first", "NHD", 6)
+    slots = torch.tensor(random_slots(48, 16, generator=torch.Generator().manual_seed(4)))
+    objs = _chunks(pool, _engine(src), [8, 8])
+    _engine(src).store(objs, slots).wait()
+    fresh, expected = _case("kv_first", "NHD", 7), _case("kv_first", "NHD", 7)
+    engine = _engine(fresh)
+    first = objs[0]
+    with engine.issuing(first.data_ptr(), first.numel() * first.element_size(), 8):
+        assert engine._prestaged is None
+        engine.load(objs, slots).wait()
+    assert (engine.prestages, engine.prestages_unused) == (0, 0)
+    naive_scatter(expected, slots[:8].tolist(), objs[0])
+    naive_scatter(expected, slots[8:].tolist(), objs[1])
+    assert _same_storage(fresh, expected)
+
+
 def test_cpu_engine_announces_direct_placement_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
     announce.forget("kv_ops.cpu-direct")  # announced again in this test
     with caplog.at_level(logging.INFO, logger="maru.kv_ops"):

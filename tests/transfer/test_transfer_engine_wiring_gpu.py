@@ -55,3 +55,6 @@ def test_pipelined_connector_round_trips_skip_and_partial_tail_byte_exact_on_cud
 ) -> None:
     eng = check_round_trip(physical, client, GEOM, CHUNK, inject=False)
     assert eng.data_path == "pipelined"
+    pipe = eng.path.pipeline
+    # The load's first chunk was copied before the load was prepared, and the load started with it.
+    assert (pipe.prestages, pipe.prestages_unused) == (1, 0)
