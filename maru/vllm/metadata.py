@@ -42,6 +42,8 @@ class MaruConnectorMetadata:
     # With ``maru_log_timing`` only: ``time.monotonic()`` (system-wide, so comparable in the worker's
     # process too) when the scheduler side planned this step (``build_connector_meta``); 0: unknown.
     scheduled_at: float = 0.0
+    # With it: ``step_clock.cpu_stamp()`` at that moment (process, thread, their CPU times).
+    scheduled_cpu: tuple = ()
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

@@ -43,6 +43,7 @@ from maru.vllm.prefix_probe import PrefixProbe
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 from maru.vllm.sampled_profile import slow_note as profiling_note
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
+from maru.vllm.step_clock import cpu_stamp
 
 logger = logging.getLogger("maru.vllm")
 
@@ -488,6 +489,7 @@ class MaruSchedulerConnector(LoadPlanning):
             counts = (getattr(so, "num_scheduled_tokens", None) or {}).values()
             meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
             meta.scheduled_at = time.monotonic()
+            meta.scheduled_cpu = cpu_stamp()
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:

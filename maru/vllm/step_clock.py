@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +77,22 @@ class _KindTimes:
     # Host time from the scheduler side's plan of the step (``build_connector_meta``) to its start
     # here (``start_load_kv``: the forward about to be queued), where the plan said when.
     planned_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS_KEPT))
+    # CPU time in that window (where the plan was made on this thread): this thread's, the other
+    # threads' of the process (whether another thread's work ran beside vLLM's host work).
+    planned_cpu_ms: collections.deque[tuple[float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=GAPS_KEPT)
+    )
+    # The forward's issue on the host (``start_load_kv`` to ``wait_for_save``): wall time, this
+    # thread's CPU, the other threads' CPU.
+    issue_ms: collections.deque[tuple[float, float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=GAPS_KEPT)
+    )
+
+
+def cpu_stamp() -> tuple[int, int, float, float]:
+    """(process id, thread id, this thread's CPU s, the process's CPU s): where and when a plan was
+    made, for ``StepClock.started`` to split the host time after it by thread."""
+    return os.getpid(), threading.get_ident(), time.thread_time(), time.process_time()
 
 
 class StepClock:
@@ -87,6 +105,8 @@ class StepClock:
         self._pending: collections.deque[tuple[str, int, Any, Any]] = collections.deque()
         self._start: Any = None
         self._planned_ms: float | None = None  # this step's plan-to-start host time, if known
+        self._planned_cpu: tuple[float, float] | None = None  # its CPU: this thread's, the others'
+        self._issue0: tuple[float, float, float] | None = None  # wall, thread CPU, process CPU at start
         self._last_end: Any = None
         self.kinds: dict[str, _KindTimes] = {}
         self.dropped = 0
@@ -118,11 +138,19 @@ class StepClock:
             e,
         )
 
-    def started(self, scheduled_at: float = 0.0) -> None:
+    def started(self, scheduled_at: float = 0.0, scheduled_cpu: tuple = ()) -> None:
         """The step's forward is about to be queued on the current stream; ``scheduled_at``: when
-        the scheduler side planned it (``time.monotonic()``; 0: unknown)."""
+        the scheduler side planned it (``time.monotonic()``; 0: unknown); ``scheduled_cpu``: its
+        ``cpu_stamp()`` (empty: unknown)."""
         if self._torch is not None:
-            self._planned_ms = (time.monotonic() - scheduled_at) * 1e3 if scheduled_at else None
+            now = time.monotonic()
+            self._planned_ms = (now - scheduled_at) * 1e3 if scheduled_at else None
+            thread_s, process_s = time.thread_time(), time.process_time()
+            self._issue0 = (now, thread_s, process_s)
+            self._planned_cpu = None
+            if len(scheduled_cpu) == 4 and scheduled_cpu[:2] == (os.getpid(), threading.get_ident()):
+                mine = thread_s - scheduled_cpu[2]
+                self._planned_cpu = (mine * 1e3, (process_s - scheduled_cpu[3] - mine) * 1e3)
             try:
                 self._start = self._event()
             except Exception as e:
@@ -137,8 +165,17 @@ class StepClock:
         if prefill:
             kind = f"{kind} (prefill)"
         planned, self._planned_ms = self._planned_ms, None
+        times = self.kinds.setdefault(kind, _KindTimes())
         if planned is not None and planned >= 0:  # another host's clock could be behind: dropped
-            self.kinds.setdefault(kind, _KindTimes()).planned_ms.append(planned)
+            times.planned_ms.append(planned)
+            if self._planned_cpu is not None:
+                times.planned_cpu_ms.append(self._planned_cpu)
+        if self._issue0 is not None:
+            wall0, thread0, process0 = self._issue0
+            mine = time.thread_time() - thread0
+            others = time.process_time() - process0 - mine
+            times.issue_ms.append(((time.monotonic() - wall0) * 1e3, mine * 1e3, others * 1e3))
+            self._issue0 = None
         try:
             self._pending.append((kind, tokens, start, self._event()))
         except Exception as e:
@@ -186,9 +223,28 @@ class StepClock:
                 if t.planned_ms
                 else ""
             )
+            + (
+                " (CPU meanwhile: {:.2f} ms on its thread, {:.2f} on the others)".format(
+                    *_medians(t.planned_cpu_ms)
+                )
+                if t.planned_cpu_ms
+                else ""
+            )
+            + (
+                ", issued in {:.2f} ms (CPU: {:.2f} ms on its thread, {:.2f} on the others)".format(
+                    *_medians(t.issue_ms)
+                )
+                if t.issue_ms
+                else ""
+            )
             for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)
             if t.steps
         ]
         if self.dropped:
             parts.append(f"{self.dropped} steps not read back")
         return "; ".join(parts)
+
+
+def _medians(rows: collections.deque[tuple[float, ...]]) -> list[float]:
+    """The median of each column of ``rows`` (not empty)."""
+    return [statistics.median(col) for col in zip(*rows, strict=True)]

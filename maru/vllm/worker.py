@@ -261,7 +261,10 @@ class MaruWorkerConnector:
         ``wait_for_layer_load`` before each layer (``forward_runs_layer_hooks``); without it, the
         layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
-        self.step_clock.started(meta.scheduled_at if meta is not None else 0.0)
+        if meta is not None:
+            self.step_clock.started(meta.scheduled_at, meta.scheduled_cpu)
+        else:
+            self.step_clock.started()
         if self.gil_probe is not None:
             self._stepped_at = time.monotonic()
             self.gil_probe.start()  # in the engine process: the first step (once)

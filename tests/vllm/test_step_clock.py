@@ -219,3 +219,64 @@ def test_the_host_time_from_the_schedulers_plan_to_the_start_is_filed_per_kind(m
             f"started a median {statistics.median(delays):.2f} ms after the scheduler planned it"
             in clock.line()
         )
+
+
+def test_the_cpu_from_the_plan_and_of_the_issue_is_split_between_this_thread_and_the_others(
+    monkeypatch: Any,
+) -> None:
+    """From a plan made on this thread (its ``cpu_stamp``) to the start, and from the start to the
+    end of the forward's issue, the CPU each thread of the process took is filed (this thread's,
+    the others'); a plan stamped on another thread or process files no CPU for its window, and
+    its issue is still split."""
+    import os
+    import threading
+
+    import maru.vllm.step_clock as sc
+
+    now, mine, total = [50.0], [3.0], [7.0]  # wall, this thread's CPU, the process's CPU (s)
+    monkeypatch.setattr(sc.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(sc.time, "thread_time", lambda: mine[0])
+    monkeypatch.setattr(sc.time, "process_time", lambda: total[0])
+    dev = FakeDevice()
+    clock = StepClock(enabled=True)
+    clock.use_cuda(dev.torch(), dev.index)
+    rng = random.Random(5)
+
+    def spend(wall_ms: float, own_ms: float, others_ms: float) -> None:
+        now[0] += wall_ms / 1e3
+        mine[0] += own_ms / 1e3
+        total[0] += (own_ms + others_ms) / 1e3
+
+    want_plan: list[tuple[float, float]] = []
+    want_issue: list[tuple[float, float, float]] = []
+    for i in range(24):
+        here = i % 4 != 3  # every fourth plan was made elsewhere (another thread, then a process)
+        stamp = sc.cpu_stamp()
+        if not here:
+            stamp = (stamp[0], stamp[1] + 1, *stamp[2:]) if i % 8 == 3 else (os.getpid() + 1, *stamp[1:])
+        planned = now[0]
+        plan = (rng.uniform(1, 9), rng.uniform(0.1, 5), rng.uniform(0, 4))
+        spend(*plan)
+        clock.started(planned, stamp)
+        issue = (rng.uniform(5, 30), rng.uniform(0.5, 20), rng.uniform(0, 6))
+        spend(*issue)
+        dev.t += 3.0
+        clock.ended(STORED, 2000, True)
+        if here:
+            want_plan.append(plan[1:])
+        want_issue.append(issue)
+    assert threading.get_ident() == sc.cpu_stamp()[1]
+    dev.now = dev.t
+    clock.collect()
+    got = clock.kinds[f"{STORED} (prefill)"]
+    close = lambda a, b: all(abs(x - y) < 1e-6 for x, y in zip(a, b, strict=True))  # noqa: E731
+    assert len(got.planned_cpu_ms) == len(want_plan)
+    assert all(close(a, b) for a, b in zip(got.planned_cpu_ms, want_plan, strict=True))
+    assert all(close(a, b) for a, b in zip(got.issue_ms, want_issue, strict=True))
+    med = [statistics.median(c) for c in zip(*want_plan, strict=True)]
+    assert f"(CPU meanwhile: {med[0]:.2f} ms on its thread, {med[1]:.2f} on the others)" in clock.line()
+    med = [statistics.median(c) for c in zip(*want_issue, strict=True)]
+    assert (
+        f"issued in {med[0]:.2f} ms (CPU: {med[1]:.2f} ms on its thread, {med[2]:.2f} on the others)"
+        in clock.line()
+    )

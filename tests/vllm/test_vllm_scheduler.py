@@ -7,6 +7,8 @@ end-to-end tests with real vLLM are in test_vllm_e2e.py.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -704,10 +706,11 @@ def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(ser
     meta = timed.build_connector_meta(prefill)
     assert (meta.step_tokens, meta.prefill) == (201, True)
     assert t0 <= meta.scheduled_at <= time.monotonic()  # when it was planned, for the worker's clock
+    assert meta.scheduled_cpu[:2] == (os.getpid(), threading.get_ident())  # where: this thread
     decode = cached_out("a", None, 300, 1)
     decode.num_scheduled_tokens["b"] = 1
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(decode)) == (2, False)
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(empty_out())) == (0, False)
     # Off (the default), nothing is counted.
     meta = untimed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
-    assert (meta.step_tokens, meta.prefill, meta.scheduled_at) == (0, False, 0.0)
+    assert (meta.step_tokens, meta.prefill, meta.scheduled_at, meta.scheduled_cpu) == (0, False, 0.0, ())
