@@ -247,7 +247,18 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=3, help="stores per size (the pool holds them all)")
     ap.add_argument("--load-reps", type=int, default=10, help="loads per size and path")
+    ap.add_argument(
+        "--sizes", default=None, help="comma-separated token counts (default: all, and the batch)"
+    )
+    ap.add_argument(
+        "--no-prestage",
+        action="store_true",
+        help="an A/B: loads copy their first chunk only once prepared (KVTransferEngine._issuing off)",
+    )
     args = ap.parse_args()
+    if args.no_prestage:
+        KVTransferEngine._issuing = lambda self, looked: contextlib.nullcontext()  # type: ignore[method-assign]
+    sizes = [int(t) for t in args.sizes.split(",")] if args.sizes else SIZES
     dev = torch.cuda.get_device_properties(0)
     chunk_bytes = L * 2 * CHUNK * NH * HS * 2
     stores = sum(SIZES) // CHUNK + BATCH * BATCH_TOKENS // CHUNK
@@ -264,13 +275,17 @@ def main() -> None:
         dst = make_caches(NB, 2)
         loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
         gen = torch.Generator().manual_seed(0)
-        for t in SIZES:
+        for t in sizes:
             row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps)
             results["sizes"][str(t)] = row
             print(json.dumps(row), flush=True)
-        row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
-        results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
-        print(json.dumps(row), flush=True)
+        if not args.sizes:
+            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
+            results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
+            print(json.dumps(row), flush=True)
+        pipe = loader.path.pipeline
+        if pipe is not None:
+            print(f"prestaged first chunks: {pipe.prestages}, unused {pipe.prestages_unused}", flush=True)
         results["rpc_us"] = rpc_floor(client, last_key(results))
         storer.close()
         loader.close()
