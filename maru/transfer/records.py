@@ -103,6 +103,10 @@ class StoreReport:
     seconds: float = 0.0
     error: str | None = None
     server_lost: bool = False  # the failure was the server itself (unreachable, timed out)
+    # The calling thread's CPU seconds by phase of the store (``time.thread_time``): "reserve" (the
+    # RESERVE round trip), "issue" (the gather's issue), "complete" (waiting for it and reading its
+    # checksums: the wait itself sleeps on the device), "publish" (the COMMIT round trip).
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -51,11 +51,17 @@ class StoreSide:
         When this returns the paged cache is no longer read: the blocks may be reused at once.
         ``after``/``paced``: see ``DataPath.gather`` (a write-behind store on the drain thread).
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         prep = PreparedStore(report=StoreReport())
+        cpu = prep.report.cpu
         reserved = self._reserve(requests, prep)
+        c1 = time.thread_time()
+        cpu["reserve"] = c1 - c0
         if reserved is not None:
-            self.finish_gather(self.issue_gather(*reserved, prep, paced=paced, after=after), prep)
+            issued = self.issue_gather(*reserved, prep, paced=paced, after=after)
+            c2 = time.thread_time()
+            self.finish_gather(issued, prep)
+            cpu["issue"], cpu["complete"] = c2 - c1, time.thread_time() - c2
         prep.report.seconds += time.perf_counter() - t0
         return prep
 
@@ -212,7 +218,7 @@ class StoreSide:
 
     def commit_store(self, prep: PreparedStore) -> StoreReport:
         """Publish what ``prepare_store`` gathered (one batch); returns the step's full report."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         rep = prep.report
         if prep.objects:
             try:
@@ -235,6 +241,7 @@ class StoreSide:
                     rep.present += 1
             rep.bytes = prep.nbytes
         rep.seconds += time.perf_counter() - t0
+        rep.cpu["publish"] = time.thread_time() - c0
         return rep
 
     # ------------------------------------------------------------------ write-behind store

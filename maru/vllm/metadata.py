@@ -44,6 +44,8 @@ class MaruConnectorMetadata:
     scheduled_at: float = 0.0
     # With it: ``step_clock.cpu_stamp()`` at that moment (process, thread, their CPU times).
     scheduled_cpu: tuple = ()
+    # With ``MARU_THREAD_CENSUS`` too, in prefill steps: ``thread_census.snapshot()`` at that moment.
+    scheduled_threads: dict = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

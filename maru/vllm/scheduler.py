@@ -30,6 +30,7 @@ from typing import Any
 from maru.client.gil_io import slow_note
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
+from maru.vllm import thread_census
 from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
 from maru.vllm.hook_times import HookTimes, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
@@ -490,6 +491,8 @@ class MaruSchedulerConnector(LoadPlanning):
             meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
             meta.scheduled_at = time.monotonic()
             meta.scheduled_cpu = cpu_stamp()
+            if meta.prefill and thread_census.enabled():
+                meta.scheduled_threads = thread_census.snapshot()
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from maru.vllm import thread_census
+
 logger = logging.getLogger("maru.vllm")
 
 MAX_PENDING = 64  # steps whose events are not read yet (a stalled device: the oldest are dropped)
@@ -87,6 +89,8 @@ class _KindTimes:
     issue_ms: collections.deque[tuple[float, float, float]] = field(
         default_factory=lambda: collections.deque(maxlen=GAPS_KEPT)
     )
+    # ``MARU_THREAD_CENSUS``: whose that other threads' CPU from the plan was, by thread name.
+    census: thread_census.ThreadShares = field(default_factory=thread_census.ThreadShares)
 
 
 def cpu_stamp() -> tuple[int, int, float, float]:
@@ -107,6 +111,7 @@ class StepClock:
         self._planned_ms: float | None = None  # this step's plan-to-start host time, if known
         self._planned_cpu: tuple[float, float] | None = None  # its CPU: this thread's, the others'
         self._issue0: tuple[float, float, float] | None = None  # wall, thread CPU, process CPU at start
+        self._census: dict[str, float] | None = None  # the other threads' ms since the plan, by name
         self._last_end: Any = None
         self.kinds: dict[str, _KindTimes] = {}
         self.dropped = 0
@@ -138,19 +143,26 @@ class StepClock:
             e,
         )
 
-    def started(self, scheduled_at: float = 0.0, scheduled_cpu: tuple = ()) -> None:
+    def started(
+        self, scheduled_at: float = 0.0, scheduled_cpu: tuple = (), scheduled_threads: dict | None = None
+    ) -> None:
         """The step's forward is about to be queued on the current stream; ``scheduled_at``: when
         the scheduler side planned it (``time.monotonic()``; 0: unknown); ``scheduled_cpu``: its
-        ``cpu_stamp()`` (empty: unknown)."""
+        ``cpu_stamp()`` (empty: unknown); ``scheduled_threads``: its ``thread_census.snapshot()``
+        (``MARU_THREAD_CENSUS``; the other threads' CPU since then is filed by thread name)."""
         if self._torch is not None:
             now = time.monotonic()
             self._planned_ms = (now - scheduled_at) * 1e3 if scheduled_at else None
             thread_s, process_s = time.thread_time(), time.process_time()
             self._issue0 = (now, thread_s, process_s)
             self._planned_cpu = None
+            self._census = None
             if len(scheduled_cpu) == 4 and scheduled_cpu[:2] == (os.getpid(), threading.get_ident()):
                 mine = thread_s - scheduled_cpu[2]
                 self._planned_cpu = (mine * 1e3, (process_s - scheduled_cpu[3] - mine) * 1e3)
+                if scheduled_threads:
+                    after = thread_census.snapshot()
+                    self._census = thread_census.shares(scheduled_threads, after, threading.get_native_id())
             try:
                 self._start = self._event()
             except Exception as e:
@@ -170,6 +182,9 @@ class StepClock:
             times.planned_ms.append(planned)
             if self._planned_cpu is not None:
                 times.planned_cpu_ms.append(self._planned_cpu)
+            if self._census is not None:
+                times.census.add(self._census)
+                self._census = None
         if self._issue0 is not None:
             wall0, thread0, process0 = self._issue0
             mine = time.thread_time() - thread0
@@ -235,6 +250,11 @@ class StepClock:
                     *_medians(t.issue_ms)
                 )
                 if t.issue_ms
+                else ""
+            )
+            + (
+                f", other threads' CPU from the plan, ms a step: {t.census.line()}"
+                if t.census.windows
                 else ""
             )
             for k, t in sorted(self.kinds.items(), key=lambda kv: -kv[1].steps)

@@ -262,7 +262,7 @@ class MaruWorkerConnector:
         layer-overlap mode loads the step synchronously here instead."""
         self._failed_blocks_step = set()
         if meta is not None:
-            self.step_clock.started(meta.scheduled_at, meta.scheduled_cpu)
+            self.step_clock.started(meta.scheduled_at, meta.scheduled_cpu, meta.scheduled_threads)
         else:
             self.step_clock.started()
         if self.gil_probe is not None:

@@ -53,6 +53,7 @@ class WorkerStats:
     drain_batches: int = 0
     drain_cpu_s: float = 0.0
     drain_wall_s: float = 0.0
+    drain_phase_cpu_s: dict[str, float] = field(default_factory=dict)  # StoreReport.cpu, summed
     # maru_gil_probe_ms (maru.vllm.gil_probe): the probe thread's wake-ups while the engine ran
     # steps, how late they were in all and at most (its wait for the GIL), and their histogram
     gil_probe_wakeups: int = 0
@@ -96,6 +97,15 @@ class WorkerStats:
         drain = (
             f"; drain thread: {1e3 * self.drain_cpu_s / self.drain_batches:.2f} ms CPU, "
             f"{1e3 * self.drain_wall_s / self.drain_batches:.2f} ms wall a store batch"
+            + (
+                " (CPU: "
+                + ", ".join(
+                    f"{k} {1e3 * v / self.drain_batches:.2f}" for k, v in self.drain_phase_cpu_s.items()
+                )
+                + " ms)"
+                if self.drain_phase_cpu_s
+                else ""
+            )
             if self.drain_batches
             else ""
         )

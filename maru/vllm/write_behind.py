@@ -130,8 +130,12 @@ class WriteBehind:
             with torch.inference_mode(inference):
                 prof = profile_for("drain")  # MARU_PROFILE: a diagnosis, off by default
                 if prof is not None:
-                    return prof.run(engine.complete_store, pending)
-                return engine.complete_store(pending)
+                    rep = prof.run(engine.complete_store, pending)
+                else:
+                    rep = engine.complete_store(pending)
+            for phase, s in rep.cpu.items():
+                self.stats.drain_phase_cpu_s[phase] = self.stats.drain_phase_cpu_s.get(phase, 0.0) + s
+            return rep
         finally:
             self.draining = False
             # Floats added on one thread, read on the other: a torn read is impossible under the GIL.

@@ -695,7 +695,10 @@ def test_async_loads_without_vllms_prefix_cache_are_announced_as_a_slower_path(
             h.close()
 
 
-def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(server, keyer, client) -> None:
+def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(
+    server, keyer, client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MARU_THREAD_CENSUS", raising=False)
     timed = make_sched(server, keyer, client, log_timing=True)
     untimed = make_sched(server, keyer, client)
     for s in (timed, untimed):
@@ -707,6 +710,10 @@ def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(ser
     assert (meta.step_tokens, meta.prefill) == (201, True)
     assert t0 <= meta.scheduled_at <= time.monotonic()  # when it was planned, for the worker's clock
     assert meta.scheduled_cpu[:2] == (os.getpid(), threading.get_ident())  # where: this thread
+    assert meta.scheduled_threads == {}  # the thread census is a diagnosis of its own
+    monkeypatch.setenv("MARU_THREAD_CENSUS", "1")
+    censused = timed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
+    assert threading.get_native_id() in censused.scheduled_threads  # a prefill step: censused
     decode = cached_out("a", None, 300, 1)
     decode.num_scheduled_tokens["b"] = 1
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(decode)) == (2, False)

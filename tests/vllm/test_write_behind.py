@@ -127,6 +127,10 @@ def test_a_finished_request_is_reported_once_after_its_store_drained_and_the_byt
         assert (s.deferred_commits, s.chunks_stored, s.store_failures) == (1, 2, 0)
         # The drain thread's time was counted: it ran the gather and the publish (wall >= its CPU).
         assert s.drain_batches == 1 and 0 < s.drain_cpu_s and 0 < s.drain_wall_s
+        # Its CPU by phase: each phase of a deferred store, within the batch's CPU time.
+        phases = s.drain_phase_cpu_s
+        assert set(phases) == {"reserve", "issue", "complete", "publish"}, phases
+        assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= s.drain_cpu_s + 1e-6
     finally:
         gate.set()
         stop_worker(w)
@@ -559,3 +563,7 @@ def test_the_timing_note_says_how_long_finished_requests_waited_and_how_many_ste
     )
     s.deferred_commits, s.drain_batches, s.drain_cpu_s, s.drain_wall_s = 5, 4, 0.002, 0.01  # one in flight
     assert s.timing_note().endswith("; drain thread: 0.50 ms CPU, 2.50 ms wall a store batch")
+    s.drain_phase_cpu_s = {"reserve": 0.0004, "issue": 0.0008}
+    assert s.timing_note().endswith(
+        "; drain thread: 0.50 ms CPU, 2.50 ms wall a store batch (CPU: reserve 0.10, issue 0.20 ms)"
+    )

@@ -1,0 +1,89 @@
+"""Which threads of the engine process ran between two moments: a diagnosis, ``MARU_THREAD_CENSUS=1``.
+
+The step clock says how much CPU the process's other threads took between the scheduler's plan of
+a prefill step and its start (``StepClock``, ``maru_log_timing``); this says whose it was. A
+snapshot reads each thread's time on a CPU from ``/proc/self/task/<tid>/schedstat`` (nanoseconds,
+Linux); two snapshots give each thread's share of the window, named by its Python thread name
+(``threading.Thread.native_id``) or, for threads Python did not start (libzmq's, CUDA's, torch's
+pools), by the kernel's name for it (``comm``).
+
+Off by default: a snapshot reads one small file per thread (about a millisecond for a hundred
+threads), on vLLM's scheduling thread. Only prefill steps are censused. A thread that ended
+within the window is not counted (it is gone from ``/proc``; the engine's and Maru's threads live
+as long as the engine). Never raises: a thread that ends between the listing and the read is
+skipped; without ``/proc`` the census is off.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+ENV = "MARU_THREAD_CENSUS"
+_TASKS = "/proc/self/task"
+
+
+def enabled() -> bool:
+    """Whether ``MARU_THREAD_CENSUS`` asks for the census (and ``/proc`` can answer it)."""
+    return os.environ.get(ENV, "") not in ("", "0") and os.path.isdir(_TASKS)
+
+
+def snapshot() -> dict[int, int]:
+    """Each thread of this process (kernel thread id) -> nanoseconds it has run on a CPU."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile, or an unexpected format
+    return out
+
+
+def _name(tid: int, python: dict[int, str]) -> str:
+    if tid in python:
+        return python[tid]
+    try:
+        with open(f"{_TASKS}/{tid}/comm") as f:
+            return f"{f.read().strip()} (not Python's)"
+    except OSError:
+        return f"thread {tid}"
+
+
+def shares(before: dict[int, int], after: dict[int, int], skip: int | None = None) -> dict[str, float]:
+    """Milliseconds each thread ran between two snapshots, by name (threads of one name summed;
+    ``skip``: a thread id left out, e.g. the caller's own); threads that did not run are left out."""
+    python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = collections.defaultdict(float)
+    for tid, ns in after.items():
+        if tid == skip:
+            continue
+        ran = ns - before.get(tid, 0)  # a thread started in the window: all of it
+        if ran > 0:
+            out[_name(tid, python)] += ran / 1e6
+    return dict(out)
+
+
+class ThreadShares:
+    """The other threads' CPU in a window, summed over windows, by thread name (one kind of step)."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+        self.ms: dict[str, float] = collections.defaultdict(float)
+
+    def add(self, shares_ms: dict[str, float]) -> None:
+        self.windows += 1
+        for name, ms in shares_ms.items():
+            self.ms[name] += ms
+
+    def line(self, top: int = 4) -> str:
+        """``name a ms, name b ms, ...`` a window (the ``top`` largest), "" before any window."""
+        if not self.windows:
+            return ""
+        best = sorted(self.ms.items(), key=lambda kv: -kv[1])[:top]
+        return ", ".join(f"{name} {ms / self.windows:.2f}" for name, ms in best)
