@@ -201,6 +201,7 @@ class MaruSchedulerConnector(LoadPlanning):
                             self._withheld_note,
                             slow_note("vLLM's scheduling thread"),
                             profiling_note(),
+                            thread_census.slow_note() if self.cfg.log_timing else None,
                         )
                         if n
                     ],

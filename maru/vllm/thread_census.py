@@ -29,6 +29,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "") not in ("", "0") and os.path.isdir(_TASKS)
 
 
+def slow_note() -> str | None:
+    """The slow path a scheduler side that censuses reports (``maru doctor``); None when off."""
+    if not enabled():
+        return None
+    return (
+        f"{ENV} reads every thread's CPU time at each prefill step's plan and start (about a millisecond "
+        f"a step on vLLM's scheduling thread; a diagnosis). Fix: unset {ENV} when the diagnosis is done"
+    )
+
+
 def snapshot() -> dict[int, int]:
     """Each thread of this process (kernel thread id) -> nanoseconds it has run on a CPU."""
     out: dict[int, int] = {}

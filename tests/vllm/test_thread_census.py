@@ -79,8 +79,11 @@ def test_the_census_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None
     assert not thread_census.enabled()
     monkeypatch.setenv(thread_census.ENV, "0")
     assert not thread_census.enabled()
+    assert thread_census.slow_note() is None
     monkeypatch.setenv(thread_census.ENV, "1")
     assert thread_census.enabled()
+    note = thread_census.slow_note()
+    assert note is not None and "Fix: unset MARU_THREAD_CENSUS" in note  # what maru doctor shows
 
 
 class _Events:
