@@ -130,6 +130,7 @@ class MaruHandler(PostedLookups, SessionClient):
         self._client_info: dict[str, Any] | None = None
         self._client_info_version = 0
         self._client_info_sent = 0
+        self._integrity_note: str | None = None  # this handler's own slow sentence (stray pins)
         self._warned_info_unsupported = False
         try:
             self._handshake()

@@ -308,6 +308,7 @@ class SessionClient:
         elif self._lost_pins and time.monotonic() - self._lost_at > LOST_PINS_KEPT_S:
             self._lost_pins.clear()  # a request lost that long ago can no longer be applied
         self.stray_pins = stray
+        self._note_integrity(_stray_note(stray) if stray else None)
         if stray and self._warned_stray_session != self._session:
             self._warned_stray_session = self._session
             log.warning(
@@ -451,8 +452,27 @@ class SessionClient:
         )
 
     def _client_info_state(self) -> tuple[int, dict[str, Any] | None]:
+        """(version, the info to send): the caller's info, with this handler's own integrity note
+        (stray pins) added to its ``slow`` list while there is one (``maru doctor`` shows it)."""
         with self._client_info_lock:
-            return self._client_info_version, self._client_info
+            version, info, note = self._client_info_version, self._client_info, self._integrity_note
+        if note is None:
+            if info is None and version:  # only a note was ever sent, and it is gone: a map says so
+                return version, {"role": "maru client", "slow": []}
+            return version, info
+        merged = dict(info) if info is not None else {"role": "maru client"}
+        slow = merged.get("slow")
+        merged["slow"] = [*(slow if isinstance(slow, list) else []), note]
+        if protocol.client_info_problem(merged) is not None:  # no room left: the caller's info alone
+            return version, info
+        return version, merged
+
+    def _note_integrity(self, note: str | None) -> None:
+        """Set the handler's own ``slow`` sentence; a change goes with the next heartbeat."""
+        with self._client_info_lock:
+            if note != self._integrity_note:
+                self._integrity_note = note
+                self._client_info_version += 1
 
     def set_client_info(self, info: Mapping[str, Any]) -> None:
         """Describe this client to operators: ``maru stats`` lists it, ``maru doctor`` judges it.
@@ -488,6 +508,17 @@ class SessionClient:
     def client_info(self) -> dict[str, Any] | None:
         """The info last given to ``set_client_info`` (None before any)."""
         return self._client_info_state()[1]
+
+
+def _stray_note(stray: int) -> str:
+    """The ``slow`` sentence of a client whose session holds ``stray`` pins no handle holds."""
+    return (
+        f"the server holds {stray} pins of this client's session that none of its handles holds "
+        "(requests lost with a replaced connection, applied after all): they keep those entries "
+        "from eviction until given back (at a heartbeat, where their keys are known), the client "
+        "closes or its lease ends. Fix: find why requests timed out (a stalled or overloaded "
+        "server, `maru stats`), or restart this client to release them"
+    )
 
 
 def _ignore(op: int, body: Mapping[str, Any]) -> None:

@@ -77,6 +77,13 @@ def _connection_held_elsewhere(h: MaruHandler) -> Iterator[None]:
         t.join()
 
 
+def _slow_at_server(h: MaruHandler) -> list[str]:
+    """This client's ``slow`` sentences as the server lists them (``maru stats``, ``maru doctor``)."""
+    mine = [c for c in h.stats()["clients"] if c["client_id"] == h.client_id]
+    info = mine[0]["info"] if mine else None
+    return list((info or {}).get("slow", []))
+
+
 def _until_unpinned(h: MaruHandler) -> None:
     deadline = time.monotonic() + 10
     while _pinned(h):
@@ -242,10 +249,15 @@ def test_pins_the_server_holds_beyond_the_handles_are_announced_as_stray(
         sum("holds 2 pins of this client that none of its handles holds" in r.message for r in caplog.records)
         == 1
     )
+    # The next heartbeat told the server: `maru stats` lists it among this client's slow paths,
+    # `maru doctor` warns with it.
+    assert any("holds 2 pins of this client's session" in s for s in _slow_at_server(h))
     with h._lock:  # the stray pins given back past the handler too
         assert h._rpc.request(Op.UNPIN, {"keys": ["pl-g1", "pl-g0"], "client_id": h.client_id}, 5)["ok"]
     beat_seen()
     assert h.integrity()["stray_pins"] == 0
+    beat_seen()
+    assert _slow_at_server(h) == []  # gone from the server's view too
     assert _pinned(h) == 1  # the handle's pin is still there
     h.batch_release(legit)
 
