@@ -27,17 +27,11 @@ from maru.checksum import checksum  # noqa: E402
 from maru.kv_ops import device_pipeline as pl  # noqa: E402
 from maru.kv_ops.cuda_sync import D2D, D2H  # noqa: E402
 from tests.kv_ops import test_device_pipeline_gpu as base  # noqa: E402
-from tests.kv_ops.test_device_pipeline_gpu import (  # noqa: E402
-    BACKEND,
-    CHUNK,
-    RegisteredPool,
-    _reference_gather,
-    _slots,
-    make_caches,
-)
 from tests.kv_ops.test_paced_store_gpu import RecordingSync  # noqa: E402
 
-pool, _rewind = base.pool, base._rewind  # the same fixtures: one registered pool a module, rewound
+# The device pipeline tests' geometry, helpers and fixtures (one registered pool a module, rewound).
+BACKEND, CHUNK, RegisteredPool, make_caches = base.BACKEND, base.CHUNK, base.RegisteredPool, base.make_caches
+_reference_gather, _slots, pool, _rewind = base._reference_gather, base._slots, base.pool, base._rewind
 
 SIZES = [CHUNK, CHUNK, CHUNK, 70]  # more chunks than a ring of two, a short last one
 
