@@ -103,7 +103,8 @@ class KVTransferEngine(StoreSide):
             else:
                 self.path.no_segments = f"a row of the cache is {row_bytes} bytes, not whole 8-byte words"
         self.path.segment_tokens = segment_tokens or None
-        self._pool_base = _pool_address(client)  # where a lookup's page is: its copy queued early
+        self._pool_map: Any = None  # the client's pool mapping whose address ``_pool_base`` is
+        self._pool_base = 0
 
     @property
     def paces_stores(self) -> bool:
@@ -173,7 +174,7 @@ class KVTransferEngine(StoreSide):
         once (``DevicePipeline.issuing``): a one-chunk load is on the bus while its checks and
         objects are made. Only where the pool's address in this process is known."""
         pipe = self.path.pipeline
-        if pipe is None or not self._pool_base or not pipe.on_gpu or looked.handles is None:
+        if pipe is None or not pipe.on_gpu or looked.handles is None or not self._pool_address():
             return contextlib.nullcontext()
         for req in looked.requests:
             for c in req.chunks:
@@ -184,6 +185,19 @@ class KVTransferEngine(StoreSide):
                     # The page's bounds were checked when its view was made (lookup or held pin).
                     return pipe.issuing(self._pool_base + h.offset, int(h.size), c.num_tokens)  # type: ignore[no-any-return]
         return contextlib.nullcontext()
+
+    def _pool_address(self) -> int:
+        """The client's pool mapping's address in this process, as of now (a server that came
+        back with another pool is mapped anew: the lookups' offsets are in the new mapping);
+        0 where the client maps no pool (a test's)."""
+        try:
+            mapping = self.client.pool_mapping
+            if mapping is not self._pool_map:
+                address = mapping.address
+                self._pool_map, self._pool_base = mapping, address if isinstance(address, int) else 0
+        except Exception:
+            return 0
+        return self._pool_base
 
     def _issue_checked(self, looked: LookedUp, batch: IssuedScatter, t1: float) -> InflightLoad:
         rep, index, handles = looked.report, looked.index, looked.handles
@@ -433,12 +447,3 @@ class KVTransferEngine(StoreSide):
             logger.warning(
                 "Maru: unpinning %d loaded chunks failed (%s); the lease frees them", len(handles), e
             )
-
-
-def _pool_address(client: Any) -> int:
-    """The pool mapping's address in this process (0 where the client maps no pool: a test's)."""
-    try:
-        address = client.pool_mapping.address
-    except Exception:
-        return 0
-    return address if isinstance(address, int) else 0

@@ -426,3 +426,19 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     for asked, path_paces in ((True, True), (True, False), (False, True)):
         eng = SimpleNamespace(paced_store=asked, path=SimpleNamespace(paces_stores=path_paces))
         assert KVTransferEngine.paces_stores.fget(eng) == (asked and path_paces)  # type: ignore[attr-defined]
+
+
+def test_the_engine_reads_the_pool_address_of_the_clients_current_mapping() -> None:
+    """A load's first copy is queued from the pool's address in this process (``prestage``): the
+    engine follows the client's mapping as it is now (a server back with another pool is mapped
+    anew, and the lookups' offsets are in the new mapping); a client that maps no pool: 0, and
+    nothing is prestaged."""
+    from types import SimpleNamespace
+
+    client = SimpleNamespace(pool_mapping=SimpleNamespace(address=0x7F0000000000))
+    eng = plain_engine(case("kv_first", "NHD", 1), client)
+    assert eng._pool_address() == 0x7F0000000000
+    client.pool_mapping = SimpleNamespace(address=0x7E0000000000)  # remapped
+    assert eng._pool_address() == 0x7E0000000000
+    del client.pool_mapping  # a client of a test: no mapping
+    assert eng._pool_address() == 0
