@@ -5,13 +5,16 @@ a prefill step and its start (``StepClock``, ``maru_log_timing``); this says who
 snapshot reads each thread's time on a CPU from ``/proc/self/task/<tid>/schedstat`` (nanoseconds,
 Linux); two snapshots give each thread's share of the window, named by its Python thread name
 (``threading.Thread.native_id``) or, for threads Python did not start (libzmq's, CUDA's, torch's
-pools), by the kernel's name for it (``comm``).
+pools), by the kernel's name for it (``comm``). The process's own total (``process_time``) gives
+the CPU of threads that ended in the window, and the schedstat's second field how long the
+scheduling thread itself waited for a CPU while runnable: its time off its CPU that is neither is
+asleep (the GIL, the device, a socket).
 
 Off by default: a snapshot reads one small file per thread (about a millisecond for a hundred
 threads), on vLLM's scheduling thread. Only prefill steps are censused. A thread that ended
-within the window is not counted (it is gone from ``/proc``; the engine's and Maru's threads live
-as long as the engine). Never raises: a thread that ends between the listing and the read is
-skipped; without ``/proc`` the census is off.
+within the window is not named (it is gone from ``/proc``); its CPU shows as ``GONE``. Never
+raises: a thread that ends between the listing and the read is skipped; without ``/proc`` the
+census is off.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 
 ENV = "MARU_THREAD_CENSUS"
 _TASKS = "/proc/self/task"
@@ -39,9 +43,16 @@ def slow_note() -> str | None:
     )
 
 
-def snapshot() -> dict[int, int]:
-    """Each thread of this process (kernel thread id) -> nanoseconds it has run on a CPU."""
-    out: dict[int, int] = {}
+PROCESS = 0  # a snapshot's entry for the whole process (no thread has id 0)
+GONE = "threads that ended before the start"  # a window's CPU of threads gone from /proc
+RUN_QUEUE = "this thread waiting for a CPU"  # the skipped thread's time runnable but not running
+
+
+def snapshot() -> dict[int, tuple[int, int]]:
+    """Each thread of this process (kernel thread id) -> (nanoseconds it ran on a CPU, nanoseconds it
+    waited for one while runnable), and ``PROCESS`` -> (the process's CPU nanoseconds, 0): the
+    process's total also counts threads that end before the next snapshot."""
+    out: dict[int, tuple[int, int]] = {PROCESS: (time.process_time_ns(), 0)}
     try:
         tids = os.listdir(_TASKS)
     except OSError:
@@ -49,7 +60,8 @@ def snapshot() -> dict[int, int]:
     for tid in tids:
         try:
             with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
-                out[int(tid)] = int(f.read().split()[0])
+                fields = f.read().split()
+            out[int(tid)] = (int(fields[0]), int(fields[1]))
         except (OSError, ValueError, IndexError):
             continue  # ended meanwhile, or an unexpected format
     return out
@@ -65,17 +77,28 @@ def _name(tid: int, python: dict[int, str]) -> str:
         return f"thread {tid}"
 
 
-def shares(before: dict[int, int], after: dict[int, int], skip: int | None = None) -> dict[str, float]:
+def shares(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], skip: int | None = None
+) -> dict[str, float]:
     """Milliseconds each thread ran between two snapshots, by name (threads of one name summed;
-    ``skip``: a thread id left out, e.g. the caller's own); threads that did not run are left out."""
+    ``skip``: a thread id left out, e.g. the caller's own); threads that did not run are left out.
+    Two more entries: ``GONE``, the CPU of threads that ended in between (the process's total less
+    every listed thread's; a few ms of noise either way: the kernel updates a running thread's
+    count at its ticks), and ``RUN_QUEUE``, how long ``skip`` waited for a CPU while runnable."""
     python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     out: dict[str, float] = collections.defaultdict(float)
-    for tid, ns in after.items():
-        if tid == skip:
+    listed = 0
+    for tid, (ns, waited) in after.items():
+        if tid == PROCESS:
             continue
-        ran = ns - before.get(tid, 0)  # a thread started in the window: all of it
-        if ran > 0:
+        ran = ns - before.get(tid, (0, 0))[0]  # a thread started in the window: all of it
+        listed += ran
+        if tid == skip:
+            out[RUN_QUEUE] = (waited - before.get(tid, (0, 0))[1]) / 1e6
+        elif ran > 0:
             out[_name(tid, python)] += ran / 1e6
+    if PROCESS in before and PROCESS in after:
+        out[GONE] = (after[PROCESS][0] - before[PROCESS][0] - listed) / 1e6
     return dict(out)
 
 
@@ -92,8 +115,14 @@ class ThreadShares:
             self.ms[name] += ms
 
     def line(self, top: int = 4) -> str:
-        """``name a ms, name b ms, ...`` a window (the ``top`` largest), "" before any window."""
+        """``name a, name b, ...; GONE c; RUN_QUEUE d`` in ms a window (the ``top`` largest named
+        threads), "" before any window."""
         if not self.windows:
             return ""
-        best = sorted(self.ms.items(), key=lambda kv: -kv[1])[:top]
-        return ", ".join(f"{name} {ms / self.windows:.2f}" for name, ms in best)
+        named = [(k, v) for k, v in self.ms.items() if k not in (GONE, RUN_QUEUE)]
+        best = sorted(named, key=lambda kv: -kv[1])[:top]
+        out = ", ".join(f"{name} {ms / self.windows:.2f}" for name, ms in best)
+        for key in (GONE, RUN_QUEUE):
+            if key in self.ms:
+                out += f"; {key} {max(0.0, self.ms[key] / self.windows):.2f}"
+        return out

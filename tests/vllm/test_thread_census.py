@@ -48,7 +48,7 @@ class _Burner:
 def test_a_busy_thread_is_named_with_its_cpu_and_the_skipped_thread_is_left_out() -> None:
     me = threading.get_native_id()
     before = thread_census.snapshot()
-    assert me in before and before[me] > 0
+    assert me in before and before[me][0] > 0
     took: list[float] = []
     t = _Burner("census-busy", 60, took)
     x = 0
@@ -60,8 +60,22 @@ def test_a_busy_thread_is_named_with_its_cpu_and_the_skipped_thread_is_left_out(
     own_ms = took[0] * 1e3
     assert 0.5 * own_ms <= shares["census-busy"] <= 1.5 * own_ms + 5
     assert threading.current_thread().name not in shares
+    assert shares[thread_census.RUN_QUEUE] >= 0  # this thread's wait for a CPU, apart
     # Without the skip this thread's work shows under its own name.
     assert threading.current_thread().name in thread_census.shares(before, thread_census.snapshot())
+
+
+def test_a_thread_that_ended_in_the_window_counts_as_gone() -> None:
+    """A thread started and ended between the snapshots is gone from /proc: its CPU shows in the
+    process's total, as ``GONE``, not under a name."""
+    before = thread_census.snapshot()
+    took: list[float] = []
+    t = _Burner("census-brief", 60, took)
+    t.stop()
+    shares = thread_census.shares(before, thread_census.snapshot(), skip=threading.get_native_id())
+    assert "census-brief" not in shares
+    own_ms = took[0] * 1e3
+    assert 0.5 * own_ms <= shares[thread_census.GONE] <= 1.5 * own_ms + 10
 
 
 def test_shares_add_up_per_window_and_the_line_shows_the_largest_first() -> None:
@@ -72,6 +86,9 @@ def test_shares_add_up_per_window_and_the_line_shows_the_largest_first() -> None
     assert s.windows == 2
     assert s.line() == "a 2.00, b 2.00, c 0.25"
     assert s.line(top=1) == "a 2.00"
+    s.add({thread_census.GONE: 6.0, thread_census.RUN_QUEUE: 0.3, "c": 1.0})
+    s.add({thread_census.GONE: -0.6, thread_census.RUN_QUEUE: 0.0})  # the counts' noise: below 0
+    assert s.line(top=2) == (f"a 1.00, b 1.00; {thread_census.GONE} 1.35; {thread_census.RUN_QUEUE} 0.07")
 
 
 def test_the_census_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
