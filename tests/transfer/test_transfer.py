@@ -11,13 +11,21 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase, naive_token
-from maru.transfer.records import ChunkRef, RequestTransfer, block_table, chunk_slots, slot_mapping
+from maru.transfer.records import (
+    ChunkRef,
+    RequestTransfer,
+    block_table,
+    chunk_slots,
+    many_chunk_slots,
+    slot_mapping,
+)
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 from tests.transfer.helpers import BS, CHUNK, bits_equal, case, plain_engine, request, worker
@@ -442,3 +450,43 @@ def test_the_engine_reads_the_pool_address_of_the_clients_current_mapping() -> N
     assert eng._pool_address() == 0x7E0000000000
     del client.pool_mapping  # a client of a test: no mapping
     assert eng._pool_address() == 0
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_steps_slots_made_at_once_equal_each_requests_chunk_slots(whole: bool) -> None:
+    """``many_chunk_slots`` against ``chunk_slots`` request by request, on random steps: contiguous
+    chunks placed in part or whole, gaps (made alone), requests short of blocks (made alone: the
+    error is theirs), nothing placed, block sizes 1, 3 and 16 (never the 8 heads of a model)."""
+    rng = random.Random(41 + whole)
+    for _ in range(150):
+        bs = rng.choice([1, 3, 16])
+        step = []
+        for _ in range(rng.randint(1, 6)):
+            nblocks = rng.randint(1, 10)
+            ids = rng.sample(range(1000), nblocks)
+            chunks, start = [], rng.randint(0, 2 * bs)
+            usual = rng.random() < 0.5
+            while start < nblocks * bs + bs and len(chunks) < 4:
+                num = rng.randint(1, 2 * bs + 5)
+                pb = 0 if usual else rng.randint(0, num)
+                pe = num if usual else rng.randint(pb, num)
+                chunks.append(
+                    ChunkRef(f"k{len(chunks)}", start, num, pb, pe if pe < num or rng.random() < 0.5 else -1)
+                )
+                start += num + (0 if usual or rng.random() < 0.8 else bs)
+            step.append((ids, chunks))
+        want: list[Any] = []
+        for ids, chunks in step:
+            try:
+                want.append(chunk_slots(ids, bs, chunks, whole=whole).tolist())
+            except ValueError as e:
+                want.append(str(e))
+        if any(isinstance(w, str) for w in want):
+            with pytest.raises(ValueError, match="blocks of"):
+                many_chunk_slots(step, bs, whole=whole)
+            ok = [r for r, w in zip(step, want, strict=True) if not isinstance(w, str)]
+            want = [w for w in want if not isinstance(w, str)]
+            step = ok
+        got = many_chunk_slots(step, bs, whole=whole)
+        assert [g.dtype for g in got] == [torch.int64] * len(step)
+        assert [g.tolist() for g in got] == want
