@@ -40,6 +40,7 @@ from maru.transfer.records import (
     RequestTransfer,
     blocks_needed,
     chunk_slots,
+    many_chunk_slots,
     too_few_blocks,
     unique_keys,
 )
@@ -312,11 +313,14 @@ class KVTransferEngine(StoreSide):
         handles: list[Any],
         index: dict[str, int],
         views: dict[int, torch.Tensor] | None = None,
+        flat: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
         """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk;
-        ``views``: objects made beforehand, by key position (``_views_of``)."""
+        ``views``: objects made beforehand, by key position (``_views_of``); ``flat``: the
+        request's slots made beforehand (``_step_slots``), else made here."""
         out = []
-        flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
+        if flat is None:
+            flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
         hs, objs = self._objects(req, handles, index, views)
         o = 0
         for c, h, obj in zip(req.chunks, hs, objs, strict=True):
@@ -399,13 +403,23 @@ class KVTransferEngine(StoreSide):
                 else:
                     pl.failed[req.req_id] = why
             views = self._views_of(checked, handles, index)
-            for req in checked:
+            flats = self._step_slots(checked)
+            for req, flat in zip(checked, flats, strict=True):
                 try:
-                    pl.ready.append((req, self._parts(req, handles, index, views)))
+                    pl.ready.append((req, self._parts(req, handles, index, views, flat)))
                 except Exception as e:
                     pl.failed[req.req_id] = f"preparing the chunks failed: {type(e).__name__}: {e}"
         pl.seconds = time.perf_counter() - t0
         return pl
+
+    def _step_slots(self, requests: list[RequestTransfer]) -> list[torch.Tensor | None]:
+        """Every request's slots in one pass (``many_chunk_slots``: 32 held turns of two chunks,
+        2.2 ms -> see bench/RESULTS.md, on the CI machine); where that fails, None a request: each
+        makes its own in ``_parts`` (and fails alone)."""
+        try:
+            return list(many_chunk_slots([(r.block_ids, r.chunks) for r in requests], self.block_size))
+        except Exception:
+            return [None] * len(requests)
 
     def _views_of(
         self, requests: list[RequestTransfer], handles: list[Any], index: dict[str, int]

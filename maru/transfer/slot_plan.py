@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from maru.transfer.records import RequestTransfer, chunk_slots
+from maru.transfer.records import RequestTransfer, chunk_slots, many_chunk_slots
 
 
 def joined_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -61,16 +61,17 @@ class DeferredSlots:
     def per_item(self) -> list[torch.Tensor]:
         """Each item's host slot mapping (int64; -1 where a token is not placed)."""
         if self._made is None:
-            flat: dict[int, torch.Tensor] = {}
-            out = []
-            for r, o, t in self._items:
-                m = flat.get(r)
-                if m is None:
-                    block_ids, block_size, chunks = self._requests[r]
-                    m = flat[r] = chunk_slots(block_ids, block_size, chunks)
-                out.append(m[o : o + t])
-            self._made = out
+            flat = self._per_request()
+            self._made = [flat[r][o : o + t] for r, o, t in self._items]
         return self._made
+
+    def _per_request(self) -> list[torch.Tensor]:
+        """Each request's mapping: all of them in one pass (``many_chunk_slots``) where they share
+        a block size (always, from one engine), else one at a time."""
+        sizes = {bs for _, bs, _ in self._requests}
+        if len(sizes) == 1:
+            return many_chunk_slots([(ids, chunks) for ids, _, chunks in self._requests], sizes.pop())
+        return [chunk_slots(ids, bs, chunks) for ids, bs, chunks in self._requests]
 
     def joined(self) -> torch.Tensor:
         """Every item's mapping, concatenated in item order."""

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from maru.transfer.loads import IssuedScatter
-from maru.transfer.records import ChunkRef, RequestTransfer, blocks_needed, chunk_slots, slot_mapping
+from maru.transfer.records import (
+    ChunkRef,
+    RequestTransfer,
+    blocks_needed,
+    chunk_slots,
+    many_chunk_slots,
+    slot_mapping,
+)
 from maru.transfer.slot_plan import DeferredSlots, joined_slots, listed
 
 BS = 16  # block size; chunks of 48 tokens (not a multiple of anything else here)
@@ -80,13 +87,13 @@ def test_deferred_slots_are_made_once_per_request_and_lists_pass_through(
 ) -> None:
     from maru.transfer import slot_plan
 
-    calls: list[str] = []
+    calls: list[list[str]] = []
 
-    def counting(block_ids, block_size, chunks):  # type: ignore[no-untyped-def]
-        calls.append(chunks[0].key)
-        return chunk_slots(block_ids, block_size, chunks)
+    def counting(requests, block_size):  # type: ignore[no-untyped-def]
+        calls.append([chunks[0].key for _, chunks in requests])
+        return many_chunk_slots(requests, block_size)
 
-    monkeypatch.setattr(slot_plan, "chunk_slots", counting)
+    monkeypatch.setattr(slot_plan, "many_chunk_slots", counting)
     rng = random.Random(9)
     deferred = DeferredSlots()
     reqs = [_request(rng, f"r{i}", [f"a{i}", f"b{i}", f"c{i}"]) for i in range(2)]
@@ -96,7 +103,7 @@ def test_deferred_slots_are_made_once_per_request_and_lists_pass_through(
             deferred.add_item(r, i * CHUNK, CHUNK)
     assert calls == []  # nothing made before it is asked for
     first = deferred.per_item()
-    assert deferred.per_item() is first and calls == ["a0", "a1"]
+    assert deferred.per_item() is first and calls == [["a0", "a1"]]  # once, both requests in one pass
     assert torch.equal(deferred.joined(), torch.cat([chunk_slots(q.block_ids, BS, q.chunks) for q in reqs]))
     plain = [torch.arange(3)]
     assert listed(plain) == plain and listed(deferred) is first

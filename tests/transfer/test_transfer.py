@@ -152,6 +152,26 @@ def test_a_request_with_too_few_blocks_fails_alone_before_anything_is_copied(cli
     assert client.usage()["pinned"] == 0
 
 
+def test_a_store_whose_request_lacks_blocks_fails_only_the_chunks_without_them(client: MaruHandler) -> None:
+    """A step's store mappings are made in one pass; a request short of blocks is made chunk by
+    chunk instead: its chunk without blocks fails, its other chunk and the other request are
+    stored, and what was stored loads byte exact."""
+    src, dst = _case("kv_first", "HND", 33), _case("kv_first", "HND", 34)
+    a = request("store-short-a", [0, 1, 2, 3], 2 * CHUNK)
+    b = request("store-short-b", [4, 5, 6, 7], 2 * CHUNK)
+    a_short = RequestTransfer(a.req_id, a.block_ids[:3], a.chunks)  # its second chunk needs block 4
+    rep = plain_engine(src, client).store([a_short, b])
+    assert (rep.stored, rep.failed) == (3, 1)
+    assert a.chunks[1].key in rep.error and "blocks" in rep.error
+    loaded = plain_engine(dst, client).load([b, RequestTransfer(a.req_id, a.block_ids, a.chunks[:1])])
+    assert sorted(loaded.loaded_req_ids) == sorted([a.req_id, b.req_id])
+    for s in [*range(4 * BS, 8 * BS), *range(0, CHUNK)]:
+        for layer in range(3):
+            for kv in range(2):
+                assert bits_equal(naive_token(dst, layer, kv, s), naive_token(src, layer, kv, s)), (s, layer)
+    assert client.exists([a.chunks[1].key]) == [False]
+
+
 def test_a_shared_chunk_in_one_step_is_stored_once(client: MaruHandler) -> None:
     src = _case("kv_first", "NHD", 6)
     a = request("shared", [0, 1, 2, 3], 2 * CHUNK)
