@@ -306,10 +306,9 @@ def many_chunk_slots(
         count=ids_total,
     )
     rows = (ids[:, None] * block_size + _block_offsets(block_size)).reshape(-1)
-    if all(p is None or p[4] for p in plans):
-        out = np.empty(tokens_total, dtype=np.int64)
-    else:
-        out = np.full(tokens_total, -1, dtype=np.int64)
+    # Every token placed (a store, a load of whole chunks): each request's slots are a run of rows.
+    direct = all(p is None or p[4] for p in plans)
+    out = rows if direct else np.full(tokens_total, -1, dtype=np.int64)
     row0 = out0 = 0
     spans: list[tuple[int, int] | None] = []
     for (_, chunks), p in zip(requests, plans, strict=True):
@@ -318,6 +317,10 @@ def many_chunk_slots(
             continue
         lo, nb, skip, total, full = p
         r = row0 + skip  # rows[r + t] is the slot of this request's token t (of its chunks)
+        if direct:
+            spans.append((r, total))
+            row0 += (nb - lo) * block_size
+            continue
         if full:
             out[out0 : out0 + total] = rows[r : r + total]
         else:
@@ -352,12 +355,17 @@ def _contiguous_plan(
     for c in chunks:
         if c.start != end:
             return None
-        end = c.start + c.num_tokens
-        pb, pe = (0, c.num_tokens) if whole else c.placed()
-        full = full and pb == 0 and pe == c.num_tokens
+        n = c.num_tokens
+        end += n
+        total += n
+        if whole:
+            if n > 0:
+                last = end  # contiguous: the last placed token ends the latest chunk
+            continue
+        pb, pe = c.placed()
+        full = full and pb == 0 and pe == n
         if pe > pb:
-            last = max(last, c.start + pe)
-        total += c.num_tokens
+            last = c.start + pe
     nblocks = -(-last // block_size)
     if total == 0 or nblocks > len(block_ids):
         return None
