@@ -23,8 +23,8 @@ from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase, bits, make_cache, naive_token
 from maru.transfer.background import AsyncLoader
+from maru.transfer.device_path import PipelinedPath
 from maru.transfer.engine import KVTransferEngine
-from maru.transfer.paths import PipelinedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from tests.helpers import ServerProcess

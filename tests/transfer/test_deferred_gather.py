@@ -23,8 +23,8 @@ from maru.client import MaruHandler
 from maru.errors import PoolFullError
 from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase
+from maru.transfer.device_path import PipelinedPath
 from maru.transfer.engine import KVTransferEngine
-from maru.transfer.paths import PipelinedPath
 from maru.transfer.records import RequestTransfer
 from tests.pool_fixtures import module_server, pool_client
 from tests.transfer.helpers import CHUNK, assert_loads_back, case, request

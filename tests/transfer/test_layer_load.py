@@ -426,7 +426,8 @@ def test_the_default_loads_cpu_caches_before_the_forward_and_a_setting_is_kept(
     where the device places the layers (the pipelined GPU path, tests/e2e/test_gpu_vllm_graphs_e2e.py),
     before the forward on CPU caches and the staged GPU path (a placing thread would compete with
     the forward); set, it is kept on either."""
-    from maru.transfer.paths import CpuPath, PipelinedPath, StagedPath
+    from maru.transfer.device_path import PipelinedPath
+    from maru.transfer.paths import CpuPath, StagedPath
 
     assert PipelinedPath.places_layers_on_device and not StagedPath.places_layers_on_device
     assert not CpuPath.places_layers_on_device

@@ -399,7 +399,7 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     from types import SimpleNamespace
 
     from maru.kv_ops import launch
-    from maru.transfer.paths import PipelinedPath
+    from maru.transfer.device_path import PipelinedPath
 
     monkeypatch.setattr(launch, "_LAUNCHERS", [])  # only the launchers of this test
 

@@ -21,8 +21,9 @@ from maru import kv_ops
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase, bits, naive_token
+from maru.transfer.device_path import PipelinedPath
 from maru.transfer.engine import KVTransferEngine
-from maru.transfer.paths import CpuPath, PipelinedPath, StagedPath
+from maru.transfer.paths import CpuPath, StagedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client

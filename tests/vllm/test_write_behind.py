@@ -29,8 +29,8 @@ import torch
 from maru.client import MaruHandler
 from maru.kv_ops.device_pipeline import DevicePipeline
 from maru.kv_ops.testing import CacheCase
+from maru.transfer.device_path import PipelinedPath
 from maru.transfer.engine import KVTransferEngine
-from maru.transfer.paths import PipelinedPath
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.keys import ChunkKeyer, KeySpace
