@@ -2,8 +2,8 @@
 
 * ``records``: the scheduler-to-worker contract (``ChunkRef``, ``RequestTransfer``, reports, slot
   mapping); torch-free, so a scheduler process imports it without torch.
-* ``paths``: one class per data path (``CpuPath``, ``StagedPath``, ``PipelinedPath``) behind the
-  ``DataPath`` interface; ``engine``: ``KVTransferEngine`` (reserve, gather, publish; look up, pin,
+* ``paths``: one class per data path (``CpuPath``, ``StagedPath``; ``device_path.PipelinedPath``)
+  behind the ``DataPath`` interface; ``engine``: ``KVTransferEngine`` (reserve, gather, publish; look up, pin,
   scatter, unpin) on top of a path; ``loads``: the load handles; ``background``: loader and drain
   threads.
 
