@@ -27,31 +27,27 @@ import logging
 import time
 from typing import Any
 
-from maru.client.gil_io import slow_note
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm import thread_census
-from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
+from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
-from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
-from maru.vllm.sampled_profile import slow_note as profiling_note
+from maru.vllm.scheduler_client import SchedulerClient
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
 from maru.vllm.step_clock import cpu_stamp
 
 logger = logging.getLogger("maru.vllm")
 
-_RECONNECT_S = 10.0
 
-
-class MaruSchedulerConnector(LoadPlanning):
+class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
     """Scheduler-side state and decisions. Owns no bytes; one instance per engine."""
 
     def __init__(
@@ -129,95 +125,6 @@ class MaruSchedulerConnector(LoadPlanning):
     def delayed_frees(self) -> set[str]:
         """Finished requests whose blocks vLLM holds until the worker reports their stores drained."""
         return set(self._delayed)
-
-    def probe_view(self) -> dict[str, Any]:
-        """How prefix probes reach the pool (the key index, or a server round trip, and why)."""
-        local = getattr(self._client, "local_exists", None)
-        if local is None:
-            return {"probe_path": "no server connection"}
-        n = local.counts()
-        return {
-            "probe_path": local.path,
-            "probes_local": n["exists_local"],
-            "probes_remote": n["exists_remote"],
-            # How this side's round trips waited (maru_scheduler_reply_spin_us): polled, or blocked.
-            "reply_waits": getattr(self._client, "reply_waits", {}),
-        }
-
-    # ------------------------------------------------------------------ server
-    def connect_now(self) -> bool:
-        """Connect at engine start rather than in the first request's probe (a handshake and the
-        report of this side's paths: 2.2-2.8 ms measured in real vLLM, paid before the engine
-        serves; ``maru stats`` lists the scheduler from then on). An unreachable server is warned
-        about once, as at a probe, and tried again at the first probe after the back-off."""
-        try:
-            return self._get_client() is not None
-        except Exception:  # never take the engine down for Maru
-            logger.exception("Maru: connecting the scheduler side at start failed")
-            return False
-
-    def _get_client(self) -> Any:
-        if self._client is not None:
-            return self._client
-        now = time.monotonic()
-        if now < self._next_connect or self._client_factory is None:
-            return None
-        try:
-            self._client = self._client_factory()
-        except Exception as e:  # never raise into vLLM's scheduler
-            self._next_connect = now + _RECONNECT_S
-            warn_unreachable(self.cfg.server_url, _describe(e), _RECONNECT_S)
-            return None
-        reconnected(self.cfg.server_url)
-        self._reported_path = None
-        self._report_path()
-        return self._client
-
-    def _report_path(self) -> None:
-        """Tell the server (``maru stats``, ``maru doctor``) how this scheduler's probes reach the
-        pool, again whenever that changes (a handshake with a restarted server may change it)."""
-        local = getattr(self._client, "local_exists", None)
-        report = getattr(self._client, "set_client_info", None)
-        if local is None or report is None or local.path == self._reported_path:
-            return
-        self._reported_path = local.path
-        try:
-            report(
-                {
-                    "role": "vllm-scheduler",
-                    "paths": {
-                        "exists": local.path,
-                        "async_load_sharing": self.load_sharing,
-                        "offer_pins": self.offer_pins_mode,
-                        "reply_wait": reply_wait_mode(getattr(self._client, "reply_waits", {})),
-                    },
-                    "slow": local.slow()
-                    + [
-                        n
-                        for n in (
-                            self._unshared,
-                            self._share_timeout_note,
-                            self.at_offer_note,
-                            self._withheld_note,
-                            slow_note("vLLM's scheduling thread"),
-                            profiling_note(),
-                            thread_census.slow_note() if self.cfg.log_timing else None,
-                        )
-                        if n
-                    ],
-                }
-            )
-        except Exception as e:  # informative only: never costs the probe or the connection
-            logger.info("Maru: could not report the scheduler's probe path to the server: %s", e)
-
-    def _drop_client(self, why: Exception) -> None:
-        client, self._client = self._client, None
-        self._next_connect = time.monotonic() + _RECONNECT_S
-        warn_unreachable(self.cfg.server_url, _describe(why), _RECONNECT_S)
-        try:
-            client.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------------ requests
     def _eligible(self, request: Any) -> bool:
@@ -586,7 +493,3 @@ class MaruSchedulerConnector(LoadPlanning):
                 client.close()
             except Exception:
                 pass
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
