@@ -44,6 +44,15 @@ class _Burner:
         self.release.set()
         self.thread.join()
 
+    def gone(self) -> None:
+        """Wait until the kernel thread left /proc (``join`` returns when Python is done with the
+        thread, which the kernel may still list for a moment: then its CPU is listed, not gone)."""
+        task = f"/proc/self/task/{self.thread.native_id}"
+        deadline = time.monotonic() + 10
+        while thread_census.os.path.exists(task):
+            assert time.monotonic() < deadline, f"{task} still listed 10 s after the thread ended"
+            time.sleep(0.001)
+
 
 def test_a_busy_thread_is_named_with_its_cpu_and_the_skipped_thread_is_left_out() -> None:
     me = threading.get_native_id()
@@ -72,6 +81,7 @@ def test_a_thread_that_ended_in_the_window_counts_as_gone() -> None:
     took: list[float] = []
     t = _Burner("census-brief", 60, took)
     t.stop()
+    t.gone()
     shares = thread_census.shares(before, thread_census.snapshot(), skip=threading.get_native_id())
     assert "census-brief" not in shares
     own_ms = took[0] * 1e3
