@@ -84,7 +84,9 @@ def shares(
     ``skip``: a thread id left out, e.g. the caller's own); threads that did not run are left out.
     Two more entries: ``GONE``, the CPU of threads that ended in between (the process's total less
     every listed thread's; a few ms of noise either way: the kernel updates a running thread's
-    count at its ticks), and ``RUN_QUEUE``, how long ``skip`` waited for a CPU while runnable."""
+    count at its ticks), and ``RUN_QUEUE``, how long ``skip`` waited for a CPU while runnable. A
+    thread Python is done with that the kernel still lists (a moment after ``join``) counts under
+    the kernel's name for it, not as ended."""
     python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     out: dict[str, float] = collections.defaultdict(float)
     listed = 0
