@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from maru import gil_calls
 from maru.cudart import find_cudart
 
 
@@ -80,6 +81,13 @@ _EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady
 
 
+# RawSync's calls through ``quick`` (they keep the GIL): what the census times.
+_QUICK_CALLS = (
+    "_memcpy", "_memcpy2d", "_memset", "_record", "_record_flags", "_wait", "_query", "_launch",
+    "_devptr", "_last_error",
+)  # fmt: skip
+
+
 class RawSync(TorchSync):
     """The same operations straight through the process's libcudart (ctypes: ~1 us a call, against
     3-6 us through torch). Events are raw ``cudaEvent_t`` handles owned by the engine."""
@@ -104,6 +112,10 @@ class RawSync(TorchSync):
         self._create = self._fn(lib, "cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
         self._devptr = self._fn(q, "cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint])
         self._last_error = self._fn(q, "cudaGetLastError", [])
+        self.timed = quick is not None and gil_calls.enabled()
+        if self.timed:  # the thread census: how long each call held the GIL (``maru.gil_calls``)
+            for attr in _QUICK_CALLS:
+                setattr(self, attr, gil_calls.timed(getattr(self, attr)))
 
     @staticmethod
     def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
@@ -224,6 +236,8 @@ class BatchCopies:
         self.version = version
         self._fn = lib.cudaMemcpyBatchAsync
         self._fn.restype = ctypes.c_int
+        if gil_calls.enabled():  # keeps the GIL: timed with the thread census (``maru.gil_calls``)
+            self._fn = gil_calls.timed(self._fn)
         self._attrs = (ctypes.c_int * 6)(_ORDER_STREAM, _LOC_HOST, 0, _LOC_DEVICE, device, _PREFER_OVERLAP)
         self._idx = (ctypes.c_size_t * 1)(0)
         self._fail = ctypes.c_size_t(0)

@@ -98,3 +98,36 @@ def test_a_layer_wait_on_the_current_stream_takes_its_raw_handle_not_a_torch_str
     cpu.wait_for_layer(0)
     cpu.wait_on()
     assert len(sync.raw_waits) == 2
+
+
+def test_with_the_census_on_the_gil_holding_calls_are_timed_by_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``MARU_THREAD_CENSUS=1``: every call through the GIL-keeping handle adds its wall time to the
+    calling thread's account (a launch that blocks 2 ms in the driver counts 2 ms and one long
+    call); the calls that release the GIL (the blocking synchronize) are not timed. Off: the bound
+    functions are the library's own, unwrapped."""
+    import threading
+    import time
+
+    from maru import gil_calls
+
+    lib = FakeCudart()
+    monkeypatch.delenv(gil_calls.ENV, raising=False)
+    plain = RawSync(lib, lib)  # type: ignore[arg-type]
+    assert not plain.timed and plain._launch is lib.cudaGraphLaunch
+    monkeypatch.setenv(gil_calls.ENV, "1")
+    lib.cudaGraphLaunch = lambda graph, stream: (time.sleep(0.002), 0)[1]  # blocks in the "driver"
+    timed = RawSync(lib, lib)  # type: ignore[arg-type]
+    assert timed.timed and timed._sync is lib.cudaEventSynchronize  # releases the GIL: not timed
+    assert not RawSync(lib).timed  # no GIL-keeping handle (the benchmarks' comparison): nothing to time
+    me = threading.get_native_id()
+    before = gil_calls.snapshot().get(me, (0, 0, 0))
+    timed.launch_graph(0x10, 0x20)
+    for _ in range(3):
+        timed.record_on(0x30, 0x20)
+    after = gil_calls.snapshot()[me]
+    calls, held, long = (a - b for a, b in zip(after, before, strict=True))
+    assert calls == 4 and long == 1
+    assert 2_000_000 <= held < 2_000_000 + 200_000_000  # the sleep, plus a loaded machine's slack
+    assert gil_calls.timed(lib.cudaGraphLaunch).__wrapped__ is lib.cudaGraphLaunch

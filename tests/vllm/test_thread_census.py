@@ -88,6 +88,28 @@ def test_a_thread_that_ended_in_the_window_counts_as_gone() -> None:
     assert 0.5 * own_ms <= shares[thread_census.GONE] <= 1.5 * own_ms + 10
 
 
+def test_a_threads_gil_holding_cuda_calls_show_as_wall_time_beside_its_cpu() -> None:
+    """A thread blocked 30 ms inside a (stand-in) CUDA call that keeps the GIL: ~no CPU, but
+    30 ms under ``<name> (GIL held in CUDA calls)``, and one long call; the line lists it apart."""
+    from maru import gil_calls
+
+    blocking = gil_calls.timed(lambda: time.sleep(0.03))  # a call that blocks without CPU
+    before = thread_census.snapshot()
+    t = threading.Thread(target=blocking, name="census-held")
+    t.start()
+    t.join()
+    shares = thread_census.shares(before, thread_census.snapshot(), skip=threading.get_native_id())
+    held = shares["census-held" + thread_census.HELD]
+    assert 30 <= held < 30 + 200
+    assert shares.get("census-held", 0.0) < 10  # asleep: its CPU is not what it held
+    assert shares[thread_census.LONG] == 1
+    s = thread_census.ThreadShares()
+    s.add(shares)
+    line = s.line()
+    assert "GIL held in CUDA calls: census-held " in line and "1.0 calls a step of 0.5 ms or more" in line
+    assert line.index("GIL held") > line.index(thread_census.GONE)  # after the CPU entries
+
+
 def test_shares_add_up_per_window_and_the_line_shows_the_largest_first() -> None:
     s = thread_census.ThreadShares()
     assert s.line() == ""
