@@ -68,3 +68,9 @@ def snapshot() -> dict[int, tuple[int, int, int]]:
 def thread_name(tid: int) -> str | None:
     """The Python name of the thread whose account is ``tid`` (None: no account)."""
     return _NAMES.get(tid)
+
+
+def held_ns() -> int:
+    """The calling thread's nanoseconds held in timed calls so far (0 when none was timed)."""
+    acc = _ACCOUNTS.get(threading.get_native_id())
+    return acc[1] if acc is not None else 0

@@ -54,6 +54,7 @@ class WorkerStats:
     drain_cpu_s: float = 0.0
     drain_wall_s: float = 0.0
     drain_phase_cpu_s: dict[str, float] = field(default_factory=dict)  # StoreReport.cpu, summed
+    drain_gil_held_s: float = 0.0  # its GIL-holding CUDA calls' wall time (MARU_THREAD_CENSUS only)
     # maru_gil_probe_ms (maru.vllm.gil_probe): the probe thread's wake-ups while the engine ran
     # steps, how late they were in all and at most (its wait for the GIL), and their histogram
     gil_probe_wakeups: int = 0
@@ -104,6 +105,11 @@ class WorkerStats:
                 )
                 + " ms)"
                 if self.drain_phase_cpu_s
+                else ""
+            )
+            + (
+                f", GIL held in CUDA calls {1e3 * self.drain_gil_held_s / self.drain_batches:.2f} ms"
+                if self.drain_gil_held_s
                 else ""
             )
             if self.drain_batches

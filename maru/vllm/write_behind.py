@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from maru import gil_calls
 from maru.transfer.background import BackgroundRunner
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer, StoreReport
@@ -121,7 +122,7 @@ class WriteBehind:
     def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
-        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        cpu0, wall0, held0 = time.thread_time(), time.perf_counter(), gil_calls.held_ns()
         self.draining = True  # read by the GIL probe (maru_gil_probe_ms)
         try:
             # In the forward thread's mode: the engine's buffers (slot mappings, staging) are made and
@@ -141,6 +142,7 @@ class WriteBehind:
             # Floats added on one thread, read on the other: a torn read is impossible under the GIL.
             self.stats.drain_cpu_s += time.thread_time() - cpu0
             self.stats.drain_wall_s += time.perf_counter() - wall0
+            self.stats.drain_gil_held_s += (gil_calls.held_ns() - held0) / 1e9  # MARU_THREAD_CENSUS
             self.stats.drain_batches += 1  # the divisor of the two: batches in flight are not in them
 
     def on_device(self) -> bool:

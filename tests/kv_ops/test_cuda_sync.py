@@ -131,3 +131,20 @@ def test_with_the_census_on_the_gil_holding_calls_are_timed_by_thread(
     assert calls == 4 and long == 1
     assert 2_000_000 <= held < 2_000_000 + 200_000_000  # the sleep, plus a loaded machine's slack
     assert gil_calls.timed(lib.cudaGraphLaunch).__wrapped__ is lib.cudaGraphLaunch
+
+
+def test_a_threads_held_time_is_its_own() -> None:
+    """``held_ns`` reads the calling thread's account: another thread's timed calls do not move it."""
+    import threading
+    import time
+
+    from maru import gil_calls
+
+    call = gil_calls.timed(lambda: time.sleep(0.003))
+    mine = gil_calls.held_ns()
+    other = threading.Thread(target=call)
+    other.start()
+    other.join()
+    assert gil_calls.held_ns() == mine
+    call()
+    assert gil_calls.held_ns() - mine >= 3_000_000

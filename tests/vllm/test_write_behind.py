@@ -567,3 +567,7 @@ def test_the_timing_note_says_how_long_finished_requests_waited_and_how_many_ste
     assert s.timing_note().endswith(
         "; drain thread: 0.50 ms CPU, 2.50 ms wall a store batch (CPU: reserve 0.10, issue 0.20 ms)"
     )
+    s.drain_gil_held_s = 0.0012  # MARU_THREAD_CENSUS: its GIL-holding CUDA calls' wall time
+    assert s.timing_note().endswith(
+        "a store batch (CPU: reserve 0.10, issue 0.20 ms), GIL held in CUDA calls 0.30 ms"
+    )
