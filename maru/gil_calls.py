@@ -9,8 +9,8 @@ With the census on, every such call's wall time is added to the calling thread's
 census reports each thread's held time in its window beside its CPU (``thread_census.shares``).
 
 Accounts are per kernel thread id, written only by their own thread (no lock: a reader on another
-thread may see a count one call behind). Off by default: the wrapper costs ~0.3 us a call. The
-switch is the census's (``maru.vllm.thread_census.ENV``; this module sits outside ``maru.vllm`` and
+thread may see a count one call behind). Off by default: the wrapper costs ~1 us a call on the CI
+machine (a ctypes call of its own costs ~0.6 there). The switch is the census's (``maru.vllm.thread_census.ENV``; this module sits outside ``maru.vllm`` and
 ``maru.kv_ops`` so that both sides import it without torch or vLLM).
 """
 

@@ -43,7 +43,7 @@ def slow_note() -> str | None:
         return None
     return (
         f"{ENV} reads every thread's CPU time at each prefill step's plan and start (about a millisecond "
-        f"a step on vLLM's scheduling thread) and times Maru's GIL-holding CUDA calls (~0.3 us a call): a "
+        f"a step on vLLM's scheduling thread) and times Maru's GIL-holding CUDA calls (~1 us a call): a "
         f"diagnosis. Fix: unset {ENV} when the diagnosis is done"
     )
 
