@@ -17,6 +17,7 @@ wait, query, synchronize); only ``RawSync`` has the raw copies (``raw`` says whi
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import torch
@@ -81,6 +82,22 @@ _EVENT_RECORD_EXTERNAL = 1  # cudaEventRecordExternal
 _NOT_READY = 600  # cudaErrorNotReady
 
 
+RELEASE_GIL_ENV = "MARU_RAW_CALLS_RELEASE_GIL"
+
+
+def gil_note() -> str | None:
+    """Why the raw calls give the GIL up (``MARU_RAW_CALLS_RELEASE_GIL=1``, a bench's A/B left set):
+    the slow path ``maru doctor`` shows; None when they keep it (the default)."""
+    if os.environ.get(RELEASE_GIL_ENV, "") in ("", "0"):
+        return None
+    return (
+        f"{RELEASE_GIL_ENV} is set: Maru's CUDA calls give the GIL up and win it back one by one (each "
+        "may wait for another Python thread; a load issued beside a busy thread measured slower that "
+        "way, bench/gil_contention.py). An A/B of where a step's time goes, not a setting. Fix: unset "
+        f"{RELEASE_GIL_ENV}"
+    )
+
+
 # RawSync's calls through ``quick`` (they keep the GIL): what the census times.
 _QUICK_CALLS = (
     "_memcpy", "_memcpy2d", "_memset", "_record", "_record_flags", "_wait", "_query", "_launch",
@@ -125,10 +142,13 @@ class RawSync(TorchSync):
         return f
 
     @classmethod
-    def load(cls, *, keep_gil: bool = True) -> RawSync | None:
+    def load(cls, *, keep_gil: bool | None = None) -> RawSync | None:
         """The libcudart torch already loaded (the same runtime and context), or None.
 
-        ``keep_gil=False`` releases the GIL on every call (the benchmarks' comparison only)."""
+        ``keep_gil=False`` releases the GIL on every call (the benchmarks' comparison); None: keep
+        it unless ``MARU_RAW_CALLS_RELEASE_GIL=1`` (an A/B of a whole engine, ``gil_note``)."""
+        if keep_gil is None:
+            keep_gil = gil_note() is None
         try:
             path = find_cudart()
             return cls(ctypes.CDLL(path), ctypes.PyDLL(path) if keep_gil else None)

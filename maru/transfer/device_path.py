@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from maru.kv_ops.cuda_sync import current_stream_handle
+from maru.kv_ops.cuda_sync import current_stream_handle, gil_note
 from maru.transfer.handles import DeviceHandle, DeviceLayerHandle, LayerHandle, TransferHandle
 from maru.transfer.paths import Chunks, DataPath
 from maru.transfer.slot_plan import DeferredSlots, joined_slots
@@ -166,6 +166,8 @@ class PipelinedPath(DataPath):
             )
         if unwarmed := getattr(self.pipeline, "segments_unwarmed", None):  # kv_ops.store_segments
             slow.append(unwarmed)
+        if note := gil_note():  # an A/B left set
+            slow.append(note)
         if not layer_overlap:
             return entries, slow
         way, why = self.pipeline.layer_way()  # kv_ops.layer_copies

@@ -148,3 +148,41 @@ def test_a_threads_held_time_is_its_own() -> None:
     assert gil_calls.held_ns() == mine
     call()
     assert gil_calls.held_ns() - mine >= 3_000_000
+
+
+def test_the_raw_calls_keep_the_gil_unless_an_ab_says_otherwise_and_then_doctor_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``RawSync.load()``: the quick calls through a GIL-keeping handle (``PyDLL``) by default; with
+    ``MARU_RAW_CALLS_RELEASE_GIL=1`` every call through the GIL-releasing one (``CDLL``), and the
+    pipelined path's report (``maru doctor``) names the setting and how to undo it."""
+    from types import SimpleNamespace
+
+    from maru.kv_ops import cuda_sync, launch
+    from maru.transfer.device_path import PipelinedPath
+
+    monkeypatch.setattr(launch, "_LAUNCHERS", [])  # no other test's kernel launches in the report
+    releasing, keeping = FakeCudart(), FakeCudart()
+    monkeypatch.setattr(cuda_sync, "find_cudart", lambda: "libcudart.so")
+    monkeypatch.setattr(cuda_sync.ctypes, "CDLL", lambda path: releasing)
+    monkeypatch.setattr(cuda_sync.ctypes, "PyDLL", lambda path: keeping)
+    monkeypatch.delenv(cuda_sync.RELEASE_GIL_ENV, raising=False)
+    monkeypatch.delenv("MARU_THREAD_CENSUS", raising=False)
+    sync = cuda_sync.RawSync.load()
+    assert (
+        sync is not None
+        and sync._launch is keeping.cudaGraphLaunch
+        and sync._sync is releasing.cudaEventSynchronize
+    )
+    assert cuda_sync.gil_note() is None
+    assert PipelinedPath.report(SimpleNamespace(pipeline=None), False)[1] == []  # type: ignore[arg-type]
+    monkeypatch.setenv(cuda_sync.RELEASE_GIL_ENV, "1")
+    sync = cuda_sync.RawSync.load()
+    assert (
+        sync is not None
+        and sync._launch is releasing.cudaGraphLaunch
+        and sync._record is releasing.cudaEventRecord
+    )
+    slow = PipelinedPath.report(SimpleNamespace(pipeline=None), False)[1]  # type: ignore[arg-type]
+    assert len(slow) == 1 and cuda_sync.RELEASE_GIL_ENV in slow[0] and "Fix: unset" in slow[0]
+    assert cuda_sync.RawSync.load(keep_gil=True)._launch is keeping.cudaGraphLaunch  # type: ignore[union-attr]
