@@ -231,30 +231,12 @@ def chunk_slots(
     nblocks = blocks_needed(block_size, chunks, whole=whole)
     if nblocks > len(block_ids):
         raise ValueError(too_few_blocks(nblocks, block_size, len(block_ids)))
-    total, full, contiguous = 0, True, True
-    for i, c in enumerate(chunks):
-        pb, pe = (0, c.num_tokens) if whole else c.placed()
-        full = full and pb == 0 and pe == c.num_tokens
-        contiguous = contiguous and (i == 0 or c.start == chunks[i - 1].end)
-        total += c.num_tokens
-    if total and contiguous:
-        # The usual step: chunks one after the other (a store's whole chunks, a load's placed ranges).
-        # Only the blocks up to the last placed token are converted, a block's slots at once.
-        first = chunks[0].start
-        lo = first // block_size
-        tab = np.asarray(block_ids[lo:nblocks], dtype=np.int64)
-        rows = (tab[:, None] * block_size + _block_offsets(block_size)).reshape(-1)
-        skip = first - lo * block_size  # rows[skip + t] is the slot of the chunks' token t
-        if full:
-            return torch.from_numpy(np.ascontiguousarray(rows[skip : skip + total]))
-        out = np.full(total, -1, dtype=np.int64)
-        o = skip
-        for c in chunks:  # a few slice copies: ~4x faster than the general way's dozen numpy calls
-            pb, pe = c.placed()
-            if pe > pb:
-                out[o - skip + pb : o - skip + pe] = rows[o + pb : o + pe]
-            o += c.num_tokens
-        return torch.from_numpy(out)
+    plan = _contiguous_plan(block_ids, block_size, chunks, whole)
+    if plan is not None:
+        # The usual step: chunks one after the other (a store's whole chunks, a load's placed
+        # ranges): a block's slots at once, a chunk's placed range one slice (``_planned``).
+        return _planned([(block_ids, chunks)], [plan], block_size)[0]
+    total = sum(c.num_tokens for c in chunks)
     counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
     offs = np.cumsum(counts) - counts
@@ -288,16 +270,30 @@ def many_chunk_slots(
     made by ``chunk_slots`` alone (which raises its own error for the latter: callers that checked
     ``blocks_needed`` first never see one).
     """
+    plans = [_contiguous_plan(ids, block_size, chunks, whole) for ids, chunks in requests]
+    made = _planned(requests, plans, block_size)
+    return [
+        chunk_slots(ids, block_size, chunks, whole=whole) if m is None else m
+        for (ids, chunks), m in zip(requests, made, strict=True)
+    ]
+
+
+def _planned(
+    requests: Sequence[tuple[Sequence[int], Sequence[ChunkRef]]],
+    plans: Sequence[tuple[int, int, int, int, bool] | None],
+    block_size: int,
+) -> list[Any]:
+    """The slots of each request with a plan (``_contiguous_plan``), None for the others: their
+    blocks turned into slots in one broadcast, each chunk's placed range one slice."""
     import itertools
 
     import numpy as np
     import torch
 
-    plans = [_contiguous_plan(ids, block_size, chunks, whole) for ids, chunks in requests]
     ids_total = sum(p[1] - p[0] for p in plans if p is not None)
     tokens_total = sum(p[3] for p in plans if p is not None)
     if tokens_total == 0:
-        return [chunk_slots(ids, block_size, chunks, whole=whole) for ids, chunks in requests]
+        return [None] * len(requests)
     ids = np.fromiter(
         itertools.chain.from_iterable(
             r[0][p[0] : p[1]] for r, p in zip(requests, plans, strict=True) if p is not None
@@ -334,12 +330,7 @@ def many_chunk_slots(
         row0 += (nb - lo) * block_size
         out0 += total
     flat = torch.from_numpy(out)
-    return [
-        chunk_slots(ids, block_size, chunks, whole=whole)
-        if span is None
-        else flat[span[0] : span[0] + span[1]]
-        for (ids, chunks), span in zip(requests, spans, strict=True)
-    ]
+    return [None if span is None else flat[span[0] : span[0] + span[1]] for span in spans]
 
 
 def _contiguous_plan(
