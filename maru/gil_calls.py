@@ -10,8 +10,9 @@ census reports each thread's held time in its window beside its CPU (``thread_ce
 
 Accounts are per kernel thread id, written only by their own thread (no lock: a reader on another
 thread may see a count one call behind). Off by default: the wrapper costs ~1 us a call on the CI
-machine (a ctypes call of its own costs ~0.6 there). The switch is the census's (``maru.vllm.thread_census.ENV``; this module sits outside ``maru.vllm`` and
-``maru.kv_ops`` so that both sides import it without torch or vLLM).
+machine (a ctypes call of its own costs ~0.6 there). ``ENV`` is the census's switch too
+(``maru.vllm.thread_census`` takes it from here); this module sits outside ``maru.vllm`` and
+``maru.kv_ops`` so that both sides import it without torch or vLLM.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ENV = "MARU_THREAD_CENSUS"  # the thread census's switch (maru.vllm.thread_census.ENV)
+ENV = "MARU_THREAD_CENSUS"  # the thread census's switch, and this timing's
 LONG_NS = 500_000  # a call held the GIL this long or more: counted apart (0.5 ms: ~500 quick calls)
 
 # Kernel thread id -> [calls, nanoseconds held, calls of LONG_NS or more]; and the thread's name

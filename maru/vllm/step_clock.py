@@ -157,7 +157,8 @@ class StepClock:
             self._issue0 = (now, thread_s, process_s)
             self._planned_cpu = None
             self._census = None
-            if len(scheduled_cpu) == 4 and scheduled_cpu[:2] == (os.getpid(), threading.get_ident()):
+            # A tuple, or a list once it crossed a serializer: the plan's process and thread.
+            if len(scheduled_cpu) == 4 and tuple(scheduled_cpu[:2]) == (os.getpid(), threading.get_ident()):
                 mine = thread_s - scheduled_cpu[2]
                 self._planned_cpu = (mine * 1e3, (process_s - scheduled_cpu[3] - mine) * 1e3)
                 if scheduled_threads:

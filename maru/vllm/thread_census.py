@@ -28,7 +28,7 @@ import time
 
 from maru import gil_calls
 
-ENV = "MARU_THREAD_CENSUS"
+ENV = gil_calls.ENV  # "MARU_THREAD_CENSUS": one switch for the census and the GIL-held timing
 _TASKS = "/proc/self/task"
 
 

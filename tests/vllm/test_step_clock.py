@@ -254,6 +254,8 @@ def test_the_cpu_from_the_plan_and_of_the_issue_is_split_between_this_thread_and
         stamp = sc.cpu_stamp()
         if not here:
             stamp = (stamp[0], stamp[1] + 1, *stamp[2:]) if i % 8 == 3 else (os.getpid() + 1, *stamp[1:])
+        elif i % 4 == 1:
+            stamp = list(stamp)  # as after a serializer that makes tuples lists: still this thread's
         planned = now[0]
         plan = (rng.uniform(1, 9), rng.uniform(0.1, 5), rng.uniform(0, 4))
         spend(*plan)
