@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
+from maru.kv_ops.chunk_loads import FUSED_ENV  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
 from maru.transfer.records import ChunkRef, RequestTransfer  # noqa: E402
 from maru.vllm.offer_pins import OfferPins  # noqa: E402
@@ -255,7 +256,14 @@ def main() -> None:
         action="store_true",
         help="an A/B: loads copy their first chunk only once prepared (KVTransferEngine._issuing off)",
     )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="an A/B: the chunk load's checksum inside its scatter (MARU_FUSED_LOAD_CHECKSUM=1)",
+    )
     args = ap.parse_args()
+    if args.fused:
+        os.environ[FUSED_ENV] = "1"  # read when the engines' pipelines are built
     if args.no_prestage:
         KVTransferEngine._issuing = lambda self, looked: contextlib.nullcontext()  # type: ignore[method-assign]
     sizes = [int(t) for t in args.sizes.split(",")] if args.sizes else SIZES
@@ -286,6 +294,8 @@ def main() -> None:
         pipe = loader.path.pipeline
         if pipe is not None:
             print(f"prestaged first chunks: {pipe.prestages}, unused {pipe.prestages_unused}", flush=True)
+            results["load_checksum"] = pipe.load_checksum_way()[0]
+            print(f"load checksum: {results['load_checksum']}", flush=True)
         results["rpc_us"] = rpc_floor(client, last_key(results))
         storer.close()
         loader.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.staging_slot import StagingSlot
+
+# Opt-in until measured on a device: the chunk load's checksum inside its scatter (one kernel, one
+# read of the staged bytes) instead of a checksum kernel beside it.
+FUSED_ENV = "MARU_FUSED_LOAD_CHECKSUM"
+
+
+def fused_checksums_wanted() -> bool:
+    """Whether the environment asks for the fused load checksum (``FUSED_ENV`` = 1)."""
+    return os.environ.get(FUSED_ENV, "0") == "1"
 
 
 def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,6 +80,9 @@ class ChunkLoads:
     _prestaged: Prestaged | None = None
     prestages = 0  # first chunks copied before their load was prepared (``issuing``)
     prestages_unused = 0  # of them, the ones the load did not start with (copied, never placed)
+    fuse_checksums = False  # set by DevicePipeline: checksum inside the scatter where it can
+    fused_checksums = 0  # objects whose checksum their scatter computed (``load_checksum_way``)
+    lazy_capture: bool
 
     @contextlib.contextmanager
     def issuing(self, address: int = 0, nbytes: int = 0, tokens: int = 0) -> Iterator[None]:
@@ -214,11 +227,19 @@ class ChunkLoads:
                     # queued before the wait for the copy (the buffer's last reader, the
                     # slot's previous placement, is earlier on this stream).
                     sync.copy(slot.placer.slots(t).data_ptr(), rows + 8 * token0, 8 * t, place_h, D2D)
+                # The copy's first object: its checksum inside its scatter where it can (one read
+                # of the staged bytes, one launch); the raw sum then goes into acc[k] before the
+                # slot is freed (the placer's sum buffer is the slot's, as its staging is).
+                fused = first and fast and acc is not None and self._fuses(slot.placer, t)
                 if first:
                     sync.wait(place, slot.ready)
-                    if acc is not None:  # the bytes in the slot are the bytes placed (HBM read)
+                    if acc is not None and not fused:  # the bytes in the slot are the bytes placed
                         ck.accumulate(stage, acc, k)
-                if fast:
+                if fused:
+                    slot.placer.scatter_checksum(t)
+                    sync.copy(acc.data_ptr() + 8 * k, slot.placer.sum_address(t), 8, place_h, D2D)
+                    self.fused_checksums += 1
+                elif fast:
                     slot.placer.scatter(t)
                 else:
                     slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
@@ -234,6 +255,33 @@ class ChunkLoads:
         handle = self._handle("load", "pipelined", nbytes, place, t0, objs, slots, acc, sums)
         handle.copies_shared = n - copies
         return handle
+
+    def _fuses(self, placer: Any, tokens: int) -> bool:
+        """Whether the load checksums a staged copy of ``tokens`` tokens inside its scatter."""
+        return (
+            self.fuse_checksums
+            and placer.fused_checksum
+            and (self.lazy_capture or placer.has_scatter_checksum(tokens))
+        )
+
+    def load_checksum_way(self) -> tuple[str, str | None]:
+        """How the chunk load checks what it placed, and why not fused (None: it is, or no GPU)."""
+        if not self.on_gpu:
+            return "host", None
+        if not self.fuse_checksums:
+            return "separate kernel", None  # the measured default (opt in: FUSED_ENV=1)
+        placer = self._ring[0].placer if getattr(self, "_ring", None) else None
+        if placer is None or not self._sync.raw or not self.graphs:
+            return "separate kernel", (
+                f"{FUSED_ENV}=1 is set but the chunk load checksums in a second kernel: it fuses only "
+                "with CUDA graphs and the raw CUDA calls (maru doctor: kv_ops backend, libcudart)"
+            )
+        if not placer.fused_checksum:
+            return "separate kernel", (
+                f"{FUSED_ENV}=1 is set but this cache's rows are not whole 64-bit words "
+                f"({placer.layout.row_size} elements): the checksum stays a second kernel"
+            )
+        return f"fused ({self.fused_checksums} objects)", None
 
     def _pinned_slots(self, slot_mapping: torch.Tensor, skip_tokens: int) -> tuple[int, torch.Tensor] | None:
         """A host slot mapping copied into a pinned scratch buffer (skipped tokens -1): (ticket,

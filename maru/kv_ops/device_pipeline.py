@@ -42,7 +42,7 @@ from maru.announce import announce_once
 from maru.config import LAYER_PATHS
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
-from maru.kv_ops.chunk_loads import ChunkLoads
+from maru.kv_ops.chunk_loads import ChunkLoads, fused_checksums_wanted
 from maru.kv_ops.cuda_sync import D2H, RawSync, TorchSync, current_stream_handle
 from maru.kv_ops.device_handles import LayerLoad, Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
@@ -107,6 +107,7 @@ class DevicePipeline(
         lazy_capture: bool = True,
         layer_checksums: bool = False,
         store_path: str = "staged",
+        fuse_checksums: bool | None = None,
     ) -> None:
         if layer_path not in LAYER_PATHS:
             raise ValueError(f"layer_path must be one of {LAYER_PATHS}, got {layer_path!r}")
@@ -130,6 +131,8 @@ class DevicePipeline(
         self.ring_slots = max(int(ring_slots), 1)
         self.layer_path = layer_path
         self.layer_checksums = layer_checksums  # which direct layer graphs ``warm`` captures
+        # The chunk load's checksum inside its scatter (``ChunkLoads``); None: the environment's.
+        self.fuse_checksums = fused_checksums_wanted() if fuse_checksums is None else fuse_checksums
         self._direct_ok: bool | None = None  # decided on the first layer load (needs an object)
         self._lock = threading.RLock()  # ``issuing`` holds it across a load's issue
         self.on_gpu = self.device.type == "cuda"
@@ -390,7 +393,7 @@ class DevicePipeline(
                     # real slots.
                     raise RuntimeError("DevicePipeline.warm(chunk_tokens) must run before the first transfer")
                 for slot in self._ring:
-                    slot.placer.warm(int(chunk_tokens), checksum=True)
+                    slot.placer.warm(int(chunk_tokens), checksum=True, fused=self.fuse_checksums)
                 self._warm_paced(int(chunk_tokens))
             if layer_tokens and self.warm_copied():
                 return  # the copied way replays no graphs: none to capture for the direct way

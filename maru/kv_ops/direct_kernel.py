@@ -19,7 +19,14 @@ import triton.language as tl
 from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
-from maru.kv_ops.triton_kernels import TuneParams, base_view, row_is_contiguous, row_offsets, tiles
+from maru.kv_ops.triton_kernels import (
+    TuneParams,
+    base_view,
+    fused_checksum_ok,
+    row_is_contiguous,
+    row_offsets,
+    tiles,
+)
 
 __all__ = [
     "DIRECT_ROWS",
@@ -316,6 +323,5 @@ _DIRECT = Launcher(_direct_layer_kernel)
 
 
 def direct_checksum_ok(layout: KVLayout, esize: int) -> bool:
-    """Whether ``direct_scatter_layer`` can checksum objects of ``layout``: rows of whole words
-    (every real model's: head sizes are multiples of 4 elements)."""
-    return esize in (1, 2, 4, 8) and (layout.row_size * esize) % 8 == 0
+    """Whether ``direct_scatter_layer`` can checksum objects of ``layout`` (``fused_checksum_ok``'s rule)."""
+    return fused_checksum_ok(layout, esize)

@@ -151,6 +151,12 @@ class GraphedPlacer:
             return
         obj = triton_kernels.as_bits(self._staging[num_tokens])
         idx = self._slots[num_tokens]
+        if op == "scatter+checksum":  # the scatter, summing staging(T) as it reads it: one kernel
+            self._sums[num_tokens].zero_()
+            triton_kernels.place(
+                self._refs, self.layout, idx, obj, gather=False, checksum_into=self._sums[num_tokens]
+            )
+            return
         gather = op == "gather"
         if layer is None:
             triton_kernels.place(self._refs, self.layout, idx, obj, gather=gather)
@@ -245,6 +251,21 @@ class GraphedPlacer:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
         self._replay(("scatter", num_tokens, None))
 
+    @property
+    def fused_checksum(self) -> bool:
+        """Whether this placer's scatter can checksum what it reads (rows of whole 64-bit words)."""
+        return triton_kernels.fused_checksum_ok(self.layout, self._refs[0][0].element_size())
+
+    def scatter_checksum(self, num_tokens: int) -> None:
+        """``scatter(T)`` that also leaves the raw ``maru.checksum`` sum of all of ``staging(T)``
+        (every row, placed or skipped) at ``sum_address(T)``: one kernel, one read of the staged
+        bytes, where ``scatter`` and the ``checksum`` graph read them twice in two launches."""
+        self._replay(("scatter+checksum", num_tokens, None))
+
+    def has_scatter_checksum(self, num_tokens: int) -> bool:
+        """Whether the fused scatter-and-checksum graph for T tokens is captured."""
+        return ("scatter+checksum", num_tokens, None) in self._graphs
+
     def gather(self, num_tokens: int) -> torch.Tensor:
         """All layers: caches at ``slots(T)`` -> ``staging(T)`` (returned; valid once the stream reaches it)."""
         self._replay(("gather", num_tokens, None))
@@ -316,9 +337,12 @@ class GraphedPlacer:
         self._replay(key, stream)
         return self._all_events[key]
 
-    def warm(self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False) -> None:
+    def warm(
+        self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False, fused: bool = False
+    ) -> None:
         """Capture the graphs for T tokens now (about a millisecond each) instead of on first use;
-        ``checksum``: also the staging buffer's checksum graph (the raw store's)."""
+        ``checksum``: also the staging buffer's checksum graph (the raw store's); ``fused``: also
+        the scatter that checksums (``scatter_checksum``; where the layout allows it)."""
         for op in ("scatter", "gather"):
             self._graph((op, num_tokens, None))
             if per_layer:
@@ -326,6 +350,8 @@ class GraphedPlacer:
                     self._graph((op, num_tokens, layer))
         if checksum:
             self._graph(("checksum", num_tokens, None))
+        if fused and self.fused_checksum:
+            self._graph(("scatter+checksum", num_tokens, None))
 
 
 def _raw_exec(graph: torch.cuda.CUDAGraph) -> int:

@@ -27,6 +27,7 @@ from maru.kv_ops import (
     scatter,
     scatter_blocks,
     scatter_layer,
+    triton_kernels,
 )
 from maru.kv_ops.checksum import finalize
 from maru.kv_ops.layout import KVLayout
@@ -173,8 +174,39 @@ class Checker:
             all(self.same(x, y) for x, y in zip(f.storages(), g.storages(), strict=True)),
             f"scatter_blocks {p}",
         )
+        self.check_fused_checksum(p, layout, obj, slots, seed)
         self.check_direct(p, layout, obj, slots, seed)
         self.check_segments(p, layout, case, seed)
+
+    def check_fused_checksum(
+        self, p: Params, layout: KVLayout, obj: torch.Tensor, slots: torch.Tensor, seed: int
+    ) -> None:
+        """``place(checksum_into=...)``, the staged load's scatter that checksums what it places:
+        the caches as the reference's scatter leaves them, and the object's ``maru.checksum``,
+        skipped rows included (a changed byte in a row of slot -1 changes the sum)."""
+        if not triton_kernels.fused_checksum_ok(layout, obj.element_size()):
+            return
+        want = checksum(obj.cpu().reshape(-1).view(torch.uint8).numpy())
+        skipped = int((slots < 0).nonzero()[0, 0])
+        poked = obj.clone()
+        poked.view(torch.uint8)[0, -1, skipped, -1] ^= 0x21  # a byte the scatter does not write
+        a = self._make(p, seed + 6)
+        scatter(obj, a.caches, layout, slots, backend="reference")
+        sums = []
+        for o in (obj, poked):
+            b = self._make(p, seed + 6)
+            acc = torch.zeros(1, dtype=torch.int64, device=self.device)
+            triton_kernels.place(
+                layer_refs(b.caches, layout), layout, slots, triton_kernels.as_bits(o), gather=False,
+                checksum_into=acc,
+            )  # fmt: skip
+            sums.append(finalize(int(acc.cpu()[0]), o.numel() * o.element_size()))
+            self.expect(
+                all(self.same(x, y) for x, y in zip(a.storages(), b.storages(), strict=True)),
+                f"place(checksum_into=...) places what the reference does {p}",
+            )
+        self.expect(sums[0] == want, f"place(checksum_into=...) checksum {p}")
+        self.expect(sums[1] != want, f"place(checksum_into=...) misses a skipped row's byte {p}")
 
     def check_direct(
         self, p: Params, layout: KVLayout, obj: torch.Tensor, slots: torch.Tensor, seed: int

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from maru.kv_ops.checksum import row_terms
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import as_bits
@@ -35,6 +36,7 @@ __all__ = [
     "TuneParams",
     "as_bits",
     "base_view",
+    "fused_checksum_ok",
     "layer_table",
     "place",
     "row_is_contiguous",
@@ -71,6 +73,7 @@ def _place_kernel(
     cache_ptr,
     layer_offs_ptr,
     idx_ptr,
+    acc_ptr,
     num_tokens,
     skip,
     obj_s_layer,
@@ -94,6 +97,8 @@ def _place_kernel(
     USE_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
     ROW_CONTIG: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    ESIZE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_lk = tl.program_id(1)
@@ -121,7 +126,14 @@ def _place_kernel(
         off_in_block = slot % BS
     s_tok = tl.where(kv == 0, k_s_tok, v_s_tok)
     cache_row = base + kv * kv_stride + blk * s_block + off_in_block * s_tok
-    obj_row = obj_ptr + layer.to(tl.int64) * obj_s_layer + kv * obj_s_kv + t.to(tl.int64) * obj_s_tok
+    obj_off = layer.to(tl.int64) * obj_s_layer + kv * obj_s_kv + t.to(tl.int64) * obj_s_tok
+    obj_row = obj_ptr + obj_off
+    if CHECKSUM:
+        # The object's checksum covers every row, placed or not (skipped tokens are part of it).
+        read = t < num_tokens
+        EPW: tl.constexpr = 8 // ESIZE  # elements a word
+        word0 = obj_off // EPW  # the row's first word in the (contiguous) object: rows are words
+        sums = tl.zeros([BLOCK_T], dtype=tl.uint64)
     for r0 in range(0, ROW, BLOCK_R):
         c = r0 + tl.arange(0, BLOCK_R)
         c_off = row_offsets(c, kv, s_head, K_S_DIM, V_S_DIM, HS, ROW_CONTIG)
@@ -130,8 +142,15 @@ def _place_kernel(
         obj_p = obj_row[:, None] + c[None, :]
         if GATHER:
             tl.store(obj_p, tl.load(cache_p, mask=m), mask=m)
+        elif CHECKSUM:
+            vals = tl.load(obj_p, mask=read[:, None] & (c < ROW)[None, :], other=0)
+            tl.store(cache_p, vals, mask=m)
+            sums += row_terms(vals, word0, r0, read, ROW, BLOCK_T, BLOCK_R, ESIZE)
         else:
             tl.store(cache_p, tl.load(obj_p, mask=m), mask=m)
+    if CHECKSUM:
+        # One atomic a program; the sum is order-free (wrapping integer addition commutes).
+        tl.atomic_add(acc_ptr, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
 
 
 class TuneParams:
@@ -301,6 +320,7 @@ def place(
     blockwise: bool = False,
     skip: int = 0,
     single_layer: bool = False,
+    checksum_into: torch.Tensor | None = None,
 ) -> None:
     """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
 
@@ -308,10 +328,23 @@ def place(
     ``obj`` is of the cache's dtype or its same-width integer view (the kernel moves bits either
     way). ``index``: one slot per token (or one block id per block with ``blockwise``); negative
     entries are skipped, and so are the first ``skip`` tokens.
+
+    ``checksum_into`` (a scatter of a contiguous ``obj`` whose rows are whole 64-bit words:
+    ``fused_checksum_ok``): an int64 device tensor whose first element the kernel adds the raw
+    ``maru.checksum`` sum of all of ``obj``'s bytes into (every row, placed or skipped;
+    ``kv_ops.checksum.finalize`` turns it into the checksum). The caller zeroes it. The load's
+    check then costs no second pass over the staged bytes and no second launch.
     """
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
-        return
+        return  # nothing to move; an empty object's raw sum is 0 (nothing to add)
+    fused = checksum_into is not None
+    if fused and (gather or not obj.is_contiguous() or not fused_checksum_ok(layout, obj.element_size())):
+        raise ValueError(
+            "a fused checksum needs a scatter of a contiguous object whose rows are whole 64-bit "
+            f"words (gather={gather}, contiguous={obj.is_contiguous()}, row of {layout.row_size} "
+            f"elements of {obj.element_size()} bytes)"
+        )
     if single_layer or num_layers == 1:
         cache0 = base_view(refs[0])
         table, align, use_table = index, 16, False
@@ -328,6 +361,7 @@ def place(
         cache0,
         table,
         index,
+        checksum_into if fused else index,  # unread without CHECKSUM: any tensor
         num_tokens,
         skip,
         *obj.stride()[:3],
@@ -349,7 +383,16 @@ def place(
         use_table,
         align,
         row_is_contiguous(layout),
+        fused,
+        obj.element_size(),
     )
+
+
+def fused_checksum_ok(layout: KVLayout, esize: int) -> bool:
+    """Whether a kernel can checksum a placement's rows as it moves them: rows of whole 64-bit words
+    (every real model's: head sizes are multiples of 4 elements). The rule of ``place``'s
+    ``checksum_into`` and of the direct layer kernel's checksum."""
+    return esize in (1, 2, 4, 8) and (layout.row_size * esize) % 8 == 0
 
 
 # Triton compiles for the tensors' integer views; the direct launch passes addresses (no views per call).

@@ -168,6 +168,10 @@ class PipelinedPath(DataPath):
             slow.append(unwarmed)
         if note := gil_note():  # an A/B left set
             slow.append(note)
+        if hasattr(self.pipeline, "load_checksum_way"):
+            way, why = self.pipeline.load_checksum_way()  # kv_ops.chunk_loads
+            entries["load_checksum"] = way
+            slow += [why] if why else []
         if not layer_overlap:
             return entries, slow
         way, why = self.pipeline.layer_way()  # kv_ops.layer_copies
