@@ -1,0 +1,94 @@
+"""The chunk load's checksum way (``maru.kv_ops.chunk_loads``) as a user sees it, without a GPU.
+
+The fused way itself (a scatter that sums what it reads) is compared byte for byte and sum for sum
+by ``python -m maru.kv_ops.selfcheck`` (interpreter: ``test_kv_ops_triton.py``; CUDA:
+``test_fused_checksum_gpu.py``). Here: the switch, what ``maru doctor`` and the stats are told,
+and the kernel's refusal of what it cannot sum.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from maru.kv_ops import chunk_loads, detect_layouts, triton_kernels  # noqa: E402
+from maru.kv_ops import device_pipeline as pl  # noqa: E402
+from maru.kv_ops.ops import layer_refs  # noqa: E402
+from maru.kv_ops.testing import bits, make_cache  # noqa: E402
+
+
+def _case(head_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    case = make_cache("kv_first", "NHD", num_blocks=6, block_size=4, num_kv_heads=3, head_size=head_size,
+                      num_layers=2, dtype=dtype)  # fmt: skip
+    return case, detect_layouts(case.caches, **case.detect_kwargs())
+
+
+def test_the_switch_is_the_environment_unless_the_pipeline_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    case, layout = _case()
+    monkeypatch.delenv(chunk_loads.FUSED_ENV, raising=False)
+    assert chunk_loads.fused_checksums_wanted() is False
+    assert pl.DevicePipeline(case.caches, layout).fuse_checksums is False
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "1")
+    assert chunk_loads.fused_checksums_wanted() is True
+    assert pl.DevicePipeline(case.caches, layout).fuse_checksums is True
+    assert pl.DevicePipeline(case.caches, layout, fuse_checksums=False).fuse_checksums is False
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "yes")  # only "1" turns it on
+    assert chunk_loads.fused_checksums_wanted() is False
+
+
+def test_cpu_caches_check_on_the_host() -> None:
+    case, layout = _case()
+    assert pl.DevicePipeline(case.caches, layout, fuse_checksums=True).load_checksum_way() == ("host", None)
+
+
+def _gpu_like(**kw: object) -> SimpleNamespace:
+    placer = SimpleNamespace(fused_checksum=True, layout=SimpleNamespace(row_size=24))
+    base = dict(on_gpu=True, fuse_checksums=True, _ring=[SimpleNamespace(placer=placer)],
+                _sync=SimpleNamespace(raw=True), graphs=True, fused_checksums=5)  # fmt: skip
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_the_way_and_why_not_fused_are_said() -> None:
+    way = chunk_loads.ChunkLoads.load_checksum_way
+    assert way(_gpu_like()) == ("fused (5 objects)", None)
+    assert way(_gpu_like(fuse_checksums=False)) == ("separate kernel", None)  # the default: nothing to fix
+    name, why = way(_gpu_like(graphs=False))
+    assert name == "separate kernel" and chunk_loads.FUSED_ENV in why and "CUDA graphs" in why
+    name, why = way(_gpu_like(_sync=SimpleNamespace(raw=False)))
+    assert name == "separate kernel" and "libcudart" in why
+    odd = SimpleNamespace(fused_checksum=False, layout=SimpleNamespace(row_size=3))
+    name, why = way(_gpu_like(_ring=[SimpleNamespace(placer=odd)]))
+    assert name == "separate kernel" and "64-bit words" in why and "3 elements" in why
+
+
+def test_the_rule_for_fusing_is_whole_words_per_row() -> None:
+    _, layout = _case(head_size=8)  # 3 heads x 8 = 24 elements
+    assert triton_kernels.fused_checksum_ok(layout, 2)  # 48 bytes
+    assert triton_kernels.fused_checksum_ok(layout, 1)  # 24 bytes
+    _, odd = _case(head_size=5)  # 15 elements
+    assert not triton_kernels.fused_checksum_ok(odd, 2)  # 30 bytes: not whole words
+    assert not triton_kernels.fused_checksum_ok(layout, 3)
+
+
+@pytest.mark.parametrize("what", ["gather", "strided", "odd rows"])
+def test_place_refuses_a_checksum_it_cannot_compute(what: str) -> None:
+    """Refused before anything is launched, with the reason (the caches stay as they were)."""
+    case, layout = _case(head_size=5 if what == "odd rows" else 8)
+    refs = layer_refs(case.caches, layout)
+    obj = torch.zeros((2, layout.num_kv, 6, layout.row_size), dtype=torch.bfloat16)
+    if what == "strided":
+        obj = torch.zeros((2, layout.num_kv, 12, layout.row_size), dtype=torch.bfloat16)[:, :, ::2]
+    before = [s.clone() for s in case.storages()]
+    acc = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="fused checksum needs a scatter of a contiguous object"):
+        triton_kernels.place(
+            refs, layout, torch.arange(6), triton_kernels.as_bits(obj), gather=what == "gather",
+            checksum_into=acc,
+        )  # fmt: skip
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, case.storages(), strict=True))
+    assert int(acc[0]) == 0
