@@ -17,6 +17,7 @@ them once per process); build a new placer if they do.
 from __future__ import annotations
 
 import gc
+import math
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ class GraphedPlacer:
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
+        self._own_sizes = 0  # sizes with a staging buffer of their own (``max_token_counts`` of them)
+        self._shared: torch.Tensor | None = None  # ``share_staging``'s one buffer
+        self._shared_tokens = 0
         self._sums: dict[int, torch.Tensor] = {}  # T -> one int64: the "checksum" graph's raw sum
         self._direct: dict[int, torch.Tensor] = {}  # T -> static [3, T] direct table
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -65,15 +69,37 @@ class GraphedPlacer:
     def _ensure(self, num_tokens: int) -> None:
         if num_tokens in self._slots:
             return
-        if len(self._slots) >= self.max_token_counts:
+        shared = self._shared is not None and num_tokens <= self._shared_tokens
+        if not shared and self._own_sizes >= self.max_token_counts:
             raise ValueError(
                 f"GraphedPlacer already holds buffers for {sorted(self._slots)} tokens (max_token_counts="
                 f"{self.max_token_counts}); pad calls to a few token counts (chunk multiples)"
             )
         self._slots[num_tokens] = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, self.layout.num_kv, num_tokens, self.layout.row_size)
-        self._staging[num_tokens] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if shared:
+            assert self._shared is not None
+            self._staging[num_tokens] = self._shared[: math.prod(shape)].view(shape)
+        else:
+            self._staging[num_tokens] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._own_sizes += 1
         self._sums[num_tokens] = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def share_staging(self, max_tokens: int) -> None:
+        """From now on, ``staging(T)`` for every T <= ``max_tokens`` is the start of one buffer of
+        ``max_tokens`` tokens (contiguous, ``[L, KV, T, ROW]``), so that graphs for many sizes (a
+        store's partial tails: every block multiple below the chunk) cost graphs, not memory.
+
+        Safe because a placer's staging holds one chunk at a time: its owner (a staging slot)
+        orders every use after the previous one's last reader (``StagingSlot.free``). Only before
+        any staging buffer exists (a graph captured since would read the old one)."""
+        if self._shared is not None and self._shared_tokens >= max_tokens:
+            return  # shared already (a second warm-up)
+        if self._staging:
+            raise RuntimeError("GraphedPlacer.share_staging must come before any staging buffer is made")
+        numel = self.num_layers * self.layout.num_kv * int(max_tokens) * self.layout.row_size
+        self._shared = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        self._shared_tokens = int(max_tokens)
 
     def staging(self, num_tokens: int) -> torch.Tensor:
         """The static object buffer ``[L, KV, T, NH*HS]`` that graphs for T tokens read and write."""
@@ -336,6 +362,11 @@ class GraphedPlacer:
         key = self._all_key(num_tokens, checksum, k)
         self._replay(key, stream)
         return self._all_events[key]
+
+    def warm_gather(self, num_tokens: int) -> None:
+        """Capture the all-layer gather and the staging checksum graphs for T tokens (a store's)."""
+        self._graph(("gather", num_tokens, None))
+        self._graph(("checksum", num_tokens, None))
 
     def warm(
         self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False, fused: bool = False

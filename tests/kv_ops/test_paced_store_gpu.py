@@ -133,19 +133,22 @@ def test_with_libcudart_a_store_queues_no_torch_call_a_chunk(pool: RegisteredPoo
 
 
 @pytest.mark.parametrize("paced", [True, False])
-def test_a_partial_tail_alone_goes_the_torch_way_and_every_chunk_is_the_reference(
+def test_partial_tails_of_whole_blocks_go_through_libcudart_on_the_paced_lane(
     pool: RegisteredPool, paced: bool
 ) -> None:
     """As the connector builds it (only the chunk size warmed, nothing captured while serving): a
-    store of full chunks with a prompt's 96-token tail between them queues the tail through torch
-    and the chunks through libcudart, in turn on the same streams and slots; every byte and
-    checksum is the reference's, twice over (the slots' second use)."""
+    store of full chunks with a prompt's 96-token tail (6 blocks of 16) and a 100-token one (not
+    whole blocks) between them. The paced lane (write-behind) warmed every block multiple below the
+    chunk: the 96-token tail goes through libcudart like the chunks, only the 100-token one the
+    torch way; the ring (sync stores) warms the chunk size only, so both tails go the torch way
+    there. Each in turn on the same streams and slots; every byte and checksum is the
+    reference's, twice over (the slots' second use)."""
     src = make_caches("flash_attn_HND", 61)
     engine = pl.DevicePipeline(src.layers, src.layout(), lazy_capture=False)
     if not engine._sync.raw:
         pytest.skip("libcudart not reachable")
     engine.warm(CHUNK)
-    sizes = [CHUNK, 96, CHUNK, CHUNK, 96]
+    sizes = [CHUNK, 96, CHUNK, CHUNK, 100]
     objs = [pool.alloc(engine, t) for t in sizes]
     torch_chunks: list[int] = []
     real_place = paced_store.StagingSlot.place
@@ -166,8 +169,35 @@ def test_a_partial_tail_alone_goes_the_torch_way_and_every_chunk_is_the_referenc
         assert h.checksums() == [
             checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs
         ]
-    assert torch_chunks == [96, 96, 96, 96]  # only the tails, twice each
+    assert torch_chunks == ([100, 100] if paced else [96, 100, 96, 100])
     assert "libcudart" in engine.store_ways and any(w.startswith("torch (") for w in engine.store_ways)
+    if paced:  # every tail size is a view of the slot's one chunk-sized buffer: graphs, not memory
+        placer = engine._paced().slots[0].placer
+        assert placer.staging(96).data_ptr() == placer.staging(CHUNK).data_ptr()
+        assert paced_store.tail_sizes(CHUNK, 16) == list(range(16, CHUNK, 16))
+        assert all(
+            placer.raw_exec(("gather", t, None), capture=False) for t in paced_store.tail_sizes(CHUNK, 16)
+        )
+
+
+def test_a_store_of_tails_only_goes_through_libcudart_on_the_paced_lane(pool: RegisteredPool) -> None:
+    """Requests whose prompts fit in one partial chunk each: nothing the torch way, right bytes."""
+    src = make_caches("flashinfer_NHD", 65)
+    engine = pl.DevicePipeline(src.layers, src.layout(), lazy_capture=False)
+    if not engine._sync.raw:
+        pytest.skip("libcudart not reachable")
+    engine.warm(CHUNK)
+    sizes = [16, CHUNK - 16, 48, 16]
+    objs = [pool.alloc(engine, t) for t in sizes]
+    slots = _slots(src, sum(sizes), 66, negatives=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paced_store.StagingSlot, "place", lambda *a, **k: pytest.fail("a torch placement"))
+        mp.setattr(paced_store.ck, "accumulate", lambda *a, **k: pytest.fail("a torch checksum launch"))
+        h = engine.store(objs, slots, paced=True, checksums=True)
+    h.wait()
+    _check_objects_n(objs, _reference_gather(src, slots).cpu(), slots)
+    assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+    assert engine.store_ways == frozenset({"libcudart"})
 
 
 @pytest.mark.parametrize("raw_cuda", [True, False], ids=["libcudart", "torch"])

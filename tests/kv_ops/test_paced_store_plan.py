@@ -160,3 +160,15 @@ def test_without_libcudart_nothing_is_planned_or_announced_here(caplog: pytest.L
             is None
         )
     assert not [r for r in caplog.records if "queued through torch" in r.getMessage()]
+
+
+def test_tail_sizes_are_the_block_multiples_below_the_chunk_or_none() -> None:
+    from maru.kv_ops.paced_store import MAX_TAIL_SIZES, tail_sizes
+
+    assert tail_sizes(256, 16) == [16 * m for m in range(1, 16)]
+    assert tail_sizes(64, 64) == []  # a chunk of one block has no partial tail
+    assert tail_sizes(256, 24) == []  # the block does not divide the chunk: tails are not warmed
+    assert tail_sizes(256, 0) == []
+    # More sizes than MAX_TAIL_SIZES (a block of 1 token): none warmed (the torch way, said).
+    assert tail_sizes(MAX_TAIL_SIZES + 1, 1) == list(range(1, MAX_TAIL_SIZES + 1))
+    assert tail_sizes(MAX_TAIL_SIZES + 2, 1) == []
