@@ -405,10 +405,30 @@ class PacedStores:
                 if slot.placer is not None and not slot.used:  # a used slot's static slots are real
                     slot.placer.share_staging(int(chunk_tokens))
                     slot.placer.warm(int(chunk_tokens), checksum=True)
-                    for t in tails:
-                        slot.placer.warm_gather(t)
+                    self._warm_tails(slot.placer, tails)
             if self._sync.raw:
                 self._yield_exec()
+
+    def _warm_tails(self, placer: Any, tails: list[int]) -> None:
+        """The tails' graphs; if CUDA refuses one, the sizes not captured keep the torch way (the
+        same bytes, more host time), said once with the reason and in ``store_ways`` when used."""
+        for t in tails:
+            try:
+                placer.warm_gather(t)
+            except RuntimeError as e:
+                if hasattr(self._sync, "clear_error"):  # the raw calls: reset the runtime's error
+                    self._sync.clear_error()
+                announce_once(
+                    log,
+                    "kv_ops.tail-graphs",
+                    logging.WARNING,
+                    "maru.kv_ops: the write-behind store's graphs for a %d-token partial tail could not "
+                    "be captured (%s): tails of that size and up go the torch way (the same bytes, "
+                    "~0.5 ms of the drain thread's host time a chunk). maru stats shows store_issue",
+                    t,
+                    e,
+                )
+                return
 
     def _settle_paced(self) -> None:
         """Wait for the paced streams (the pipeline's ``synchronize``)."""

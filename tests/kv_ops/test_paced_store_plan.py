@@ -172,3 +172,36 @@ def test_tail_sizes_are_the_block_multiples_below_the_chunk_or_none() -> None:
     # More sizes than MAX_TAIL_SIZES (a block of 1 token): none warmed (the torch way, said).
     assert tail_sizes(MAX_TAIL_SIZES + 1, 1) == list(range(1, MAX_TAIL_SIZES + 1))
     assert tail_sizes(MAX_TAIL_SIZES + 2, 1) == []
+
+
+def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CUDA refusing the capture for one tail size: the sizes captured before it stay, the rest go
+    the torch way, said once at warning with the size and the reason; the warm-up goes on."""
+
+    class Placer:
+        def __init__(self) -> None:
+            self.warmed: list[int] = []
+
+        def warm_gather(self, t: int) -> None:
+            if t == 48:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.warmed.append(t)
+
+    class Sync:
+        cleared = 0
+
+        def clear_error(self) -> None:
+            Sync.cleared += 1
+
+    stores = PacedStores()
+    stores._sync = Sync()
+    placer = Placer()
+    forget("kv_ops.tail-graphs")
+    with caplog.at_level(logging.WARNING, logger="maru.kv_ops"):
+        stores._warm_tails(placer, [16, 32, 48, 64])
+    assert placer.warmed == [16, 32]
+    assert Sync.cleared == 1
+    msgs = [r.getMessage() for r in caplog.records if "partial tail" in r.getMessage()]
+    assert len(msgs) == 1 and "48-token" in msgs[0] and "stream is capturing" in msgs[0]
