@@ -92,3 +92,52 @@ def test_place_refuses_a_checksum_it_cannot_compute(what: str) -> None:
         )  # fmt: skip
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, case.storages(), strict=True))
     assert int(acc[0]) == 0
+
+
+_FUSED_TILES = r"""
+import torch
+from maru.checksum import checksum
+from maru.kv_ops import detect_layouts, scatter, triton_kernels as tk
+from maru.kv_ops.checksum import finalize
+from maru.kv_ops.ops import layer_refs
+from maru.kv_ops.testing import bits, make_cache, random_bits_, random_slots
+# Tiny tiles: a program a token and several column steps a row, so the sum is many programs'
+# atomics over many row pieces (the selfcheck runs the default tiles).
+tk.TuneParams.block_t, tk.TuneParams.max_block_r = 1, 8
+g = torch.Generator().manual_seed(5)
+n = 0
+for fmt, physical, dtype in (("kv_first", "HND", torch.bfloat16), ("blocks_first", "NHD", torch.uint8),
+                             ("cross_layer", "HND", torch.float32)):
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return make_cache(fmt, physical, num_blocks=5, block_size=4, num_kv_heads=3, head_size=8,
+                          num_layers=2, dtype=dtype, generator=gen)
+    case = make(1)
+    layout = detect_layouts(case.caches, **case.detect_kwargs())
+    for tokens in (1, 11):
+        slots = torch.tensor(random_slots(layout.num_slots, tokens, negatives=min(3, tokens - 1), generator=g))
+        obj = random_bits_(torch.empty((2, layout.num_kv, tokens, layout.row_size), dtype=dtype), g)
+        want = make(2)
+        scatter(obj, want.caches, layout, slots, backend="reference")
+        got = make(2)
+        acc = torch.zeros(1, dtype=torch.int64)
+        tk.place(layer_refs(got.caches, layout), layout, slots, tk.as_bits(obj), gather=False, checksum_into=acc)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want.storages(), got.storages())), (fmt, tokens)
+        total = finalize(int(acc[0]), obj.numel() * obj.element_size())
+        assert total == checksum(obj.reshape(-1).view(torch.uint8).numpy()), (fmt, tokens)
+        n += 2
+print(f"fused place: {n} comparisons matched")
+"""
+
+
+def test_the_fused_scatter_sums_over_many_programs_and_column_steps_under_the_interpreter() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FUSED_TILES], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fused place: 12 comparisons matched" in proc.stdout
