@@ -37,18 +37,29 @@ def _loader(fresh: Any, **kw: Any) -> Any:
     return loader
 
 
-@pytest.mark.parametrize("name", ["flash_attn_HND", "flashinfer_NHD"])
-def test_a_fused_load_places_and_sums_what_the_reference_does(pool: RegisteredPool, name: str) -> None:
-    src, objs, slots = _stored(pool, name, 301)
-    fresh = make_caches(name, 303)
+def _load_checked(pool: RegisteredPool, name: str, seed: int, warm: bool = False, **kw: Any) -> Any:
+    """Store SIZES from caches of ``name``, load them into fresh ones with checksums (``kw``: the
+    pipeline's); the caches and every checksum must be the reference's. Returns the loader."""
+    src, objs, slots = _stored(pool, name, seed)
+    fresh = make_caches(name, seed + 2)
     want = _expected(src, fresh, slots)
-    loader = _loader(fresh, fuse_checksums=True)
+    loader = _loader(fresh, **kw)
+    if warm:
+        loader.warm(CHUNK)
+        assert all(s.placer.has_scatter_checksum(CHUNK) for s in loader._ring)
     handle = loader.load(objs, slots, checksums=True)
     handle.wait()
     assert torch.equal(fresh.bits(), want.bits())
     assert handle.checksums() == [_sum(o) for o in objs]
-    assert loader.fused_checksums == len(objs)  # lazy capture: every size, the short one too
-    assert loader.load_checksum_way() == (f"fused ({len(objs)} objects)", None)
+    return loader
+
+
+@pytest.mark.parametrize("name", ["flash_attn_HND", "flashinfer_NHD"])
+def test_a_fused_load_places_and_sums_what_the_reference_does(pool: RegisteredPool, name: str) -> None:
+    loader = _load_checked(pool, name, 301, fuse_checksums=True)
+    n = len(SIZES)
+    assert loader.fused_checksums == n  # lazy capture: every size, the short one too
+    assert loader.load_checksum_way() == (f"fused ({n} objects)", None)
 
 
 def test_a_changed_byte_in_a_skipped_row_changes_the_fused_sum(pool: RegisteredPool) -> None:
@@ -84,29 +95,13 @@ def test_objects_sharing_a_copy_keep_their_own_sums(pool: RegisteredPool) -> Non
 
 
 def test_the_switch_off_takes_the_two_kernel_way_with_the_same_results(pool: RegisteredPool) -> None:
-    src, objs, slots = _stored(pool, "flashinfer_NHD", 331)
-    fresh = make_caches("flashinfer_NHD", 333)
-    want = _expected(src, fresh, slots)
-    loader = _loader(fresh, fuse_checksums=False)
-    handle = loader.load(objs, slots, checksums=True)
-    handle.wait()
-    assert torch.equal(fresh.bits(), want.bits())
-    assert handle.checksums() == [_sum(o) for o in objs]
+    loader = _load_checked(pool, "flashinfer_NHD", 331, fuse_checksums=False)
     assert loader.fused_checksums == 0
     assert loader.load_checksum_way() == ("separate kernel", None)
 
 
 def test_without_lazy_capture_only_warmed_sizes_fuse(pool: RegisteredPool) -> None:
-    src, objs, slots = _stored(pool, "flash_attn_HND", 341)
-    fresh = make_caches("flash_attn_HND", 343)
-    want = _expected(src, fresh, slots)
-    loader = _loader(fresh, fuse_checksums=True, lazy_capture=False)
-    loader.warm(CHUNK)
-    assert all(s.placer.has_scatter_checksum(CHUNK) for s in loader._ring)
-    handle = loader.load(objs, slots, checksums=True)
-    handle.wait()
-    assert torch.equal(fresh.bits(), want.bits())
-    assert handle.checksums() == [_sum(o) for o in objs]
+    loader = _load_checked(pool, "flash_attn_HND", 341, warm=True, fuse_checksums=True, lazy_capture=False)
     assert loader.fused_checksums == sum(1 for t in SIZES if t == CHUNK)  # 70 tokens: not warmed, eager
 
 
