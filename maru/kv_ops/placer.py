@@ -50,6 +50,8 @@ class GraphedPlacer:
         # caller's ``staging(T).copy_(obj)`` moves bits, never converts values.
         self.dtype = _first_tensor(caches).dtype
         self.num_layers = len(self._refs)
+        # Whether the scatter can checksum what it reads (rows of whole 64-bit words): read per load.
+        self.fused_checksum = triton_kernels.fused_checksum_ok(layout, self._refs[0][0].element_size())
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
@@ -276,11 +278,6 @@ class GraphedPlacer:
     def scatter(self, num_tokens: int) -> None:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
         self._replay(("scatter", num_tokens, None))
-
-    @property
-    def fused_checksum(self) -> bool:
-        """Whether this placer's scatter can checksum what it reads (rows of whole 64-bit words)."""
-        return triton_kernels.fused_checksum_ok(self.layout, self._refs[0][0].element_size())
 
     def scatter_checksum(self, num_tokens: int) -> None:
         """``scatter(T)`` that also leaves the raw ``maru.checksum`` sum of all of ``staging(T)``
