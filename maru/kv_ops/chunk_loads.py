@@ -227,22 +227,17 @@ class ChunkLoads:
                     # queued before the wait for the copy (the buffer's last reader, the
                     # slot's previous placement, is earlier on this stream).
                     sync.copy(slot.placer.slots(t).data_ptr(), rows + 8 * token0, 8 * t, place_h, D2D)
-                # The copy's first object: its checksum inside its scatter where it can (one read
-                # of the staged bytes, one launch); the raw sum then goes into acc[k] before the
-                # slot is freed (the placer's sum buffer is the slot's, as its staging is).
-                fused = first and fast and acc is not None and self._fuses(slot.placer, t)
                 if first:
                     sync.wait(place, slot.ready)
-                    if acc is not None and not fused:  # the bytes in the slot are the bytes placed
+                # A copy's first object placed and summed by one kernel where it can be.
+                summed = first and fast and acc is not None and self._scatter_summed(slot.placer, t, acc, k)
+                if not summed:
+                    if first and acc is not None:  # the bytes in the slot are the bytes placed
                         ck.accumulate(stage, acc, k)
-                if fused:
-                    slot.placer.scatter_checksum(t)
-                    sync.copy(acc.data_ptr() + 8 * k, slot.placer.sum_address(t), 8, place_h, D2D)
-                    self.fused_checksums += 1
-                elif fast:
-                    slot.placer.scatter(t)
-                else:
-                    slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
+                    if fast:
+                        slot.placer.scatter(t)
+                    else:
+                        slot.place(stage, graphed, slots[token0 : token0 + t], load=True)
                 token0 += t
                 if k + 1 == n or (j + 1 < copies and lead[j + 1] == k + 1):  # the copy's last object
                     sync.record(slot.free, place)
@@ -256,13 +251,21 @@ class ChunkLoads:
         handle.copies_shared = n - copies
         return handle
 
-    def _fuses(self, placer: Any, tokens: int) -> bool:
-        """Whether the load checksums a staged copy of ``tokens`` tokens inside its scatter."""
-        return (
+    def _scatter_summed(self, placer: Any, tokens: int, acc: torch.Tensor, k: int) -> bool:
+        """A copy's first object placed with its checksum inside its scatter (one read of the staged
+        bytes, one launch), its raw sum then copied into ``acc[k]`` before the slot is freed (the
+        placer's sum buffer is the slot's, as its staging is); False, with nothing queued, where
+        it is not (the setting off, a size not warmed without lazy capture, a refused kernel)."""
+        if not (
             self.fuse_checksums
             and placer.fused_checksum
             and (self.lazy_capture or placer.has_scatter_checksum(tokens))
-        )
+            and placer.scatter_checksum(tokens)
+        ):
+            return False
+        self._sync.copy(acc.data_ptr() + 8 * k, placer.sum_address(tokens), 8, self._place_h, D2D)
+        self.fused_checksums += 1
+        return True
 
     def load_checksum_way(self) -> tuple[str, str | None]:
         """How the chunk load checks what it placed, and why not fused (None: it is, or no GPU)."""
@@ -275,6 +278,11 @@ class ChunkLoads:
             return "separate kernel", (
                 f"{FUSED_ENV}=1 is set but the chunk load checksums in a second kernel: it fuses only "
                 "with CUDA graphs and the raw CUDA calls (maru doctor: kv_ops backend, libcudart)"
+            )
+        if getattr(placer, "fused_refused", None):
+            return "separate kernel", (
+                f"{FUSED_ENV}=1 is set but the fused kernel was refused ({placer.fused_refused}): the "
+                "checksum stays a second kernel. Fix: unset it, or report the Triton version"
             )
         if not placer.fused_checksum:
             return "separate kernel", (

@@ -17,17 +17,21 @@ them once per process); build a new placer if they do.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 from typing import Any
 
 import torch
 
+from maru.announce import announce_once
 from maru.kv_ops import checksum as ck
 from maru.kv_ops import direct_kernel, triton_kernels
 from maru.kv_ops.cuda_sync import D2D, current_stream_handle
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.ops import _first_tensor, layer_refs
 from maru.kv_ops.selection import resolve
+
+log = logging.getLogger("maru.kv_ops")
 
 
 class GraphedPlacer:
@@ -52,6 +56,7 @@ class GraphedPlacer:
         self.num_layers = len(self._refs)
         # Whether the scatter can checksum what it reads (rows of whole 64-bit words): read per load.
         self.fused_checksum = triton_kernels.fused_checksum_ok(layout, self._refs[0][0].element_size())
+        self.fused_refused: str | None = None  # why the fused kernel was turned off, if it was
         self.max_token_counts = max_token_counts
         self._slots: dict[int, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
@@ -279,11 +284,42 @@ class GraphedPlacer:
         """All layers: ``staging(T)`` -> caches at ``slots(T)``, one kernel."""
         self._replay(("scatter", num_tokens, None))
 
-    def scatter_checksum(self, num_tokens: int) -> None:
+    def scatter_checksum(self, num_tokens: int) -> bool:
         """``scatter(T)`` that also leaves the raw ``maru.checksum`` sum of all of ``staging(T)``
         (every row, placed or skipped) at ``sum_address(T)``: one kernel, one read of the staged
-        bytes, where ``scatter`` and the ``checksum`` graph read them twice in two launches."""
-        self._replay(("scatter+checksum", num_tokens, None))
+        bytes, where ``scatter`` and the ``checksum`` graph read them twice in two launches.
+
+        False, with nothing queued, where this placer cannot: rows that are not whole words, or
+        the fused kernel refused (``fused_refused`` says why: Triton's compiler has refused other
+        fused variants on some layouts); the caller then scatters and sums the two-kernel way."""
+        if not self.fused_checksum:
+            return False
+        key = ("scatter+checksum", num_tokens, None)
+        if key not in self._graphs and not self._capture_fused(key):
+            return False
+        self._replay(key)
+        return True
+
+    def _capture_fused(self, key: tuple) -> bool:
+        """Capture the fused graph of ``key``; on a refusal, turn the fused way off for this placer."""
+        try:
+            self._graph(key)
+            return True
+        except RuntimeError as e:  # the compiler's error (before any launch) or a refused capture
+            self.fused_checksum = False
+            self.fused_refused = f"{type(e).__name__}: {str(e)[:300]}"
+            if self._launcher is not None:
+                self._launcher.clear_error()
+            announce_once(
+                log,
+                "kv_ops.fused-refused",
+                logging.WARNING,
+                "maru.kv_ops: the fused load checksum could not be built or captured (%s): loads check "
+                "their chunks with the separate checksum kernel (the same check, one launch more). "
+                "Fix: unset MARU_FUSED_LOAD_CHECKSUM, or report the Triton version (maru doctor)",
+                self.fused_refused,
+            )
+            return False
 
     def has_scatter_checksum(self, num_tokens: int) -> bool:
         """Whether the fused scatter-and-checksum graph for T tokens is captured."""
@@ -379,7 +415,7 @@ class GraphedPlacer:
         if checksum:
             self._graph(("checksum", num_tokens, None))
         if fused and self.fused_checksum:
-            self._graph(("scatter+checksum", num_tokens, None))
+            self._capture_fused(("scatter+checksum", num_tokens, None))
 
 
 def _raw_exec(graph: torch.cuda.CUDAGraph) -> int:

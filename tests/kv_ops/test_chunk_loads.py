@@ -141,3 +141,43 @@ def test_the_fused_scatter_sums_over_many_programs_and_column_steps_under_the_in
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fused place: 12 comparisons matched" in proc.stdout
+
+
+def test_a_refused_fused_kernel_turns_the_fused_way_off_says_why_and_queues_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Triton's compiler has refused fused variants of other kernels on some layouts: the placer's
+    capture raising turns its fused way off (the load then sums with the separate kernel), warns
+    once with the reason, clears CUDA's error, and ``load_checksum_way`` names it."""
+    import logging
+
+    from maru.announce import forget
+    from maru.kv_ops.placer import GraphedPlacer
+
+    replays: list[tuple] = []
+    cleared: list[int] = []
+    fake = SimpleNamespace(
+        fused_checksum=True, fused_refused=None, _graphs={}, layout=SimpleNamespace(row_size=24),
+        _launcher=SimpleNamespace(clear_error=lambda: cleared.append(1)),
+        _replay=lambda key: replays.append(key),
+    )  # fmt: skip
+
+    def refuse(key: tuple) -> None:
+        raise RuntimeError("PassManager::run failed")
+
+    fake._graph = refuse
+    fake._capture_fused = lambda key: GraphedPlacer._capture_fused(fake, key)
+    forget("kv_ops.fused-refused")
+    with caplog.at_level(logging.WARNING, logger="maru.kv_ops"):
+        assert GraphedPlacer.scatter_checksum(fake, 256) is False
+        assert GraphedPlacer.scatter_checksum(fake, 256) is False  # off now: not tried again
+    assert replays == [] and cleared == [1]
+    assert fake.fused_checksum is False and "PassManager" in fake.fused_refused
+    warned = [r.getMessage() for r in caplog.records if "fused load checksum" in r.getMessage()]
+    assert len(warned) == 1 and "PassManager" in warned[0]
+    name, why = chunk_loads.ChunkLoads.load_checksum_way(_gpu_like(_ring=[SimpleNamespace(placer=fake)]))
+    assert name == "separate kernel" and "refused" in why and "PassManager" in why
+    # A captured size replays without a new capture.
+    ok = SimpleNamespace(fused_checksum=True, _graphs={("scatter+checksum", 64, None): object()},
+                         _replay=lambda key: replays.append(key))  # fmt: skip
+    assert GraphedPlacer.scatter_checksum(ok, 64) is True and replays == [("scatter+checksum", 64, None)]

@@ -113,3 +113,25 @@ def test_a_load_without_checksums_never_fuses(pool: RegisteredPool) -> None:
     loader.load(objs, slots, checksums=False).wait()
     assert torch.equal(fresh.bits(), want.bits())
     assert loader.fused_checksums == 0
+
+
+def test_a_refused_fused_kernel_leaves_the_load_right_on_the_two_kernel_way(
+    pool: RegisteredPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused variant refused when its graph is first captured (as Triton's compiler refused a
+    fused variant of the direct kernel on one layout): the load places and sums the two-kernel
+    way, every result the reference's, and the way says why."""
+    from maru.kv_ops import triton_kernels
+
+    real = triton_kernels.place
+
+    def place(*a: Any, checksum_into: Any = None, **k: Any) -> None:
+        if checksum_into is not None:
+            raise RuntimeError("PassManager::run failed (stand-in)")
+        real(*a, **k)
+
+    monkeypatch.setattr(triton_kernels, "place", place)
+    loader = _load_checked(pool, "flash_attn_HND", 361, fuse_checksums=True)
+    assert loader.fused_checksums == 0
+    name, why = loader.load_checksum_way()
+    assert name == "separate kernel" and "stand-in" in why
