@@ -183,6 +183,7 @@ def measure(
     # The same with offer pins (the connector's default): the scheduler side pinned the chunks and
     # handed their places over (untimed), so the issue follows no lookup round trip.
     held_issue = []
+    held_parts: dict[str, list[float]] = {}
     with MaruHandler(loader.client.url, timeout_s=30) as sched_client:
         for r in range(load_reps + 1):
             held = []
@@ -198,8 +199,12 @@ def measure(
             pins.flush(sched_client)
             if r:
                 held_issue.append(h.copy_issue_s + h.place_issue_s)
+                for part, sec in getattr(h, "issue_parts", {}).items():
+                    held_parts.setdefault(part, []).append(sec)
     return {
         "held_layer_issue_us": statistics.median(held_issue) / L * 1e6,
+        # The held direct issue's parts, median us for the whole load (not a layer).
+        "held_issue_parts_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in held_parts.items()},
         "layer_path": f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}",
         "layer_issue_us": statistics.median(issue) / L * 1e6,
         "layer_load_GBps": nbytes / statistics.median(total) / GB,
@@ -329,6 +334,10 @@ def main() -> None:
             f"{' / '.join(f'{hp.get(k, 0.0):.2f}' for k in ('lookup', 'prepare', 'issue', 'wait'))} | "
             f"{row['offer_pin_ms']:.2f} | {row['held_layer_issue_us']:.1f} |"
         )
+    print("held overlap issue by part, median us a load: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.get("held_issue_parts_us", {}).items())
+        for name, row in results["sizes"].items()
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":

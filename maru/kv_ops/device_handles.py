@@ -148,6 +148,7 @@ class LayerLoad(Transfer):
         self.graphed = False  # placements replayed from CUDA graphs
         self.copy_issue_s = 0.0  # host time to queue every layer's copies (and the call's setup)
         self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
+        self.issue_parts: dict[str, float] = {}  # the direct issue's host seconds by part (layer_paths)
 
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block.

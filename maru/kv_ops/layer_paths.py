@@ -301,6 +301,7 @@ class LayerPaths:
             prefill, unread = mark_unread(marked.numpy(), [o.shape[2] for o in objs], segments)
             if prefill is not None:
                 host_slots = marked
+        t_checked = time.perf_counter()
         graphed = self._layer_placer is not None
         tb = _bucket(total) if graphed else total
         if graphed and not self.lazy_capture and not self._layer_placer.has_direct(tb, checksum=checksums):
@@ -327,6 +328,7 @@ class LayerPaths:
             host_tab = dk.direct_table_host(
                 chunks, host_slots, self.layout.row_size, self.esize, tb, prefill=prefill
             )
+        t_table = time.perf_counter()
         self._after_caller(place)
         tab = None
         if graphed:
@@ -371,6 +373,14 @@ class LayerPaths:
         handle.issue_s = t_end - t0
         handle.copy_issue_s = t_place - t0  # the table: built on the host and uploaded
         handle.place_issue_s = t_end - t_place
+        # Where the issue's host time went (bench/gpu_connector.py prints the medians): the checks
+        # and the partial-read plan, the table, the stream order and upload, the launch and sums.
+        handle.issue_parts = {
+            "checks": t_checked - t0,
+            "table": t_table - t_checked,
+            "upload": t_place - t_table,
+            "launch": t_end - t_place,
+        }
         return handle
 
     def _table_sums(self, tab: torch.Tensor, n: int) -> tuple[torch.Tensor, Any]:
