@@ -431,7 +431,14 @@ class KVTransferEngine(StoreSide):
         # A key's tokens are the same in every request (its size was checked against them).
         tokens = {index[c.key]: c.num_tokens for req in requests for c in req.chunks}
         try:
-            objs = self.geometry.over_many((handles[i].view, t) for i, t in tokens.items())
+            mapping = getattr(self.client, "pool_mapping", None)
+            if mapping is not None and hasattr(mapping, "read_tensor"):
+                # By offset over one tensor of the whole pool: the pages' offsets were bounds-checked
+                # when their views were made (``read_views``), and each view is that very range.
+                base = mapping.read_tensor(self.geometry.dtype)
+                objs = self.geometry.at_offsets(base, ((handles[i].offset, t) for i, t in tokens.items()))
+            else:
+                objs = self.geometry.over_many((handles[i].view, t) for i, t in tokens.items())
         except Exception:
             return {}
         return dict(zip(tokens, objs, strict=True))

@@ -238,6 +238,36 @@ def test_the_whole_pool_mapping_is_exposed_for_device_registration(h: MaruHandle
     h.abort(obj)
 
 
+def test_the_pool_as_one_tensor_reads_what_a_retrieved_view_reads(h: MaruHandler) -> None:
+    """``read_tensor``: the whole mapping as one tensor a dtype (made once), so that a step's
+    objects are made by offset; its bytes at an object's offset are the retrieved view's."""
+    torch = pytest.importorskip("torch")
+    data = bytes(range(256)) * 4
+    put(h, "whole-tensor/a", data)
+    mapping = h.pool_mapping
+    base = mapping.read_tensor(torch.bfloat16)
+    assert mapping.read_tensor(torch.bfloat16) is base  # once a dtype
+    assert base.numel() * 2 == mapping.size
+    with h.retrieve("whole-tensor/a") as r:
+        off = r.offset
+        got = base[off // 2 : (off + len(data)) // 2].view(torch.uint8).numpy().tobytes()
+        assert got == r.tobytes() == data
+    u8 = mapping.read_tensor(torch.uint8)
+    assert u8.data_ptr() == base.data_ptr() == mapping.address
+
+
+def test_a_closed_mapping_makes_no_tensor(tmp_path: Path, maru_server: ServerProcess) -> None:
+    torch = pytest.importorskip("torch")
+    other = MaruHandler(maru_server.url)
+    mapping = other.pool_mapping
+    kept = mapping.read_tensor(torch.float16)  # a tensor a caller still holds
+    other.close()
+    with pytest.raises(PoolError, match="closed"):
+        mapping.read_tensor(torch.float32)
+    assert kept.numel() * 2 == mapping.size  # still readable: the OS unmaps when it goes
+    del kept
+
+
 def test_threads_sharing_one_handler_each_read_back_their_own_bytes(h: MaruHandler) -> None:
     errors: list[str] = []
 

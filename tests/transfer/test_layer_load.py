@@ -169,6 +169,35 @@ def test_requests_sharing_chunks_in_one_layer_step_place_what_the_chunk_load_pla
     assert pins.pinned == pins.released and client.usage()["pinned"] == 0
 
 
+def test_a_steps_objects_are_the_pinned_pages_themselves(client: MaruHandler) -> None:
+    """``pin`` makes a step's objects by offset over one tensor of the pool (``read_tensor``): each
+    is the very page its lookup pinned (its address and its bytes), shaped ``[L, KV, T, ROW]``
+    contiguous; a key two requests share is one object."""
+    src = case("kv_first", "NHD", 51)
+    a = request("pages-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    assert plain_engine(src, client).store([a]).stored == 3
+    b = RequestTransfer("pages-b", (9, 8, 7, 6), a.chunks[:2])
+    eng = plain_engine(case("kv_first", "NHD", 52), client)
+    pinned = eng.pin([a, b])
+    try:
+        assert not pinned.failed
+        objs = {}
+        for _req, parts in pinned.ready:
+            for obj, _slots, nbytes, h in parts:
+                page = torch.frombuffer(h.view, dtype=torch.uint8)
+                assert obj.data_ptr() == page.data_ptr() and obj.is_contiguous()
+                # A view of the one pool tensor (not a tensor of its own over the page's view).
+                assert obj.untyped_storage().data_ptr() == client.pool_mapping.address
+                assert obj.numel() * obj.element_size() == nbytes == len(h.view)
+                assert torch.equal(obj.reshape(-1).view(torch.uint8), page)
+                objs.setdefault(h.key, []).append(obj)
+        shared = objs[a.chunks[0].key]
+        assert len(shared) == 2 and shared[0] is shared[1]
+    finally:
+        eng.release(pinned)
+    assert client.usage()["pinned"] == 0
+
+
 def test_layer_load_places_nothing_of_a_request_missing_a_chunk_and_unpins_everything(
     client: MaruHandler,
 ) -> None:
