@@ -17,11 +17,12 @@ machine (a ctypes call of its own costs ~0.6 there). ``ENV`` is the census's swi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from maru.env_flags import flag
 
 ENV = "MARU_THREAD_CENSUS"  # the thread census's switch, and this timing's
 LONG_NS = 500_000  # a call held the GIL this long or more: counted apart (0.5 ms: ~500 quick calls)
@@ -34,7 +35,7 @@ _NAMES: dict[int, str] = {}
 
 def enabled() -> bool:
     """Whether the census (and so this timing) is asked for."""
-    return os.environ.get(ENV, "") not in ("", "0")
+    return flag(ENV)
 
 
 def timed(fn: Callable[..., Any]) -> Callable[..., Any]:

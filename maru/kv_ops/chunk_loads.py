@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from maru.env_flags import flag
 from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
@@ -29,8 +29,8 @@ FUSED_ENV = "MARU_FUSED_LOAD_CHECKSUM"
 
 
 def fused_checksums_wanted() -> bool:
-    """Whether the environment asks for the fused load checksum (``FUSED_ENV`` = 1)."""
-    return os.environ.get(FUSED_ENV, "0") == "1"
+    """Whether the environment asks for the fused load checksum (``FUSED_ENV``, ``maru.env_flags``)."""
+    return flag(FUSED_ENV)
 
 
 def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,13 +17,13 @@ wait, query, synchronize); only ``RawSync`` has the raw copies (``raw`` says whi
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import torch
 
 from maru import gil_calls
 from maru.cudart import find_cudart
+from maru.env_flags import flag
 
 
 def current_stream_handle(device: torch.device) -> int:
@@ -88,7 +88,7 @@ RELEASE_GIL_ENV = "MARU_RAW_CALLS_RELEASE_GIL"
 def gil_note() -> str | None:
     """Why the raw calls give the GIL up (``MARU_RAW_CALLS_RELEASE_GIL=1``, a bench's A/B left set):
     the slow path ``maru doctor`` shows; None when they keep it (the default)."""
-    if os.environ.get(RELEASE_GIL_ENV, "") in ("", "0"):
+    if not flag(RELEASE_GIL_ENV):
         return None
     return (
         f"{RELEASE_GIL_ENV} is set: Maru's CUDA calls give the GIL up and win it back one by one (each "

@@ -27,6 +27,7 @@ import threading
 import time
 
 from maru import gil_calls
+from maru.env_flags import flag
 
 ENV = gil_calls.ENV  # "MARU_THREAD_CENSUS": one switch for the census and the GIL-held timing
 _TASKS = "/proc/self/task"
@@ -34,7 +35,7 @@ _TASKS = "/proc/self/task"
 
 def enabled() -> bool:
     """Whether ``MARU_THREAD_CENSUS`` asks for the census (and ``/proc`` can answer it)."""
-    return os.environ.get(ENV, "") not in ("", "0") and os.path.isdir(_TASKS)
+    return flag(ENV) and os.path.isdir(_TASKS)
 
 
 def slow_note() -> str | None:

@@ -36,7 +36,7 @@ def test_the_switch_is_the_environment_unless_the_pipeline_is_told(monkeypatch: 
     assert chunk_loads.fused_checksums_wanted() is True
     assert pl.DevicePipeline(case.caches, layout).fuse_checksums is True
     assert pl.DevicePipeline(case.caches, layout, fuse_checksums=False).fuse_checksums is False
-    monkeypatch.setenv(chunk_loads.FUSED_ENV, "yes")  # only "1" turns it on
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "maybe")  # not a switch value: off (said, maru.env_flags)
     assert chunk_loads.fused_checksums_wanted() is False
 
 
