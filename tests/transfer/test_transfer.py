@@ -448,6 +448,15 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     assert PipelinedPath.report(pacing(False), False, False)[1] == []  # type: ignore[arg-type]  # not asked for
     assert pacing(None).paces_stores and not pacing(False).paces_stores  # None: not decided yet
     assert PipelinedPath.report(pacing(None), False, True)[1] == []  # type: ignore[arg-type]
+    # The chunk load's checksum way (MARU_FUSED_LOAD_CHECKSUM): shown, and why it is not fused
+    # where the setting asks for it and cannot apply.
+    for way, why in (
+        ("fused (3 objects)", None),
+        ("separate kernel", "MARU_FUSED_LOAD_CHECKSUM=1 is set but ..."),
+    ):
+        pipe = SimpleNamespace(load_checksum_way=lambda way=way, why=why: (way, why))
+        paths, slow = PipelinedPath.report(SimpleNamespace(pipeline=pipe), False)  # type: ignore[arg-type]
+        assert paths["load_checksum"] == way and slow == ([why] if why else [])
     # The engine paces write-behind stores only where asked for and the path really paces.
     from maru.transfer.engine import KVTransferEngine
 
