@@ -47,7 +47,7 @@ PACED_SLOTS = 2  # one chunk in the copy engine, the next one gathered behind it
 # A store's partial tail (a prompt's end) is a block multiple below the chunk: the paced slots
 # capture raw graphs for each such size at warm-up, up to this many sizes (more: tails go the
 # torch way, ~5x the drain thread's host time a chunk, said in ``store_ways``).
-MAX_TAIL_SIZES = 32
+MAX_TAIL_SIZES = 64
 
 
 def tail_sizes(chunk_tokens: int, block_size: int) -> list[int]:
