@@ -50,7 +50,7 @@ from maru.kv_ops.host_scratch import HostScratch
 from maru.kv_ops.layer_copies import CopiedLayers
 from maru.kv_ops.layer_paths import LayerPaths, Placer, _bucket
 from maru.kv_ops.layout import KVLayout
-from maru.kv_ops.paced_store import PacedStores
+from maru.kv_ops.paced_store import PacedStores, tail_sizes
 from maru.kv_ops.pipeline_inputs import PipelineInputs
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.kv_ops.store_paths import STORE_PATHS, StorePaths
@@ -392,8 +392,13 @@ class DevicePipeline(
                     # A capture replays its op once eagerly; after a transfer the static slots hold
                     # real slots.
                     raise RuntimeError("DevicePipeline.warm(chunk_tokens) must run before the first transfer")
+                # Every block multiple below the chunk too (a prompt's partial tail: a sync store's
+                # gather, a chunk load's scatter), each a view of the slot's one chunk-sized staging.
+                tails = tail_sizes(int(chunk_tokens), int(self.layout.block_size))
                 for slot in self._ring:
+                    slot.placer.share_staging(int(chunk_tokens))
                     slot.placer.warm(int(chunk_tokens), checksum=True, fused=self.fuse_checksums)
+                    self._warm_tails(slot.placer, tails, loads=True)
                 self._warm_paced(int(chunk_tokens))
             if layer_tokens and self.warm_copied():
                 return  # the copied way replays no graphs: none to capture for the direct way

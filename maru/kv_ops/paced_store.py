@@ -409,12 +409,17 @@ class PacedStores:
             if self._sync.raw:
                 self._yield_exec()
 
-    def _warm_tails(self, placer: Any, tails: list[int]) -> None:
-        """The tails' graphs; if CUDA refuses one, the sizes not captured keep the torch way (the
-        same bytes, more host time), said once with the reason and in ``store_ways`` when used."""
+    def _warm_tails(self, placer: Any, tails: list[int], *, loads: bool = False) -> None:
+        """The tails' graphs: a store's gather and checksum, and with ``loads`` (a ring slot, which
+        loads too) the scatter (and the fused one where asked for). If CUDA refuses one, the sizes
+        not captured keep the torch way or an eager launch (the same bytes, more host time), said
+        once with the reason (and in ``store_ways`` when a store takes it)."""
         for t in tails:
             try:
-                placer.warm_gather(t)
+                if loads:
+                    placer.warm(t, checksum=True, fused=getattr(self, "fuse_checksums", False))
+                else:
+                    placer.warm_gather(t)
             except RuntimeError as e:
                 if hasattr(self._sync, "clear_error"):  # the raw calls: reset the runtime's error
                     self._sync.clear_error()
@@ -422,9 +427,9 @@ class PacedStores:
                     log,
                     "kv_ops.tail-graphs",
                     logging.WARNING,
-                    "maru.kv_ops: the write-behind store's graphs for a %d-token partial tail could not "
-                    "be captured (%s): tails of that size and up go the torch way (the same bytes, "
-                    "~0.5 ms of the drain thread's host time a chunk). maru stats shows store_issue",
+                    "maru.kv_ops: the graphs for a %d-token partial tail could not be captured (%s): "
+                    "tails of that size and up go the torch way or an eager launch (the same bytes, "
+                    "~0.5 ms of host time a chunk). maru stats shows store_issue",
                     t,
                     e,
                 )

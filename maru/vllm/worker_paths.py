@@ -68,10 +68,10 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
                     f"{'some' if 'libcudart' in ways else 'all'} stores are queued through "
                     f"{' and '.join(torch_ways)}, not libcudart: the same bytes, about 5x the drain "
                     "thread's host time a chunk (it shares the GIL with vLLM's forward). Fix: see "
-                    "the reason; the chunk size (maru_kv_chunk_tokens) and, for write-behind stores, "
-                    "its block multiples are warmed at start, so a sync store's partial tail alone "
-                    "goes this way (its full chunks still go through libcudart); libcudart must be "
-                    "reachable (maru doctor)"
+                    "the reason; the chunk size (maru_kv_chunk_tokens) and its block multiples (a "
+                    "prompt's partial tail) are warmed at start, so only a chunk of another size goes "
+                    "this way (the store's other chunks still go through libcudart); libcudart must "
+                    "be reachable (maru doctor)"
                 )
         extra, path_slow = eng.path.report(
             worker.layer_overlap, worker.cfg.async_store and worker.cfg.paced_store

@@ -135,3 +135,30 @@ def test_a_refused_fused_kernel_leaves_the_load_right_on_the_two_kernel_way(
     assert loader.fused_checksums == 0
     name, why = loader.load_checksum_way()
     assert name == "separate kernel" and "stand-in" in why
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_partial_tail_of_whole_blocks_loads_from_its_warmed_graphs(
+    pool: RegisteredPool, fused: bool
+) -> None:
+    """The ring's slots warm every block multiple below the chunk (a prompt's tail): without lazy
+    capture, a load of a full chunk and a 96-token tail (6 blocks of 16) replays graphs for both,
+    no eager placement, every byte and checksum the reference's (the fused way for both where on)."""
+    from maru.kv_ops import staging_slot
+
+    src = make_caches("flashinfer_HND", 371)
+    engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
+    objs = [pool.alloc(engine, t) for t in (CHUNK, 96)]
+    slots = base._slots(src, CHUNK + 96, 372, negatives=5)
+    engine.store(objs, slots).wait()
+    fresh = make_caches("flashinfer_HND", 373)
+    want = _expected(src, fresh, slots)
+    loader = _loader(fresh, fuse_checksums=fused, lazy_capture=False)
+    loader.warm(CHUNK)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(staging_slot.StagingSlot, "place", lambda *a, **k: pytest.fail("an eager placement"))
+        handle = loader.load(objs, slots, checksums=True)
+    handle.wait()
+    assert torch.equal(fresh.bits(), want.bits())
+    assert handle.checksums() == [_sum(o) for o in objs]
+    assert loader.fused_checksums == (2 if fused else 0)

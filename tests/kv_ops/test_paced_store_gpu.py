@@ -136,13 +136,12 @@ def test_with_libcudart_a_store_queues_no_torch_call_a_chunk(pool: RegisteredPoo
 def test_partial_tails_of_whole_blocks_go_through_libcudart_on_the_paced_lane(
     pool: RegisteredPool, paced: bool
 ) -> None:
-    """As the connector builds it (only the chunk size warmed, nothing captured while serving): a
-    store of full chunks with a prompt's 96-token tail (6 blocks of 16) and a 100-token one (not
-    whole blocks) between them. The paced lane (write-behind) warmed every block multiple below the
-    chunk: the 96-token tail goes through libcudart like the chunks, only the 100-token one the
-    torch way; the ring (sync stores) warms the chunk size only, so both tails go the torch way
-    there. Each in turn on the same streams and slots; every byte and checksum is the
-    reference's, twice over (the slots' second use)."""
+    """As the connector builds it (the chunk size and its block multiples warmed, nothing
+    captured while serving): a store of full chunks with a prompt's 96-token tail (6 blocks of 16)
+    and a 100-token one (not whole blocks) between them. The paced lane (write-behind) and the ring
+    (sync stores) warmed every block multiple below the chunk: the 96-token tail goes through
+    libcudart like the chunks, only the 100-token one the torch way, in turn on the same streams
+    and slots; every byte and checksum is the reference's, twice over (the slots' second use)."""
     src = make_caches("flash_attn_HND", 61)
     engine = pl.DevicePipeline(src.layers, src.layout(), lazy_capture=False)
     if not engine._sync.raw:
@@ -169,15 +168,15 @@ def test_partial_tails_of_whole_blocks_go_through_libcudart_on_the_paced_lane(
         assert h.checksums() == [
             checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs
         ]
-    assert torch_chunks == ([100, 100] if paced else [96, 100, 96, 100])
+    assert torch_chunks == [100, 100]
     assert "libcudart" in engine.store_ways and any(w.startswith("torch (") for w in engine.store_ways)
-    if paced:  # every tail size is a view of the slot's one chunk-sized buffer: graphs, not memory
-        placer = engine._paced().slots[0].placer
+    # Every tail size is a view of the slot's one chunk-sized buffer: graphs, not memory.
+    tails = paced_store.tail_sizes(CHUNK, 16)
+    assert tails == list(range(16, CHUNK, 16))
+    for placer in (engine._paced().slots[0].placer, engine._ring[0].placer):
         assert placer.staging(96).data_ptr() == placer.staging(CHUNK).data_ptr()
-        assert paced_store.tail_sizes(CHUNK, 16) == list(range(16, CHUNK, 16))
-        assert all(
-            placer.raw_exec(("gather", t, None), capture=False) for t in paced_store.tail_sizes(CHUNK, 16)
-        )
+        assert all(placer.raw_exec(("gather", t, None), capture=False) for t in tails)
+    assert all(engine._ring[0].placer.has_chunk_graphs(t) for t in tails)  # a ring slot loads too
 
 
 def test_a_store_of_tails_only_goes_through_libcudart_on_the_paced_lane(pool: RegisteredPool) -> None:
