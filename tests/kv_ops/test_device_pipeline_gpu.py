@@ -341,7 +341,8 @@ def test_layer_graphs_without_lazy_capture_replay_only_warmed_buckets(pool: Regi
 def test_chunk_graphs_without_lazy_capture_replay_the_warmed_size_and_capture_nothing_later(
     pool: RegisteredPool, checksums: bool
 ) -> None:
-    """What the connector builds now: the chunk size's graphs warmed at start; other sizes eager."""
+    """What the connector builds now: the chunk size's graphs (and its block multiples') warmed at
+    start; other sizes (100 tokens: no whole blocks) eager."""
     src = make_caches("flashinfer_HND", 41)
     engine = pl.DevicePipeline(src.layers, src.layout(), backend=BACKEND)
     sizes = [CHUNK, CHUNK, 100, CHUNK]  # 100 tokens: never warmed
