@@ -336,7 +336,7 @@ class DevicePipeline(
         ``placer(obj_layer [KV, T, ROW], layer, slots)`` replaces the built-in placement.
         ``checksums``: see the class docstring; the direct kernel computes them as it reads (the
         skipped rows too), the staged way sums the staging after the last layer (one launch). On a
-        GPU both need rows of whole 8-byte words (``direct_kernel.direct_checksum_ok``).
+        GPU both need rows of whole 8-byte words (``triton_kernels.fused_checksum_ok``).
         ``segments`` (with ``checksums``): each object's committed segment sums (``maru.segments``)
         or None; where the direct kernel and the CPU place only some segments of an object, they
         read only those, and its checksum counts the others at their committed sums.

@@ -31,7 +31,6 @@ from maru.kv_ops.triton_kernels import (
 __all__ = [
     "DIRECT_ROWS",
     "DIRECT_SUMS_ROW",
-    "direct_checksum_ok",
     "direct_scatter_layer",
     "direct_table_host",
 ]
@@ -273,7 +272,7 @@ def direct_scatter_layer(
     it also reads the skipped rows (slot -1; not those marked -2: rows of segments left unread) and
     adds this layer's ``maru.checksum`` terms of every object into row 5 of the table (object k at
     entry k, which starts at the table's ``prefill``): after every layer ran, entry k is the raw sum
-    of object k (``kv_ops.checksum.finalize``). Needs ``direct_checksum_ok(layout, esize)``.
+    of object k (``kv_ops.checksum.finalize``). Needs ``fused_checksum_ok(layout, esize)``.
     ``stage_off``: the table names a device staging slot holding layer ``layer`` of every object
     in the object's own layer layout ([KV, T, ROW] at each address; ``kv_ops.layer_copies``): read
     the rows there, ``stage_off`` bytes further. None: read layer ``layer`` of the objects.
@@ -283,7 +282,7 @@ def direct_scatter_layer(
         return
     cache = base_view(ref)
     esize = cache.element_size()
-    if checksum and not direct_checksum_ok(layout, esize):
+    if checksum and not fused_checksum_ok(layout, esize):
         raise ValueError(
             f"the direct kernel checksums whole 64-bit words of each row: a row of {layout.row_size} "
             f"elements of {esize} bytes is not a multiple of 8 bytes"
@@ -320,8 +319,3 @@ def direct_scatter_layer(
 
 
 _DIRECT = Launcher(_direct_layer_kernel)
-
-
-def direct_checksum_ok(layout: KVLayout, esize: int) -> bool:
-    """Whether ``direct_scatter_layer`` can checksum objects of ``layout`` (``fused_checksum_ok``'s rule)."""
-    return fused_checksum_ok(layout, esize)

@@ -30,9 +30,9 @@ Placer = Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
 def _rows_are_words(layout: Any, esize: int) -> bool:
-    from maru.kv_ops.direct_kernel import direct_checksum_ok
+    from maru.kv_ops.triton_kernels import fused_checksum_ok
 
-    return direct_checksum_ok(layout, esize)
+    return fused_checksum_ok(layout, esize)
 
 
 def _bucket(tokens: int) -> int:

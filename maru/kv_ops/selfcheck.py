@@ -243,7 +243,7 @@ class Checker:
             all(self.same(x, y) for x, y in zip(d.storages(), e.storages(), strict=True)),
             f"direct_scatter_layer {p} chunks {[h.shape[2] for h in host]}",
         )
-        if direct_kernel.direct_checksum_ok(layout, obj.element_size()):
+        if triton_kernels.fused_checksum_ok(layout, obj.element_size()):
             # The fused checksum: the same placement, and each object's maru.checksum (skipped
             # token included) in row 5, whatever the table's indexing.
             f = self._make(p, seed + 5)

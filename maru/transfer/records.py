@@ -267,15 +267,23 @@ def many_chunk_slots(
     one broadcast and each chunk's placed range copied by one slice, so a request costs a few slice
     copies, not ``chunk_slots``' half-dozen numpy calls (~30 us a request on the CI machine). A
     request whose chunks are not contiguous, or which lacks the blocks its placed tokens need, is
-    made by ``chunk_slots`` alone (which raises its own error for the latter: callers that checked
-    ``blocks_needed`` first never see one).
+    made by ``chunk_slots`` alone; where that raises (too few blocks) the request's entry is None
+    and the others are made: a request that cannot be placed fails alone, its caller says why.
     """
     plans = [_contiguous_plan(ids, block_size, chunks, whole) for ids, chunks in requests]
     made = _planned(requests, plans, block_size)
     return [
-        chunk_slots(ids, block_size, chunks, whole=whole) if m is None else m
+        _alone(ids, block_size, chunks, whole) if m is None else m
         for (ids, chunks), m in zip(requests, made, strict=True)
     ]
+
+
+def _alone(block_ids: Sequence[int], block_size: int, chunks: Sequence[ChunkRef], whole: bool) -> Any:
+    """``chunk_slots`` of one request, or None where it cannot be made (``many_chunk_slots``)."""
+    try:
+        return chunk_slots(block_ids, block_size, chunks, whole=whole)
+    except ValueError:
+        return None
 
 
 def _planned(

@@ -69,9 +69,14 @@ class DeferredSlots:
         """Each request's mapping: all of them in one pass (``many_chunk_slots``) where they share
         a block size (always, from one engine), else one at a time."""
         sizes = {bs for _, bs, _ in self._requests}
+        made: list[torch.Tensor | None] = [None] * len(self._requests)
         if len(sizes) == 1:
-            return many_chunk_slots([(ids, chunks) for ids, _, chunks in self._requests], sizes.pop())
-        return [chunk_slots(ids, bs, chunks) for ids, bs, chunks in self._requests]
+            made = many_chunk_slots([(ids, chunks) for ids, _, chunks in self._requests], sizes.pop())
+        # One that could not be made (too few blocks): made alone, which raises why.
+        return [
+            chunk_slots(ids, bs, chunks) if m is None else m
+            for (ids, bs, chunks), m in zip(self._requests, made, strict=True)
+        ]
 
     def joined(self) -> torch.Tensor:
         """Every item's mapping, concatenated in item order."""

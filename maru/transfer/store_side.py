@@ -19,7 +19,7 @@ import torch
 
 from maru.errors import CONNECTION_LOST, MaruError
 from maru.protocol import CommitResult
-from maru.transfer.records import RequestTransfer, StoreReport, chunk_slots, many_chunk_slots, slot_mapping
+from maru.transfer.records import RequestTransfer, StoreReport, many_chunk_slots, slot_mapping
 from maru.transfer.stores import IssuedGather, PendingStore, PreparedStore
 
 logger = logging.getLogger("maru.transfer")
@@ -136,10 +136,9 @@ class StoreSide:
             by_req.setdefault(req.req_id, (req, []))[1].append(c)
         out: dict[int, torch.Tensor] = {}
         groups = list(by_req.values())
-        try:  # every request at once; where one cannot be made, one at a time (it is left out alone)
-            flats = many_chunk_slots([(r.block_ids, c) for r, c in groups], self.block_size, whole=True)
-        except Exception:
-            flats = [self._slots_alone(req, chunks) for req, chunks in groups]
+        # Every request at once; one whose slots cannot be made is None: left out alone (its
+        # chunks then make their own mapping, which says why).
+        flats = many_chunk_slots([(r.block_ids, c) for r, c in groups], self.block_size, whole=True)
         for (_, chunks), flat in zip(groups, flats, strict=True):
             if flat is None:
                 continue
@@ -148,12 +147,6 @@ class StoreSide:
                 out[id(c)] = flat[o : o + c.num_tokens]
                 o += c.num_tokens
         return out
-
-    def _slots_alone(self, req: RequestTransfer, chunks: list[Any]) -> torch.Tensor | None:
-        try:
-            return chunk_slots(req.block_ids, self.block_size, chunks, whole=True)  # type: ignore[no-any-return]
-        except Exception:
-            return None
 
     def finish_gather(self, ig: IssuedGather, prep: PreparedStore) -> None:
         """Wait for an issued gather, then record its complete objects in ``prep``; abort the others."""

@@ -484,8 +484,9 @@ def test_the_engine_reads_the_pool_address_of_the_clients_current_mapping() -> N
 @pytest.mark.parametrize("whole", [False, True])
 def test_a_steps_slots_made_at_once_equal_each_requests_chunk_slots(whole: bool) -> None:
     """``many_chunk_slots`` against ``chunk_slots`` request by request, on random steps: contiguous
-    chunks placed in part or whole, gaps (made alone), requests short of blocks (made alone: the
-    error is theirs), nothing placed, block sizes 1, 3 and 16 (never the 8 heads of a model)."""
+    chunks placed in part or whole, gaps (made alone), requests short of blocks (None: the others
+    are made, ``chunk_slots`` alone raises why), nothing placed, block sizes 1, 3 and 16 (never the
+    8 heads of a model)."""
     rng = random.Random(41 + whole)
     for _ in range(150):
         bs = rng.choice([1, 3, 16])
@@ -510,12 +511,11 @@ def test_a_steps_slots_made_at_once_equal_each_requests_chunk_slots(whole: bool)
                 want.append(chunk_slots(ids, bs, chunks, whole=whole).tolist())
             except ValueError as e:
                 want.append(str(e))
-        if any(isinstance(w, str) for w in want):
-            with pytest.raises(ValueError, match="blocks of"):
-                many_chunk_slots(step, bs, whole=whole)
-            ok = [r for r, w in zip(step, want, strict=True) if not isinstance(w, str)]
-            want = [w for w in want if not isinstance(w, str)]
-            step = ok
+        assert all("blocks of" in w for w in want if isinstance(w, str))
         got = many_chunk_slots(step, bs, whole=whole)
-        assert [g.dtype for g in got] == [torch.int64] * len(step)
-        assert [g.tolist() for g in got] == want
+        assert [g.dtype for g in got if g is not None] == [torch.int64] * sum(
+            not isinstance(w, str) for w in want
+        )
+        assert [None if isinstance(w, str) else w for w in want] == [
+            None if g is None else g.tolist() for g in got
+        ]
