@@ -18,6 +18,7 @@ log = logging.getLogger("maru")
 
 ON = frozenset({"1", "true", "yes", "on"})
 OFF = frozenset({"", "0", "false", "no", "off"})
+_MISREAD: dict[str, str] = {}  # switch -> the value it was read with that is not a switch value
 
 
 def flag(name: str) -> bool:
@@ -27,13 +28,21 @@ def flag(name: str) -> bool:
     if value in ON:
         return True
     if value not in OFF:
-        announce_once(
-            log,
-            f"env-flag.{name}",
-            logging.WARNING,
-            "maru: %s=%r is not a switch value (on: 1, true, yes, on; off: 0, false, no, off): it is "
-            "left off",
-            name,
-            raw,
-        )
+        _MISREAD[name] = raw
+        announce_once(log, f"env-flag.{name}", logging.WARNING, "maru: %s", _note(name, raw))
+    else:
+        _MISREAD.pop(name, None)
     return False
+
+
+def _note(name: str, raw: str) -> str:
+    return (
+        f"{name}={raw!r} is not a switch value (on: 1, true, yes, on; off: 0, false, no, off): it is "
+        f"left off. Fix: set {name}=1 or unset it"
+    )
+
+
+def misread() -> list[str]:
+    """Each switch read so far with a value that is not a switch value, as a slow-path note (what
+    happened, what to do): the worker reports them to ``maru doctor`` and ``maru stats``."""
+    return [_note(name, raw) for name, raw in sorted(_MISREAD.items())]

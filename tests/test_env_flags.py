@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from maru.announce import forget
-from maru.env_flags import flag
+from maru.env_flags import flag, misread
 
 NAME = "MARU_TEST_SWITCH"
 
@@ -45,6 +45,11 @@ def test_an_unknown_value_is_off_and_said_once_with_what_is_accepted(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1
     assert NAME in said[0] and "'enabled'" in said[0] and "true" in said[0] and "left off" in said[0]
+    # Reported to maru doctor / maru stats (the worker's slow paths) until it reads a real value.
+    notes = [n for n in misread() if NAME in n]
+    assert len(notes) == 1 and "'enabled'" in notes[0] and "Fix:" in notes[0]
+    monkeypatch.setenv(NAME, "0")
+    assert flag(NAME) is False and not [n for n in misread() if NAME in n]
 
 
 @pytest.mark.parametrize(

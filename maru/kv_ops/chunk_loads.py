@@ -258,9 +258,8 @@ class ChunkLoads:
         it is not (the setting off, a size not warmed without lazy capture, a refused kernel)."""
         if not (
             self.fuse_checksums
-            and placer.fused_checksum
             and (self.lazy_capture or placer.has_scatter_checksum(tokens))
-            and placer.scatter_checksum(tokens)
+            and placer.scatter_checksum(tokens)  # False where the placer cannot (said why)
         ):
             return False
         self._sync.copy(acc.data_ptr() + 8 * k, placer.sum_address(tokens), 8, self._place_h, D2D)

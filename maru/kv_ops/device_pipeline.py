@@ -396,9 +396,7 @@ class DevicePipeline(
                 # gather, a chunk load's scatter), each a view of the slot's one chunk-sized staging.
                 tails = tail_sizes(int(chunk_tokens), int(self.layout.block_size))
                 for slot in self._ring:
-                    slot.placer.share_staging(int(chunk_tokens))
-                    slot.placer.warm(int(chunk_tokens), checksum=True, fused=self.fuse_checksums)
-                    self._warm_tails(slot.placer, tails, loads=True)
+                    self._warm_slot(slot.placer, int(chunk_tokens), tails, loads=True)
                 self._warm_paced(int(chunk_tokens))
             if layer_tokens and self.warm_copied():
                 return  # the copied way replays no graphs: none to capture for the direct way

@@ -403,35 +403,37 @@ class PacedStores:
             tails = tail_sizes(int(chunk_tokens), int(self.layout.block_size))  # type: ignore[attr-defined]
             for slot in lane.slots:
                 if slot.placer is not None and not slot.used:  # a used slot's static slots are real
-                    slot.placer.share_staging(int(chunk_tokens))
-                    slot.placer.warm(int(chunk_tokens), checksum=True)
-                    self._warm_tails(slot.placer, tails)
+                    self._warm_slot(slot.placer, int(chunk_tokens), tails, loads=False)
             if self._sync.raw:
                 self._yield_exec()
 
-    def _warm_tails(self, placer: Any, tails: list[int], *, loads: bool = False) -> None:
-        """The tails' graphs: a store's gather and checksum, and with ``loads`` (a ring slot, which
-        loads too) the scatter (and the fused one where asked for). If CUDA refuses one, the sizes
-        not captured keep the torch way or an eager launch (the same bytes, more host time), said
-        once with the reason (and in ``store_ways`` when a store takes it)."""
+    tails_unwarmed: str | None = None  # why some tail sizes have no graphs (``maru doctor``)
+
+    def _warm_slot(self, placer: Any, chunk_tokens: int, tails: list[int], *, loads: bool) -> None:
+        """A staging slot's graphs: the chunk size's, then each tail size's over the slot's one
+        chunk-sized staging (``share_staging``). A store's gather and checksum; with ``loads`` (a
+        ring slot, which loads too) the scatter as well (and the fused one where asked for)."""
+        fused = loads and getattr(self, "fuse_checksums", False)
+        placer.share_staging(chunk_tokens)
+        placer.warm(chunk_tokens, checksum=True, fused=fused)
         for t in tails:
             try:
                 if loads:
-                    placer.warm(t, checksum=True, fused=getattr(self, "fuse_checksums", False))
+                    placer.warm(t, checksum=True, fused=fused)
                 else:
                     placer.warm_gather(t)
             except RuntimeError as e:
+                # The sizes not captured keep the torch way or an eager launch (the same bytes,
+                # more host time): said once, and in ``maru doctor`` (``tails_unwarmed``).
                 if hasattr(self._sync, "clear_error"):  # the raw calls: reset the runtime's error
                     self._sync.clear_error()
+                self.tails_unwarmed = (
+                    f"the graphs for a {t}-token partial tail could not be captured ({e}): tails of "
+                    "that size and up go the torch way or an eager launch (the same bytes, ~0.5 ms "
+                    "of host time a chunk). Fix: report the CUDA and torch versions (maru doctor)"
+                )
                 announce_once(
-                    log,
-                    "kv_ops.tail-graphs",
-                    logging.WARNING,
-                    "maru.kv_ops: the graphs for a %d-token partial tail could not be captured (%s): "
-                    "tails of that size and up go the torch way or an eager launch (the same bytes, "
-                    "~0.5 ms of host time a chunk). maru stats shows store_issue",
-                    t,
-                    e,
+                    log, "kv_ops.tail-graphs", logging.WARNING, "maru.kv_ops: %s", self.tails_unwarmed
                 )
                 return
 

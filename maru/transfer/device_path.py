@@ -164,8 +164,9 @@ class PipelinedPath(DataPath):
                 "them): a small copy of vLLM's may wait for a whole store (~10 ms per 0.5 GB). Fix: torch "
                 "2.x as measured (2.11)"
             )
-        if unwarmed := getattr(self.pipeline, "segments_unwarmed", None):  # kv_ops.store_segments
-            slow.append(unwarmed)
+        for why in ("segments_unwarmed", "tails_unwarmed"):  # kv_ops.store_segments, paced_store
+            if unwarmed := getattr(self.pipeline, why, None):
+                slow.append(unwarmed)
         if note := gil_note():  # an A/B left set
             slow.append(note)
         if hasattr(self.pipeline, "load_checksum_way"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maru import checksum, kv_ops
+from maru import checksum, env_flags, kv_ops
 from maru.client import frames
 from maru.vllm.layer_loads import UNWAITED
 from maru.vllm.sampled_profile import slow_note as profiling_note
@@ -30,6 +30,7 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         else "sync",
     }
     slow: list[str] = list(worker.cfg.fallbacks)  # settings the connector replaced, with the fix
+    slow.extend(env_flags.misread())  # a MARU_* switch set to a value that is not one (left off)
     if (profiling := profiling_note()) is not None:
         slow.append(profiling)
     if worker.stats.layer_loads_unwaited:

@@ -177,17 +177,28 @@ def test_tail_sizes_are_the_block_multiples_below_the_chunk_or_none() -> None:
 def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """CUDA refusing the capture for one tail size: the sizes captured before it stay, the rest go
-    the torch way, said once at warning with the size and the reason; the warm-up goes on."""
+    """A slot's warm-up (``_warm_slot``): one shared staging, the chunk size, then each tail size
+    (a store's gather and checksum on the paced lane; scatter, gather, checksum and the fused
+    scatter where asked for on the ring). CUDA refusing one tail size's capture: the sizes before
+    it stay, the rest go the old way, said once at warning with the size and the reason, and
+    named for ``maru doctor`` (``tails_unwarmed``); the warm-up goes on."""
 
     class Placer:
         def __init__(self) -> None:
-            self.warmed: list[int] = []
+            self.calls: list[tuple] = []
+
+        def share_staging(self, t: int) -> None:
+            self.calls.append(("share", t))
+
+        def warm(self, t: int, *, checksum: bool, fused: bool = False) -> None:
+            if t == 48:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.calls.append(("warm", t, checksum, fused))
 
         def warm_gather(self, t: int) -> None:
             if t == 48:
                 raise RuntimeError("operation not permitted when stream is capturing")
-            self.warmed.append(t)
+            self.calls.append(("gather", t))
 
     class Sync:
         cleared = 0
@@ -197,11 +208,24 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
 
     stores = PacedStores()
     stores._sync = Sync()
-    placer = Placer()
+    stores.fuse_checksums = True  # type: ignore[attr-defined]
+    lane, ring = Placer(), Placer()
     forget("kv_ops.tail-graphs")
     with caplog.at_level(logging.WARNING, logger="maru.kv_ops"):
-        stores._warm_tails(placer, [16, 32, 48, 64])
-    assert placer.warmed == [16, 32]
-    assert Sync.cleared == 1
+        stores._warm_slot(lane, 64, [16, 32, 48], loads=False)
+        stores._warm_slot(ring, 64, [16, 32, 48], loads=True)
+    assert lane.calls == [("share", 64), ("warm", 64, True, False), ("gather", 16), ("gather", 32)]
+    assert ring.calls == [
+        ("share", 64),
+        ("warm", 64, True, True),
+        ("warm", 16, True, True),
+        ("warm", 32, True, True),
+    ]
+    assert Sync.cleared == 2
     msgs = [r.getMessage() for r in caplog.records if "partial tail" in r.getMessage()]
     assert len(msgs) == 1 and "48-token" in msgs[0] and "stream is capturing" in msgs[0]
+    assert (
+        stores.tails_unwarmed is not None
+        and "48-token" in stores.tails_unwarmed
+        and "Fix:" in stores.tails_unwarmed
+    )

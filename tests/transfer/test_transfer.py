@@ -448,6 +448,11 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     assert PipelinedPath.report(pacing(False), False, False)[1] == []  # type: ignore[arg-type]  # not asked for
     assert pacing(None).paces_stores and not pacing(False).paces_stores  # None: not decided yet
     assert PipelinedPath.report(pacing(None), False, True)[1] == []  # type: ignore[arg-type]
+    # Tail sizes whose graphs CUDA refused (kv_ops.paced_store): a slow path with its reason.
+    why = "the graphs for a 48-token partial tail could not be captured (...). Fix: ..."
+    assert PipelinedPath.report(SimpleNamespace(pipeline=SimpleNamespace(tails_unwarmed=why)), False)[1] == [
+        why
+    ]  # type: ignore[arg-type]
     # The chunk load's checksum way (MARU_FUSED_LOAD_CHECKSUM): shown, and why it is not fused
     # where the setting asks for it and cannot apply.
     for way, why in (
