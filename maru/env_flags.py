@@ -1,10 +1,12 @@
 """On/off switches read from the environment (the A/Bs and diagnostics a user turns on by hand).
 
 One reading for every ``MARU_*`` switch, so that none is misread silently: ``1``, ``true``,
-``yes``, ``on`` (any case) turn it on; unset, empty, ``0``, ``false``, ``no``, ``off`` leave it
-off; anything else leaves it off and is announced once at warning with what is accepted (a
-``MARU_FUSED_LOAD_CHECKSUM=enabled`` that did nothing, unsaid, would be a measurement of the
-wrong thing).
+``yes``, ``on`` (any case) turn it on; ``0``, ``false``, ``no``, ``off`` turn it off; unset or
+empty leaves the switch's default (off for the A/Bs and diagnostics, on for the few measured ways
+that are the default and can be turned off, e.g. ``MARU_FUSED_LOAD_CHECKSUM``); anything else
+leaves the default and is announced once at warning with what is accepted (a
+``MARU_THREAD_CENSUS=enabled`` that did nothing, unsaid, would be a measurement of the wrong
+thing).
 """
 
 from __future__ import annotations
@@ -17,32 +19,34 @@ from maru.announce import announce_once
 log = logging.getLogger("maru")
 
 ON = frozenset({"1", "true", "yes", "on"})
-OFF = frozenset({"", "0", "false", "no", "off"})
+OFF = frozenset({"0", "false", "no", "off"})
 _MISREAD: dict[str, str] = {}  # switch -> the value it was read with that is not a switch value
+_DEFAULTS: dict[str, bool] = {}  # switch -> the default it was last read with
 
 
-def flag(name: str) -> bool:
-    """Whether switch ``name`` is on (see the module docstring; an unknown value: off, announced)."""
+def flag(name: str, default: bool = False) -> bool:
+    """Whether switch ``name`` is on: its value, ``default`` when unset or empty (see the module
+    docstring; an unknown value: the default, announced)."""
+    _DEFAULTS[name] = default
     raw = os.environ.get(name, "")
     value = raw.strip().lower()
-    if value in ON:
-        return True
-    if value not in OFF:
-        _MISREAD[name] = raw
-        announce_once(log, f"env-flag.{name}", logging.WARNING, "maru: %s", _note(name, raw))
-    else:
+    if value in ON or value in OFF or not value:
         _MISREAD.pop(name, None)
-    return False
+        return value in ON or (not value and default)
+    _MISREAD[name] = raw
+    announce_once(log, f"env-flag.{name}", logging.WARNING, "maru: %s", _note(name, raw, default))
+    return default
 
 
-def _note(name: str, raw: str) -> str:
+def _note(name: str, raw: str, default: bool = False) -> str:
+    state, fix = ("on", f"{name}=0") if default else ("off", f"{name}=1")
     return (
         f"{name}={raw!r} is not a switch value (on: 1, true, yes, on; off: 0, false, no, off): it is "
-        f"left off. Fix: set {name}=1 or unset it"
+        f"left {state}, its default. Fix: set {fix} or unset it"
     )
 
 
 def misread() -> list[str]:
     """Each switch read so far with a value that is not a switch value, as a slow-path note (what
     happened, what to do): the worker reports them to ``maru doctor`` and ``maru stats``."""
-    return [_note(name, raw) for name, raw in sorted(_MISREAD.items())]
+    return [_note(name, raw, _DEFAULTS.get(name, False)) for name, raw in sorted(_MISREAD.items())]

@@ -52,6 +52,32 @@ def test_an_unknown_value_is_off_and_said_once_with_what_is_accepted(
     assert flag(NAME) is False and not [n for n in misread() if NAME in n]
 
 
+def test_a_switch_on_by_default_reads_its_default_when_unset_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(NAME, raising=False)
+    assert flag(NAME, default=True) is True
+    monkeypatch.setenv(NAME, "")
+    assert flag(NAME, default=True) is True
+    monkeypatch.setenv(NAME, "0")
+    assert flag(NAME, default=True) is False
+    monkeypatch.setenv(NAME, "no")
+    assert flag(NAME, default=True) is False
+    monkeypatch.setenv(NAME, "1")
+    assert flag(NAME, default=True) is True
+    # An unknown value keeps the default, and the note says which and how to turn it off.
+    monkeypatch.setenv(NAME, "disabled")
+    forget(f"env-flag.{NAME}")
+    with caplog.at_level(logging.WARNING, logger="maru"):
+        assert flag(NAME, default=True) is True
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "left on" in said[0] and f"{NAME}=0" in said[0]
+    notes = [n for n in misread() if NAME in n]
+    assert len(notes) == 1 and "left on" in notes[0]
+    monkeypatch.setenv(NAME, "off")
+    assert flag(NAME, default=True) is False and not [n for n in misread() if NAME in n]
+
+
 @pytest.mark.parametrize(
     "module, name, read",
     [

@@ -29,8 +29,9 @@ FUSED_ENV = "MARU_FUSED_LOAD_CHECKSUM"
 
 
 def fused_checksums_wanted() -> bool:
-    """Whether the environment asks for the fused load checksum (``FUSED_ENV``, ``maru.env_flags``)."""
-    return flag(FUSED_ENV)
+    """Whether the chunk load sums inside its scatter: the default, measured faster on an H200
+    (bench/RESULTS.md, 2026-12-05); ``FUSED_ENV=0`` turns it off (``maru.env_flags``)."""
+    return flag(FUSED_ENV, default=True)
 
 
 def _same_page(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -271,22 +272,27 @@ class ChunkLoads:
         if not self.on_gpu:
             return "host", None
         if not self.fuse_checksums:
-            return "separate kernel", None  # the measured default (opt in: FUSED_ENV=1)
+            if fused_checksums_wanted():
+                return "separate kernel", None  # told so by its builder (a test, a bench's A/B)
+            return "separate kernel", (
+                f"{FUSED_ENV}=0 is set: the chunk load checksums its objects in a second kernel (one "
+                "more read of the staged bytes and one more launch a chunk). Fix: unset it"
+            )
         placer = self._ring[0].placer if getattr(self, "_ring", None) else None
         if placer is None or not self._sync.raw or not self.graphs:
             return "separate kernel", (
-                f"{FUSED_ENV}=1 is set but the chunk load checksums in a second kernel: it fuses only "
-                "with CUDA graphs and the raw CUDA calls (maru doctor: kv_ops backend, libcudart)"
+                "the fused load checksum (the default) needs CUDA graphs and the raw CUDA calls: the "
+                "chunk load checksums in a second kernel (maru doctor: kv_ops backend, libcudart)"
             )
         if getattr(placer, "fused_refused", None):
             return "separate kernel", (
-                f"{FUSED_ENV}=1 is set but the fused kernel was refused ({placer.fused_refused}): the "
-                "checksum stays a second kernel. Fix: unset it, or report the Triton version"
+                f"the fused load checksum was refused ({placer.fused_refused}): the checksum stays a "
+                f"second kernel. Fix: set {FUSED_ENV}=0 to stop trying, and report the Triton version"
             )
         if not placer.fused_checksum:
             return "separate kernel", (
-                f"{FUSED_ENV}=1 is set but this cache's rows are not whole 64-bit words "
-                f"({placer.layout.row_size} elements): the checksum stays a second kernel"
+                f"this cache's rows are not whole 64-bit words ({placer.layout.row_size} elements), "
+                "which the fused load checksum needs: the checksum stays a second kernel"
             )
         return f"fused ({self.fused_checksums} objects)", None
 

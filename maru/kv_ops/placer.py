@@ -316,7 +316,7 @@ class GraphedPlacer:
                 logging.WARNING,
                 "maru.kv_ops: the fused load checksum could not be built or captured (%s): loads check "
                 "their chunks with the separate checksum kernel (the same check, one launch more). "
-                "Fix: unset MARU_FUSED_LOAD_CHECKSUM, or report the Triton version (maru doctor)",
+                "Fix: set MARU_FUSED_LOAD_CHECKSUM=0 to stop trying, and report the Triton version (maru doctor)",
                 self.fused_refused,
             )
             return False

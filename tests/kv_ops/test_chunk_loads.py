@@ -29,15 +29,15 @@ def _case(head_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> tuple:
 
 def test_the_switch_is_the_environment_unless_the_pipeline_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     case, layout = _case()
-    monkeypatch.delenv(chunk_loads.FUSED_ENV, raising=False)
-    assert chunk_loads.fused_checksums_wanted() is False
-    assert pl.DevicePipeline(case.caches, layout).fuse_checksums is False
-    monkeypatch.setenv(chunk_loads.FUSED_ENV, "1")
+    monkeypatch.delenv(chunk_loads.FUSED_ENV, raising=False)  # the default: fused
     assert chunk_loads.fused_checksums_wanted() is True
     assert pl.DevicePipeline(case.caches, layout).fuse_checksums is True
-    assert pl.DevicePipeline(case.caches, layout, fuse_checksums=False).fuse_checksums is False
-    monkeypatch.setenv(chunk_loads.FUSED_ENV, "maybe")  # not a switch value: off (said, maru.env_flags)
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "0")
     assert chunk_loads.fused_checksums_wanted() is False
+    assert pl.DevicePipeline(case.caches, layout).fuse_checksums is False
+    assert pl.DevicePipeline(case.caches, layout, fuse_checksums=True).fuse_checksums is True
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "maybe")  # not a switch value: the default (said)
+    assert chunk_loads.fused_checksums_wanted() is True
 
 
 def test_cpu_caches_check_on_the_host() -> None:
@@ -53,12 +53,19 @@ def _gpu_like(**kw: object) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-def test_the_way_and_why_not_fused_are_said() -> None:
+def test_the_way_and_why_not_fused_are_said(monkeypatch: pytest.MonkeyPatch) -> None:
     way = chunk_loads.ChunkLoads.load_checksum_way
+    monkeypatch.delenv(chunk_loads.FUSED_ENV, raising=False)
     assert way(_gpu_like()) == ("fused (5 objects)", None)
-    assert way(_gpu_like(fuse_checksums=False)) == ("separate kernel", None)  # the default: nothing to fix
+    # Told so by its builder (a bench's A/B): nothing for a user to fix.
+    assert way(_gpu_like(fuse_checksums=False)) == ("separate kernel", None)
+    # Turned off by the user: a slower way, said with its fix.
+    monkeypatch.setenv(chunk_loads.FUSED_ENV, "off")
+    name, why = way(_gpu_like(fuse_checksums=False))
+    assert name == "separate kernel" and f"{chunk_loads.FUSED_ENV}=0" in why and "Fix: unset" in why
+    monkeypatch.delenv(chunk_loads.FUSED_ENV)
     name, why = way(_gpu_like(graphs=False))
-    assert name == "separate kernel" and chunk_loads.FUSED_ENV in why and "CUDA graphs" in why
+    assert name == "separate kernel" and "the default" in why and "CUDA graphs" in why
     name, why = way(_gpu_like(_sync=SimpleNamespace(raw=False)))
     assert name == "separate kernel" and "libcudart" in why
     odd = SimpleNamespace(fused_checksum=False, layout=SimpleNamespace(row_size=3))

@@ -457,7 +457,7 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     # where the setting asks for it and cannot apply.
     for way, why in (
         ("fused (3 objects)", None),
-        ("separate kernel", "MARU_FUSED_LOAD_CHECKSUM=1 is set but ..."),
+        ("separate kernel", "the fused load checksum (the default) needs CUDA graphs ..."),
     ):
         pipe = SimpleNamespace(load_checksum_way=lambda way=way, why=why: (way, why))
         paths, slow = PipelinedPath.report(SimpleNamespace(pipeline=pipe), False)  # type: ignore[arg-type]
