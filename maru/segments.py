@@ -187,6 +187,30 @@ def read_segments(written: np.ndarray, seg_tokens: int) -> np.ndarray:
     return padded.reshape(n, seg_tokens).any(axis=1)
 
 
+# Above this many objects, the objects whose first or last token is not written are found with a few
+# array operations instead of a Python test an object (a 64-chunk layer load: ~40 -> ~10 us).
+_SCREEN_ABOVE = 8
+
+
+def _partly_written(slots: np.ndarray, lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(object, first token, end) of each non-empty object whose first or last token is not
+    written (slot < 0): the only ones a partial read can apply to."""
+    if len(lengths) <= _SCREEN_ABOVE:
+        out, start = [], 0
+        for k, tokens in enumerate(lengths):
+            end = start + tokens
+            if tokens and (slots[start] < 0 or slots[end - 1] < 0):
+                out.append((k, start, end))
+            start = end
+        return out
+    lens = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    live = np.flatnonzero(lens > 0)
+    hit = live[(slots[starts[live]] < 0) | (slots[ends[live] - 1] < 0)]
+    return [(k, int(starts[k]), int(ends[k])) for k in hit.tolist()]
+
+
 def mark_unread(
     slots: np.ndarray, lengths: Sequence[int], segments: Sequence[SegmentSums | None]
 ) -> tuple[np.ndarray | None, int]:
@@ -201,11 +225,10 @@ def mark_unread(
     """
     prefill: np.ndarray | None = None
     unread = 0
-    start = 0
-    for k, tokens in enumerate(lengths):
-        end = start + tokens
+    for k, start, end in _partly_written(slots, lengths):
+        tokens = end - start
         segs = segments[k]
-        if segs is not None and tokens and (slots[start] < 0 or slots[end - 1] < 0) and segs.fits(tokens):
+        if segs is not None and segs.fits(tokens):
             if slots[end - 1] >= 0:
                 # The usual case, a skipped prefix: the segments wholly before the first written token.
                 n = int(np.argmax(slots[start:end] >= 0)) // segs.tokens
@@ -223,5 +246,4 @@ def mark_unread(
                 if prefill is None:
                     prefill = np.zeros(len(lengths), dtype=np.uint64)
                 prefill[k] = segs.raw_of(skipped)
-        start = end
     return prefill, unread

@@ -90,6 +90,43 @@ def test_mark_unread_leaves_whole_unwritten_segments_unread_and_prefills_their_s
     assert sg.mark_unread(again, [13], [other.__class__(5, other.raws + (0,))]) == (None, 0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_mark_unread_of_many_objects_equals_each_object_planned_alone(seed: int) -> None:
+    """Above a few objects the partly written ones are found with array operations
+    (``_partly_written``); the plan must be the one each object gets alone. Random lengths (empty
+    objects and tails included), skipped prefixes, gaps at the end, objects without sums."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(sg._SCREEN_ABOVE + 1, 40))
+    lengths = [int(x) for x in rng.choice([0, 5, 13, 16, 16, 16], size=n)]
+    segs = [
+        None if not t or rng.random() < 0.2 else sg.SegmentSums(4, tuple(int(v) for v in rng.integers(0, 1 << 62, -(-t // 4))))
+        for t in lengths
+    ]
+    slots = np.arange(sum(lengths), dtype=np.int64)
+    start = 0
+    for t in lengths:
+        if t and rng.random() < 0.4:
+            slots[start : start + int(rng.integers(1, t + 1))] = -1  # a skipped prefix
+        if t and rng.random() < 0.2:
+            slots[start + int(rng.integers(0, t)) : start + t] = -1  # a gap at the end
+        start += t
+    want_slots, want_prefill, want_unread = slots.copy(), np.zeros(n, dtype=np.uint64), 0
+    start = 0
+    for k, t in enumerate(lengths):
+        part = want_slots[start : start + t]  # a view: marked in place
+        prefill, unread = sg.mark_unread(part, [t], [segs[k]])
+        want_unread += unread
+        if prefill is not None:
+            want_prefill[k] = prefill[0]
+        start += t
+    prefill, unread = sg.mark_unread(slots, lengths, segs)
+    assert unread == want_unread
+    assert (slots == want_slots).all()
+    got = np.zeros(n, dtype=np.uint64) if prefill is None else prefill
+    assert (got == want_prefill).all()
+    assert (unread > 0) == (prefill is not None)
+
+
 def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
     obj = _obj(5)
     segs = sg.host_segment_sums(obj, obj.shape, 2, 4)
