@@ -118,6 +118,7 @@ def measure(
     gen: torch.Generator,
     reps: int,
     load_reps: int,
+    profile: Any = None,
 ) -> dict[str, Any]:
     """Store ``n`` fresh requests of ``t`` tokens ``reps`` times, then load the last ones back
     ``load_reps`` times in one call (and as many times layer by layer); medians, first call dropped."""
@@ -182,7 +183,7 @@ def measure(
             total.append(time.perf_counter() - t0)
     # The same with offer pins (the connector's default): the scheduler side pinned the chunks and
     # handed their places over (untimed), so the issue follows no lookup round trip.
-    held_issue = []
+    held_issue, held_cpu = [], []
     held_parts: dict[str, list[float]] = {}
     with MaruHandler(loader.client.url, timeout_s=30) as sched_client:
         for r in range(load_reps + 1):
@@ -191,7 +192,11 @@ def measure(
                 assert pins.hold(sched_client, q.req_id, [c.key for c in q.chunks]) == len(q.chunks)
                 locs, ticket = pins.hand_over(q.req_id, [c.key for c in q.chunks])
                 held.append(dataclasses.replace(q, held=locs, ticket=ticket))
+            if profile is not None and r:
+                profile.enable()
             ll = loader.start_layer_load(loader.pin(held))
+            if profile is not None:
+                profile.disable()
             h = ll.handle.load
             rep = ll.wait()
             assert len(rep.loaded_req_ids) == n, rep.failed
@@ -199,12 +204,15 @@ def measure(
             pins.flush(sched_client)
             if r:
                 held_issue.append(h.copy_issue_s + h.place_issue_s)
+                held_cpu.append(getattr(h, "issue_cpu_s", 0.0))
                 for part, sec in getattr(h, "issue_parts", {}).items():
                     held_parts.setdefault(part, []).append(sec)
     return {
         "held_layer_issue_us": statistics.median(held_issue) / L * 1e6,
         # The held direct issue's parts, median us for the whole load (not a layer).
         "held_issue_parts_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in held_parts.items()},
+        # The issuing thread's CPU time over the held issue (us a load): the wall time above it waited.
+        "held_issue_cpu_us": round(statistics.median(held_cpu) * 1e6, 1),
         "layer_path": f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}",
         "layer_issue_us": statistics.median(issue) / L * 1e6,
         "layer_load_GBps": nbytes / statistics.median(total) / GB,
@@ -262,6 +270,11 @@ def main() -> None:
         help="an A/B: loads copy their first chunk only once prepared (KVTransferEngine._issuing off)",
     )
     ap.add_argument(
+        "--profile-issue",
+        action="store_true",
+        help="cProfile the held layer loads' issue (start_layer_load) of the last size; top 30 by own time",
+    )
+    ap.add_argument(
         "--fused",
         action="store_true",
         help="an A/B: the chunk load's checksum inside its scatter (MARU_FUSED_LOAD_CHECKSUM=1)",
@@ -288,12 +301,21 @@ def main() -> None:
         dst = make_caches(NB, 2)
         loader = KVTransferEngine(dst, layout, client, chunk_tokens=CHUNK)
         gen = torch.Generator().manual_seed(0)
-        for t in sizes:
-            row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps)
+        prof = None
+        for i, t in enumerate(sizes):
+            if args.profile_issue and args.sizes and i == len(sizes) - 1:
+                import cProfile
+
+                prof = cProfile.Profile()
+            row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps, prof)
             results["sizes"][str(t)] = row
             print(json.dumps(row), flush=True)
         if not args.sizes:
-            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps)
+            if args.profile_issue:  # without --sizes, the batch is what is profiled
+                import cProfile
+
+                prof = cProfile.Profile()
+            row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps, prof)
             results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
             print(json.dumps(row), flush=True)
         pipe = loader.path.pipeline
@@ -302,6 +324,12 @@ def main() -> None:
             results["load_checksum"] = pipe.load_checksum_way()[0]
             print(f"load checksum: {results['load_checksum']}", flush=True)
         results["rpc_us"] = rpc_floor(client, last_key(results))
+        if prof is not None:
+            import pstats
+
+            what = f"{sizes[-1]} tokens" if args.sizes else f"{BATCH}x{BATCH_TOKENS} tokens"
+            print(f"cProfile of the held layer loads' issue, {what} ({args.load_reps} loads):")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
         storer.close()
         loader.close()
 
@@ -336,6 +364,7 @@ def main() -> None:
         )
     print("held overlap issue by part, median us a load: " + "; ".join(
         f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.get("held_issue_parts_us", {}).items())
+        + f" (the thread's CPU {row.get('held_issue_cpu_us', 0):.0f})"
         for name, row in results["sizes"].items()
     ))  # fmt: skip
 

@@ -149,6 +149,7 @@ class LayerLoad(Transfer):
         self.copy_issue_s = 0.0  # host time to queue every layer's copies (and the call's setup)
         self.place_issue_s = 0.0  # host time to queue the per-layer placements and their events
         self.issue_parts: dict[str, float] = {}  # the direct issue's host seconds by part (layer_paths)
+        self.issue_cpu_s = 0.0  # the issuing thread's CPU seconds over issue_s (the direct issue)
 
     def wait_for_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait until layer ``layer`` is placed. No host block.

@@ -283,8 +283,9 @@ class LayerPaths:
         """
         from maru.kv_ops import direct_kernel as dk
 
-        t0 = time.perf_counter()
-        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        lengths = [o.shape[2] for o in objs]  # once: a tensor's shape costs ~0.2 us a read
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, lengths)
         total = int(slot_mapping.numel())
         on_device = slot_mapping.device.type != "cpu"
         host_slots = (
@@ -298,7 +299,7 @@ class LayerPaths:
             # Rows of segments that place nothing are left unread (slot -2), counted at their
             # committed sums (maru.segments): the bus carries only what is placed, and its checksum.
             marked = host_slots.clone() if host_slots is slot_mapping else host_slots
-            prefill, unread = mark_unread(marked.numpy(), [o.shape[2] for o in objs], segments)
+            prefill, unread = mark_unread(marked.numpy(), lengths, segments)
             if prefill is not None:
                 host_slots = marked
         t_checked = time.perf_counter()
@@ -315,7 +316,7 @@ class LayerPaths:
                 tb,
             )
             graphed, tb = False, total  # eager: no capture while serving, no padding
-        chunks = [(o.data_ptr(), o.shape[2]) for o in objs]
+        chunks = list(zip([o.data_ptr() for o in objs], lengths, strict=True))
         sync, place = self._sync, self._place_stream
         scratch = self._scratch if sync.raw else None
         ticket = None
@@ -357,7 +358,7 @@ class LayerPaths:
             finally:
                 if ticket is not None:  # the upload that reads the table is queued (or nothing is)
                     scratch.uploaded(ticket, self._place_h)
-        t_end = time.perf_counter()
+        t_end, c_end = time.perf_counter(), time.thread_time()
         # Not ``host_tab``: torch's caching host allocator holds its block until the upload that
         # reads it ran (the copy records an event on it), so dropping it now lets the next call
         # reuse it instead of a fresh cudaHostAlloc (hundreds of us for a 16k-token table).
@@ -381,6 +382,9 @@ class LayerPaths:
             "upload": t_place - t_table,
             "launch": t_end - t_place,
         }
+        # This thread's CPU time over the same span: well under issue_s means the issue waited
+        # (the GIL, a blocking call), not computed.
+        handle.issue_cpu_s = c_end - c0
         return handle
 
     def _table_sums(self, tab: torch.Tensor, n: int) -> tuple[torch.Tensor, Any]:
