@@ -118,7 +118,7 @@ def measure(
     gen: torch.Generator,
     reps: int,
     load_reps: int,
-    profile: Any = None,
+    profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Store ``n`` fresh requests of ``t`` tokens ``reps`` times, then load the last ones back
     ``load_reps`` times in one call (and as many times layer by layer); medians, first call dropped."""
@@ -137,9 +137,14 @@ def measure(
     wb_s = 0.0
     for r in range(2):
         reqs = [request(t, f"{t}-wb{r}-{k}-{uuid.uuid4().hex[:6]}", gen) for k in range(n)]
+        prof = (profile or {}).get("store") if r else None
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         rep = storer.complete_store(storer.issue_store(reqs))
         wb_s = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
         assert rep.stored == sum(len(q.chunks) for q in reqs), rep
     for r in range(load_reps + 1):
         rep = loader.load(last)
@@ -192,11 +197,12 @@ def measure(
                 assert pins.hold(sched_client, q.req_id, [c.key for c in q.chunks]) == len(q.chunks)
                 locs, ticket = pins.hand_over(q.req_id, [c.key for c in q.chunks])
                 held.append(dataclasses.replace(q, held=locs, ticket=ticket))
-            if profile is not None and r:
-                profile.enable()
+            prof = (profile or {}).get("issue") if r else None
+            if prof is not None:
+                prof.enable()
             ll = loader.start_layer_load(loader.pin(held))
-            if profile is not None:
-                profile.disable()
+            if prof is not None:
+                prof.disable()
             h = ll.handle.load
             rep = ll.wait()
             assert len(rep.loaded_req_ids) == n, rep.failed
@@ -236,6 +242,12 @@ def measure(
     }
 
 
+def _profiles() -> dict[str, Any]:
+    import cProfile
+
+    return {"issue": cProfile.Profile(), "store": cProfile.Profile()}
+
+
 def last_key(results: dict[str, Any]) -> str:
     return results["sizes"]["256"]["first_key"]
 
@@ -272,7 +284,8 @@ def main() -> None:
     ap.add_argument(
         "--profile-issue",
         action="store_true",
-        help="cProfile the held layer loads' issue (start_layer_load) of the last size; top 30 by own time",
+        help="cProfile the held layer loads' issue (pin + start_layer_load) and the timed write-behind "
+        "store (issue + complete) of the last size (the batch without --sizes); top 30 by own time",
     )
     ap.add_argument(
         "--fused",
@@ -304,17 +317,13 @@ def main() -> None:
         prof = None
         for i, t in enumerate(sizes):
             if args.profile_issue and args.sizes and i == len(sizes) - 1:
-                import cProfile
-
-                prof = cProfile.Profile()
+                prof = _profiles()
             row = measure(storer, loader, t, 1, gen, args.reps, args.load_reps, prof)
             results["sizes"][str(t)] = row
             print(json.dumps(row), flush=True)
         if not args.sizes:
             if args.profile_issue:  # without --sizes, the batch is what is profiled
-                import cProfile
-
-                prof = cProfile.Profile()
+                prof = _profiles()
             row = measure(storer, loader, BATCH_TOKENS, BATCH, gen, args.reps, args.load_reps, prof)
             results["sizes"][f"{BATCH}x{BATCH_TOKENS}"] = row
             print(json.dumps(row), flush=True)
@@ -328,8 +337,10 @@ def main() -> None:
             import pstats
 
             what = f"{sizes[-1]} tokens" if args.sizes else f"{BATCH}x{BATCH_TOKENS} tokens"
-            print(f"cProfile of the held layer loads' issue, {what} ({args.load_reps} loads):")
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            for name, label in (("issue", f"the held layer loads' issue ({args.load_reps} loads)"),
+                                ("store", "one write-behind store, issue + complete")):  # fmt: skip
+                print(f"cProfile of {label}, {what}:")
+                pstats.Stats(prof[name], stream=sys.stdout).sort_stats("tottime").print_stats(30)
         storer.close()
         loader.close()
 
