@@ -27,6 +27,7 @@ from maru.kv_ops.triton_kernels import (
     row_offsets,
     tiles,
 )
+from maru.segments import mark_unread
 
 __all__ = [
     "DIRECT_ROWS",
@@ -149,6 +150,34 @@ def _direct_layer_kernel(
                 tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
             else:
                 tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
+
+
+def direct_host_slots(
+    slot_mapping: torch.Tensor,
+    lengths: list[int],
+    skip_tokens: int = 0,
+    segments: list[Any] | None = None,
+) -> tuple[torch.Tensor, np.ndarray | None, int]:
+    """The host slots ``direct_table_host`` takes, for a direct layer load of objects of
+    ``lengths`` tokens: (int64 slots, per object the raw sum its checksum starts at or None,
+    tokens left unread). The first ``skip_tokens`` are -1 (not written); with ``segments`` (a
+    verifying load: each object's committed segment sums or None), the rows of segments that place
+    nothing are -2, left unread and counted at their committed sums (``maru.segments``: the bus
+    carries only what is placed, and its checksum vouches for it). A device slot mapping gives
+    all -1: the slots then come from the device, and every row is read. Never changes the
+    caller's tensor."""
+    total = int(slot_mapping.numel())
+    if slot_mapping.device.type != "cpu":
+        return torch.full((total,), -1, dtype=torch.int64), None, 0
+    host_slots = slot_mapping.to(torch.int64)
+    if skip_tokens:
+        host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
+        host_slots[:skip_tokens] = -1
+    if segments is None:
+        return host_slots, None, 0
+    marked = host_slots.clone() if host_slots is slot_mapping else host_slots
+    prefill, unread = mark_unread(marked.numpy(), lengths, segments)
+    return (marked if prefill is not None else host_slots), prefill, unread
 
 
 def direct_table_host(

@@ -22,7 +22,6 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import D2H
 from maru.kv_ops.device_handles import LayerLoad
-from maru.segments import mark_unread
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -288,20 +287,9 @@ class LayerPaths:
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, lengths)
         total = int(slot_mapping.numel())
         on_device = slot_mapping.device.type != "cpu"
-        host_slots = (
-            torch.full((total,), -1, dtype=torch.int64) if on_device else slot_mapping.to(torch.int64)
+        host_slots, prefill, unread = dk.direct_host_slots(
+            slot_mapping, lengths, skip_tokens, segments if checksums else None
         )
-        if skip_tokens and not on_device:
-            host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
-            host_slots[:skip_tokens] = -1
-        prefill, unread = None, 0
-        if checksums and segments is not None and not on_device:
-            # Rows of segments that place nothing are left unread (slot -2), counted at their
-            # committed sums (maru.segments): the bus carries only what is placed, and its checksum.
-            marked = host_slots.clone() if host_slots is slot_mapping else host_slots
-            prefill, unread = mark_unread(marked.numpy(), lengths, segments)
-            if prefill is not None:
-                host_slots = marked
         t_checked = time.perf_counter()
         graphed = self._layer_placer is not None
         tb = _bucket(total) if graphed else total
