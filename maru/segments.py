@@ -215,35 +215,42 @@ def mark_unread(
     slots: np.ndarray, lengths: Sequence[int], segments: Sequence[SegmentSums | None]
 ) -> tuple[np.ndarray | None, int]:
     """Plan a verifying load's partial reads: in ``slots`` (int64 per token of every object in order,
-    negative = not written; changed in place) set to -2 the rows of the segments that hold no
-    written token, and return (per object the raw sum of those segments as uint64, None when every
-    row is read; how many tokens are left unread).
+    negative = not written; changed in place) set to -2 the rows of the segments wholly before an
+    object's first written token or wholly after its last, and return (per object the raw sum of
+    those segments as uint64, None when every row is read; how many tokens are left unread).
 
     Only objects whose first or last token is not written are looked at (a load skips the tokens
-    vLLM's own prefix cache holds, at the start of a request's first chunk): any other object is
-    read whole, which is always correct. Segment sums that do not fit their object are not used.
+    vLLM's own prefix cache holds, at the start of a request's first chunk, and a turn's hit ends
+    inside its last chunk): any other object is read whole, which is always correct. So is a
+    segment between the first and the last written token that holds none (a hole, which the
+    connector never makes): it is read, only bytes the bus carries in vain. Segment sums that do
+    not fit their object are not used. A few array operations an object, whatever its shape: this
+    runs on the layer load's issue path.
     """
     prefill: np.ndarray | None = None
     unread = 0
     for k, start, end in _partly_written(slots, lengths):
         tokens = end - start
         segs = segments[k]
-        if segs is not None and segs.fits(tokens):
-            if slots[end - 1] >= 0:
-                # The usual case, a skipped prefix: the segments wholly before the first written token.
-                n = int(np.argmax(slots[start:end] >= 0)) // segs.tokens
-                skipped = list(range(n))
-                if n:
-                    slots[start : start + n * segs.tokens] = -2
-                    unread += n * segs.tokens
-            else:
-                need = read_segments(slots[start:end] >= 0, segs.tokens)
-                skip = np.repeat(~need, segs.tokens)[:tokens]
-                skipped = np.flatnonzero(~need).tolist()
-                slots[start:end][skip] = -2
-                unread += int(skip.sum())
-            if skipped:
-                if prefill is None:
-                    prefill = np.zeros(len(lengths), dtype=np.uint64)
-                prefill[k] = segs.raw_of(skipped)
+        if segs is None or not segs.fits(tokens):
+            continue
+        seg, count = segs.tokens, len(segs.raws)
+        written = np.flatnonzero(slots[start:end] >= 0)
+        if written.size:
+            lo = int(written[0]) // seg  # segments wholly before the first written token
+            hi = -(-(int(written[-1]) + 1) // seg)  # the first segment wholly after the last
+        else:
+            lo = hi = count  # nothing written: every segment unread
+        head = min(lo * seg, tokens)  # the last segment may be shorter than ``seg``
+        tail = tokens - hi * seg if hi < count else 0
+        if head:
+            slots[start : start + head] = -2
+        if tail:
+            slots[end - tail : end] = -2
+        skipped = [*range(lo), *range(hi, count)]
+        if skipped:
+            unread += head + tail
+            if prefill is None:
+                prefill = np.zeros(len(lengths), dtype=np.uint64)
+            prefill[k] = segs.raw_of(skipped)
     return prefill, unread

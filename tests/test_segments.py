@@ -99,7 +99,9 @@ def test_mark_unread_of_many_objects_equals_each_object_planned_alone(seed: int)
     n = int(rng.integers(sg._SCREEN_ABOVE + 1, 40))
     lengths = [int(x) for x in rng.choice([0, 5, 13, 16, 16, 16], size=n)]
     segs = [
-        None if not t or rng.random() < 0.2 else sg.SegmentSums(4, tuple(int(v) for v in rng.integers(0, 1 << 62, -(-t // 4))))
+        None
+        if not t or rng.random() < 0.2
+        else sg.SegmentSums(4, tuple(int(v) for v in rng.integers(0, 1 << 62, -(-t // 4))))
         for t in lengths
     ]
     slots = np.arange(sum(lengths), dtype=np.int64)
@@ -125,6 +127,51 @@ def test_mark_unread_of_many_objects_equals_each_object_planned_alone(seed: int)
     got = np.zeros(n, dtype=np.uint64) if prefill is None else prefill
     assert (got == want_prefill).all()
     assert (unread > 0) == (prefill is not None)
+
+
+def _segments_with_a_written_token(written: np.ndarray, seg: int) -> set[int]:
+    return {j // seg for j in np.flatnonzero(written).tolist()}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mark_unread_against_a_brute_force_reference(seed: int) -> None:
+    """One written run an object (the connector's shape: a skipped prefix, a hit ending inside the
+    chunk): exactly the segments holding no written token are unread, at their committed sums.
+    With holes inside the run: never a segment holding a written token, and those outside the
+    run still. Tokens and segments of every size, the last segment shorter."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(40):
+        tokens, seg = int(rng.integers(1, 70)), int(rng.integers(1, 12))
+        segs = sg.SegmentSums(seg, tuple(int(v) for v in rng.integers(0, 1 << 62, -(-tokens // seg))))
+        written = np.zeros(tokens, dtype=bool)
+        a = int(rng.integers(0, tokens + 1))
+        b = int(rng.integers(a, tokens + 1))
+        written[a:b] = True
+        holes = rng.random() < 0.3 and b - a > 2
+        if holes:
+            written[a + 1 : b - 1] &= rng.random(b - a - 2) < 0.5
+        slots = np.where(written, np.arange(tokens) + 1000, -1).astype(np.int64)
+        before = slots.copy()
+        prefill, unread = sg.mark_unread(slots, [tokens], [segs])
+        unread_segs = {j // seg for j in np.flatnonzero(slots == -2).tolist()}
+        keep = _segments_with_a_written_token(written, seg)
+        assert not unread_segs & keep  # a segment with a written token is always read
+        assert (slots[written] == before[written]).all() and set(np.unique(slots[~written])) <= {-1, -2}
+        outside = set(range(-(-tokens // seg))) - set(range((a if b > a else tokens) // seg, -(-b // seg)))
+        if b == a:  # nothing written: every segment unread
+            outside = set(range(-(-tokens // seg)))
+        want = outside if holes else set(range(-(-tokens // seg))) - keep
+        if not (written[0] and written[-1]):  # only partly written objects are looked at
+            assert unread_segs == want
+        else:
+            assert unread_segs == set()
+        # Whole segments only, counted right, at their committed sums.
+        assert all((slots[j * seg : (j + 1) * seg] == -2).all() for j in unread_segs)
+        assert unread == int((slots == -2).sum())
+        if unread_segs:
+            assert prefill is not None and int(prefill[0]) == segs.raw_of(sorted(unread_segs))
+        else:
+            assert prefill is None
 
 
 def test_a_partial_host_read_vouches_for_the_bytes_it_places_only() -> None:
