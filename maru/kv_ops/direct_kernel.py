@@ -157,32 +157,35 @@ def direct_host_slots(
     lengths: list[int],
     skip_tokens: int = 0,
     segments: list[Any] | None = None,
-) -> tuple[torch.Tensor, np.ndarray | None, int]:
+) -> tuple[np.ndarray, np.ndarray | None, int]:
     """The host slots ``direct_table_host`` takes, for a direct layer load of objects of
-    ``lengths`` tokens: (int64 slots, per object the raw sum its checksum starts at or None,
-    tokens left unread). The first ``skip_tokens`` are -1 (not written); with ``segments`` (a
-    verifying load: each object's committed segment sums or None), the rows of segments that place
-    nothing are -2, left unread and counted at their committed sums (``maru.segments``: the bus
-    carries only what is placed, and its checksum vouches for it). A device slot mapping gives
-    all -1: the slots then come from the device, and every row is read. Never changes the
-    caller's tensor."""
+    ``lengths`` tokens: (int64 slots as a numpy array, per object the raw sum its checksum starts
+    at or None, tokens left unread). The first ``skip_tokens`` are -1 (not written); with
+    ``segments`` (a verifying load: each object's committed segment sums or None), the rows of
+    segments that place nothing are -2, left unread and counted at their committed sums
+    (``maru.segments``: the bus carries only what is placed, and its checksum vouches for it). A
+    device slot mapping gives all -1: the slots then come from the device, and every row is read.
+    Never changes the caller's tensor. In numpy: a torch op costs several times a numpy one on the
+    issue path, more with cold caches (bench/layer_issue_cpu.py)."""
     total = int(slot_mapping.numel())
     if slot_mapping.device.type != "cpu":
-        return torch.full((total,), -1, dtype=torch.int64), None, 0
-    host_slots = slot_mapping.to(torch.int64)
+        return np.full(total, -1, dtype=np.int64), None, 0
+    given = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    host = given.numpy()
+    if not skip_tokens and segments is None:
+        return host, None, 0  # read only from here on (direct_table_host copies it)
+    host = host.copy()
     if skip_tokens:
-        host_slots = host_slots.clone() if host_slots is slot_mapping else host_slots
-        host_slots[:skip_tokens] = -1
+        host[:skip_tokens] = -1
     if segments is None:
-        return host_slots, None, 0
-    marked = host_slots.clone() if host_slots is slot_mapping else host_slots
-    prefill, unread = mark_unread(marked.numpy(), lengths, segments)
-    return (marked if prefill is not None else host_slots), prefill, unread
+        return host, None, 0
+    prefill, unread = mark_unread(host, lengths, segments)
+    return host, prefill, unread
 
 
 def direct_table_host(
     chunks: list[tuple[int, int]],
-    slots: torch.Tensor,
+    slots: torch.Tensor | np.ndarray,
     row: int,
     esize: int,
     width: int | None = None,
@@ -192,7 +195,8 @@ def direct_table_host(
     """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
     ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
-    order; ``slots``: one slot per token of all chunks (CPU, int64; negative = not written). Columns
+    order; ``slots``: one slot per token of all chunks (CPU, int64, a tensor or a numpy array;
+    negative = not written). Columns
     past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
     length C and the last at most C (the connector's usual step: whole chunks, one tail), the
     addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
@@ -201,7 +205,8 @@ def direct_table_host(
     ``prefill``: per object, the raw sum its checksum accumulator starts at (uint64: the committed
     sums of the segments whose rows are marked -2, left unread); zeros when not given.
     """
-    total = int(slots.numel())
+    slots = slots if isinstance(slots, np.ndarray) else slots.numpy()
+    total = int(slots.size)
     width = total if width is None else int(width)
     if width < total:
         raise ValueError(f"table width {width} < {total} tokens")
@@ -233,7 +238,7 @@ def direct_table_host(
         out[0, width] = 0
     # Rows 0, 1, 3 and 4 past the used entries are never read (tokens past the count): not cleared.
     out[1, width] = total
-    out[2, :total] = slots.numpy()
+    out[2, :total] = slots
     out[2, total:] = -1
     # The checksum accumulators, set by the upload itself.
     out[5, :n] = 0 if prefill is None else np.asarray(prefill, dtype=np.uint64).view(np.int64)

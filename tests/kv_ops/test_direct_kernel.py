@@ -93,6 +93,7 @@ def test_direct_host_slots_skip_mark_and_never_touch_the_callers_mapping(skip: i
     before = slots.clone()
     segs = [_segs(t, 4, k) for k, t in enumerate(lengths)]
     got, prefill, unread = direct_kernel.direct_host_slots(slots, lengths, skip, segs)
+    got = torch.from_numpy(got)
     assert torch.equal(slots, before)  # the caller's mapping is untouched
     # The reference: skip, then mark on a copy.
     want = before.clone()
@@ -107,6 +108,7 @@ def test_direct_host_slots_skip_mark_and_never_touch_the_callers_mapping(skip: i
         assert prefill is not None and (prefill == want_prefill).all()
     # Without segments (a load that does not verify): skipped rows -1, every other row as given.
     plain, none, zero = direct_kernel.direct_host_slots(slots, lengths, skip, None)
+    plain = torch.from_numpy(plain)
     assert none is None and zero == 0
     assert (plain[:skip] == -1).all() and torch.equal(plain[skip:], before[skip:])
     assert torch.equal(slots, before)
@@ -115,7 +117,7 @@ def test_direct_host_slots_skip_mark_and_never_touch_the_callers_mapping(skip: i
 def test_direct_host_slots_of_a_device_mapping_are_all_unwritten_on_the_host() -> None:
     meta = torch.empty(10, dtype=torch.int64, device="meta")  # not the CPU: the slots come from the device
     got, prefill, unread = direct_kernel.direct_host_slots(meta, [10], 3, [_segs(10, 4, 0)])
-    assert torch.equal(got, torch.full((10,), -1, dtype=torch.int64)) and prefill is None and unread == 0
+    assert (got == -1).all() and got.shape == (10,) and prefill is None and unread == 0
 
 
 @pytest.mark.parametrize("lengths", [[256, 256, 100], [8, 3], [5], [16, 32, 16]])
@@ -130,6 +132,13 @@ def test_direct_table_host_against_a_per_token_reference(lengths: list[int]) -> 
     prefill = np.arange(1, len(lengths) + 1, dtype=np.uint64) << np.uint64(60)
     tab = direct_kernel.direct_table_host(chunks, slots, row, esize, width, prefill=prefill)
     assert tab.shape == (direct_kernel.DIRECT_ROWS, width + 1)
+    # The same from the slots as a numpy array (what direct_host_slots gives); entries past the
+    # used ones are never written (nor read), hence the zeroed buffers.
+    words = direct_kernel.DIRECT_ROWS * (width + 1)
+    a, b = torch.zeros(words, dtype=torch.int64), torch.zeros(words, dtype=torch.int64)
+    direct_kernel.direct_table_host(chunks, slots, row, esize, width, out=a, prefill=prefill)
+    direct_kernel.direct_table_host(chunks, slots.numpy(), row, esize, width, out=b, prefill=prefill)
+    assert torch.equal(a, b)
     n, total = len(lengths), sum(lengths)
     assert torch.equal(tab[2, :total], slots) and (tab[2, total:width] == -1).all()
     assert int(tab[1, width]) == total
