@@ -292,7 +292,8 @@ class ChunkLoads:
         if not placer.fused_checksum:
             return "separate kernel", (
                 f"this cache's rows are not whole 64-bit words ({placer.layout.row_size} elements), "
-                "which the fused load checksum needs: the checksum stays a second kernel"
+                "which the fused load checksum needs: the checksum stays a second kernel (the same "
+                "check, one launch more; a property of the model's KV layout, nothing to set)"
             )
         return f"fused ({self.fused_checksums} objects)", None
 
