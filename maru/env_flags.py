@@ -20,20 +20,19 @@ log = logging.getLogger("maru")
 
 ON = frozenset({"1", "true", "yes", "on"})
 OFF = frozenset({"0", "false", "no", "off"})
-_MISREAD: dict[str, str] = {}  # switch -> the value it was read with that is not a switch value
-_DEFAULTS: dict[str, bool] = {}  # switch -> the default it was last read with
+# switch -> (the value it was read with that is not a switch value, the default it was left at)
+_MISREAD: dict[str, tuple[str, bool]] = {}
 
 
 def flag(name: str, default: bool = False) -> bool:
     """Whether switch ``name`` is on: its value, ``default`` when unset or empty (see the module
     docstring; an unknown value: the default, announced)."""
-    _DEFAULTS[name] = default
     raw = os.environ.get(name, "")
     value = raw.strip().lower()
     if value in ON or value in OFF or not value:
         _MISREAD.pop(name, None)
         return value in ON or (not value and default)
-    _MISREAD[name] = raw
+    _MISREAD[name] = (raw, default)
     announce_once(log, f"env-flag.{name}", logging.WARNING, "maru: %s", _note(name, raw, default))
     return default
 
@@ -49,4 +48,4 @@ def _note(name: str, raw: str, default: bool = False) -> str:
 def misread() -> list[str]:
     """Each switch read so far with a value that is not a switch value, as a slow-path note (what
     happened, what to do): the worker reports them to ``maru doctor`` and ``maru stats``."""
-    return [_note(name, raw, _DEFAULTS.get(name, False)) for name, raw in sorted(_MISREAD.items())]
+    return [_note(name, raw, default) for name, (raw, default) in sorted(_MISREAD.items())]

@@ -92,11 +92,11 @@ def test_mark_unread_leaves_whole_unwritten_segments_unread_and_prefills_their_s
 
 @pytest.mark.parametrize("seed", range(6))
 def test_mark_unread_of_many_objects_equals_each_object_planned_alone(seed: int) -> None:
-    """Above a few objects the partly written ones are found with array operations
-    (``_partly_written``); the plan must be the one each object gets alone. Random lengths (empty
-    objects and tails included), skipped prefixes, gaps at the end, objects without sums."""
+    """Many objects in one mapping plan as each object alone: every object's tokens found at
+    its own offset. Random lengths (empty objects and tails included), skipped prefixes, gaps at
+    the end, objects without sums."""
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(sg._SCREEN_ABOVE + 1, 40))
+    n = int(rng.integers(9, 40))
     lengths = [int(x) for x in rng.choice([0, 5, 13, 16, 16, 16], size=n)]
     segs = [
         None
