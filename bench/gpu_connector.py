@@ -190,6 +190,7 @@ def measure(
     # handed their places over (untimed), so the issue follows no lookup round trip.
     held_issue, held_cpu = [], []
     held_parts: dict[str, list[float]] = {}
+    held_steps: dict[str, list[float]] = {}  # the layer load's own phases: pin, prepare, issue
     with MaruHandler(loader.client.url, timeout_s=30) as sched_client:
         for r in range(load_reps + 1):
             held = []
@@ -213,12 +214,17 @@ def measure(
                 held_cpu.append(getattr(h, "issue_cpu_s", 0.0))
                 for part, sec in getattr(h, "issue_parts", {}).items():
                     held_parts.setdefault(part, []).append(sec)
+                for part, sec in ll.report.phases.items():
+                    held_steps.setdefault(part, []).append(sec)
     return {
         "held_layer_issue_us": statistics.median(held_issue) / L * 1e6,
         # The held direct issue's parts, median us for the whole load (not a layer).
         "held_issue_parts_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in held_parts.items()},
         # The issuing thread's CPU time over the held issue (us a load): the wall time above it waited.
         "held_issue_cpu_us": round(statistics.median(held_cpu) * 1e6, 1),
+        # The whole held layer load before the forward, median us: the pin's objects and slots, the
+        # per-request lists, and the path's issue (the objects' checks, then the direct issue).
+        "held_load_phases_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in held_steps.items()},
         "layer_path": f"{h.path}{' (graphs)' if h.graphed else ' (eager)'}",
         "layer_issue_us": statistics.median(issue) / L * 1e6,
         "layer_load_GBps": nbytes / statistics.median(total) / GB,
@@ -376,6 +382,10 @@ def main() -> None:
     print("held overlap issue by part, median us a load: " + "; ".join(
         f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.get("held_issue_parts_us", {}).items())
         + f" (the thread's CPU {row.get('held_issue_cpu_us', 0):.0f})"
+        for name, row in results["sizes"].items()
+    ))  # fmt: skip
+    print("held layer load before the forward, median us: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.get("held_load_phases_us", {}).items())
         for name, row in results["sizes"].items()
     ))  # fmt: skip
 

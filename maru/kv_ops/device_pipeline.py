@@ -128,6 +128,7 @@ class DevicePipeline(
         self.esize = first.element_size()
         self.geometry = ObjectGeometry.of(self.caches, layout)
         self.layer_token_bytes = layout.num_kv * layout.row_size * self.esize  # one token of one layer
+        self.object_token_bytes = self.num_layers * self.layer_token_bytes  # one token of a chunk object
         self.ring_slots = max(int(ring_slots), 1)
         self.layer_path = layer_path
         self.layer_checksums = layer_checksums  # which direct layer graphs ``warm`` captures
@@ -342,7 +343,7 @@ class DevicePipeline(
         read only those, and its checksum counts the others at their committed sums.
         """
         objs = self._objects(objects)
-        nbytes = sum(o.numel() for o in objs) * self.esize
+        nbytes = sum(objs.tokens) * self.object_token_bytes
         segments = list(segments) if checksums and segments is not None and any(segments) else None
         if segments is not None and len(segments) != len(objs):
             raise ValueError(f"{len(segments)} segment sums for {len(objs)} objects")

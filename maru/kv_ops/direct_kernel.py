@@ -9,6 +9,7 @@ chunk to issue. Addresses in the cache come from the ``KVLayout`` strides, as in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
     "DIRECT_SUMS_ROW",
     "direct_scatter_layer",
     "direct_table_host",
+    "direct_table_spans",
 ]
 
 
@@ -192,11 +194,28 @@ def direct_table_host(
     out: torch.Tensor | None = None,
     prefill: np.ndarray | None = None,
 ) -> torch.Tensor:
+    """``direct_table_spans`` of ``chunks``: (address of the object's first byte, tokens) per chunk
+    object ``[L, KV, T, ROW]``, in order."""
+    return direct_table_spans(
+        [p for p, _ in chunks], [t for _, t in chunks], slots, row, esize, width, out, prefill
+    )
+
+
+def direct_table_spans(
+    ptrs: Sequence[int],
+    lengths: Sequence[int],
+    slots: torch.Tensor | np.ndarray,
+    row: int,
+    esize: int,
+    width: int | None = None,
+    out: torch.Tensor | None = None,
+    prefill: np.ndarray | None = None,
+) -> torch.Tensor:
     """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
 
-    ``chunks``: (address of the object's first byte, tokens) per chunk object ``[L, KV, T, ROW]``, in
-    order; ``slots``: one slot per token of all chunks (CPU, int64, a tensor or a numpy array;
-    negative = not written). Columns
+    ``ptrs[i]``, ``lengths[i]``: the address of chunk object i's first byte and its tokens (objects
+    ``[L, KV, T, ROW]``, in order); ``slots``: one slot per token of all chunks (CPU, int64, a tensor
+    or a numpy array; negative = not written). Columns
     past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
     length C and the last at most C (the connector's usual step: whole chunks, one tail), the
     addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
@@ -210,7 +229,9 @@ def direct_table_host(
     width = total if width is None else int(width)
     if width < total:
         raise ValueError(f"table width {width} < {total} tokens")
-    lengths = [t for _, t in chunks]
+    n = len(lengths)
+    if len(ptrs) != n:
+        raise ValueError(f"{len(ptrs)} object addresses for {n} token counts")
     if sum(lengths) != total:
         raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
     if out is not None:
@@ -220,18 +241,16 @@ def direct_table_host(
     # numpy over the same memory: this runs on the layer load's issue path, and a numpy op costs a
     # fraction of torch's per-op overhead.
     out = tab.numpy()
-    n = len(chunks)
-    ptrs = np.fromiter((p for p, _ in chunks), dtype=np.int64, count=n)
     counts = np.asarray(lengths, dtype=np.int64)
-    first = lengths[0] if lengths else 0
-    if first > 0 and all(t == first for t in lengths[:-1]) and lengths[-1] <= first:
+    first = int(counts[0]) if n else 0
+    if first > 0 and counts[-1] <= first and bool((counts[:-1] == first).all()):
         out[0, :n] = ptrs
         out[1, :n] = counts * row
         out[0, width] = first
     else:
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        out[0, :total] = np.repeat(ptrs, counts) + within * (row * esize)
+        out[0, :total] = np.repeat(np.asarray(ptrs, dtype=np.int64), counts) + within * (row * esize)
         out[1, :total] = np.repeat(counts * row, counts)
         out[3, :total] = np.repeat(np.arange(n, dtype=np.int64), counts)
         out[4, :total] = within

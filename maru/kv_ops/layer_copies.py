@@ -48,6 +48,7 @@ from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import BatchCopies
 from maru.kv_ops.device_handles import LayerLoad
 from maru.kv_ops.layer_paths import _bucket
+from maru.kv_ops.pipeline_inputs import CheckedObjects
 from maru.segments import mark_unread
 
 log = logging.getLogger("maru.kv_ops")
@@ -130,6 +131,7 @@ class CopiedLayers:
     layout: Any
     device: Any
     esize: int
+    object_token_bytes: int
     num_layers: int
     layer_path: str
     backend: str | None
@@ -261,7 +263,7 @@ class CopiedLayers:
 
     def _issue_layers_copied(
         self,
-        objs: list[torch.Tensor],
+        objs: CheckedObjects,
         slot_mapping: Any,
         skip_tokens: int,
         nbytes: int,
@@ -279,13 +281,13 @@ class CopiedLayers:
         if skip_tokens:
             slots[:skip_tokens] = -1
         marked = slots.numpy()
-        lengths = np.fromiter((o.shape[2] for o in objs), dtype=np.int64, count=len(objs))
+        lengths = np.asarray(objs.tokens, dtype=np.int64)
         prefill, unread = None, 0
         if checksums and segments is not None:
             prefill, unread = mark_unread(marked, lengths.tolist(), segments)
         n = len(objs)
         kv, row_b = self.layout.num_kv, self.layout.row_size * self.esize
-        ptrs = np.fromiter((o.data_ptr() for o in objs), dtype=np.int64, count=n)
+        ptrs = np.asarray(objs.ptrs, dtype=np.int64)
         read = marked > -2 if checksums else marked >= 0
         plan = CopyPlan.of(lengths, read, ptrs, kv, row_b)
         stride = plan.slot_stride
@@ -346,7 +348,8 @@ class CopiedLayers:
         self._stage_free = done if done is not None else placed[-1]
         handle = LayerLoad(nbytes, placed, sync, (objs, tab, staging, srcs, dsts, sizes), done)
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
+            per = self.object_token_bytes
+            handle.set_checksums(sums, [t * per for t in objs.tokens], self._host_sums)
         handle.path = "layers-copied"
         handle.unread_bytes = unread * self.num_layers * kv * row_b
         handle.issue_s = t_end - t0
@@ -377,7 +380,7 @@ class CopiedLayers:
                 obj = torch.zeros(self.object_shape(tokens), dtype=self.dtype).pin_memory()  # type: ignore[attr-defined]
                 none = torch.full((tokens,), -1, dtype=torch.int64)
                 for checksums in (False, True):
-                    self._issue_layers_copied([obj], none, 0, 0, checksums).wait()
+                    self._issue_layers_copied(self._objects([obj]), none, 0, 0, checksums).wait()
         except Exception as e:  # a compiler that refuses this layout's kernel: the direct way stays
             self._copied_ok, self.copied_off = (
                 False,

@@ -22,6 +22,7 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import D2H
 from maru.kv_ops.device_handles import LayerLoad
+from maru.kv_ops.pipeline_inputs import CheckedObjects
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -52,6 +53,7 @@ class LayerPaths:
     device: Any
     dtype: Any
     esize: int
+    object_token_bytes: int
     num_layers: int
     cross_layer: bool
     backend: str | None
@@ -266,7 +268,7 @@ class LayerPaths:
 
     def _issue_layers_direct(
         self,
-        objs: list[torch.Tensor],
+        objs: CheckedObjects,
         slot_mapping: Any,
         skip_tokens: int,
         nbytes: int,
@@ -283,7 +285,7 @@ class LayerPaths:
         from maru.kv_ops import direct_kernel as dk
 
         t0, c0 = time.perf_counter(), time.thread_time()
-        lengths = [o.shape[2] for o in objs]  # once: a tensor's shape costs ~0.2 us a read
+        lengths = objs.tokens  # read once, by ``_objects``: a tensor's shape costs ~0.2 us a read
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, lengths)
         total = int(slot_mapping.numel())
         on_device = slot_mapping.device.type != "cpu"
@@ -304,18 +306,17 @@ class LayerPaths:
                 tb,
             )
             graphed, tb = False, total  # eager: no capture while serving, no padding
-        chunks = list(zip([o.data_ptr() for o in objs], lengths, strict=True))
         sync, place = self._sync, self._place_stream
         scratch = self._scratch if sync.raw else None
         ticket = None
         if scratch is not None:  # the table in a pinned buffer of the pipeline's ring
             ticket, buf = scratch.take(dk.DIRECT_ROWS * (tb + 1))
-            host_tab = dk.direct_table_host(
-                chunks, host_slots, self.layout.row_size, self.esize, tb, out=buf, prefill=prefill
+            host_tab = dk.direct_table_spans(
+                objs.ptrs, lengths, host_slots, self.layout.row_size, self.esize, tb, out=buf, prefill=prefill
             )
         else:
-            host_tab = dk.direct_table_host(
-                chunks, host_slots, self.layout.row_size, self.esize, tb, prefill=prefill
+            host_tab = dk.direct_table_spans(
+                objs.ptrs, lengths, host_slots, self.layout.row_size, self.esize, tb, prefill=prefill
             )
         t_table = time.perf_counter()
         self._after_caller(place)
@@ -352,7 +353,8 @@ class LayerPaths:
         # reuse it instead of a fresh cudaHostAlloc (hundreds of us for a 16k-token table).
         handle = LayerLoad(nbytes, placed, sync, (objs, tab, slot_mapping), done)
         if sums is not None:
-            handle.set_checksums(sums, [o.numel() * self.esize for o in objs], self._host_sums)
+            per = self.object_token_bytes
+            handle.set_checksums(sums, [t * per for t in lengths], self._host_sums)
         handle.path = "layers-direct"
         handle.unread_bytes = (
             unread * self.num_layers * self.layout.num_kv * self.layout.row_size * self.esize

@@ -17,6 +17,20 @@ from maru.announce import announce_once
 log = logging.getLogger("maru.kv_ops")
 
 
+class CheckedObjects(list):
+    """Chunk objects ``[L, KV, T, ROW]`` that passed ``PipelineInputs._objects``, with what the load
+    paths read of each again: ``tokens[i]`` (T of object i) and ``ptrs[i]`` (its first byte's
+    address). Invariant: both as long as the list and in its order, taken when the list was made
+    (the objects are views of pool pages that do not move). Why: a 64-chunk load read each object's
+    shape and address three or four times on its issue path, ~0.2 us a read with hot caches and
+    several times that with the cold ones a load meets (bench/RESULTS.md, forty-fifth pass)."""
+
+    def __init__(self, objs: list[torch.Tensor], tokens: list[int], ptrs: list[int]) -> None:
+        super().__init__(objs)
+        self.tokens = tokens
+        self.ptrs = ptrs
+
+
 class PipelineInputs:
     """``_objects``, ``_slots``/``_check_slots``, ``_per_chunk`` and ``_check_pinned``."""
 
@@ -25,7 +39,9 @@ class PipelineInputs:
     _place_h: int  # GPU
     _sync: Any
 
-    def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> CheckedObjects:
+        """The objects checked (host, the caches' dtype, contiguous, ``[L, KV, T, ROW]`` or flat
+        with whole tokens, viewed as that), with their token counts and addresses."""
         objs = [objects] if isinstance(objects, torch.Tensor) else list(objects)
         if not objs:
             raise ValueError("no chunk objects given")
@@ -34,7 +50,9 @@ class PipelineInputs:
         # issue path, once per chunk (64 for a 16k-token step), and ``device.type`` or a sliced
         # shape tuple cost several times more.
         L, KV, ROW, dtype = self.num_layers, self.layout.num_kv, self.layout.row_size, self.dtype
-        out = []
+        out: list[torch.Tensor] = []
+        tokens: list[int] = []
+        ptrs: list[int] = []
         for c, obj in enumerate(objs):
             if not obj.is_cpu:
                 raise ValueError(
@@ -55,10 +73,13 @@ class PipelineInputs:
                         f"{per_token} elements ([L={L}, KV={KV}, T, {ROW}])"
                     )
                 obj = obj.view(self.object_shape(obj.numel() // per_token))
+                shape = obj.shape
             elif shape[0] != L or shape[1] != KV or shape[3] != ROW:
                 raise ValueError(f"chunk object {c} has shape {list(shape)}, expected [{L}, {KV}, T, {ROW}]")
             out.append(obj)
-        return out
+            tokens.append(shape[2])
+            ptrs.append(obj.data_ptr())
+        return CheckedObjects(out, tokens, ptrs)
 
     @staticmethod
     def _check_slots(

@@ -217,6 +217,19 @@ def test_flat_pool_pages_are_accepted_as_objects(pool: ShmPool) -> None:
     assert torch.equal(bits(obj), bits(naive_gather(src, slots.tolist(), torch.zeros_like(obj))))
 
 
+def test_checked_objects_carry_each_objects_tokens_and_address(pool: ShmPool) -> None:
+    """``_objects`` reads each object's token count and first byte's address once, for the load
+    paths: they must be the objects' own, in order, flat pages (viewed as objects) included."""
+    engine = _engine(_case("kv_first", "HND", 8))
+    objs = [pool.alloc(engine, t) for t in (8, 3, 5)]
+    given = [objs[0], objs[1].view(-1), objs[2]]  # a flat page among shaped ones
+    checked = engine._objects(given)
+    assert checked.tokens == [8, 3, 5]
+    assert checked.ptrs == [o.data_ptr() for o in objs]
+    assert [list(o.shape) for o in checked] == [list(o.shape) for o in objs]
+    assert len({checked.ptrs[0], checked.ptrs[1], checked.ptrs[2]}) == 3
+
+
 # ---------------------------------------------------------------- CUDA host registration
 
 

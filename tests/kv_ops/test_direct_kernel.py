@@ -120,7 +120,7 @@ def test_direct_host_slots_of_a_device_mapping_are_all_unwritten_on_the_host() -
     assert (got == -1).all() and got.shape == (10,) and prefill is None and unread == 0
 
 
-@pytest.mark.parametrize("lengths", [[256, 256, 100], [8, 3], [5], [16, 32, 16]])
+@pytest.mark.parametrize("lengths", [[256, 256, 100], [8, 3], [5], [16, 32, 16], [16, 16, 20], [16, 5, 16]])
 def test_direct_table_host_against_a_per_token_reference(lengths: list[int]) -> None:
     """Per chunk addresses where every chunk but a shorter last one has one length, per token
     otherwise; a slot a column, -1 past the tokens; the sums row starts at the prefill."""
@@ -139,6 +139,15 @@ def test_direct_table_host_against_a_per_token_reference(lengths: list[int]) -> 
     direct_kernel.direct_table_host(chunks, slots, row, esize, width, out=a, prefill=prefill)
     direct_kernel.direct_table_host(chunks, slots.numpy(), row, esize, width, out=b, prefill=prefill)
     assert torch.equal(a, b)
+    # The issue path's form (the objects' addresses and token counts as two lists) is the same table.
+    c = torch.zeros(words, dtype=torch.int64)
+    ptrs = [p for p, _ in chunks]
+    direct_kernel.direct_table_spans(
+        ptrs, list(lengths), slots.numpy(), row, esize, width, out=c, prefill=prefill
+    )
+    assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="addresses for"):
+        direct_kernel.direct_table_spans(ptrs[:-1], list(lengths), slots, row, esize, width)
     n, total = len(lengths), sum(lengths)
     assert torch.equal(tab[2, :total], slots) and (tab[2, total:width] == -1).all()
     assert int(tab[1, width]) == total
