@@ -263,7 +263,7 @@ class CopiedLayers:
 
     def _issue_layers_copied(
         self,
-        objs: CheckedObjects,
+        objs: list[torch.Tensor],
         slot_mapping: Any,
         skip_tokens: int,
         nbytes: int,
@@ -274,6 +274,8 @@ class CopiedLayers:
         from maru.kv_ops import direct_kernel as dk
 
         t0 = time.perf_counter()
+        if not isinstance(objs, CheckedObjects):  # load_layers passes them checked; anyone else, checked here
+            objs = self._objects(objs)
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
         slots = slot_mapping.to(torch.int64)
         if slots.data_ptr() == slot_mapping.data_ptr():  # marked below: never the caller's tensor

@@ -268,7 +268,7 @@ class LayerPaths:
 
     def _issue_layers_direct(
         self,
-        objs: CheckedObjects,
+        objs: list[torch.Tensor],
         slot_mapping: Any,
         skip_tokens: int,
         nbytes: int,
@@ -285,6 +285,8 @@ class LayerPaths:
         from maru.kv_ops import direct_kernel as dk
 
         t0, c0 = time.perf_counter(), time.thread_time()
+        if not isinstance(objs, CheckedObjects):  # load_layers passes them checked; anyone else, checked here
+            objs = self._objects(objs)
         lengths = objs.tokens  # read once, by ``_objects``: a tensor's shape costs ~0.2 us a read
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, lengths)
         total = int(slot_mapping.numel())
