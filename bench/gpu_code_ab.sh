@@ -13,6 +13,9 @@ REPS="${REPS:-20}"
 SIZES="${SIZES:-256,16384}"
 [ -d .ab/before/maru ] || { echo "gpu_code_ab: no .ab/before tree (see the header)" >&2; exit 1; }
 cp bench/*.py .ab/before/bench/
+# The bench imports tests.helpers (the server process): this tree's, where the before tree was
+# carried without its tests (the device tool carries 64 MiB at most, the vLLM pieces 47 of it).
+[ -d .ab/before/tests ] || cp -r tests .ab/before/
 here="$PWD"
 for r in $(seq 1 "$ROUNDS"); do
   for side in before after; do
