@@ -253,7 +253,7 @@ class DevicePipeline(
         ``checksums``: see the class docstring (skipped tokens are part of their object).
         """
         objs = self._objects(objects)
-        nbytes = sum(o.numel() for o in objs) * self.esize
+        nbytes = sum(objs.tokens) * self.object_token_bytes
         with self._lock:
             if self.on_gpu and pipelined:
                 self._check_pinned(objs)
@@ -290,7 +290,7 @@ class DevicePipeline(
         the caches themselves, before the store's own work (``kv_ops.segment_kernels``).
         """
         objs = self._objects(objects)
-        nbytes = sum(o.numel() for o in objs) * self.esize
+        nbytes = sum(objs.tokens) * self.object_token_bytes
         seg = int(segment_tokens) if checksums and segment_tokens else None
         with self._lock:
             # Queued first: every wait of the store's streams on the caller's stream comes after it,

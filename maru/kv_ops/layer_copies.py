@@ -382,7 +382,7 @@ class CopiedLayers:
                 obj = torch.zeros(self.object_shape(tokens), dtype=self.dtype).pin_memory()  # type: ignore[attr-defined]
                 none = torch.full((tokens,), -1, dtype=torch.int64)
                 for checksums in (False, True):
-                    self._issue_layers_copied(self._objects([obj]), none, 0, 0, checksums).wait()
+                    self._issue_layers_copied([obj], none, 0, 0, checksums).wait()
         except Exception as e:  # a compiler that refuses this layout's kernel: the direct way stays
             self._copied_ok, self.copied_off = (
                 False,
