@@ -10,8 +10,13 @@ layer load before the forward (pin + prepare + issue, us a load: what the engine
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.fused_ab_table import cli  # noqa: E402
 
 
 def rows(out: Path) -> list[tuple[str, int, dict]]:
@@ -42,15 +47,7 @@ def table(found: list[tuple[str, int, dict]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    found = rows(Path(argv[1]))
-    if not found:
-        print(f"no code_ab_*_*.json in {argv[1]}", file=sys.stderr)
-        return 1
-    print(table(found))
-    return 0
+    return cli(argv, __doc__ or "", "code_ab_*_*.json", rows, table)
 
 
 if __name__ == "__main__":

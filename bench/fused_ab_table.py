@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -42,16 +43,24 @@ def table(found: list[tuple[str, int, str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def cli(
+    argv: list[str], doc: str, pattern: str, read: Callable[[Path], list], show: Callable[[list], str]
+) -> int:
+    """The command line of an A/B table script: ``argv`` = [script, OUT_DIR]; ``read`` the result
+    files (``pattern``, named when none is found), ``show`` their table, printed."""
     if len(argv) != 2:
-        print(__doc__.strip(), file=sys.stderr)
+        print(doc.strip(), file=sys.stderr)
         return 2
-    found = rows(Path(argv[1]))
+    found = read(Path(argv[1]))
     if not found:
-        print(f"no fused_ab_*.json in {argv[1]}", file=sys.stderr)
+        print(f"no {pattern} in {argv[1]}", file=sys.stderr)
         return 1
-    print(table(found))
+    print(show(found))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return cli(argv, __doc__ or "", "fused_ab_*.json", rows, table)
 
 
 if __name__ == "__main__":
