@@ -49,7 +49,6 @@ from maru.kv_ops.cuda_sync import BatchCopies
 from maru.kv_ops.device_handles import LayerLoad
 from maru.kv_ops.layer_paths import _bucket
 from maru.kv_ops.pipeline_inputs import CheckedObjects
-from maru.segments import mark_unread
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -276,17 +275,13 @@ class CopiedLayers:
         t0 = time.perf_counter()
         if not isinstance(objs, CheckedObjects):  # load_layers passes them checked; anyone else, checked here
             objs = self._objects(objs)
-        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens)
-        slots = slot_mapping.to(torch.int64)
-        if slots.data_ptr() == slot_mapping.data_ptr():  # marked below: never the caller's tensor
-            slots = slots.clone()
-        if skip_tokens:
-            slots[:skip_tokens] = -1
-        marked = slots.numpy()
+        slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, objs.tokens)
+        # The direct way's host slots (skipped rows -1; with checksums, segments placing nothing -2,
+        # counted at their committed sums): a host mapping only (``_use_copies``).
+        marked, prefill, unread = dk.direct_host_slots(
+            slot_mapping, objs.tokens, skip_tokens, segments if checksums else None
+        )
         lengths = np.asarray(objs.tokens, dtype=np.int64)
-        prefill, unread = None, 0
-        if checksums and segments is not None:
-            prefill, unread = mark_unread(marked, lengths.tolist(), segments)
         n = len(objs)
         kv, row_b = self.layout.num_kv, self.layout.row_size * self.esize
         ptrs = np.asarray(objs.ptrs, dtype=np.int64)
@@ -300,19 +295,19 @@ class CopiedLayers:
         m, total, offset = int(sizes.size), int(marked.size), plan.offset
         # The table names slot 0's regions; ``stage_off`` moves each layer's reads to its slot.
         sync, copy_h, place_h = self._sync, self._copy_stream.cuda_stream, self._place_h
-        chunks = list(zip((base + offset).tolist(), lengths.tolist(), strict=True))
+        staged = (base + offset).tolist()  # where each object's rows sit in slot 0 of the staging
         scratch, ticket = self._scratch, None
         # A power-of-two width (the padding's slots are -1): the launches' integer arguments keep
         # the facts their compiled kernels were bound on at warm-up (``kv_ops.launch``).
         width = _bucket(total)
         if scratch is not None:
             ticket, buf = scratch.take(dk.DIRECT_ROWS * (width + 1))
-            host_tab = dk.direct_table_host(
-                chunks, slots, self.layout.row_size, self.esize, width, out=buf, prefill=prefill
+            host_tab = dk.direct_table_spans(
+                staged, objs.tokens, marked, self.layout.row_size, self.esize, width, out=buf, prefill=prefill
             )
         else:
-            host_tab = dk.direct_table_host(
-                chunks, slots, self.layout.row_size, self.esize, width, prefill=prefill
+            host_tab = dk.direct_table_spans(
+                staged, objs.tokens, marked, self.layout.row_size, self.esize, width, prefill=prefill
             )
         # The copies write only the staging and read pinned pool pages: they need not wait for the
         # caller's queued work (a previous step's forward), only the placements do.

@@ -22,9 +22,10 @@ class CheckedObjects(list):
     paths read of each again: ``tokens[i]`` (T of object i) and ``ptrs[i]`` (its first byte's
     address). Invariant: both as long as the list and in its order, taken when the list was made
     (the objects are views of pool pages that do not move); never changed after (a path that
-    reorders or subsets objects makes a plain list, which the layer issues check again). Why: a 64-chunk load read each object's
-    shape and address three or four times on its issue path, ~0.2 us a read with hot caches and
-    several times that with the cold ones a load meets (bench/RESULTS.md, forty-fifth pass)."""
+    reorders or subsets objects makes a plain list, which the layer issues check again). Why: a
+    64-chunk load read each object's shape and address three or four times on its issue path,
+    ~0.2 us a read with hot caches and several times that with the cold ones a load meets
+    (bench/RESULTS.md, forty-fifth pass)."""
 
     def __init__(self, objs: list[torch.Tensor], tokens: list[int], ptrs: list[int]) -> None:
         super().__init__(objs)
