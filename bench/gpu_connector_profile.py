@@ -136,9 +136,7 @@ def micro(loader: KVTransferEngine, sched: MaruHandler, req: RequestTransfer, re
     pins = OfferPins()
     h = held(pins, sched, [req])
     pl = loader.pin(h)
-    _, parts = pl.ready[0]
-    objs = [p[0] for p in parts]
-    slots = torch.cat([p[1] for p in parts])
+    objs, slots = pl.ready[0].objs, pl.ready[0].slots
     total = int(slots.numel())
     tb = 16
     while tb < total:

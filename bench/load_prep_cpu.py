@@ -52,6 +52,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", type=int, default=15)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument(
+        "--chunks", type=int, default=2, help="chunks a user stored and loads (the last one placed in part)"
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--cold",
@@ -63,22 +66,23 @@ def main() -> None:
     )
     a = ap.parse_args()
     evict = _evictor(a.cold) if a.cold else (lambda: None)
-    per_user = 2 * CHUNK // BS
+    k = a.chunks
+    per_user = k * CHUNK // BS
     stored = [
         RequestTransfer(
             f"u{u}",
             tuple(range(u * per_user, (u + 1) * per_user)),
-            (ChunkRef(f"prep/u{u}/c0", 0, CHUNK), ChunkRef(f"prep/u{u}/c1", CHUNK, CHUNK)),
+            tuple(ChunkRef(f"prep/u{u}/c{i}", i * CHUNK, CHUNK) for i in range(k)),
         )
         for u in range(a.users)
     ]
     blocks = a.users * per_user + 1
     with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProcess(tmp, pool_size=(a.users * 2 + 4) * (8 << 20), log_level="WARNING")
+        srv = ServerProcess(tmp, pool_size=(a.users * k + 4) * (8 << 20), log_level="WARNING")
         srv.start()
         client, holder = MaruHandler(srv.url, timeout_s=30), MaruHandler(srv.url, timeout_s=30)
         try:
-            assert engine(1, client, blocks).store(stored).stored == 2 * a.users
+            assert engine(1, client, blocks).store(stored).stored == k * a.users
             keys = [c.key for q in stored for c in q.chunks]
             handles = holder.batch_retrieve(keys, pin=True, verify=False, segments=True)
             held = {h.key: HeldChunk(h.key, h.offset, h.size, h.checksum, h.segments) for h in handles}
@@ -88,9 +92,10 @@ def main() -> None:
                     tuple(reversed(q.block_ids)),  # other blocks than the stored ones
                     (
                         ChunkRef(q.chunks[0].key, 0, CHUNK, place_begin=128),
-                        ChunkRef(q.chunks[1].key, CHUNK, CHUNK, 0, 112),
+                        *(ChunkRef(c.key, c.start, CHUNK) for c in q.chunks[1:-1]),
+                        ChunkRef(q.chunks[-1].key, (k - 1) * CHUNK, CHUNK, 0, 112),
                     ),
-                    held=(held[q.chunks[0].key], held[q.chunks[1].key]),
+                    held=tuple(held[c.key] for c in q.chunks),
                 )
                 for q in stored
             ]
@@ -116,11 +121,11 @@ def main() -> None:
             holder.close()
             srv.cleanup()
     print(
-        f"engine.pin of {a.users} held turns (2 chunks each, placed in part{', cold caches' if a.cold else ''}): "
+        f"engine.pin of {a.users} held turns ({k} chunks each, placed in part{', cold caches' if a.cold else ''}): "
         f"min {min(times) * 1e6:.0f} us, median {statistics.median(times) * 1e6:.0f} us"
     )
     if prof is not None:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(25)
 
 
 def _evictor(mb: int) -> Callable[[], None]:

@@ -17,8 +17,8 @@ import torch
 
 from maru.kv_ops.cuda_sync import current_stream_handle, gil_note
 from maru.transfer.handles import DeviceHandle, DeviceLayerHandle, LayerHandle, TransferHandle
-from maru.transfer.paths import Chunks, DataPath
-from maru.transfer.slot_plan import DeferredSlots, joined_slots
+from maru.transfer.paths import DataPath
+from maru.transfer.slot_plan import DeferredSlots, LayerGroup, joined_slots
 
 logger = logging.getLogger("maru.transfer")
 
@@ -108,17 +108,17 @@ class PipelinedPath(DataPath):
 
     def scatter_layers(
         self,
-        groups: list[Chunks],
+        groups: list[LayerGroup],
         expected: list[list[int]] | None = None,
         segments: list[list[Any]] | None = None,
     ) -> LayerHandle:
-        # One call for every group: they succeed or fail together.
-        flat = [c for g in groups for c in g]
+        # One call for every group: they succeed or fail together. Each group's mapping is whole:
+        # one join a request (none for one request), not one a chunk.
         segs = None if segments is None else [s for g in segments for s in g]
         try:
             load = self.pipeline.load_layers(
-                [o for o, _ in flat],
-                joined_slots([s for _, s in flat]),
+                [o for g in groups for o in g.objs],
+                joined_slots([g.slots for g in groups if g.objs]),
                 checksums=expected is not None,
                 segments=segs,
             )

@@ -33,7 +33,14 @@ from maru import segments
 from maru.client.objects import Retrieved
 from maru.errors import CONNECTION_LOST, MaruError
 from maru.kv_ops.geometry import ObjectGeometry
-from maru.transfer.loads import InflightLoad, IssuedScatter, LayerByLayerLoad, LookedUp, PinnedLoad
+from maru.transfer.loads import (
+    InflightLoad,
+    IssuedScatter,
+    LayerByLayerLoad,
+    LookedUp,
+    PinnedLoad,
+    ReadyRequest,
+)
 from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import (
     LoadReport,
@@ -307,26 +314,22 @@ class KVTransferEngine(StoreSide):
             (h.view, c.num_tokens) for h, c in zip(hs, req.chunks, strict=True)
         )
 
-    def _parts(
+    def _ready(
         self,
         req: RequestTransfer,
         handles: list[Any],
         index: dict[str, int],
         views: dict[int, torch.Tensor] | None = None,
         flat: torch.Tensor | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor, int, Any]]:
-        """(object over the pinned page, host slot mapping, bytes, lookup handle) of each chunk;
-        ``views``: objects made beforehand, by key position (``_views_of``); ``flat``: the
-        request's slots made beforehand (``_step_slots``), else made here."""
-        out = []
+    ) -> ReadyRequest:
+        """``req`` ready to place: its objects over the pinned pages, its slot mapping whole (not
+        sliced per chunk), its lookup handles. ``views``: objects made beforehand, by key position
+        (``_views_of``); ``flat``: the request's slots made beforehand (``_step_slots``), else made
+        here (raising why they cannot be)."""
         if flat is None:
             flat = chunk_slots(req.block_ids, self.block_size, req.chunks)  # one pass for the request
         hs, objs = self._objects(req, handles, index, views)
-        o = 0
-        for c, h, obj in zip(req.chunks, hs, objs, strict=True):
-            out.append((obj, flat[o : o + c.num_tokens], int(h.size), h))
-            o += c.num_tokens
-        return out
+        return ReadyRequest(req, objs, flat, hs)
 
     def _add_request(
         self,
@@ -352,15 +355,23 @@ class KVTransferEngine(StoreSide):
         return None
 
     def _check(self, req: RequestTransfer, handles: list[Any], index: dict[str, int]) -> str | None:
+        """None, or why ``req`` cannot be placed: a chunk gone, unverifiable or of another size, or
+        too few blocks for its placed tokens. Runs per chunk on every load's pin (64 for a 16k-token
+        request): the bytes a token count needs are computed once a call."""
+        verify, nbytes = self.verify, self.geometry.nbytes
+        sizes: dict[int, int] = {}
         for c in req.chunks:
             h = handles[index[c.key]]
             if h is None:
                 return f"chunk {c.key} is gone from the pool (evicted or deleted)"
-            if self.verify and h.checksum is None:
+            if verify and h.checksum is None:
                 return (
                     f"chunk {c.key} was committed without a checksum (an older writer): it cannot be verified"
                 )
-            want = self.geometry.nbytes(c.num_tokens)
+            t = c.num_tokens
+            want = sizes.get(t)
+            if want is None:
+                want = sizes[t] = nbytes(t)
             if h.size != want:
                 return (
                     f"chunk {c.key} has {h.size} bytes, expected {want} (another format under the same key?)"
@@ -406,7 +417,7 @@ class KVTransferEngine(StoreSide):
             flats = self._step_slots(checked)
             for req, flat in zip(checked, flats, strict=True):
                 try:
-                    pl.ready.append((req, self._parts(req, handles, index, views, flat)))
+                    pl.ready.append(self._ready(req, handles, index, views, flat))
                 except Exception as e:
                     pl.failed[req.req_id] = f"preparing the chunks failed: {type(e).__name__}: {e}"
         pl.seconds = time.perf_counter() - t0
@@ -415,7 +426,7 @@ class KVTransferEngine(StoreSide):
     def _step_slots(self, requests: list[RequestTransfer]) -> list[torch.Tensor | None]:
         """Every request's slots in one pass (``many_chunk_slots``; the pin of 32 held turns of two
         chunks: 1.20 -> 0.77 ms median on the CI machine, bench/RESULTS.md); None for a request
-        whose slots cannot be made: ``_parts`` then makes them, raising why (it fails alone)."""
+        whose slots cannot be made: ``_ready`` then makes them, raising why (it fails alone)."""
         return list(many_chunk_slots([(r.block_ids, r.chunks) for r in requests], self.block_size))
 
     def _views_of(

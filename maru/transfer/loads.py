@@ -15,7 +15,7 @@ import torch
 
 from maru.transfer.handles import LayerHandle
 from maru.transfer.records import LoadReport, RequestTransfer
-from maru.transfer.slot_plan import DeferredSlots
+from maru.transfer.slot_plan import DeferredSlots, LayerGroup, joined_slots
 
 if TYPE_CHECKING:
     from maru.transfer.engine import KVTransferEngine
@@ -23,18 +23,51 @@ if TYPE_CHECKING:
 logger = logging.getLogger("maru.transfer")
 
 
+class ReadyRequest:
+    """A request of a ``PinnedLoad`` whose every chunk is present with the right size.
+
+    Invariant: ``objs`` and ``handles`` run parallel to ``req.chunks`` (object i over the page
+    that lookup handle i pinned); ``slots`` is the request's one host mapping, every token of its
+    chunks in order (-1 where not placed: ``chunk_slots``); ``nbytes`` the chunks' bytes."""
+
+    __slots__ = ("req", "objs", "slots", "handles", "nbytes")
+
+    def __init__(
+        self, req: RequestTransfer, objs: list[torch.Tensor], slots: torch.Tensor, handles: list[Any]
+    ) -> None:
+        self.req = req
+        self.objs = objs
+        self.slots = slots
+        self.handles = handles
+        self.nbytes = sum(int(h.size) for h in handles)
+
+    def placed(self) -> tuple[LayerGroup, list[Any]]:
+        """The chunks that place a token, as one ``LayerGroup``, and their lookup handles. The
+        request's mapping is passed whole where every chunk places (the usual case); otherwise the
+        chunks that place nothing are left out, objects and slots."""
+        chunks = self.req.chunks
+        tokens = [c.num_tokens for c in chunks]
+        if all(c.places() for c in chunks):
+            return LayerGroup(self.objs, self.slots, tokens), self.handles
+        keep = [i for i, c in enumerate(chunks) if c.places()]
+        offs = [0]
+        for t in tokens:
+            offs.append(offs[-1] + t)
+        slots = joined_slots([self.slots[offs[i] : offs[i + 1]] for i in keep])
+        group = LayerGroup([self.objs[i] for i in keep], slots, [tokens[i] for i in keep])
+        return group, [self.handles[i] for i in keep]
+
+
 @dataclass
 class PinnedLoad:
     """A load looked up and pinned, checked, not yet placed (``KVTransferEngine.pin``).
 
-    ``ready``: the requests whose every chunk is present with the right size, each with its
-    (object tensor, host slot mapping, bytes, lookup handle) per chunk; ``failed``: req_id -> why. Nothing of a
-    failed request is ever placed. The pins hold until ``KVTransferEngine.release``.
+    ``ready``: the requests whose every chunk is present with the right size (``ReadyRequest``);
+    ``failed``: req_id -> why. Nothing of a failed request is ever placed. The pins hold until
+    ``KVTransferEngine.release``.
     """
 
-    ready: list[tuple[RequestTransfer, list[tuple[torch.Tensor, torch.Tensor, int, Any]]]] = field(
-        default_factory=list
-    )
+    ready: list[ReadyRequest] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
     server_lost: bool = False
@@ -247,19 +280,20 @@ class LayerByLayerLoad:
         self._finished = False
         self._released = False
         ready, pinned.ready = pinned.ready, []  # the handle keeps the tensors it needs
-        self._reqs = [req for req, _ in ready]
-        self._bytes = {req.req_id: sum(p[2] for p in parts) for req, parts in ready}
-        groups, expected, segments = [], [], []
+        self._reqs = [r.req for r in ready]
+        self._bytes = {r.req.req_id: r.nbytes for r in ready}
+        groups: list[LayerGroup] = []
+        expected, segments = [], []
         self._placed: list[tuple[int, Any]] = []  # (group, lookup handle) of each placed chunk, flat
-        for g, (req, parts) in enumerate(ready):
-            placed = [p for c, p in zip(req.chunks, parts, strict=True) if c.places()]
-            groups.append([(p[0], p[1]) for p in placed])
-            expected.append([p[3].checksum for p in placed])
-            segments.append([p[3].segments for p in placed])
-            self._placed += [(g, p[3]) for p in placed]
+        for g, r in enumerate(ready):
+            group, hs = r.placed()
+            groups.append(group)
+            expected.append([h.checksum for h in hs])
+            segments.append([h.segments for h in hs])
+            self._placed += [(g, h) for h in hs]
         t1 = time.perf_counter()
         try:
-            if any(groups):
+            if any(g.objs for g in groups):
                 verify = engine.verify
                 self.handle = engine.path.scatter_layers(
                     groups, expected if verify else None, segments if verify else None
@@ -269,12 +303,13 @@ class LayerByLayerLoad:
             for req in self._reqs:
                 self.report.failed[req.req_id] = why
             self._reqs = []
-        for req, parts in ready:
+        for r in ready:
+            req = r.req
             if req.req_id not in self.report.failed:
                 self.report.loaded_req_ids.append(req.req_id)
                 self.report.tokens += req.num_placed_tokens()
-                self.report.chunks += len(parts)
-                self.report.bytes += sum(p[2] for p in parts)
+                self.report.chunks += len(r.objs)
+                self.report.bytes += r.nbytes
         del groups, ready
         t2 = time.perf_counter()
         # Where the host time went (the worker's timing line): the pins and each request's objects

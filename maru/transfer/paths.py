@@ -37,11 +37,9 @@ from maru.transfer.handles import (
     ThreadedLayerHandle,
     TransferHandle,
 )
-from maru.transfer.slot_plan import DeferredSlots, listed
+from maru.transfer.slot_plan import DeferredSlots, LayerGroup, listed
 
 logger = logging.getLogger("maru.transfer")
-
-Chunks = list[tuple[torch.Tensor, torch.Tensor]]  # (object [L, KV, T, ROW] over a pool page, slots [T])
 
 
 class DataPath(ABC):
@@ -108,7 +106,7 @@ class DataPath(ABC):
     @abstractmethod
     def scatter_layers(
         self,
-        groups: list[Chunks],
+        groups: list[LayerGroup],
         expected: list[list[int]] | None = None,
         segments: list[list[Any]] | None = None,
     ) -> LayerHandle:
@@ -203,11 +201,11 @@ class _HostPlacement(DataPath):
 
     def scatter_layers(
         self,
-        groups: list[Chunks],
+        groups: list[LayerGroup],
         expected: list[list[int]] | None = None,
         segments: list[list[Any]] | None = None,
     ) -> LayerHandle:
-        moved = [[(obj, self._to_device(s)) for obj, s in g] for g in groups]
+        moved = [[(obj, self._to_device(s)) for obj, s in g.chunks()] for g in groups]
         return ThreadedLayerHandle(self, moved, self.num_layers, expected, segments)
 
     def placed_checksums(

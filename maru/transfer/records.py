@@ -12,6 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# ``_contiguous_plan``'s plan of one request's slots: (first block, end block, tokens of the first
+# block before the first chunk, tokens, placed runs).
+Plan = tuple[int, int, int, int, tuple[tuple[int, int], ...]]
+
 
 @dataclass(frozen=True)
 class ChunkRef:
@@ -204,9 +208,13 @@ def blocks_needed(block_size: int, chunks: Sequence[ChunkRef], *, whole: bool = 
     ``chunk_slots`` raises where the request has fewer (it checks with this)."""
     last = 0
     for c in chunks:
-        pb, pe = (0, c.num_tokens) if whole else c.placed()
-        if pe > pb:
-            last = max(last, c.start + pe)
+        n = c.num_tokens
+        if whole:
+            pb, pe = 0, n
+        else:  # ChunkRef.placed(), inlined: it runs for every chunk of every load's pin
+            pb, pe = c.place_begin, n if c.place_end < 0 else c.place_end
+        if pe > pb and c.start + pe > last:
+            last = c.start + pe
     return -(-last // block_size)
 
 
@@ -288,7 +296,7 @@ def _alone(block_ids: Sequence[int], block_size: int, chunks: Sequence[ChunkRef]
 
 def _planned(
     requests: Sequence[tuple[Sequence[int], Sequence[ChunkRef]]],
-    plans: Sequence[tuple[int, int, int, int, bool] | None],
+    plans: Sequence[Plan | None],
     block_size: int,
 ) -> list[Any]:
     """The slots of each request with a plan (``_contiguous_plan``), None for the others: their
@@ -311,29 +319,22 @@ def _planned(
     )
     rows = (ids[:, None] * block_size + _block_offsets(block_size)).reshape(-1)
     # Every token placed (a store, a load of whole chunks): each request's slots are a run of rows.
-    direct = all(p is None or p[4] for p in plans)
+    direct = all(p is None or p[4] == ((0, p[3]),) for p in plans)
     out = rows if direct else np.full(tokens_total, -1, dtype=np.int64)
     row0 = out0 = 0
     spans: list[tuple[int, int] | None] = []
-    for (_, chunks), p in zip(requests, plans, strict=True):
+    for p in plans:
         if p is None:
             spans.append(None)
             continue
-        lo, nb, skip, total, full = p
+        lo, nb, skip, total, runs = p
         r = row0 + skip  # rows[r + t] is the slot of this request's token t (of its chunks)
         if direct:
             spans.append((r, total))
             row0 += (nb - lo) * block_size
             continue
-        if full:
-            out[out0 : out0 + total] = rows[r : r + total]
-        else:
-            o = 0
-            for c in chunks:
-                pb, pe = c.placed()
-                if pe > pb:
-                    out[out0 + o + pb : out0 + o + pe] = rows[r + o + pb : r + o + pe]
-                o += c.num_tokens
+        for a, b in runs:  # a held turn's placed tokens are one run: one slice, not one a chunk
+            out[out0 + a : out0 + b] = rows[r + a : r + b]
         spans.append((out0, total))
         row0 += (nb - lo) * block_size
         out0 += total
@@ -343,33 +344,40 @@ def _planned(
 
 def _contiguous_plan(
     block_ids: Sequence[int], block_size: int, chunks: Sequence[ChunkRef], whole: bool
-) -> tuple[int, int, int, int, bool] | None:
+) -> Plan | None:
     """(first block, end of the blocks up to the last placed token, tokens of the first block
-    before the first chunk, tokens, every token placed) of a request whose chunks follow one
-    another and whose blocks suffice; None otherwise (``chunk_slots`` makes it alone)."""
+    before the first chunk, tokens, the placed runs) of a request whose chunks follow one another
+    and whose blocks suffice; None otherwise (``chunk_slots`` makes it alone). The placed runs:
+    ``(begin, end)`` in the request's chunk tokens, disjoint, ascending, adjacent ranges merged
+    (every token placed: ``((0, tokens),)``; a held turn, placed from inside its first chunk to
+    inside its last: one run)."""
     if not chunks:
         return None
-    total, full, last = 0, True, 0
+    runs: list[tuple[int, int]] = []
+    total, last = 0, 0
     end = chunks[0].start
     for c in chunks:
         if c.start != end:
             return None
         n = c.num_tokens
+        if whole:
+            pb, pe = 0, n
+        else:
+            pb = c.place_begin
+            pe = n if c.place_end < 0 else c.place_end  # ChunkRef.placed(), inlined: 64 a load
+        if pe > pb:
+            last = end + pe
+            if runs and runs[-1][1] == total + pb:
+                runs[-1] = (runs[-1][0], total + pe)
+            else:
+                runs.append((total + pb, total + pe))
         end += n
         total += n
-        if whole:
-            if n > 0:
-                last = end  # contiguous: the last placed token ends the latest chunk
-            continue
-        pb, pe = c.placed()
-        full = full and pb == 0 and pe == n
-        if pe > pb:
-            last = c.start + pe
     nblocks = -(-last // block_size)
     if total == 0 or nblocks > len(block_ids):
         return None
     lo = chunks[0].start // block_size
-    return lo, max(lo, nblocks), chunks[0].start - lo * block_size, total, full
+    return lo, max(lo, nblocks), chunks[0].start - lo * block_size, total, tuple(runs)
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,6 +16,40 @@ import torch
 from maru.transfer.records import RequestTransfer, chunk_slots, many_chunk_slots
 
 
+class LayerGroup:
+    """One request's placed chunks for a layer load (``DataPath.scatter_layers``): object ``i``
+    (``[L, KV, T_i, ROW]`` over its pool page) goes to ``slots[o_i : o_i + tokens[i]]``, ``o_i`` the
+    tokens of the objects before it.
+
+    Invariant: ``slots`` is one host int64 mapping of ``sum(tokens)`` entries in object order, and
+    ``tokens[i]`` is object i's T (the request's chunk sizes, checked against the pages' sizes at
+    the pin). Why one mapping, not one a chunk: a 16k-token request's 64 slices and their re-join
+    cost ~100 us of host time on every layer-overlap load's issue (the CI machine), and the device
+    path wants the joined mapping anyway; ``chunks()`` slices it for the paths that go chunk by chunk.
+    """
+
+    __slots__ = ("objs", "slots", "tokens")
+
+    def __init__(self, objs: list[torch.Tensor], slots: torch.Tensor, tokens: list[int]) -> None:
+        self.objs = objs
+        self.slots = slots
+        self.tokens = tokens
+
+    def chunks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(object, its slots) of each object, in order."""
+        out, o = [], 0
+        for obj, t in zip(self.objs, self.tokens, strict=True):
+            out.append((obj, self.slots[o : o + t]))
+            o += t
+        return out
+
+    @classmethod
+    def of_chunks(cls, chunks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> LayerGroup:
+        """A group of (object, its slots) pairs (callers that made them per chunk: tests, benches)."""
+        objs = [o for o, _ in chunks]
+        return cls(objs, joined_slots([s for _, s in chunks]), [int(s.numel()) for _, s in chunks])
+
+
 def joined_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
     """The chunks' slot mappings as one (no ``torch.cat`` for a single chunk: ~20 us on the
     H200 host, on every load's issue path)."""

@@ -169,6 +169,45 @@ def test_requests_sharing_chunks_in_one_layer_step_place_what_the_chunk_load_pla
     assert pins.pinned == pins.released and client.usage()["pinned"] == 0
 
 
+def test_a_chunk_placing_nothing_between_placed_ones_is_left_out_of_the_layer_load(
+    client: MaruHandler,
+) -> None:
+    """A request's mapping goes to the layer load whole (``ReadyRequest.placed``), except where a
+    chunk places nothing: that chunk's object and slots are left out and the others keep theirs.
+    A middle chunk placing nothing (its blocks never written), beside a request placing all: the
+    caches equal the chunk load's, and the unplaced chunk's blocks keep their old bytes."""
+    from maru.transfer.records import ChunkRef
+
+    src = case("kv_first", "HND", 61)
+    a = request("layer-hole-a", [0, 1, 2, 3, 4, 5], 3 * CHUNK)
+    assert plain_engine(src, client).store([a]).stored == 3
+    k = a.chunks
+    hole = RequestTransfer(
+        "hole",
+        (9, 2, 7, 4, 11, 0),
+        (
+            ChunkRef(k[0].key, 0, CHUNK, 1),
+            ChunkRef(k[1].key, CHUNK, CHUNK, 3, 3),
+            ChunkRef(k[2].key, 2 * CHUNK, CHUNK),
+        ),
+    )
+    step = [hole, RequestTransfer("whole", (5, 13, 1, 8, 12, 3), k)]
+    ref, dst, old = (case("kv_first", "HND", 62) for _ in range(3))
+    assert sorted(plain_engine(ref, client).load(step).loaded_req_ids) == ["hole", "whole"]
+    eng = plain_engine(dst, client)
+    pinned = eng.pin(step)
+    group, hs = next(r for r in pinned.ready if r.req.req_id == "hole").placed()
+    assert [h.key for h in hs] == [k[0].key, k[2].key] and group.tokens == [CHUNK, CHUNK]
+    ids = hole.block_ids  # per token: its block's slot, -1 where not placed (chunk 0's first token)
+    want = [-1] + [ids[t // BS] * BS + t % BS for t in range(1, CHUNK)]
+    want += [ids[t // BS] * BS + t % BS for t in range(2 * CHUNK, 3 * CHUNK)]
+    assert group.slots.tolist() == want
+    rep = eng.start_layer_load(pinned).wait()
+    assert sorted(rep.loaded_req_ids) == ["hole", "whole"]
+    assert same(dst, ref) and not same(dst, old)
+    assert client.usage()["pinned"] == 0
+
+
 def test_a_steps_objects_are_the_pinned_pages_themselves(client: MaruHandler) -> None:
     """``pin`` makes a step's objects by offset over one tensor of the pool (``read_tensor``): each
     is the very page its lookup pinned (its address and its bytes), shaped ``[L, KV, T, ROW]``
@@ -182,13 +221,15 @@ def test_a_steps_objects_are_the_pinned_pages_themselves(client: MaruHandler) ->
     try:
         assert not pinned.failed
         objs = {}
-        for _req, parts in pinned.ready:
-            for obj, _slots, nbytes, h in parts:
+        for r in pinned.ready:
+            assert len(r.objs) == len(r.handles) == len(r.req.chunks)
+            assert r.nbytes == sum(len(h.view) for h in r.handles)
+            for obj, h in zip(r.objs, r.handles, strict=True):
                 page = torch.frombuffer(h.view, dtype=torch.uint8)
                 assert obj.data_ptr() == page.data_ptr() and obj.is_contiguous()
                 # A view of the one pool tensor (not a tensor of its own over the page's view).
                 assert obj.untyped_storage().data_ptr() == client.pool_mapping.address
-                assert obj.numel() * obj.element_size() == nbytes == len(h.view)
+                assert obj.numel() * obj.element_size() == len(h.view)
                 assert torch.equal(obj.reshape(-1).view(torch.uint8), page)
                 objs.setdefault(h.key, []).append(obj)
         shared = objs[a.chunks[0].key]
