@@ -3,8 +3,10 @@
     .venv/bin/python bench/layer_issue_cpu.py [--reps 200] [--cold MB]
 
 What ``DevicePipeline._issue_layers_direct`` computes on the host before its upload and graph
-launch (``kv_ops.layer_paths``), with the same functions, and the objects' checks before it
-(``load_layers``' ``_objects``, which reads each object's token count and address once): the slot
+launch (``kv_ops.layer_paths``), with the same functions, and the objects before it, made and
+checked (``load_layers``' ``_objects``) two ways: one tensor an object (``at_offsets``, then each
+object's token count and address read once) and ``PoolObjects`` (checked together, none made; what
+the pin makes since the forty-seventh pass). Then the slot
 mapping's checks, ``direct_kernel.direct_host_slots`` (skipped rows, the segments left
 unread) and ``direct_kernel.direct_table_host`` into a reused buffer (the pipeline's scratch).
 Objects of 32 layers (2 KV heads of 64, fp16, 256-token chunks) over one buffer, each a held
@@ -34,22 +36,25 @@ from bench.load_prep_cpu import _evictor  # noqa: E402
 from maru.kv_ops import direct_kernel as dk  # noqa: E402
 from maru.kv_ops.geometry import ObjectGeometry  # noqa: E402
 from maru.kv_ops.pipeline_inputs import PipelineInputs  # noqa: E402
+from maru.kv_ops.pool_objects import PoolObjects  # noqa: E402
 from maru.segments import SegmentSums  # noqa: E402
 
 LAYERS, KV, ROW, CHUNK, SEG = 32, 2, 128, 256, 16  # ROW: 2 heads x 64 in one row of a plane
 
 
-def case(chunks: int) -> tuple[list[torch.Tensor], torch.Tensor, list[SegmentSums]]:
-    """(objects, slot mapping, segment sums) of a step of ``chunks`` chunks (see the docstring)."""
-    geo = ObjectGeometry(LAYERS, KV, ROW, torch.float16)
-    per = geo.nbytes(CHUNK)
+KEY = (LAYERS, KV, ROW, torch.float16)
+
+
+def case(chunks: int) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor, list[SegmentSums]]:
+    """(pool tensor, (byte offset, tokens) of each object, slot mapping, segment sums) of a step
+    of ``chunks`` chunks (see the docstring)."""
+    per = ObjectGeometry(*KEY).nbytes(CHUNK)
     base = torch.empty((chunks * per) // 2, dtype=torch.float16)
-    objs = geo.at_offsets(base, [(k * per, CHUNK) for k in range(chunks)])
     slots = torch.randperm(chunks * CHUNK * 4)[: chunks * CHUNK].to(torch.int64)
     slots[:128] = -1  # vLLM's own prefix cache holds the first half of the first chunk
     slots[-100:] = -1  # the turn's hit ends inside its last chunk
     segs = [SegmentSums(SEG, tuple(range(1, CHUNK // SEG + 1))) for _ in range(chunks)]
-    return objs, slots, segs
+    return base, [(k * per, CHUNK) for k in range(chunks)], slots, segs
 
 
 class _Inputs(PipelineInputs):
@@ -62,11 +67,22 @@ class _Inputs(PipelineInputs):
         return (LAYERS, KV, tokens, ROW)
 
 
-def parts(objs: list[torch.Tensor], slots: torch.Tensor, segs: list[SegmentSums], buf: torch.Tensor) -> dict:
-    """One issue's host part, timed by part as ``_issue_layers_direct`` times it, and the objects'
-    checks before it (``load_layers``: where each object's tokens and address are read, once)."""
+def parts(
+    base: torch.Tensor,
+    at: list[tuple[int, int]],
+    slots: torch.Tensor,
+    segs: list[SegmentSums],
+    buf: torch.Tensor,
+) -> dict:
+    """One issue's host part, timed by part as ``_issue_layers_direct`` times it, and the objects
+    before it, made and checked: ``tensors``, one view an object (``ObjectGeometry.at_offsets``, what
+    the pin made until ``PoolObjects``) then ``load_layers``' checks of each; ``pool``, the
+    ``PoolObjects`` the pin makes now, which the checks take as they are."""
+    inputs = _Inputs()
     t = time.perf_counter()
-    checked = _Inputs()._objects(objs)
+    inputs._objects(ObjectGeometry(*KEY).at_offsets(base, at))
+    tp = time.perf_counter()
+    checked = inputs._objects(PoolObjects.make(base, KEY, at))
     t0 = time.perf_counter()
     lengths = checked.tokens
     mapping = PipelineInputs._check_slots(slots, checked, 0, lengths)
@@ -76,7 +92,7 @@ def parts(objs: list[torch.Tensor], slots: torch.Tensor, segs: list[SegmentSums]
     width = 1 << max(total - 1, 0).bit_length()  # the graphs' power-of-two bucket
     dk.direct_table_spans(checked.ptrs, lengths, host, ROW, 2, width, out=buf, prefill=prefill)
     t2 = time.perf_counter()
-    return {"objects": t0 - t, "checks": t1 - t0, "table": t2 - t1}
+    return {"tensors": tp - t, "pool": t0 - tp, "checks": t1 - t0, "table": t2 - t1}
 
 
 def main() -> None:
@@ -88,21 +104,24 @@ def main() -> None:
     print(
         f"direct layer issue, host part ({'cold caches, ' + str(a.cold) + ' MiB' if a.cold else 'hot'}), median us:"
     )
-    print("| chunks | objects | checks | table | all three |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| chunks | objects: tensors | objects: pool | checks | table | pool + checks + table |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for n in (1, 8, 64):
-        objs, slots, segs = case(n)
+        base, at, slots, segs = case(n)
         buf = torch.empty(dk.DIRECT_ROWS * (2 * n * CHUNK + 1), dtype=torch.int64)
-        got: dict[str, list[float]] = {"objects": [], "checks": [], "table": []}
+        got: dict[str, list[float]] = {"tensors": [], "pool": [], "checks": [], "table": []}
         for i in range(a.reps + 5):
             evict()
-            row = parts(objs, slots, segs, buf)
+            row = parts(base, at, slots, segs, buf)
             if i >= 5:
                 for k, v in row.items():
                     got[k].append(v)
         med = {k: statistics.median(v) * 1e6 for k, v in got.items()}
-        every = statistics.median(np.add(np.add(got["objects"], got["checks"]), got["table"])) * 1e6
-        print(f"| {n} | {med['objects']:.1f} | {med['checks']:.1f} | {med['table']:.1f} | {every:.1f} |")
+        every = statistics.median(np.add(np.add(got["pool"], got["checks"]), got["table"])) * 1e6
+        print(
+            f"| {n} | {med['tensors']:.1f} | {med['pool']:.1f} | {med['checks']:.1f} | {med['table']:.1f} "
+            f"| {every:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import BatchCopies
 from maru.kv_ops.device_handles import LayerLoad
 from maru.kv_ops.layer_paths import _bucket
-from maru.kv_ops.pipeline_inputs import CheckedObjects
+from maru.kv_ops.pipeline_inputs import CHECKED
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -273,7 +273,7 @@ class CopiedLayers:
         from maru.kv_ops import direct_kernel as dk
 
         t0 = time.perf_counter()
-        if not isinstance(objs, CheckedObjects):  # load_layers passes them checked; anyone else, checked here
+        if not isinstance(objs, CHECKED):  # load_layers passes them checked; anyone else, checked here
             objs = self._objects(objs)
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, objs.tokens)
         # The direct way's host slots (skipped rows -1; with checksums, segments placing nothing -2,

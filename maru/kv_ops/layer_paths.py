@@ -22,7 +22,7 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops import ops
 from maru.kv_ops.cuda_sync import D2H
 from maru.kv_ops.device_handles import LayerLoad
-from maru.kv_ops.pipeline_inputs import CheckedObjects
+from maru.kv_ops.pipeline_inputs import CHECKED
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -285,7 +285,7 @@ class LayerPaths:
         from maru.kv_ops import direct_kernel as dk
 
         t0, c0 = time.perf_counter(), time.thread_time()
-        if not isinstance(objs, CheckedObjects):  # load_layers passes them checked; anyone else, checked here
+        if not isinstance(objs, CHECKED):  # load_layers passes them checked; anyone else, checked here
             objs = self._objects(objs)
         lengths = objs.tokens  # read once, by ``_objects``: a tensor's shape costs ~0.2 us a read
         slot_mapping = self._check_slots(slot_mapping, objs, skip_tokens, lengths)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
+from maru.kv_ops.pool_objects import PoolObjects
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -33,6 +34,10 @@ class CheckedObjects(list):
         self.ptrs = ptrs
 
 
+# What ``PipelineInputs._objects`` returns: the layer issues take either without checking again.
+CHECKED = (CheckedObjects, PoolObjects)
+
+
 class PipelineInputs:
     """``_objects``, ``_slots``/``_check_slots``, ``_per_chunk`` and ``_check_pinned``."""
 
@@ -41,9 +46,21 @@ class PipelineInputs:
     _place_h: int  # GPU
     _sync: Any
 
-    def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> CheckedObjects:
+    def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> CheckedObjects | PoolObjects:
         """The objects checked (host, the caches' dtype, contiguous, ``[L, KV, T, ROW]`` or flat
-        with whole tokens, viewed as that), with their token counts and addresses."""
+        with whole tokens, viewed as that), with their token counts and addresses. ``PoolObjects``
+        made for this geometry are checked already (``PoolObjects.make``): returned as they are,
+        none of them made (the direct layer load reads only their addresses); made for another
+        geometry, each is made and checked here (and refused)."""
+        if isinstance(objects, PoolObjects) and objects.key == (
+            self.num_layers,
+            self.layout.num_kv,
+            self.layout.row_size,
+            self.dtype,
+        ):
+            if not len(objects):
+                raise ValueError("no chunk objects given")
+            return objects
         objs = [objects] if isinstance(objects, torch.Tensor) else list(objects)
         if not objs:
             raise ValueError("no chunk objects given")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from maru.kv_ops.cuda_sync import current_stream_handle, gil_note
+from maru.kv_ops.pool_objects import PoolObjects
 from maru.transfer.handles import DeviceHandle, DeviceLayerHandle, LayerHandle, TransferHandle
 from maru.transfer.paths import DataPath
 from maru.transfer.slot_plan import DeferredSlots, LayerGroup, joined_slots
@@ -115,9 +116,12 @@ class PipelinedPath(DataPath):
         # One call for every group: they succeed or fail together. Each group's mapping is whole:
         # one join a request (none for one request), not one a chunk.
         segs = None if segments is None else [s for g in segments for s in g]
+        # Objects over the pool tensor stay that (``PoolObjects``): the direct issue makes none.
+        pool = [g.objs for g in groups if g.objs]
+        joined = PoolObjects.joined(pool) if all(isinstance(p, PoolObjects) for p in pool) else None
         try:
             load = self.pipeline.load_layers(
-                [o for g in groups for o in g.objs],
+                joined if joined is not None else [o for p in pool for o in p],
                 joined_slots([g.slots for g in groups if g.objs]),
                 checksums=expected is not None,
                 segments=segs,

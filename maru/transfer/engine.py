@@ -33,6 +33,7 @@ from maru import segments
 from maru.client.objects import Retrieved
 from maru.errors import CONNECTION_LOST, MaruError
 from maru.kv_ops.geometry import ObjectGeometry
+from maru.kv_ops.pool_objects import PoolObjects
 from maru.transfer.loads import (
     InflightLoad,
     IssuedScatter,
@@ -40,6 +41,7 @@ from maru.transfer.loads import (
     LookedUp,
     PinnedLoad,
     ReadyRequest,
+    StepObjects,
 )
 from maru.transfer.paths import DataPath, choose_path
 from maru.transfer.records import (
@@ -303,13 +305,13 @@ class KVTransferEngine(StoreSide):
         req: RequestTransfer,
         handles: list[Any],
         index: dict[str, int],
-        views: dict[int, torch.Tensor] | None = None,
-    ) -> tuple[list[Any], list[torch.Tensor]]:
+        views: StepObjects | None = None,
+    ) -> tuple[list[Any], Sequence[torch.Tensor]]:
         """(lookup handle, object over its pinned page) of each of ``req``'s chunks; the objects from
         ``views`` (``_views_of``) where given, else made here."""
         hs = [handles[index[c.key]] for c in req.chunks]
-        if views:
-            return hs, [views[index[c.key]] for c in req.chunks]
+        if views is not None:
+            return hs, views.of([index[c.key] for c in req.chunks])
         return hs, self.geometry.over_many(
             (h.view, c.num_tokens) for h, c in zip(hs, req.chunks, strict=True)
         )
@@ -319,7 +321,7 @@ class KVTransferEngine(StoreSide):
         req: RequestTransfer,
         handles: list[Any],
         index: dict[str, int],
-        views: dict[int, torch.Tensor] | None = None,
+        views: StepObjects | None = None,
         flat: torch.Tensor | None = None,
     ) -> ReadyRequest:
         """``req`` ready to place: its objects over the pinned pages, its slot mapping whole (not
@@ -337,10 +339,10 @@ class KVTransferEngine(StoreSide):
         handles: list[Any],
         index: dict[str, int],
         batch: IssuedScatter,
-        views: dict[int, torch.Tensor],
+        views: StepObjects | None,
     ) -> str | None:
         """Add ``req``'s placed chunks to ``batch`` (their slots deferred: ``DeferredSlots``), their
-        objects from ``views`` (``_views_of``; made here where it is empty); None, or why the
+        objects from ``views`` (``_views_of``; made here where it is None); None, or why the
         request cannot be placed."""
         try:
             hs, objs = self._objects(req, handles, index, views)
@@ -431,25 +433,33 @@ class KVTransferEngine(StoreSide):
 
     def _views_of(
         self, requests: list[RequestTransfer], handles: list[Any], index: dict[str, int]
-    ) -> dict[int, torch.Tensor]:
-        """The object over each pinned page the requests place from, by key position, made in one
-        ``over_many``: one warnings scope for a step's objects, not one a request (15 held turns:
-        0.94-1.43 -> 0.55-0.57 ms, minimum, on the CI machine: ``bench/load_prep_cpu.py``); {} if it fails,
-        and each request then makes its own (and fails alone)."""
+    ) -> StepObjects | None:
+        """The objects over the pinned pages the requests place from, one per key: over one tensor
+        of the whole pool where the client has one (``PoolObjects``: checked together, each made
+        on first use: the direct layer load makes none), else made together by ``over_many`` (one
+        warnings scope for a step's objects, not one a request: 15 held turns 0.94-1.43 -> 0.55-0.57
+        ms, minimum, on the CI machine: ``bench/load_prep_cpu.py``); None if that fails, and each
+        request then makes its own (and fails alone)."""
         # A key's tokens are the same in every request (its size was checked against them).
         tokens = {index[c.key]: c.num_tokens for req in requests for c in req.chunks}
+        if not tokens:
+            return None
         try:
             mapping = getattr(self.client, "pool_mapping", None)
             if mapping is not None and hasattr(mapping, "read_tensor"):
                 # By offset over one tensor of the whole pool: the pages' offsets were bounds-checked
                 # when their views were made (``read_views``), and each view is that very range.
-                base = mapping.read_tensor(self.geometry.dtype)
-                objs = self.geometry.at_offsets(base, ((handles[i].offset, t) for i, t in tokens.items()))
+                g = self.geometry
+                objs: Sequence[torch.Tensor] = PoolObjects.make(
+                    mapping.read_tensor(g.dtype),
+                    (g.num_layers, g.num_kv, g.row, g.dtype),
+                    [(handles[i].offset, t) for i, t in tokens.items()],
+                )
             else:
                 objs = self.geometry.over_many((handles[i].view, t) for i, t in tokens.items())
         except Exception:
-            return {}
-        return dict(zip(tokens, objs, strict=True))
+            return None
+        return StepObjects(objs, {k: i for i, k in enumerate(tokens)})
 
     def start_layer_load(self, pinned: PinnedLoad) -> LayerByLayerLoad:
         """Start placing ``pinned`` layer by layer (the layer-overlap load); it owns the pins now."""

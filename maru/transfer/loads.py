@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from maru.kv_ops.pool_objects import PoolObjects
 from maru.transfer.handles import LayerHandle
 from maru.transfer.records import LoadReport, RequestTransfer
 from maru.transfer.slot_plan import DeferredSlots, LayerGroup, joined_slots
@@ -21,6 +23,28 @@ if TYPE_CHECKING:
     from maru.transfer.engine import KVTransferEngine
 
 logger = logging.getLogger("maru.transfer")
+
+
+class StepObjects:
+    """A load step's objects, one per chunk key its requests place from (``KVTransferEngine._views_of``).
+
+    ``objs[where[k]]`` is the object over key position k's pinned page: ``PoolObjects`` (over one
+    tensor of the pool, each made on first use) or tensors made beforehand (a client without one).
+    """
+
+    __slots__ = ("objs", "where")
+
+    def __init__(self, objs: Sequence[torch.Tensor], where: dict[int, int]) -> None:
+        self.objs = objs
+        self.where = where
+
+    def of(self, keys: Sequence[int]) -> Sequence[torch.Tensor]:
+        """The objects of key positions ``keys``, in order (a request's chunks): a ``PoolObjects``
+        sharing the step's made objects, or a list."""
+        pos = [self.where[k] for k in keys]
+        if isinstance(self.objs, PoolObjects):
+            return self.objs.take(pos)
+        return [self.objs[p] for p in pos]
 
 
 class ReadyRequest:
@@ -33,7 +57,7 @@ class ReadyRequest:
     __slots__ = ("req", "objs", "slots", "handles", "nbytes")
 
     def __init__(
-        self, req: RequestTransfer, objs: list[torch.Tensor], slots: torch.Tensor, handles: list[Any]
+        self, req: RequestTransfer, objs: Sequence[torch.Tensor], slots: torch.Tensor, handles: list[Any]
     ) -> None:
         self.req = req
         self.objs = objs
@@ -54,7 +78,8 @@ class ReadyRequest:
         for t in tokens:
             offs.append(offs[-1] + t)
         slots = joined_slots([self.slots[offs[i] : offs[i + 1]] for i in keep])
-        group = LayerGroup([self.objs[i] for i in keep], slots, [tokens[i] for i in keep])
+        objs = self.objs.take(keep) if isinstance(self.objs, PoolObjects) else [self.objs[i] for i in keep]
+        group = LayerGroup(objs, slots, [tokens[i] for i in keep])
         return group, [self.handles[i] for i in keep]
 
 

@@ -30,7 +30,7 @@ class LayerGroup:
 
     __slots__ = ("objs", "slots", "tokens")
 
-    def __init__(self, objs: list[torch.Tensor], slots: torch.Tensor, tokens: list[int]) -> None:
+    def __init__(self, objs: Sequence[torch.Tensor], slots: torch.Tensor, tokens: list[int]) -> None:
         self.objs = objs
         self.slots = slots
         self.tokens = tokens

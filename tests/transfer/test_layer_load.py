@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from maru.client import MaruHandler
+from maru.kv_ops.pool_objects import PoolObjects
 from maru.kv_ops.testing import CacheCase
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess, reported_slow
@@ -342,10 +343,13 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
         pins, _ = inject_pipeline(w)
         gate = threading.Event()
         calls: list[tuple[int, int]] = []
+        made: list[int] = []
         real = w.engine.path.pipeline.load_layers
 
         def load_layers(objs: Any, slots: Any, **kw: Any) -> Gated:
             calls.append((len(objs), int((slots >= 0).sum())))
+            # The objects over the pool tensor, none made yet (the direct issue reads addresses).
+            made.append(sum(o is not None for o in objs._cache) if isinstance(objs, PoolObjects) else -1)
             return Gated(real(objs, slots, **kw), gate)
 
         w.engine.path.pipeline.load_layers = load_layers
@@ -353,7 +357,7 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
         w.start_load_kv(meta)
         # One call for the step: the four chunks of the ready request, only its placed tokens as
         # slots; the request missing a chunk is failed before the forward and never issued.
-        assert calls == [(4, dst_a.num_placed_tokens())]
+        assert calls == [(4, dst_a.num_placed_tokens())] and made == [0]
         assert w.stats.load_errors == 1
         for name in NAMES:  # what vLLM does before each attention layer
             w.wait_for_layer_load(name)
