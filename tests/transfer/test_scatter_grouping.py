@@ -118,3 +118,47 @@ def test_blocks_needed_is_where_chunk_slots_stops() -> None:
         if need:
             with pytest.raises(ValueError, match="blocks"):
                 chunk_slots(req.block_ids[: need - 1], BS, req.chunks)
+
+
+def test_a_held_turns_placed_tokens_are_one_run_and_holes_split_it() -> None:
+    """``_contiguous_plan``'s placed runs (``_planned`` copies one slice a run): a held turn placed
+    from inside its first chunk to inside its last is one run; a chunk placing nothing or starting
+    late splits it; adjacent ranges merge; the runs are exactly the placed tokens."""
+    from maru.transfer.records import ChunkRef, _contiguous_plan
+
+    c = 8
+    held = [
+        ChunkRef("a", 0, c, 3),
+        ChunkRef("b", c, c),
+        ChunkRef("c", 2 * c, c),
+        ChunkRef("d", 3 * c, c, 0, 5),
+    ]
+    assert _contiguous_plan(list(range(9)), BS, held, False)[4] == ((3, 3 * c + 5),)
+    assert _contiguous_plan(list(range(9)), BS, held, True)[4] == ((0, 4 * c),)
+    holes = [
+        ChunkRef("a", 0, c, 3),
+        ChunkRef("b", c, c, 2, 2),
+        ChunkRef("c", 2 * c, c, 1),
+        ChunkRef("d", 3 * c, c),
+    ]
+    assert _contiguous_plan(list(range(9)), BS, holes, False)[4] == ((3, c), (2 * c + 1, 4 * c))
+    rng = random.Random(5)
+    for _ in range(300):
+        chunks, start = [], rng.randint(0, BS)
+        for i in range(rng.randint(1, 5)):
+            n = rng.randint(1, 2 * BS + 1)
+            pb = rng.choice([0, 0, rng.randint(0, n)])
+            pe = rng.choice([n, rng.randint(pb, n)])
+            chunks.append(ChunkRef(f"k{i}", start, n, pb, pe))
+            start += n
+        plan = _contiguous_plan(list(range(64)), BS, chunks, False)
+        placed, o = [], 0
+        for ch in chunks:
+            a, b = ch.placed()
+            placed += range(o + a, o + b)
+            o += ch.num_tokens
+        if not placed:
+            continue
+        runs = plan[4]
+        assert [t for a, b in runs for t in range(a, b)] == placed
+        assert all(b0 < a1 for (_, b0), (a1, _) in zip(runs, runs[1:], strict=False))  # disjoint, apart
