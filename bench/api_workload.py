@@ -238,7 +238,7 @@ def loaded_tokens_in_log(path: Path) -> int:
 _SCHED_LINE = "(scheduler, so far):"
 # One hook's entry; the CPU part is absent from lines written before the CPU split.
 _PROBE_HOOK = re.compile(
-    r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms(?: \(\d+ us each, (\d+) on CPU\))?"
+    r"get_num_new_matched_tokens (\d+) calls ([\d.]+) ms(?: \(\d+ us each, (\d+) on CPU(?:, longest [\d.]+ ms)?\))?"
 )
 _PIN_TRIPS = re.compile(r"offer pins: \d+ round trips, ([\d.]+) ms")
 _REPLIES = re.compile(r"replies: (\d+) read while polling \(spin \d+ us\), (\d+) blocked past it")

@@ -35,6 +35,9 @@ class HookTimes:
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        # The longest call's wall seconds per hook: a mean that one call made (a first call's
+        # imports, a one-off wait) is then told from one that every step pays.
+        self.longest: dict[str, float] = {}
         # Seconds of the process's garbage collections that fell inside these hooks (parts are
         # inside hooks: not counted twice); 0 unless ``interpreter_clock.CLOCK`` is installed.
         self.gc_s = 0.0
@@ -54,27 +57,34 @@ class HookTimes:
     def add(self, name: str, seconds: float, cpu_seconds: float | None = None) -> None:
         """Count one call; ``cpu_seconds`` None: a hook timed by wall only (``timed_wall``)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        if seconds > self.longest.get(name, 0.0):
+            self.longest[name] = seconds
         if cpu_seconds is not None:
             self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
         self.calls[name] = self.calls.get(name, 0) + 1
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{hook: {"calls": n, "ms": wall total, "cpu_ms": the thread's CPU total}}``, the costliest
-        first; no ``cpu_ms`` for a hook timed by wall only."""
+        """``{hook: {"calls": n, "ms": wall total, "cpu_ms": the thread's CPU total, "max_ms": the
+        longest call}}``, the costliest first; no ``cpu_ms`` for a hook timed by wall only."""
         order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
         out: dict[str, dict[str, float]] = {}
         for k in order:
-            out[k] = {"calls": self.calls[k], "ms": round(self.seconds[k] * 1e3, 3)}
+            out[k] = {
+                "calls": self.calls[k],
+                "ms": round(self.seconds[k] * 1e3, 3),
+                "max_ms": round(self.longest.get(k, 0.0) * 1e3, 3),
+            }
             if k in self.cpu_seconds:
                 out[k]["cpu_ms"] = round(self.cpu_seconds[k] * 1e3, 3)
         return out
 
     def line(self) -> str:
-        """One log line: ``hook N calls X ms (Y us each, Z on CPU), ...`` (no CPU part for a hook
-        timed by wall only)."""
+        """One log line: ``hook N calls X ms (Y us each, Z on CPU, longest W ms), ...`` (no CPU part
+        for a hook timed by wall only)."""
         return ", ".join(
             f"{k} {v['calls']:.0f} calls {v['ms']:.1f} ms ({v['ms'] * 1e3 / v['calls']:.0f} us each"
-            + (f", {v['cpu_ms'] * 1e3 / v['calls']:.0f} on CPU)" if "cpu_ms" in v else ")")
+            + (f", {v['cpu_ms'] * 1e3 / v['calls']:.0f} on CPU" if "cpu_ms" in v else "")
+            + f", longest {v['max_ms']:.2f} ms)"
             for k, v in self.as_dict().items()
         )
 

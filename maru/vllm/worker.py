@@ -348,22 +348,35 @@ class MaruWorkerConnector(WorkerStores):
         a load is reported once its ``done()`` is true. Also unpins the CUDA layer loads that are done.
         ``finished_sending`` (``maru_async_store``): see ``WriteBehind.finished_sending``.
         """
-        sending: set[str] = set()
         self.step_clock.collect()
+        sending = self._finished_sending(finished_req_ids or set())
+        self._release_layer_loads()
+        recving = self._finished_recving()
+        return (sending or None), (recving or None)
+
+    # get_finished's parts, timed apart: which of them a costly get_finished spent its time in.
+    @timed_part("get_finished/sending")
+    def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         try:
-            sending = self.write_behind.finished_sending(finished_req_ids or set())
+            return self.write_behind.finished_sending(finished_req_ids)
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished write-behind stores failed")
+            return set()
+
+    @timed_part("get_finished/layer_release")
+    def _release_layer_loads(self) -> None:
         try:
             self.layer_loads.release()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: releasing finished layer loads failed")
-        recving: set[str] = set()
+
+    @timed_part("get_finished/recving")
+    def _finished_recving(self) -> set[str]:
         try:
-            recving = self.async_loads.collect()
+            return self.async_loads.collect()
         except Exception:  # never raise into vLLM
             logger.exception("Maru: collecting finished transfers failed")
-        return (sending or None), (recving or None)
+            return set()
 
     def _fail(self, rt: RequestTransfer, why: str) -> None:
         blocks = rt.placed_block_ids(self.block_size)

@@ -40,6 +40,20 @@ def test_each_hook_counts_its_calls_and_time_even_when_it_raises() -> None:
     assert line.startswith("slow 1 calls") and "fast 3 calls" in line and "broken 1 calls" in line
 
 
+def test_the_longest_call_is_kept_apart_from_the_mean() -> None:
+    """One slow call among fast ones: the mean says little, the longest says it was one call."""
+    t = HookTimes()
+    for s in (0.0001, 0.0002, 0.050, 0.0001):
+        t.add("get_finished", s, s / 2)
+    t.add("wait_for_layer_load", 0.00001)  # timed by wall only
+    d = t.as_dict()
+    assert d["get_finished"]["max_ms"] == 50.0 and d["get_finished"]["ms"] == 50.4
+    assert d["wait_for_layer_load"]["max_ms"] == 0.01
+    line = t.line()
+    assert "get_finished 4 calls 50.4 ms (12600 us each, 6300 on CPU, longest 50.00 ms)" in line
+    assert "wait_for_layer_load 1 calls 0.0 ms (10 us each, longest 0.01 ms)" in line
+
+
 def test_periodic_line_is_due_once_per_interval_and_only_after_new_calls(monkeypatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
@@ -100,4 +114,4 @@ def test_a_per_layer_hook_counts_wall_time_only_and_says_so() -> None:
     assert d["per_layer"]["ms"] >= 2.0 and "cpu_ms" not in d["per_layer"]
     assert "cpu_ms" in d["per_step"]
     line = h.hook_times.line()
-    assert "per_layer 1 calls" in line and "us each)" in line and line.count("on CPU") == 1
+    assert "per_layer 1 calls" in line and "us each, longest" in line and line.count("on CPU") == 1
