@@ -210,3 +210,21 @@ def test_a_partial_read_large_enough_for_threads_reads_whole(monkeypatch: pytest
     monkeypatch.setattr(mc, "PARALLEL_BYTES", 64)
     monkeypatch.setattr(mc, "_threads", lambda: 2)
     assert sg.host_checksum(poked, obj.shape, 2, written, segs) == (checksum(poked), 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_objects_a_partial_read_can_apply_to_are_found_as_object_by_object(seed: int) -> None:
+    """``_partly_written`` (array operations) against a loop over the objects: each non-empty object
+    whose first or last token is not written, in order; empty objects anywhere, the last included."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(200):
+        lengths = [int(x) for x in rng.choice([0, 1, 4, 13, 16], size=int(rng.integers(1, 12)))]
+        total = sum(lengths)
+        slots = rng.integers(0, 1000, size=total).astype(np.int64)
+        slots[rng.random(total) < 0.2] = -1
+        want, start = [], 0
+        for k, t in enumerate(lengths):
+            if t and (slots[start] < 0 or slots[start + t - 1] < 0):
+                want.append((k, start, start + t))
+            start += t
+        assert sg._partly_written(slots, lengths) == want
