@@ -144,6 +144,25 @@ def host_segment_sums(
     T = int(shape[2])
     raws = [0] * math.ceil(T / seg_tokens)
     nat = _native()
+    if nat is not None and nat.segment_sums is not None:
+        # One compiled call for every piece (a 256-token chunk of 32 layers: 1024 of them).
+        L, KV, _, row = (int(x) for x in shape)
+        row_words, rem = divmod(row * esize, 8)
+        if rem:
+            raise ValueError(
+                f"segment sums need rows of whole 8-byte words; a row here is {row * esize} bytes"
+            )
+        if data.size < L * KV * T * row * esize:
+            raise ValueError(f"the object has {data.size} bytes, its shape {list(shape)} needs more")
+        out = np.zeros(len(raws), dtype=np.uint64)
+        mask = None if only is None else np.ascontiguousarray(only, dtype=np.uint8)
+        if mask is not None and mask.size < len(raws):
+            raise ValueError(f"{mask.size} segment flags for {len(raws)} segments")
+        nat.segment_sums(
+            data.ctypes.data, L * KV, T, row_words, seg_tokens,
+            0 if mask is None else mask.ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        return SegmentSums(seg_tokens, tuple(out.tolist()))
     # The address once: ``ndarray.ctypes`` makes an object a read (~1 us; 1024 pieces a 256-token
     # chunk of 32 layers).
     addr = data.ctypes.data if nat is not None else 0

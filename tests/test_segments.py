@@ -228,3 +228,38 @@ def test_the_objects_a_partial_read_can_apply_to_are_found_as_object_by_object(s
                 want.append((k, start, start + t))
             start += t
         assert sg._partly_written(slots, lengths) == want
+
+
+@pytest.mark.parametrize("seg", [1, 4, 5, 13, 20])
+def test_the_compiled_segment_sums_equal_the_piecewise_ones(
+    seg: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One compiled call for every segment (``native.segment_sums``) against the loop over the
+    pieces (the path without it), whole and with only some segments read; a mask too short and an
+    object too small for its shape are refused, not read past."""
+    import dataclasses
+
+    from maru import checksum as checksum_module
+    from maru import native
+
+    obj = _obj(30 + seg, (4, 2, 13, 12))
+    n = -(-13 // seg)
+    only = np.random.default_rng(seg).random(n) < 0.5
+    compiled = [
+        sg.host_segment_sums(obj, obj.shape, 2, seg),
+        sg.host_segment_sums(obj, obj.shape, 2, seg, only),
+    ]
+    nat = native.load()
+    assert nat.segment_sums is not None
+    monkeypatch.setattr(checksum_module, "_native", lambda: dataclasses.replace(nat, segment_sums=None))
+    pieces = [
+        sg.host_segment_sums(obj, obj.shape, 2, seg),
+        sg.host_segment_sums(obj, obj.shape, 2, seg, only),
+    ]
+    assert compiled == pieces
+    assert all(r == 0 for r, keep in zip(compiled[1].raws, only, strict=True) if not keep)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="segment flags"):
+        sg.host_segment_sums(obj, obj.shape, 2, seg, only[:-1] if n > 1 else np.zeros(0, dtype=bool))
+    with pytest.raises(ValueError, match="needs more"):
+        sg.host_segment_sums(obj[:3], obj.shape, 2, seg)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("checksum.c")
-ABI = 2
+ABI = 3
 ENV_DISABLE = "MARU_NATIVE"
 ENV_CACHE = "MARU_NATIVE_CACHE"
 FIX = (
@@ -54,6 +54,9 @@ FIX = (
 
 WordsSum = Callable[[int, int, int], int]  # (address of the words, begin, end) -> sum mod 2**64
 ParallelSum = Callable[[int, int, int, int], int]  # (address, begin, end, threads) -> the same sum
+# (address, planes, tokens, row words, segment tokens, address of one byte a segment or 0, address of
+# the uint64 raws to add into) -> None: every segment's raw sum of an object in one call.
+SegmentSums = Callable[[int, int, int, int, int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Native:
     reason: str = ""
     library: str = ""
     words_sum_parallel: ParallelSum | None = None  # releases the GIL once, threads in C (ctypes.CDLL)
+    segment_sums: SegmentSums | None = None  # an object's segment sums in one call (GIL kept)
 
     @property
     def fix(self) -> str:
@@ -90,13 +94,17 @@ def _load() -> Native:
         return Native(None, "this host is big-endian; the checksum reads little-endian words")
     try:
         path = build()
-        one, parallel = _bind(path)
+        one, parallel, segments = _bind(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return Native(None, str(e))
-    problem = self_check(one) or self_check(lambda a, b, e: parallel(a, b, e, 3))
+    problem = (
+        self_check(one)
+        or self_check(lambda a, b, e: parallel(a, b, e, 3))
+        or self_check_segments(segments, one)
+    )
     if problem is not None:
         return Native(None, f"the compiled checksum {path} disagrees with its definition ({problem})")
-    return Native(one, library=str(path), words_sum_parallel=parallel)
+    return Native(one, library=str(path), words_sum_parallel=parallel, segment_sums=segments)
 
 
 def cache_dir() -> Path:
@@ -176,8 +184,9 @@ def _prune(keep: Path) -> None:
             pass
 
 
-def _bind(path: Path) -> tuple[WordsSum, ParallelSum]:
-    """(one-thread sum keeping the GIL, threaded sum releasing it) from the library at ``path``."""
+def _bind(path: Path) -> tuple[WordsSum, ParallelSum, SegmentSums]:
+    """(one-thread sum keeping the GIL, threaded sum releasing it, segment sums keeping it) from the
+    library at ``path``."""
     held, free = ctypes.PyDLL(str(path)), ctypes.CDLL(str(path))  # PyDLL keeps the GIL, CDLL not
     if held.maru_native_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {held.maru_native_abi()}, expected {ABI}")
@@ -187,7 +196,40 @@ def _bind(path: Path) -> tuple[WordsSum, ParallelSum]:
     parallel = free.maru_words_sum_parallel
     parallel.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
     parallel.restype = ctypes.c_uint64
-    return one, parallel
+    segments = held.maru_segment_sums
+    segments.argtypes = [ctypes.c_void_p, *[ctypes.c_uint64] * 4, ctypes.c_void_p, ctypes.c_void_p]
+    segments.restype = None
+    return one, parallel, segments
+
+
+def self_check_segments(fn: SegmentSums, words_sum: WordsSum) -> str | None:
+    """None if ``fn`` gives each segment the sum of its pieces by ``words_sum`` (itself checked
+    first), with and without ``only``, on shapes whose last segment is shorter; else what differed."""
+    import numpy as np
+
+    rng = np.random.default_rng(0x736567)
+    for planes, tokens, row_words, seg in ((1, 1, 1, 1), (3, 13, 3, 4), (4, 16, 2, 16), (2, 40, 5, 7)):
+        data = rng.integers(0, 256, 8 * planes * tokens * row_words, dtype=np.uint8)
+        nseg = -(-tokens // seg)
+        only = (rng.random(nseg) < 0.6).astype(np.uint8)
+        for mask in (None, only):
+            want = [0] * nseg
+            for p in range(planes):
+                for s in range(nseg):
+                    if mask is None or mask[s]:
+                        a = (p * tokens + s * seg) * row_words
+                        b = (p * tokens + min((s + 1) * seg, tokens)) * row_words
+                        want[s] = (want[s] + int(words_sum(data.ctypes.data, a, b))) & ((1 << 64) - 1)
+            got = np.zeros(nseg, dtype=np.uint64)
+            fn(
+                data.ctypes.data, planes, tokens, row_words, seg,
+                0 if mask is None else mask.ctypes.data, got.ctypes.data,
+            )  # fmt: skip
+            if got.tolist() != want:
+                return (
+                    f"segment sums of {planes}x{tokens}x{row_words} words by {seg}: {got.tolist()} != {want}"
+                )
+    return None
 
 
 def self_check(fn: WordsSum) -> str | None:

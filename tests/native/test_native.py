@@ -144,3 +144,15 @@ def test_a_build_removes_other_builds_untouched_for_30_days_and_keeps_recent_one
     assert first["impl"] == "native", first
     names = sorted(p.name for p in cache.iterdir())
     assert names == sorted([Path(first["library"]).name, recent.name, other.name]), names
+
+
+def test_the_segment_sums_are_checked_against_the_checked_loop() -> None:
+    nat = native.load()
+    assert nat.segment_sums is not None and nat.words_sum is not None
+    assert native.self_check_segments(nat.segment_sums, nat.words_sum) is None
+    assert native.self_check_segments(lambda *args: None, nat.words_sum) is not None  # leaves zeros
+
+    def off_by_one_segment(addr, planes, tokens, row_words, seg, only, raws) -> None:  # noqa: ANN001
+        nat.segment_sums(addr, planes, tokens, row_words, seg + 1, only, raws)
+
+    assert native.self_check_segments(off_by_one_segment, nat.words_sum) is not None
