@@ -126,9 +126,9 @@ class PoolObjects(Sequence[torch.Tensor]):
         if obj is None:
             L, KV, ROW, _ = self.key
             t = self.tokens[i]
-            obj = torch.as_strided(
-                self.base, (L, KV, t, ROW), (KV * t * ROW, t * ROW, ROW, 1), self.offsets[i]
-            )
+            # as_strided's offset counts from the storage's start, not from the base's.
+            at = self.base.storage_offset() + self.offsets[i]
+            obj = torch.as_strided(self.base, (L, KV, t, ROW), (KV * t * ROW, t * ROW, ROW, 1), at)
             self._cache[slot] = obj
         return obj
 

@@ -69,6 +69,11 @@ def test_objects_are_the_pages_at_their_offsets_and_one_tensor_each(pool: ShmPoo
     assert j is not None and j.tokens == [5, 8, 8] and [o for o in j] == [objs[2], objs[0], objs[3]]
     fresh = objs.take([1]).take([0])
     assert fresh[0] is objs[1]
+    # Over a base that does not start its storage (a slice): still the bytes at its own offsets.
+    sliced = base[4096:]
+    inner = PoolObjects.make(sliced, KEY, [(2 * 4096, 3)])
+    ref = host_object(pool.mm, (L, KV, 3, ROW), torch.bfloat16, 2 * 4096 + 4096 * 2)
+    assert inner.ptrs[0] == inner[0].data_ptr() == ref.data_ptr() and torch.equal(bits(inner[0]), bits(ref))
     # Sets made apart do not join (their objects are not one cache); one set is itself.
     other = PoolObjects.make(base, KEY, parts[:1])
     assert PoolObjects.joined([a, other]) is None and PoolObjects.joined([a]) is a
