@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from maru import kv_ops  # noqa: E402
 from maru.kv_ops import reference  # noqa: E402
-from maru.kv_ops.ops import _bits, layer_refs  # noqa: E402
+from maru.kv_ops.ops import as_bits, layer_refs  # noqa: E402
 from maru.kv_ops.testing import make_cache  # noqa: E402
 
 L, NH, HS, BS = 8, 8, 64, 32
@@ -125,7 +125,7 @@ def main() -> int:
                     ids = torch.randperm(nb, generator=gen)[:nblk]
                 slots = (ids[:, None] * BS + torch.arange(BS)).reshape(-1)
                 obj = torch.randn(L, 2, tokens, NH * HS, generator=gen)
-                bits = _bits(obj)
+                bits = as_bits(obj)
                 nbytes = obj.numel() * 4
                 chunks = [(c, min(c + CHUNK, tokens)) for c in range(0, tokens, CHUNK)]
                 for threads in args.threads:
