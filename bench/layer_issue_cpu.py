@@ -4,7 +4,7 @@
 
 What ``DevicePipeline._issue_layers_direct`` computes on the host before its upload and graph
 launch (``kv_ops.layer_paths``), with the same functions, and the objects before it, made and
-checked (``load_layers``' ``_objects``) two ways: one tensor an object (``at_offsets``, then each
+checked (``load_layers``' ``_objects``) two ways: one tensor an object (every view made, then each
 object's token count and address read once) and ``PoolObjects`` (checked together, none made; what
 the pin makes since the forty-seventh pass). Then the slot
 mapping's checks, ``direct_kernel.direct_host_slots`` (skipped rows, the segments left
@@ -42,13 +42,13 @@ from maru.segments import SegmentSums  # noqa: E402
 LAYERS, KV, ROW, CHUNK, SEG = 32, 2, 128, 256, 16  # ROW: 2 heads x 64 in one row of a plane
 
 
-KEY = (LAYERS, KV, ROW, torch.float16)
+GEOMETRY = ObjectGeometry(LAYERS, KV, ROW, torch.float16)
 
 
 def case(chunks: int) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor, list[SegmentSums]]:
     """(pool tensor, (byte offset, tokens) of each object, slot mapping, segment sums) of a step
     of ``chunks`` chunks (see the docstring)."""
-    per = ObjectGeometry(*KEY).nbytes(CHUNK)
+    per = GEOMETRY.nbytes(CHUNK)
     base = torch.empty((chunks * per) // 2, dtype=torch.float16)
     slots = torch.randperm(chunks * CHUNK * 4)[: chunks * CHUNK].to(torch.int64)
     slots[:128] = -1  # vLLM's own prefix cache holds the first half of the first chunk
@@ -60,7 +60,7 @@ def case(chunks: int) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor
 class _Inputs(PipelineInputs):
     """The pipeline's argument checks over this bench's geometry (``_objects`` reads these)."""
 
-    num_layers, dtype = LAYERS, torch.float16
+    num_layers, dtype, geometry = LAYERS, torch.float16, GEOMETRY
     layout = type("Layout", (), {"num_kv": KV, "row_size": ROW})()
 
     def object_shape(self, tokens: int) -> tuple[int, int, int, int]:
@@ -75,14 +75,14 @@ def parts(
     buf: torch.Tensor,
 ) -> dict:
     """One issue's host part, timed by part as ``_issue_layers_direct`` times it, and the objects
-    before it, made and checked: ``tensors``, one view an object (``ObjectGeometry.at_offsets``, what
+    before it, made and checked: ``tensors``, one view an object (every ``PoolObjects`` view made, what
     the pin made until ``PoolObjects``) then ``load_layers``' checks of each; ``pool``, the
     ``PoolObjects`` the pin makes now, which the checks take as they are."""
     inputs = _Inputs()
     t = time.perf_counter()
-    inputs._objects(ObjectGeometry(*KEY).at_offsets(base, at))
+    inputs._objects(list(PoolObjects.make(base, GEOMETRY, at)))
     tp = time.perf_counter()
-    checked = inputs._objects(PoolObjects.make(base, KEY, at))
+    checked = inputs._objects(PoolObjects.make(base, GEOMETRY, at))
     t0 = time.perf_counter()
     lengths = checked.tokens
     mapping = PipelineInputs._check_slots(slots, checked, 0, lengths)

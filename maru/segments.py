@@ -119,9 +119,7 @@ def pieces(shape: Sequence[int], esize: int, seg_tokens: int) -> list[tuple[int,
     elements: ``(segment, first word, end word)``, word indices absolute in the object. Rows must be
     whole words (``ROW * esize % 8 == 0``)."""
     L, KV, T, row = (int(x) for x in shape)
-    row_words, rem = divmod(row * esize, 8)
-    if rem:
-        raise ValueError(f"segment sums need rows of whole 8-byte words; a row here is {row * esize} bytes")
+    row_words = _row_words(row, esize)
     out = []
     for plane in range(L * KV):
         base = plane * T
@@ -129,6 +127,15 @@ def pieces(shape: Sequence[int], esize: int, seg_tokens: int) -> list[tuple[int,
             t1 = min(t0 + seg_tokens, T)
             out.append((s, (base + t0) * row_words, (base + t1) * row_words))
     return out
+
+
+def _row_words(row: int, esize: int) -> int:
+    """The 8-byte words of an object row of ``row`` elements of ``esize`` bytes (segment sums read
+    whole words); ValueError where a row is not a whole number of them."""
+    row_words, rem = divmod(row * esize, 8)
+    if rem:
+        raise ValueError(f"segment sums need rows of whole 8-byte words; a row here is {row * esize} bytes")
+    return row_words
 
 
 def host_segment_sums(
@@ -147,11 +154,7 @@ def host_segment_sums(
     if nat is not None and nat.segment_sums is not None:
         # One compiled call for every piece (a 256-token chunk of 32 layers: 1024 of them).
         L, KV, _, row = (int(x) for x in shape)
-        row_words, rem = divmod(row * esize, 8)
-        if rem:
-            raise ValueError(
-                f"segment sums need rows of whole 8-byte words; a row here is {row * esize} bytes"
-            )
+        row_words = _row_words(row, esize)
         if data.size < L * KV * T * row * esize:
             raise ValueError(f"the object has {data.size} bytes, its shape {list(shape)} needs more")
         out = np.zeros(len(raws), dtype=np.uint64)

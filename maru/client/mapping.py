@@ -197,7 +197,7 @@ class PoolMapping:
 
     def read_tensor(self, dtype: object) -> object:
         """The whole mapping as one 1-D torch tensor of ``dtype`` (made once a dtype), for objects
-        made by offset (``ObjectGeometry.at_offsets``: one ``as_strided`` an object, ~1.5 us,
+        made by offset (``kv_ops.pool_objects.PoolObjects``: one ``as_strided`` an object, ~1.5 us,
         where a page's ``read_views`` slice and ``torch.frombuffer`` cost ~3 us on the CI machine).
         Read only, by contract (loads only read); it checks nothing: its callers use offsets that
         ``read_views`` bounds-checked and unfenced. Over a slice of the read-only view, so that

@@ -64,25 +64,6 @@ class ObjectGeometry:
         with _readonly_ok():
             return [_view(buf, self.shape(t), self.dtype, 0) for buf, t in parts]
 
-    def at_offsets(self, base: torch.Tensor, parts: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
-        """Chunk objects over ``base`` (a 1-D tensor of this geometry's dtype over a whole pool
-        mapping: ``PoolMapping.read_tensor``), one for each ``(byte offset, tokens)``: one
-        ``as_strided`` an object (~1.5 us on the CI machine, against ~3 for ``over_many``'s
-        ``frombuffer`` over a page's view). Offsets must be element-aligned and inside ``base``
-        (torch refuses a view past its storage); the caller vouches they are the pages'."""
-        esize, kv, row = self.elem, self.num_kv, self.row
-        out = []
-        for offset, tokens in parts:
-            if offset % esize:
-                raise ValueError(f"object offset {offset} is not a multiple of the element size {esize}")
-            t = int(tokens)
-            out.append(
-                torch.as_strided(
-                    base, (self.num_layers, kv, t, row), (kv * t * row, t * row, row, 1), offset // esize
-                )
-            )
-        return out
-
 
 def host_object(buffer: Any, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over ``buffer`` (an mmap, a pool memoryview), no copy.

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
+from maru.kv_ops.geometry import ObjectGeometry
 from maru.kv_ops.pool_objects import PoolObjects
 
 log = logging.getLogger("maru.kv_ops")
@@ -45,6 +46,7 @@ class PipelineInputs:
     _scratch: Any  # HostScratch, None without the raw calls
     _place_h: int  # GPU
     _sync: Any
+    geometry: ObjectGeometry  # the caches' chunk-object geometry
 
     def _objects(self, objects: Sequence[torch.Tensor] | torch.Tensor) -> CheckedObjects | PoolObjects:
         """The objects checked (host, the caches' dtype, contiguous, ``[L, KV, T, ROW]`` or flat
@@ -52,12 +54,7 @@ class PipelineInputs:
         made for this geometry are checked already (``PoolObjects.make``): returned as they are,
         none of them made (the direct layer load reads only their addresses); made for another
         geometry, each is made and checked here (and refused)."""
-        if isinstance(objects, PoolObjects) and objects.key == (
-            self.num_layers,
-            self.layout.num_kv,
-            self.layout.row_size,
-            self.dtype,
-        ):
+        if isinstance(objects, PoolObjects) and objects.geometry == self.geometry:
             if not len(objects):
                 raise ValueError("no chunk objects given")
             return objects

@@ -16,15 +16,14 @@ from typing import Any, overload
 
 import torch
 
-# (num_layers, num_kv, row, dtype): the object geometry a set of objects was made for.
-ShapeKey = tuple[int, int, int, torch.dtype]
+from maru.kv_ops.geometry import ObjectGeometry
 
 
 class PoolObjects(Sequence[torch.Tensor]):
     """Objects ``[L, KV, T_i, ROW]`` over ``base`` at element offsets, made on first use.
 
     Invariants (checked by ``make``, never changed after): ``base`` is a 1-D contiguous host tensor
-    of the key's dtype; object i starts at element ``offsets[i]`` and lies inside ``base``;
+    of ``geometry``'s dtype; object i starts at element ``offsets[i]`` and lies inside ``base``;
     ``tokens[i]`` is its T and ``ptrs[i]`` its first byte's address, as ``CheckedObjects`` has them.
     An object, once made, is the same tensor every time it is read, here and in every set taken
     from this one (``take``, ``joined``: they share one cache, ``_cache[_slots[i]]``), so a key two
@@ -32,12 +31,12 @@ class PoolObjects(Sequence[torch.Tensor]):
     does not pin.
     """
 
-    __slots__ = ("base", "key", "offsets", "tokens", "ptrs", "_slots", "_cache")
+    __slots__ = ("base", "geometry", "offsets", "tokens", "ptrs", "_slots", "_cache")
 
     def __init__(
         self,
         base: torch.Tensor,
-        key: ShapeKey,
+        geometry: ObjectGeometry,
         offsets: list[int],
         tokens: list[int],
         ptrs: list[int],
@@ -45,7 +44,7 @@ class PoolObjects(Sequence[torch.Tensor]):
         cache: list[torch.Tensor | None],
     ) -> None:
         self.base = base
-        self.key = key
+        self.geometry = geometry
         self.offsets = offsets
         self.tokens = tokens
         self.ptrs = ptrs
@@ -53,12 +52,14 @@ class PoolObjects(Sequence[torch.Tensor]):
         self._cache = cache
 
     @classmethod
-    def make(cls, base: torch.Tensor, key: ShapeKey, parts: Sequence[tuple[int, int]]) -> PoolObjects:
-        """The objects at each ``(byte offset, tokens)`` of ``parts`` over ``base`` (a whole pool
-        mapping as one tensor: ``PoolMapping.read_tensor``). Raises ValueError for a base that is
-        not a contiguous 1-D host tensor of the key's dtype, an offset that is not element-aligned
-        or an object that does not fit inside ``base``."""
-        L, KV, ROW, dtype = key
+    def make(
+        cls, base: torch.Tensor, geometry: ObjectGeometry, parts: Sequence[tuple[int, int]]
+    ) -> PoolObjects:
+        """The objects of ``geometry`` at each ``(byte offset, tokens)`` of ``parts`` over ``base`` (a
+        whole pool mapping as one tensor: ``PoolMapping.read_tensor``). Raises ValueError for a base
+        that is not a contiguous 1-D host tensor of the geometry's dtype, an offset that is not
+        element-aligned or an object that does not fit inside ``base``."""
+        L, KV, ROW, dtype = geometry.num_layers, geometry.num_kv, geometry.row, geometry.dtype
         if base.dtype != dtype or base.dim() != 1 or not base.is_cpu or not base.is_contiguous():
             raise ValueError(
                 f"pool tensor must be a contiguous 1-D host tensor of {dtype}, got {base.dtype} "
@@ -82,14 +83,14 @@ class PoolObjects(Sequence[torch.Tensor]):
             tokens.append(t)
             ptrs.append(addr + offset)
         n = len(offsets)
-        return cls(base, key, offsets, tokens, ptrs, list(range(n)), [None] * n)
+        return cls(base, geometry, offsets, tokens, ptrs, list(range(n)), [None] * n)
 
     def take(self, positions: Sequence[int]) -> PoolObjects:
         """The objects at ``positions``, in that order (a request's chunks out of a step's keys);
         the objects made so far are shared."""
         o, t, p, s = self.offsets, self.tokens, self.ptrs, self._slots
         return PoolObjects(
-            self.base, self.key, [o[i] for i in positions], [t[i] for i in positions],
+            self.base, self.geometry, [o[i] for i in positions], [t[i] for i in positions],
             [p[i] for i in positions], [s[i] for i in positions], self._cache,
         )  # fmt: skip
 
@@ -105,7 +106,7 @@ class PoolObjects(Sequence[torch.Tensor]):
         if any(p._cache is not first._cache for p in parts):
             return None
         return PoolObjects(
-            first.base, first.key, [x for p in parts for x in p.offsets], [x for p in parts for x in p.tokens],
+            first.base, first.geometry, [x for p in parts for x in p.offsets], [x for p in parts for x in p.tokens],
             [x for p in parts for x in p.ptrs], [x for p in parts for x in p._slots], first._cache,
         )  # fmt: skip
 
@@ -124,7 +125,8 @@ class PoolObjects(Sequence[torch.Tensor]):
         slot = self._slots[i]
         obj = self._cache[slot]
         if obj is None:
-            L, KV, ROW, _ = self.key
+            g = self.geometry
+            L, KV, ROW = g.num_layers, g.num_kv, g.row
             t = self.tokens[i]
             # as_strided's offset counts from the storage's start, not from the base's.
             at = self.base.storage_offset() + self.offsets[i]
@@ -136,4 +138,4 @@ class PoolObjects(Sequence[torch.Tensor]):
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
-        return f"PoolObjects({len(self)} objects, {sum(self.tokens)} tokens, {self.key})"
+        return f"PoolObjects({len(self)} objects, {sum(self.tokens)} tokens, {self.geometry})"

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from maru import segments
+from maru.announce import announce_once
 from maru.client.objects import Retrieved
 from maru.errors import CONNECTION_LOST, MaruError
 from maru.kv_ops.geometry import ObjectGeometry
@@ -451,13 +452,22 @@ class KVTransferEngine(StoreSide):
                 # when their views were made (``read_views``), and each view is that very range.
                 g = self.geometry
                 objs: Sequence[torch.Tensor] = PoolObjects.make(
-                    mapping.read_tensor(g.dtype),
-                    (g.num_layers, g.num_kv, g.row, g.dtype),
-                    [(handles[i].offset, t) for i, t in tokens.items()],
+                    mapping.read_tensor(g.dtype), g, [(handles[i].offset, t) for i, t in tokens.items()]
                 )
             else:
                 objs = self.geometry.over_many((handles[i].view, t) for i, t in tokens.items())
-        except Exception:
+        except Exception as e:
+            # Not expected (the pages were bounds-checked); each request then makes its own objects
+            # and fails alone, with the reason, if its own cannot be made either: slower, not wrong.
+            announce_once(
+                logger,
+                "transfer.step-objects",
+                logging.WARNING,
+                "Maru: making a load step's chunk objects together failed (%s: %s); each request makes "
+                "its own (slower host prep). Please report it with this line",
+                type(e).__name__,
+                e,
+            )
             return None
         return StepObjects(objs, {k: i for i, k in enumerate(tokens)})
 

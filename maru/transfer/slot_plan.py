@@ -43,12 +43,6 @@ class LayerGroup:
             o += t
         return out
 
-    @classmethod
-    def of_chunks(cls, chunks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> LayerGroup:
-        """A group of (object, its slots) pairs (callers that made them per chunk: tests, benches)."""
-        objs = [o for o, _ in chunks]
-        return cls(objs, joined_slots([s for _, s in chunks]), [int(s.numel()) for _, s in chunks])
-
 
 def joined_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
     """The chunks' slot mappings as one (no ``torch.cat`` for a single chunk: ~20 us on the

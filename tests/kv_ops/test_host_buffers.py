@@ -17,20 +17,21 @@ import torch
 from maru.kv_ops.checksum import HostSums
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.geometry import ObjectGeometry, host_object
+from maru.kv_ops.pool_objects import PoolObjects
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
 def test_objects_by_offset_over_one_tensor_are_the_pages_objects(dtype: torch.dtype) -> None:
-    """``at_offsets`` (the step's objects over ``PoolMapping.read_tensor``) views exactly what
+    """``PoolObjects`` (the step's objects over ``PoolMapping.read_tensor``) view exactly what
     ``over_many`` views over each page: same address, shape, strides and bytes; an offset that is
-    not element-aligned is refused, and so is one past the pool (torch's bounds)."""
+    not element-aligned is refused, and so is an object past the pool."""
     geo = ObjectGeometry(num_layers=3, num_kv=2, row=40, dtype=dtype)
     tokens = [7, 16, 16, 5]
     size = geo.nbytes(max(tokens))
     mm, views = _pages(len(tokens), size, seed=4)
     whole = memoryview(mm)
     base = torch.frombuffer(whole, dtype=dtype)
-    by_offset = geo.at_offsets(base, [(k * size, t) for k, t in enumerate(tokens)])
+    by_offset = list(PoolObjects.make(base, geo, [(k * size, t) for k, t in enumerate(tokens)]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         by_page = geo.over_many(zip(views, tokens, strict=True))
@@ -38,10 +39,10 @@ def test_objects_by_offset_over_one_tensor_are_the_pages_objects(dtype: torch.dt
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if dtype.itemsize > 1:
-        with pytest.raises(ValueError, match="not a multiple of the element size"):
-            geo.at_offsets(base, [(1, 5)])
-    with pytest.raises(RuntimeError):
-        geo.at_offsets(base, [(len(tokens) * size - geo.nbytes(5) + dtype.itemsize, 5)])
+        with pytest.raises(ValueError, match="multiple of the element size"):
+            PoolObjects.make(base, geo, [(1, 5)])
+    with pytest.raises(ValueError, match="does not fit"):
+        PoolObjects.make(base, geo, [(len(tokens) * size - geo.nbytes(5) + dtype.itemsize, 5)])
     del by_offset, by_page, a, b, base
     whole.release()
     for v in views:

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from maru.kv_ops.geometry import host_object  # noqa: E402
+from maru.kv_ops.geometry import ObjectGeometry, host_object  # noqa: E402
 from maru.kv_ops.pool_objects import PoolObjects  # noqa: E402
 from maru.kv_ops.testing import bits, random_slots  # noqa: E402
 from tests.kv_ops.test_device_pipeline_cpu import (  # noqa: E402
@@ -27,7 +27,7 @@ from tests.kv_ops.test_device_pipeline_cpu import (  # noqa: E402
 )
 
 L, KV, ROW = GEOM["num_layers"], 2, GEOM["num_kv_heads"] * GEOM["head_size"]
-KEY = (L, KV, ROW, torch.bfloat16)
+KEY = ObjectGeometry(L, KV, ROW, torch.bfloat16)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_a_pipeline_takes_them_checked_without_making_one_and_refuses_another_ge
     assert listed.tokens == objs.tokens and listed.ptrs == objs.ptrs
     with pytest.raises(ValueError, match="no chunk objects"):
         engine._objects(objs.take([]))
-    wrong = PoolObjects.make(base, (L, KV, ROW // 2, torch.bfloat16), [(0, 8)])
+    wrong = PoolObjects.make(base, ObjectGeometry(L, KV, ROW // 2, torch.bfloat16), [(0, 8)])
     with pytest.raises(ValueError, match=r"expected \[5, 2, T, 24\]"):
         engine._objects(wrong)
 

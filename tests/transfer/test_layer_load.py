@@ -209,6 +209,38 @@ def test_a_chunk_placing_nothing_between_placed_ones_is_left_out_of_the_layer_lo
     assert client.usage()["pinned"] == 0
 
 
+def test_step_objects_that_cannot_be_made_together_are_made_per_request_and_said_once(
+    client: MaruHandler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If a step's objects cannot be made together (``_views_of``: not expected, the pages were
+    bounds-checked), each request makes its own: the layer load places the same bytes, and the
+    slower prep is announced once, with the reason."""
+    from maru import announce
+    from maru.transfer import engine as engine_module
+
+    src = case("kv_first", "NHD", 71)
+    a = request("step-objs-a", [0, 1, 2, 3], 2 * CHUNK)
+    assert plain_engine(src, client).store([a]).stored == 2
+    step = [RequestTransfer("so", (9, 2, 7, 4), a.chunks)]
+    ref, dst = case("kv_first", "NHD", 72), case("kv_first", "NHD", 72)
+    assert plain_engine(ref, client).load(step).loaded_req_ids == ["so"]
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise ValueError("made to fail")
+
+    monkeypatch.setattr(engine_module.PoolObjects, "make", broken)
+    announce.forget("transfer.step-objects")
+    eng = plain_engine(dst, client)
+    with caplog.at_level("WARNING", logger="maru.transfer"):
+        for _ in range(2):
+            rep = eng.start_layer_load(eng.pin(step)).wait()
+            assert rep.loaded_req_ids == ["so"], rep.failed
+    said = [r.getMessage() for r in caplog.records if "chunk objects together failed" in r.getMessage()]
+    assert len(said) == 1 and "made to fail" in said[0]
+    assert same(dst, ref) and client.usage()["pinned"] == 0
+    announce.forget("transfer.step-objects")
+
+
 def test_a_steps_objects_are_the_pinned_pages_themselves(client: MaruHandler) -> None:
     """``pin`` makes a step's objects by offset over one tensor of the pool (``read_tensor``): each
     is the very page its lookup pinned (its address and its bytes), shaped ``[L, KV, T, ROW]``
