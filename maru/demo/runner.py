@@ -12,7 +12,11 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   best first
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
-- ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first),
+- ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first; with
+  ``"reset_connector": true`` vLLM also resets the connector's cache, as a weight update does),
+- ``{"op": "scale_weights", "scale": 1.5}``: a stand-in for a weight update (an RL trainer's):
+  the weights of the norms in front of every attention layer scaled in place (each layer's K and
+  V change) -> ``{"scaled": n}`` (parameters changed),
   ``{"op": "stats"}`` (the connector's counters, both sides; a store counts once published),
   ``{"op": "flush_stores"}`` (wait until every write-behind store is published), ``{"op": "quit"}``.
 - ``{"op": "settle", "timeout_s": 60}``: publish every write-behind store, then step until vLLM's
@@ -29,6 +33,7 @@ runner process: vLLM's in-process mode changes process-wide state (threads, seed
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -186,6 +191,22 @@ def settle(llm: Any, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.002)  # let the drain thread run
 
 
+def _scale_kv_weights(model: Any, scale: float) -> int:
+    """Scale the weights of the norms in front of every attention layer (``input_layernorm``) in place:
+    each layer's K and V change for the same tokens, as after a weight update. Those weights, not
+    the projections': vLLM's CPU build computes its linear layers from a packed copy of their
+    weights, which an in-place change does not reach. Returns how many parameters changed."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "input_layernorm" in name:
+                p.mul_(float(scale))
+                n += 1
+    return n
+
+
 def _logprobs(outs: list[Any]) -> list[list[list[tuple[int, float]]]]:
     """Per output, per position: the ``(token id, logprob)`` pairs vLLM returned, best first."""
     out = []
@@ -248,7 +269,12 @@ def serve(spec: dict[str, Any]) -> None:
                 # The next prompt should find in Maru what this engine stored: publish first.
                 flush_write_behind()
                 settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
-                reply({"ok": bool(llm.reset_prefix_cache())})
+                ok = llm.reset_prefix_cache(reset_connector=bool(cmd.get("reset_connector", False)))
+                reply({"ok": bool(ok)})
+            elif op == "scale_weights":
+                reply(
+                    {"scaled": sum(llm.apply_model(functools.partial(_scale_kv_weights, scale=cmd["scale"])))}
+                )
             elif op == "settle":
                 reply(settle(llm, float(cmd.get("timeout_s", 60))))
             elif op == "stats":

@@ -539,6 +539,19 @@ class MaruKVConnector(KVConnectorBase_V1):
                     GC_CLOCK.note(self.hook_times.gc_s),
                 )
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of the connector's cache (``reset_prefix_cache(reset_connector=True)``, and
+        the sleeps and pauses that clear caches for a weight update): the scheduler side moves to a
+        new key epoch (``MaruSchedulerConnector.reset_cache``). False, where that failed, makes
+        vLLM report the reset failed: never a reset that silently kept serving the old KV."""
+        if self._scheduler is None:
+            return None
+        try:
+            return self._scheduler.reset_cache()
+        except Exception:
+            logger.exception("Maru: resetting the connector's cache failed; vLLM reports the reset failed")
+            return False
+
     @timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:

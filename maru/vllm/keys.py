@@ -18,7 +18,8 @@ hosts and ``PYTHONHASHSEED`` values.
 The namespace covers everything that makes the stored bytes differ for the same tokens:
 model id and revision, KV dtype, number of layers, KV heads, head size, chunk tokens,
 tensor-parallel rank and size (each rank stores its own head shard), the stored format's
-version and an optional tenant namespace. Block size and the attention backend's layout are
+version, an optional tenant namespace, and the engine's key epoch (empty until vLLM resets the
+connector's cache: see ``KeySpace.epoch``). Block size and the attention backend's layout are
 deliberately *not* in it: stored bytes are canonical (``[L, 2, T, NH*HS]``, token-major), so
 instances with different block sizes or backends of the same model share one cache.
 """
@@ -81,10 +82,19 @@ class KeySpace:
     tp_size: int = 1
     tenant: str = ""
     format_version: str = FORMAT_VERSION
+    # Set when vLLM resets the connector's cache (a weight update, a sleep): a fresh random value,
+    # so this engine's keys from then on match nothing stored before (``MaruSchedulerConnector.
+    # reset_cache``). Empty: the keys every engine of the same model derives at start.
+    epoch: str = ""
 
     def digest(self) -> bytes:
-        """sha256 of the fields as canonical JSON (sorted keys): stable across processes and hosts."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        """sha256 of the fields as canonical JSON (sorted keys): stable across processes and hosts.
+        An empty ``epoch`` is left out, so the keys of an engine that never reset are those it had
+        before the field existed."""
+        fields = asdict(self)
+        if not fields["epoch"]:
+            del fields["epoch"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 
     def prefix(self) -> str:

@@ -23,7 +23,9 @@ when its tokens there are exactly the same (the key says so); nothing else is ev
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -70,14 +72,10 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's)."""
         self.hook_times = hook_times if hook_times is not None else HookTimes()
         self.cfg = cfg
-        self.keyer = keyer
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens
-        self._prober = PrefixProbe(keyer, self.chunk, block_size, tp_size)
-        self._key_cache = ChunkKeyCache(keyer, block_size)  # keys by vLLM's block hashes
-        self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
-        # ... to the block, from finished requests (a chunk's last blocks and each turn's last)
-        self.recent_blocks = RecentBlocks(block_size, stride=max(1, self.chunk // block_size))
+        self._tp_size = tp_size
+        self._use_keys(keyer)
         self._client_factory = client_factory
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
@@ -109,6 +107,54 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                 "KV blocks once per request). Fix: turn vLLM's prefix caching on"
             )
             logger.warning("Maru: %s", self._unshared)
+
+    def _use_keys(self, keyer: ChunkKeyer) -> None:
+        """Key every request from now on with ``keyer``; what was remembered under other keys (keys
+        by vLLM's block hash, the guesses of vLLM's own hit) starts empty."""
+        self.keyer = keyer
+        self._prober = PrefixProbe(keyer, self.chunk, self.block_size, self._tp_size)
+        self._key_cache = ChunkKeyCache(keyer, self.block_size)  # keys by vLLM's block hashes
+        self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
+        # ... to the block, from finished requests (a chunk's last blocks and each turn's last)
+        self.recent_blocks = RecentBlocks(self.block_size, stride=max(1, self.chunk // self.block_size))
+
+    def reset_cache(self) -> bool:
+        """vLLM reset its own caches and asks the connector to reset its one: the calls a weight
+        update comes with (``LLM.reset_prefix_cache(reset_connector=True)``, ``sleep`` at level 1
+        or 2, ``pause_generation(clear_cache=True)``). What was stored before may be KV of weights
+        this engine no longer runs; the pool is shared and other instances may still run those
+        weights, so nothing is deleted. From here on this engine:
+
+        - keys under a fresh random epoch (``KeySpace.epoch``): it never offers what was stored
+          before, and what it stores is found by itself only, never by an instance that did not
+          reset with it (it would hold these weights' KV);
+        - neither loads for nor stores from a request alive now (``RequestState.frozen``): vLLM
+          may keep one running across the reset, its KV partly from before.
+
+        Keys remembered by vLLM's block hash are dropped (a block's hash is the same under new
+        weights), and the guesses of vLLM's own hit (its cache is empty now). Returns True, as vLLM
+        expects of a reset that took effect."""
+        space = dataclasses.replace(self.keyer.space, epoch=secrets.token_hex(8))
+        self._use_keys(ChunkKeyer(space))
+        for st in self._reqs.values():
+            if not st.frozen:
+                st.frozen = True
+                st.pending_load = None
+                self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
+                self.stats.requests_frozen += 1
+        self.stats.cache_resets += 1
+        logger.warning(
+            "Maru: vLLM reset its caches and the connector's (a weight update, a sleep or "
+            "reset_prefix_cache(reset_connector=True)): this engine's keys move to epoch %s (%s...). It "
+            "no longer loads anything stored before the reset, nor shares what it stores from now on "
+            "with instances that did not reset with it; the %d requests alive now are computed and "
+            "not stored. Sharing with the others again needs a restart (every engine starts in one "
+            "epoch per model).",
+            space.epoch,
+            space.prefix(),
+            sum(st.frozen for st in self._reqs.values()),
+        )
+        return True
 
     @property
     def inflight_loads(self) -> set[str]:
@@ -143,9 +189,11 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         return False
 
     def _state(self, request: Any) -> RequestState | None:
+        """The request's state, made at its first sight; None where Maru leaves it to vLLM (not
+        eligible, or alive at a cache reset)."""
         st = self._reqs.get(request.request_id)
         if st is not None:
-            return st
+            return None if st.frozen else st
         if not self._eligible(request):
             return None
         self._wake_for_pins()  # before the keys and the probe: a pin may follow them
@@ -306,7 +354,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
     def _plan_stores(
         self, st: RequestState, computed: int, scheduled: int
     ) -> tuple[list[ChunkRef], list[int], bool]:
-        if not self.cfg.enable_store or st.present is None:
+        if not self.cfg.enable_store or st.present is None or st.frozen:
             return [], [], False
         C = self.chunk
         end = min(computed + scheduled, len(st.prompt))

@@ -30,6 +30,9 @@ class RequestState:
     # maru_async_store: a store was planned since the request's last preemption, so its blocks stay
     # allocated after it finishes until the worker reports it in finished_sending.
     sending: bool = False
+    # Alive when vLLM reset the connector's cache (``MaruSchedulerConnector.reset_cache``): its KV may
+    # come partly from before (other weights), so it is never loaded for nor stored from again.
+    frozen: bool = False
 
 
 @dataclass
@@ -59,3 +62,5 @@ class SchedulerStats:
     # it can load (a rank disconnected or disabled; or, on a vLLM without the start handshake,
     # before the first step's report).
     offers_withheld: int = 0
+    cache_resets: int = 0  # vLLM's resets of the connector's cache: each a new key epoch
+    requests_frozen: int = 0  # requests alive at a reset: computed, never stored

@@ -103,6 +103,7 @@ def test_only_full_chunks_get_chunk_keys() -> None:
         ("tp_size", 2),
         ("tenant", "team-a"),
         ("format_version", "maru-kv-L2TD-v2"),
+        ("epoch", "3f2a"),
     ],
 )
 def test_every_namespace_field_changes_every_key(field: str, value: object) -> None:
@@ -110,6 +111,18 @@ def test_every_namespace_field_changes_every_key(field: str, value: object) -> N
     other = dataclasses.replace(SPACE, **{field: value})
     ka, kb = ChunkKeyer(SPACE).prompt_keys(toks).full, ChunkKeyer(other).prompt_keys(toks).full
     assert not set(ka) & set(kb)
+
+
+def test_an_empty_epoch_keeps_the_digest_of_the_fields_before_it_existed() -> None:
+    # The keys of an engine that never reset its cache must stay those stored before the epoch
+    # field was added: the digest of the other fields, computed here independently.
+    import hashlib
+
+    fields = {k: v for k, v in dataclasses.asdict(SPACE).items() if k != "epoch"}
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    assert SPACE.epoch == ""
+    assert SPACE.digest() == hashlib.sha256(blob).digest()
+    assert dataclasses.replace(SPACE, epoch="e1").digest() != SPACE.digest()
 
 
 def test_chunk_size_changes_every_key() -> None:

@@ -1,0 +1,153 @@
+"""vLLM's reset of the connector's cache (``reset_cache``: weight updates, sleeps, explicit resets).
+
+After a reset the engine may run other weights: it must never offer what was stored before (that
+KV would be another model's), never store a request alive across the reset (its KV may be mixed),
+and what it stores afterwards must be invisible to an instance that did not reset, while the
+others keep loading what they stored. Driven step by step against a real server, as
+test_vllm_scheduler.py; real vLLM does the same in tests/e2e/test_vllm_reset_e2e.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from maru.vllm.connector import MaruKVConnector
+from maru.vllm.keys import ChunkKeyer, KeySpace
+from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
+from tests.vllm.helpers import (
+    C,
+    CountingClient,
+    blocks_obj,
+    cached_out,
+    make_sched,
+    new_out,
+    publish,
+    req,
+    stored_keys_of,
+    tokens,
+)
+
+server = module_server("reset", pool_size="16M")
+
+_spaces = 0
+
+
+@pytest.fixture
+def keyer() -> ChunkKeyer:
+    global _spaces
+    _spaces += 1
+    return ChunkKeyer(KeySpace(f"reset-model-{_spaces}", "", "float32", 2, 2, 32, C))
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[CountingClient]:
+    c = CountingClient(server.url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def stored_keys(sched, rid: str, toks: list[int], blocks: list[int]) -> list[str]:
+    """The keys ``sched`` plans to store for a cold request of ``toks`` computed in one step."""
+    r = req(rid, toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, blocks_obj(blocks), 0)
+    meta = sched.build_connector_meta(new_out(rid, blocks, 0, len(toks)))
+    return [c.key for rt in meta.stores for c in rt.chunks]
+
+
+def test_after_a_reset_nothing_stored_before_is_offered_and_new_stores_use_the_new_epochs_keys(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=1)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    assert s.get_num_new_matched_tokens(req("before", toks), 0) == (288, False)
+
+    assert s.reset_cache() is True
+    epoch = s.keyer.space.epoch
+    assert epoch and s.keyer.space == dataclasses.replace(keyer.space, epoch=epoch)
+    # The same prompt on this engine: nothing offered, every chunk and the tail stored again, under
+    # the keys of the new epoch (computed independently here), none of them an old one.
+    new = stored_keys(s, "after", toks, list(range(10)))
+    ref = ChunkKeyer(dataclasses.replace(keyer.space, epoch=epoch))
+    expected = ref.prompt_keys(toks).full
+    assert new[: len(expected)] == expected and len(new) == len(full) + 1
+    assert not set(new) & set(full + [tail])
+
+    # An instance that did not reset still loads what it stored: those bytes are its weights' KV.
+    other = make_sched(server, keyer, client)
+    assert other.get_num_new_matched_tokens(req("other", toks), 0) == (288, False)
+    # Once the new epoch's stores are in the pool, this engine loads them (it shares with itself).
+    publish(server, new)
+    assert s.get_num_new_matched_tokens(req("again", toks), 0) == (288, False)
+    # ... and the instance that did not reset never sees them: its offer stays on its own keys.
+    other_keys = other._reqs["other"].keys.full
+    assert other_keys == full
+
+
+def test_a_request_alive_at_the_reset_is_never_loaded_for_nor_stored_and_its_frees_stay_owed(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client)  # write-behind (maru_async_store) is the default
+    toks = tokens(300, seed=2)
+    full, tail = stored_keys_of(s, toks)
+    a = req("a", toks)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, blocks_obj([0, 1, 2, 3]), 0)
+    meta = s.build_connector_meta(new_out("a", [0, 1, 2, 3], 0, 128))
+    assert [c.key for rt in meta.stores for c in rt.chunks] == full[:2]
+
+    s.reset_cache()
+    assert s.stats.requests_frozen == 1
+    # vLLM keeps running it: its next chunks hold KV computed on top of the old weights' KV.
+    meta = s.build_connector_meta(cached_out("a", [4, 5, 6, 7, 8, 9], 128, 172))
+    assert not meta.stores and not meta.loads
+    # Its store of the first step is still owed a finished_sending: its free stays delayed.
+    assert s.request_finished(a, []) == (True, None)
+
+    # A second request alive at the reset, preempted by it and matched again: computed, and not
+    # asked about (no probe), even with every chunk present under the old keys.
+    b = req("b", toks)
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # before: nothing stored yet
+    publish(server, full + [tail])
+    s.reset_cache()
+    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"b"}))
+    calls = client.exists_calls
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert client.exists_calls == calls
+    s.update_state_after_alloc(b, blocks_obj(list(range(10))), 0)
+    meta = s.build_connector_meta(cached_out("b", list(range(10)), 0, 300, resumed=True))
+    assert not meta.stores and not meta.loads
+    assert s.request_finished(b, []) == (False, None)  # preempted: its earlier stores were dropped
+
+
+def test_each_reset_is_a_new_epoch_said_once_and_counted(server, keyer, client, caplog) -> None:
+    s = make_sched(server, keyer, client)
+    epochs = []
+    with caplog.at_level(logging.WARNING, logger="maru.vllm"):
+        for _ in range(3):
+            s.reset_cache()
+            epochs.append(s.keyer.space.epoch)
+    assert len(set(epochs)) == 3 and "" not in epochs
+    said = [r.getMessage() for r in caplog.records if "reset its caches" in r.getMessage()]
+    assert len(said) == 3 and all(e in m for e, m in zip(epochs, said, strict=True))
+    assert s.stats.cache_resets == 3
+
+
+def test_the_connector_reports_a_reset_that_failed_as_failed() -> None:
+    class Broken:
+        def reset_cache(self) -> bool:
+            raise RuntimeError("boom")
+
+    # vLLM reads False as "the reset failed" (and says so): never a silent success.
+    assert MaruKVConnector.reset_cache(SimpleNamespace(_scheduler=Broken())) is False
+    assert MaruKVConnector.reset_cache(SimpleNamespace(_scheduler=None)) is None  # the worker side
