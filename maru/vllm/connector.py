@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from maru.versions import vllm_untested, vllm_version
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed, timed_wall
 from maru.vllm.interpreter_clock import CLOCK as GC_CLOCK
@@ -31,6 +32,7 @@ from maru.vllm.interpreter_clock import PythonPace
 from maru.vllm.keys import ChunkKeyer, KeySpace
 from maru.vllm.layer_loads import forward_runs_layer_hooks
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.model_runner import runs_v2_runner
 from maru.vllm.scheduler import MaruSchedulerConnector
 
 try:  # vLLM >= 0.32 labels where external hits come from
@@ -146,6 +148,14 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
     )
 
 
+def _warn_if_untested_vllm() -> None:
+    """Say once, at the scheduler side's start, where this vLLM is a release Maru never ran on."""
+    found = vllm_version()
+    untested = vllm_untested(found[1]) if found is not None else None
+    if untested is not None:
+        logger.warning("Maru: %s", untested)
+
+
 def _set_load_failure_policy(vllm_config: VllmConfig, policy: str) -> None:
     """Set what vLLM does with a request whose load failed: "recompute" its blocks, or "fail" it.
 
@@ -174,7 +184,7 @@ def _set_load_failure_policy(vllm_config: VllmConfig, policy: str) -> None:
 def _runner_known(vllm_config: Any) -> bool:
     """Whether the engine says which model runner it runs (reading it raises on some platforms)."""
     try:
-        getattr(vllm_config, "use_v2_model_runner", False)
+        runs_v2_runner(vllm_config)
     except Exception:
         return False
     return True
@@ -192,14 +202,14 @@ def same_step_load_failures_unrecoverable(vllm_config: Any) -> str | None:
     to the runner afresh after the load, from what was really placed, so they are unaffected.
     """
     try:
-        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        v2 = runs_v2_runner(vllm_config)  # vLLM 0.34 has no flag: the V2 runner is its only one
     except Exception as e:  # cannot tell: take the protocol that is correct either way
         return f"could not tell which vLLM model runner runs ({type(e).__name__}: {e})"
     if not v2:
         return None
     return (
-        "vLLM's V2 model runner does not rewind a running request whose load failed, so its "
-        "recompute would run on KV that was never placed (vLLM issue #49250)"
+        "vLLM's V2 model runner (from vLLM 0.34 its only one) does not rewind a running request whose "
+        "load failed, so its recompute would run on KV that was never placed (vLLM issue #49250)"
     )
 
 
@@ -230,6 +240,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
+        # A speculative decoder: vLLM 0.34 reads a step's load errors before wait_for_save.
+        self._errors_before_save = getattr(vllm_config, "speculative_config", None) is not None
         self._last_reported: dict[str, Any] = {}
         self.hook_times = HookTimes()  # host time inside each vLLM hook (``timed``)
         self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
@@ -268,6 +280,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             logger.info("Maru (%s): %s", "scheduler" if role == KVConnectorRole.SCHEDULER else "worker", line)
 
         if role == KVConnectorRole.SCHEDULER:
+            _warn_if_untested_vllm()
             _set_load_failure_policy(vllm_config, "fail" if cfg.load_failures_fail else "recompute")
             self._scheduler = MaruSchedulerConnector(
                 cfg,
@@ -422,6 +435,15 @@ class MaruKVConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         return  # stores happen once per step in wait_for_save, all layers at a time
+
+    def finish_forward(self) -> None:
+        """vLLM's word (V2 model runner) that the forward no longer reads this step's KV. With a
+        speculative decoder, vLLM 0.34 collects the step's load errors right after it and calls
+        ``wait_for_save`` only after the drafter: the layer load is finished here then, so a
+        layer that failed is in this step's errors, not the next one's (its token would be kept).
+        Without a speculator ``wait_for_save`` follows at once and finishes it, as before."""
+        if self._worker is not None and self._errors_before_save:
+            self._worker.finish_layer_load()
 
     @timed
     def wait_for_save(self) -> None:

@@ -15,6 +15,7 @@ from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm.hook_times import timed_part
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.model_runner import or_v1_runner
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 from maru.vllm.scheduler_state import RequestState, SchedulerStats
@@ -112,8 +113,8 @@ class LoadPlanning:
             "another request holds every chunk of it pinned), on vLLM's scheduling thread (~0.5 ms "
             "a request on an H200 host): vLLM's V2 model runner cannot recompute a failed same-step "
             f"load, so no offer may be made of a chunk that is not pinned yet, and {why}. Fix: leave "
-            "maru_pin_on_arrival on with a vLLM that calls on_new_request (0.26 and later), or run "
-            "vLLM with VLLM_USE_V2_MODEL_RUNNER=0 (a step's loads then share one round trip)"
+            "maru_pin_on_arrival on with a vLLM that calls on_new_request (0.26 and later)"
+            + or_v1_runner(" (a step's loads then share one round trip)")
         )
 
     def _wake_for_pins(self) -> None:
@@ -184,7 +185,7 @@ class LoadPlanning:
             )
             + ". Where a failed load ends its request (vLLM's V2 runner), Maru offers loads only while "
             "every worker can place them. Fix: see the workers' log for why one cannot (unsupported KV "
-            "layout, no server connection), or run vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
+            f"layout, no server connection){or_v1_runner()}"
         )
         logger.warning("Maru: %s", self._withheld_note)
         self._reported_path = None  # report again, with this (``maru doctor``)

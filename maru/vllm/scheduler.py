@@ -83,6 +83,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         self._warned_skip: set[str] = set()
         self._share_timeout_note: str | None = None  # set at the first timeout (``maru doctor``)
         self._reqs: dict[str, RequestState] = {}
+        # The loads vLLM accepted since the last plan (request, first and end token): if planning
+        # fails, each is planned to fail, never left out (``_failed_plan``).
+        self._offered: list[tuple[RequestState, int, int]] = []
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
         self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
             maxlen=4
@@ -344,6 +347,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
             self._drop_pins(st.req_id)  # vLLM took none of the offer
         else:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
+            self._offered.append((st, *st.pending_load))  # until the step's plan holds its load
             if self.cfg.async_load:
                 begin, end = st.pending_load
                 self._admission.admit(st.req_id, num_external_tokens, self._keys_between(st, begin, end))
@@ -390,7 +394,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                 st.block_ids = list(new.block_ids[0])
                 steps.append((st, new.num_computed_tokens))
             cached = so.scheduled_cached_reqs
-            resumed = cached.resumed_req_ids
+            # vLLM 0.34 sends a resumed request in full among the new ones (no such field).
+            resumed = getattr(cached, "resumed_req_ids", None) or ()
             for i, req_id in enumerate(cached.req_ids):
                 st = self._reqs.get(req_id)
                 if st is None:
@@ -433,10 +438,15 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                     st.present = None
                     st.pending_load = None
                     st.block_ids = []
-        except Exception:  # never raise into vLLM's scheduler; a lost plan is a cache miss
-            logger.exception("Maru: planning this step's loads and stores failed; skipping them")
-            meta = MaruConnectorMetadata()
+        except Exception:  # never raise into vLLM's scheduler
+            logger.exception(
+                "Maru: planning this step's loads and stores failed; the %d loads vLLM accepted this "
+                "step are failed (vLLM recomputes them), nothing is stored",
+                len(self._offered),
+            )
+            meta = self._failed_plan()
             record = []
+        self._offered = []
         self._recent.append(record)
         if self.pins is not None:
             self.pins.flush(self._client)  # the sets dropped since the last step: one UNPIN
@@ -449,6 +459,24 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
             meta.scheduled_cpu = cpu_stamp()
             if meta.prefill and thread_census.enabled():
                 meta.scheduled_threads = thread_census.snapshot()
+        return meta
+
+    def _failed_plan(self) -> MaruConnectorMetadata:
+        """The plan of a step whose planning raised. vLLM counts the tokens it accepted from this
+        step's offers as computed: a plan without their loads would run the requests on KV never
+        placed. Each accepted load is planned with a chunk under an impossible key instead, which
+        the workers fail, so vLLM recomputes those tokens (or, where it cannot, ends the request
+        with an error). Nothing is stored."""
+        meta = MaruConnectorMetadata()
+        for st, begin, end in self._offered:
+            lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
+            st.pending_load = None
+            self._drop_pins(st.req_id)  # what the offer pinned is not read
+            if self.cfg.async_load:
+                meta.async_loads.append(lt)
+                st.async_blocks = lt.placed_block_ids(self.block_size)
+            else:
+                meta.loads.append(lt)
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:

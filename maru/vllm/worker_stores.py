@@ -51,15 +51,9 @@ class WorkerStores:
             kind = kind_of_step(kind, stores_now, beside)
         # The forward is queued: its end, before Maru queues more.
         self.step_clock.ended(kind, *((meta.step_tokens, meta.prefill) if meta is not None else ()))
-        try:
-            # The layer load must be complete (and its failures known) before this step's stores
-            # are filtered, and before the step ends.
-            unwaited = self.stats.layer_loads_unwaited
-            self._finish_layer_load()
-            if not unwaited and self.stats.layer_loads_unwaited:  # the first: maru doctor shows it
-                self._report_paths()
-        except Exception:
-            logger.exception("Maru: finishing the layer-by-layer load failed")
+        # The layer load must be complete (and its failures known) before this step's stores are
+        # filtered, and before the step ends (a no-op where ``finish_forward`` did it).
+        self.finish_layer_load()
         if meta is not None and self.cfg.async_store:
             # Before anything can fail: the scheduler delays the free of every request it planned
             # a store for, whatever becomes of the store here (dropped, failed, connector off).
@@ -71,6 +65,18 @@ class WorkerStores:
         except Exception:  # never raise into vLLM; a lost store is a future cache miss
             self.stats.store_failures += sum(len(rt.chunks) for rt in meta.stores)
             logger.exception("Maru: storing failed unexpectedly; those chunks stay uncached")
+
+    def finish_layer_load(self) -> None:
+        """The step's layer load finished, its failures in this step's load errors. Idempotent:
+        from ``wait_for_save``, and before it from vLLM's ``finish_forward`` where vLLM reads the
+        step's load errors before ``wait_for_save`` (``MaruKVConnector.finish_forward``)."""
+        try:
+            unwaited = self.stats.layer_loads_unwaited
+            self._finish_layer_load()
+            if not unwaited and self.stats.layer_loads_unwaited:  # the first: maru doctor shows it
+                self._report_paths()
+        except Exception:
+            logger.exception("Maru: finishing the layer-by-layer load failed")
 
     @timed_part("wait_for_save/layer_finish")
     def _finish_layer_load(self) -> None:

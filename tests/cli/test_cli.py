@@ -92,6 +92,17 @@ def test_doctor_optional_checks_report_kv_ops_backend_and_vllm_version() -> None
         assert found[1] in v.detail
 
 
+def test_doctor_warns_of_a_vllm_release_maru_never_ran_on_and_names_the_fix(monkeypatch) -> None:
+    ctx = doctor.DoctorContext(quick=True)
+    monkeypatch.setattr(doctor, "vllm_version", lambda: ("vllm", "0.34.0"))
+    v = doctor.check_vllm(ctx)
+    assert v.status == doctor.WARN and "vLLM 0.34.0 has not run with Maru" in v.detail
+    assert "0.26, 0.32" in v.detail and "install a tested release" in v.fix
+    for tested in ("0.32.0", "0.26.0+cu130", "0.32.1"):
+        monkeypatch.setattr(doctor, "vllm_version", lambda t=tested: ("vllm", t))
+        assert doctor.check_vllm(ctx).status == doctor.SKIP  # tested: only the import is skipped
+
+
 def test_doctor_probes_cuda_registration_of_the_pool_or_says_why_not(maru_server: ServerProcess) -> None:
     ctx = doctor.DoctorContext(url=maru_server.url)
     assert doctor.check_cuda_registration(ctx).status == doctor.SKIP  # before the server check

@@ -349,6 +349,42 @@ def test_worker_overlap_load_waits_per_layer_and_reports_a_missing_chunk_after_t
         stop_worker(w)
 
 
+def test_a_layer_loads_failures_are_known_at_the_forwards_end_before_wait_for_save(
+    server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34 with a speculative decoder reads a step's load errors right after the forward
+    (``finish_forward``) and calls ``wait_for_save`` only after the drafter: a layer that failed
+    under the forward must be in that read, once (``finish_layer_load`` is idempotent)."""
+    pytest.importorskip("vllm")
+    from maru.vllm.metadata import MaruConnectorMetadata
+
+    src = case("kv_first", "HND", 15)
+    ok = request("finish-late", [5, 9, 1, 3], 2 * CHUNK)
+    plain_engine(src, client).store([ok])
+    dok = RequestTransfer(ok.req_id, (0, 2, 4, 6), ok.chunks)
+    w = worker(server, case("kv_first", "HND", 16), overlap_load_with_compute=True)
+    try:
+        real = w.engine.path.place_layer
+
+        def place(obj: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+            if layer == 1:
+                raise RuntimeError("kernel fault")
+            real(obj, slots, layer)
+
+        monkeypatch.setattr(w.engine.path, "place_layer", place)
+        meta = MaruConnectorMetadata(loads=[dok])
+        w.start_load_kv(meta)
+        for i in range(3):
+            w.wait_for_layer_load(NAMES[i])
+        assert w.stats.load_errors == 0  # failed under the forward: not known before its end
+        w.finish_layer_load()  # the forward's end (finish_forward)
+        assert w.get_block_ids_with_load_errors() == set(dok.block_ids)
+        w.wait_for_save(meta)  # after the drafter: nothing more to report
+        assert w.get_block_ids_with_load_errors() == set() and w.stats.load_errors == 1
+    finally:
+        stop_worker(w)
+
+
 def _overlap_setup(
     server: ServerProcess, client: MaruHandler, tag: str, seed: int
 ) -> tuple[Any, CacheCase, CacheCase, CacheCase, RequestTransfer, RequestTransfer]:

@@ -105,6 +105,14 @@ def cached_out(
     )
 
 
+def as_v034(out: SimpleNamespace) -> SimpleNamespace:
+    """``out`` as vLLM 0.34 shapes a step: ``scheduled_cached_reqs`` has no ``resumed_req_ids`` (a
+    resumed request is sent in full among the new ones, as ``new_out`` builds it)."""
+    cached = SimpleNamespace(**vars(out.scheduled_cached_reqs))
+    del cached.resumed_req_ids
+    return SimpleNamespace(**{**vars(out), "scheduled_cached_reqs": cached})
+
+
 def blocks_obj(ids: list[int]) -> SimpleNamespace:
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 

@@ -168,11 +168,35 @@ def test_on_the_v2_model_runner_without_offer_pins_a_synchronous_connector_loads
 
 
 def test_on_the_v1_model_runner_synchronous_loads_stay_in_the_step_that_computes(server) -> None:
-    for v2 in (False, None):  # None: a vLLM without the V2 runner (no such attribute)
+    # None: no such attribute, in a vLLM that has the V1 runner (before the V2 one came).
+    for v2 in (False, None):
         conn = scheduler_side(server, v2)
         assert not conn.maru_config.async_load and conn.maru_stats()["fallbacks"] == []
         _, offer = offer_of_a_stored_prompt(server, conn, seed=32)
         assert offer == (288, False)
+
+
+def test_a_vllm_with_only_the_v2_runner_and_no_flag_gets_the_v2_protocol_and_no_advice_to_use_v1(
+    server, monkeypatch
+) -> None:
+    # vLLM 0.34 removed the V1 runner and ``use_v2_model_runner`` with it (and refuses to start with
+    # VLLM_USE_V2_MODEL_RUNNER=0): a missing flag there must not read as the V1 runner.
+    from maru.vllm import model_runner
+
+    monkeypatch.setattr(model_runner, "has_v1_runner", lambda: False)
+    vc = vllm_config(server.url, None)
+    assert not hasattr(vc, "use_v2_model_runner")
+    assert "only one" in (same_step_load_failures_unrecoverable(vc) or "")
+    conn = MaruKVConnector(vc, KVConnectorRole.SCHEDULER)
+    try:
+        said = conn.maru_stats()["load_failures_fail"]
+        assert "vLLM issue #49250" in said and vc.kv_transfer_config.kv_load_failure_policy == "fail"
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in said and "maru_async_load=true" in said
+    finally:
+        conn.shutdown()
+    switched = MaruConnectorConfig(kv_chunk_tokens=C).loading_before_the_request_runs("test")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in switched.fallbacks[0]
+    assert "maru_async_load=true" in switched.fallbacks[0]
 
 
 def test_layer_overlap_and_an_unknown_runner_also_load_before_the_request_runs(server) -> None:
@@ -311,3 +335,56 @@ def test_the_scheduler_side_connects_and_reports_at_engine_start_before_any_requ
     assert down.maru_scheduler is not None and down.maru_scheduler.probe_view() == {
         "probe_path": "no server connection"
     }
+
+
+def test_a_plan_that_failed_makes_the_worker_report_every_accepted_loads_blocks_failed(
+    server, monkeypatch
+) -> None:
+    """The scheduler side's plan of a step whose planning raised (``_failed_plan``) is carried out
+    by a real worker: every block of the accepted load is reported failed, so vLLM recomputes it
+    (never runs on blocks nobody wrote)."""
+    conn = scheduler_side(server, False)
+    worker = worker_side(server, False)
+    try:
+        r, offer = offer_of_a_stored_prompt(server, conn, seed=38)
+        assert offer == (288, False)
+        conn.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+        sched = conn.maru_scheduler
+        assert sched is not None
+
+        def broken() -> None:
+            raise RuntimeError("a bug in planning")
+
+        monkeypatch.setattr(sched, "_pin_step_loads", broken)
+        meta = conn.build_connector_meta(new_out("a", list(range(10)), 288, 12))
+        w = worker.maru_worker
+        assert w is not None
+        w.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set(range(9))
+        assert w.stats.load_errors == 1
+    finally:
+        worker.shutdown()
+        conn.shutdown()
+
+
+def test_finish_forward_finishes_the_layer_load_only_where_vllm_reads_errors_before_wait_for_save(
+    server,
+) -> None:
+    """With a speculative decoder (vLLM 0.34 reads the step's load errors before ``wait_for_save``)
+    the layer load is finished at the forward's end; otherwise ``wait_for_save`` does it, as before
+    (finishing earlier would make the host wait before vLLM queued its sampling)."""
+    calls: list[str] = []
+    worker = SimpleNamespace(finish_layer_load=lambda: calls.append("finish"))
+    for speculative, expected in ((None, []), (SimpleNamespace(num_speculative_tokens=2), ["finish"])):
+        cfg = vllm_config(server.url, False)
+        cfg.speculative_config = speculative
+        cfg.compilation_config = SimpleNamespace(static_forward_context={})
+        conn = MaruKVConnector(cfg, KVConnectorRole.WORKER)
+        try:
+            conn._worker, real = worker, conn._worker  # the facade's decision only
+            calls.clear()
+            conn.finish_forward()
+            assert calls == expected
+        finally:
+            conn._worker = real
+            conn.shutdown()

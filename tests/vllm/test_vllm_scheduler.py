@@ -26,6 +26,7 @@ from tests.vllm.helpers import (
     BS,
     C,
     CountingClient,
+    as_v034,
     blocks_obj,
     cached_out,
     empty_out,
@@ -238,6 +239,60 @@ def test_a_decoding_request_plans_nothing_and_its_resume_uses_the_resumed_block_
     (lt,) = meta.loads
     assert list(lt.block_ids) == table  # the resumed table, not the old one with decode blocks
     assert [c.key for c in lt.chunks] == [*full, tail] and not meta.stores
+
+
+def test_vllm_034s_steps_without_resumed_ids_plan_the_same_loads_and_stores(server, keyer, client) -> None:
+    """vLLM 0.34 dropped ``resumed_req_ids`` and sends a resumed request in full among the new
+    ones: the same request, decoding then preempted and resumed, is planned as on vLLM 0.32."""
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=13)
+    full, tail = stored_keys_of(s, toks)
+    r = req("a", toks)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, blocks_obj(list(range(10))), 0)
+    meta = s.build_connector_meta(as_v034(new_out("a", list(range(10)), 0, 300)))
+    assert [c.key for rt in meta.stores for c in rt.chunks] == [*full, tail]
+    for step, blocks in enumerate(([10], None)):
+        meta = s.build_connector_meta(as_v034(cached_out("a", blocks, 300 + step, 1)))
+        assert not meta.stores and not meta.loads
+    publish(server, [*full, tail])
+    s.build_connector_meta(as_v034(cached_out("x", None, 0, 0, preempted={"a"})))
+    assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+    table = list(range(20, 31))
+    s.update_state_after_alloc(r, blocks_obj(table), 288)
+    meta = s.build_connector_meta(as_v034(new_out("a", table, 288, 15)))
+    (lt,) = meta.loads
+    assert list(lt.block_ids) == table and [c.key for c in lt.chunks] == [*full, tail] and not meta.stores
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+def test_a_step_whose_planning_fails_fails_every_load_vllm_accepted_instead_of_dropping_it(
+    server, keyer, client, monkeypatch, async_load: bool
+) -> None:
+    """vLLM counts accepted offers as computed: a lost plan must not leave them unloaded (the model
+    would run on blocks never written). Each is planned to fail, so vLLM recomputes it."""
+    s = make_sched(server, keyer, client, async_load=async_load, async_min_load_tokens=1)
+    toks = tokens(300, seed=14)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+    r = req("a", toks)
+    assert s.get_num_new_matched_tokens(r, 0) == (288, async_load)
+    s.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in planning")
+
+    monkeypatch.setattr(s, "_pin_step_loads", broken)  # the first thing a plan does
+    out = empty_out() if async_load else new_out("a", list(range(10)), 288, 12)
+    meta = s.build_connector_meta(out)
+    (lt,) = meta.async_loads if async_load else meta.loads
+    assert not (meta.loads if async_load else meta.async_loads) and not meta.stores
+    assert [(c.key, c.start, c.num_tokens) for c in lt.chunks] == [("", 0, 288)]
+    assert lt.placed_block_ids(BS) == set(range(9))  # every block the offer covered is reported
+    # The next step plans normally again: nothing of the failed step is left to fail.
+    monkeypatch.undo()
+    meta = s.build_connector_meta(empty_out())
+    assert not meta.loads and not meta.async_loads
 
 
 def test_a_failed_load_replans_the_stores_of_that_step(server, keyer, client) -> None:
