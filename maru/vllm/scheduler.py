@@ -146,6 +146,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                 self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
                 self.stats.requests_frozen += 1
         self.stats.cache_resets += 1
+        self._reported_path = None  # report again, with the epoch (``maru stats``)
+        self._report_path()
         logger.warning(
             "Maru: vLLM reset its caches and the connector's (a weight update, a sleep or "
             "reset_prefix_cache(reset_connector=True)): this engine's keys move to epoch %s (%s...). It "

@@ -15,6 +15,7 @@ from typing import Any
 from maru.client.gil_io import slow_note
 from maru.vllm import thread_census
 from maru.vllm.config import MaruConnectorConfig, reply_wait_mode
+from maru.vllm.keys import ChunkKeyer
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.sampled_profile import slow_note as profiling_note
 
@@ -28,6 +29,7 @@ class SchedulerClient:
 
     # Set by MaruSchedulerConnector.__init__ (or its other mixins).
     cfg: MaruConnectorConfig
+    keyer: ChunkKeyer
     load_sharing: str
     offer_pins_mode: str
     at_offer_note: str | None
@@ -98,6 +100,8 @@ class SchedulerClient:
                         "async_load_sharing": self.load_sharing,
                         "offer_pins": self.offer_pins_mode,
                         "reply_wait": reply_wait_mode(getattr(self._client, "reply_waits", {})),
+                        # After vLLM reset the connector's cache: shares only with itself.
+                        "key_epoch": self.keyer.space.epoch or "none (never reset)",
                     },
                     "slow": local.slow()
                     + [

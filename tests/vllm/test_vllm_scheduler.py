@@ -589,6 +589,7 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
                     "async_load_sharing": s.load_sharing,
                     "offer_pins": s.offer_pins_mode,
                     "reply_wait": "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores); sends and reads keep the GIL",
+                    "key_epoch": "none (never reset)",
                 }
                 assert s.offer_pins_mode.startswith("off")  # hold_offers is the connector's to give
                 assert info["slow"] == [] and s.load_sharing.startswith("n/a")
@@ -600,6 +601,10 @@ def test_the_scheduler_reports_how_its_probes_reach_the_pool_to_the_server(
             assert s.probe_view()["probe_path"] == info["paths"]["exists"]
             # How its replies were waited for is in the view (this client blocks: no polling).
             assert s.probe_view()["reply_waits"] == h.reply_waits and h.reply_waits["spin_us"] == 0
+            # A reset of the connector's cache (a weight update) is reported with its key epoch.
+            s.reset_cache()
+            (info,) = _scheduler_infos(srv.url)
+            assert info["paths"]["key_epoch"] == s.keyer.space.epoch != ""
         finally:
             h.close()
 
