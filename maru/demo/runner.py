@@ -9,7 +9,7 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
 - ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8}`` ->
   ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``; with
   ``"logprobs": k`` also ``"logprobs"``: per output, per position, ``[[id, logprob], ...]``
-  best first
+  best first; ``"cache_salt": "..."`` gives every prompt vLLM's per-request cache salt
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
 - ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first; with
@@ -241,7 +241,8 @@ def serve(spec: dict[str, Any]) -> None:
                     ignore_eos=True,
                     logprobs=cmd.get("logprobs"),
                 )
-                prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+                salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
+                prompts = [TokensPrompt(prompt_token_ids=list(p), **salt) for p in cmd["prompts"]]
                 t = time.perf_counter()
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 dt = time.perf_counter() - t

@@ -42,11 +42,18 @@ class ChunkKeyCache:
         self.hashed = 0  # chunks hashed (not remembered, or no usable block hashes)
 
     def prompt_keys(
-        self, prompt: Sequence[int], block_hashes: Sequence[Any] | None, num_tokens: int
+        self,
+        prompt: Sequence[int],
+        block_hashes: Sequence[Any] | None,
+        num_tokens: int,
+        salt: str | None = None,
     ) -> PromptKeys:
         """The keys of every full chunk of ``prompt``. ``block_hashes``: vLLM's, of the request's
-        ``num_tokens`` tokens (the prompt, and any output after it); None or inconsistent: hash all."""
+        ``num_tokens`` tokens (the prompt, and any output after it); None or inconsistent: hash all.
+        ``salt``: the request's ``cache_salt`` (a salted request's digests are remembered under the
+        salt too: whatever vLLM puts in its hashes, one salt's keys never stand for another's)."""
         keyer = self.keyer
+        root = keyer.root_for(salt)
         n = len(prompt) // keyer.chunk_tokens
         bpc = self.blocks_per_chunk
         usable = block_hashes is not None and len(block_hashes) == num_tokens // self.block_size
@@ -56,21 +63,22 @@ class ChunkKeyCache:
             digests = self._digests
             for c in range(n):
                 bh = block_hashes[(c + 1) * bpc - 1]
-                d = digests.get(bh)
+                d = digests.get((salt, bh) if salt else bh)
                 if d is None:
                     break
-                digests.move_to_end(bh)  # recently used: kept longest
+                digests.move_to_end((salt, bh) if salt else bh)  # recently used: kept longest
                 chain.append(d)
         self.hits += len(chain)
         if len(chain) < n:
-            parent = chain[-1] if chain else keyer.root
+            parent = chain[-1] if chain else root
             new = keyer.chain_digests(prompt, len(chain), n, parent)
             self.hashed += len(new)
             if usable:
                 assert block_hashes is not None
                 for c, d in enumerate(new, start=len(chain)):
-                    self._digests[block_hashes[(c + 1) * bpc - 1]] = d
+                    bh = block_hashes[(c + 1) * bpc - 1]
+                    self._digests[(salt, bh) if salt else bh] = d
                 while len(self._digests) > self.capacity:
                     self._digests.popitem(last=False)
             chain += new
-        return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=keyer.root)
+        return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=root)

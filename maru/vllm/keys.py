@@ -8,7 +8,10 @@ token's K and V depend on every token before it. Keys are chained:
     tail  = blake2b(b"T" + h[i-1] + the first n tokens of chunk i,  16 bytes)
 
 so computing every key of a prompt is linear in its length, and two prompts share the key of
-chunk i exactly when they share every token up to the end of chunk i. A *tail* key names a
+chunk i exactly when they share every token up to the end of chunk i. A request with vLLM's
+``cache_salt`` (per-request isolation of the prefix cache, e.g. per tenant) starts its chain at
+``blake2b(b"S" + h[-1] + salt)`` instead (``ChunkKeyer.root_for``): it shares keys only with
+requests of the same salt, as in vLLM's own prefix cache. A *tail* key names a
 partial chunk (the block-aligned end of one prompt, ``n < chunk_tokens`` tokens); the domain
 bytes ``C``/``T`` keep a tail of ``chunk_tokens`` tokens from ever equalling a full chunk key.
 
@@ -136,14 +139,26 @@ class ChunkKeyer:
         self._root = space.digest()
         self._prefix = space.prefix()
 
-    def prompt_keys(self, token_ids: Sequence[int], num_chunks: int | None = None) -> PromptKeys:
-        """Keys of the first ``num_chunks`` full chunks (default: every full chunk of ``token_ids``)."""
+    def prompt_keys(
+        self, token_ids: Sequence[int], num_chunks: int | None = None, salt: str | None = None
+    ) -> PromptKeys:
+        """Keys of the first ``num_chunks`` full chunks (default: every full chunk of ``token_ids``),
+        of a request with vLLM's ``cache_salt`` ``salt`` (None or empty: none)."""
         ct = self.chunk_tokens
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
-        chain = self.chain_digests(token_ids, 0, n, self._root)
-        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=self._root)
+        root = self.root_for(salt)
+        chain = self.chain_digests(token_ids, 0, n, root)
+        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=root)
+
+    def root_for(self, salt: str | None) -> bytes:
+        """The chain's start for a request with vLLM's ``cache_salt`` ``salt``: the key space's digest
+        without one; with one, a digest of both (no salted chain meets an unsalted one or another
+        salt's)."""
+        if not salt:
+            return self._root
+        return _digest(b"S" + self._root, salt.encode())
 
     def chain_key(self, digest: bytes) -> str:
         """The chunk key of a chain digest."""

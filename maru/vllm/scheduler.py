@@ -216,7 +216,12 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
     @timed_step("keys", "get_num_new_matched_tokens")
     def _keys(self, request: Any, prompt: list[int]) -> PromptKeys:
         kc = self._key_cache
-        keys = kc.prompt_keys(prompt, getattr(request, "block_hashes", None), int(request.num_tokens))
+        keys = kc.prompt_keys(
+            prompt,
+            getattr(request, "block_hashes", None),
+            int(request.num_tokens),
+            salt=getattr(request, "cache_salt", None),  # vLLM's per-request isolation
+        )
         self.stats.keys_remembered, self.stats.keys_hashed = kc.hits, kc.hashed
         return keys
 

@@ -4,7 +4,7 @@ After a reset the engine may run other weights: it must never offer what was sto
 KV would be another model's), never store a request alive across the reset (its KV may be mixed),
 and what it stores afterwards must be invisible to an instance that did not reset, while the
 others keep loading what they stored. Driven step by step against a real server, as
-test_vllm_scheduler.py; real vLLM does the same in tests/e2e/test_vllm_reset_e2e.py.
+test_vllm_scheduler.py; real vLLM does the same in tests/e2e/test_vllm_isolation_e2e.py.
 """
 
 from __future__ import annotations

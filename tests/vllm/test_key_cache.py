@@ -123,3 +123,24 @@ def test_the_cache_stays_within_its_capacity_and_keeps_the_recent_ones() -> None
 def test_a_chunk_that_is_not_whole_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="not whole blocks"):
         ChunkKeyCache(ChunkKeyer(SPACE), 48)
+
+
+def test_salted_requests_get_their_salts_keys_even_where_vllms_hashes_ignore_the_salt() -> None:
+    """vLLM's ``cache_salt`` isolates requests (tenants): a salted request's keys are the keyer's for
+    its salt, never another salt's or the unsalted ones, also when the block hashes it brings are
+    the same (a vLLM whose hashes did not include the salt) and the cache holds the others."""
+    rng = random.Random(7)
+    keyer = ChunkKeyer(SPACE)
+    cache = ChunkKeyCache(keyer, BLOCK)
+    prompt = rand_tokens(rng, 4 * 64 + 20)
+    same_hashes = block_hashes(prompt)
+    seen: dict[str | None, list[str]] = {}
+    for _ in range(2):  # the second round: every digest remembered
+        for salt in (None, "tenant-a", "tenant-b"):
+            got = cache.prompt_keys(prompt, same_hashes, len(prompt), salt=salt)
+            want = keyer.prompt_keys(prompt, salt=salt)
+            assert got.full == want.full and got.root == want.root == keyer.root_for(salt)
+            assert seen.setdefault(salt, got.full) == got.full
+    assert cache.hits == 3 * 4 and cache.hashed == 3 * 4
+    keys = list(seen.values())
+    assert all(not set(a) & set(b) for i, a in enumerate(keys) for b in keys[i + 1 :])

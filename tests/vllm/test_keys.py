@@ -125,6 +125,23 @@ def test_an_empty_epoch_keeps_the_digest_of_the_fields_before_it_existed() -> No
     assert dataclasses.replace(SPACE, epoch="e1").digest() != SPACE.digest()
 
 
+def test_a_cache_salt_starts_its_own_chain_as_documented() -> None:
+    import hashlib
+
+    toks = _tokens(200)
+    keyer = ChunkKeyer(SPACE)
+    assert keyer.prompt_keys(toks, salt=None).full == keyer.prompt_keys(toks, salt="").full
+    assert keyer.prompt_keys(toks).full == keyer.prompt_keys(toks, salt=None).full
+    a, b = keyer.prompt_keys(toks, salt="a"), keyer.prompt_keys(toks, salt="b")
+    assert not set(a.full) & set(b.full) and not set(a.full) & set(keyer.prompt_keys(toks).full)
+    # blake2b(b"S" + namespace digest + salt, 16 bytes), then the chain as without a salt.
+    root = hashlib.blake2b(b"S" + SPACE.digest() + b"a", digest_size=16).digest()
+    assert a.root == keyer.root_for("a") == root
+    assert a.chain == keyer.chain_digests(toks, 0, len(a.full), root)
+    # A tail after a salted chunk depends on the salt too (its parent is the salted chain).
+    assert keyer.tail_key(a.parent(1), toks[64:90]) != keyer.tail_key(b.parent(1), toks[64:90])
+
+
 def test_chunk_size_changes_every_key() -> None:
     toks = _tokens(256)
     k64 = ChunkKeyer(SPACE).prompt_keys(toks).full

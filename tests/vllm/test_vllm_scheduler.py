@@ -295,6 +295,31 @@ def test_a_step_whose_planning_fails_fails_every_load_vllm_accepted_instead_of_d
     assert not meta.loads and not meta.async_loads
 
 
+def test_a_salted_request_is_offered_only_what_was_stored_under_its_salt(server, keyer, client) -> None:
+    """vLLM's ``cache_salt`` keeps tenants' prefix caches apart: so do their Maru keys."""
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=15)
+    full, tail = stored_keys_of(s, toks)
+    publish(server, full + [tail])
+
+    def salted(rid: str, salt: str | None) -> SimpleNamespace:
+        r = req(rid, toks)
+        r.cache_salt = salt
+        return r
+
+    x = salted("x", "tenant-x")
+    assert s.get_num_new_matched_tokens(x, 0) == (0, False)  # the same tokens, stored unsalted
+    s.update_state_after_alloc(x, blocks_obj(list(range(10))), 0)
+    meta = s.build_connector_meta(new_out("x", list(range(10)), 0, 300))
+    keys = [c.key for rt in meta.stores for c in rt.chunks]
+    assert keys[:4] == keyer.prompt_keys(toks, salt="tenant-x").full and len(keys) == 5
+    assert not set(keys) & set(full + [tail])
+    publish(server, keys)
+    assert s.get_num_new_matched_tokens(salted("y", "tenant-x"), 0) == (288, False)
+    assert s.get_num_new_matched_tokens(salted("z", "tenant-z"), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(salted("p", None), 0) == (288, False)
+
+
 def test_a_failed_load_replans_the_stores_of_that_step(server, keyer, client) -> None:
     s = make_sched(server, keyer, client)
     toks = tokens(300, seed=9)

