@@ -14,6 +14,7 @@ Load it with::
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,29 @@ def _label_rank(rank: int) -> None:
             h.setFormatter(_formatter(f"maru rank {rank}"))
 
 
+def compute_overrides(mc: Any, kv_dtype: str) -> str:
+    """What makes this engine's KV differ from another's of the same checkpoint (model id and
+    revision), as canonical JSON; "" when nothing does. Weight quantization (``quantization``,
+    ``quantization_config``), vLLM's ``hf_overrides`` (a RoPE scaling changes every K), and the
+    model's dtype where the KV cache has a dtype of its own (an fp8 cache of a bf16 and of an fp16
+    model holds different values). A callable ``hf_overrides`` counts by its qualified name."""
+    parts: dict[str, Any] = {}
+    for name in ("quantization", "quantization_config"):
+        value = getattr(mc, name, None)
+        if value:
+            parts[name] = value
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):
+        parts["hf_overrides"] = (
+            f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+        )
+    elif overrides:
+        parts["hf_overrides"] = overrides
+    if str(mc.dtype) != kv_dtype:
+        parts["model_dtype"] = str(mc.dtype)
+    return json.dumps(parts, sort_keys=True, default=str) if parts else ""
+
+
 def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
     """The key namespace of this engine: everything that makes its KV bytes differ."""
     mc = vllm_config.model_config
@@ -145,6 +169,7 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
         tp_rank=0,  # ranks are told apart by a per-rank key suffix (see keys.rank_keys)
         tp_size=int(pc.tensor_parallel_size),
         tenant=cfg.namespace,
+        compute=compute_overrides(mc, kv_dtype),
     )
 
 

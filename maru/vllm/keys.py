@@ -21,8 +21,9 @@ hosts and ``PYTHONHASHSEED`` values.
 The namespace covers everything that makes the stored bytes differ for the same tokens:
 model id and revision, KV dtype, number of layers, KV heads, head size, chunk tokens,
 tensor-parallel rank and size (each rank stores its own head shard), the stored format's
-version, an optional tenant namespace, and the engine's key epoch (empty until vLLM resets the
-connector's cache: see ``KeySpace.epoch``). Block size and the attention backend's layout are
+version, an optional tenant namespace, what the engine computes KV with beyond the checkpoint
+(``KeySpace.compute``), and the engine's key epoch (empty until vLLM resets the connector's cache:
+see ``KeySpace.epoch``). Block size and the attention backend's layout are
 deliberately *not* in it: stored bytes are canonical (``[L, 2, T, NH*HS]``, token-major), so
 instances with different block sizes or backends of the same model share one cache.
 """
@@ -89,14 +90,19 @@ class KeySpace:
     # so this engine's keys from then on match nothing stored before (``MaruSchedulerConnector.
     # reset_cache``). Empty: the keys every engine of the same model derives at start.
     epoch: str = ""
+    # What the engine computes KV with beyond the checkpoint that ``model`` and ``revision`` name:
+    # weight quantization, vLLM's ``hf_overrides`` (a RoPE scaling, say), the model's dtype where
+    # the KV cache has its own (``maru.vllm.connector.compute_overrides``). Empty: none.
+    compute: str = ""
 
     def digest(self) -> bytes:
         """sha256 of the fields as canonical JSON (sorted keys): stable across processes and hosts.
-        An empty ``epoch`` is left out, so the keys of an engine that never reset are those it had
-        before the field existed."""
+        An empty ``epoch`` or ``compute`` is left out, so the keys of an engine with neither are
+        those it had before the fields existed."""
         fields = asdict(self)
-        if not fields["epoch"]:
-            del fields["epoch"]
+        for optional in ("epoch", "compute"):
+            if not fields[optional]:
+                del fields[optional]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 
