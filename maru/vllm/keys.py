@@ -92,7 +92,7 @@ class KeySpace:
     epoch: str = ""
     # What the engine computes KV with beyond the checkpoint that ``model`` and ``revision`` name:
     # weight quantization, vLLM's ``hf_overrides`` (a RoPE scaling, say), the model's dtype where
-    # the KV cache has its own (``maru.vllm.connector.compute_overrides``). Empty: none.
+    # the KV cache has its own (``maru.vllm.engine_config.compute_overrides``). Empty: none.
     compute: str = ""
 
     def digest(self) -> bytes:

@@ -44,7 +44,7 @@ P5, P6 = (
 
 
 def key_space(model_dir: str, dtype: str = "torch.float32") -> KeySpace:
-    # What the connector derives from vLLM's config for this model (see maru.vllm.connector.key_space).
+    # What the connector derives from vLLM's config for this model (see maru.vllm.engine_config.key_space).
     return KeySpace(
         model=model_dir,
         revision="",

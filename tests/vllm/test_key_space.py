@@ -1,4 +1,4 @@
-"""The key space an engine derives from vLLM's config (``maru.vllm.connector.key_space``): whatever
+"""The key space an engine derives from vLLM's config (``maru.vllm.engine_config.key_space``): whatever
 makes its KV differ from another engine's for the same tokens must give other keys; nothing else
 may (instances of one model must share)."""
 
@@ -14,7 +14,7 @@ from maru.vllm.keys import ChunkKeyer, KeySpace
 
 pytest.importorskip("vllm")
 
-from maru.vllm.connector import key_space  # noqa: E402
+from maru.vllm.engine_config import key_space  # noqa: E402
 
 TOKENS = list(range(3, 300))
 

@@ -104,6 +104,7 @@ def test_only_full_chunks_get_chunk_keys() -> None:
         ("tenant", "team-a"),
         ("format_version", "maru-kv-L2TD-v2"),
         ("epoch", "3f2a"),
+        ("compute", '{"quantization":"fp8"}'),
     ],
 )
 def test_every_namespace_field_changes_every_key(field: str, value: object) -> None:
@@ -113,16 +114,18 @@ def test_every_namespace_field_changes_every_key(field: str, value: object) -> N
     assert not set(ka) & set(kb)
 
 
-def test_an_empty_epoch_keeps_the_digest_of_the_fields_before_it_existed() -> None:
-    # The keys of an engine that never reset its cache must stay those stored before the epoch
-    # field was added: the digest of the other fields, computed here independently.
+def test_empty_optional_fields_keep_the_digest_of_the_fields_before_they_existed() -> None:
+    # The keys of an engine that never reset its cache and computes as its checkpoint does must
+    # stay those stored before ``epoch`` and ``compute`` were added: the digest of the other
+    # fields, computed here independently.
     import hashlib
 
-    fields = {k: v for k, v in dataclasses.asdict(SPACE).items() if k != "epoch"}
+    fields = {k: v for k, v in dataclasses.asdict(SPACE).items() if k not in ("epoch", "compute")}
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    assert SPACE.epoch == ""
+    assert SPACE.epoch == SPACE.compute == ""
     assert SPACE.digest() == hashlib.sha256(blob).digest()
     assert dataclasses.replace(SPACE, epoch="e1").digest() != SPACE.digest()
+    assert dataclasses.replace(SPACE, compute='{"quantization":"fp8"}').digest() != SPACE.digest()
 
 
 def test_a_cache_salt_starts_its_own_chain_as_documented() -> None:

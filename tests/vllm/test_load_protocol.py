@@ -28,7 +28,8 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
-from maru.vllm.connector import MaruKVConnector, same_step_load_failures_unrecoverable  # noqa: E402
+from maru.vllm.connector import MaruKVConnector  # noqa: E402
+from maru.vllm.engine_config import same_step_load_failures_unrecoverable  # noqa: E402
 
 server = module_server("protocol", pool_size="16M")
 

@@ -1,0 +1,129 @@
+"""What the connector reads of vLLM's config: its key space, which model runner runs (and so what
+a failed load may do), the load-failure policy it sets, and whether this vLLM is a release Maru ran
+on. Plain functions over the config's attributes (no vLLM import), so a test builds the config from
+the few attributes they read."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from maru.versions import vllm_untested, vllm_version
+from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.keys import KeySpace
+from maru.vllm.model_runner import runs_v2_runner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("maru.vllm")
+
+
+def compute_overrides(mc: Any, kv_dtype: str) -> str:
+    """What makes this engine's KV differ from another's of the same checkpoint (model id and
+    revision), as canonical JSON; "" when nothing does. Weight quantization (``quantization``,
+    ``quantization_config``), vLLM's ``hf_overrides`` (a RoPE scaling changes every K), and the
+    model's dtype where the KV cache has a dtype of its own (an fp8 cache of a bf16 and of an fp16
+    model holds different values). A callable ``hf_overrides`` counts by its qualified name."""
+    parts: dict[str, Any] = {}
+    for name in ("quantization", "quantization_config"):
+        value = getattr(mc, name, None)
+        if value:
+            parts[name] = value
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):
+        parts["hf_overrides"] = (
+            f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+        )
+    elif overrides:
+        parts["hf_overrides"] = overrides
+    if str(mc.dtype) != kv_dtype:
+        parts["model_dtype"] = str(mc.dtype)
+    return json.dumps(parts, sort_keys=True, default=str) if parts else ""
+
+
+def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
+    """The key namespace of this engine: everything that makes its KV bytes differ."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    kv_dtype = str(mc.dtype) if cache_dtype == "auto" else cache_dtype
+    return KeySpace(
+        model=cfg.model_id or str(mc.model),
+        revision=cfg.model_revision or str(getattr(mc, "revision", None) or ""),
+        kv_dtype=kv_dtype,
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        chunk_tokens=cfg.kv_chunk_tokens,
+        tp_rank=0,  # ranks are told apart by a per-rank key suffix (see keys.rank_keys)
+        tp_size=int(pc.tensor_parallel_size),
+        tenant=cfg.namespace,
+        compute=compute_overrides(mc, kv_dtype),
+    )
+
+
+def warn_if_untested_vllm() -> None:
+    """Say once, at the scheduler side's start, where this vLLM is a release Maru never ran on."""
+    found = vllm_version()
+    untested = vllm_untested(found[1]) if found is not None else None
+    if untested is not None:
+        logger.warning("Maru: %s", untested)
+
+
+def set_load_failure_policy(vllm_config: VllmConfig, policy: str) -> None:
+    """Set what vLLM does with a request whose load failed: "recompute" its blocks, or "fail" it.
+
+    "recompute" wherever vLLM can: for a cache a failed load is an ordinary miss (vLLM's default,
+    "fail", suits a disaggregated prefill, where nobody else could compute the KV). "fail" where
+    it cannot recompute a same-step load (``MaruConnectorConfig.failing_same_step_loads``): an
+    error is better than KV that was never placed. The scheduler reads the policy right after
+    creating this connector.
+    """
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", None) == policy:
+        return
+    try:
+        ktc.kv_load_failure_policy = policy
+        logger.info("Maru: kv_load_failure_policy set to %r", policy)
+    except Exception as e:
+        logger.warning(
+            "Maru: could not set kv_load_failure_policy to %r (%s). Pass kv_load_failure_policy=%r in "
+            "--kv-transfer-config.",
+            policy,
+            e,
+            policy,
+        )
+
+
+def runner_known(vllm_config: Any) -> bool:
+    """Whether the engine says which model runner it runs (reading it raises on some platforms)."""
+    try:
+        runs_v2_runner(vllm_config)
+    except Exception:
+        return False
+    return True
+
+
+def same_step_load_failures_unrecoverable(vllm_config: Any) -> str | None:
+    """Why vLLM cannot recompute a failed load of a request it is already running; None if it can.
+
+    vLLM's V2 model runner (``vllm_config.use_v2_model_runner``; the default on GPUs for most
+    models) keeps each running request's computed-token count on the device and only ever adds
+    to it. When a load fails in the step that computes the request, the scheduler rewinds the
+    request to recompute the missing blocks, but the runner does not rewind: the recompute reads
+    tokens and positions after the prompt and the output is garbage (vLLM issue #49250, seen on
+    vLLM 0.26 with an H200). Requests that wait for their load (asynchronous protocol) are added
+    to the runner afresh after the load, from what was really placed, so they are unaffected.
+    """
+    try:
+        v2 = runs_v2_runner(vllm_config)  # vLLM 0.34 has no flag: the V2 runner is its only one
+    except Exception as e:  # cannot tell: take the protocol that is correct either way
+        return f"could not tell which vLLM model runner runs ({type(e).__name__}: {e})"
+    if not v2:
+        return None
+    return (
+        "vLLM's V2 model runner (from vLLM 0.34 its only one) does not rewind a running request whose "
+        "load failed, so its recompute would run on KV that was never placed (vLLM issue #49250)"
+    )
