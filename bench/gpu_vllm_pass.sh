@@ -5,7 +5,7 @@
 # last hook-time lines), logs.tgz (every engine's log).
 # Before: the bundle pieces p0, p1 in /tmp/vp (earlier calls, see docs/gpu.md); p2, bundle.sha256
 # and install.sh in .vllmx/ (carried). Budgets (seconds): TESTS_S (default 200), BENCH_S (300); 0 skips that part.
-# TEST_PATHS: the GPU test files to run (default tests/e2e/test_gpu_vllm_e2e.py).
+# TEST_PATHS: the GPU test files to run (default tests/e2e/test_gpu_vllm_e2e.py and the sleep-mode test).
 # Example: API_LOADS="default sync overlap async" BENCH_S=420 bash bench/gpu_vllm_pass.sh
 #          API_STORES="sync unpaced probe" API_PAIR=1 bash bench/gpu_vllm_pass.sh
 #          API_LOADS="default copied overlap overlap-copied" bash bench/gpu_vllm_pass.sh  (the layer
@@ -28,7 +28,7 @@ python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm._
 rc=0
 # SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
 [ "${TESTS_S:-200}" = 0 ] || timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
+  -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py tests/e2e/test_gpu_vllm_sleep_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
 # API_LOADS: load modes of the warm API instances (default: the default configuration only);
 # API_STORES: store variants of extra cold API instances (e.g. "sync unpaced probe"; default none);
 # API_PAIR=1: the two-instance passes (users alternate between two instances every round);

@@ -14,6 +14,8 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   ``{"seconds": ..., "cached": n, "token": id}``
 - ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first; with
   ``"reset_connector": true`` vLLM also resets the connector's cache, as a weight update does),
+- ``{"op": "sleep", "level": 1}``, ``{"op": "wake_up"}``: vLLM's sleep mode (engine setting
+  ``enable_sleep_mode``; CUDA only), the write-behind stores published first,
 - ``{"op": "scale_weights", "scale": 1.5}``: a stand-in for a weight update (an RL trainer's):
   the weights of the norms in front of every attention layer scaled in place (each layer's K and
   V change) -> ``{"scaled": n}`` (parameters changed),
@@ -84,6 +86,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
         "async_scheduling",
         "tensor_parallel_size",
         "distributed_executor_backend",
+        "enable_sleep_mode",
     ):
         if spec.get(k) is not None:
             kw[k] = spec[k]
@@ -272,6 +275,14 @@ def serve(spec: dict[str, Any]) -> None:
                 settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
                 ok = llm.reset_prefix_cache(reset_connector=bool(cmd.get("reset_connector", False)))
                 reply({"ok": bool(ok)})
+            elif op == "sleep":  # vLLM's sleep mode (engine setting enable_sleep_mode, a GPU)
+                flush_write_behind()
+                settle_delayed_frees(llm)  # blocks held for write-behind stores block the pause
+                llm.sleep(level=int(cmd.get("level", 1)))
+                reply({"ok": True})
+            elif op == "wake_up":
+                llm.wake_up()
+                reply({"ok": True})
             elif op == "scale_weights":
                 reply(
                     {"scaled": sum(llm.apply_model(functools.partial(_scale_kv_weights, scale=cmd["scale"])))}
