@@ -73,6 +73,19 @@ def stored_keys_of(sched: MaruSchedulerConnector, toks: list[int]) -> tuple[list
     return full, tail
 
 
+def stored_then_asked(
+    server: ServerProcess, sched: MaruSchedulerConnector, seed: int, rid: str = "a"
+) -> tuple[SimpleNamespace, list[str], str, tuple[int | None, bool]]:
+    """A 300-token prompt stored whole (its four chunks and tail), then asked for by request
+    ``rid``: (the request, the chunk keys, the tail key, ``sched``'s answer)."""
+    toks = tokens(300, seed=seed)
+    full, tail = stored_keys_of(sched, toks)
+    assert tail is not None
+    publish(server, full + [tail])
+    r = req(rid, toks)
+    return r, full, tail, sched.get_num_new_matched_tokens(r, 0)
+
+
 def new_out(rid: str, blocks: list[int], computed: int, scheduled: int) -> SimpleNamespace:
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)],

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from types import SimpleNamespace
 
-import pytest
-
 from maru.vllm.connector import MaruKVConnector
-from maru.vllm.keys import ChunkKeyer, KeySpace
-from tests.helpers import ServerProcess
+from maru.vllm.keys import ChunkKeyer
 from tests.pool_fixtures import module_server
 from tests.vllm.helpers import (
-    C,
-    CountingClient,
     blocks_obj,
     cached_out,
     make_sched,
@@ -30,28 +24,11 @@ from tests.vllm.helpers import (
     publish,
     req,
     stored_keys_of,
+    stored_then_asked,
     tokens,
 )
 
 server = module_server("reset", pool_size="16M")
-
-_spaces = 0
-
-
-@pytest.fixture
-def keyer() -> ChunkKeyer:
-    global _spaces
-    _spaces += 1
-    return ChunkKeyer(KeySpace(f"reset-model-{_spaces}", "", "float32", 2, 2, 32, C))
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[CountingClient]:
-    c = CountingClient(server.url)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def stored_keys(sched, rid: str, toks: list[int], blocks: list[int]) -> list[str]:
@@ -67,10 +44,9 @@ def test_after_a_reset_nothing_stored_before_is_offered_and_new_stores_use_the_n
     server, keyer, client
 ) -> None:
     s = make_sched(server, keyer, client)
-    toks = tokens(300, seed=1)
-    full, tail = stored_keys_of(s, toks)
-    publish(server, full + [tail])
-    assert s.get_num_new_matched_tokens(req("before", toks), 0) == (288, False)
+    before, full, tail, offer = stored_then_asked(server, s, seed=1, rid="before")
+    assert offer == (288, False)
+    toks = before.prompt_token_ids
 
     assert s.reset_cache() is True
     epoch = s.keyer.space.epoch

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.keys import ChunkKeyer, KeySpace
+from maru.vllm.keys import ChunkKeyer
 from maru.vllm.scheduler import MaruSchedulerConnector
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server
@@ -35,29 +34,11 @@ from tests.vllm.helpers import (
     publish,
     req,
     stored_keys_of,
+    stored_then_asked,
     tokens,
 )
 
 server = module_server("sched", pool_size="16M")
-
-_space_counter = 0
-
-
-@pytest.fixture
-def keyer() -> ChunkKeyer:
-    # A fresh namespace per test, so tests never see each other's keys on the shared server.
-    global _space_counter
-    _space_counter += 1
-    return ChunkKeyer(KeySpace(f"model-{_space_counter}", "", "float32", 2, 2, 32, C))
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[CountingClient]:
-    c = CountingClient(server.url)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_nothing_stored_offers_nothing_with_one_exists_round_trip(server, keyer, client) -> None:
@@ -212,57 +193,37 @@ def test_preempted_request_is_probed_again_and_does_not_store_twice(server, keye
     assert [c.key for rt in meta.stores for c in rt.chunks][:2] == full[2:]
 
 
+@pytest.mark.parametrize("v034", [False, True])
 def test_a_decoding_request_plans_nothing_and_its_resume_uses_the_resumed_block_table(
-    server, keyer, client
+    server, keyer, client, v034: bool
 ) -> None:
     """Past its prompt a request has nothing to load or store: its decode steps plan nothing (and
     its block table is not followed any more); preempted and resumed, it is planned again from the
-    whole table vLLM hands over."""
+    whole table vLLM hands over. ``v034``: as vLLM 0.34 shapes its steps (no ``resumed_req_ids``;
+    a resumed request sent in full among the new ones): planned the same."""
+    shaped = as_v034 if v034 else (lambda out: out)
     s = make_sched(server, keyer, client)
     toks = tokens(300, seed=12)
     full, tail = stored_keys_of(s, toks)
     r = req("a", toks)
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, blocks_obj(list(range(10))), 0)
-    meta = s.build_connector_meta(new_out("a", list(range(10)), 0, 300))
+    meta = s.build_connector_meta(shaped(new_out("a", list(range(10)), 0, 300)))
     assert [c.key for rt in meta.stores for c in rt.chunks] == [*full, tail]
     for step, blocks in enumerate(([10], None, [11])):  # decode steps, new blocks now and then
-        meta = s.build_connector_meta(cached_out("a", blocks, 300 + step, 1))
+        meta = s.build_connector_meta(shaped(cached_out("a", blocks, 300 + step, 1)))
         assert not meta.stores and not meta.loads
     publish(server, [*full, tail])  # what the worker did in the prompt's step
-    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"a"}))
+    s.build_connector_meta(shaped(cached_out("x", None, 0, 0, preempted={"a"})))
     # Resumed: matched again, its prompt loaded into the whole table vLLM hands over.
     assert s.get_num_new_matched_tokens(r, 0) == (288, False)
     table = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
     s.update_state_after_alloc(r, blocks_obj(table), 288)
-    meta = s.build_connector_meta(cached_out("a", table, 0, 303, resumed=True))
+    resume = new_out("a", table, 288, 15) if v034 else cached_out("a", table, 0, 303, resumed=True)
+    meta = s.build_connector_meta(shaped(resume))
     (lt,) = meta.loads
     assert list(lt.block_ids) == table  # the resumed table, not the old one with decode blocks
     assert [c.key for c in lt.chunks] == [*full, tail] and not meta.stores
-
-
-def test_vllm_034s_steps_without_resumed_ids_plan_the_same_loads_and_stores(server, keyer, client) -> None:
-    """vLLM 0.34 dropped ``resumed_req_ids`` and sends a resumed request in full among the new
-    ones: the same request, decoding then preempted and resumed, is planned as on vLLM 0.32."""
-    s = make_sched(server, keyer, client)
-    toks = tokens(300, seed=13)
-    full, tail = stored_keys_of(s, toks)
-    r = req("a", toks)
-    s.get_num_new_matched_tokens(r, 0)
-    s.update_state_after_alloc(r, blocks_obj(list(range(10))), 0)
-    meta = s.build_connector_meta(as_v034(new_out("a", list(range(10)), 0, 300)))
-    assert [c.key for rt in meta.stores for c in rt.chunks] == [*full, tail]
-    for step, blocks in enumerate(([10], None)):
-        meta = s.build_connector_meta(as_v034(cached_out("a", blocks, 300 + step, 1)))
-        assert not meta.stores and not meta.loads
-    publish(server, [*full, tail])
-    s.build_connector_meta(as_v034(cached_out("x", None, 0, 0, preempted={"a"})))
-    assert s.get_num_new_matched_tokens(r, 0) == (288, False)
-    table = list(range(20, 31))
-    s.update_state_after_alloc(r, blocks_obj(table), 288)
-    meta = s.build_connector_meta(as_v034(new_out("a", table, 288, 15)))
-    (lt,) = meta.loads
-    assert list(lt.block_ids) == table and [c.key for c in lt.chunks] == [*full, tail] and not meta.stores
 
 
 @pytest.mark.parametrize("async_load", [False, True])
@@ -272,11 +233,8 @@ def test_a_step_whose_planning_fails_fails_every_load_vllm_accepted_instead_of_d
     """vLLM counts accepted offers as computed: a lost plan must not leave them unloaded (the model
     would run on blocks never written). Each is planned to fail, so vLLM recomputes it."""
     s = make_sched(server, keyer, client, async_load=async_load, async_min_load_tokens=1)
-    toks = tokens(300, seed=14)
-    full, tail = stored_keys_of(s, toks)
-    publish(server, full + [tail])
-    r = req("a", toks)
-    assert s.get_num_new_matched_tokens(r, 0) == (288, async_load)
+    r, _, _, offer = stored_then_asked(server, s, seed=14)
+    assert offer == (288, async_load)
     s.update_state_after_alloc(r, blocks_obj(list(range(10))), 288)
 
     def broken(*a, **k):
