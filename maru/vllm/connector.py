@@ -160,8 +160,6 @@ class MaruKVConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
-        # A speculative decoder: vLLM 0.34 reads a step's load errors before wait_for_save.
-        self._errors_before_save = getattr(vllm_config, "speculative_config", None) is not None
         self._last_reported: dict[str, Any] = {}
         self.hook_times = HookTimes()  # host time inside each vLLM hook (``timed``)
         self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
@@ -355,15 +353,6 @@ class MaruKVConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         return  # stores happen once per step in wait_for_save, all layers at a time
-
-    def finish_forward(self) -> None:
-        """vLLM's word (V2 model runner) that the forward no longer reads this step's KV. With a
-        speculative decoder, vLLM 0.34 collects the step's load errors right after it and calls
-        ``wait_for_save`` only after the drafter: the layer load is finished here then, so a
-        layer that failed is in this step's errors, not the next one's (its token would be kept).
-        Without a speculator ``wait_for_save`` follows at once and finishes it, as before."""
-        if self._worker is not None and self._errors_before_save:
-            self._worker.finish_layer_load()
 
     @timed
     def wait_for_save(self) -> None:

@@ -5,6 +5,7 @@ the few attributes they read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -25,10 +26,11 @@ def compute_overrides(mc: Any, kv_dtype: str) -> str:
     revision), as canonical JSON; "" when nothing does. Weight quantization (``quantization``,
     ``quantization_config``), vLLM's ``hf_overrides`` (a RoPE scaling changes every K), and the
     model's dtype where the KV cache has a dtype of its own (an fp8 cache of a bf16 and of an fp16
-    model holds different values). A callable ``hf_overrides`` counts by its qualified name."""
+    model holds different values). A callable ``hf_overrides`` counts by its qualified name; a
+    config object by its fields (one whose fields are all unset counts as none)."""
     parts: dict[str, Any] = {}
     for name in ("quantization", "quantization_config"):
-        value = getattr(mc, name, None)
+        value = _plain(getattr(mc, name, None))
         if value:
             parts[name] = value
     overrides = getattr(mc, "hf_overrides", None)
@@ -37,10 +39,30 @@ def compute_overrides(mc: Any, kv_dtype: str) -> str:
             f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
         )
     elif overrides:
-        parts["hf_overrides"] = overrides
-    if str(mc.dtype) != kv_dtype:
-        parts["model_dtype"] = str(mc.dtype)
+        parts["hf_overrides"] = _plain(overrides)
+    if _dtype_name(mc.dtype) != _dtype_name(kv_dtype):
+        parts["model_dtype"] = _dtype_name(mc.dtype)
     return json.dumps(parts, sort_keys=True, default=str) if parts else ""
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` and ``bfloat16`` alike: the name without the module."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain data for the digest: a dataclass or pydantic model by its set fields (None
+    when none is set), containers element by element."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        kept = {str(k): _plain(v) for k, v in value.items() if v is not None}
+        return kept or None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
@@ -67,7 +89,7 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
 def warn_if_untested_vllm() -> None:
     """Say once, at the scheduler side's start, where this vLLM is a release Maru never ran on."""
     found = vllm_version()
-    untested = vllm_untested(found[1]) if found is not None else None
+    untested = vllm_untested(found[1], found[0]) if found is not None else None
     if untested is not None:
         logger.warning("Maru: %s", untested)
 

@@ -29,12 +29,14 @@ def has_v1_runner() -> bool:
 
 def runs_v2_runner(vllm_config: Any) -> bool:
     """Whether the engine of ``vllm_config`` runs vLLM's V2 model runner. Raises what reading
-    ``use_v2_model_runner`` raises (other than its absence): the caller cannot tell then."""
-    try:
+    ``use_v2_model_runner`` raises where the config has it: the caller cannot tell then."""
+    has_flag = hasattr(type(vllm_config), "use_v2_model_runner") or "use_v2_model_runner" in getattr(
+        vllm_config, "__dict__", {}
+    )
+    if has_flag:
         return bool(vllm_config.use_v2_model_runner)
-    except AttributeError:
-        # No flag: a vLLM with one runner. Without the V1 runner's module that is the V2 runner.
-        return not has_v1_runner()
+    # No flag: a vLLM with one runner. Without the V1 runner's module that is the V2 runner.
+    return not has_v1_runner()
 
 
 def or_v1_runner(purpose: str = "") -> str:

@@ -23,15 +23,14 @@ when its tokens there are exactly the same (the key says so); nothing else is ev
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import secrets
 import time
 from typing import Any
 
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm import thread_census
+from maru.vllm.cache_reset import CacheResets
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
@@ -49,7 +48,7 @@ from maru.vllm.step_clock import cpu_stamp
 logger = logging.getLogger("maru.vllm")
 
 
-class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
+class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
     """Scheduler-side state and decisions. Owns no bytes; one instance per engine."""
 
     def __init__(
@@ -86,6 +85,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         # The loads vLLM accepted since the last plan (request, first and end token): if planning
         # fails, each is planned to fail, never left out (``_failed_plan``).
         self._offered: list[tuple[RequestState, int, int]] = []
+        # Accepted loads to plan to fail at the next plan (``CacheResets``: pending at a reset, or
+        # accepted by a request the reset froze).
+        self._doomed: list[tuple[RequestState, int, int]] = []
         # Stores and loads of the last steps, to un-plan stores when their step's load failed.
         self._recent: collections.deque[list[tuple[str, set[int], list[int], bool]]] = collections.deque(
             maxlen=4
@@ -120,46 +122,6 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         self.recent_keys = RecentKeys()  # a guess of vLLM's own hit at a request's arrival
         # ... to the block, from finished requests (a chunk's last blocks and each turn's last)
         self.recent_blocks = RecentBlocks(self.block_size, stride=max(1, self.chunk // self.block_size))
-
-    def reset_cache(self) -> bool:
-        """vLLM reset its own caches and asks the connector to reset its one: the calls a weight
-        update comes with (``LLM.reset_prefix_cache(reset_connector=True)``, ``sleep`` at level 1
-        or 2, ``pause_generation(clear_cache=True)``). What was stored before may be KV of weights
-        this engine no longer runs; the pool is shared and other instances may still run those
-        weights, so nothing is deleted. From here on this engine:
-
-        - keys under a fresh random epoch (``KeySpace.epoch``): it never offers what was stored
-          before, and what it stores is found by itself only, never by an instance that did not
-          reset with it (it would hold these weights' KV);
-        - neither loads for nor stores from a request alive now (``RequestState.frozen``): vLLM
-          may keep one running across the reset, its KV partly from before.
-
-        Keys remembered by vLLM's block hash are dropped (a block's hash is the same under new
-        weights), and the guesses of vLLM's own hit (its cache is empty now). Returns True, as vLLM
-        expects of a reset that took effect."""
-        space = dataclasses.replace(self.keyer.space, epoch=secrets.token_hex(8))
-        self._use_keys(ChunkKeyer(space))
-        for st in self._reqs.values():
-            if not st.frozen:
-                st.frozen = True
-                st.pending_load = None
-                self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
-                self.stats.requests_frozen += 1
-        self.stats.cache_resets += 1
-        self._reported_path = None  # report again, with the epoch (``maru stats``)
-        self._report_path()
-        logger.warning(
-            "Maru: vLLM reset its caches and the connector's (a weight update, a sleep or "
-            "reset_prefix_cache(reset_connector=True)): this engine's keys move to epoch %s (%s...). It "
-            "no longer loads anything stored before the reset, nor shares what it stores from now on "
-            "with instances that did not reset with it; the %d requests alive now are computed and "
-            "not stored. Sharing with the others again needs a restart (every engine starts in one "
-            "epoch per model).",
-            space.epoch,
-            space.prefix(),
-            sum(st.frozen for st in self._reqs.values()),
-        )
-        return True
 
     @property
     def inflight_loads(self) -> set[str]:
@@ -274,6 +236,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         try:
             if not (self.cfg.enable_load or self.cfg.enable_store):
                 return 0, False
+            self._rekey_if_fresh(request.request_id, num_computed_tokens)
             st = self._state(request)
             if st is None:
                 return 0, False
@@ -352,6 +315,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
             pass
         if num_external_tokens <= 0:
             self._drop_pins(st.req_id)  # vLLM took none of the offer
+        elif st.frozen:  # offered before the reset (vLLM 0.34 may defer this call): fail it
+            self._doomed.append((st, st.local_computed, st.local_computed + num_external_tokens))
         else:
             st.pending_load = (st.local_computed, st.local_computed + num_external_tokens)
             self._offered.append((st, *st.pending_load))  # until the step's plan holds its load
@@ -445,12 +410,20 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                     st.present = None
                     st.pending_load = None
                     st.block_ids = []
+            if self._doomed:
+                self._failing(self._doomed, meta)
+                self._doomed = []
         except Exception:  # never raise into vLLM's scheduler
             logger.exception(
                 "Maru: planning this step's loads and stores failed; the %d loads vLLM accepted this "
                 "step are failed (vLLM recomputes them), nothing is stored",
                 len(self._offered),
             )
+            for req_id, _, planned, tail_now in record:  # stores planned, then dropped: plan again
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.planned.difference_update(planned)
+                    st.tail_planned = st.tail_planned and not tail_now
             meta = self._failed_plan()
             record = []
         self._offered = []
@@ -466,24 +439,6 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
             meta.scheduled_cpu = cpu_stamp()
             if meta.prefill and thread_census.enabled():
                 meta.scheduled_threads = thread_census.snapshot()
-        return meta
-
-    def _failed_plan(self) -> MaruConnectorMetadata:
-        """The plan of a step whose planning raised. vLLM counts the tokens it accepted from this
-        step's offers as computed: a plan without their loads would run the requests on KV never
-        placed. Each accepted load is planned with a chunk under an impossible key instead, which
-        the workers fail, so vLLM recomputes those tokens (or, where it cannot, ends the request
-        with an error). Nothing is stored."""
-        meta = MaruConnectorMetadata()
-        for st, begin, end in self._offered:
-            lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
-            st.pending_load = None
-            self._drop_pins(st.req_id)  # what the offer pinned is not read
-            if self.cfg.async_load:
-                meta.async_loads.append(lt)
-                st.async_blocks = lt.placed_block_ids(self.block_size)
-            else:
-                meta.loads.append(lt)
         return meta
 
     def _track_sending(self, meta: MaruConnectorMetadata, preempted: set[str]) -> None:
@@ -518,7 +473,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
             if self._admission.finish(req_id):
                 self.stats.async_loads_finished += 1
             st = self._reqs.get(req_id)
-            if st is not None and st.async_blocks & invalid:
+            if st is not None and st.async_blocks & invalid and not st.frozen:
                 # Failed (vLLM reads the blocks and the request in the same output). Probe again so
                 # the recompute stores what is missing; never offer this request a load again.
                 st.async_load_failed = True
@@ -543,6 +498,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
                     st.tail_planned = False
                 reprobe[req_id] = st
         for req_id, st in reprobe.items():
+            if st.frozen:
+                continue  # never stored again: nothing to probe for
             # What was found present is not any more (that is why the load failed): probe again,
             # so the recompute stores the missing chunks instead of leaving a hole for everyone.
             try:
@@ -556,7 +513,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning):
         (whatever became of the store: drained, failed, dropped, connector off), on every rank.
         vLLM calls this for finished and aborted requests, never for preempted ones."""
         st = self._reqs.pop(request.request_id, None)
-        self.recent_blocks.note(request)  # its blocks stay in vLLM's prefix cache: a later guess
+        if st is None or not st.frozen:  # a frozen one's blocks may hold KV from before a reset
+            self.recent_blocks.note(request)  # its blocks stay in vLLM's prefix cache: a later guess
         self._drop_pins(request.request_id)  # pins handed over with a load wait for the workers
         # An aborted request's load may never be reported: nobody may wait for its chunks.
         self._admission.finish(request.request_id)

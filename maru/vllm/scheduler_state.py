@@ -64,3 +64,4 @@ class SchedulerStats:
     offers_withheld: int = 0
     cache_resets: int = 0  # vLLM's resets of the connector's cache: each a new key epoch
     requests_frozen: int = 0  # requests alive at a reset: computed, never stored
+    requests_rekeyed: int = 0  # ... asked about again with nothing computed: keyed afresh

@@ -437,6 +437,12 @@ class MaruWorkerConnector(WorkerStores):
         return MaruWorkerMeta(ready=int(able), unready=int(not able))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of this step's failed loads, once. The step's layer load is finished first
+        (a no-op where ``wait_for_save`` did it): with a speculative decoder vLLM reads these right
+        after the forward and calls ``wait_for_save`` only after the drafter (0.32's V1 runner,
+        0.34's V2 runner), and a layer that failed under the forward must be in this step's errors,
+        not the next one's (its sampled token would be kept)."""
+        self.finish_layer_load()
         out, self._load_errors = self._load_errors, set()
         return out
 

@@ -52,7 +52,7 @@ class WorkerStores:
         # The forward is queued: its end, before Maru queues more.
         self.step_clock.ended(kind, *((meta.step_tokens, meta.prefill) if meta is not None else ()))
         # The layer load must be complete (and its failures known) before this step's stores are
-        # filtered, and before the step ends (a no-op where ``finish_forward`` did it).
+        # filtered, and before the step ends (a no-op where the load errors' read did it).
         self.finish_layer_load()
         if meta is not None and self.cfg.async_store:
             # Before anything can fail: the scheduler delays the free of every request it planned
@@ -68,8 +68,8 @@ class WorkerStores:
 
     def finish_layer_load(self) -> None:
         """The step's layer load finished, its failures in this step's load errors. Idempotent:
-        from ``wait_for_save``, and before it from vLLM's ``finish_forward`` where vLLM reads the
-        step's load errors before ``wait_for_save`` (``MaruKVConnector.finish_forward``)."""
+        from ``wait_for_save``, and from ``get_block_ids_with_load_errors``, which vLLM calls before
+        ``wait_for_save`` with a speculative decoder."""
         try:
             unwaited = self.stats.layer_loads_unwaited
             self._finish_layer_load()

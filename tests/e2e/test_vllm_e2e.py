@@ -266,6 +266,7 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
             if (spin := MaruConnectorConfig().reply_spin_us())
             else "blocks (maru_scheduler_reply_spin_us 0, or fewer than 8 usable cores); sends and reads keep the GIL"
         ),
+        "key_epoch": "none (never reset)",  # vLLM never reset the connector's cache
     }
     assert [(i["paths"], _unprofiled(i["slow"])) for i in schedulers] == [(want, [])], infos
 

@@ -76,6 +76,11 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     extra = {"maru_server_url": server.url, "maru_kv_chunk_tokens": C}
     with engine("A", tmp, model_dir, {"extra": extra}) as a:
         res["cold"] = run(a, P1)
+        # Right after generate, write-behind stores still hold P1's blocks: an in-process engine's
+        # reset as a pause or a sleep does fails until they are settled (maru.vllm.settle_stores).
+        hasty = {"op": "reset_prefix_cache", "settle": False, "reset_running_requests": True}
+        res["hasty_reset"] = a.call(hasty)
+        res["settled_reset"] = a.call({**hasty, "settle": True})
         assert a.call({"op": "flush_stores"})["ok"]
         assert a.call({"op": "scale_weights", "scale": SCALE})["scaled"] > 0
         reset(a, connector=False)
@@ -148,3 +153,12 @@ def test_a_salted_prompt_is_loaded_only_by_the_same_salt(runs: dict[str, Any]) -
     assert runs["other_salt_loaded"] == 0 and runs["other_salt"]["cached"] == 0
     for name in ("salted", "same_salt", "other_salt"):  # the salt changes nothing of the KV itself
         assert runs[name]["out"] == runs["ref_old"]["out"] and _close(runs[name]["lp"], runs["ref_old"]["lp"])
+
+
+def test_an_in_process_engines_pause_reset_needs_the_write_behind_stores_settled(
+    runs: dict[str, Any],
+) -> None:
+    # vLLM frees a write-behind request's blocks a step after its store read them; an in-process
+    # engine does not step after generate, so its reset (a pause's, a sleep's) finds them in use.
+    assert "Failed to reset KV cache" in runs["hasty_reset"].get("error", ""), runs["hasty_reset"]
+    assert runs["settled_reset"] == {"ok": True}

@@ -349,12 +349,12 @@ def test_worker_overlap_load_waits_per_layer_and_reports_a_missing_chunk_after_t
         stop_worker(w)
 
 
-def test_a_layer_loads_failures_are_known_at_the_forwards_end_before_wait_for_save(
+def test_a_layer_loads_failures_are_in_the_errors_vllm_reads_before_wait_for_save(
     server: ServerProcess, client: MaruHandler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM 0.34 with a speculative decoder reads a step's load errors right after the forward
-    (``finish_forward``) and calls ``wait_for_save`` only after the drafter: a layer that failed
-    under the forward must be in that read, once (``finish_layer_load`` is idempotent)."""
+    """With a speculative decoder vLLM reads a step's load errors right after the forward and calls
+    ``wait_for_save`` only after the drafter (0.32's V1 runner, 0.34's V2 runner): a layer that
+    failed under the forward must be in that read, once."""
     pytest.importorskip("vllm")
     from maru.vllm.metadata import MaruConnectorMetadata
 
@@ -377,8 +377,7 @@ def test_a_layer_loads_failures_are_known_at_the_forwards_end_before_wait_for_sa
         for i in range(3):
             w.wait_for_layer_load(NAMES[i])
         assert w.stats.load_errors == 0  # failed under the forward: not known before its end
-        w.finish_layer_load()  # the forward's end (finish_forward)
-        assert w.get_block_ids_with_load_errors() == set(dok.block_ids)
+        assert w.get_block_ids_with_load_errors() == set(dok.block_ids)  # read before wait_for_save
         w.wait_for_save(meta)  # after the drafter: nothing more to report
         assert w.get_block_ids_with_load_errors() == set() and w.stats.load_errors == 1
     finally:

@@ -17,8 +17,10 @@ from maru.vllm.connector import MaruKVConnector
 from maru.vllm.keys import ChunkKeyer
 from tests.pool_fixtures import module_server
 from tests.vllm.helpers import (
+    C,
     blocks_obj,
     cached_out,
+    empty_out,
     make_sched,
     new_out,
     publish,
@@ -90,20 +92,49 @@ def test_a_request_alive_at_the_reset_is_never_loaded_for_nor_stored_and_its_fre
     # Its store of the first step is still owed a finished_sending: its free stays delayed.
     assert s.request_finished(a, []) == (True, None)
 
-    # A second request alive at the reset, preempted by it and matched again: computed, and not
-    # asked about (no probe), even with every chunk present under the old keys.
-    b = req("b", toks)
+    # Requests alive at the reset, which preempted them. One comes back on a hit in vLLM's own
+    # cache (a reset of vLLM's that failed kept the old KV): computed, never asked about, never
+    # stored, even with every chunk present under the old keys.
+    b, c = req("b", toks), req("c", toks)
     assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # before: nothing stored yet
+    assert s.get_num_new_matched_tokens(c, 0) == (0, False)
     publish(server, full + [tail])
     s.reset_cache()
-    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"b"}))
+    s.build_connector_meta(cached_out("x", None, 0, 0, preempted={"b", "c"}))
     calls = client.exists_calls
-    assert s.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(b, C) == (0, False)
     assert client.exists_calls == calls
     s.update_state_after_alloc(b, blocks_obj(list(range(10))), 0)
-    meta = s.build_connector_meta(cached_out("b", list(range(10)), 0, 300, resumed=True))
+    meta = s.build_connector_meta(cached_out("b", list(range(10)), C, 300 - C, resumed=True))
     assert not meta.stores and not meta.loads
     assert s.request_finished(b, []) == (False, None)  # preempted: its earlier stores were dropped
+    # The other comes back with nothing computed: all it holds is computed from now on, so it is
+    # keyed afresh under the new epoch (nothing stored before offered; stored under new keys).
+    assert s.get_num_new_matched_tokens(c, 0) == (0, False)
+    assert s.stats.requests_rekeyed == 1 and client.exists_calls > calls
+    s.update_state_after_alloc(c, blocks_obj(list(range(10))), 0)
+    meta = s.build_connector_meta(cached_out("c", list(range(10)), 0, 300, resumed=True))
+    keys = [ch.key for rt in meta.stores for ch in rt.chunks]
+    assert keys[:4] == ChunkKeyer(s.keyer.space).prompt_keys(toks).full and not set(keys) & set(full + [tail])
+
+
+def test_a_load_pending_at_the_reset_or_accepted_after_it_is_planned_to_fail(server, keyer, client) -> None:
+    """vLLM counts an accepted load's tokens as computed: a reset between the acceptance and the
+    plan (vLLM 0.34 may defer ``update_state_after_alloc``) must neither drop the load (the model
+    would run on blocks never written) nor load the old epoch's KV: it goes out failing."""
+    s = make_sched(server, keyer, client, async_load=True, async_min_load_tokens=1)
+    a, _, _, offer = stored_then_asked(server, s, seed=3, rid="a")
+    b, _, _, offer_b = stored_then_asked(server, s, seed=4, rid="b")
+    assert offer == offer_b == (288, True)
+    s.update_state_after_alloc(a, blocks_obj(list(range(10))), 288)  # accepted: pending
+    s.reset_cache()
+    s.update_state_after_alloc(b, blocks_obj(list(range(10, 20))), 288)  # accepted after it
+    meta = s.build_connector_meta(empty_out())
+    got = {lt.req_id: [(ch.key, ch.start, ch.num_tokens) for ch in lt.chunks] for lt in meta.async_loads}
+    assert got == {"a": [("", 0, 288)], "b": [("", 0, 288)]} and not meta.loads
+    assert s._doomed == [] and s._offered == []
+    # The next step plans them no more (vLLM waits for their failures only once).
+    assert not s.build_connector_meta(empty_out()).async_loads
 
 
 def test_each_reset_is_a_new_epoch_said_once_and_counted(server, keyer, client, caplog) -> None:

@@ -67,6 +67,25 @@ def test_what_changes_the_kv_of_the_same_checkpoint_changes_every_key(other: Sim
     assert keys(other) == keys(other)  # and is the same in every process (no address, no order)
 
 
+def test_settings_that_change_nothing_keep_a_plain_engines_keys() -> None:
+    """An explicit KV cache dtype equal to the model's, and a quantization config whose fields are
+    all unset, compute what a plain engine computes: the same keys."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class QuantArgs:  # the shape of vLLM's QuantizationConfigArgs
+        weight_block_size: list[int] | None = None
+        activation_scheme: str | None = None
+
+    plain = keys(config())
+    assert (
+        keys(config("bfloat16"))
+        == ChunkKeyer(KeySpace("org/model", "", "bfloat16", 4, 2, 64, 64)).prompt_keys(TOKENS).full
+    )  # the cache dtype is in the key as given; no model dtype added beside it
+    assert keys(config(quantization_config=QuantArgs())) == plain
+    assert keys(config(quantization_config=QuantArgs(activation_scheme="dynamic"))) != plain
+
+
 def test_equal_overrides_share_keys_whatever_their_order_and_a_callable_counts_by_name() -> None:
     a = config(
         hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 8}

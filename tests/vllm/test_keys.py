@@ -124,6 +124,11 @@ def test_empty_optional_fields_keep_the_digest_of_the_fields_before_they_existed
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     assert SPACE.epoch == SPACE.compute == ""
     assert SPACE.digest() == hashlib.sha256(blob).digest()
+    # ... and the digest and a key as Maru computed them before (86c651f), whatever serialises them.
+    assert SPACE.digest().hex() == "23176ed7fe0679a935ef5abcda985315ec86121bf4e22ad9b9924ca40682795d"
+    assert ChunkKeyer(SPACE).prompt_keys(list(range(3, 200))).full[0] == (
+        "kv1/23176ed7fe0679a9/1a1004bf86651f38c9a602412ab3415d"
+    )
     assert dataclasses.replace(SPACE, epoch="e1").digest() != SPACE.digest()
     assert dataclasses.replace(SPACE, compute='{"quantization":"fp8"}').digest() != SPACE.digest()
 

@@ -276,6 +276,15 @@ def test_a_salted_request_is_offered_only_what_was_stored_under_its_salt(server,
     assert s.get_num_new_matched_tokens(salted("y", "tenant-x"), 0) == (288, False)
     assert s.get_num_new_matched_tokens(salted("z", "tenant-z"), 0) == (0, False)
     assert s.get_num_new_matched_tokens(salted("p", None), 0) == (288, False)
+    # A prompt shorter than a chunk has only its tail: keyed from the salted root too.
+    short = tokens(40, seed=16)
+    plain_tail = stored_keys_of(s, short)[1]
+    r = req("probe", short)
+    r.cache_salt = "tenant-x"
+    salted_tail = s._state(r).own_tail
+    s._reqs.pop("probe")
+    assert plain_tail is not None and salted_tail is not None and salted_tail[1] != plain_tail
+    assert salted_tail[1] == keyer.tail_key(keyer.root_for("tenant-x"), short[:32])
 
 
 def test_a_failed_load_replans_the_stores_of_that_step(server, keyer, client) -> None:
