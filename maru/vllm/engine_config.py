@@ -21,14 +21,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("maru.vllm")
 
 
-def compute_overrides(mc: Any, kv_dtype: str) -> str:
+def compute_overrides(mc: Any, kv_dtype: str, speculative: Any = None) -> str:
     """What makes this engine's KV differ from another's of the same checkpoint (model id and
     revision), as canonical JSON; "" when nothing does. Weight quantization (``quantization``,
-    ``quantization_config``), vLLM's ``hf_overrides`` (a RoPE scaling changes every K), and the
+    ``quantization_config``), vLLM's ``hf_overrides`` (a RoPE scaling changes every K), the
     model's dtype where the KV cache has a dtype of its own (an fp8 cache of a bf16 and of an fp16
-    model holds different values). A callable ``hf_overrides`` counts by its qualified name; a
-    config object by its fields (one whose fields are all unset counts as none)."""
+    model holds different values), and a speculative decoder with a draft model (EAGLE, MTP, a
+    draft model: its layers' KV is in the engine's cache and so in every stored chunk, which an
+    engine without it, or with another, could not place). A callable ``hf_overrides`` counts by its
+    qualified name; a config object by its fields (one whose fields are all unset counts as none)."""
     parts: dict[str, Any] = {}
+    draft = getattr(speculative, "draft_model_config", None) if speculative is not None else None
+    if draft is not None:  # n-gram and suffix decoding have no draft model, no KV layers
+        parts["speculative"] = {
+            "method": str(getattr(speculative, "method", "")),
+            "draft": str(getattr(speculative, "model", None) or getattr(draft, "model", "")),
+        }
     for name in ("quantization", "quantization_config"):
         value = _plain(getattr(mc, name, None))
         if value:
@@ -82,7 +90,7 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
         tp_rank=0,  # ranks are told apart by a per-rank key suffix (see keys.rank_keys)
         tp_size=int(pc.tensor_parallel_size),
         tenant=cfg.namespace,
-        compute=compute_overrides(mc, kv_dtype),
+        compute=compute_overrides(mc, kv_dtype, getattr(vllm_config, "speculative_config", None)),
     )
 
 

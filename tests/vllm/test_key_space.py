@@ -19,7 +19,7 @@ from maru.vllm.engine_config import key_space  # noqa: E402
 TOKENS = list(range(3, 300))
 
 
-def config(cache_dtype: str = "auto", **model: Any) -> SimpleNamespace:
+def config(cache_dtype: str = "auto", speculative: Any = None, **model: Any) -> SimpleNamespace:
     mc = SimpleNamespace(
         model="org/model",
         revision=None,
@@ -33,6 +33,7 @@ def config(cache_dtype: str = "auto", **model: Any) -> SimpleNamespace:
         model_config=mc,
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        speculative_config=speculative,
     )
 
 
@@ -59,6 +60,13 @@ def test_a_plain_engine_keeps_the_keys_it_had_before_compute_overrides_existed()
         config(hf_overrides=rope(4.0)),  # a RoPE scaling: every K rotated otherwise
         config(hf_overrides=rope(2.0)),
         config("fp8", dtype="torch.float16"),  # an fp8 cache of an fp16 model ...
+        # A draft model's layers are in the engine's KV cache, so in every chunk it stores.
+        config(speculative=SimpleNamespace(method="eagle3", model="org/eagle", draft_model_config=object())),
+        config(
+            speculative=SimpleNamespace(
+                method="mtp", model=None, draft_model_config=SimpleNamespace(model="org/model")
+            )
+        ),
     ],
 )
 def test_what_changes_the_kv_of_the_same_checkpoint_changes_every_key(other: SimpleNamespace) -> None:
@@ -83,6 +91,11 @@ def test_settings_that_change_nothing_keep_a_plain_engines_keys() -> None:
         == ChunkKeyer(KeySpace("org/model", "", "bfloat16", 4, 2, 64, 64)).prompt_keys(TOKENS).full
     )  # the cache dtype is in the key as given; no model dtype added beside it
     assert keys(config(quantization_config=QuantArgs())) == plain
+    # n-gram speculation has no draft model: no KV layers of its own, the plain engine's keys.
+    assert (
+        keys(config(speculative=SimpleNamespace(method="ngram", model=None, draft_model_config=None)))
+        == plain
+    )
     assert keys(config(quantization_config=QuantArgs(activation_scheme="dynamic"))) != plain
 
 
