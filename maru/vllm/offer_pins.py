@@ -415,6 +415,14 @@ class OfferPins:
                 self.stats.released += 1
                 self._let_go(h.pins)
 
+    def take_back(self, ticket: str) -> None:
+        """Release a handed set whose load never reached the workers (the step's plan was lost:
+        ``MaruSchedulerConnector._failed_plan``), instead of holding it until ``STALE_S``."""
+        h = self._handed.pop(ticket, None)
+        if h is not None:
+            self.stats.released += 1
+            self._let_go(h.pins)
+
     def expire(self, now: float | None = None) -> None:
         """The guard against a lost worker report (see the module docstring)."""
         now = time.monotonic() if now is None else now

@@ -424,6 +424,10 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
                 if st is not None:
                     st.planned.difference_update(planned)
                     st.tail_planned = st.tail_planned and not tail_now
+            if self.pins is not None:  # loads handed their pins, then lost with the plan
+                for lt in (*meta.loads, *meta.async_loads):
+                    if lt.ticket:
+                        self.pins.take_back(lt.ticket)
             meta = self._failed_plan()
             record = []
         self._offered = []

@@ -253,6 +253,36 @@ def test_pins_of_an_offer_never_handed_over_go_with_the_request(server: Any) -> 
         client.close()
 
 
+@pytest.mark.parametrize("at_offer", [False, True])
+def test_pins_handed_to_a_load_of_a_lost_plan_go_at_once(
+    server: Any, monkeypatch: Any, at_offer: bool
+) -> None:
+    """A step whose planning raised after a load took its pins: the load goes to the workers failing
+    (``_failed_plan``), no worker reports its ticket, so its pins go with the lost plan, not after
+    ``STALE_S``."""
+    keyer = _keyer()
+    toks = tokens(300, seed=46)
+    _store_prompt(server, keyer, toks, SRC_BLOCKS)
+    s, client = _sched(server, keyer, at_offer=at_offer)
+    try:
+        r = req("a", toks)
+        assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+        s.update_state_after_alloc(r, blocks_obj(DST_BLOCKS), 288)
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise RuntimeError("a bug after the load was planned")
+
+        monkeypatch.setattr(s, "_plan_stores", broken)
+        meta = s.build_connector_meta(new_out("a", DST_BLOCKS, 288, 12))
+        (lt,) = meta.loads
+        assert [c.key for c in lt.chunks] == [""] and not lt.ticket  # failing, no pins with it
+        assert s.pins is not None and s.pins.stats.handed_now == 0
+        assert _pinned(client) == 0
+    finally:
+        s.shutdown()
+        client.close()
+
+
 def test_a_chunk_gone_before_the_step_is_pinned_fails_only_that_load_and_releases_every_pin(
     server: Any,
 ) -> None:
