@@ -17,10 +17,12 @@ from typing import Any
 def settle_stores(llm: Any, timeout_s: float = 60.0) -> bool:
     """Publish every write-behind store of ``llm`` (an in-process ``vllm.LLM``) and step it until
     vLLM freed the blocks they held: call it before ``llm.sleep()``, ``pause_generation(clear_cache=
-    True)`` or ``reset_prefix_cache(...)``. Returns whether nothing is left held (False: ``timeout_s``
-    ran out, or the engine is not in this process)."""
-    flushed = flush_write_behind(timeout_s)
-    return flushed and settle_delayed_frees(llm, timeout_s) == 0
+    True)`` or ``reset_prefix_cache(...)``. The stores are published where the worker runs in this
+    process (not under tensor parallelism: its workers are processes of their own); the frees are
+    settled wherever the scheduler does. Returns whether no block is left held (False:
+    ``timeout_s`` ran out)."""
+    flush_write_behind(timeout_s)
+    return settle_delayed_frees(llm, timeout_s) == 0
 
 
 def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
