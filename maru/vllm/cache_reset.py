@@ -48,6 +48,7 @@ class CacheResets:
     _offered: list[Accepted]
     _doomed: list[Accepted]
     _reported_path: str | None
+    _recent: Any  # deque of per-step records (req_id, blocks, planned chunks, tail planned)
     _admission: Any
     _waits: Any
 
@@ -80,6 +81,8 @@ class CacheResets:
                 self._doomed.append((st, *st.pending_load))
                 st.pending_load = None
             self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
+        # A load accepted this step is now doomed, not also due to fail with a lost plan (twice).
+        self._offered = [a for a in self._offered if not a[0].frozen]
         self.stats.requests_frozen += frozen
         self.stats.cache_resets += 1
         self._reported_path = None  # report again, with the epoch (``maru stats``)
@@ -100,26 +103,33 @@ class CacheResets:
     def _rekey_if_fresh(self, req_id: str, num_computed_tokens: int) -> None:
         """Forget a frozen request that vLLM asks about again with nothing of it computed (a request
         that waited through the reset, or one the reset preempted): all it will hold is computed
-        from now on, so it is keyed afresh, under the new epoch. One with an async load or a
-        write-behind store still owed stays frozen."""
+        from now on, so it is keyed afresh, under the new epoch. vLLM asks only about waiting
+        requests: one that ran (its write-behind ``sending`` set) was preempted, and vLLM reports
+        that preemption in this step's or an earlier step's plan, whose barrier drops its stores
+        on the worker before this step's run: no delayed free is owed for it any more (a request
+        vLLM asks about before that plan still has ``sending`` set here; the fresh state has not).
+        One with an async load in flight, or a failing load still to be planned, stays frozen."""
         st = self._reqs.get(req_id)
-        if st is None or not st.frozen or num_computed_tokens or st.async_blocks or st.sending:
+        if st is None or not st.frozen or num_computed_tokens or st.async_blocks:
             return
         if any(a[0] is st for a in self._doomed):
             return  # its failing load is still to be planned
         del self._reqs[req_id]
         self._admission.finish(req_id)
         self._waits.end(req_id)
+        for record in self._recent:  # the old state's stores and loads: not the new state's
+            record[:] = [r for r in record if r[0] != req_id]
         self.stats.requests_rekeyed += 1
 
     def _failing(self, accepted: list[Accepted], meta: MaruConnectorMetadata) -> int:
         """Add to ``meta`` a load the workers fail for each accepted load of a live request (a chunk
         under an impossible key, placing the accepted tokens: their blocks are reported failed, so
         vLLM recomputes them). Returns how many."""
-        n = 0
+        n, seen = 0, set()
         for st, begin, end in accepted:
-            if self._reqs.get(st.req_id) is not st:
-                continue  # finished (or forgotten) since: vLLM no longer waits for it
+            if self._reqs.get(st.req_id) is not st or st.req_id in seen:
+                continue  # finished (or forgotten) since: vLLM no longer waits for it; or listed twice
+            seen.add(st.req_id)
             lt = RequestTransfer(st.req_id, tuple(st.block_ids), (ChunkRef("", begin, end - begin),))
             st.pending_load = None
             self._drop_pins(st.req_id)  # what the offer pinned is not read

@@ -31,11 +31,13 @@ def compute_overrides(mc: Any, kv_dtype: str, speculative: Any = None) -> str:
     engine without it, or with another, could not place). A callable ``hf_overrides`` counts by its
     qualified name; a config object by its fields (one whose fields are all unset counts as none)."""
     parts: dict[str, Any] = {}
-    draft = getattr(speculative, "draft_model_config", None) if speculative is not None else None
-    if draft is not None:  # n-gram and suffix decoding have no draft model, no KV layers
+    draft = _draft_model(speculative)
+    if draft is not None:
         parts["speculative"] = {
             "method": str(getattr(speculative, "method", "")),
             "draft": str(getattr(speculative, "model", None) or getattr(draft, "model", "")),
+            "revision": str(getattr(draft, "revision", None) or ""),
+            "quantization": _plain(getattr(draft, "quantization", None)),
         }
     for name in ("quantization", "quantization_config"):
         value = _plain(getattr(mc, name, None))
@@ -53,21 +55,43 @@ def compute_overrides(mc: Any, kv_dtype: str, speculative: Any = None) -> str:
     return json.dumps(parts, sort_keys=True, default=str) if parts else ""
 
 
+# Speculative methods without a draft model of their own: no KV layers beside the target's (vLLM
+# sets ``draft_model_config`` to the target's for some of them).
+_NO_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix", "custom_class", "medusa", "mlp_speculator"})
+
+
+def _draft_model(speculative: Any) -> Any:
+    """The draft model's config of a speculative decoder whose layers have KV in the engine's cache
+    (EAGLE, MTP, a draft model), or None."""
+    if speculative is None:
+        return None
+    draft = getattr(speculative, "draft_model_config", None)
+    method = str(getattr(speculative, "method", "") or "")
+    if draft is None or draft is getattr(speculative, "target_model_config", None) or method in _NO_DRAFT_KV:
+        return None
+    return draft
+
+
 def _dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` and ``bfloat16`` alike: the name without the module."""
     return str(dtype).removeprefix("torch.")
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as plain data for the digest: a dataclass or pydantic model by its set fields (None
-    when none is set), containers element by element."""
+    """``value`` as plain data for the digest: a config object (dataclass, pydantic model) by its
+    set fields (None when none is set); a user's dict whole (an override to None is an override);
+    containers element by element."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
+        fields = dataclasses.asdict(value)
     elif hasattr(value, "model_dump"):
-        value = value.model_dump()
-    if isinstance(value, dict):
-        kept = {str(k): _plain(v) for k, v in value.items() if v is not None}
+        fields = value.model_dump()
+    else:
+        fields = None
+    if fields is not None:
+        kept = {str(k): _plain(v) for k, v in fields.items() if v is not None}
         return kept or None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
@@ -78,7 +102,9 @@ def key_space(vllm_config: VllmConfig, cfg: MaruConnectorConfig) -> KeySpace:
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    kv_dtype = str(mc.dtype) if cache_dtype == "auto" else cache_dtype
+    # A KV cache dtype given as the model's own is "auto": the same bytes, the same keys.
+    same = cache_dtype == "auto" or _dtype_name(cache_dtype) == _dtype_name(mc.dtype)
+    kv_dtype = str(mc.dtype) if same else cache_dtype
     return KeySpace(
         model=cfg.model_id or str(mc.model),
         revision=cfg.model_revision or str(getattr(mc, "revision", None) or ""),

@@ -19,26 +19,29 @@ def settle_stores(llm: Any, timeout_s: float = 60.0) -> bool:
     vLLM freed the blocks they held: call it before ``llm.sleep()``, ``pause_generation(clear_cache=
     True)`` or ``reset_prefix_cache(...)``. The stores are published where the worker runs in this
     process (not under tensor parallelism: its workers are processes of their own); the frees are
-    settled wherever the scheduler does. Returns whether no block is left held (False:
-    ``timeout_s`` ran out)."""
+    settled wherever the scheduler does. It steps the engine: call it with no requests of your own
+    in flight (their outputs would be stepped past). Returns whether no block is left held; False
+    where ``timeout_s`` ran out, and where vLLM's scheduler is not in this process (vLLM's default
+    multi-process engine settles them on its own, and its pause waits for them)."""
     flush_write_behind(timeout_s)
     return settle_delayed_frees(llm, timeout_s) == 0
 
 
-def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int:
+def settle_delayed_frees(llm: Any, timeout_s: float = 60.0) -> int | None:
     """In-process mode: step the engine until no finished request's blocks wait for a write-behind store.
 
     ``LLM.generate`` returns when every output is in, but vLLM frees the blocks of a request whose
     free the connector delayed only in a later step, when ``finished_sending`` reports it (a server
-    engine keeps stepping on its own while such requests exist). Returns how many are still held.
+    engine keeps stepping on its own while such requests exist). Returns how many are still held;
+    0 without Maru's scheduler side, None where vLLM's scheduler is not in this process.
     """
     try:
         core = llm.llm_engine.engine_core
         core = getattr(core, "engine_core", core)
         sched = core.scheduler.connector
-        held = getattr(sched, "maru_scheduler", None)
     except Exception:
-        return 0
+        return None  # vLLM's multi-process engine: the scheduler is in another process
+    held = getattr(sched, "maru_scheduler", None)
     if held is None:
         return 0
     deadline = time.monotonic() + timeout_s

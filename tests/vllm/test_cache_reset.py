@@ -118,6 +118,49 @@ def test_a_request_alive_at_the_reset_is_never_loaded_for_nor_stored_and_its_fre
     assert keys[:4] == ChunkKeyer(s.keyer.space).prompt_keys(toks).full and not set(keys) & set(full + [tail])
 
 
+def test_a_request_the_reset_preempted_is_keyed_afresh_in_vllms_call_order(server, keyer, client) -> None:
+    """vLLM preempts the running requests inside its reset and reports it in the next step's plan,
+    after asking about them again: a request that stored (write-behind ``sending``) is asked with
+    nothing computed before that plan says it was preempted. It is keyed afresh all the same, and
+    stores its chunks under the new epoch; its free is delayed only for those new stores."""
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=6)
+    a = req("a", toks)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, blocks_obj(list(range(10))), 0)
+    old = [
+        ch.key
+        for rt in s.build_connector_meta(new_out("a", list(range(10)), 0, 300)).stores
+        for ch in rt.chunks
+    ]
+    assert len(old) == 5 and s._reqs["a"].sending
+    s.reset_cache()  # vLLM preempts "a" in its reset (reset_running_requests)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)  # asked before the plan that says so
+    assert s.stats.requests_rekeyed == 1 and not s._reqs["a"].frozen
+    s.update_state_after_alloc(a, blocks_obj(list(range(10, 20))), 0)
+    meta = s.build_connector_meta(cached_out("a", list(range(10, 20)), 0, 300, resumed=True, preempted={"a"}))
+    new = [ch.key for rt in meta.stores for ch in rt.chunks]
+    assert new[:4] == ChunkKeyer(s.keyer.space).prompt_keys(toks).full and not set(new) & set(old)
+    assert s.request_finished(a, []) == (True, None)  # the new stores are owed a finished_sending
+
+
+def test_a_load_pending_at_the_reset_and_lost_with_the_next_plan_is_failed_once(
+    server, keyer, client, monkeypatch
+) -> None:
+    s = make_sched(server, keyer, client, async_load=True, async_min_load_tokens=1)
+    a, _, _, offer = stored_then_asked(server, s, seed=5, rid="a")
+    assert offer == (288, True)
+    s.update_state_after_alloc(a, blocks_obj(list(range(10))), 288)
+    s.reset_cache()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in planning")
+
+    monkeypatch.setattr(s, "_pin_step_loads", broken)
+    meta = s.build_connector_meta(empty_out())
+    assert [lt.req_id for lt in meta.async_loads] == ["a"]  # once: vLLM would crash on a second report
+
+
 def test_a_load_pending_at_the_reset_or_accepted_after_it_is_planned_to_fail(server, keyer, client) -> None:
     """vLLM counts an accepted load's tokens as computed: a reset between the acceptance and the
     plan (vLLM 0.34 may defer ``update_state_after_alloc``) must neither drop the load (the model

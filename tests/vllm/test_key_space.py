@@ -67,6 +67,7 @@ def test_a_plain_engine_keeps_the_keys_it_had_before_compute_overrides_existed()
                 method="mtp", model=None, draft_model_config=SimpleNamespace(model="org/model")
             )
         ),
+        config(hf_overrides={"rope_scaling": None}),  # an override to None is an override
     ],
 )
 def test_what_changes_the_kv_of_the_same_checkpoint_changes_every_key(other: SimpleNamespace) -> None:
@@ -86,17 +87,27 @@ def test_settings_that_change_nothing_keep_a_plain_engines_keys() -> None:
         activation_scheme: str | None = None
 
     plain = keys(config())
-    assert (
-        keys(config("bfloat16"))
-        == ChunkKeyer(KeySpace("org/model", "", "bfloat16", 4, 2, 64, 64)).prompt_keys(TOKENS).full
-    )  # the cache dtype is in the key as given; no model dtype added beside it
+    assert keys(config("bfloat16")) == plain  # the model's own dtype, named: the same bytes
     assert keys(config(quantization_config=QuantArgs())) == plain
-    # n-gram speculation has no draft model: no KV layers of its own, the plain engine's keys.
-    assert (
-        keys(config(speculative=SimpleNamespace(method="ngram", model=None, draft_model_config=None)))
-        == plain
-    )
     assert keys(config(quantization_config=QuantArgs(activation_scheme="dynamic"))) != plain
+    # n-gram speculation has no KV layers of its own: the plain engine's keys. (vLLM gives it the
+    # target's model config as its "draft".)
+    vc = config()
+    vc.speculative_config = SimpleNamespace(
+        method="ngram", model=None, draft_model_config=vc.model_config, target_model_config=vc.model_config
+    )
+    assert keys(vc) == plain
+
+
+def test_a_draft_models_revision_changes_every_key() -> None:
+    def eagle(revision: str | None) -> SimpleNamespace:
+        draft = SimpleNamespace(model="org/eagle", revision=revision, quantization=None)
+        return config(
+            speculative=SimpleNamespace(method="eagle", model="org/eagle", draft_model_config=draft)
+        )
+
+    assert keys(eagle("v1")) == keys(eagle("v1"))
+    assert not set(keys(eagle("v1"))) & set(keys(eagle("v2")))
 
 
 def test_equal_overrides_share_keys_whatever_their_order_and_a_callable_counts_by_name() -> None:
