@@ -39,6 +39,7 @@ from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.own_thread import on_own_thread
 from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock
 from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
@@ -167,7 +168,10 @@ class MaruWorkerConnector(WorkerStores):
             kv_ops_backend(),
             self.cfg.server_url,
         )
-        self._connect()
+        if self.caches[0].is_cuda:  # outside vLLM's KV-cache pool (sleep mode discards it)
+            on_own_thread(self._connect, self.caches[0].device)
+        else:
+            self._connect()
 
     def _connect(self) -> bool:
         if self.engine is not None:
