@@ -115,6 +115,9 @@ class MaruConnectorConfig:
     scheduler_reply_spin_us: int | None = None
     enable_load: bool = True
     enable_store: bool = True
+    # Run in an engine with vLLM's sleep mode. Off until the fix of the sleep-mode failure (device
+    # state discarded with vLLM's KV-cache pool, maru.vllm.own_thread) has run on a GPU.
+    allow_sleep_mode: bool = False
     store_partial_tail: bool = True
     log_timing: bool = False
     # Milliseconds between the wake-ups of a probe thread in the engine process that times how late
@@ -366,6 +369,14 @@ class MaruConnectorConfig:
         )
         logger.warning("Maru: %s", sentence)
         return MaruConnectorConfig(**{**self.__dict__, "load_failures_fail": sentence})
+
+    def off(self, why: str) -> MaruConnectorConfig:
+        """A copy with loads and stores off, announced once (``why``: the reason and the fix) and
+        kept in ``fallbacks`` (the worker reports it: ``maru doctor``). A no-op when both are off."""
+        if not (self.enable_load or self.enable_store):
+            return self
+        logger.warning("Maru: %s", why)
+        return self._replaced(why, enable_load=False, enable_store=False)
 
     def _replaced(self, sentence: str, **changes: Any) -> MaruConnectorConfig:
         """A copy with ``changes`` applied and ``sentence`` (reason and fix) added to ``fallbacks``."""

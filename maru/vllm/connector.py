@@ -174,6 +174,15 @@ class MaruKVConnector(KVConnectorBase_V1):
             cfg = MaruConnectorConfig(**{**cfg.__dict__, "enable_load": False, "enable_store": False})
             self.maru_config = cfg
 
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not cfg.allow_sleep_mode:
+            cfg = self.maru_config = cfg.off(
+                "vLLM's sleep mode is on (enable_sleep_mode): on an H100 a load after a sleep placed wrong "
+                "bytes (vLLM discarded device memory Maru set up at start, tests/e2e/test_gpu_vllm_sleep_e2e.py); "
+                "that is fixed but has not run on a GPU yet, so the connector stays off and vLLM computes "
+                "every prompt itself. Fix: run vLLM without enable_sleep_mode, or set "
+                "maru_allow_sleep_mode=true to run the fix"
+            )
+
         unrecoverable = self._same_step_failures_unrecoverable(vllm_config)
         if unrecoverable is not None:
             # Both roles read the same vLLM config, so they switch together. With offer pins no

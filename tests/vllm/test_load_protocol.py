@@ -371,3 +371,21 @@ def test_a_plan_that_failed_makes_the_worker_report_every_accepted_loads_blocks_
     finally:
         worker.shutdown()
         conn.shutdown()
+
+
+def test_under_vllms_sleep_mode_maru_stays_off_announced_unless_allowed(server) -> None:
+    """A load after a sleep placed wrong bytes on an H100 (the worker's device state was made in the
+    KV-cache pool vLLM discards at a sleep); until its fix ran on a GPU, Maru stays off there, says
+    why once, and keeps it in its fallbacks (``maru_stats``)."""
+    for allowed in (False, True):
+        extra = {"maru_allow_sleep_mode": True} if allowed else {}
+        vc = vllm_config(server.url, False, **extra)
+        vc.model_config.enable_sleep_mode = True
+        conn = MaruKVConnector(vc, KVConnectorRole.SCHEDULER)
+        try:
+            cfg = conn.maru_config
+            assert (cfg.enable_load, cfg.enable_store) == (allowed, allowed)
+            said = [f for f in cfg.fallbacks if "sleep mode" in f]
+            assert (said == []) if allowed else ("maru_allow_sleep_mode=true" in said[0])
+        finally:
+            conn.shutdown()
