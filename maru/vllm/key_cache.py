@@ -62,11 +62,11 @@ class ChunkKeyCache:
             assert block_hashes is not None
             digests = self._digests
             for c in range(n):
-                bh = block_hashes[(c + 1) * bpc - 1]
-                d = digests.get((salt, bh) if salt else bh)
+                bh = _salted(salt, block_hashes[(c + 1) * bpc - 1])
+                d = digests.get(bh)
                 if d is None:
                     break
-                digests.move_to_end((salt, bh) if salt else bh)  # recently used: kept longest
+                digests.move_to_end(bh)  # recently used: kept longest
                 chain.append(d)
         self.hits += len(chain)
         if len(chain) < n:
@@ -76,9 +76,13 @@ class ChunkKeyCache:
             if usable:
                 assert block_hashes is not None
                 for c, d in enumerate(new, start=len(chain)):
-                    bh = block_hashes[(c + 1) * bpc - 1]
-                    self._digests[(salt, bh) if salt else bh] = d
+                    self._digests[_salted(salt, block_hashes[(c + 1) * bpc - 1])] = d
                 while len(self._digests) > self.capacity:
                     self._digests.popitem(last=False)
             chain += new
         return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=root)
+
+
+def _salted(salt: str | None, block_hash: Any) -> Any:
+    """The digest cache's key of a block hash: the hash itself, or (salt, hash) for a salted request."""
+    return (salt, block_hash) if salt else block_hash

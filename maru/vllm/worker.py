@@ -168,7 +168,9 @@ class MaruWorkerConnector(WorkerStores):
             kv_ops_backend(),
             self.cfg.server_url,
         )
-        if self.caches[0].is_cuda:  # outside vLLM's KV-cache pool (sleep mode discards it)
+        if self.caches[0].is_cuda and self.cfg.allow_sleep_mode:
+            # Outside vLLM's KV-cache pool, which sleep mode discards. Only where sleep mode is
+            # allowed: that fix has not run on a GPU yet, every other engine keeps the path that did.
             on_own_thread(self._connect, self.caches[0].device)
         else:
             self._connect()
