@@ -83,11 +83,14 @@ class MaruHandler(PostedLookups, SessionClient):
         server_public_key: str | None = None,
         client_key: str | None = None,
         reply_spin_s: float = 0.0,
+        map_pool: bool = True,
     ) -> None:
         """``server_public_key`` (z85 text or ``.key`` file) and ``client_key`` (this client's
         ``.key_secret`` file) connect to a CURVE server; both absent: $MARU_SERVER_PUBLIC_KEY and
         $MARU_CLIENT_KEY, else a plain connection (a loopback server). See docs/security.md.
-        ``reply_spin_s``: poll for each reply this long before blocking (``maru.client.rpc``)."""
+        ``reply_spin_s``: poll for each reply this long before blocking (``maru.client.rpc``).
+        ``map_pool=False``: a client that only reports and reads statistics (an off vLLM connector
+        telling ``maru doctor`` why): it never maps the pool, and its data calls raise."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if heartbeat_interval_s <= 0:
@@ -96,6 +99,7 @@ class MaruHandler(PostedLookups, SessionClient):
         self.client_id = uuid.uuid4().hex
         self.timeout_s = float(timeout_s)
         self._pool_path_override = pool_path
+        self._maps_pool = map_pool
         self._rpc = RpcChannel(url, CurveKeys.resolve(server_public_key, client_key), reply_spin_s)
         # One RLock orders every exchange with the server and every session change, so a
         # COMMIT can never race a re-handshake (which would invalidate its reservations).
@@ -180,6 +184,11 @@ class MaruHandler(PostedLookups, SessionClient):
         return self._mapped()
 
     def _mapped(self) -> PoolMapping:
+        if not self._maps_pool:
+            raise PoolError(
+                "this MaruHandler was made with map_pool=False (it only reports and reads statistics): "
+                "it has no pool mapping; make one without map_pool=False to store or load"
+            )
         if self._mapping is None or self._closed:
             raise HandlerClosedError("this MaruHandler was closed; create a new MaruHandler")
         return self._mapping

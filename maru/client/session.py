@@ -173,13 +173,16 @@ class SessionClient:
                     f"maru server at {self.url} speaks protocol {info.protocol_version}, this client "
                     f"{protocol.PROTOCOL_VERSION}; install the same Maru version on both sides"
                 )
-            if self._mapping is None or self._mapping.uuid != info.pool_uuid:
+            if not self._maps_pool:
+                pass  # a client that only reports (map_pool=False): no mapping, no local index
+            elif self._mapping is None or self._mapping.uuid != info.pool_uuid:
                 new = self._map_pool(info)
                 if self._mapping is not None:
                     log.warning("maru server now serves another pool (%s); remapped", info.pool_uuid)
                     self._old_mappings.append(self._mapping)
                 self._mapping = new
-            self.local_exists.update(reply, self._mapping, info.pool_path)
+            if self._maps_pool:
+                self.local_exists.update(reply, self._mapping, info.pool_path)
             first = self._info is None
             self._info = info
             self._session += 1

@@ -9,7 +9,8 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
 - ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8}`` ->
   ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``; with
   ``"logprobs": k`` also ``"logprobs"``: per output, per position, ``[[id, logprob], ...]``
-  best first; ``"cache_salt": "..."`` gives every prompt vLLM's per-request cache salt
+  best first; ``"cache_salt": "..."`` gives every prompt vLLM's per-request cache salt, and
+  ``"lora": [name, int id, path]`` a LoRA adapter (engine setting ``enable_lora``)
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
 - ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first and lets vLLM free
@@ -91,6 +92,9 @@ def build_llm(spec: dict[str, Any]) -> Any:
         "tensor_parallel_size",
         "distributed_executor_backend",
         "enable_sleep_mode",
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
     ):
         if spec.get(k) is not None:
             kw[k] = spec[k]
@@ -207,8 +211,14 @@ def serve(spec: dict[str, Any]) -> None:
                 )
                 salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
                 prompts = [TokensPrompt(prompt_token_ids=list(p), **salt) for p in cmd["prompts"]]
+                lora = None
+                if cmd.get("lora"):
+                    from vllm.lora.request import LoRARequest
+
+                    name, lora_id, path = cmd["lora"]
+                    lora = LoRARequest(str(name), int(lora_id), str(path))
                 t = time.perf_counter()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
+                outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora)
                 dt = time.perf_counter() - t
                 r = {
                     "outputs": [[int(t) for t in o.outputs[0].token_ids] for o in outs],

@@ -130,6 +130,53 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     return out
 
 
+def build_tiny_lora(
+    out_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    seed: int,
+    rank: int = 8,
+    std: float = 0.2,
+) -> Path:
+    """Write a LoRA adapter (PEFT's files: ``adapter_config.json``, ``adapter_model.safetensors``)
+    for the model in ``model_dir``: random rank-``rank`` updates of every attention projection,
+    large enough to change the outputs. The same arguments give byte-identical files."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = TinyModelSpec(**json.loads((Path(model_dir) / SPEC_FILE).read_text()))
+    kv = spec.kv_heads * spec.head_dim
+    outs = {"q_proj": spec.hidden, "k_proj": kv, "v_proj": kv, "o_proj": spec.hidden}
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(spec.num_layers):
+        for proj, width in outs.items():
+            at = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{at}.lora_A.weight"] = torch.randn(rank, spec.hidden, generator=gen) * std
+            tensors[f"{at}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * std
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.to(getattr(torch, spec.dtype)) for k, v in tensors.items()},
+        str(out / "adapter_model.safetensors"),
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outs),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": str(model_dir),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, sort_keys=True))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")

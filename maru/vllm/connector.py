@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from maru.vllm.adapters import AdapterDigests, RequestScopes, lora_compute
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.engine_config import (
     key_space,
@@ -38,6 +40,7 @@ from maru.vllm.interpreter_clock import PythonPace
 from maru.vllm.keys import ChunkKeyer
 from maru.vllm.layer_loads import forward_runs_layer_hooks
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
+from maru.vllm.refusal import RefusalReport, refusal_info
 from maru.vllm.scheduler import MaruSchedulerConnector
 
 try:  # vLLM >= 0.32 labels where external hits come from
@@ -99,6 +102,13 @@ def _reply_waits(w: Any) -> str:
     if not isinstance(w, dict) or not w:
         return "-"
     return f"{w.get('replies_spun', 0)} read while polling (spin {w.get('spin_us', 0)} us), {w.get('spun_out', 0)} blocked past it"
+
+
+def _reporting_client(cfg: MaruConnectorConfig) -> Any:
+    """A client of the configured server that only reports (an off connector's ``RefusalReport``)."""
+    from maru.client import MaruHandler
+
+    return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s, map_pool=False)
 
 
 def _ensure_logging() -> None:
@@ -165,14 +175,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
         if cfg.log_timing:
             GC_CLOCK.install()  # the process's collections, timed (``interpreter_clock``)
-        if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
-            logger.warning(
-                "Maru: pipeline parallelism (pipeline_parallel_size=%d) is not supported; the connector "
-                "stays off and vLLM computes every prompt itself",
-                pc.pipeline_parallel_size,
+        wanted = cfg.enable_load or cfg.enable_store  # before any refusal below turns both off
+        if (pp := int(getattr(pc, "pipeline_parallel_size", 1))) > 1:
+            cfg = self.maru_config = cfg.off(
+                f"pipeline parallelism (pipeline_parallel_size={pp}) is not supported: the connector "
+                "stays off and vLLM computes every prompt itself. Fix: run with pipeline_parallel_size=1 "
+                "(tensor parallelism is supported)"
             )
-            cfg = MaruConnectorConfig(**{**cfg.__dict__, "enable_load": False, "enable_store": False})
-            self.maru_config = cfg
 
         if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not cfg.allow_sleep_mode:
             cfg = self.maru_config = cfg.off(
@@ -182,6 +191,11 @@ class MaruKVConnector(KVConnectorBase_V1):
                 "every prompt itself. Fix: run vLLM without enable_sleep_mode, or set "
                 "maru_allow_sleep_mode=true to run the fix"
             )
+
+        self._refusal: RefusalReport | None = None
+        if role == KVConnectorRole.SCHEDULER and wanted and not (cfg.enable_load or cfg.enable_store):
+            # Off by a refusal: ``maru doctor`` must show it, not only vLLM's log (``refusal``).
+            self._refusal = RefusalReport(partial(_reporting_client, cfg), refusal_info(cfg.fallbacks))
 
         unrecoverable = self._same_step_failures_unrecoverable(vllm_config)
         if unrecoverable is not None:
@@ -221,6 +235,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 is not False,
                 hold_offers=cfg.hold_offers and _WORKER_META,
                 pin_at_offer=bool(cfg.load_failures_fail),
+                scopes=RequestScopes(AdapterDigests(lora_compute(vllm_config))),
             )
             self._scheduler.connect_now()
             logger.info(
@@ -274,6 +289,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
             out.update(self._scheduler.probe_view())
             out["async_load_sharing"] = self._scheduler.load_sharing
+            out["adapter_bytes_hashed"] = self._scheduler.scopes.adapters.hashed_bytes  # LoRA keys
             pins = self._scheduler.pins
             out["offer_pins"] = pins.snapshot() if pins is not None else "off"
         else:
@@ -433,6 +449,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._refusal is not None:
+            self._refusal.close()
 
     # ------------------------------------------------------------------ scheduler side
     @timed

@@ -47,13 +47,16 @@ class ChunkKeyCache:
         block_hashes: Sequence[Any] | None,
         num_tokens: int,
         salt: str | None = None,
+        adapter: bytes | None = None,
     ) -> PromptKeys:
         """The keys of every full chunk of ``prompt``. ``block_hashes``: vLLM's, of the request's
         ``num_tokens`` tokens (the prompt, and any output after it); None or inconsistent: hash all.
-        ``salt``: the request's ``cache_salt`` (a salted request's digests are remembered under the
-        salt too: whatever vLLM puts in its hashes, one salt's keys never stand for another's)."""
+        ``salt``: the request's ``cache_salt``; ``adapter``: its LoRA adapter's digest. The digests
+        of a request with either are remembered under its chain's root too: whatever vLLM puts in
+        its hashes (it names an adapter, not its files), one scope's keys never stand for another's."""
         keyer = self.keyer
-        root = keyer.root_for(salt)
+        root = keyer.root_for(salt, adapter)
+        scope = root if root != keyer.root else None
         n = len(prompt) // keyer.chunk_tokens
         bpc = self.blocks_per_chunk
         usable = block_hashes is not None and len(block_hashes) == num_tokens // self.block_size
@@ -62,7 +65,7 @@ class ChunkKeyCache:
             assert block_hashes is not None
             digests = self._digests
             for c in range(n):
-                bh = _salted(salt, block_hashes[(c + 1) * bpc - 1])
+                bh = _scoped(scope, block_hashes[(c + 1) * bpc - 1])
                 d = digests.get(bh)
                 if d is None:
                     break
@@ -76,13 +79,14 @@ class ChunkKeyCache:
             if usable:
                 assert block_hashes is not None
                 for c, d in enumerate(new, start=len(chain)):
-                    self._digests[_salted(salt, block_hashes[(c + 1) * bpc - 1])] = d
+                    self._digests[_scoped(scope, block_hashes[(c + 1) * bpc - 1])] = d
                 while len(self._digests) > self.capacity:
                     self._digests.popitem(last=False)
             chain += new
         return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=root)
 
 
-def _salted(salt: str | None, block_hash: Any) -> Any:
-    """The digest cache's key of a block hash: the hash itself, or (salt, hash) for a salted request."""
-    return (salt, block_hash) if salt else block_hash
+def _scoped(scope: bytes | None, block_hash: Any) -> Any:
+    """The digest cache's key of a block hash: the hash itself, or (chain root, hash) for a request
+    whose chain starts elsewhere (a salt, an adapter)."""
+    return (scope, block_hash) if scope is not None else block_hash

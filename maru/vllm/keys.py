@@ -11,7 +11,9 @@ so computing every key of a prompt is linear in its length, and two prompts shar
 chunk i exactly when they share every token up to the end of chunk i. A request with vLLM's
 ``cache_salt`` (per-request isolation of the prefix cache, e.g. per tenant) starts its chain at
 ``blake2b(b"S" + h[-1] + salt)`` instead (``ChunkKeyer.root_for``): it shares keys only with
-requests of the same salt, as in vLLM's own prefix cache. A *tail* key names a
+requests of the same salt, as in vLLM's own prefix cache. A LoRA request's chain starts at
+``blake2b(b"A" + h[-1] + adapter digest)`` (the digest of its adapter's files,
+``maru.vllm.adapters``), salted after that when it has a salt too. A *tail* key names a
 partial chunk (the block-aligned end of one prompt, ``n < chunk_tokens`` tokens); the domain
 bytes ``C``/``T`` keep a tail of ``chunk_tokens`` tokens from ever equalling a full chunk key.
 
@@ -146,25 +148,34 @@ class ChunkKeyer:
         self._prefix = space.prefix()
 
     def prompt_keys(
-        self, token_ids: Sequence[int], num_chunks: int | None = None, salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        num_chunks: int | None = None,
+        salt: str | None = None,
+        adapter: bytes | None = None,
     ) -> PromptKeys:
         """Keys of the first ``num_chunks`` full chunks (default: every full chunk of ``token_ids``),
-        of a request with vLLM's ``cache_salt`` ``salt`` (None or empty: none)."""
+        of a request with vLLM's ``cache_salt`` ``salt`` and the LoRA adapter whose files digest to
+        ``adapter`` (None or empty: none)."""
         ct = self.chunk_tokens
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
-        root = self.root_for(salt)
+        root = self.root_for(salt, adapter)
         chain = self.chain_digests(token_ids, 0, n, root)
         return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=root)
 
-    def root_for(self, salt: str | None) -> bytes:
-        """The chain's start for a request with vLLM's ``cache_salt`` ``salt``: the key space's digest
-        without one; with one, a digest of both (no salted chain meets an unsalted one or another
-        salt's)."""
-        if not salt:
-            return self._root
-        return _digest(b"S" + self._root, salt.encode())
+    def root_for(self, salt: str | None, adapter: bytes | None = None) -> bytes:
+        """The chain's start for a request with vLLM's ``cache_salt`` ``salt`` and a LoRA adapter
+        whose files digest to ``adapter``: the key space's digest with neither; otherwise a digest
+        of it and each that is set, the adapter first (no chain of one adapter or salt meets a
+        chain without it or of another)."""
+        root = self._root
+        if adapter:
+            root = _digest(b"A" + root, adapter)
+        if salt:
+            root = _digest(b"S" + root, salt.encode())
+        return root
 
     def chain_key(self, digest: bytes) -> str:
         """The chunk key of a chain digest."""

@@ -30,6 +30,7 @@ from typing import Any
 from maru.errors import MaruError
 from maru.transfer.records import ChunkRef, RequestTransfer
 from maru.vllm import thread_census
+from maru.vllm.adapters import RequestScope, RequestScopes, Skipped
 from maru.vllm.cache_reset import CacheResets
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.hook_times import HookTimes, timed_step
@@ -62,13 +63,15 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         hold_offers: bool = False,
         pin_at_offer: bool = False,
         hook_times: HookTimes | None = None,
+        scopes: RequestScopes | None = None,
     ) -> None:
         """``local_prefix_cache``: whether vLLM's own prefix cache is on (async loads of the same
         chunks are shared only through it). ``hold_offers``: pin what is offered until the workers
         placed it (``OfferPins``); needs the workers' per-step report (vLLM's
         ``build_connector_worker_meta``), so the connector decides. ``pin_at_offer``: pin each
         offer before making it (where vLLM cannot recompute a failed same-step load), not once a
-        step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's)."""
+        step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's).
+        ``scopes``: what keys a request beyond its tokens (its salt, its LoRA adapter's files)."""
         self.hook_times = hook_times if hook_times is not None else HookTimes()
         self.cfg = cfg
         self.block_size = block_size
@@ -79,7 +82,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         self._client: Any = None
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
         self._next_connect = 0.0
-        self._warned_skip: set[str] = set()
+        self.scopes = scopes if scopes is not None else RequestScopes()
+        self._skip_notes: list[str] = []  # kinds of requests left to vLLM (``skip_note``)
         self._share_timeout_note: str | None = None  # set at the first timeout (``maru doctor``)
         self._reqs: dict[str, RequestState] = {}
         # The loads vLLM accepted since the last plan (request, first and end token): if planning
@@ -140,20 +144,24 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         return set(self._delayed)
 
     # ------------------------------------------------------------------ requests
-    def _eligible(self, request: Any) -> bool:
-        reason = None
-        if getattr(request, "prompt_token_ids", None) is None:
-            reason = "prompts given as embeddings"
-        elif getattr(request, "lora_request", None) is not None:
-            reason = "LoRA requests (the adapter is not part of the key)"
-        elif getattr(request, "mm_features", None):
-            reason = "multimodal requests (image hashes are not part of the key)"
-        if reason is None:
-            return True
-        if reason not in self._warned_skip:
-            self._warned_skip.add(reason)
-            logger.warning("Maru: skipping %s; vLLM computes them itself", reason)
-        return False
+    def _scope(self, request: Any) -> RequestScope | None:
+        """The request's scope (salt, adapter); None where Maru's keys do not cover it. Such a
+        request is left to vLLM, announced once per kind in the log and reported to the server
+        (``maru doctor``: these requests recompute)."""
+        scope = self.scopes.of(request)
+        if not isinstance(scope, Skipped):
+            return scope
+        note = scope.note
+        if note not in self._skip_notes:
+            self._skip_notes.append(note)
+            logger.warning("Maru: %s", note)
+            self._reported_path = None  # report again, with it
+            try:
+                if self._get_client() is not None:
+                    self._report_path()
+            except Exception:  # informative only: never raise into vLLM's scheduler
+                logger.exception("Maru: reporting a kind of request Maru leaves to vLLM failed")
+        return None
 
     def _state(self, request: Any) -> RequestState | None:
         """The request's state, made at its first sight; None where Maru leaves it to vLLM (not
@@ -161,11 +169,12 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         st = self._reqs.get(request.request_id)
         if st is not None:
             return None if st.frozen else st
-        if not self._eligible(request):
+        scope = self._scope(request)
+        if scope is None:
             return None
         self._wake_for_pins()  # before the keys and the probe: a pin may follow them
         prompt = list(request.prompt_token_ids)
-        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(request, prompt))
+        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(request, prompt, scope))
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
@@ -176,13 +185,14 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         return st
 
     @timed_step("keys", "get_num_new_matched_tokens")
-    def _keys(self, request: Any, prompt: list[int]) -> PromptKeys:
+    def _keys(self, request: Any, prompt: list[int], scope: RequestScope) -> PromptKeys:
         kc = self._key_cache
         keys = kc.prompt_keys(
             prompt,
             getattr(request, "block_hashes", None),
             int(request.num_tokens),
-            salt=getattr(request, "cache_salt", None),  # vLLM's per-request isolation
+            salt=scope.salt,  # vLLM's per-request isolation
+            adapter=scope.adapter,  # a LoRA adapter's files
         )
         self.stats.keys_remembered, self.stats.keys_hashed = kc.hits, kc.hashed
         return keys

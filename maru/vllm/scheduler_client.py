@@ -40,6 +40,7 @@ class SchedulerClient:
     _unshared: str | None
     _share_timeout_note: str | None
     _withheld_note: str | None
+    _skip_notes: list[str]
 
     def probe_view(self) -> dict[str, Any]:
         """How prefix probes reach the pool (the key index, or a server round trip, and why)."""
@@ -111,6 +112,7 @@ class SchedulerClient:
                             self._share_timeout_note,
                             self.at_offer_note,
                             self._withheld_note,
+                            *self._skip_notes,  # kinds of requests left to vLLM (``RequestScopes``)
                             slow_note("vLLM's scheduling thread"),
                             profiling_note(),
                             thread_census.slow_note() if self.cfg.log_timing else None,

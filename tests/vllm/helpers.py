@@ -9,6 +9,7 @@ each other.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -139,3 +140,42 @@ def empty_out() -> SimpleNamespace:
         num_scheduled_tokens={},
         preempted_req_ids=set(),
     )
+
+
+_models = iter(range(10**6))
+
+
+def vllm_config(url: str, v2: Any, **extra: Any) -> SimpleNamespace:
+    """What the facade reads of a ``VllmConfig``; ``v2`` is ``use_v2_model_runner`` (a callable raises)."""
+    mc = SimpleNamespace(
+        model=f"proto-model-{next(_models)}",  # a fresh key space per connector
+        dtype="float32",
+        revision=None,
+        get_num_layers=lambda pc: 2,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 32,
+    )
+    ns = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"maru_server_url": url, "maru_kv_chunk_tokens": C, **extra},
+            kv_load_failure_policy="recompute",
+        ),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        model_config=mc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    if callable(v2):
+        cls = type("RaisingConfig", (SimpleNamespace,), {"use_v2_model_runner": property(lambda self: v2())})
+        ns = cls(**ns.__dict__)
+    elif v2 is not None:
+        ns.use_v2_model_runner = v2
+    return ns
+
+
+def write_adapter(d: Path, seed: int, size: int = 3000) -> str:
+    """An adapter directory as PEFT writes one (a config, a weights file) with random bytes."""
+    d.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (d / "adapter_model.safetensors").write_bytes(bytes(rng.randrange(256) for _ in range(size)))
+    return str(d)

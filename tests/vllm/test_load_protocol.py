@@ -22,7 +22,18 @@ from maru.vllm.config import MaruConnectorConfig
 from tests.helpers import ServerProcess, flat, maru, reported_slow
 from tests.pool_fixtures import module_server
 from tests.transfer.helpers import case
-from tests.vllm.helpers import BS, C, blocks_obj, empty_out, new_out, publish, req, stored_keys_of, tokens
+from tests.vllm.helpers import (
+    BS,
+    C,
+    blocks_obj,
+    empty_out,
+    new_out,
+    publish,
+    req,
+    stored_keys_of,
+    tokens,
+    vllm_config,
+)
 
 pytest.importorskip("vllm")
 
@@ -32,36 +43,6 @@ from maru.vllm.connector import MaruKVConnector  # noqa: E402
 from maru.vllm.engine_config import same_step_load_failures_unrecoverable  # noqa: E402
 
 server = module_server("protocol", pool_size="16M")
-
-
-_models = iter(range(10**6))
-
-
-def vllm_config(url: str, v2: Any, **extra: Any) -> SimpleNamespace:
-    """What the facade reads of a ``VllmConfig``; ``v2`` is ``use_v2_model_runner`` (a callable raises)."""
-    mc = SimpleNamespace(
-        model=f"proto-model-{next(_models)}",  # a fresh key space per connector
-        dtype="float32",
-        revision=None,
-        get_num_layers=lambda pc: 2,
-        get_num_kv_heads=lambda pc: 2,
-        get_head_size=lambda: 32,
-    )
-    ns = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"maru_server_url": url, "maru_kv_chunk_tokens": C, **extra},
-            kv_load_failure_policy="recompute",
-        ),
-        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-        model_config=mc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-    )
-    if callable(v2):
-        cls = type("RaisingConfig", (SimpleNamespace,), {"use_v2_model_runner": property(lambda self: v2())})
-        ns = cls(**ns.__dict__)
-    elif v2 is not None:
-        ns.use_v2_model_runner = v2
-    return ns
 
 
 def scheduler_side(server: ServerProcess, v2: Any, **extra: Any) -> MaruKVConnector:

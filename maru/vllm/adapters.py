@@ -1,0 +1,178 @@
+"""What a request's KV depends on beyond its tokens and the engine: its ``RequestScope``.
+
+Two requests with the same tokens share KV only when they ran the same weights under the same
+isolation. The engine's weights are in the key space (``KeySpace``); per request, vLLM adds:
+
+- ``cache_salt``: isolation by the caller's choice (tenants). Keyed as given.
+- a LoRA adapter (``lora_request``): other weights, so other KV in every layer after the first
+  adapted projection. vLLM's own prefix cache names an adapter by ``lora_name`` and ``lora_path``,
+  which is enough inside one engine; across engines and hosts a name says nothing of the weights
+  (another host's ``adapter-x`` may be another training run). Maru keys an adapter by the digest
+  of its files (``AdapterDigests``): the same files under any name or path share, other files never.
+- multimodal inputs and prompt embeddings: not covered by Maru's keys, so such requests are left to
+  vLLM (``RequestScope`` is then a ``Skipped`` note, announced once and reported: ``maru doctor``).
+
+Invariants: an adapter is keyed only from files this process read (a path it cannot read as a
+directory is a ``Skipped`` request, never a key by name); a digest is worked out again when a
+file's size or modification time changed (an adapter rewritten in place), and otherwise read
+once per adapter directory; the digest covers every file under the directory, their relative
+paths included, and the engine's LoRA compute settings (``lora_dtype``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("maru.vllm")
+
+_READ = 1 << 20  # bytes read at a time while hashing an adapter's files
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """The part of a request's key beyond its tokens: its salt and its adapter's digest (None:
+    none). The default scope keys as every request did before scopes existed."""
+
+    salt: str | None = None
+    adapter: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A request Maru's keys cannot cover: ``note`` says which kind, why, and what to do."""
+
+    note: str
+
+
+EMBEDDINGS = Skipped(
+    "prompts given as embeddings are computed by vLLM itself, not loaded nor stored: Maru keys KV "
+    "by token ids, which such a prompt has not. Fix: none needed; send token ids or text to share"
+)
+MULTIMODAL = Skipped(
+    "multimodal requests are computed by vLLM itself, not loaded nor stored: Maru's keys do not yet "
+    "cover images, audio or video (one text with another image has other KV). Fix: none needed; "
+    "text-only requests share"
+)
+ADAPTER_UNREADABLE = Skipped(
+    "LoRA requests whose adapter this process cannot read as a local directory (a hub id, a "
+    "resolver's name, tensorizer weights, no permission) are computed by vLLM itself: Maru keys an "
+    "adapter by the digest of its files and never by its name. Fix: give lora_path as a local "
+    "directory readable by vLLM's scheduler process (the log names the adapter)"
+)
+
+
+def _listing(path: str) -> tuple[tuple[str, int, int], ...]:
+    """Every regular file under ``path`` as (relative path, size, mtime_ns), sorted: what must be
+    unchanged for a digest to stand. Raises OSError where ``path`` is not a readable directory."""
+    if not os.path.isdir(path):
+        raise NotADirectoryError(path)
+    out: list[tuple[str, int, int]] = []
+    for top, dirs, files in os.walk(path, onerror=_raise):
+        dirs.sort()
+        for name in files:
+            full = os.path.join(top, name)
+            st = os.stat(full)
+            out.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
+    out.sort()
+    return tuple(out)
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+class AdapterDigests:
+    """LoRA adapters keyed by their files (see the module). ``compute``: the engine's LoRA settings
+    that change what an adapter computes (vLLM's ``lora_dtype``), mixed into every digest."""
+
+    def __init__(self, compute: str = "") -> None:
+        self._compute = compute.encode()
+        # lora_path -> (listing the digest was made from, digest)
+        self._known: dict[str, tuple[tuple[tuple[str, int, int], ...], bytes]] = {}
+        self._unreadable: set[str] = set()  # paths announced unreadable (once each)
+        self.hashed_bytes = 0  # bytes read to make digests (``maru stats``: adapter_bytes_hashed)
+
+    def digest(self, lora_request: Any) -> bytes | Skipped:
+        """The digest of the request's adapter, or ``ADAPTER_UNREADABLE``."""
+        path = str(getattr(lora_request, "lora_path", "") or "")
+        name = getattr(lora_request, "lora_name", "?")
+        try:
+            if getattr(lora_request, "tensorizer_config_dict", None):
+                raise NotADirectoryError("tensorizer weights (not a directory of files)")
+            if not path:
+                raise NotADirectoryError("no lora_path")
+            listing = _listing(path)
+            known = self._known.get(path)
+            if known is not None and known[0] == listing:
+                return known[1]
+            t0 = time.perf_counter()
+            d, size = self._hash(path, listing)
+        except OSError as e:
+            if path not in self._unreadable:
+                self._unreadable.add(path)
+                logger.warning("Maru: LoRA adapter %r (lora_path=%r) is left to vLLM: %s", name, path, e)
+            return ADAPTER_UNREADABLE
+        self._unreadable.discard(path)
+        self._known[path] = (listing, d)
+        logger.info(
+            "Maru: LoRA adapter %r keyed by its files (%s, %d files, %.1f MB read in %.0f ms)%s",
+            name,
+            path,
+            len(listing),
+            size / 1e6,
+            (time.perf_counter() - t0) * 1e3,
+            ", changed since last keyed" if known is not None else "",
+        )
+        return d
+
+    def _hash(self, path: str, listing: tuple[tuple[str, int, int], ...]) -> tuple[bytes, int]:
+        h = hashlib.blake2b(b"lora-adapter/1", digest_size=32)
+        h.update(self._compute)
+        total = 0
+        for rel, size, _ in listing:
+            h.update(b"\0" + rel.encode() + b"\0" + size.to_bytes(8, "little"))
+            with open(os.path.join(path, rel), "rb") as f:
+                while piece := f.read(_READ):
+                    h.update(piece)
+                    total += len(piece)
+        after = _listing(path)
+        if after != listing:  # written while read: a digest of neither version
+            raise BlockingIOError(f"the adapter's files changed while they were read ({path}); try again")
+        self.hashed_bytes += total
+        return h.digest(), total
+
+
+def lora_compute(vllm_config: Any) -> str:
+    """The engine's LoRA settings that change an adapter's numbers: its ``lora_dtype`` unless
+    "auto" (then the model's dtype, which the key space holds). "" without LoRA."""
+    lc = getattr(vllm_config, "lora_config", None)
+    dtype = getattr(lc, "lora_dtype", None) if lc is not None else None
+    if dtype is None or str(dtype) == "auto":
+        return ""
+    return f"lora_dtype={str(dtype).removeprefix('torch.')}"
+
+
+class RequestScopes:
+    """Each request's ``RequestScope``, or the ``Skipped`` note of one Maru leaves to vLLM."""
+
+    def __init__(self, adapters: AdapterDigests | None = None) -> None:
+        self.adapters = adapters if adapters is not None else AdapterDigests()
+
+    def of(self, request: Any) -> RequestScope | Skipped:
+        if getattr(request, "prompt_token_ids", None) is None:
+            return EMBEDDINGS
+        if getattr(request, "mm_features", None):
+            return MULTIMODAL
+        salt = getattr(request, "cache_salt", None) or None
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return RequestScope(salt=salt)
+        adapter = self.adapters.digest(lora)
+        if isinstance(adapter, Skipped):
+            return adapter
+        return RequestScope(salt=salt, adapter=adapter)
