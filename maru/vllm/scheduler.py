@@ -152,7 +152,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         if not isinstance(scope, Skipped):
             return scope
         note = scope.note
-        if note not in self._skip_notes:
+        if scope.announce and note not in self._skip_notes:
             self._skip_notes.append(note)
             logger.warning("Maru: %s", note)
             self._reported_path = None  # report again, with it

@@ -82,14 +82,14 @@ def test_the_engines_lora_dtype_is_part_of_the_digest(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda tmp: lora("hub", "org/some-adapter"),  # a hub id the worker downloads
         lambda tmp: lora("none", ""),
+        lambda tmp: lora("missing", str(tmp / "no-such-dir")),
         lambda tmp: lora("file", write_adapter(tmp / "d", 1) + "/adapter_config.json"),
         lambda tmp: lora(
             "tz", write_adapter(tmp / "t", 1), tensorizer_config_dict={"tensorizer_uri": "s3://x"}
         ),
     ],
-    ids=["hub-id", "no-path", "a-file", "tensorizer"],
+    ids=["no-path", "no-such-dir", "a-file", "tensorizer"],
 )
 def test_an_adapter_that_cannot_be_read_as_a_directory_is_left_to_vllm_never_keyed_by_name(
     tmp_path: Path, make, caplog: pytest.LogCaptureFixture
@@ -118,7 +118,7 @@ def test_an_adapter_changing_while_it_is_read_is_not_keyed(tmp_path: Path, monke
         return out
 
     monkeypatch.setattr(A, "_listing", listing_then_write)
-    assert digests.digest(lora("a", path)) is A.ADAPTER_UNREADABLE
+    assert digests.digest(lora("a", path)) is A.ADAPTER_CHANGING and not A.ADAPTER_CHANGING.announce
     monkeypatch.setattr(A, "_listing", real)
     assert isinstance(digests.digest(lora("a", path)), bytes)  # tried again at the next request
 
@@ -160,3 +160,53 @@ def test_an_adapters_keys_meet_no_others_and_the_plain_keys_are_unchanged(tmp_pa
         for (salt, ad), want in keys.items():
             assert cache.prompt_keys(toks, same, len(toks), salt=salt, adapter=ad).full == want
     assert cache.hits == cache.hashed == 6 * 3
+
+
+def fake_hub_cache(root: Path, repo_id: str, files_from: str) -> str:
+    """``repo_id`` in a Hugging Face cache at ``root`` as a download leaves it (refs/main naming a
+    snapshot directory); returns the snapshot's path."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    shutil.copytree(files_from, snap)
+    return str(snap)
+
+
+def test_a_hugging_face_id_is_keyed_by_its_cached_files_once_vllm_downloaded_it(
+    tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's worker downloads a hub adapter at its first request, after the scheduler keyed it:
+    until it is in this host's cache its requests are left to vLLM quietly (INFO, never reported),
+    then keyed by the cached files (equal to the same files on a local path). Never downloaded by
+    Maru, never keyed by the id; still missing after ``PENDING_S``: announced."""
+    import huggingface_hub.constants as hf
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(cache))
+    local = write_adapter(tmp_path / "local", seed=1)
+    digests = AdapterDigests()
+    with caplog.at_level("INFO", logger="maru.vllm"):
+        assert digests.digest(lora("hub", "org/adapter")) is A.ADAPTER_PENDING
+        assert digests.digest(lora("hub", "org/adapter")) is A.ADAPTER_PENDING
+    assert not A.ADAPTER_PENDING.announce
+    assert [r.levelname for r in caplog.records if "org/adapter" in r.getMessage()] == ["INFO"]
+    snap = fake_hub_cache(cache, "org/adapter", local)  # vLLM's worker downloaded it
+    assert A.resolve("org/adapter") == snap
+    assert digests.digest(lora("hub", "org/adapter")) == digests.digest(lora("local", local))
+    monkeypatch.setattr(A, "PENDING_S", 0.0)
+    with caplog.at_level("WARNING", logger="maru.vllm"):
+        assert digests.digest(lora("other", "org/never-downloaded")) is A.ADAPTER_UNREADABLE
+    assert any("org/never-downloaded" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_relative_and_home_paths_resolve_as_vllm_resolves_them(tmp_path: Path, monkeypatch) -> None:
+    write_adapter(tmp_path / "rel" / "a", seed=1)
+    monkeypatch.chdir(tmp_path)
+    assert A.resolve("rel/a") == str(tmp_path / "rel" / "a")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert A.resolve("~/rel/a") == str(tmp_path / "rel" / "a")
+    with pytest.raises(NotADirectoryError):
+        A.resolve(str(tmp_path / "rel" / "a" / "adapter_config.json"))

@@ -67,7 +67,7 @@ def test_requests_left_to_vllm_are_announced_once_and_reported_for_maru_doctor(
         publish(server, stored_keys_of(s, toks)[0])
         mm, hub = req("mm", toks), req("hub", toks)
         mm.mm_features = [object()]  # an image: the same placeholder tokens, other KV
-        hub.lora_request = SimpleNamespace(lora_name="x", lora_int_id=1, lora_path="org/some-adapter")
+        hub.lora_request = SimpleNamespace(lora_name="x", lora_int_id=1, lora_path="/no/such/adapter")
         with caplog.at_level("WARNING", logger="maru.vllm"):
             for r in (mm, hub, mm, hub):
                 assert s.get_num_new_matched_tokens(r, 0) == (0, False)
