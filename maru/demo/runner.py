@@ -10,7 +10,9 @@ stdin line with one ``MARU-RUNNER <json>`` line on stdout (vLLM's own logging go
   ``{"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall}``; with
   ``"logprobs": k`` also ``"logprobs"``: per output, per position, ``[[id, logprob], ...]``
   best first; ``"cache_salt": "..."`` gives every prompt vLLM's per-request cache salt, and
-  ``"lora": [name, int id, path]`` a LoRA adapter (engine setting ``enable_lora``)
+  ``"lora": [name, int id, path]`` a LoRA adapter (engine setting ``enable_lora``), and
+  ``"image_seeds": [[seed, ...], ...]`` per prompt that many random 56x56 images, made from the
+  seeds (a multimodal model: each prompt has its image placeholder token once per image)
 - ``{"op": "ttft", "prompt": [ids]}``: one prompt, one output token, timed ->
   ``{"seconds": ..., "cached": n, "token": id}``
 - ``{"op": "reset_prefix_cache"}`` (publishes the write-behind stores first and lets vLLM free
@@ -95,6 +97,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
         "enable_lora",
         "max_lora_rank",
         "max_loras",
+        "limit_mm_per_prompt",
     ):
         if spec.get(k) is not None:
             kw[k] = spec[k]
@@ -113,6 +116,14 @@ def build_llm(spec: dict[str, Any]) -> Any:
             kv_connector_extra_config=conn.get("extra", {}),
         )
     return LLM(**kw)
+
+
+def _image(seed: int) -> Any:
+    """A random 56x56 RGB image made from ``seed`` (the same everywhere)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 56, 3), dtype=np.uint8))
 
 
 def connector_stats(llm: Any) -> dict[str, Any]:
@@ -211,6 +222,9 @@ def serve(spec: dict[str, Any]) -> None:
                 )
                 salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
                 prompts = [TokensPrompt(prompt_token_ids=list(p), **salt) for p in cmd["prompts"]]
+                for prompt, seeds in zip(prompts, cmd.get("image_seeds") or [], strict=False):
+                    if seeds:
+                        prompt["multi_modal_data"] = {"image": [_image(int(s)) for s in seeds]}
                 lora = None
                 if cmd.get("lora"):
                     from vllm.lora.request import LoRARequest

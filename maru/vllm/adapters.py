@@ -9,8 +9,11 @@ isolation. The engine's weights are in the key space (``KeySpace``); per request
   which is enough inside one engine; across engines and hosts a name says nothing of the weights
   (another host's ``adapter-x`` may be another training run). Maru keys an adapter by the digest
   of its files (``AdapterDigests``): the same files under any name or path share, other files never.
-- multimodal inputs and prompt embeddings: not covered by Maru's keys, so such requests are left to
-  vLLM (``RequestScope`` is then a ``Skipped`` note, announced once and reported: ``maru doctor``).
+- multimodal inputs (``mm_features``): each by vLLM's hash of its content (``identifier``) and its
+  placeholder tokens' place (``MediaItem``), mixed into the chunks they overlap.
+- prompt embeddings, and multimodal inputs without an identifier: not covered by Maru's keys, so
+  such requests are left to vLLM (``RequestScope`` is then a ``Skipped`` note, announced once and
+  reported: ``maru doctor``).
 
 Invariants: an adapter is keyed only from files this process read (a path it cannot read as a
 directory is a ``Skipped`` request, never a key by name); ``lora_path`` resolves as vLLM resolves
@@ -30,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from maru.vllm.keys import MediaItem
+
 logger = logging.getLogger("maru.vllm")
 
 _READ = 1 << 20  # bytes read at a time while hashing an adapter's files
@@ -42,6 +47,7 @@ class RequestScope:
 
     salt: str | None = None
     adapter: bytes | None = None
+    media: tuple[MediaItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,9 @@ EMBEDDINGS = Skipped(
     "by token ids, which such a prompt has not. Fix: none needed; send token ids or text to share"
 )
 MULTIMODAL = Skipped(
-    "multimodal requests are computed by vLLM itself, not loaded nor stored: Maru's keys do not yet "
-    "cover images, audio or video (one text with another image has other KV). Fix: none needed; "
-    "text-only requests share"
+    "multimodal requests whose inputs vLLM gave no identifier (hash) are computed by vLLM itself, "
+    "not loaded nor stored: one text with another image has other KV, and Maru keys an input by "
+    "vLLM's identifier. Fix: a vLLM that hashes multimodal inputs (its default; >= 0.10)"
 )
 ADAPTER_UNREADABLE = Skipped(
     "LoRA requests whose adapter this process cannot read as a directory (a resolver's name, "
@@ -246,13 +252,38 @@ class RequestScopes:
     def of(self, request: Any) -> RequestScope | Skipped:
         if getattr(request, "prompt_token_ids", None) is None:
             return EMBEDDINGS
-        if getattr(request, "mm_features", None):
-            return MULTIMODAL
+        media: tuple[MediaItem, ...] = ()
+        if features := getattr(request, "mm_features", None):
+            items = media_items(features)
+            if items is None:
+                return MULTIMODAL
+            media = items
         salt = getattr(request, "cache_salt", None) or None
         lora = getattr(request, "lora_request", None)
         if lora is None:
-            return RequestScope(salt=salt)
+            return RequestScope(salt=salt, media=media)
         adapter = self.adapters.digest(lora)
         if isinstance(adapter, Skipped):
             return adapter
-        return RequestScope(salt=salt, adapter=adapter)
+        return RequestScope(salt=salt, adapter=adapter, media=media)
+
+
+def media_items(features: Any) -> tuple[MediaItem, ...] | None:
+    """vLLM's ``mm_features`` as ``MediaItem``s in prompt order; None where one has no identifier
+    or no place (the request cannot be keyed)."""
+    out: list[MediaItem] = []
+    for f in features:
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(f, "mm_position", None)
+        if not ident or pos is None:
+            return None
+        try:
+            item = MediaItem(
+                int(pos.offset), int(pos.length), str(ident), str(getattr(f, "modality", "") or "")
+            )
+        except (TypeError, ValueError, AttributeError):
+            return None
+        if item.offset < 0 or item.length <= 0:
+            return None
+        out.append(item)
+    return tuple(sorted(out, key=lambda m: m.offset))

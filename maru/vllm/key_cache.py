@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from maru.vllm.keys import ChunkKeyer, PromptKeys
+from maru.vllm.keys import ChunkKeyer, MediaItem, PromptKeys
 
 CAPACITY = 65536  # chunk digests remembered (~200 bytes each with the dict's overhead)
 
@@ -48,12 +48,15 @@ class ChunkKeyCache:
         num_tokens: int,
         salt: str | None = None,
         adapter: bytes | None = None,
+        media: tuple[MediaItem, ...] = (),
     ) -> PromptKeys:
         """The keys of every full chunk of ``prompt``. ``block_hashes``: vLLM's, of the request's
         ``num_tokens`` tokens (the prompt, and any output after it); None or inconsistent: hash all.
         ``salt``: the request's ``cache_salt``; ``adapter``: its LoRA adapter's digest. The digests
         of a request with either are remembered under its chain's root too: whatever vLLM puts in
-        its hashes (it names an adapter, not its files), one scope's keys never stand for another's."""
+        its hashes (it names an adapter, not its files), one scope's keys never stand for another's.
+        ``media``: its multimodal inputs (vLLM's block hashes cover them too: a remembered digest
+        is one of the same inputs at the same places)."""
         keyer = self.keyer
         root = keyer.root_for(salt, adapter)
         scope = root if root != keyer.root else None
@@ -74,7 +77,7 @@ class ChunkKeyCache:
         self.hits += len(chain)
         if len(chain) < n:
             parent = chain[-1] if chain else root
-            new = keyer.chain_digests(prompt, len(chain), n, parent)
+            new = keyer.chain_digests(prompt, len(chain), n, parent, media)
             self.hashed += len(new)
             if usable:
                 assert block_hashes is not None
@@ -83,7 +86,7 @@ class ChunkKeyCache:
                 while len(self._digests) > self.capacity:
                     self._digests.popitem(last=False)
             chain += new
-        return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=root)
+        return PromptKeys(full=[keyer.chain_key(d) for d in chain], chain=chain, root=root, media=media)
 
 
 def _scoped(scope: bytes | None, block_hash: Any) -> Any:

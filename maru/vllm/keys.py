@@ -13,7 +13,9 @@ chunk i exactly when they share every token up to the end of chunk i. A request 
 ``blake2b(b"S" + h[-1] + salt)`` instead (``ChunkKeyer.root_for``): it shares keys only with
 requests of the same salt, as in vLLM's own prefix cache. A LoRA request's chain starts at
 ``blake2b(b"A" + h[-1] + adapter digest)`` (the digest of its adapter's files,
-``maru.vllm.adapters``), salted after that when it has a salt too. A *tail* key names a
+``maru.vllm.adapters``), salted after that when it has a salt too. A chunk that holds part of a
+multimodal input (an image's placeholder tokens) hashes the input's identity and place after its
+tokens (``MediaItem``); a tail never reaches an input. A *tail* key names a
 partial chunk (the block-aligned end of one prompt, ``n < chunk_tokens`` tokens); the domain
 bytes ``C``/``T`` keep a tail of ``chunk_tokens`` tokens from ever equalling a full chunk key.
 
@@ -124,18 +126,46 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 @dataclass(frozen=True)
+class MediaItem:
+    """A multimodal input's placeholder tokens, ``[offset, offset + length)`` of the prompt: their
+    K and V (and every later token's) depend on the input that ``identifier`` names (vLLM's hash
+    of its content, ``mm_features[i].identifier``), not on the placeholder ids."""
+
+    offset: int
+    length: int
+    identifier: str
+    modality: str = ""
+
+    def overlaps(self, begin: int, end: int) -> bool:
+        return self.offset < end and begin < self.offset + self.length
+
+    def code(self, chunk_start: int) -> bytes:
+        """What a chunk starting at ``chunk_start`` that holds part of the item mixes into its digest."""
+        where = struct.pack("<qq", self.offset - chunk_start, self.length)
+        return b"M" + self.modality.encode() + b"\0" + self.identifier.encode() + b"\0" + where
+
+
+@dataclass(frozen=True)
 class PromptKeys:
     """The keys of one prompt: one per full chunk, and the chain digests they come from.
 
     ``chain[i]`` is ``h[i]``; ``parent(i)`` is ``h[i-1]`` (the namespace digest for i == 0).
+    ``media``: the prompt's multimodal inputs, mixed into the digest of each chunk they overlap.
     """
 
     full: list[str]
     chain: list[bytes]
     root: bytes
+    media: tuple[MediaItem, ...] = ()
 
     def parent(self, chunk_index: int) -> bytes:
         return self.root if chunk_index == 0 else self.chain[chunk_index - 1]
+
+    def plain_tokens_from(self, start: int) -> int | None:
+        """How many tokens from ``start`` on come before the first multimodal input that ends after
+        ``start`` (None: none does). A tail key names tokens only, so a tail may not reach it."""
+        ahead = [m.offset for m in self.media if m.offset + m.length > start]
+        return max(0, min(ahead) - start) if ahead else None
 
 
 class ChunkKeyer:
@@ -153,17 +183,18 @@ class ChunkKeyer:
         num_chunks: int | None = None,
         salt: str | None = None,
         adapter: bytes | None = None,
+        media: tuple[MediaItem, ...] = (),
     ) -> PromptKeys:
         """Keys of the first ``num_chunks`` full chunks (default: every full chunk of ``token_ids``),
-        of a request with vLLM's ``cache_salt`` ``salt`` and the LoRA adapter whose files digest to
-        ``adapter`` (None or empty: none)."""
+        of a request with vLLM's ``cache_salt`` ``salt``, the LoRA adapter whose files digest to
+        ``adapter`` (None or empty: none) and the multimodal inputs ``media``."""
         ct = self.chunk_tokens
         n = len(token_ids) // ct if num_chunks is None else num_chunks
         if n * ct > len(token_ids):
             raise ValueError(f"{n} chunks of {ct} tokens need {n * ct} tokens, got {len(token_ids)}")
         root = self.root_for(salt, adapter)
-        chain = self.chain_digests(token_ids, 0, n, root)
-        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=root)
+        chain = self.chain_digests(token_ids, 0, n, root, media)
+        return PromptKeys(full=[self._prefix + h.hex() for h in chain], chain=chain, root=root, media=media)
 
     def root_for(self, salt: str | None, adapter: bytes | None = None) -> bytes:
         """The chain's start for a request with vLLM's ``cache_salt`` ``salt`` and a LoRA adapter
@@ -186,9 +217,18 @@ class ChunkKeyer:
         """The chain's start: the key space's digest (the parent of chunk 0)."""
         return self._root
 
-    def chain_digests(self, token_ids: Sequence[int], start: int, stop: int, parent: bytes) -> list[bytes]:
+    def chain_digests(
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        stop: int,
+        parent: bytes,
+        media: tuple[MediaItem, ...] = (),
+    ) -> list[bytes]:
         """The chain digests of full chunks ``start`` to ``stop - 1`` of ``token_ids``, the chunk
-        before ``start`` having digest ``parent`` (the root for ``start`` 0)."""
+        before ``start`` having digest ``parent`` (the root for ``start`` 0). A chunk that holds part
+        of a multimodal input of ``media`` mixes the input's identity and place in after its tokens
+        (chunks before the first input are keyed as a text-only prompt's: they share with it)."""
         ct = self.chunk_tokens
         data = memoryview(_token_bytes(token_ids[start * ct : stop * ct]))
         step = ct * 8
@@ -197,10 +237,13 @@ class ChunkKeyer:
         blake2b = hashlib.blake2b
         chain: list[bytes] = []
         prev = parent
-        for base in range(0, (stop - start) * step, step):
+        for c, base in enumerate(range(0, (stop - start) * step, step), start=start):
             h = blake2b(b"C" + prev, digest_size=_DIGEST_SIZE)
             for a, b in cuts:
                 h.update(data[base + a : base + b])
+            for m in media:
+                if m.overlaps(c * ct, (c + 1) * ct):
+                    h.update(m.code(c * ct))
             prev = h.digest()
             chain.append(prev)
         return chain

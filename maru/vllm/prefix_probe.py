@@ -57,6 +57,8 @@ class PrefixProbe:
         end beyond ``local`` tokens (vLLM's own hit: a tail inside it is of no use)."""
         begin = i * self.chunk
         end = min(begin + self.chunk - 1, self.usable(len(prompt)))
+        if (plain := keys.plain_tokens_from(begin)) is not None:
+            end = min(end, begin + plain)  # a tail names tokens only: never one reaching an image
         if end - begin < self.block_size or end <= local:
             return []
         cands = self.keyer.tail_candidates(

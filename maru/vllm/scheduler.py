@@ -178,6 +178,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
+        if (plain := st.keys.plain_tokens_from(n_full * self.chunk)) is not None:
+            own = min(own, plain // self.block_size * self.block_size)  # a tail never reaches an image
         if self.cfg.store_partial_tail and own > 0:
             tail = prompt[n_full * self.chunk : n_full * self.chunk + own]
             st.own_tail = (own, self.keyer.tail_key(st.keys.parent(n_full), tail))
@@ -193,6 +195,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
             int(request.num_tokens),
             salt=scope.salt,  # vLLM's per-request isolation
             adapter=scope.adapter,  # a LoRA adapter's files
+            media=scope.media,  # multimodal inputs, by vLLM's hash of each
         )
         self.stats.keys_remembered, self.stats.keys_hashed = kc.hits, kc.hashed
         return keys

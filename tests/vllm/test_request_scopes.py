@@ -77,3 +77,24 @@ def test_requests_left_to_vllm_are_announced_once_and_reported_for_maru_doctor(
         slow = reported_slow(server)[h.client_id]
         assert MULTIMODAL.note in slow and ADAPTER_UNREADABLE.note in slow
         assert s.get_num_new_matched_tokens(req("plain", toks), 0) == (256, False)  # others still load
+
+
+def test_a_request_with_an_image_stores_no_tail_reaching_it_and_keys_its_chunks_by_it(
+    server, keyer, client
+) -> None:
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=24)
+
+    def with_image(rid: str, offset: int, ident: str) -> SimpleNamespace:
+        r = req(rid, toks)
+        pos = SimpleNamespace(offset=offset, length=16)
+        r.mm_features = [SimpleNamespace(identifier=ident, modality="image", mm_position=pos)]
+        return r
+
+    plain = s._state(req("plain", toks))
+    in_tail = s._state(with_image("in-tail", 270, "a"))  # usable 288: chunks 0-255, tail 256-287
+    early = s._state(with_image("early", 150, "a"))
+    assert plain is not None and in_tail is not None and early is not None
+    assert in_tail.keys.full == plain.keys.full and in_tail.own_tail is None and plain.own_tail is not None
+    assert early.keys.full[:2] == plain.keys.full[:2] and not set(early.keys.full[2:]) & set(plain.keys.full)
+    assert early.own_tail is not None and early.own_tail[1] != plain.own_tail[1]  # its parent holds the image
