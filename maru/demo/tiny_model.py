@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 SPEC_FILE = "maru-tiny-model.json"
 
@@ -78,12 +79,13 @@ def _train_tokenizer(vocab: int, out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _write_model(spec: TinyModelSpec, out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(spec: TinyModelSpec, vocab: int | None = None) -> Any:
+    """The ``LlamaConfig`` of ``spec`` (a vocabulary of ``vocab`` tokens where given: room for added
+    special tokens)."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=spec.vocab,
+    return LlamaConfig(
+        vocab_size=vocab or spec.vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.num_layers,
@@ -95,6 +97,13 @@ def _write_model(spec: TinyModelSpec, out: Path) -> None:
         pad_token_id=2,
         tie_word_embeddings=False,
     )
+
+
+def _write_model(spec: TinyModelSpec, out: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(spec)
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(spec.seed)

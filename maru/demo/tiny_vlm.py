@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from maru.demo.tiny_model import TinyModelSpec, _train_tokenizer
+from maru.demo.tiny_model import TinyModelSpec, _train_tokenizer, llama_config
 
 SPEC_FILE = "maru-tiny-vlm.json"
 IMAGE_TOKEN = "<image>"
@@ -76,22 +76,9 @@ def _add_image_token(out: Path) -> tuple[Any, int]:
 
 def _config(spec: TinyVlmSpec, vocab: int, image_id: int) -> Any:
     """The ``LlavaConfig`` for ``spec`` with a text vocabulary of ``vocab`` tokens."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import CLIPVisionConfig, LlavaConfig
 
-    t = spec.text
-    text = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=t.hidden,
-        intermediate_size=t.intermediate,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.heads,
-        num_key_value_heads=t.kv_heads,
-        max_position_embeddings=t.max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
+    text = llama_config(spec.text, vocab)
     vision = CLIPVisionConfig(
         hidden_size=spec.vision_hidden,
         intermediate_size=spec.vision_intermediate,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from maru.demo.tiny_model import build_tiny_model
-from tests.e2e.vllm_cpu import MAX_TOKENS, P1, C, engine, has_vllm
+from tests.e2e.vllm_cpu import MAX_TOKENS, P1, C, engine, has_vllm, logprobs_close
 from tests.helpers import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -109,18 +109,16 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     return res
 
 
-def _close(x: list[float], y: list[float]) -> bool:
-    return len(x) == len(y) and all(abs(a - b) <= 1e-3 for a, b in zip(x, y, strict=True))
-
-
 def test_the_update_changes_the_output_so_stale_kv_would_show(runs: dict[str, Any]) -> None:
-    assert runs["cold"]["out"] == runs["ref_old"]["out"] and _close(runs["cold"]["lp"], runs["ref_old"]["lp"])
-    assert not _close(runs["ref_new"]["lp"], runs["ref_old"]["lp"])
+    assert runs["cold"]["out"] == runs["ref_old"]["out"] and logprobs_close(
+        runs["cold"]["lp"], runs["ref_old"]["lp"]
+    )
+    assert not logprobs_close(runs["ref_new"]["lp"], runs["ref_old"]["lp"])
     # Without the connector's reset, Maru serves the KV of the weights before the update: the
     # output is not the updated model's. This is why a weight update must reset the connector
     # (sleep and pause_generation(clear_cache=True) do; docs/vllm.md says so).
     assert runs["stale_loaded"] == USABLE and runs["stale"]["cached"] == USABLE
-    assert not _close(runs["stale"]["lp"], runs["ref_new"]["lp"])
+    assert not logprobs_close(runs["stale"]["lp"], runs["ref_new"]["lp"])
 
 
 def test_after_the_connectors_reset_nothing_stored_before_is_loaded_and_outputs_are_the_updated_models(
@@ -128,7 +126,7 @@ def test_after_the_connectors_reset_nothing_stored_before_is_loaded_and_outputs_
 ) -> None:
     assert runs["after_reset_loaded"] == 0 and runs["after_reset"]["cached"] == 0
     assert runs["after_reset"]["out"] == runs["ref_new"]["out"]
-    assert _close(runs["after_reset"]["lp"], runs["ref_new"]["lp"])
+    assert logprobs_close(runs["after_reset"]["lp"], runs["ref_new"]["lp"])
     sched = runs["a_sched"]
     assert sched["cache_resets"] == 1 and sched["requests_frozen"] == 0
 
@@ -136,14 +134,16 @@ def test_after_the_connectors_reset_nothing_stored_before_is_loaded_and_outputs_
 def test_the_new_epochs_stores_are_loaded_by_the_updated_engine(runs: dict[str, Any]) -> None:
     assert runs["new_epoch_loaded"] == USABLE and runs["new_epoch"]["cached"] == USABLE
     assert runs["new_epoch"]["out"] == runs["ref_new"]["out"]
-    assert _close(runs["new_epoch"]["lp"], runs["ref_new"]["lp"])
+    assert logprobs_close(runs["new_epoch"]["lp"], runs["ref_new"]["lp"])
 
 
 def test_an_instance_with_the_original_weights_still_loads_what_was_stored_under_them(
     runs: dict[str, Any],
 ) -> None:
     assert runs["b_loaded"] == USABLE and runs["b"]["cached"] == USABLE
-    assert runs["b"]["out"] == runs["ref_old"]["out"] and _close(runs["b"]["lp"], runs["ref_old"]["lp"])
+    assert runs["b"]["out"] == runs["ref_old"]["out"] and logprobs_close(
+        runs["b"]["lp"], runs["ref_old"]["lp"]
+    )
 
 
 def test_a_salted_prompt_is_loaded_only_by_the_same_salt(runs: dict[str, Any]) -> None:
@@ -152,7 +152,9 @@ def test_a_salted_prompt_is_loaded_only_by_the_same_salt(runs: dict[str, Any]) -
     assert runs["same_salt_loaded"] == USABLE and runs["same_salt"]["cached"] == USABLE
     assert runs["other_salt_loaded"] == 0 and runs["other_salt"]["cached"] == 0
     for name in ("salted", "same_salt", "other_salt"):  # the salt changes nothing of the KV itself
-        assert runs[name]["out"] == runs["ref_old"]["out"] and _close(runs[name]["lp"], runs["ref_old"]["lp"])
+        assert runs[name]["out"] == runs["ref_old"]["out"] and logprobs_close(
+            runs[name]["lp"], runs["ref_old"]["lp"]
+        )
 
 
 def test_an_in_process_engines_pause_reset_needs_the_write_behind_stores_settled(

@@ -15,15 +15,15 @@ generated adapters (``build_tiny_lora``: every attention projection updated):
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from maru.demo.tiny_model import build_tiny_lora, build_tiny_model
-from tests.e2e.vllm_cpu import MAX_TOKENS, P1, C, engine, has_vllm
+from tests.e2e.vllm_cpu import MAX_TOKENS, P1, C, engine, has_vllm, logprobs_close
 from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,14 +49,7 @@ def adapters(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {"a": str(a), "b": str(b), "a_copy": str(copy)}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("lora-server"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
+server = module_server("lora-server")
 
 
 def run(eng: Any, lora: list[Any] | None = None) -> dict[str, Any]:
@@ -101,36 +94,34 @@ def runs(
     return res
 
 
-def _close(x: list[float], y: list[float]) -> bool:
-    return len(x) == len(y) and all(abs(p - q) <= 1e-3 for p, q in zip(x, y, strict=True))
-
-
 def test_the_adapters_change_the_output_so_a_wrong_load_would_show(runs: dict[str, Any]) -> None:
     base, ra, rb = runs["ref_base"], runs["ref_a"], runs["ref_b"]
     assert (
-        not _close(ra["lp"], base["lp"])
-        and not _close(rb["lp"], base["lp"])
-        and not _close(ra["lp"], rb["lp"])
+        not logprobs_close(ra["lp"], base["lp"])
+        and not logprobs_close(rb["lp"], base["lp"])
+        and not logprobs_close(ra["lp"], rb["lp"])
     )
     # LoRA on changes nothing of a request without an adapter: a plain engine's keys serve it.
-    assert runs["plain"]["out"] == base["out"] and _close(runs["plain"]["lp"], base["lp"])
+    assert runs["plain"]["out"] == base["out"] and logprobs_close(runs["plain"]["lp"], base["lp"])
 
 
 def test_a_lora_request_never_loads_the_base_models_kv(runs: dict[str, Any]) -> None:
     assert runs["a_loaded"] == 0 and runs["a"]["cached"] == 0
-    assert runs["a"]["out"] == runs["ref_a"]["out"] and _close(runs["a"]["lp"], runs["ref_a"]["lp"])
+    assert runs["a"]["out"] == runs["ref_a"]["out"] and logprobs_close(runs["a"]["lp"], runs["ref_a"]["lp"])
 
 
 def test_the_same_adapter_files_under_another_name_and_path_load(runs: dict[str, Any]) -> None:
     assert runs["a_copy_loaded"] == USABLE and runs["a_copy"]["cached"] == USABLE
-    assert runs["a_copy"]["out"] == runs["ref_a"]["out"] and _close(runs["a_copy"]["lp"], runs["ref_a"]["lp"])
+    assert runs["a_copy"]["out"] == runs["ref_a"]["out"] and logprobs_close(
+        runs["a_copy"]["lp"], runs["ref_a"]["lp"]
+    )
 
 
 def test_another_adapter_loads_nothing_and_the_base_model_loads_its_own(runs: dict[str, Any]) -> None:
     assert runs["b_loaded"] == 0 and runs["b"]["cached"] == 0
-    assert runs["b"]["out"] == runs["ref_b"]["out"] and _close(runs["b"]["lp"], runs["ref_b"]["lp"])
+    assert runs["b"]["out"] == runs["ref_b"]["out"] and logprobs_close(runs["b"]["lp"], runs["ref_b"]["lp"])
     assert runs["base_loaded"] == USABLE and runs["base"]["cached"] == USABLE
-    assert runs["base"]["out"] == runs["ref_base"]["out"] and _close(
+    assert runs["base"]["out"] == runs["ref_base"]["out"] and logprobs_close(
         runs["base"]["lp"], runs["ref_base"]["lp"]
     )
 

@@ -19,14 +19,14 @@ that vLLM could take, tokens 256-287).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.vllm_cpu import MAX_TOKENS, C, engine, has_vllm, random_tokens
+from tests.e2e.vllm_cpu import MAX_TOKENS, C, engine, has_vllm, logprobs_close, random_tokens
 from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,14 +45,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-vlm")))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("mm-server"), pool_size="64M")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
+server = module_server("mm-server")
 
 
 def image_id(model_dir: str) -> int:
@@ -105,17 +98,13 @@ def runs(model_dir: str, server: ServerProcess, tmp_path_factory: pytest.TempPat
     return res
 
 
-def _close(x: list[float], y: list[float]) -> bool:
-    return len(x) == len(y) and all(abs(p - q) <= 1e-3 for p, q in zip(x, y, strict=True))
-
-
 def _same(run: dict[str, Any], ref: dict[str, Any]) -> bool:
-    return run["out"] == ref["out"] and _close(run["lp"], ref["lp"])
+    return run["out"] == ref["out"] and logprobs_close(run["lp"], ref["lp"])
 
 
 def test_the_image_changes_the_output_so_a_wrong_load_would_show(runs: dict[str, Any]) -> None:
-    assert not _close(runs["ref_x_a"]["lp"], runs["ref_x_b"]["lp"])
-    assert not _close(runs["ref_y_a"]["lp"], runs["ref_y_b"]["lp"])
+    assert not logprobs_close(runs["ref_x_a"]["lp"], runs["ref_x_b"]["lp"])
+    assert not logprobs_close(runs["ref_y_a"]["lp"], runs["ref_y_b"]["lp"])
     assert _same(runs["a_x_a"], runs["ref_x_a"]) and _same(runs["a_y_a"], runs["ref_y_a"])
 
 

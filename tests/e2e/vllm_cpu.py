@@ -76,6 +76,11 @@ def engine(
     return EngineProcess(spec, log_path=tmp / f"{name}.log", cwd=str(REPO_ROOT), env=env)
 
 
+def logprobs_close(x: list[float], y: list[float], tol: float = 1e-3) -> bool:
+    """Two runs' chosen tokens' logprobs agree within ``tol`` at every position."""
+    return len(x) == len(y) and all(abs(p - q) <= tol for p, q in zip(x, y, strict=True))
+
+
 def gen(eng: EngineProcess, prompt: list[int]) -> dict[str, Any]:
     r = eng.call({"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS})
     assert "error" not in r, r
