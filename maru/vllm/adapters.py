@@ -15,13 +15,15 @@ isolation. The engine's weights are in the key space (``KeySpace``); per request
   such requests are left to vLLM (``RequestScope`` is then a ``Skipped`` note, announced once and
   reported: ``maru doctor``).
 
-Invariants: an adapter is keyed only from files this process read (a path it cannot read as a
-directory is a ``Skipped`` request, never a key by name); ``lora_path`` resolves as vLLM resolves
-it, except that a Hugging Face id resolves only to this host's cached snapshot (Maru never
-downloads: until vLLM's worker has, the id's requests are left to vLLM quietly); a digest is worked out again when a
-file's size or modification time changed (an adapter rewritten in place), and otherwise read
-once per adapter directory; the digest covers every file under the directory, their relative
-paths included, and the engine's LoRA compute settings (``lora_dtype``).
+Invariants: an adapter is keyed only from the files vLLM loads of it (``ADAPTER_FILES``), read by
+this process (a path it cannot read as an adapter directory is a ``Skipped`` request, never a key by
+name); ``lora_path`` resolves as vLLM resolves it, except that a Hugging Face id resolves only to
+this host's cached snapshot (Maru never downloads: until vLLM's worker has, the id's requests are
+left to vLLM quietly); the digest is made at the adapter's first request and covers the files'
+names, sizes and bytes and the engine's LoRA compute settings (``lora_dtype``); it stands while
+the files stay as they were (listed at each request and each second while it has live ones); once
+they change, the adapter is never keyed again in this engine (``ADAPTER_CHANGED``: vLLM may run
+either version) and its live requests stop loading and storing.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class Skipped:
 
 
 EMBEDDINGS = Skipped(
-    "prompts given as embeddings are computed by vLLM itself, not loaded nor stored: Maru keys KV "
-    "by token ids, which such a prompt has not. Fix: none needed; send token ids or text to share"
+    "prompts given as embeddings (whole or in part) are computed by vLLM itself, not loaded nor "
+    "stored: Maru keys KV by token ids, which do not describe an embedding. Fix: none needed; "
+    "send token ids or text to share"
 )
 MULTIMODAL = Skipped(
     "multimodal requests whose inputs vLLM gave no identifier (hash) are computed by vLLM itself, "
@@ -81,12 +84,19 @@ ADAPTER_PENDING = Skipped(
     "request): its requests are computed by vLLM until it is",
     announce=False,
 )
+ADAPTER_CHANGED = Skipped(
+    "LoRA requests of an adapter whose files changed on disk after Maru keyed them are computed by "
+    "vLLM itself: vLLM keeps the weights it loaded (it reloads on eviction or load_inplace), so Maru "
+    "cannot tell which version computes. Fix: serve each new version under a new lora_name and "
+    "lora_int_id (or restart the engine); the log names the adapter"
+)
 ADAPTER_CHANGING = Skipped(
     "the LoRA adapter's files changed while Maru read them: this request is computed by vLLM, the "
     "next one reads them again",
     announce=False,
 )
 PENDING_S = 300.0  # how long a Hugging Face id may stay undownloaded before it is announced
+RECHECK_S = 1.0  # how often the files of an adapter with live requests are listed (each step at most)
 RESOLVE_S = 5.0  # how long a lora_path's directory is remembered (a new download is seen after it)
 
 
@@ -123,53 +133,97 @@ def _cached_snapshot(repo_id: str) -> str:
         ) from e
 
 
+# The files vLLM reads of an adapter directory (``vllm.lora``: the config and one weights file).
+ADAPTER_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "adapter_model.pt",
+    "new_embeddings.safetensors",
+    "new_embeddings.bin",
+)
+
+
 def _listing(path: str) -> tuple[tuple[str, int, int], ...]:
-    """Every regular file under ``path`` as (relative path, size, mtime_ns), sorted: what must be
-    unchanged for a digest to stand. Raises OSError where ``path`` is not a readable directory."""
+    """The files vLLM reads under ``path`` (``ADAPTER_FILES`` that exist) as (name, size,
+    mtime_ns): what must be unchanged for a digest to stand. Raises OSError where ``path`` holds
+    no adapter config (vLLM could not load it either)."""
     out: list[tuple[str, int, int]] = []
-    for top, dirs, files in os.walk(path, onerror=_raise):
-        dirs.sort()
-        for name in files:
-            full = os.path.join(top, name)
-            st = os.stat(full)
-            out.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
-    out.sort()
+    for name in ADAPTER_FILES:
+        try:
+            st = os.stat(os.path.join(path, name))
+        except FileNotFoundError:
+            continue
+        out.append((name, st.st_size, st.st_mtime_ns))
+    if not out or out[0][0] != "adapter_config.json":
+        raise FileNotFoundError(f"no adapter_config.json in {path}")
     return tuple(out)
 
 
-def _raise(e: OSError) -> None:
-    raise e
+@dataclass
+class _Pinned:
+    """An adapter as keyed at its first request: where its files are, as they were, their digest."""
+
+    path: str
+    listing: tuple[tuple[str, int, int], ...]
+    digest: bytes
+    checked: float  # monotonic time of the last listing that matched
 
 
 class AdapterDigests:
     """LoRA adapters keyed by their files (see the module). ``compute``: the engine's LoRA settings
-    that change what an adapter computes (vLLM's ``lora_dtype``), mixed into every digest."""
+    that change what an adapter computes (vLLM's ``lora_dtype``), mixed into every digest.
+
+    An adapter's digest is made at its first request and kept for the engine's life, as vLLM's
+    worker keeps the weights it loaded then (per ``lora_int_id``). Files that change later (a new
+    training step written in place, another snapshot behind a Hugging Face id) make it
+    ``ADAPTER_CHANGED`` for good: vLLM may run either version (it reloads only on eviction or
+    ``load_inplace``), so neither can be vouched for; ``changed`` hands the scheduler the digest
+    once, to stop its live requests."""
 
     def __init__(self, compute: str = "") -> None:
         self._compute = compute.encode()
-        # resolved directory -> (listing the digest was made from, digest)
-        self._known: dict[str, tuple[tuple[tuple[str, int, int], ...], bytes]] = {}
+        self._pinned: dict[tuple[int, str], _Pinned] = {}  # (lora_int_id, lora_path) -> first keying
+        self._changed: set[tuple[int, str]] = set()  # adapters never keyed again
+        self._new_changes: list[bytes] = []  # digests changed since the scheduler last took them
         self._unreadable: set[str] = set()  # paths announced unreadable (once each)
         self._pending: dict[str, float] = {}  # Hugging Face ids not cached yet: first seen (monotonic)
         self._said_pending: set[str] = set()
         self._resolved: dict[str, tuple[float, str]] = {}  # lora_path -> (when, directory)
         self.hashed_bytes = 0  # bytes read to make digests (``maru stats``: adapter_bytes_hashed)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether any adapter was keyed (the scheduler then watches their files each second)."""
+        return bool(self._pinned)
+
+    def take_changed(self) -> list[bytes]:
+        """The digests of adapters found changed since the last call (each handed over once)."""
+        out, self._new_changes = self._new_changes, []
+        return out
+
     def digest(self, lora_request: Any) -> bytes | Skipped:
-        """The digest of the request's adapter, ``ADAPTER_PENDING`` for a Hugging Face id vLLM has
-        not downloaded yet (for ``PENDING_S``), else ``ADAPTER_UNREADABLE``."""
+        """The digest of the request's adapter; ``ADAPTER_PENDING`` for a Hugging Face id vLLM has
+        not downloaded yet (for ``PENDING_S``), ``ADAPTER_CHANGED`` once its files changed, else
+        ``ADAPTER_UNREADABLE``."""
         given = str(getattr(lora_request, "lora_path", "") or "")
-        name = getattr(lora_request, "lora_name", "?")
+        name = str(getattr(lora_request, "lora_name", "?"))
+        ident = (int(getattr(lora_request, "lora_int_id", 0) or 0), given)
+        if ident in self._changed:
+            return ADAPTER_CHANGED
+        pinned = self._pinned.get(ident)
         try:
+            if type(lora_request).__name__ != "LoRARequest":
+                # A subclass may bring its weights some other way (tensors in memory): not its files.
+                raise NotADirectoryError(f"a {type(lora_request).__name__}, not vLLM's LoRARequest")
             if getattr(lora_request, "tensorizer_config_dict", None):
                 raise NotADirectoryError("tensorizer weights (not a directory of files)")
             if not given:
                 raise NotADirectoryError("no lora_path")
+            if pinned is not None:
+                return self._still(ident, pinned, name, force=True)
             path = self._resolve(given)
             listing = _listing(path)
-            known = self._known.get(path)
-            if known is not None and known[0] == listing:
-                return known[1]
             t0 = time.perf_counter()
             d, size = self._hash(path, listing)
         except BlockingIOError as e:  # written while read: passes by itself, the next request reads again
@@ -187,17 +241,57 @@ class AdapterDigests:
             return self._unreadable_now(given, name, e)
         self._pending.pop(given, None)
         self._unreadable.discard(given)
-        self._known[path] = (listing, d)
+        self._pinned[ident] = _Pinned(path, listing, d, time.monotonic())
         logger.info(
-            "Maru: LoRA adapter %r keyed by its files (%s, %d files, %.1f MB read in %.0f ms)%s",
+            "Maru: LoRA adapter %r keyed by its files (%s, %d files, %.1f MB read in %.0f ms)",
             name,
             path,
             len(listing),
             size / 1e6,
             (time.perf_counter() - t0) * 1e3,
-            ", changed since last keyed" if known is not None else "",
         )
         return d
+
+    def recheck(self, digests: set[bytes], every_s: float | None = None) -> None:
+        """List the files of the keyed adapters whose digest is in ``digests`` (those of live
+        requests), each at most every ``every_s`` (``RECHECK_S``): a change found is handed out by
+        ``take_changed``."""
+        every_s = RECHECK_S if every_s is None else every_s
+        for ident, pinned in list(self._pinned.items()):
+            if pinned.digest in digests:
+                self._still(ident, pinned, ident[1], force=False, every_s=every_s)
+
+    def _still(
+        self, ident: tuple[int, str], pinned: _Pinned, name: str, force: bool, every_s: float = 0.0
+    ) -> bytes | Skipped:
+        """``pinned.digest`` if the adapter's files are as they were keyed, else ``ADAPTER_CHANGED``
+        (announced, handed to ``take_changed``)."""
+        now = time.monotonic()
+        if not force and now - pinned.checked < every_s:
+            return pinned.digest
+        try:
+            path = self._resolve(ident[1])
+            same = path == pinned.path and _listing(path) == pinned.listing
+        except OSError as e:
+            same, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "another snapshot" if path != pinned.path else "their sizes or modification times"
+        if same:
+            pinned.checked = now
+            return pinned.digest
+        del self._pinned[ident]
+        self._changed.add(ident)
+        self._new_changes.append(pinned.digest)
+        logger.warning(
+            "Maru: LoRA adapter %r (lora_path=%r, lora_int_id=%d): its files changed after Maru keyed them "
+            "(%s); vLLM may run either version, so its requests are computed by vLLM from now on. "
+            "Fix: serve a new version under a new lora_name and lora_int_id (or restart the engine)",
+            name,
+            ident[1],
+            ident[0],
+            why,
+        )
+        return ADAPTER_CHANGED
 
     def _resolve(self, given: str) -> str:
         """``resolve``, remembered for ``RESOLVE_S`` (a Hugging Face id costs ~180 us to resolve
@@ -250,7 +344,11 @@ class RequestScopes:
         self.adapters = adapters if adapters is not None else AdapterDigests()
 
     def of(self, request: Any) -> RequestScope | Skipped:
-        if getattr(request, "prompt_token_ids", None) is None:
+        # Embeddings alone, or mixed with tokens (a placeholder id where each embedding goes).
+        if (
+            getattr(request, "prompt_token_ids", None) is None
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             return EMBEDDINGS
         media: tuple[MediaItem, ...] = ()
         if features := getattr(request, "mm_features", None):

@@ -71,19 +71,7 @@ class CacheResets:
         took effect."""
         space = dataclasses.replace(self.keyer.space, epoch=secrets.token_hex(8))
         self._use_keys(ChunkKeyer(space))
-        frozen = 0
-        for st in self._reqs.values():
-            if st.frozen:
-                continue
-            st.frozen = True
-            frozen += 1
-            if st.pending_load is not None:
-                self._doomed.append((st, *st.pending_load))
-                st.pending_load = None
-            self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
-        # A load accepted this step is now doomed, not also due to fail with a lost plan (twice).
-        self._offered = [a for a in self._offered if not a[0].frozen]
-        self.stats.requests_frozen += frozen
+        frozen = self._freeze(lambda st: True)
         self.stats.cache_resets += 1
         self._reported_path = None  # report again, with the epoch (``maru stats``)
         self._report_path()
@@ -99,6 +87,32 @@ class CacheResets:
             frozen,
         )
         return True
+
+    def _freeze(self, which: Callable[[RequestState], bool]) -> int:
+        """Freeze the live requests ``which`` picks: never loaded for nor stored from again; a load
+        pending for one is planned to fail. Returns how many were frozen now."""
+        frozen = 0
+        for st in self._reqs.values():
+            if st.frozen or not which(st):
+                continue
+            st.frozen = True
+            frozen += 1
+            if st.pending_load is not None:
+                self._doomed.append((st, *st.pending_load))
+                st.pending_load = None
+            self._drop_pins(st.req_id)  # pins handed over with a load wait for the workers
+        # A load accepted this step is now doomed, not also due to fail with a lost plan (twice).
+        self._offered = [a for a in self._offered if not a[0].frozen]
+        self.stats.requests_frozen += frozen
+        return frozen
+
+    def _stop_changed_adapters(self, adapters: list[bytes]) -> None:
+        """Freeze the live requests of LoRA adapters whose files changed (``AdapterDigests``): vLLM
+        may compute the rest of them with the other version."""
+        for d in adapters:
+            n = self._freeze(lambda st, d=d: st.adapter == d)  # type: ignore[misc]
+            self.stats.adapters_changed += 1
+            logger.warning("Maru: %d live requests of that adapter are computed by vLLM from now on", n)
 
     def _rekey_if_fresh(self, req_id: str, num_computed_tokens: int) -> None:
         """Forget a frozen request that vLLM asks about again with nothing of it computed (a request

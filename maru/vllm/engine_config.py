@@ -28,7 +28,8 @@ def compute_overrides(mc: Any, kv_dtype: str, speculative: Any = None) -> str:
     model's dtype where the KV cache has a dtype of its own (an fp8 cache of a bf16 and of an fp16
     model holds different values), and a speculative decoder with a draft model (EAGLE, MTP, a
     draft model: its layers' KV is in the engine's cache and so in every stored chunk, which an
-    engine without it, or with another, could not place). A callable ``hf_overrides`` counts by its
+    engine without it, or with another, could not place), and the engine-wide multimodal
+    processing settings (``mm_processor_kwargs``, ``media_io_kwargs``). A callable ``hf_overrides`` counts by its
     qualified name; a config object by its fields (one whose fields are all unset counts as none)."""
     parts: dict[str, Any] = {}
     draft = _draft_model(speculative)
@@ -52,6 +53,13 @@ def compute_overrides(mc: Any, kv_dtype: str, speculative: Any = None) -> str:
         parts["hf_overrides"] = _plain(overrides)
     if _dtype_name(mc.dtype) != _dtype_name(kv_dtype):
         parts["model_dtype"] = _dtype_name(mc.dtype)
+    # Engine-wide multimodal processing (merged after vLLM hashed an input: its identifier does
+    # not say it, and another resizing is other image tokens' KV for the same identifier).
+    mm = getattr(mc, "multimodal_config", None)
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):
+        value = _plain(getattr(mm, name, None)) if mm is not None else None
+        if value:
+            parts[name] = value
     return json.dumps(parts, sort_keys=True, default=str) if parts else ""
 
 

@@ -16,6 +16,7 @@ lease).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,11 +47,14 @@ class RefusalReport:
         self._thread.start()
 
     def _run(self) -> None:
+        tries = 0
         while not self._stop.is_set():
             try:
                 client = self._connect()
             except Exception as e:  # an unreachable server: try again, never raise into vLLM
-                logger.info("Maru: could not report the connector's refusal to the server yet: %s", e)
+                tries += 1  # said once at INFO; the retries at DEBUG (the server may stay down)
+                level = logging.INFO if tries == 1 else logging.DEBUG
+                logger.log(level, "Maru: could not report the connector's refusal to the server yet: %s", e)
                 self._stop.wait(self._retry_s)
                 continue
             with self._lock:

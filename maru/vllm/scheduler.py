@@ -149,6 +149,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         request is left to vLLM, announced once per kind in the log and reported to the server
         (``maru doctor``: these requests recompute)."""
         scope = self.scopes.of(request)
+        if changed := self.scopes.adapters.take_changed():
+            self._stop_changed_adapters(changed)
         if not isinstance(scope, Skipped):
             return scope
         note = scope.note
@@ -174,7 +176,12 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
             return None
         self._wake_for_pins()  # before the keys and the probe: a pin may follow them
         prompt = list(request.prompt_token_ids)
-        st = RequestState(req_id=request.request_id, prompt=prompt, keys=self._keys(request, prompt, scope))
+        st = RequestState(
+            req_id=request.request_id,
+            prompt=prompt,
+            keys=self._keys(request, prompt, scope),
+            adapter=scope.adapter,
+        )
         usable = self._usable(len(prompt))
         n_full = len(st.keys.full)
         own = usable - n_full * self.chunk
@@ -370,6 +377,11 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         meta = MaruConnectorMetadata()
         record: list[tuple[str, set[int], list[int], bool]] = []
         try:
+            if self.scopes.adapters.pinned:  # LoRA: an adapter's files changed under live requests?
+                live = {st.adapter for st in self._reqs.values() if st.adapter is not None and not st.frozen}
+                self.scopes.adapters.recheck(live)
+                if changed := self.scopes.adapters.take_changed():
+                    self._stop_changed_adapters(changed)
             self._pin_step_loads()  # one round trip for the step's loads (not at the offer)
             steps: list[tuple[RequestState, int]] = []
             for new in so.scheduled_new_reqs:

@@ -33,6 +33,7 @@ class RequestState:
     # Alive when vLLM reset the connector's cache (``MaruSchedulerConnector.reset_cache``): its KV may
     # come partly from before (other weights), so it is never loaded for nor stored from again.
     frozen: bool = False
+    adapter: bytes | None = None  # its LoRA adapter's digest (``maru.vllm.adapters``), if any
 
 
 @dataclass
@@ -40,6 +41,7 @@ class SchedulerStats:
     requests_probed: int = 0
     keys_remembered: int = 0  # chunk keys found by vLLM's block hash (``ChunkKeyCache``): not hashed
     keys_hashed: int = 0  # chunk keys hashed from the tokens
+    adapters_changed: int = 0  # LoRA adapters whose files changed after they were keyed
     server_wakes: int = 0  # wake-ups posted before a probe whose pin may follow (``_wake_for_pins``)
     requests_hit: int = 0
     tokens_offered: int = 0

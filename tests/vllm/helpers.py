@@ -179,3 +179,12 @@ def write_adapter(d: Path, seed: int, size: int = 3000) -> str:
     (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
     (d / "adapter_model.safetensors").write_bytes(bytes(rng.randrange(256) for _ in range(size)))
     return str(d)
+
+
+class LoRARequest(SimpleNamespace):
+    """Stands for vLLM's ``LoRARequest`` (Maru keys an adapter only for that class: a subclass may
+    bring its weights another way)."""
+
+
+def lora(name: str, path: str, lora_int_id: int = 1, **kw: object) -> LoRARequest:
+    return LoRARequest(lora_name=name, lora_int_id=lora_int_id, lora_path=path, **kw)

@@ -15,13 +15,9 @@ from maru.vllm import adapters as A
 from maru.vllm.adapters import AdapterDigests, RequestScope, RequestScopes, Skipped, lora_compute
 from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, KeySpace
-from tests.vllm.helpers import write_adapter
+from tests.vllm.helpers import lora, write_adapter
 
 SPACE = KeySpace("m", "r", "torch.bfloat16", 4, 2, 64, 64)
-
-
-def lora(name: str, path: str, **kw: object) -> SimpleNamespace:
-    return SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=path, **kw)
 
 
 def request(lora_request: object = None, salt: str | None = None, **kw: object) -> SimpleNamespace:
@@ -50,22 +46,64 @@ def test_the_same_files_share_under_any_name_or_path_and_other_files_never(tmp_p
     assert digests.digest(lora("a", moved)) != da
 
 
-def test_an_adapter_rewritten_in_place_gets_a_new_digest_and_an_unchanged_one_is_not_read_again(
-    tmp_path: Path,
+def touch(path: Path) -> None:
+    """Move a file's modification time on (a rewrite within the clock's step would not)."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def test_an_adapter_is_read_once_and_one_rewritten_in_place_is_never_keyed_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """vLLM keeps the weights it loaded per lora_int_id and reloads them on eviction or
+    load_inplace: after the files change, either version may compute, so neither is vouched for."""
     digests = AdapterDigests()
     path = write_adapter(tmp_path / "a", seed=1)
+    (Path(path) / "optimizer.pt").write_bytes(b"x" * 10_000)  # not what vLLM loads: not read
     first = digests.digest(lora("a", path))
     read = digests.hashed_bytes
-    assert read > 3000
+    assert 3000 < read < 10_000
     assert digests.digest(lora("a", path)) == first and digests.hashed_bytes == read  # listed, not read
+    assert digests.take_changed() == []
     write_adapter(tmp_path / "a", seed=9)  # the next training step's weights, same name and path
-    st = os.stat(Path(path) / "adapter_model.safetensors")
-    os.utime(Path(path) / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    second = digests.digest(lora("a", path))
-    assert isinstance(second, bytes) and second != first and digests.hashed_bytes == 2 * read
-    # ... and equal to what an engine that never saw the old files works out.
-    assert AdapterDigests().digest(lora("a", path)) == second
+    touch(Path(path) / "adapter_model.safetensors")
+    with caplog.at_level("WARNING", logger="maru.vllm"):
+        assert digests.digest(lora("a", path)) is A.ADAPTER_CHANGED
+        assert digests.digest(lora("a", path)) is A.ADAPTER_CHANGED  # for good
+    assert digests.take_changed() == [first] and digests.take_changed() == []
+    assert len([r for r in caplog.records if "files changed after Maru keyed them" in r.getMessage()]) == 1
+    assert A.ADAPTER_CHANGED.announce and "new lora_name and lora_int_id" in A.ADAPTER_CHANGED.note
+    # The new version under a new id is keyed (as an engine that never saw the old files keys it).
+    fresh = digests.digest(lora("a-v2", path, lora_int_id=2))
+    assert isinstance(fresh, bytes) and fresh != first and fresh == AdapterDigests().digest(lora("x", path))
+
+
+def test_a_change_under_live_requests_is_found_by_the_recheck(tmp_path: Path) -> None:
+    digests = AdapterDigests()
+    path = write_adapter(tmp_path / "a", seed=1)
+    d = digests.digest(lora("a", path))
+    assert isinstance(d, bytes) and digests.pinned
+    digests.recheck({d}, every_s=0.0)
+    assert digests.take_changed() == []
+    touch(Path(path) / "adapter_config.json")
+    digests.recheck(set(), every_s=0.0)  # no live request of it: not looked at
+    assert digests.take_changed() == []
+    digests.recheck({d}, every_s=3600.0)  # looked at within the hour: not again
+    assert digests.take_changed() == []
+    digests.recheck({d}, every_s=0.0)
+    assert digests.take_changed() == [d] and not digests.pinned
+
+
+def test_a_lora_request_of_another_class_is_never_keyed_by_its_path(tmp_path: Path) -> None:
+    """A subclass of vLLM's LoRARequest may carry its weights in memory (RL frameworks do), its
+    path a placeholder: the files there say nothing of them."""
+
+    class TensorLoRARequest(SimpleNamespace):
+        pass
+
+    path = write_adapter(tmp_path / "a", seed=1)
+    req = TensorLoRARequest(lora_name="t", lora_int_id=1, lora_path=path)
+    assert AdapterDigests().digest(req) is A.ADAPTER_UNREADABLE
 
 
 def test_the_engines_lora_dtype_is_part_of_the_digest(tmp_path: Path) -> None:

@@ -68,6 +68,13 @@ def test_a_plain_engine_keeps_the_keys_it_had_before_compute_overrides_existed()
             )
         ),
         config(hf_overrides={"rope_scaling": None}),  # an override to None is an override
+        # Engine-wide image processing, merged after vLLM hashed each image (not in its identifier).
+        config(multimodal_config=SimpleNamespace(mm_processor_kwargs={"num_crops": 4}, media_io_kwargs={})),
+        config(
+            multimodal_config=SimpleNamespace(
+                mm_processor_kwargs=None, media_io_kwargs={"video": {"num_frames": 8}}
+            )
+        ),
     ],
 )
 def test_what_changes_the_kv_of_the_same_checkpoint_changes_every_key(other: SimpleNamespace) -> None:
@@ -97,6 +104,10 @@ def test_settings_that_change_nothing_keep_a_plain_engines_keys() -> None:
         method="ngram", model=None, draft_model_config=vc.model_config, target_model_config=vc.model_config
     )
     assert keys(vc) == plain
+    # A multimodal model with its default processing: the plain keys.
+    assert (
+        keys(config(multimodal_config=SimpleNamespace(mm_processor_kwargs=None, media_io_kwargs={}))) == plain
+    )
 
 
 def test_a_draft_models_revision_changes_every_key() -> None:

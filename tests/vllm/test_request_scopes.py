@@ -4,6 +4,7 @@ left to vLLM, announced once per kind and reported for ``maru doctor``."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from tests.helpers import reported_slow
 from tests.pool_fixtures import module_server
 from tests.vllm.helpers import (
     blocks_obj,
+    lora,
     make_sched,
     new_out,
     publish,
@@ -41,9 +43,7 @@ def test_a_lora_request_is_offered_only_what_its_adapters_files_stored(
 
     def with_adapter(rid: str, path: str | None) -> SimpleNamespace:
         r = req(rid, toks)
-        r.lora_request = (
-            SimpleNamespace(lora_name=f"name-{rid}", lora_int_id=1, lora_path=path) if path else None
-        )
+        r.lora_request = lora(f"name-{rid}", path) if path else None
         return r
 
     x = with_adapter("x", a)
@@ -67,7 +67,7 @@ def test_requests_left_to_vllm_are_announced_once_and_reported_for_maru_doctor(
         publish(server, stored_keys_of(s, toks)[0])
         mm, hub = req("mm", toks), req("hub", toks)
         mm.mm_features = [object()]  # an image: the same placeholder tokens, other KV
-        hub.lora_request = SimpleNamespace(lora_name="x", lora_int_id=1, lora_path="/no/such/adapter")
+        hub.lora_request = lora("x", "/no/such/adapter")
         with caplog.at_level("WARNING", logger="maru.vllm"):
             for r in (mm, hub, mm, hub):
                 assert s.get_num_new_matched_tokens(r, 0) == (0, False)
@@ -98,3 +98,31 @@ def test_a_request_with_an_image_stores_no_tail_reaching_it_and_keys_its_chunks_
     assert in_tail.keys.full == plain.keys.full and in_tail.own_tail is None and plain.own_tail is not None
     assert early.keys.full[:2] == plain.keys.full[:2] and not set(early.keys.full[2:]) & set(plain.keys.full)
     assert early.own_tail is not None and early.own_tail[1] != plain.own_tail[1]  # its parent holds the image
+
+
+def test_live_requests_of_an_adapter_whose_files_change_stop_loading_and_storing(
+    server, keyer, client, tmp_path, monkeypatch
+) -> None:
+    from maru.vllm import adapters
+
+    monkeypatch.setattr(adapters, "RECHECK_S", 0.0)
+    a, b = write_adapter(tmp_path / "a", seed=1), write_adapter(tmp_path / "b", seed=2)
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=25)
+    ra, rb = req("ra", toks), req("rb", toks)
+    ra.lora_request, rb.lora_request = lora("a", a), lora("b", b, lora_int_id=2)
+    for r in (ra, rb):
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        s.update_state_after_alloc(r, blocks_obj(list(range(10))), 0)
+    st = os.stat(os.path.join(a, "adapter_model.safetensors"))
+    os.utime(os.path.join(a, "adapter_model.safetensors"), ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    out = new_out("ra", list(range(10)), 0, 300)
+    other = new_out("rb", list(range(10, 20)), 0, 300)
+    out.scheduled_new_reqs += other.scheduled_new_reqs
+    out.num_scheduled_tokens.update(other.num_scheduled_tokens)
+    meta = s.build_connector_meta(out)
+    assert [rt.req_id for rt in meta.stores] == ["rb"]  # a's request: neither stored nor loaded now
+    assert s._reqs["ra"].frozen and s.stats.adapters_changed == 1 and s.stats.requests_frozen == 1
+    again = req("ra2", toks)
+    again.lora_request = lora("a", a)
+    assert s.get_num_new_matched_tokens(again, 0) == (0, False) and "ra2" not in s._reqs
