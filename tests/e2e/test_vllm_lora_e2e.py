@@ -9,7 +9,8 @@ generated adapters (``build_tiny_lora``: every attention projection updated):
 - B: Maru, LoRA on. P1 with adapter a: the same tokens A stored, but other weights: nothing loaded,
   the adapter's output. Stored, vLLM's own cache reset; then P1 with a copy of a's files under
   another name and path: loaded, a's output. Adapter b: nothing loaded. P1 without an adapter:
-  loaded from A's store, the base model's output.
+  loaded from A's store, the base model's output. Then the copy's weights file is overwritten (b's)
+  and the copy asked for again: nothing loaded (vLLM may run either version), counted.
 """
 
 from __future__ import annotations
@@ -90,6 +91,16 @@ def runs(
             before = loaded(e)
             res[name] = run(e, lora)
             res[f"{name}_loaded"] = loaded(e) - before
+        # The copy's files rewritten in place (b's weights) while B serves it: vLLM keeps what it
+        # loaded (or reloads the new files if it evicted it); Maru can vouch for neither.
+        shutil.copyfile(
+            Path(adapters["b"]) / "adapter_model.safetensors",
+            Path(adapters["a_copy"]) / "adapter_model.safetensors",
+        )
+        only_maru(e)
+        before = loaded(e)
+        res["rewritten"] = run(e, a_copy)
+        res["rewritten_loaded"] = loaded(e) - before
         res["b_sched"] = e.call({"op": "stats"})["scheduler"]
     return res
 
@@ -129,3 +140,10 @@ def test_another_adapter_loads_nothing_and_the_base_model_loads_its_own(runs: di
 def test_the_adapters_files_were_read_once_each(runs: dict[str, Any], adapters: dict[str, str]) -> None:
     size = sum(f.stat().st_size for f in Path(adapters["a"]).iterdir())
     assert runs["b_sched"]["adapter_bytes_hashed"] == 3 * size  # a, its copy, b: same sizes
+
+
+def test_an_adapter_rewritten_while_served_is_never_loaded_again(runs: dict[str, Any]) -> None:
+    assert runs["rewritten_loaded"] == 0 and runs["rewritten"]["cached"] == 0
+    assert runs["b_sched"]["adapters_changed"] == 1
+    # What vLLM computed with: the weights it kept (a's), or b's if it evicted and reloaded them.
+    assert runs["rewritten"]["out"] in (runs["ref_a"]["out"], runs["ref_b"]["out"])
