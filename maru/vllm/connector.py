@@ -40,7 +40,7 @@ from maru.vllm.interpreter_clock import PythonPace
 from maru.vllm.keys import ChunkKeyer
 from maru.vllm.layer_loads import forward_runs_layer_hooks
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
-from maru.vllm.refusal import RefusalReport, refusal_info
+from maru.vllm.refusal import RefusalReport, refusal_info, report_only_client
 from maru.vllm.scheduler import MaruSchedulerConnector
 
 try:  # vLLM >= 0.32 labels where external hits come from
@@ -102,13 +102,6 @@ def _reply_waits(w: Any) -> str:
     if not isinstance(w, dict) or not w:
         return "-"
     return f"{w.get('replies_spun', 0)} read while polling (spin {w.get('spin_us', 0)} us), {w.get('spun_out', 0)} blocked past it"
-
-
-def _reporting_client(cfg: MaruConnectorConfig) -> Any:
-    """A client of the configured server that only reports (an off connector's ``RefusalReport``)."""
-    from maru.client import MaruHandler
-
-    return MaruHandler(cfg.server_url, timeout_s=cfg.timeout_s, map_pool=False)
 
 
 def _ensure_logging() -> None:
@@ -195,7 +188,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._refusal: RefusalReport | None = None
         if role == KVConnectorRole.SCHEDULER and wanted and not (cfg.enable_load or cfg.enable_store):
             # Off by a refusal: ``maru doctor`` must show it, not only vLLM's log (``refusal``).
-            self._refusal = RefusalReport(partial(_reporting_client, cfg), refusal_info(cfg.fallbacks))
+            connect = partial(report_only_client, cfg.server_url, cfg.timeout_s)
+            self._refusal = RefusalReport(connect, refusal_info(cfg.fallbacks))
 
         unrecoverable = self._same_step_failures_unrecoverable(vllm_config)
         if unrecoverable is not None:
@@ -321,9 +315,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         try:
             self._worker.register_kv_caches(kv_caches)
-        except Exception:  # never take the engine down for Maru
-            self._worker.disabled_reason = "registration failed"
+        except Exception as e:  # never take the engine down for Maru
             logger.exception("Maru: registering the KV caches failed; the connector stays off")
+            self._worker.disable(
+                f"registering the KV caches failed ({type(e).__name__}: {e}): the connector is off for this "
+                "engine and vLLM computes every prompt itself. Fix: see the traceback in vLLM's log and "
+                "report it to the Maru project"
+            )
 
     @timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

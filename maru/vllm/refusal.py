@@ -26,9 +26,16 @@ from maru.vllm.logs import logger
 RETRY_S = 10.0  # between tries while the server does not answer
 
 
-def refusal_info(fallbacks: tuple[str, ...] | list[str]) -> dict[str, Any]:
+def refusal_info(fallbacks: tuple[str, ...] | list[str], role: str = "vllm-scheduler") -> dict[str, Any]:
     """The client info of a connector that is off: each replaced setting with its reason and fix."""
-    return {"role": "vllm-scheduler", "paths": {"connector": "off"}, "slow": list(fallbacks)}
+    return {"role": role, "paths": {"connector": "off"}, "slow": list(fallbacks)}
+
+
+def report_only_client(server_url: str, timeout_s: float) -> Any:
+    """A client of the server at ``server_url`` that only reports (it never maps the pool)."""
+    from maru.client import MaruHandler
+
+    return MaruHandler(server_url, timeout_s=timeout_s, map_pool=False)
 
 
 class RefusalReport:

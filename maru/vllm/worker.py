@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import re
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.own_thread import on_own_thread
+from maru.vllm.refusal import RefusalReport, refusal_info, report_only_client
 from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock
 from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
@@ -91,6 +93,7 @@ class MaruWorkerConnector(WorkerStores):
         self.layout: Any = None
         self.caches: list[torch.Tensor] = []
         self.disabled_reason: str | None = None
+        self._refusal: RefusalReport | None = None  # why it is off, for ``maru doctor`` (``disable``)
         self._client: Any = None
         self._next_connect = 0.0
         self._load_errors: set[int] = set()
@@ -159,6 +162,11 @@ class MaruWorkerConnector(WorkerStores):
                 self.disabled_reason,
                 backend,
             )
+            self.disable(
+                f"{self.disabled_reason}, attention backend {backend}: the connector is off for this engine "
+                "and vLLM computes every prompt itself. Fix: report the layout (vLLM's log names its shape "
+                "and strides) to the Maru project; another attention backend may have a supported one"
+            )
             return
         logger.info(
             "Maru: KV cache %s (%d layers, backend %s, kv_ops %s); server %s",
@@ -174,6 +182,15 @@ class MaruWorkerConnector(WorkerStores):
             on_own_thread(self._connect, self.caches[0].device)
         else:
             self._connect()
+
+    def disable(self, why: str) -> None:
+        """Off for this engine (``why``: reason and fix), reported to the server so ``maru doctor``
+        shows it (a report-only client: ``maru.vllm.refusal``)."""
+        if self.disabled_reason is None:
+            self.disabled_reason = why
+        if self._refusal is None and self._client_factory is not None:
+            connect = partial(report_only_client, self.cfg.server_url, self.cfg.timeout_s)
+            self._refusal = RefusalReport(connect, refusal_info([why], role="vllm-worker"))
 
     def _connect(self) -> bool:
         if self.engine is not None:
@@ -458,6 +475,8 @@ class MaruWorkerConnector(WorkerStores):
         return time.monotonic() - self._stepped_at < 0.25
 
     def shutdown(self) -> None:
+        if self._refusal is not None:
+            self._refusal.close()
         if self.gil_probe is not None:
             self.gil_probe.stop()
         try:

@@ -26,7 +26,7 @@ from maru.transfer.records import (
     many_chunk_slots,
     slot_mapping,
 )
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, reported_slow
 from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 from tests.transfer.helpers import BS, CHUNK, bits_equal, case, plain_engine, request, worker
 
@@ -373,6 +373,12 @@ def test_worker_with_an_unsupported_layout_stays_off_and_fails_loads_cleanly(ser
     req = request("off", [0, 1, 2, 3], 2 * CHUNK)
     w.start_load_kv(MaruConnectorMetadata(loads=[req]))
     assert w.get_block_ids_with_load_errors() == {0, 1, 2, 3}
+    # ... and says so to the server, for `maru doctor` (a client that never maps the pool).
+    assert w._refusal is not None and w._refusal.reported.wait(20)
+    said = [s for slow in reported_slow(server).values() for s in slow if "unsupported KV-cache layout" in s]
+    assert len(said) == 1 and "Fix:" in said[0]
+    w.shutdown()
+    assert not w._refusal._thread.is_alive()
 
 
 def test_a_lost_server_closes_the_engine_before_the_client_unmaps_the_pool(
