@@ -189,7 +189,9 @@ class AdapterDigests:
         self._unreadable: set[str] = set()  # paths announced unreadable (once each)
         self._pending: dict[str, float] = {}  # Hugging Face ids not cached yet: first seen (monotonic)
         self._said_pending: set[str] = set()
-        self._resolved: dict[str, tuple[float, str]] = {}  # lora_path -> (when, directory)
+        self._resolved: dict[
+            str, tuple[float, str | OSError]
+        ] = {}  # lora_path -> (when, directory or why not)
         self.hashed_bytes = 0  # bytes read to make digests (``maru stats``: adapter_bytes_hashed)
 
     @property
@@ -299,8 +301,14 @@ class AdapterDigests:
         now = time.monotonic()
         hit = self._resolved.get(given)
         if hit is not None and now - hit[0] < RESOLVE_S:
+            if isinstance(hit[1], OSError):  # not resolvable a moment ago: a waiting request asks each step
+                raise hit[1]
             return hit[1]
-        path = resolve(given)
+        try:
+            path = resolve(given)
+        except OSError as e:
+            self._resolved[given] = (now, e)
+            raise
         self._resolved[given] = (now, path)
         return path
 

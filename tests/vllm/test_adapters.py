@@ -233,6 +233,9 @@ def test_a_hugging_face_id_is_keyed_by_its_cached_files_once_vllm_downloaded_it(
     assert [r.levelname for r in caplog.records if "org/adapter" in r.getMessage()] == ["INFO"]
     snap = fake_hub_cache(cache, "org/adapter", local)  # vLLM's worker downloaded it
     assert A.resolve("org/adapter") == snap
+    # A miss is remembered for RESOLVE_S (a waiting request is asked about at every step) ...
+    assert digests.digest(lora("hub", "org/adapter")) is A.ADAPTER_PENDING
+    monkeypatch.setattr(A, "RESOLVE_S", 0.0)  # ... then looked up again
     assert digests.digest(lora("hub", "org/adapter")) == digests.digest(lora("local", local))
     monkeypatch.setattr(A, "PENDING_S", 0.0)
     with caplog.at_level("WARNING", logger="maru.vllm"):
