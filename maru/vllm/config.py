@@ -115,9 +115,9 @@ class MaruConnectorConfig:
     scheduler_reply_spin_us: int | None = None
     enable_load: bool = True
     enable_store: bool = True
-    # Run in an engine with vLLM's sleep mode. Off until the fix of the sleep-mode failure (device
-    # state discarded with vLLM's KV-cache pool, maru.vllm.own_thread) has run on a GPU.
-    allow_sleep_mode: bool = False
+    # Run in an engine with vLLM's sleep mode (its device state made outside vLLM's KV-cache pool,
+    # which a sleep discards: maru.vllm.own_thread; run on an H100). False: stay off there.
+    allow_sleep_mode: bool = True
     store_partial_tail: bool = True
     log_timing: bool = False
     # Milliseconds between the wake-ups of a probe thread in the engine process that times how late

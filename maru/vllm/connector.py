@@ -176,13 +176,12 @@ class MaruKVConnector(KVConnectorBase_V1):
                 "(tensor parallelism is supported)"
             )
 
-        if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not cfg.allow_sleep_mode:
+        sleep_mode = bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
+        if sleep_mode and not cfg.allow_sleep_mode:
             cfg = self.maru_config = cfg.off(
-                "vLLM's sleep mode is on (enable_sleep_mode): on an H100 a load after a sleep placed wrong "
-                "bytes (vLLM discarded device memory Maru set up at start, tests/e2e/test_gpu_vllm_sleep_e2e.py); "
-                "that is fixed but has not run on a GPU yet, so the connector stays off and vLLM computes "
-                "every prompt itself. Fix: run vLLM without enable_sleep_mode, or set "
-                "maru_allow_sleep_mode=true to run the fix"
+                "vLLM's sleep mode is on (enable_sleep_mode) and maru_allow_sleep_mode=false: the connector "
+                "stays off and vLLM computes every prompt itself. Fix: leave maru_allow_sleep_mode at its "
+                "default (true: Maru runs under sleep mode, tests/e2e/test_gpu_vllm_sleep_e2e.py)"
             )
 
         self._refusal: RefusalReport | None = None
@@ -267,6 +266,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 hook_times=self.hook_times,
                 client_factory=client_factory if (cfg.enable_load or cfg.enable_store) else None,
                 backend_name_of=backend_name_of,
+                sleep_mode=sleep_mode,
             )
 
     @property

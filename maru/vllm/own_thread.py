@@ -7,7 +7,8 @@ What Maru allocates there (the transfer engine's scratch, the tables its capture
 would then hold garbage after a wake-up, and a load placing through it would place wrong bytes: seen
 on an H100 (tests/e2e/test_gpu_vllm_sleep_e2e.py, the load after a sleep gave another output). Made
 on a thread of its own, that state comes from torch's default pool, which a sleep does not touch.
-Used only with ``maru_allow_sleep_mode`` until it has run on a GPU.
+Used for engines with vLLM's sleep mode (run on an H100: tests/e2e/test_gpu_vllm_sleep_e2e.py, the
+load after a sleep and an engine that never slept give the cold run's output).
 """
 
 from __future__ import annotations

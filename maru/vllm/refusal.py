@@ -1,7 +1,7 @@
 """An off connector tells the server why it is off, so ``maru doctor`` shows it.
 
 The connector turns itself off, announced in vLLM's log, where it cannot run safely (pipeline
-parallelism, vLLM's sleep mode without ``maru_allow_sleep_mode``). The log alone is not enough: an
+parallelism, vLLM's sleep mode with ``maru_allow_sleep_mode=false``). The log alone is not enough: an
 operator who asks ``maru doctor`` would see no serving client at all, or only the engines that
 work, and take the silence for health. ``RefusalReport`` gives the refused engine a seat there: a
 client that never maps the pool (``MaruHandler(map_pool=False)``) reports

@@ -78,9 +78,13 @@ class MaruWorkerConnector(WorkerStores):
         client_factory: Any = None,
         backend_name_of: Any = None,
         hook_times: HookTimes | None = None,
+        sleep_mode: bool = False,
     ) -> None:
-        """``hook_times``: where the parts of its hooks are counted (the connector's)."""
+        """``hook_times``: where the parts of its hooks are counted (the connector's).
+        ``sleep_mode``: vLLM's ``enable_sleep_mode`` (the device state is then made on a thread of its
+        own, outside the KV-cache pool a sleep discards: ``maru.vllm.own_thread``)."""
         self.cfg = cfg
+        self.sleep_mode = sleep_mode
         self.hook_times = hook_times if hook_times is not None else HookTimes()
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -176,9 +180,9 @@ class MaruWorkerConnector(WorkerStores):
             kv_ops_backend(),
             self.cfg.server_url,
         )
-        if self.caches[0].is_cuda and self.cfg.allow_sleep_mode:
-            # Outside vLLM's KV-cache pool, which sleep mode discards. Only where sleep mode is
-            # allowed: that fix has not run on a GPU yet, every other engine keeps the path that did.
+        if self.caches[0].is_cuda and self.sleep_mode:
+            # Outside vLLM's KV-cache pool, which a sleep discards (run on an H100, with and without
+            # sleeps). Only under sleep mode: every other engine keeps the path its tests ran.
             on_own_thread(self._connect, self.caches[0].device)
         else:
             self._connect()

@@ -53,10 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     srv.start()
     base = {"model": model, "dtype": GPU_MODEL.dtype, "block_size": BS, "max_model_len": 2048,
             "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.1}  # fmt: skip
-    # maru_allow_sleep_mode: Maru stays off under sleep mode until this test passes on a GPU.
-    kv = maru_kv_config(
-        {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_allow_sleep_mode": True}
-    )
+    kv = maru_kv_config({"maru_server_url": srv.url, "maru_kv_chunk_tokens": C})
     res: dict[str, Any] = {}
     s = Engine("S", {**base, "kv_transfer_config": kv, "enable_sleep_mode": True}, logs / "S.log").start()
     try:

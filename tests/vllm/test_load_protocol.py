@@ -354,12 +354,11 @@ def test_a_plan_that_failed_makes_the_worker_report_every_accepted_loads_blocks_
         conn.shutdown()
 
 
-def test_under_vllms_sleep_mode_maru_stays_off_announced_unless_allowed(server) -> None:
-    """A load after a sleep placed wrong bytes on an H100 (the worker's device state was made in the
-    KV-cache pool vLLM discards at a sleep); until its fix ran on a GPU, Maru stays off there, says
-    why once, and keeps it in its fallbacks (``maru_stats``)."""
-    for allowed in (False, True):
-        extra = {"maru_allow_sleep_mode": True} if allowed else {}
+def test_under_vllms_sleep_mode_maru_runs_unless_told_not_to(server) -> None:
+    """Maru runs under vLLM's sleep mode (its worker's device state made outside the KV-cache pool a
+    sleep discards, ``maru.vllm.own_thread``: run on an H100); ``maru_allow_sleep_mode=false`` keeps
+    it off there, said once and kept in its fallbacks (``maru_stats``)."""
+    for extra, allowed in (({}, True), ({"maru_allow_sleep_mode": False}, False)):
         vc = vllm_config(server.url, False, **extra)
         vc.model_config.enable_sleep_mode = True
         conn = MaruKVConnector(vc, KVConnectorRole.SCHEDULER)
@@ -367,6 +366,20 @@ def test_under_vllms_sleep_mode_maru_stays_off_announced_unless_allowed(server) 
             cfg = conn.maru_config
             assert (cfg.enable_load, cfg.enable_store) == (allowed, allowed)
             said = [f for f in cfg.fallbacks if "sleep mode" in f]
-            assert (said == []) if allowed else ("maru_allow_sleep_mode=true" in said[0])
+            assert (
+                (said == []) if allowed else ("maru_allow_sleep_mode=false" in said[0] and "Fix:" in said[0])
+            )
+        finally:
+            conn.shutdown()
+
+
+def test_only_a_sleep_mode_engines_worker_makes_its_device_state_on_a_thread_of_its_own(server) -> None:
+    for sleep_mode in (False, True):
+        vc = vllm_config(server.url, False)
+        vc.model_config.enable_sleep_mode = sleep_mode
+        vc.compilation_config = SimpleNamespace(static_forward_context={})
+        conn = MaruKVConnector(vc, KVConnectorRole.WORKER)
+        try:
+            assert conn.maru_worker is not None and conn.maru_worker.sleep_mode is sleep_mode
         finally:
             conn.shutdown()

@@ -31,6 +31,7 @@ def _pipeline(vc: SimpleNamespace) -> None:
 
 def _sleep(vc: SimpleNamespace) -> None:
     vc.model_config.enable_sleep_mode = True
+    vc.kv_transfer_config.kv_connector_extra_config["maru_allow_sleep_mode"] = False
 
 
 @pytest.mark.parametrize(
