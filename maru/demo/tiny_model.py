@@ -119,23 +119,30 @@ def _write_model(spec: TinyModelSpec, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
-    """Write (or reuse) the model for ``spec`` in ``out_dir``; return the directory."""
-    spec = spec or TinyModelSpec()
-    out = Path(out_dir)
-    marker = out / SPEC_FILE
+def begin_build(marker: Path, wanted: dict[str, Any]) -> bool:
+    """Whether the directory of ``marker`` must be built: False when ``marker`` records ``wanted``
+    (a build of the same spec is there, reused); else the directory is made, offline."""
     if marker.is_file():
         try:
-            if json.loads(marker.read_text()) == asdict(spec):
-                return out
+            if json.loads(marker.read_text()) == wanted:
+                return False
         except (OSError, ValueError):
             pass
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    out.mkdir(parents=True, exist_ok=True)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
+    """Write (or reuse) the model for ``spec`` in ``out_dir``; return the directory."""
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    if not begin_build(out / SPEC_FILE, asdict(spec)):
+        return out
     _train_tokenizer(spec.vocab, out)
     _write_model(spec, out)
-    marker.write_text(json.dumps(asdict(spec), sort_keys=True))
+    (out / SPEC_FILE).write_text(json.dumps(asdict(spec), sort_keys=True))
     return out
 
 

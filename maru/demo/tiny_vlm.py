@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from maru.demo.tiny_model import TinyModelSpec, _train_tokenizer, llama_config
+from maru.demo.tiny_model import TinyModelSpec, _train_tokenizer, begin_build, llama_config
 
 SPEC_FILE = "maru-tiny-vlm.json"
 IMAGE_TOKEN = "<image>"
@@ -177,15 +177,8 @@ def build_tiny_llava(out_dir: str | os.PathLike[str], spec: TinyVlmSpec | None =
     out = Path(out_dir)
     marker = out / SPEC_FILE
     wanted = json.loads(json.dumps(asdict(spec), sort_keys=True))
-    if marker.is_file():
-        try:
-            if json.loads(marker.read_text()) == wanted:
-                return out
-        except (OSError, ValueError):
-            pass
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    out.mkdir(parents=True, exist_ok=True)
+    if not begin_build(marker, wanted):
+        return out
     _train_tokenizer(spec.text.vocab, out)
     tokenizer, image_id = _add_image_token(out)
     vocab = -(-len(tokenizer) // 64) * 64  # room for the added token, rounded up
