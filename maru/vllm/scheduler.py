@@ -83,7 +83,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         self._reported_path: str | None = None  # the EXISTS path last reported to the server
         self._next_connect = 0.0
         self.scopes = scopes if scopes is not None else RequestScopes()
-        self._skip_notes: list[str] = []  # kinds of requests left to vLLM (``skip_note``)
+        self._skip_notes: list[str] = []  # kinds of requests left to vLLM (``RequestScopes``: reported)
         self._share_timeout_note: str | None = None  # set at the first timeout (``maru doctor``)
         self._reqs: dict[str, RequestState] = {}
         # The loads vLLM accepted since the last plan (request, first and end token): if planning
@@ -145,9 +145,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
 
     # ------------------------------------------------------------------ requests
     def _scope(self, request: Any) -> RequestScope | None:
-        """The request's scope (salt, adapter); None where Maru's keys do not cover it. Such a
-        request is left to vLLM, announced once per kind in the log and reported to the server
-        (``maru doctor``: these requests recompute)."""
+        """The request's scope (salt, adapter, multimodal inputs); None where Maru's keys do not
+        cover it. Such a request is left to vLLM, announced once per kind in the log and reported
+        to the server (``maru doctor``: these requests recompute)."""
         scope = self.scopes.of(request)
         if changed := self.scopes.adapters.take_changed():
             self._stop_changed_adapters(changed)
