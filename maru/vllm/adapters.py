@@ -223,7 +223,7 @@ class AdapterDigests:
             if not given:
                 raise NotADirectoryError("no lora_path")
             if pinned is not None:
-                return self._still(ident, pinned, name, force=True)
+                return self._still(ident, pinned, name)
             path = self._resolve(given)
             listing = _listing(path)
             t0 = time.perf_counter()
@@ -261,15 +261,15 @@ class AdapterDigests:
         every_s = RECHECK_S if every_s is None else every_s
         for ident, pinned in list(self._pinned.items()):
             if pinned.digest in digests:
-                self._still(ident, pinned, ident[1], force=False, every_s=every_s)
+                self._still(ident, pinned, ident[1], every_s)
 
     def _still(
-        self, ident: tuple[int, str], pinned: _Pinned, name: str, force: bool, every_s: float = 0.0
+        self, ident: tuple[int, str], pinned: _Pinned, name: str, every_s: float = 0.0
     ) -> bytes | Skipped:
-        """``pinned.digest`` if the adapter's files are as they were keyed, else ``ADAPTER_CHANGED``
-        (announced, handed to ``take_changed``)."""
+        """``pinned.digest`` if the adapter's files are as they were keyed (or were listed less
+        than ``every_s`` ago), else ``ADAPTER_CHANGED`` (announced, handed to ``take_changed``)."""
         now = time.monotonic()
-        if not force and now - pinned.checked < every_s:
+        if every_s and now - pinned.checked < every_s:
             return pinned.digest
         try:
             path = self._resolve(ident[1])

@@ -160,16 +160,10 @@ class MaruWorkerConnector(WorkerStores):
             )
         except UnsupportedLayout as e:
             self.disabled_reason = f"unsupported KV-cache layout ({e})"
-            logger.warning(
-                "Maru: connector disabled for this engine: %s. vLLM computes every prompt itself. "
-                "Report the layout (shape, strides, attention backend %s) to the Maru project.",
-                self.disabled_reason,
-                backend,
-            )
             self.disable(
                 f"{self.disabled_reason}, attention backend {backend}: the connector is off for this engine "
-                "and vLLM computes every prompt itself. Fix: report the layout (vLLM's log names its shape "
-                "and strides) to the Maru project; another attention backend may have a supported one"
+                "and vLLM computes every prompt itself. Fix: report this message (it names the layout) "
+                "to the Maru project; another attention backend may have a supported layout"
             )
             return
         logger.info(
@@ -188,8 +182,9 @@ class MaruWorkerConnector(WorkerStores):
             self._connect()
 
     def disable(self, why: str) -> None:
-        """Off for this engine (``why``: reason and fix), reported to the server so ``maru doctor``
-        shows it (a report-only client: ``maru.vllm.refusal``)."""
+        """Off for this engine (``why``: reason and fix), said once in vLLM's log and reported to
+        the server so ``maru doctor`` shows it (a report-only client: ``maru.vllm.refusal``)."""
+        logger.warning("Maru: %s", why)
         if self.disabled_reason is None:
             self.disabled_reason = why
         if self._refusal is None and self._client_factory is not None:
