@@ -75,6 +75,7 @@ from bench.api_workload import (  # noqa: E402
     store_env,
     store_variant,
 )  # noqa: E402
+from bench.store_ab import run_store_ab  # noqa: E402
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     SERVER_TIMINGS,
@@ -551,7 +552,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the API instances with a connector run maru_gil_probe_ms at this period: their timing line "
         "says how long a thread of the engine process waited for the GIL (0: no probe)",
     )  # fmt: skip
+    ap.add_argument(
+        "--api-store-ab", type=int, default=0, metavar="REPS",
+        help="only the storing cost: a plain, a storing and an idle-connector API instance taking turns "
+        "each round, REPS repetitions (bench/store_ab.py); no other API instance",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    if a.api_store_ab:
+        a.api_loads, a.api_stores, a.api_pair = [], ["idle"], False
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
     if a.workloads:
@@ -664,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 eng.close()  # frees its GPU memory for what follows
             (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
-        if servers:
+        if servers and a.api_store_ab:
+            run_store_ab(servers, setup, res, a.api_store_ab)
+        elif servers:
             run_api(servers, setup, res, a.api_reps or setup.api_reps)
     except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured
         res["errors"].append("interrupted (time budget)")
