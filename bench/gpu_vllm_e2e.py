@@ -554,12 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--api-store-ab", type=int, default=0, metavar="REPS",
-        help="only the storing cost: a plain, a storing and an idle-connector API instance taking turns "
-        "each round, REPS repetitions (bench/store_ab.py); no other API instance",
+        help="the API instances take turns a round at a time, REPS repetitions (bench/store_ab.py): "
+        "storing against a plain instance, warm loads against vLLM's own hit, paired round by round",
     )  # fmt: skip
     a = ap.parse_args(argv)
     if a.api_store_ab:
-        a.api_loads, a.api_stores, a.api_pair = [], ["idle"], False
+        a.api_pair = False  # the round-by-round pass: --api-loads and --api-stores as given, and the idle one
+        a.api_stores = ["idle", *(v for v in a.api_stores if v != "idle")]
 
     setup = TINY_SETUP if a.tiny else GPU_SETUP
     if a.workloads:

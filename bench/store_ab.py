@@ -1,28 +1,37 @@
-"""The storing cost on the API workload, measured round by round against a plain instance.
+"""The API workload's costs measured round by round: storing against a plain instance, a warm load
+against vLLM's own prefix hit.
 
-Why: on the shared device hosts the same eager forward's CPU time moves by up to 2x from one
-second to the next (``bench/launch_drift.py``, forty-ninth pass: 9.8 to 22.1 ms for one fixed
-forward, nothing else running), while the instances of ``api_workload.run_api`` take turns a whole
-pass (3 rounds, a few seconds) at a time. A storing cost of a few percent cannot show through that.
-Here the instances take turns a *round* at a time (16 concurrent requests, ~0.4 s), in an order
-rotated every round, and each round of the storing instance is compared with the plain instance's
-round next to it: the median of those paired ratios is the storing cost, and their quartiles say how
-far the host moved between neighbours.
+Why: on the shared device hosts the same eager forward's CPU time moves by up to 1.6x between
+two-second windows (``bench/launch_drift.py --pace-trace``, forty-ninth pass, H200: window medians
+9.3-15.2 ms for one fixed forward, nothing else running), while the instances of
+``api_workload.run_api`` take turns a whole pass (3 rounds, a few seconds) at a time. A cost of a
+few percent cannot show through that. Here the instances take turns a *round* at a time (16
+concurrent requests, ~0.4 s), in an order rotated every round, and each instance's round is
+compared with its reference's round next to it: the median of those paired ratios is the cost,
+their quartiles say how far the host moved between neighbours.
+
+Each round runs in two turns. The cold turn: ``none`` (no connector), ``store`` (Maru storing,
+the default configuration) and the ``store-<variant>`` instances, each computing the round. The
+warm turn, after it: ``none`` again (every token is in its own prefix cache: vLLM's own hit,
+recorded as ``hit``), ``load`` (a Maru instance that never computed this repetition's system
+prompt: it loads what ``store`` stored) and the ``load-<mode>`` instances. Ratios: cold instances
+against ``none``, warm ones against ``hit`` (and ``load`` against ``none`` as well).
 
 Every instance sends the same requests (``api_workload.conversation`` does not depend on earlier
 answers), each repetition under a new system prompt. After every instance's round the harness waits
 ``SETTLE_S`` (each instance alike): a write-behind store still draining belongs to its own instance,
-not to the next one's round.
+not to the next one's round, and a warm instance finds the round's stores published.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.api_workload import conversation, pct
+from bench.api_workload import conversation, loaded_tokens_in_log, pct, store_label
 from bench.vllm_harness import ApiServer, log, random_prompt, stream_ttft
 
 SETTLE_S = 0.6  # after each instance's round: its write-behind stores publish (~30 ms a batch)
@@ -30,64 +39,125 @@ LABELS = {
     "none": "cold, no connector",
     "store": "cold, Maru storing (default)",
     "store-idle": "cold, connector attached, Maru off",
+    "hit": "vLLM's own prefix hit (the plain instance again)",
+    "load": "warm from Maru (default)",
 }
 
 
-def run_round(port: int, setup: Any, rnd: int, system: list[int]) -> list[dict[str, Any]]:
-    """Round ``rnd`` of every user at once on one instance; a record per request."""
-    prompts = [conversation(setup, u, rnd, system) for u in range(setup.users)]
-    with ThreadPoolExecutor(max_workers=setup.users) as ex:
-        return list(ex.map(lambda p: stream_ttft(port, p, setup.api_max_tokens), prompts))
+def label(key: str) -> str:
+    if key in LABELS:
+        return LABELS[key]
+    if key.startswith("load-"):
+        return f"warm from Maru, {key.removeprefix('load-')} load"
+    return store_label(key.removeprefix("store-"))
 
 
-def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int) -> None:
-    """``reps`` repetitions x ``setup.rounds`` rounds, the instances taking turns each round;
-    ``res["api"]["store_ab"]``: per instance its rounds' mean TTFT and answer time, and per
-    instance other than ``none`` the paired ratios against ``none``'s neighbouring round."""
-    keys = [k for k in LABELS if k in servers]
-    for i, k in enumerate(keys):  # what a process pays once is not a round's TTFT
-        servers[k].wait_ready(timeout=600)
-        stream_ttft(servers[k].port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
-    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in keys}
-    turn = 0
-    for rep in range(reps):
-        system = random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab)
-        for rnd in range(setup.rounds):
-            order = keys[turn % len(keys) :] + keys[: turn % len(keys)]
-            turn += 1
-            for k in order:
-                t0 = time.perf_counter()
-                recs = run_round(servers[k].port, setup, rnd, system)
-                wall = time.perf_counter() - t0
-                rounds[k].append({
-                    "rep": rep, "round": rnd, "wall_s": wall,
-                    "ttft_mean_s": statistics.mean(r["ttft"] for r in recs),
-                    "ttft_p50_s": pct([r["ttft"] for r in recs], 0.5),
-                    "total_mean_s": statistics.mean(r.get("total", r["ttft"]) for r in recs),
-                })  # fmt: skip
-                time.sleep(SETTLE_S)
-    out: dict[str, Any] = {"rounds": rounds, "reps": reps, "settle_s": SETTLE_S, "summary": {}}
-    base = rounds.get("none", [])
-    for k in keys:
-        rs = rounds[k]
+def turns(servers: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The cold turn's keys and the warm turn's (``hit`` is the plain instance run again)."""
+    cold = ["none", "store"] + sorted(k for k in servers if k.startswith("store-"))
+    warm = (["hit"] if "none" in servers else []) + sorted(
+        k for k in servers if k == "load" or k.startswith("load-")
+    )
+    return [k for k in cold if k in servers], warm
+
+
+def schedule(cold: list[str], warm: list[str], reps: int, rounds: int) -> list[tuple[int, int, str]]:
+    """(repetition, round, instance) in the order they run: each round the cold turn, then the warm
+    turn, each turn's order rotated by one every round (no instance always follows the same one)."""
+    out = []
+    for turn in range(reps * rounds):
+        for keys in (cold, warm):
+            r = turn % len(keys) if keys else 0
+            out += [(turn // rounds, turn % rounds, k) for k in keys[r:] + keys[:r]]
+    return out
+
+
+def reference(key: str) -> str | None:
+    """What an instance's round is compared with: cold ones with the plain instance, warm ones with
+    vLLM's own hit; the plain instance and the hit with nothing."""
+    if key in ("none", "hit"):
+        return None
+    return "hit" if key == "load" or key.startswith("load-") else "none"
+
+
+def paired(rounds: dict[str, list[dict[str, float]]], key: str, ref: str) -> dict[str, Any] | None:
+    """Round by round ``key`` over ``ref`` (their rounds in the same order, one each a turn): the
+    median, the quartiles, how many rounds ``key`` was at or under ``ref``, for the mean TTFT of the
+    round's requests, and the median ratio of the whole answers. None when the rounds do not pair."""
+    a, b = rounds.get(key, []), rounds.get(ref, [])
+    if not a or len(a) != len(b):
+        return None
+    if any((x["rep"], x["round"]) != (y["rep"], y["round"]) for x, y in zip(a, b, strict=True)):
+        return None
+    ttft = sorted(x["ttft_mean_s"] / y["ttft_mean_s"] for x, y in zip(a, b, strict=True))
+    total = [x["total_mean_s"] / y["total_mean_s"] for x, y in zip(a, b, strict=True)]
+    return {
+        "against": ref,
+        "pairs": len(ttft),
+        "ttft_ratio_median": statistics.median(ttft),
+        "ttft_ratio_q1": pct(ttft, 0.25),
+        "ttft_ratio_q3": pct(ttft, 0.75),
+        "at_or_under": sum(1 for x in ttft if x <= 1.0),
+        "total_ratio_median": statistics.median(total),
+    }
+
+
+def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """Per instance: its rounds' mean and median TTFT, its whole answers' mean, and the paired
+    ratios against its reference (``reference``), ``load`` also against ``none``."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, rs in rounds.items():
+        if not rs:
+            continue
         row: dict[str, Any] = {
-            "label": LABELS[k],
+            "label": label(k),
+            "rounds": len(rs),
             "ttft_mean_ms": statistics.mean(r["ttft_mean_s"] for r in rs) * 1e3,
             "ttft_median_round_ms": statistics.median(r["ttft_mean_s"] for r in rs) * 1e3,
             "total_mean_ms": statistics.mean(r["total_mean_s"] for r in rs) * 1e3,
+            "tokens_loaded": sum(r.get("tokens_loaded", 0) for r in rs),
         }
-        if k != "none" and len(base) == len(rs):
-            ttft = sorted(a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(rs, base, strict=True))
-            total = sorted(a["total_mean_s"] / b["total_mean_s"] for a, b in zip(rs, base, strict=True))
-            row.update(
-                pairs=len(ttft),
-                ttft_ratio_median=statistics.median(ttft),
-                ttft_ratio_q1=pct(ttft, 0.25),
-                ttft_ratio_q3=pct(ttft, 0.75),
-                total_ratio_median=statistics.median(total),
-                wins=sum(1 for x in ttft if x <= 1.0),
-            )
-        out["summary"][k] = row
+        ref = reference(k)
+        if ref is not None and (p := paired(rounds, k, ref)) is not None:
+            row["vs"] = p
+        if k == "load" and (p := paired(rounds, k, "none")) is not None:
+            row["vs_cold"] = p
+        out[k] = row
+    return out
+
+
+def run_round(port: int, setup: Any, rnd: int, system: list[int]) -> dict[str, float]:
+    """Round ``rnd`` of every user at once on one instance: its requests' mean and median TTFT,
+    their whole answers' mean, the round's wall time."""
+    prompts = [conversation(setup, u, rnd, system) for u in range(setup.users)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=setup.users) as ex:
+        recs = list(ex.map(lambda p: stream_ttft(port, p, setup.api_max_tokens), prompts))
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "ttft_mean_s": statistics.mean(r["ttft"] for r in recs),
+        "ttft_p50_s": pct([r["ttft"] for r in recs], 0.5),
+        "total_mean_s": statistics.mean(r.get("total", r["ttft"]) for r in recs),
+    }
+
+
+def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int) -> None:
+    """``reps`` repetitions x ``setup.rounds`` rounds, each round a cold turn then a warm turn, the
+    order within each turn rotated every round; ``res["api"]["store_ab"]``."""
+    cold, warm = turns(list(servers))
+    for i, k in enumerate(servers):  # what a process pays once is not a round's TTFT
+        servers[k].wait_ready(timeout=600)
+        stream_ttft(servers[k].port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in cold + warm}
+    systems: dict[int, list[int]] = {}
+    for rep, rnd, k in schedule(cold, warm, reps, setup.rounds):
+        system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
+        srv = servers["none" if k == "hit" else k]
+        before = loaded_tokens_in_log(srv.log_path)
+        row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
+        time.sleep(SETTLE_S)  # (the load's timing line is written by then too)
+        rounds[k].append({**row, "tokens_loaded": loaded_tokens_in_log(srv.log_path) - before})
+    out = {"rounds": rounds, "reps": reps, "settle_s": SETTLE_S, "summary": summarize(rounds)}
     res["api"]["store_ab"] = out
     log(markdown(out))
 
@@ -95,24 +165,25 @@ def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int
 def markdown(out: dict[str, Any]) -> str:
     """The table: per instance, its rounds' TTFT and answer time, and the paired ratios."""
     lines = [
-        f"Storing cost, round by round ({out['reps']} repetitions; instances take turns each round, "
-        f"order rotated; {out['settle_s']} s after every round):",
+        f"Round by round ({out['reps']} repetitions; each round a cold turn then a warm turn, the order "
+        f"within a turn rotated every round; {out['settle_s']} s after every instance's round):",
         "",
-        "| instance | rounds | TTFT, mean of rounds | median round | whole answer, mean | TTFT / plain's "
-        "neighbouring round: median (quartiles) | rounds at or under plain | whole answer / plain: median |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "| instance | rounds | tokens loaded from Maru | TTFT, mean of rounds | median round | whole answer, "
+        "mean | against | TTFT / its round: median (quartiles) | rounds at or under | whole answer / its round: "
+        "median |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
-    for k, row in out["summary"].items():
-        n = len(out["rounds"][k])
-        ratio = (
-            f"{row['ttft_ratio_median']:.3f} ({row['ttft_ratio_q1']:.3f}-{row['ttft_ratio_q3']:.3f})"
-            if "pairs" in row
-            else "-"
+    for row in out["summary"].values():
+        head = (
+            f"| {row['label']} | {row['rounds']} | {row['tokens_loaded']} | {row['ttft_mean_ms']:.1f} ms | "
+            f"{row['ttft_median_round_ms']:.1f} ms | {row['total_mean_ms']:.1f} ms |"
         )
-        wins = f"{row['wins']} of {row['pairs']}" if "pairs" in row else "-"
-        total = f"{row['total_ratio_median']:.3f}" if "pairs" in row else "-"
-        lines.append(
-            f"| {row['label']} | {n} | {row['ttft_mean_ms']:.1f} ms | {row['ttft_median_round_ms']:.1f} ms | "
-            f"{row['total_mean_ms']:.1f} ms | {ratio} | {wins} | {total} |"
-        )
+        pairs = [row[k] for k in ("vs", "vs_cold") if k in row]
+        if not pairs:
+            lines.append(head + " - | - | - | - |")
+        for p in pairs:
+            lines.append(
+                f"{head} {label(p['against'])} | {p['ttft_ratio_median']:.3f} ({p['ttft_ratio_q1']:.3f}-"
+                f"{p['ttft_ratio_q3']:.3f}) | {p['at_or_under']} of {p['pairs']} | {p['total_ratio_median']:.3f} |"
+            )
     return "\n".join(lines)

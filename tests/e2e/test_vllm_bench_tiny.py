@@ -40,3 +40,21 @@ def test_tiny_harness_measures_a_warm_load_from_maru(tmp_path: Path) -> None:
     outs = row["sync load outputs"]
     assert outs["n"] == 4 and outs["different"] == 0
     assert "| 4x512 |" in (out / "gpu_vllm_e2e.md").read_text()
+
+
+def test_tiny_harness_pairs_the_api_instances_round_by_round(tmp_path: Path) -> None:
+    """``--api-store-ab``: a plain, a storing, an idle-connector and a warm API server take turns a
+    round at a time; the warm one loads what the storing one stored, and every ratio is paired."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "bench/gpu_vllm_e2e.py", "--tiny", "--out", str(out), "--engines", "--api-store-ab", "1",
+           "--model-dir", str(tmp_path / "model")]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ab = json.loads((out / "gpu_vllm_e2e.json").read_text())["api"]["store_ab"]
+    s = ab["summary"]
+    assert set(s) == {"none", "store", "store-idle", "hit", "load"}
+    assert all(row["rounds"] == 2 for row in s.values())  # the tiny setup: 1 repetition of 2 rounds
+    assert s["load"]["tokens_loaded"] > 0 and s["none"]["tokens_loaded"] == 0
+    assert s["store"]["vs"]["against"] == "none" and s["load"]["vs"]["against"] == "hit"
+    assert s["store"]["vs"]["pairs"] == 2 and s["load"]["vs_cold"]["pairs"] == 2
+    assert "Round by round (1 repetitions" in p.stdout + p.stderr

@@ -1,0 +1,106 @@
+"""The round-by-round API benchmark's plan and arithmetic (bench/store_ab.py), without vLLM.
+
+What a wrong plan would bias silently: a warm instance run before the round's store (it would find
+nothing and read as slow), an instance always right after the same neighbour, a ratio paired with
+the wrong round.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from bench import store_ab as sab
+
+SERVERS = ["none", "store", "store-idle", "store-probe", "load", "load-async"]
+
+
+def test_turns_put_the_plain_instance_first_and_its_hit_in_the_warm_turn() -> None:
+    cold, warm = sab.turns(SERVERS)
+    assert cold == ["none", "store", "store-idle", "store-probe"]
+    assert warm == ["hit", "load", "load-async"]
+    assert sab.turns(["none", "store"]) == (["none", "store"], ["hit"])
+
+
+@pytest.mark.parametrize("reps,rounds", [(1, 3), (4, 3), (2, 1)])
+def test_every_round_runs_each_instance_once_cold_turn_first(reps: int, rounds: int) -> None:
+    cold, warm = sab.turns(SERVERS)
+    plan = sab.schedule(cold, warm, reps, rounds)
+    assert len(plan) == reps * rounds * (len(cold) + len(warm))
+    for rep in range(reps):
+        for rnd in range(rounds):
+            keys = [k for r, n, k in plan if (r, n) == (rep, rnd)]
+            assert sorted(keys) == sorted(cold + warm)
+            assert max(keys.index(k) for k in cold) < min(keys.index(k) for k in warm)
+    # The rounds run in order: repetition, then round.
+    order = [(r, n) for r, n, _ in plan]
+    assert order == sorted(order)
+
+
+def test_each_instance_takes_each_place_of_its_turn() -> None:
+    cold, warm = sab.turns(SERVERS)
+    plan = sab.schedule(cold, warm, 4, 3)
+    for keys in (cold, warm):
+        places: dict[str, set[int]] = {k: set() for k in keys}
+        for rep in range(4):
+            for rnd in range(3):
+                turn = [k for r, n, k in plan if (r, n) == (rep, rnd) and k in keys]
+                for i, k in enumerate(turn):
+                    places[k].add(i)
+        assert all(p == set(range(len(keys))) for p in places.values()), places
+
+
+def _rounds(keys: list[str], n: int, seed: int) -> dict[str, list[dict[str, float]]]:
+    rng = random.Random(seed)
+    out: dict[str, list[dict[str, float]]] = {k: [] for k in keys}
+    for i in range(n):
+        for k in keys:
+            t = rng.uniform(0.05, 0.2)
+            out[k].append(
+                {"rep": i // 3, "round": i % 3, "ttft_mean_s": t, "total_mean_s": t + rng.uniform(0.2, 0.5)}
+            )
+    return out
+
+
+def test_paired_ratios_match_a_brute_force_reference() -> None:
+    rounds = _rounds(["none", "store", "hit", "load"], 30, 7)
+    got = sab.paired(rounds, "store", "none")
+    assert got is not None
+    ratios = [
+        a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(rounds["store"], rounds["none"], strict=True)
+    ]
+    assert got["pairs"] == 30
+    assert got["ttft_ratio_median"] == pytest.approx(statistics.median(ratios))
+    assert got["at_or_under"] == sum(r <= 1.0 for r in ratios)
+    ranked = sorted(ratios)  # quartiles by nearest rank: the 8th and the 23rd of 30
+    assert (got["ttft_ratio_q1"], got["ttft_ratio_q3"]) == (ranked[7], ranked[22])
+    totals = [
+        a["total_mean_s"] / b["total_mean_s"] for a, b in zip(rounds["store"], rounds["none"], strict=True)
+    ]
+    assert got["total_ratio_median"] == pytest.approx(statistics.median(totals))
+
+
+def test_a_shifted_round_does_not_pair() -> None:
+    rounds = _rounds(["none", "store"], 6, 3)
+    rounds["store"] = rounds["store"][1:] + rounds["store"][:1]  # the same count, other rounds
+    assert sab.paired(rounds, "store", "none") is None
+    rounds["store"] = rounds["store"][:5]
+    assert sab.paired(rounds, "store", "none") is None
+
+
+def test_summary_compares_warm_with_the_hit_and_cold_with_the_plain_instance() -> None:
+    rounds = _rounds(["none", "store", "store-idle", "hit", "load"], 9, 11)
+    s = sab.summarize(rounds)
+    assert "vs" not in s["none"] and "vs" not in s["hit"]
+    assert s["store"]["vs"]["against"] == "none" and s["store-idle"]["vs"]["against"] == "none"
+    assert s["load"]["vs"]["against"] == "hit" and s["load"]["vs_cold"]["against"] == "none"
+    want = statistics.median(
+        a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(rounds["load"], rounds["hit"], strict=True)
+    )
+    assert s["load"]["vs"]["ttft_ratio_median"] == pytest.approx(want)
+    table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ")]
+    assert len(rows) == 1 + 5 + 1  # the header, five instances, load's second row (against cold)
+    assert sum("vLLM's own prefix hit" in r.split("|")[7] for r in rows) == 1  # load against the hit
