@@ -20,13 +20,16 @@ scheduler meets beside vLLM's worker thread); ``--switch-interval S``: the inter
 interval (default 5 ms). ``--pin-at-offer``: each offer is pinned before it is made (the V2 runner's way; the worker is
 reported ready first); the pins' round trips and shared pins are reported too. ``--arrival`` (with
 ``--pin-at-offer``): the burst is announced first (vLLM's ``on_new_request``: each request probed
-and its pins posted, not waited for), then offered: the offers read the replies.
+and its pins posted, not waited for), then offered: the offers read the replies. ``--profile N``:
+cProfile over the timed part (every round but the first), its N top functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
+import pstats
 import random
 import statistics
 import struct
@@ -132,6 +135,9 @@ def main() -> int:
         "round before: its chunks and vLLM's block hashes are noted (RecentKeys, RecentBlocks), as "
         "a storing instance's scheduler has them when the next turns arrive",
     )  # fmt: skip
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="cProfile the timed part: the N top functions"
+    )
     a = ap.parse_args()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
@@ -170,6 +176,7 @@ def main() -> int:
         offered = None
         timed = first if a.round == "first" else second
         trips = shared = 0
+        profs: list[cProfile.Profile] = []
         for rep in range(a.reps):
             s = MaruSchedulerConnector(
                 cfg, keyer, bs, client_factory=lambda: client, hold_offers=a.pin_at_offer,
@@ -200,6 +207,9 @@ def main() -> int:
             )  # fmt: skip
             client.keys = 0
             before = s.pins.snapshot() if s.pins is not None else {}
+            prof = cProfile.Profile() if a.profile and rep else None
+            if prof is not None:
+                prof.enable()
             t0 = time.perf_counter()
             if a.arrival:  # the burst arrives before it is scheduled (posts in flight together)
                 for r in reqs:
@@ -208,6 +218,9 @@ def main() -> int:
                 local = len(first[u]) // bs * bs if a.local_hit and a.round == "second" else 0
                 offered = s.get_num_new_matched_tokens(r, local)
             per_req.append((time.perf_counter() - t0) / len(reqs))
+            if prof is not None:
+                prof.disable()
+                profs.append(prof)
             if s.pins is not None:
                 after = s.pins.snapshot()
                 trips += after["pin_trips"] - before.get("pin_trips", 0)
@@ -224,6 +237,11 @@ def main() -> int:
             print(
                 f"pin round trips per request: {trips / n:.2f}; keys pinned through a shared pin: {shared / n:.2f}"
             )
+        if profs:  # profiled rounds run slower: their times above are not comparable
+            st = pstats.Stats(profs[0])
+            for p in profs[1:]:
+                st.add(p)
+            st.sort_stats("tottime").print_stats(a.profile)
         h.close()
     finally:
         stop.set()
