@@ -218,6 +218,7 @@ def main() -> int:
                 local = len(first[u]) // bs * bs if a.local_hit and a.round == "second" else 0
                 offered = s.get_num_new_matched_tokens(r, local)
             per_req.append((time.perf_counter() - t0) / len(reqs))
+            last_hooks = s.hook_times
             if prof is not None:
                 prof.disable()
                 profs.append(prof)
@@ -237,6 +238,7 @@ def main() -> int:
             print(
                 f"pin round trips per request: {trips / n:.2f}; keys pinned through a shared pin: {shared / n:.2f}"
             )
+        print(f"the last round's parts: {last_hooks.line()}")
         if profs:  # profiled rounds run slower: their times above are not comparable
             st = pstats.Stats(profs[0])
             for p in profs[1:]:
