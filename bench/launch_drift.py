@@ -25,7 +25,6 @@ Usage (GPU machine, repo root): python bench/launch_drift.py [--rounds 8] [--poo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, request, server_client  # noqa: E402
+from bench.gpu_connector_profile import done, held  # noqa: E402
 from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
@@ -129,16 +129,10 @@ def serve_round(
             reqs = [request(t, f"drift-{rnd}-{t}-{k}-{uuid.uuid4().hex[:6]}", gen) for k in range(4)]
             rep = storer.complete_store(storer.issue_store(reqs))
             assert rep.stored == sum(len(q.chunks) for q in reqs), rep
-            held = []
-            for q in reqs:
-                keys = [c.key for c in q.chunks]
-                assert pins.hold(sched, q.req_id, keys) == len(keys)
-                locs, ticket = pins.hand_over(q.req_id, keys)
-                held.append(dataclasses.replace(q, held=locs, ticket=ticket))
-            lrep = loader.start_layer_load(loader.pin(held)).wait()
+            pinned = held(pins, sched, reqs)  # the offer pins, as the connector's default
+            lrep = loader.start_layer_load(loader.pin(pinned)).wait()
             assert len(lrep.loaded_req_ids) == len(reqs), lrep.failed
-            pins.worker_done({q.ticket: 1 for q in held})
-            pins.flush(sched)
+            done(pins, sched, pinned)
             loaded += sum(len(q.chunks) for q in reqs)
     return loaded
 
