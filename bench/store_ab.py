@@ -38,13 +38,13 @@ SETTLE_S = 0.6  # after each instance's round: its write-behind stores publish (
 LABELS = {
     "none": "cold, no connector",
     "store": "cold, Maru storing (default)",
-    "store-idle": "cold, connector attached, Maru off",
     "hit": "vLLM's own prefix hit (the plain instance again)",
     "load": "warm from Maru (default)",
 }
 
 
 def label(key: str) -> str:
+    """An instance's row label: the store variants' are ``api_workload``'s."""
     if key in LABELS:
         return LABELS[key]
     if key.startswith("load-"):
