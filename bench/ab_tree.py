@@ -21,16 +21,30 @@ Presets (``--preset``):
   published); only the forward thread's part and the delayed free remain. Against ``nodevice``:
   what the drain's host work costs; against the idle connector: what the bookkeeping costs.
 
-The store presets publish nothing: their instances store under a namespace of their own
-(``api-alt-<name>``), so no other instance's hits depend on them.
+* ``inline``: the write-behind store's RESERVE round trip and its gather's issue run on vLLM's
+  forward thread again (in ``wait_for_save``, ``PipelinedPath.defers_store_gather`` off); the drain
+  thread only waits for the copies and publishes. Against the default: whether the drain's Python,
+  which lands in the next step's preparation (fiftieth pass: 2.3-3.0 ms of other threads' CPU there,
+  the step starting ~2.5 ms later), costs vLLM's loop more than the same issue on its own thread.
+  This tree's stores are published, under the instance's own namespace.
+
+The store presets nodevice and nodrain publish nothing; every alt instance stores under a namespace
+of its own (``api-alt-<name>``), so no other instance's hits depend on it.
+
+``--rev REV`` makes the tree from ``maru/`` at a git revision instead (no preset): an A/B of the
+working tree against a commit (``python bench/ab_tree.py head --rev HEAD`` before changing code).
 
 Usage: python bench/ab_tree.py switch-500 [--preset switch-500]   (the name is the preset by default)
+       python bench/ab_tree.py head --rev HEAD
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
+import subprocess
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +60,12 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
         return [("maru/vllm/__init__.py", line)]
     if preset in STORE_PRESETS:
         return [("maru/transfer/store_side.py", STORE_PRESETS[preset])]
-    raise ValueError(f"unknown preset {preset!r}: switch-<us>, {', '.join(STORE_PRESETS)}")
+    if preset == "inline":
+        line = (
+            "PipelinedPath.defers_store_gather = False  # ab_tree inline: reserve and issue at wait_for_save"
+        )
+        return [("maru/transfer/device_path.py", line)]
+    raise ValueError(f"unknown preset {preset!r}: switch-<us>, inline, {', '.join(STORE_PRESETS)}")
 
 
 # Appended to maru/transfer/store_side.py (the tree's copy): the write-behind store's drain work cut down.
@@ -85,12 +104,34 @@ def make_tree(name: str, appends: list[tuple[str, str]], root: Path = ROOT) -> P
     return tree
 
 
+def tree_at(name: str, rev: str, root: Path = ROOT) -> Path:
+    """``root/.ab/<name>/maru``: ``maru/`` as committed at ``rev`` (``git archive``), nothing appended.
+    Returns the tree; CalledProcessError (git's message) for an unknown revision."""
+    tree = root / ".ab" / name
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", "--format=tar", rev, "maru"], capture_output=True, check=True
+    ).stdout
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+/3.11.4+: plain files, nothing outside
+            tar.extractall(tree, filter="data")
+        else:  # git's own archive of maru/, nothing else
+            tar.extractall(tree)  # noqa: S202
+    return tree
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="the tree's name: .ab/<name>, run as --api-stores alt-<name>")
     ap.add_argument("--preset", help="the patch (default: the name)")
+    ap.add_argument("--rev", help="maru/ as committed at this git revision instead, unpatched")
     a = ap.parse_args()
-    tree = make_tree(a.name, preset_appends(a.preset or a.name))
+    if a.rev:
+        tree = tree_at(a.name, a.rev)
+    else:
+        tree = make_tree(a.name, preset_appends(a.preset or a.name))
     print(f"{tree}: run it with API_STORES=alt-{a.name} bash bench/gpu_vllm_pass.sh (carry .ab/{a.name})")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ab_tree import make_tree, preset_appends
+from bench.ab_tree import make_tree, preset_appends, tree_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,3 +74,34 @@ def test_the_store_presets_patch_the_trees_store_side_alone(tmp_path: Path, pres
     code, expected = STORE_CHECKS[preset]
     assert _run_in(tree, code) == expected
     assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
+
+
+def test_the_inline_preset_has_the_pipelined_path_reserve_and_issue_at_the_store(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree("inline", preset_appends("inline"), root=tmp_path)
+    code = (
+        "from maru.transfer.device_path import PipelinedPath\n"
+        "from maru.transfer.paths import DataPath\n"
+        "print(PipelinedPath.defers_store_gather, DataPath.defers_store_gather)"
+    )
+    assert _run_in(tree, code) == "False False"
+    assert "ab_tree" not in (REPO / "maru/transfer/device_path.py").read_text()
+
+
+def test_a_tree_at_a_revision_is_maru_as_committed_then(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    root.mkdir()
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (root / "maru").mkdir()
+    (root / "maru" / "__init__.py").write_text("V = 1\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    (root / "maru" / "__init__.py").write_text("V = 2\n")  # the working tree moved on
+    (root / "maru" / "new.py").write_text("")
+    tree = tree_at("then", "HEAD", root=root)
+    assert (tree / "maru" / "__init__.py").read_text() == "V = 1\n"
+    assert not (tree / "maru" / "new.py").exists()
+    assert _run_in(tree, "import maru; print(maru.V)") == "1"
+    with pytest.raises(subprocess.CalledProcessError):
+        tree_at("bad", "no-such-rev", root=root)
