@@ -28,6 +28,7 @@ worker side (the helper would hand the held chunks over with the keys).
 from __future__ import annotations
 
 import argparse
+import array
 import multiprocessing as mp
 import statistics
 import sys
@@ -121,8 +122,6 @@ def in_process(s: MaruSchedulerConnector, reqs: list[SimpleNamespace]) -> tuple[
 
 
 def through_helper(conn: Any, reqs: list[SimpleNamespace]) -> tuple[float, float, list[Any]]:
-    import array
-
     t0, c0 = time.perf_counter(), time.thread_time()
     for r in reqs:  # vLLM's on_new_request: one message each, not waited for
         toks = array.array("q", r.prompt_token_ids).tobytes()
