@@ -387,15 +387,22 @@ class RpcChannel:
     def _spin(self, sock: zmq.Socket, until: float) -> bytes | None:
         """The next frame, polled for without blocking until ``until`` (perf_counter); None if none came.
 
-        Polled through the socket's EVENTS option, which pyzmq reads without letting go of the
-        GIL (a non-blocking recv lets go of it at every try: a busy thread may take it at any of
-        them, and then keeps it up to the switch interval). The frame is then read with the GIL
-        kept (``gil_io``), or through pyzmq, which lets go of it once."""
+        With ``gil_io`` each try is one non-blocking recv that keeps the GIL: a frame costs one
+        call into libzmq, not an EVENTS read and then the recv (~5 us a call on the CI machine,
+        ~3x that on a busy serving host; an offer reads its posted reply this way). Without it,
+        polled through the socket's EVENTS option, which pyzmq reads without letting go of the
+        GIL (pyzmq's non-blocking recv lets go of it at every try: a busy thread may take it at
+        any of them, and then keeps it up to the switch interval); the frame is then read through
+        pyzmq, which lets go of it once."""
+        io = self._io
+        if io is not None:
+            while (frame := io.recv(sock)) is None:
+                if time.perf_counter() >= until:
+                    return None
+            return frame
         while not int(sock.getsockopt(zmq.EVENTS)) & 1:  # ZMQ_POLLIN; int(): the enum's & is slow
             if time.perf_counter() >= until:
                 return None
-        if self._io is not None:
-            return self._io.recv(sock)
         try:
             return sock.recv(zmq.NOBLOCK)
         except zmq.Again:  # EVENTS said a frame was there; no other reader exists (the lock)
