@@ -35,6 +35,7 @@ import argparse
 import cProfile
 import gc
 import hashlib
+import os
 import pstats
 import random
 import statistics
@@ -283,7 +284,7 @@ def main() -> int:
             st = pstats.Stats(profs[0])
             for p in profs[1:]:
                 st.add(p)
-            st.sort_stats("tottime").print_stats(a.profile)
+            st.sort_stats(os.environ.get("PROBE_SORT", "tottime")).print_stats(a.profile)
         h.close()
     finally:
         stop.set()
