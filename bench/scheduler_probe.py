@@ -35,7 +35,6 @@ import argparse
 import cProfile
 import gc
 import hashlib
-import os
 import pstats
 import random
 import statistics
@@ -175,6 +174,10 @@ def main() -> int:
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile the timed part: the N top functions"
     )
+    ap.add_argument(
+        "--profile-sort", default="tottime", choices=("tottime", "cumulative"),
+        help="--profile's order: own time, or with callees",
+    )  # fmt: skip
     ap.add_argument("--gc", action="store_true", help="the tracked objects the last burst left (see above)")
     a = ap.parse_args()
     if a.switch_interval is not None:
@@ -284,7 +287,7 @@ def main() -> int:
             st = pstats.Stats(profs[0])
             for p in profs[1:]:
                 st.add(p)
-            st.sort_stats(os.environ.get("PROBE_SORT", "tottime")).print_stats(a.profile)
+            st.sort_stats(a.profile_sort).print_stats(a.profile)
         h.close()
     finally:
         stop.set()
