@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
 from maru.client import MaruHandler  # noqa: E402
-from maru.kv_ops import direct_table  # noqa: E402
 from maru.kv_ops.chunk_loads import FUSED_ENV  # noqa: E402
 from maru.transfer.engine import KVTransferEngine  # noqa: E402
 from maru.transfer.records import ChunkRef, RequestTransfer  # noqa: E402
@@ -295,12 +294,6 @@ def main() -> None:
         "store (issue + complete) of the last size (the batch without --sizes); top 30 by own time",
     )
     ap.add_argument(
-        "--numpy-table",
-        action="store_true",
-        help="an A/B: the direct layer load's table built with numpy, not the compiled call "
-        "(kv_ops.direct_table, as where it cannot be compiled)",
-    )
-    ap.add_argument(
         "--fused",
         action="store_true",
         help="an A/B: the chunk load's checksum inside its scatter (MARU_FUSED_LOAD_CHECKSUM=1)",
@@ -308,8 +301,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.fused:
         os.environ[FUSED_ENV] = "1"  # read when the engines' pipelines are built
-    if args.numpy_table:
-        direct_table._state = (None, "--numpy-table (an A/B)", "drop --numpy-table")
     if args.no_prestage:
         KVTransferEngine._issuing = lambda self, looked: contextlib.nullcontext()  # type: ignore[method-assign]
     sizes = [int(t) for t in args.sizes.split(",")] if args.sizes else SIZES
