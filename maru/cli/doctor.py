@@ -160,25 +160,18 @@ def check_kv_ops(ctx: DoctorContext) -> CheckResult:
 
 
 def check_checksum(ctx: DoctorContext) -> CheckResult:
-    """Whether this host runs the compiled checksum (maru.native) or the slower numpy one; and the
-    direct layer load's table from the same library (``kv_ops.direct_table``, checked here)."""
+    """Whether this host runs the compiled checksum (maru.native) or the slower numpy one."""
     from maru import native
-    from maru.kv_ops import direct_table
 
     nat = native.load()
-    if nat.words_sum is None:
-        return CheckResult(
-            "checksum",
-            WARN,
-            f"numpy, 2-4x slower and stalled by busy Python threads (and the direct layer load's table "
-            f"built with numpy): {nat.reason}",
-            nat.fix,
-        )
-    if direct_table.table_way() != "compiled":
-        note = direct_table.table_note() or ""
-        why, _, fix = note.partition(". Fix: ")
-        return CheckResult("checksum", WARN, f"compiled C ({nat.library}), but {why}", fix)
-    return CheckResult("checksum", OK, f"compiled C ({nat.library}; the direct layer table too)")
+    if nat.words_sum is not None:
+        return CheckResult("checksum", OK, f"compiled C ({nat.library})")
+    return CheckResult(
+        "checksum",
+        WARN,
+        f"numpy, 2-4x slower and stalled by busy Python threads: {nat.reason}",
+        nat.fix,
+    )
 
 
 def check_zmq_calls(ctx: DoctorContext) -> CheckResult:

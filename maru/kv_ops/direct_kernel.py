@@ -9,20 +9,15 @@ chunk to issue. Addresses in the cache come from the ``KVLayout`` strides, as in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from maru.kv_ops.checksum import row_terms
-from maru.kv_ops.direct_table import (
-    DIRECT_ROWS,
-    DIRECT_SUMS_ROW,
-    direct_host_slots,
-    direct_table_host,
-    direct_table_spans,
-)
 from maru.kv_ops.launch import Launcher
 from maru.kv_ops.layout import KVLayout
 from maru.kv_ops.triton_kernels import (
@@ -33,15 +28,19 @@ from maru.kv_ops.triton_kernels import (
     row_offsets,
     tiles,
 )
+from maru.segments import mark_unread
 
 __all__ = [
     "DIRECT_ROWS",
     "DIRECT_SUMS_ROW",
-    "direct_host_slots",
     "direct_scatter_layer",
     "direct_table_host",
     "direct_table_spans",
 ]
+
+
+DIRECT_ROWS = 6  # source address, plane stride, slot, object (per token), token in object, checksum sums
+DIRECT_SUMS_ROW = 5  # where the checksum variant adds each object's terms
 
 
 @triton.jit
@@ -153,6 +152,116 @@ def _direct_layer_kernel(
                 tl.atomic_add(acc + first, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
             else:
                 tl.atomic_add(acc + obj, sums.to(tl.int64, bitcast=True), mask=read)
+
+
+def direct_host_slots(
+    slot_mapping: torch.Tensor,
+    lengths: list[int],
+    skip_tokens: int = 0,
+    segments: list[Any] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """The host slots ``direct_table_host`` takes, for a direct layer load of objects of
+    ``lengths`` tokens: (int64 slots as a numpy array, per object the raw sum its checksum starts
+    at or None, tokens left unread). The first ``skip_tokens`` are -1 (not written); with
+    ``segments`` (a verifying load: each object's committed segment sums or None), the rows of
+    segments that place nothing are -2, left unread and counted at their committed sums
+    (``maru.segments``: the bus carries only what is placed, and its checksum vouches for it). A
+    device slot mapping gives all -1: the slots then come from the device, and every row is read.
+    Never changes the caller's tensor. In numpy: a torch op costs several times a numpy one on the
+    issue path, more with cold caches (bench/layer_issue_cpu.py)."""
+    total = int(slot_mapping.numel())
+    if slot_mapping.device.type != "cpu":
+        return np.full(total, -1, dtype=np.int64), None, 0
+    given = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    host = given.numpy()
+    if not skip_tokens and segments is None:
+        return host, None, 0  # read only from here on (direct_table_host copies it)
+    host = host.copy()
+    if skip_tokens:
+        host[:skip_tokens] = -1
+    if segments is None:
+        return host, None, 0
+    prefill, unread = mark_unread(host, lengths, segments)
+    return host, prefill, unread
+
+
+def direct_table_host(
+    chunks: list[tuple[int, int]],
+    slots: torch.Tensor | np.ndarray,
+    row: int,
+    esize: int,
+    width: int | None = None,
+    out: torch.Tensor | None = None,
+    prefill: np.ndarray | None = None,
+) -> torch.Tensor:
+    """``direct_table_spans`` of ``chunks``: (address of the object's first byte, tokens) per chunk
+    object ``[L, KV, T, ROW]``, in order."""
+    return direct_table_spans(
+        [p for p, _ in chunks], [t for _, t in chunks], slots, row, esize, width, out, prefill
+    )
+
+
+def direct_table_spans(
+    ptrs: Sequence[int],
+    lengths: Sequence[int],
+    slots: torch.Tensor | np.ndarray,
+    row: int,
+    esize: int,
+    width: int | None = None,
+    out: torch.Tensor | None = None,
+    prefill: np.ndarray | None = None,
+) -> torch.Tensor:
+    """The ``[DIRECT_ROWS, width + 1]`` int64 table ``direct_scatter_layer`` reads, built on the host.
+
+    ``ptrs[i]``, ``lengths[i]``: the address of chunk object i's first byte and its tokens (objects
+    ``[L, KV, T, ROW]``, in order); ``slots``: one slot per token of all chunks (CPU, int64, a tensor
+    or a numpy array; negative = not written). Columns
+    past the tokens (``width`` > tokens) get slot -1. When every chunk but the last has the same
+    length C and the last at most C (the connector's usual step: whole chunks, one tail), the
+    addresses are per chunk (n entries, whatever the token count); otherwise per token. Pinned when
+    CUDA is available, so the upload is asynchronous. ``out``: a flat int64 host tensor of at least
+    ``DIRECT_ROWS * (width + 1)`` entries to build it in (``HostScratch``), instead of a new one.
+    ``prefill``: per object, the raw sum its checksum accumulator starts at (uint64: the committed
+    sums of the segments whose rows are marked -2, left unread); zeros when not given.
+    """
+    slots = slots if isinstance(slots, np.ndarray) else slots.numpy()
+    total = int(slots.size)
+    width = total if width is None else int(width)
+    if width < total:
+        raise ValueError(f"table width {width} < {total} tokens")
+    n = len(lengths)
+    if len(ptrs) != n:
+        raise ValueError(f"{len(ptrs)} object addresses for {n} token counts")
+    if sum(lengths) != total:
+        raise ValueError(f"the chunks hold {sum(lengths)} tokens, the slot mapping {total}")
+    if out is not None:
+        tab = out[: DIRECT_ROWS * (width + 1)].view(DIRECT_ROWS, width + 1)
+    else:
+        tab = torch.empty((DIRECT_ROWS, width + 1), dtype=torch.int64, pin_memory=torch.cuda.is_available())
+    # numpy over the same memory: this runs on the layer load's issue path, and a numpy op costs a
+    # fraction of torch's per-op overhead.
+    out = tab.numpy()
+    counts = np.asarray(lengths, dtype=np.int64)
+    first = int(counts[0]) if n else 0
+    if first > 0 and counts[-1] <= first and bool((counts[:-1] == first).all()):
+        out[0, :n] = ptrs
+        out[1, :n] = counts * row
+        out[0, width] = first
+    else:
+        starts = np.cumsum(counts) - counts
+        within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        out[0, :total] = np.repeat(np.asarray(ptrs, dtype=np.int64), counts) + within * (row * esize)
+        out[1, :total] = np.repeat(counts * row, counts)
+        out[3, :total] = np.repeat(np.arange(n, dtype=np.int64), counts)
+        out[4, :total] = within
+        out[0, width] = 0
+    # Rows 0, 1, 3 and 4 past the used entries are never read (tokens past the count): not cleared.
+    out[1, width] = total
+    out[2, :total] = slots
+    out[2, total:] = -1
+    # The checksum accumulators, set by the upload itself.
+    out[5, :n] = 0 if prefill is None else np.asarray(prefill, dtype=np.uint64).view(np.int64)
+    return tab
 
 
 def tile_programs(num_tokens: int, block_t: int, num_kv: int, device: Any, cap: int | None = None) -> int:

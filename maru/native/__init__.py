@@ -1,5 +1,4 @@
-"""Maru's C: the checksum's inner loop, and the direct layer load's table, built on first use and
-loaded with ctypes.
+"""Maru's one piece of C: the checksum's inner loop, built on first use and loaded with ctypes.
 
 Why C: numpy gives the GIL up and takes it back at every operation (nine per 256 KiB block of a
 checksum). Beside a Python thread that never sleeps (vLLM's engine loop while requests wait) each
@@ -13,14 +12,9 @@ loop through ``PyDLL`` (GIL kept; a 16 MiB object takes about 2 ms) below ``PARA
 from there on ``maru_words_sum_parallel`` through ``CDLL``: the GIL is released once, the threads
 are started in C (pthreads), and it is taken back once.
 
-The table (``direct_table.c``, ``Native.direct_table``): the direct layer load's host table in one
-call instead of about ten numpy operations, on the path between vLLM's step and the load's first
-byte. ``maru.kv_ops.direct_table`` checks it against its numpy definition at first use and says so
-when it runs numpy instead.
-
-How: ``checksum.c`` and ``direct_table.c`` next to this file are compiled together with the system C compiler (``$CC``, else
+How: ``checksum.c`` next to this file is compiled with the system C compiler (``$CC``, else
 ``cc``) at ``-O3 -march=native`` into a per-user cache (``$MARU_NATIVE_CACHE``, else
-``$XDG_CACHE_HOME/maru``, else ``~/.cache/maru``), named by a hash of the sources, the compiler
+``$XDG_CACHE_HOME/maru``, else ``~/.cache/maru``), named by a hash of the source, the compiler
 command, the machine and this CPU's feature flags (a home directory shared by hosts with other
 CPUs gets one build per CPU kind, never an illegal instruction). A build goes to a temporary file
 and is renamed into place, so concurrent processes never load half a library. Before it is used,
@@ -50,8 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("checksum.c")
-SOURCES = (SOURCE, Path(__file__).with_name("direct_table.c"))
-ABI = 4
+ABI = 3
 ENV_DISABLE = "MARU_NATIVE"
 ENV_CACHE = "MARU_NATIVE_CACHE"
 FIX = (
@@ -64,9 +57,6 @@ ParallelSum = Callable[[int, int, int, int], int]  # (address, begin, end, threa
 # (address, planes, tokens, row words, segment tokens, address of one byte a segment or 0, address of
 # the uint64 raws to add into) -> None: every segment's raw sum of an object in one call.
 SegmentSums = Callable[[int, int, int, int, int, int, int], None]
-# (out, width, slots, total, ptrs, lengths, n, row, esize, prefill or 0) -> 0, or -1 (width < total),
-# -2 (the lengths do not add up): ``maru.kv_ops.direct_table``'s table written at ``out``.
-DirectTable = Callable[[int, int, int, int, int, int, int, int, int, int], int]
 
 
 @dataclass(frozen=True)
@@ -78,7 +68,6 @@ class Native:
     library: str = ""
     words_sum_parallel: ParallelSum | None = None  # releases the GIL once, threads in C (ctypes.CDLL)
     segment_sums: SegmentSums | None = None  # an object's segment sums in one call (GIL kept)
-    direct_table: DirectTable | None = None  # the direct layer load's table (GIL kept; checked by its user)
 
     @property
     def fix(self) -> str:
@@ -105,7 +94,7 @@ def _load() -> Native:
         return Native(None, "this host is big-endian; the checksum reads little-endian words")
     try:
         path = build()
-        one, parallel, segments, table = _bind(path)
+        one, parallel, segments = _bind(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return Native(None, str(e))
     problem = (
@@ -115,9 +104,7 @@ def _load() -> Native:
     )
     if problem is not None:
         return Native(None, f"the compiled checksum {path} disagrees with its definition ({problem})")
-    return Native(
-        one, library=str(path), words_sum_parallel=parallel, segment_sums=segments, direct_table=table
-    )
+    return Native(one, library=str(path), words_sum_parallel=parallel, segment_sums=segments)
 
 
 def cache_dir() -> Path:
@@ -150,9 +137,9 @@ def _compilers() -> list[list[str]]:
 
 
 def build() -> Path:
-    """Compile ``SOURCES`` into the cache unless a build for these sources, compiler and CPU is
+    """Compile ``checksum.c`` into the cache unless a build for this source, compiler and CPU is
     there; returns the library's path. Raises ``RuntimeError`` saying why it could not."""
-    source = b"\0".join(p.read_bytes() for p in SOURCES)
+    source = SOURCE.read_bytes()
     errors = []
     for cmd in _compilers():
         tag = hashlib.sha256(
@@ -168,9 +155,7 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run(
-                [*cmd, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
-            )
+            res = subprocess.run([*cmd, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
             if res.returncode == 0:
                 os.replace(tmp, out)  # atomic: another process loads the old or the whole new file
                 _prune(out)
@@ -199,9 +184,9 @@ def _prune(keep: Path) -> None:
             pass
 
 
-def _bind(path: Path) -> tuple[WordsSum, ParallelSum, SegmentSums, DirectTable]:
-    """(one-thread sum keeping the GIL, threaded sum releasing it, segment sums keeping it, the direct
-    table keeping it) from the library at ``path``."""
+def _bind(path: Path) -> tuple[WordsSum, ParallelSum, SegmentSums]:
+    """(one-thread sum keeping the GIL, threaded sum releasing it, segment sums keeping it) from the
+    library at ``path``."""
     held, free = ctypes.PyDLL(str(path)), ctypes.CDLL(str(path))  # PyDLL keeps the GIL, CDLL not
     if held.maru_native_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {held.maru_native_abi()}, expected {ABI}")
@@ -214,11 +199,7 @@ def _bind(path: Path) -> tuple[WordsSum, ParallelSum, SegmentSums, DirectTable]:
     segments = held.maru_segment_sums
     segments.argtypes = [ctypes.c_void_p, *[ctypes.c_uint64] * 4, ctypes.c_void_p, ctypes.c_void_p]
     segments.restype = None
-    table = held.maru_direct_table
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    table.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr]
-    table.restype = i64
-    return one, parallel, segments, table
+    return one, parallel, segments
 
 
 def self_check_segments(fn: SegmentSums, words_sum: WordsSum) -> str | None:

@@ -182,11 +182,6 @@ class PipelinedPath(DataPath):
         way, why = self.pipeline.layer_way()  # kv_ops.layer_copies
         entries.update({"layer_way": way} if way else {})
         slow += [why] if why else []
-        from maru.kv_ops import direct_table  # every layer way builds its table there
-
-        entries["layer_table"] = "compiled" if direct_table.table_way() == "compiled" else "numpy"
-        if note := direct_table.table_note():
-            slow.append(note)
         if way == "copy engines":  # no layer graphs to report
             return entries, slow
         graphs = bool(getattr(self.pipeline, "layer_graphs", False))

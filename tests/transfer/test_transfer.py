@@ -404,11 +404,10 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     with the reason and the fix, or no graphs at all; and whether kernels launch directly."""
     from types import SimpleNamespace
 
-    from maru.kv_ops import direct_table, launch
+    from maru.kv_ops import launch
     from maru.transfer.device_path import PipelinedPath
 
     monkeypatch.setattr(launch, "_LAUNCHERS", [])  # only the launchers of this test
-    monkeypatch.setattr(direct_table, "_state", (lambda *args: 0, "", ""))  # the compiled table
 
     def report(graphs: bool, one: bool, can: bool, way: tuple = (None, None)) -> tuple[dict, list[str]]:
         placer = SimpleNamespace(can_launch_all=lambda: can)
@@ -417,14 +416,8 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
         )
         return PipelinedPath.report(SimpleNamespace(pipeline=pipe), True)  # type: ignore[arg-type]
 
-    want = {"kernel_launch": "direct", "layer_table": "compiled", "layer_graphs": "on", "layer_launch": "one"}
+    want = {"kernel_launch": "direct", "layer_graphs": "on", "layer_launch": "one"}
     assert report(True, True, True) == (want, [])
-    # The layer table built with numpy (no compiled library): said, with the reason and the fix.
-    monkeypatch.setattr(direct_table, "_state", (None, "no C compiler found", "install one"))
-    paths, slow = report(True, True, True)
-    assert paths["layer_table"] == "numpy" and len(slow) == 1
-    assert "built with numpy" in slow[0] and "no C compiler found. Fix: install one" in slow[0]
-    monkeypatch.setattr(direct_table, "_state", (lambda *args: 0, "", ""))
     for one, can in ((False, True), (True, False)):
         paths, slow = report(True, one, can)
         assert paths["layer_launch"] == "per layer" and len(slow) == 1
@@ -434,7 +427,7 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     # maru_layer_path=copied (kv_ops.layer_copies): the copy engines, no layer graphs to speak of;
     # or the direct way it fell back to, with the reason as a slow path.
     assert report(True, True, True, ("copy engines", None)) == (
-        {"kernel_launch": "direct", "layer_way": "copy engines", "layer_table": "compiled"}, [],
+        {"kernel_launch": "direct", "layer_way": "copy engines"}, [],
     )  # fmt: skip
     paths, slow = report(
         True, True, True, ("direct (the SMs read the pool)", "layer_path 'copied' ... CUDA 12.4")
