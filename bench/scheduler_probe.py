@@ -22,6 +22,9 @@ reported ready first); the pins' round trips and shared pins are reported too. `
 ``--pin-at-offer``): the burst is announced first (vLLM's ``on_new_request``: each request probed
 and its pins posted, not waited for), then offered: the offers read the replies. ``--profile N``:
 cProfile over the timed part (every round but the first), its N top functions by own time.
+``--warm`` (with ``--local-hit --finished``): another instance stored the second round too, so the
+burst is a warm instance's next turn (a chunk or two and a tail found, pinned and offered a request).
+``--parts``: the hooks' parts are timed (``maru_log_timing``'s detail) and the last round's printed.
 ``--gc``: the garbage collector's side, the last round: the tracked objects (lists, dicts, ...)
 the scheduler side still holds when the burst was offered, a request's share, by type, and the
 elements of its lists, which every young collection walks; and the net tracked allocations the
@@ -142,6 +145,12 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--round", choices=("first", "second"), default="second")
     ap.add_argument(
+        "--warm", action="store_true",
+        help="(second round) another instance stored each user's second round too: with --local-hit "
+        "and --finished the burst is a warm instance's next turn (its own cache holds the first "
+        "round, Maru the rest: a chunk or two and a tail a request found, pinned and offered)",
+    )  # fmt: skip
+    ap.add_argument(
         "--empty", action="store_true",
         help="store nothing: every probe misses (a cold instance's probes, as a storing instance pays them)",
     )  # fmt: skip
@@ -179,6 +188,11 @@ def main() -> int:
         help="--profile's order: own time, or with callees",
     )  # fmt: skip
     ap.add_argument("--gc", action="store_true", help="the tracked objects the last burst left (see above)")
+    ap.add_argument(
+        "--parts", action="store_true",
+        help="time the hooks' parts (keys, probe, pins: maru_log_timing's detail, ~5 us a part) and "
+        "print the last round's",
+    )  # fmt: skip
     a = ap.parse_args()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
@@ -197,7 +211,7 @@ def main() -> int:
     try:
         h = MaruHandler(srv.url, timeout_s=5, reply_spin_s=a.spin_us * 1e-6)
         keys: set[str] = set()
-        for p in first:
+        for p in first + (second if a.warm else []):
             pk = keyer.prompt_keys(p)
             keys.update(pk.full)
             n = len(pk.full) * chunk
@@ -212,7 +226,7 @@ def main() -> int:
         else:
             h.batch_store(sorted(keys), objs)
         client = _Counting(h)
-        cfg = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=chunk)
+        cfg = MaruConnectorConfig(server_url=srv.url, kv_chunk_tokens=chunk, log_timing=a.parts)
         per_req: list[float] = []
         offered = None
         timed = first if a.round == "first" else second
@@ -282,7 +296,8 @@ def main() -> int:
             print(
                 f"pin round trips per request: {trips / n:.2f}; keys pinned through a shared pin: {shared / n:.2f}"
             )
-        print(f"the last round's parts: {last_hooks.line()}")
+        if a.parts:
+            print(f"the last round's parts: {last_hooks.line()}")
         if profs:  # profiled rounds run slower: their times above are not comparable
             st = pstats.Stats(profs[0])
             for p in profs[1:]:

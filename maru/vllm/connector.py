@@ -164,7 +164,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
         self._last_reported: dict[str, Any] = {}
-        self.hook_times = HookTimes()  # host time inside each vLLM hook (``timed``)
+        # Host time inside each vLLM hook (``timed``); their parts with maru_log_timing only.
+        self.hook_times = HookTimes(parts=cfg.log_timing)
         self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
         if cfg.log_timing:
             GC_CLOCK.install()  # the process's collections, timed (``interpreter_clock``)

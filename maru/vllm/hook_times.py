@@ -6,8 +6,12 @@ sums the wall time, the calling thread's CPU time and the calls per hook; ``time
 connector method so it counts itself. Wall minus CPU is time the thread sat blocked inside the
 hook: a server round trip, or waiting for the GIL while another thread of the process (vLLM's
 input and output threads, Maru's write-behind drain) runs Python.
-Parts of a hook (``timed_part``) are counted under ``hook/part`` as well: where the hook's time
-goes (the scheduler's prompt keys, prefix probe and offer pin inside ``get_num_new_matched_tokens``).
+Parts of a hook (``timed_part``) are counted under ``hook/part`` as well, with ``maru_log_timing``
+only (``HookTimes.parts``): where the hook's time goes (the scheduler's prompt keys, prefix probe
+and offer pin inside ``get_num_new_matched_tokens``). Each timed call reads two clocks and files
+the sums, ~5 us on the CI machine and about three times that on a serving host's scheduling thread;
+a new request ran four parts inside its two hooks, ~25 of its ~255 us in process
+(``bench/scheduler_probe.py``, forty-third session), so the detail is for a diagnosis, not always.
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -29,9 +33,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 class HookTimes:
     """Seconds (wall and the thread's CPU) and calls per hook name. Invariant: only ever grows
     (a process-lifetime sum); a hook's CPU seconds never exceed its wall seconds by more than the
-    clocks' resolution."""
+    clocks' resolution. ``parts``: whether the parts of hooks are timed too (``timed_part``); off,
+    a part runs untimed, at the cost of one attribute read."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: bool = True) -> None:
+        self.parts = parts
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -115,7 +121,8 @@ def timed_wall(method: F) -> F:
 
 def timed_part(name: str) -> Callable[[F], F]:
     """``timed``, under ``name`` (``"hook/part"``), for a method that runs inside a hook: its time
-    is also in the hook's. A part of the hook's time, not an addition to it."""
+    is also in the hook's. A part of the hook's time, not an addition to it; timed only where
+    ``self.hook_times.parts`` is on."""
     return _timed_as(lambda _self: name)
 
 
@@ -133,19 +140,33 @@ def _timed_as(name_of: Callable[[Any], str], profiled_as: str | None = None) -> 
     hook = profiled_as is not None
 
     def wrap(method: F) -> F:
+        if not hook:  # a part: timed only with the detail on (``HookTimes.parts``)
+
+            @functools.wraps(method)
+            def part(self: Any, *args: Any, **kwargs: Any) -> Any:
+                times = self.hook_times
+                if not times.parts:
+                    return method(self, *args, **kwargs)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
+
+            return part  # type: ignore[return-value]
+
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             t0, c0, g0 = time.perf_counter(), time.thread_time(), GC_CLOCK.total_s
             try:
-                prof = profile_for(profiled_as) if hook else None
+                prof = profile_for(profiled_as)
                 if prof is not None:
                     return prof.run(method, self, *args, **kwargs)
                 return method(self, *args, **kwargs)
             finally:
                 times = self.hook_times
                 times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
-                if hook:
-                    times.gc_s += GC_CLOCK.total_s - g0
+                times.gc_s += GC_CLOCK.total_s - g0
 
         return wrapper  # type: ignore[return-value]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from maru.vllm.hook_times import HookTimes, timed, timed_wall
+from maru.vllm.hook_times import HookTimes, timed, timed_part, timed_step, timed_wall
 
 
 class _Hooks:
@@ -115,3 +115,53 @@ def test_a_per_layer_hook_counts_wall_time_only_and_says_so() -> None:
     assert "cpu_ms" in d["per_step"]
     line = h.hook_times.line()
     assert "per_layer 1 calls" in line and "us each, longest" in line and line.count("on CPU") == 1
+
+
+class _WithParts:
+    def __init__(self, parts: bool) -> None:
+        self.hook_times = HookTimes(parts=parts)
+        self.running_hook: str | None = None
+
+    @timed
+    def hook(self, x: int) -> int:
+        self.running_hook = "hook"
+        try:
+            return self.part(x) + self.step(x)
+        finally:
+            self.running_hook = None
+
+    @timed_part("hook/part")
+    def part(self, x: int) -> int:
+        time.sleep(0.002)
+        return 2 * x
+
+    @timed_step("step", "other")
+    def step(self, x: int) -> int:
+        if x < 0:
+            raise ValueError("negative")
+        return x
+
+
+@pytest.mark.parametrize("parts", [True, False])
+def test_parts_are_timed_only_with_the_detail_on_and_run_the_same_either_way(parts: bool) -> None:
+    """``maru_log_timing``'s detail: the parts of hooks timed (under ``hook/part``, and a step under
+    the hook that runs it); off, they run untimed (their clocks cost ~5 us a call), the hooks still
+    timed."""
+    h = _WithParts(parts)
+    assert h.hook(3) == 9
+    with pytest.raises(ValueError, match="negative"):
+        h.hook(-1)
+    assert h.step(4) == 4  # outside any hook: counted under the hook it names
+    d = h.hook_times.as_dict()
+    assert d["hook"]["calls"] == 2 and d["hook"]["ms"] >= 4.0
+    if parts:
+        assert {k: v["calls"] for k, v in d.items()} == {
+            "hook": 2,
+            "hook/part": 2,
+            "hook/step": 2,
+            "other/step": 1,
+        }
+        assert d["hook/part"]["ms"] >= 4.0 and d["hook/part"]["ms"] <= d["hook"]["ms"]
+    else:
+        assert set(d) == {"hook"}
+    assert h.part.__name__ == "part" and h.step.__name__ == "step"

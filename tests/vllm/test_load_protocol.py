@@ -72,7 +72,7 @@ def offer_of_a_stored_prompt(server: ServerProcess, conn: MaruKVConnector, seed:
 
 
 def test_on_the_v2_model_runner_offer_pins_keep_same_step_loads_and_failures_end_the_request(server) -> None:
-    vc = vllm_config(server.url, True)
+    vc = vllm_config(server.url, True, maru_log_timing=True)  # the hooks' parts timed (read below)
     conn = MaruKVConnector(vc, KVConnectorRole.SCHEDULER)
     assert not conn.maru_config.async_load and conn.maru_stats()["fallbacks"] == []
     said = conn.maru_stats()["load_failures_fail"]

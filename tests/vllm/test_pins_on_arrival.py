@@ -62,7 +62,8 @@ def test_a_request_pinned_at_arrival_is_offered_and_loaded_with_no_round_trip_wa
     keyer = _keyer()
     toks = tokens(300, seed=61)
     src = _store_prompt(server, keyer, toks, SRC_BLOCKS)
-    with _instance(server, keyer, 97, at_offer=at_offer) as (s, client, w, clients, dst):
+    # log_timing: the hooks' parts are timed (the arrival's probe is read from them below).
+    with _instance(server, keyer, 97, at_offer=at_offer, log_timing=True) as (s, client, w, clients, dst):
         r = req("b", toks)
         s.on_new_request(r)
         assert s.pins is not None
@@ -296,7 +297,7 @@ def test_what_this_engine_placed_lately_is_neither_probed_nor_pinned_at_arrival(
     q = p[: 4 * C] + tokens(100, seed=72)  # P's four chunks, a fifth chunk of its own, a tail
     src = _store_prompt(server, keyer, p, SRC_BLOCKS)
     _store_prompt(server, keyer, q, list(range(12)), present=4 * C)
-    with _instance(server, keyer, 96, at_offer=True, blocks=24) as (s, client, w, _, dst):
+    with _instance(server, keyer, 96, at_offer=True, blocks=24, log_timing=True) as (s, client, w, _, dst):
         assert s.pins is not None
         stats = s.pins.stats
         r1 = req("p", p)
