@@ -243,7 +243,7 @@ class LoadPlanning:
             # the block from the requests that finished lately (probed again at the offer if
             # vLLM's real hit is shorter; ``RecentKeys``, ``RecentBlocks``).
             guess = self.recent_keys.leading(st.keys.full) * self.chunk
-            blocks = min(self.recent_blocks.leading_tokens(request), self._usable(len(st.prompt)))
+            blocks = min(self.recent_blocks.leading_tokens(request), self._usable(st.prompt_len))
             guess = max(guess, blocks)
             self._probe(st, guess)
             client = self._client

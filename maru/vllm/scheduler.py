@@ -175,9 +175,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         if scope is None:
             return None
         self._wake_for_pins()  # before the keys and the probe: a pin may follow them
-        # vLLM's own list, not a copy: vLLM never changes a request's prompt (its growing token
-        # list is another), and a copy was ~2.4k more elements a request for every young
-        # collection to walk while it lived (bench/scheduler_probe.py --gc).
+        # vLLM's own list, not a copy (``RequestState.prompt``: read up to ``prompt_len`` only).
         ids = request.prompt_token_ids
         prompt = ids if type(ids) is list else list(ids)
         st = RequestState(
@@ -225,7 +223,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         st.probed_local = local_computed
         if client is not None:
             try:
-                found = self._prober.ask(client, st.prompt, st.keys, local=local_computed)
+                found = self._prober.ask(client, st.prompt_tokens(), st.keys, local=local_computed)
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1
@@ -281,7 +279,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
                 hits += 1
             tail = st.tail_hits.get(hits)
             end = hits * self.chunk + (tail[0] if tail else 0)
-            end = min(end, self._usable(len(st.prompt)), self._usable(request.num_tokens))
+            end = min(end, self._usable(st.prompt_len), self._usable(request.num_tokens))
             end -= end % self.block_size
             st.match = (hits, tail)
             n = end - num_computed_tokens
@@ -357,7 +355,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         if not self.cfg.enable_store or st.present is None or st.frozen:
             return [], [], False
         C = self.chunk
-        end = min(computed + scheduled, len(st.prompt))
+        end = min(computed + scheduled, st.prompt_len)
         chunks: list[ChunkRef] = []
         planned: list[int] = []
         for i in range(computed // C, end // C):
@@ -404,7 +402,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
                 nb = cached.new_block_ids[i]
                 if req_id in resumed:
                     st.block_ids = list(nb[0]) if nb is not None else []
-                elif st.pending_load is None and cached.num_computed_tokens[i] >= len(st.prompt):
+                elif st.pending_load is None and cached.num_computed_tokens[i] >= st.prompt_len:
                     # Past its prompt (decoding) with no load due: nothing left to load or store, so
                     # its block table is not followed any more (a resume brings the whole table).
                     continue

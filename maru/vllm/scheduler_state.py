@@ -12,6 +12,9 @@ class RequestState:
     """What the scheduler side knows about one live request."""
 
     req_id: str
+    # vLLM's own list, not a copy (a copy was ~2.4k more elements a request for every young
+    # collection to walk while it lived): only its first ``prompt_len`` tokens are this state's.
+    # vLLM appends to a streaming session's prompt in place (0.32 and later), never changes a token.
     prompt: list[int]
     keys: PromptKeys
     present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
@@ -34,6 +37,17 @@ class RequestState:
     # come partly from before (other weights), so it is never loaded for nor stored from again.
     frozen: bool = False
     adapter: bytes | None = None  # its LoRA adapter's digest (``maru.vllm.adapters``), if any
+    prompt_len: int = -1  # the prompt's length when this state was made (-1: ``len(prompt)`` then)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
+
+    def prompt_tokens(self) -> list[int]:
+        """The prompt as it was when this state was made (its keys' tokens): the list itself, or
+        its first ``prompt_len`` tokens where vLLM has appended to it since."""
+        p = self.prompt
+        return p if len(p) == self.prompt_len else p[: self.prompt_len]
 
 
 @dataclass

@@ -171,6 +171,37 @@ def test_chunked_prefill_plans_every_full_chunk_exactly_once_and_the_tail_at_the
     assert planned == [[full[0]], [full[1], full[2]], [full[3], tail], [], []]
 
 
+def test_a_prompt_vllm_extends_in_place_keeps_the_state_of_the_prompt_it_was_made_for(
+    server, keyer, client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state keeps vLLM's prompt list, not a copy. vLLM 0.32+ appends a streaming session's
+    next input to that list in place: the state goes on with the prompt it was made for (its
+    keys, its stores, its probes), exactly as with a copy, and never reads past it."""
+    s = make_sched(server, keyer, client)
+    toks = tokens(300, seed=11)
+    full, tail = stored_keys_of(s, toks)
+    r = req("a", list(toks))
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    st = s._reqs["a"]
+    assert st.prompt is r.prompt_token_ids and st.prompt_len == 300  # no copy
+    s.update_state_after_alloc(r, blocks_obj([0, 1, 2, 3]), 0)
+    meta = s.build_connector_meta(new_out("a", [0, 1, 2, 3], 0, 100))
+    planned = [c.key for rt in meta.stores for c in rt.chunks]
+    r.prompt_token_ids.extend(tokens(200, seed=12))  # a streaming session's next input: 500 tokens
+    r.num_tokens = 500
+    with caplog.at_level("ERROR", logger="maru"):
+        for computed, new_blocks, n in [(100, [4, 5, 6, 7, 8, 9], 300), (400, [10, 11, 12, 13], 100)]:
+            meta = s.build_connector_meta(cached_out("a", new_blocks, computed, n))
+            planned += [c.key for rt in meta.stores for c in rt.chunks]
+    assert not [r for r in caplog.records if "planning this step" in r.getMessage()]  # no step failed
+    assert planned == full + [tail]  # the first prompt's chunks and tail, once each, nothing past it
+    assert st.prompt_tokens() == toks and st.prompt_len == 300
+    # Probed again (as after a preemption): the first prompt's chunks, found now.
+    publish(server, full + [tail])
+    st.present = None
+    assert s.get_num_new_matched_tokens(r, 0) == (288, False)
+
+
 def test_preempted_request_is_probed_again_and_does_not_store_twice(server, keyer, client) -> None:
     s = make_sched(server, keyer, client)
     toks = tokens(300, seed=8)
