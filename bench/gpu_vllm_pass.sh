@@ -36,6 +36,8 @@ rc=0
 # API_GIL_PROBE_MS: the API instances with a connector run the GIL probe at this period (ms);
 # API_GRAPHS=1: the API servers with vLLM's default CUDA graphs and torch.compile (not eager);
 # VLLM_USE_V2_MODEL_RUNNER=0 in the environment: every instance on the V1 runner (same-step loads);
+# MARU_HOOK_PARTS=0: the engines' hook lines without their parts (keys, probe, pins: ~5 us a timed
+#   call), so the TTFTs are the default configuration's (a tree before 64b0c37 times them anyway);
 # MARU_PROFILE=N (or N:site,site): the engines profile one call in N of their hooks and drain thread
 #   (maru/vllm/sampled_profile.py; each engine's last table per site in $OUT/profiles.log);
 # BENCH_ARGS: more arguments, e.g. "--workloads 1x4k --engines none" (a shorter offline part).

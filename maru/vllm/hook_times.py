@@ -12,6 +12,8 @@ and offer pin inside ``get_num_new_matched_tokens``). Each timed call reads two 
 the sums, ~5 us on the CI machine and about three times that on a serving host's scheduling thread;
 a new request ran four parts inside its two hooks, ~25 of its ~255 us in process
 (``bench/scheduler_probe.py``, forty-third session), so the detail is for a diagnosis, not always.
+``MARU_HOOK_PARTS`` overrides it either way (``MARU_HOOK_PARTS=0`` with ``maru_log_timing``: the
+hook lines without their parts, so a bench's times are the default configuration's).
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -24,10 +26,19 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from maru.env_flags import flag
 from maru.vllm.interpreter_clock import CLOCK as GC_CLOCK
 from maru.vllm.sampled_profile import profile_for
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+ENV_PARTS = "MARU_HOOK_PARTS"
+
+
+def parts_timed(log_timing: bool) -> bool:
+    """Whether the parts of hooks are timed (``HookTimes.parts``): with ``maru_log_timing``, unless
+    ``MARU_HOOK_PARTS`` says otherwise (``maru.env_flags``)."""
+    return flag(ENV_PARTS, default=log_timing)
 
 
 class HookTimes:

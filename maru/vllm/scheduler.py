@@ -33,7 +33,7 @@ from maru.vllm import thread_census
 from maru.vllm.adapters import RequestScope, RequestScopes, Skipped
 from maru.vllm.cache_reset import CacheResets
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.hook_times import HookTimes, timed_step
+from maru.vllm.hook_times import HookTimes, parts_timed, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
@@ -72,7 +72,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         offer before making it (where vLLM cannot recompute a failed same-step load), not once a
         step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's).
         ``scopes``: what keys a request beyond its tokens (its salt, its LoRA adapter's files)."""
-        self.hook_times = hook_times if hook_times is not None else HookTimes(parts=cfg.log_timing)
+        self.hook_times = (
+            hook_times if hook_times is not None else HookTimes(parts=parts_timed(cfg.log_timing))
+        )
         self.cfg = cfg
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens

@@ -34,7 +34,7 @@ from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.gil_probe import GilProbe
-from maru.vllm.hook_times import HookTimes, timed_part
+from maru.vllm.hook_times import HookTimes, parts_timed, timed_part
 from maru.vllm.keys import rank_keys
 from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
@@ -85,7 +85,9 @@ class MaruWorkerConnector(WorkerStores):
         own, outside the KV-cache pool a sleep discards: ``maru.vllm.own_thread``)."""
         self.cfg = cfg
         self.sleep_mode = sleep_mode
-        self.hook_times = hook_times if hook_times is not None else HookTimes(parts=cfg.log_timing)
+        self.hook_times = (
+            hook_times if hook_times is not None else HookTimes(parts=parts_timed(cfg.log_timing))
+        )
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size

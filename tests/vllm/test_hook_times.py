@@ -165,3 +165,23 @@ def test_parts_are_timed_only_with_the_detail_on_and_run_the_same_either_way(par
     else:
         assert set(d) == {"hook"}
     assert h.part.__name__ == "part" and h.step.__name__ == "step"
+
+
+def test_maru_hook_parts_overrides_the_log_timing_default_and_a_bad_value_is_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from maru import env_flags
+    from maru.vllm.hook_times import parts_timed
+
+    monkeypatch.delenv("MARU_HOOK_PARTS", raising=False)
+    assert parts_timed(True) and not parts_timed(False)  # with maru_log_timing, by default
+    monkeypatch.setenv("MARU_HOOK_PARTS", "0")  # a bench's hook lines at the default's cost
+    assert not parts_timed(True)
+    monkeypatch.setenv("MARU_HOOK_PARTS", "on")
+    assert parts_timed(False)
+    monkeypatch.setenv("MARU_HOOK_PARTS", "partly")  # not a switch value: the default, said
+    assert parts_timed(True) and not parts_timed(False)
+    assert any("MARU_HOOK_PARTS='partly'" in n for n in env_flags.misread())
+    monkeypatch.delenv("MARU_HOOK_PARTS")
+    parts_timed(False)  # read again with a good value: no longer misread
+    assert not any("MARU_HOOK_PARTS" in n for n in env_flags.misread())
