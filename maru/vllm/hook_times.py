@@ -9,9 +9,9 @@ input and output threads, Maru's write-behind drain) runs Python.
 Parts of a hook (``timed_part``) are counted under ``hook/part`` as well, with ``maru_log_timing``
 only (``HookTimes.parts``): where the hook's time goes (the scheduler's prompt keys, prefix probe
 and offer pin inside ``get_num_new_matched_tokens``). Each timed call reads two clocks and files
-the sums, ~5 us on the CI machine and about three times that on a serving host's scheduling thread;
-a new request ran four parts inside its two hooks, ~25 of its ~255 us in process
-(``bench/scheduler_probe.py``, forty-third session), so the detail is for a diagnosis, not always.
+the sums, ~5 us on the CI machine: a new request ran four parts inside its two hooks, ~25 of its
+~255 us in process (``bench/scheduler_probe.py --warm``, forty-third session), so the detail is for
+a diagnosis, not always.
 ``MARU_HOOK_PARTS`` overrides it either way (``MARU_HOOK_PARTS=0`` with ``maru_log_timing``: the
 hook lines without their parts, so a bench's times are the default configuration's).
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one

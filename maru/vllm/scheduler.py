@@ -183,6 +183,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         st = RequestState(
             req_id=request.request_id,
             prompt=prompt,
+            prompt_len=len(prompt),
             keys=self._keys(request, prompt, scope),
             adapter=scope.adapter,
         )

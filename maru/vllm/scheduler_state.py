@@ -16,6 +16,7 @@ class RequestState:
     # collection to walk while it lived): only its first ``prompt_len`` tokens are this state's.
     # vLLM appends to a streaming session's prompt in place (0.32 and later), never changes a token.
     prompt: list[int]
+    prompt_len: int  # the prompt's length when this state was made: its keys' tokens
     keys: PromptKeys
     present: list[bool] | None = None  # per full chunk, from the probe; None: not probed (yet/again)
     probed_local: int = 0  # vLLM's own hit when probed: chunks and tails inside it were not asked
@@ -37,11 +38,6 @@ class RequestState:
     # come partly from before (other weights), so it is never loaded for nor stored from again.
     frozen: bool = False
     adapter: bytes | None = None  # its LoRA adapter's digest (``maru.vllm.adapters``), if any
-    prompt_len: int = -1  # the prompt's length when this state was made (-1: ``len(prompt)`` then)
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 0:
-            self.prompt_len = len(self.prompt)
 
     def prompt_tokens(self) -> list[int]:
         """The prompt as it was when this state was made (its keys' tokens): the list itself, or
