@@ -279,7 +279,7 @@ def test_on_the_v2_runner_each_offer_was_pinned_at_its_request_s_arrival(runs: R
     pins = runs.need("Bsync-stats")["scheduler"]["offer_pins"]
     assert pins["pin_posts"] >= 3 and pins["posts_failed"] == 0  # X, E1, Y (at least)
     assert pins["pin_trips"] == 0
-    assert pins["open_now"] == 0 and pins["posts_unread"] == 0
+    assert pins["open_now"] == 0 and pins["posts_unread"] == 0 and pins["posts_queued"] == 0
 
 
 def test_preemption_under_write_behind_frees_every_block_and_stores_every_chunk(runs: Runs) -> None:
