@@ -99,6 +99,19 @@ STORE_LABELS = {
 }
 
 
+def load_variant(mode: str) -> dict[str, Any]:
+    """The Maru extra config of the warm instance of load mode ``mode`` (``alt-<name>``: the default
+    configuration run from the tree ``.ab/<name>``, as a store's ``alt-<name>``)."""
+    return API_LOADS["default" if mode.startswith("alt-") else mode]
+
+
+def check_load_mode(mode: str) -> str:
+    """argparse type of ``--api-loads``: a key of API_LOADS, or ``alt-<name>`` (the tree .ab/<name>)."""
+    if mode not in API_LOADS and not mode.startswith("alt-"):
+        raise ValueError(f"unknown load mode {mode!r}: one of {', '.join(API_LOADS)} or alt-<name>")
+    return mode
+
+
 def store_variant(variant: str) -> dict[str, Any] | None:
     """The Maru extra config of the ``store-<variant>`` instance (``alt-<name>``: as ``alt``;
     None: no connector)."""
@@ -157,7 +170,7 @@ def api_instances(
     out: dict[str, dict | None] = {
         "none": None,
         "store": maru_kv_config(extra("api", {"maru_async_store": True})),
-        **{api_load_key(m): maru_kv_config(extra("api", API_LOADS[m])) for m in loads},
+        **{api_load_key(m): maru_kv_config(extra("api", load_variant(m))) for m in loads},
         **{f"store-{v}": _store_config(extra, v) for v in stores},
     }
     if pair:

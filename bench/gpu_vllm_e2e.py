@@ -69,6 +69,7 @@ from bench.api_workload import (  # noqa: E402
     API_LOADS,
     API_STORES,
     api_instances,
+    check_load_mode,
     check_store_variant,
     gpu_memory_shortfall,
     run_api,
@@ -531,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-api", action="store_true", help="skip the multi-round API-server workload")
     ap.add_argument("--api-reps", type=int, default=None, help="repetitions of the multi-round passes")
     ap.add_argument(
-        "--api-loads", nargs="*", default=["default"], choices=list(API_LOADS),
-        help="load modes of the warm API instances (each a fresh instance; default: the default config)",
+        "--api-loads", nargs="*", default=["default"], type=check_load_mode,
+        help="load modes of the warm API instances (each a fresh instance; default: the default config): "
+        f"{', '.join(API_LOADS)}, or alt-<name> (the default config from the maru/ in .ab/<name>)",
     )  # fmt: skip
     ap.add_argument(
         "--api-pair", action="store_true",
@@ -658,7 +660,9 @@ def main(argv: list[str] | None = None) -> int:
                 spec = engine_spec(setup, model, kv, setup.api_kv_cache_bytes)
                 spec["max_model_len"] = setup.system_tokens + 2 * setup.rounds * setup.turn_tokens + 256
                 spec["enforce_eager"] = not a.api_graphs
-                env = ENGINE_ENV.get(key.removeprefix("load-")) or store_env(key.removeprefix("store-"))
+                env = ENGINE_ENV.get(key.removeprefix("load-")) or store_env(
+                    key.removeprefix("load-").removeprefix("store-")  # alt-<name>: warm or cold
+                )
                 servers[key] = ApiServer(
                     f"api-{key}", spec, free_port(), logs / f"api-{key}.log", env=env
                 ).start()

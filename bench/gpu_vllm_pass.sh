@@ -29,7 +29,8 @@ rc=0
 # SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
 [ "${TESTS_S:-200}" = 0 ] || timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py tests/e2e/test_gpu_vllm_sleep_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
-# API_LOADS: load modes of the warm API instances (default: the default configuration only);
+# API_LOADS: load modes of the warm API instances (default: the default configuration only;
+#   alt-<name>: the default configuration from the tree .ab/<name>, paired with this tree's warm one);
 # API_STORES: store variants of extra cold API instances (e.g. "sync unpaced probe"; default none);
 # API_PAIR=1: the two-instance passes (users alternate between two instances every round);
 # API_REPS: repetitions of the multi-round passes (default: the setup's, 3 on the GPU);

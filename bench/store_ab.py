@@ -47,6 +47,8 @@ def label(key: str) -> str:
     """An instance's row label: the store variants' are ``api_workload``'s."""
     if key in LABELS:
         return LABELS[key]
+    if key.startswith("load-alt-"):
+        return f"warm from Maru (default), tree .ab/{key.removeprefix('load-alt-')}"
     if key.startswith("load-"):
         return f"warm from Maru, {key.removeprefix('load-')} load"
     return store_label(key.removeprefix("store-"))
@@ -122,6 +124,8 @@ def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, 
             row["vs"] = p
         if k == "load" and (p := paired(rounds, k, "none")) is not None:
             row["vs_cold"] = p
+        if k.startswith("load-alt-") and (p := paired(rounds, "load", k)) is not None:
+            row["vs_load"] = p  # this tree's warm instance over the alt tree's, round by round
         out[k] = row
     return out
 
@@ -179,11 +183,13 @@ def markdown(out: dict[str, Any]) -> str:
             f"{row['ttft_median_round_ms']:.1f} ms | {row['total_mean_ms']:.1f} ms |"
         )
         pairs = [row[k] for k in ("vs", "vs_cold") if k in row]
+        if "vs_load" in row:  # the default warm instance over this one (an A/B of two trees)
+            pairs.append({**row["vs_load"], "against_label": "this tree's warm instance over this one"})
         if not pairs:
             lines.append(head + " - | - | - | - |")
         for p in pairs:
             lines.append(
-                f"{head} {label(p['against'])} | {p['ttft_ratio_median']:.3f} ({p['ttft_ratio_q1']:.3f}-"
+                f"{head} {p.get('against_label') or label(p['against'])} | {p['ttft_ratio_median']:.3f} ({p['ttft_ratio_q1']:.3f}-"
                 f"{p['ttft_ratio_q3']:.3f}) | {p['at_or_under']} of {p['pairs']} | {p['total_ratio_median']:.3f} |"
             )
     return "\n".join(lines)

@@ -104,3 +104,26 @@ def test_summary_compares_warm_with_the_hit_and_cold_with_the_plain_instance() -
     rows = [ln for ln in table.splitlines() if ln.startswith("| ")]
     assert len(rows) == 1 + 5 + 1  # the header, five instances, load's second row (against cold)
     assert sum("vLLM's own prefix hit" in r.split("|")[7] for r in rows) == 1  # load against the hit
+
+
+def test_a_warm_alt_tree_pairs_with_the_hit_and_the_default_warm_instance_with_it() -> None:
+    from bench.api_workload import check_load_mode, load_variant
+
+    assert check_load_mode("alt-before") == "alt-before" and load_variant("alt-before") == load_variant(
+        "default"
+    )
+    with pytest.raises(ValueError, match="unknown load mode"):
+        check_load_mode("fast")
+    rounds = _rounds(["none", "store", "hit", "load", "load-alt-before"], 9, 13)
+    cold, warm = sab.turns(list(rounds))
+    assert "load-alt-before" in warm
+    s = sab.summarize(rounds)
+    alt = s["load-alt-before"]
+    assert alt["vs"]["against"] == "hit" and alt["label"].endswith("tree .ab/before")
+    want = statistics.median(
+        a["ttft_mean_s"] / b["ttft_mean_s"]
+        for a, b in zip(rounds["load"], rounds["load-alt-before"], strict=True)
+    )
+    assert alt["vs_load"]["ttft_ratio_median"] == pytest.approx(want)  # this tree over the alt one
+    table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
+    assert sum("this tree's warm instance over this one" in ln for ln in table.splitlines()) == 1
