@@ -120,8 +120,13 @@ class LoadPlanning:
     def _wake_for_pins(self) -> None:
         """Post a wake-up to the server (``client.wake``: a heartbeat not waited for) before a new
         request's keys and probe, where a pin round trip may follow them (offer pins on), at most
-        once a ``WAKE_GAP_S``: the pin then finds the server polling instead of asleep."""
+        once a ``WAKE_GAP_S``: the pin then finds the server polling instead of asleep. Not at an
+        arrival while a post of the arrivals before it is in flight or queued (a burst): that post
+        wakes the server, and a wake-up's own send and reply would cost vLLM's thread about what
+        sharing the post saves."""
         if self.pins is None or self._client is None:
+            return
+        if self.running_hook == "on_new_request" and self.pins.posting and not self._posts_failing:
             return
         now = time.perf_counter()
         if now - self._woken_at < WAKE_GAP_S:

@@ -410,6 +410,11 @@ class OfferPins:
                 out[i] = None
         return out
 
+    @property
+    def posting(self) -> bool:
+        """Whether a post of arrivals' pins is in flight (sent, not read) or queued."""
+        return bool(self._posts) or self._queued is not None
+
     def failing_posts(self) -> bool:
         """Whether posts at arrival mostly fail (at least 4, and half of them): offers are then
         pinned one round trip each again, the slower path ``maru doctor`` should show."""

@@ -146,18 +146,23 @@ def _burst(server: Any, keyer: Any, n: int, seed: int) -> tuple[list[list[int]],
 
 
 def test_a_burst_of_arrivals_shares_a_few_posts_and_every_request_is_offered_and_released(
-    server: Any,
+    server: Any, monkeypatch: Any
 ) -> None:
+    from maru.vllm import load_plan
     from maru.vllm.offer_pins import POST_BATCH
 
+    monkeypatch.setattr(load_plan, "WAKE_GAP_S", 0.0)  # a wake-up allowed before every arrival
     keyer = _keyer()
     n = POST_BATCH + 2
     prompts, offer = _burst(server, keyer, n, seed=130)
     with _scheduler(server, keyer) as (s, client):
+        assert s.connect_now()  # as at engine start
         reqs = [req(f"r{i}", p) for i, p in enumerate(prompts)]
         for r in reqs:
             s.on_new_request(r)
         assert s.pins is not None
+        # Only the first arrival wakes the server: the later ones find a post in flight or queued.
+        assert s.stats.server_wakes == 1
         stats = s.pins.stats
         # The first at once, the next POST_BATCH together when the batch filled, the last queued.
         assert (stats.pin_posts, stats.pins_posted) == (2, 5 + 2 * POST_BATCH)
