@@ -52,6 +52,11 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# --tree DIR: another tree's maru/ (e.g. .ab/before from bench/ab_tree.py) runs instead of this
+# checkout's. Read before the imports below: PYTHONPATH cannot do it (this checkout is put first).
+TREE = next((sys.argv[i + 1] for i, x in enumerate(sys.argv[:-1]) if x == "--tree"), None)
+if TREE is not None:
+    sys.path.insert(0, str(Path(TREE).resolve()))
 
 from maru.client import MaruHandler  # noqa: E402
 from maru.demo.server import ServerProcess  # noqa: E402
@@ -130,6 +135,11 @@ class GcCensus:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--tree", default=None,
+        help="a directory holding another maru/ (e.g. .ab/before, made by bench/ab_tree.py): it runs "
+        "instead of this checkout's (an A/B of two trees with one script)",
+    )  # fmt: skip
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--turn", type=int, default=128)
@@ -287,6 +297,7 @@ def main() -> int:
                 s.pins.close(client)  # releases the offer pins (untimed); the shared client stays open
         keys_per_req = client.keys / a.users
         print(f"path: {h.local_exists.path}; {a.round} round; offered {offered} of {len(timed[-1])} tokens")
+        print(f"maru: {Path(sys.modules['maru'].__file__).parent}")
         print(
             f"us per new request: min {min(per_req) * 1e6:.0f}, median {statistics.median(per_req) * 1e6:.0f}; "
             f"keys checked per request: {keys_per_req:.0f}"
