@@ -525,3 +525,33 @@ def test_a_stalled_server_holds_the_offer_one_client_timeout_not_one_per_post() 
     assert pins.stats.posts_failed == 2 and len(waited) == 2
     assert waited[0] == pytest.approx(0.2, abs=0.01) and sum(waited) <= 0.2 + 1e-6  # one timeout in all
     assert not pins._posts and not pins._awaiting  # their keys go the usual way
+
+
+def test_a_queue_never_posts_more_keys_than_one_lookup_takes(monkeypatch: Any) -> None:
+    from maru.vllm import offer_pins
+    from maru.vllm.offer_pins import OfferPins
+
+    monkeypatch.setattr(offer_pins, "MAX_BATCH", 5)
+    sent: list[list[str]] = []
+
+    class Posted:  # a reply that never comes: only what was sent matters here
+        done = False
+
+        def abandon(self) -> None:
+            pass
+
+    client = SimpleNamespace(
+        timeout_s=0.1, post_lookup=lambda keys, **kw: sent.append(list(keys)) or Posted()
+    )
+    pins = OfferPins()
+    pins.prefetch(client, "r0", ["a0"])  # nothing in flight: posted at once
+    for i in range(1, 5):  # queued behind it: 2 keys each, at most 5 a lookup
+        assert pins.prefetch(client, f"r{i}", [f"b{i}", f"c{i}"]) == 2
+    assert [len(k) for k in sent] == [1, 4]  # r1 and r2's keys went when r3's would not fit
+    assert pins.snapshot()["posts_queued"] == 2
+    pins._send_queued(client)
+    assert sent[-1] == ["b3", "c3", "b4", "c4"]
+    assert sorted(k for keys in sent for k in keys) == sorted(
+        ["a0"] + [f"{x}{i}" for i in range(1, 5) for x in "bc"]
+    )
+    pins.close(None)
