@@ -34,7 +34,7 @@ from maru.vllm.engine_config import (
     set_load_failure_policy,
     warn_if_untested_vllm,
 )
-from maru.vllm.hook_times import HookTimes, parts_timed, timed, timed_wall
+from maru.vllm.hook_times import hook_times_for, timed, timed_wall
 from maru.vllm.interpreter_clock import CLOCK as GC_CLOCK
 from maru.vllm.interpreter_clock import PythonPace
 from maru.vllm.keys import ChunkKeyer
@@ -165,7 +165,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._worker: MaruWorkerConnector | None = None
         self._last_reported: dict[str, Any] = {}
         # Host time inside each vLLM hook (``timed``); their parts with maru_log_timing only.
-        self.hook_times = HookTimes(parts=parts_timed(cfg.log_timing))
+        self.hook_times = hook_times_for(cfg.log_timing)
         self._pace = PythonPace()  # the forward thread's Python pace (``maru_log_timing``)
         if cfg.log_timing:
             GC_CLOCK.install()  # the process's collections, timed (``interpreter_clock``)

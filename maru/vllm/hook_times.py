@@ -14,6 +14,9 @@ the sums, ~5 us on the CI machine: a new request ran four parts inside its two h
 a diagnosis, not always.
 ``MARU_HOOK_PARTS`` overrides it either way (``MARU_HOOK_PARTS=0`` with ``maru_log_timing``: the
 hook lines without their parts, so a bench's times are the default configuration's).
+The hooks' CPU time is read with ``maru_log_timing`` only too (``HookTimes.cpu``): the thread's CPU
+clock costs ~1 us a read on the CI machine, two of a hook's ~3.4 us of timing, and a new request
+passes four or five scheduler hooks; without it a hook counts its wall time (``timed_wall``'s way).
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -41,14 +44,22 @@ def parts_timed(log_timing: bool) -> bool:
     return flag(ENV_PARTS, default=log_timing)
 
 
+def hook_times_for(log_timing: bool) -> HookTimes:
+    """A connector's ``HookTimes``: the parts (``parts_timed``) and the hooks' CPU time with
+    ``maru_log_timing``; every hook's wall time and calls always (``maru_stats()["hook_ms"]``)."""
+    return HookTimes(parts=parts_timed(log_timing), cpu=log_timing)
+
+
 class HookTimes:
     """Seconds (wall and the thread's CPU) and calls per hook name. Invariant: only ever grows
     (a process-lifetime sum); a hook's CPU seconds never exceed its wall seconds by more than the
     clocks' resolution. ``parts``: whether the parts of hooks are timed too (``timed_part``); off,
-    a part runs untimed, at the cost of one attribute read."""
+    a part runs untimed, at the cost of one attribute read. ``cpu``: whether a hook reads the
+    thread's CPU clock too; off, hooks are timed by wall only (no ``cpu_ms``)."""
 
-    def __init__(self, parts: bool = True) -> None:
+    def __init__(self, parts: bool = True, cpu: bool = True) -> None:
         self.parts = parts
+        self.cpu = cpu
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -168,15 +179,18 @@ def _timed_as(name_of: Callable[[Any], str], profiled_as: str | None = None) -> 
 
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            t0, c0, g0 = time.perf_counter(), time.thread_time(), GC_CLOCK.total_s
+            times = self.hook_times
+            cpu = times.cpu
+            t0, g0 = time.perf_counter(), GC_CLOCK.total_s
+            c0 = time.thread_time() if cpu else 0.0
             try:
                 prof = profile_for(profiled_as)
                 if prof is not None:
                     return prof.run(method, self, *args, **kwargs)
                 return method(self, *args, **kwargs)
             finally:
-                times = self.hook_times
-                times.add(name_of(self), time.perf_counter() - t0, time.thread_time() - c0)
+                wall = time.perf_counter() - t0
+                times.add(name_of(self), wall, time.thread_time() - c0 if cpu else None)
                 times.gc_s += GC_CLOCK.total_s - g0
 
         return wrapper  # type: ignore[return-value]

@@ -33,7 +33,7 @@ from maru.vllm import thread_census
 from maru.vllm.adapters import RequestScope, RequestScopes, Skipped
 from maru.vllm.cache_reset import CacheResets
 from maru.vllm.config import MaruConnectorConfig
-from maru.vllm.hook_times import HookTimes, parts_timed, timed_step
+from maru.vllm.hook_times import HookTimes, hook_times_for, timed_step
 from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
@@ -73,7 +73,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's).
         ``scopes``: what keys a request beyond its tokens (its salt, its LoRA adapter's files)."""
         self.hook_times = (
-            hook_times if hook_times is not None else HookTimes(parts=parts_timed(cfg.log_timing))
+            hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
         )
         self.cfg = cfg
         self.block_size = block_size

@@ -34,7 +34,7 @@ from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.gil_probe import GilProbe
-from maru.vllm.hook_times import HookTimes, parts_timed, timed_part
+from maru.vllm.hook_times import HookTimes, hook_times_for, timed_part
 from maru.vllm.keys import rank_keys
 from maru.vllm.layer_loads import LayerLoads
 from maru.vllm.load_hooks import LoadHooks
@@ -86,7 +86,7 @@ class MaruWorkerConnector(WorkerStores):
         self.cfg = cfg
         self.sleep_mode = sleep_mode
         self.hook_times = (
-            hook_times if hook_times is not None else HookTimes(parts=parts_timed(cfg.log_timing))
+            hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
         )
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads

@@ -185,3 +185,19 @@ def test_maru_hook_parts_overrides_the_log_timing_default_and_a_bad_value_is_sai
     monkeypatch.delenv("MARU_HOOK_PARTS")
     parts_timed(False)  # read again with a good value: no longer misread
     assert not any("MARU_HOOK_PARTS" in n for n in env_flags.misread())
+
+
+def test_without_log_timing_hooks_count_wall_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from maru.vllm.hook_times import ENV_PARTS, hook_times_for
+
+    monkeypatch.delenv(ENV_PARTS, raising=False)
+    quiet, told = hook_times_for(False), hook_times_for(True)
+    assert (quiet.parts, quiet.cpu) == (False, False) and (told.parts, told.cpu) == (True, True)
+    h = _Blocking()
+    h.hook_times = quiet
+    h.busy()
+    h.blocked()
+    d = quiet.as_dict()
+    assert d["busy"]["ms"] >= 20.0 and d["blocked"]["ms"] >= 50.0  # the wall time, always
+    assert "cpu_ms" not in d["busy"] and "cpu_ms" not in d["blocked"]
+    assert "on CPU" not in quiet.line()
