@@ -72,9 +72,7 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         offer before making it (where vLLM cannot recompute a failed same-step load), not once a
         step for all loads. ``hook_times``: where the parts of its hooks are counted (the connector's).
         ``scopes``: what keys a request beyond its tokens (its salt, its LoRA adapter's files)."""
-        self.hook_times = (
-            hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
-        )
+        self.hook_times = hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
         self.cfg = cfg
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens

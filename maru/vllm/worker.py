@@ -85,9 +85,7 @@ class MaruWorkerConnector(WorkerStores):
         own, outside the KV-cache pool a sleep discards: ``maru.vllm.own_thread``)."""
         self.cfg = cfg
         self.sleep_mode = sleep_mode
-        self.hook_times = (
-            hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
-        )
+        self.hook_times = hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
