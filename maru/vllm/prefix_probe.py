@@ -11,7 +11,10 @@ requests paid 16 times before its forward.
 When the key index answers (no round trip), the full chunks are asked first and the tails only
 where the hit ends: 24 keys instead of 46 for a 2.4k-token prompt whose hit ends inside it, and
 one set of tail candidates hashed instead of three (150 -> 115 us a request in process,
-``bench/scheduler_probe.py``).
+``bench/scheduler_probe.py``). The prompt's own tail, keyed anyway for its store, is asked with
+the chunks: the same prompt stored before (another instance's turn this one now serves) is then
+answered by that one call, with no candidate hashed (the probe of a warm instance's next turn
+63-77 -> 35 us on the CI machine).
 
 Full chunks that vLLM's own prefix cache already covers (``num_computed_tokens``) are not asked
 about at all, nor tails ending inside it: neither a load nor a store needs them. In a
@@ -74,19 +77,35 @@ class PrefixProbe:
         r = self.tp_size
         return [all(flat[j * r : (j + 1) * r]) for j in range(len(keys))]
 
-    def ask(self, client: Any, prompt: list[int], keys: PromptKeys, local: int = 0) -> ProbeResult:
+    def ask(
+        self,
+        client: Any,
+        prompt: list[int],
+        keys: PromptKeys,
+        local: int = 0,
+        own_tail: tuple[int, str] | None = None,
+    ) -> ProbeResult:
         """What the pool holds of ``prompt`` (raises what ``client.exists`` raises).
 
         ``local``: tokens vLLM's own prefix cache holds. The full chunks inside them are not asked
         about and count as present, nor are the tails that end inside them: neither a load nor a
         store needs them. The caller asks again if vLLM's hit shrinks (``MaruSchedulerConnector``).
+        ``own_tail``: the prompt's own tail (tokens, key), the longest tail candidate after its last
+        full chunk. Through the key index it is asked with the chunks: when every chunk and it are
+        present (the same prompt stored before: a warm instance's next turn) that is the answer,
+        and no other candidate is hashed or asked about (the same answer: it is the longest).
         """
         n_full = len(keys.full)
         start = min(local // self.chunk, n_full)
         asked = keys.full[start:]
         if answers_locally(client):
-            present = [True] * start + self.exists(client, asked)
-            tails = self.tails_at(prompt, keys, _first_miss(present), local)
+            own = own_tail if own_tail is not None and n_full * self.chunk + own_tail[0] > local else None
+            got = self.exists(client, asked + [own[1]] if own is not None else asked)
+            present = [True] * start + got[: len(asked)]
+            first = _first_miss(present)
+            if own is not None and first == n_full and got[-1]:
+                return ProbeResult(present, {n_full: own})
+            tails = self.tails_at(prompt, keys, first, local)
             tail_present = self.exists(client, [k for _, _, k in tails])
         else:
             tails = self.tails_at(prompt, keys, n_full, local)

@@ -224,7 +224,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         st.probed_local = local_computed
         if client is not None:
             try:
-                found = self._prober.ask(client, st.prompt_tokens(), st.keys, local=local_computed)
+                found = self._prober.ask(
+                    client, st.prompt_tokens(), st.keys, local=local_computed, own_tail=st.own_tail
+                )
                 self._report_path()
             except MaruError as e:
                 self.stats.probe_failures += 1

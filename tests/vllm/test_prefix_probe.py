@@ -87,3 +87,61 @@ def test_chunks_before_start_count_as_present_and_are_not_asked(server, handler,
     assert from2.present == [True, True] + whole.present[2:]  # 0-1: vLLM's own; then the same answer
     assert set(from2.tail_hits) == {4} and from2.tail_hits[4][0] == 32
     assert asked_from2 < asked_whole + len(probe.tails_at(prompt, keys, 4))
+
+
+def _own_tail(probe: PrefixProbe, keyer: ChunkKeyer, prompt: list[int], keys) -> tuple[int, str] | None:
+    """The prompt's own tail as the scheduler keys it (``MaruSchedulerConnector._state``)."""
+    n_full = len(keys.full)
+    own = probe.usable(len(prompt)) - n_full * C
+    return (
+        (own, keyer.tail_key(keys.parent(n_full), prompt[n_full * C : n_full * C + own])) if own > 0 else None
+    )
+
+
+def test_asking_the_own_tail_with_the_chunks_gives_the_reference_answer(server, handler) -> None:
+    """Random prompts, random stored chunks and tails (the own one, a shorter one, neither), random
+    own hits: the key index path given the prompt's own tail answers exactly as without it, and as
+    the round-trip path where a tail can be used (after the first missing chunk); where every chunk
+    and the own tail are stored it asks one call's keys, no other tail."""
+    import random
+
+    keyer = ChunkKeyer(KeySpace("probe-own-tail", "", "float32", 2, 2, 32, C))
+    probe = PrefixProbe(keyer, C, BS)
+    rng = random.Random(54)
+    remote = CountingClient(server.url)
+    shortcuts = 0
+    try:
+        for case in range(40):
+            prompt = tokens(rng.randrange(2 * C, 5 * C), seed=1000 + case)
+            keys = keyer.prompt_keys(prompt)
+            n_full = len(keys.full)
+            own = _own_tail(probe, keyer, prompt, keys)
+            stored = keys.full[: rng.randrange(n_full + 1)]
+            if own is not None and rng.random() < 0.6:
+                stored.append(own[1])
+            if own is not None and own[0] > BS and rng.random() < 0.4:
+                stored.append(keyer.tail_key(keys.parent(n_full), prompt[n_full * C : n_full * C + BS]))
+            if stored:
+                publish(server, stored)
+            local_hit = rng.choice([0, C, (n_full - 1) * C, n_full * C])
+            counting = _Local(handler)
+            got = probe.ask(counting, prompt, keys, local=local_hit, own_tail=own)
+            want = probe.ask(_Local(handler), prompt, keys, local=local_hit)
+            assert (got.present, got.tail_hits) == (want.present, want.tail_hits), case
+            trips = probe.ask(remote, prompt, keys, local=local_hit)
+            first = next((i for i, p in enumerate(got.present) if not p), n_full)
+            assert trips.present == got.present and trips.tail_hits.get(first) == got.tail_hits.get(first), (
+                case
+            )
+            if (
+                own is not None
+                and own[1] in stored
+                and len(stored) > n_full
+                and local_hit < n_full * C + own[0]
+            ):
+                asked_chunks = n_full - min(local_hit // C, n_full)
+                assert counting.keys == asked_chunks + 1  # the chunks and the own tail, nothing else
+                shortcuts += 1
+    finally:
+        remote.close()
+    assert shortcuts >= 5  # the case this is for came up
