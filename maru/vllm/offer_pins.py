@@ -274,7 +274,7 @@ class OfferPins:
         if post is not None:
             try:
                 lookup = post(q.rks, segments=True)
-            except MaruError as e:
+            except Exception as e:  # its keys are already queued and awaited: undone below, never left
                 logger.info(
                     "Maru: posting the pins of %d arriving requests failed (%s); pinned at their offers",
                     q.reqs,

@@ -555,3 +555,17 @@ def test_a_queue_never_posts_more_keys_than_one_lookup_takes(monkeypatch: Any) -
         ["a0"] + [f"{x}{i}" for i in range(1, 5) for x in "bc"]
     )
     pins.close(None)
+
+
+def test_a_post_that_raises_leaves_no_queued_key_behind() -> None:
+    from maru.vllm.offer_pins import OfferPins
+
+    def broken(keys: list[str], **kw: Any) -> Any:
+        raise ValueError("a bug below the post")
+
+    client = SimpleNamespace(timeout_s=0.1, post_lookup=broken)
+    pins = OfferPins()
+    assert pins.prefetch(client, "r0", ["a", "b"]) == 0  # nothing in flight: sent at once, and failed
+    assert not pins._posting and not pins._awaiting and not pins.posting
+    pins._settle(["r0"], client)  # nothing to read: the offer pins its keys the usual way
+    assert pins.stats.pin_posts == 0 and pins.snapshot()["posts_unread"] == 0
