@@ -242,8 +242,9 @@ class OfferPins:
                     waits.add(rk)  # another request's post pins it: taken when that is read
                 elif rk not in ask:
                     ask.append(rk)
-        sent = bool(ask) and getattr(client, "post_lookup", None) is not None
-        if sent:
+        # Queued, then posted with the arrivals after it (or at once); False: pinned at its offer.
+        taken = bool(ask) and getattr(client, "post_lookup", None) is not None
+        if taken:
             q = self._queued
             if q is not None and len(q.rks) + len(ask) > MAX_BATCH:
                 self._send_queued(client)  # one lookup takes at most MAX_BATCH keys
@@ -256,12 +257,12 @@ class OfferPins:
                 self._posting[rk] = q
             waits.update(ask)
             if not self._posts or q.reqs >= POST_BATCH:  # nothing in flight to overlap, or a full batch
-                sent = self._send_queued(client)
+                taken = self._send_queued(client)
         if not self._awaiting.get(req_id):
             self._awaiting.pop(req_id, None)
         if not have:
             del self._open[req_id]
-        return len(ask) if sent else 0
+        return len(ask) if taken else 0
 
     def _send_queued(self, client: Any) -> bool:
         """Post the queued keys as one lookup (nothing to do with none queued). False where it
