@@ -124,8 +124,8 @@ def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, 
             row["vs"] = p
         if k == "load" and (p := paired(rounds, k, "none")) is not None:
             row["vs_cold"] = p
-        if k.startswith("load-alt-") and (p := paired(rounds, "load", k)) is not None:
-            row["vs_load"] = p  # this tree's warm instance over the alt tree's, round by round
+        if k.startswith("load-") and (p := paired(rounds, "load", k)) is not None:
+            row["vs_load"] = p  # the default warm instance over this one (another tree or mode), by round
         out[k] = row
     return out
 
@@ -183,8 +183,8 @@ def markdown(out: dict[str, Any]) -> str:
             f"{row['ttft_median_round_ms']:.1f} ms | {row['total_mean_ms']:.1f} ms |"
         )
         pairs = [row[k] for k in ("vs", "vs_cold") if k in row]
-        if "vs_load" in row:  # the default warm instance over this one (an A/B of two trees)
-            pairs.append({**row["vs_load"], "against_label": "this tree's warm instance over this one"})
+        if "vs_load" in row:  # the default warm instance over this one (another tree, or a load mode)
+            pairs.append({**row["vs_load"], "against_label": "the default warm instance over this one"})
         if not pairs:
             lines.append(head + " - | - | - | - |")
         for p in pairs:

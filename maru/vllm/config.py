@@ -160,6 +160,12 @@ class MaruConnectorConfig:
     # layer on the copy engines: kinder to the forward beside it, but a longer host issue; see
     # docs/gpu.md), ``direct``, ``staged``. One that cannot run here is replaced, announced.
     layer_path: str = "auto"
+    # Issue a step's layer-by-layer load when the scheduler side plans the step
+    # (``build_connector_meta``) instead of when the forward starts (``start_load_kv``), where the
+    # worker shares the scheduler's thread (one GPU, vLLM's in-process executor): the pool is read
+    # while vLLM prepares the step's inputs (~3-5 ms of host time on the H100 host). Only in steps
+    # where nothing else writes the loaded blocks before the forward (``maru.vllm.early_loads``).
+    early_load: bool = False
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -244,6 +250,7 @@ class MaruConnectorConfig:
             "async_store": self.async_store,
             "paced_store": self.paced_store,
             "layer_path": self.layer_path,
+            "early_load": self.early_load,
         }
 
     def reply_spin_us(self, cpus: int | None = None) -> int:
@@ -292,6 +299,12 @@ class MaruConnectorConfig:
                 "layer under it (GPU: the copy engine; CPU: a background thread); each attention layer "
                 "waits only for its own layer; a step vLLM replays as a full CUDA graph is loaded "
                 "before its forward"
+            )
+        if self.early_load:
+            out.append(
+                "maru_early_load: a step's layer-by-layer load is issued when the step is planned, "
+                "where the worker shares vLLM's scheduling thread (one GPU), in steps that preempt "
+                "nothing and have no new blocks zeroed or copied by vLLM; other steps load at the forward"
             )
         if self.async_store:
             out.append(

@@ -25,8 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from maru.vllm import early_loads
 from maru.vllm.adapters import AdapterDigests, RequestScopes, lora_compute
 from maru.vllm.config import MaruConnectorConfig
+from maru.vllm.early_loads import EarlyLoads
 from maru.vllm.engine_config import (
     key_space,
     runner_known,
@@ -163,6 +165,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._scheduler: MaruSchedulerConnector | None = None
         self._worker: MaruWorkerConnector | None = None
+        # maru_early_load: the engine both roles name (vLLM gives each engine a fresh id), the
+        # scheduler side's hand-off of each planned step to a worker in this process.
+        self._engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", None) or "")
+        self._early: EarlyLoads | None = None
         self._last_reported: dict[str, Any] = {}
         # Host time inside each vLLM hook (``timed``); their parts with maru_log_timing only.
         self.hook_times = hook_times_for(cfg.log_timing)
@@ -232,6 +238,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 scopes=RequestScopes(AdapterDigests(lora_compute(vllm_config))),
             )
             self._scheduler.connect_now()
+            if cfg.early_load and cfg.enable_load and self._engine_id:
+                self._early = EarlyLoads(self._engine_id)
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
                 cfg.server_url,
@@ -269,6 +277,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 backend_name_of=backend_name_of,
                 sleep_mode=sleep_mode,
             )
+            if cfg.early_load and self.key_space.tp_size == 1 and self._engine_id:
+                early_loads.register(self._engine_id, self._worker)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -284,6 +294,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             out["delayed_frees_now"] = len(self._scheduler.delayed_frees)
             out.update(self._scheduler.probe_view())
             out["async_load_sharing"] = self._scheduler.load_sharing
+            if self._early is not None:
+                out["early_loads"] = self._early.snapshot()
             out["adapter_bytes_hashed"] = self._scheduler.scopes.adapters.hashed_bytes  # LoRA keys
             pins = self._scheduler.pins
             out["offer_pins"] = pins.snapshot() if pins is not None else "off"
@@ -445,6 +457,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self._worker is not None:
             if self.maru_config.log_timing:
                 logger.info("Maru: worker stats %s", self._worker.stats.as_dict())
+            early_loads.unregister(self._engine_id, self._worker)
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
@@ -470,7 +483,10 @@ class MaruKVConnector(KVConnectorBase_V1):
     @timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._early is not None:
+            self._early.after_plan(meta, scheduler_output)  # maru_early_load
+        return meta
 
     @timed
     def update_connector_output(self, connector_output: Any) -> None:

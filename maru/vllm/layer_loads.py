@@ -123,6 +123,15 @@ class LayerLoads:
         else:
             ll.wait_for_layer(index)
 
+    def wait_before_forward(self) -> None:
+        """A forward that will not wait per layer (a full-graph replay) waits for every layer of the
+        step's load before it starts (GPU-side on CUDA); the load counts as waited for."""
+        ll = self._load
+        if ll is None:
+            return
+        self._waited = True
+        ll.wait_all()
+
     def finish(self) -> None:
         """After the forward: account for the step's layer load; failures known now -> recompute.
 

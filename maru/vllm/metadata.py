@@ -46,6 +46,9 @@ class MaruConnectorMetadata:
     scheduled_cpu: tuple = ()
     # With ``MARU_THREAD_CENSUS`` too, in prefill steps: ``thread_census.snapshot()`` at that moment.
     scheduled_threads: dict = field(default_factory=dict)
+    # ``maru_early_load``: set by an in-process worker that issued this step's loads when the step
+    # was planned (``maru.vllm.early_loads``); its ``start_load_kv`` then finds them started. 0: not.
+    early_token: int = 0
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.async_loads and not self.preempted_req_ids

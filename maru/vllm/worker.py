@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import logging
 import re
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -116,6 +117,10 @@ class MaruWorkerConnector(WorkerStores):
         # and the next start_load_kv.
         self._step_kind: str | None = None
         self._layer_index: dict[str, int] = {}
+        # ``maru_early_load``: the thread the forwards run on (start_load_kv's), and the token of the
+        # last step whose loads ``start_early`` issued.
+        self._forward_thread: int | None = None
+        self._early_token = 0
         hooks = LoadHooks(
             connect=self._engine_or_why,
             rank=self._rank,
@@ -139,6 +144,7 @@ class MaruWorkerConnector(WorkerStores):
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._forward_thread = threading.get_ident()  # vLLM's in-process executor: the engine's thread
         names = order_layers(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         if self.caches and self.caches[0].is_cuda:
@@ -282,8 +288,12 @@ class MaruWorkerConnector(WorkerStores):
     def start_load_kv(self, meta: MaruConnectorMetadata | None, layer_hooks: bool = True) -> None:
         """Start the step's loads. ``layer_hooks``: whether the forward that follows calls
         ``wait_for_layer_load`` before each layer (``forward_runs_layer_hooks``); without it, the
-        layer-overlap mode loads the step synchronously here instead."""
-        self._failed_blocks_step = set()
+        layer-overlap mode loads the step synchronously here instead (a load ``start_early`` issued
+        is waited for, on the device, before the forward)."""
+        self._forward_thread = threading.get_ident()
+        early = meta is not None and meta.early_token != 0 and meta.early_token == self._early_token
+        if not early:
+            self._failed_blocks_step = set()
         if meta is not None:
             self.step_clock.started(meta.scheduled_at, meta.scheduled_cpu, meta.scheduled_threads)
         else:
@@ -296,6 +306,53 @@ class MaruWorkerConnector(WorkerStores):
         self._step_kind = PLAIN
         if meta is None:
             return
+        if not early:
+            self._note_held(meta)
+        if meta.async_loads:
+            self.async_loads.start(meta.async_loads)
+        if not meta.loads:
+            return
+        if early:
+            self._step_kind = LAYERED
+            if not layer_hooks:  # a full-graph replay never waits per layer: all of it first
+                self.layer_loads.wait_before_forward()
+                self.stats.overlap_full_graph_loads += 1
+            return
+        layered = self.layer_overlap and self.cfg.enable_load
+        if layered and not layer_hooks:
+            layered = False
+            self.stats.overlap_full_graph_loads += 1
+        self._step_kind = LAYERED if layered else LOADED
+        if layered:
+            self._issue_layered(meta)
+            return
+        try:
+            self._load(meta)
+        except Exception as e:  # never raise into the forward; recompute instead
+            logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
+            for rt in meta.loads:
+                self._fail(rt, f"{type(e).__name__}: {e}")
+        self._held_done(meta.loads)  # the synchronous load has completed (or failed) here
+
+    def start_early(self, meta: MaruConnectorMetadata) -> str | None:
+        """``maru_early_load``: issue ``meta``'s layer load now, as its step is planned on this
+        worker's forward thread (``maru.vllm.early_loads``, which checks the step). None when issued
+        (``meta.early_token`` names it for ``start_load_kv``), else why not: it loads at the forward."""
+        if threading.get_ident() != self._forward_thread:
+            return "planned on another thread than the forwards"
+        if not (self.layer_overlap and self.cfg.enable_load):
+            return "loads are not layer by layer"
+        if self.layer_loads.in_flight:
+            return "the previous layer load is unfinished"
+        self._early_token += 1
+        meta.early_token = self._early_token
+        self._failed_blocks_step = set()
+        self._note_held(meta)
+        self._issue_layered(meta)
+        self.stats.early_loads += 1
+        return None
+
+    def _note_held(self, meta: MaruConnectorMetadata) -> None:
         held = sum(1 for rt in (*meta.loads, *meta.async_loads) if rt.held)
         self.stats.loads_from_held_pins += held
         if self.engine is None and held:
@@ -303,28 +360,18 @@ class MaruWorkerConnector(WorkerStores):
             # rather than after the back-off (on vLLM's V2 runner a failed same-step load ends
             # its request instead of being recomputed).
             self._next_connect = 0.0
-        if meta.async_loads:
-            self.async_loads.start(meta.async_loads)
-        if not meta.loads:
-            return
-        layered = self.layer_overlap and self.cfg.enable_load
-        if layered and not layer_hooks:
-            layered = False
-            self.stats.overlap_full_graph_loads += 1
-        self._step_kind = LAYERED if layered else LOADED
+
+    def _issue_layered(self, meta: MaruConnectorMetadata) -> None:
+        """Issue the step's layer load; it reports the tickets once its layers are placed."""
         try:
-            if layered:
-                self._start_layer_load(meta)  # reports the tickets once its layers are placed
-            else:
-                self._load(meta)
-        except Exception as e:  # never raise into the forward; recompute instead
+            self._start_layer_load(meta)
+        except Exception as e:  # never raise into the forward (or the plan); recompute instead
             logger.exception("Maru: loading failed unexpectedly; vLLM recomputes those blocks")
             for rt in meta.loads:
                 self._fail(rt, f"{type(e).__name__}: {e}")
             # A layer load already issued still reads its pages: its finish reports them.
-            layered = layered and self.layer_loads.in_flight
-        if not layered:  # the synchronous load has completed (or failed) here
-            self._held_done(meta.loads)
+            if not self.layer_loads.in_flight:
+                self._held_done(meta.loads)
 
     @timed_part("start_load_kv/layer_issue")
     def _start_layer_load(self, meta: MaruConnectorMetadata) -> None:

@@ -35,6 +35,7 @@ class WorkerStats:
     # maru_overlap_load_with_compute: steps loaded synchronously, before a forward that skips the
     # per-layer hook (vLLM's full CUDA graph replay of a decode-shaped batch)
     overlap_full_graph_loads: int = 0
+    early_loads: int = 0  # maru_early_load: steps whose layer load was issued when the step was planned
     layer_loads_unwaited: int = 0  # layer loads whose forward never waited (requests failed: a bug)
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
     stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained

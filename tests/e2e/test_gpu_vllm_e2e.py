@@ -1,7 +1,7 @@
 """MaruKVConnector end to end on a GPU with real vLLM: A stores, B loads, the output stays the same.
 
 The model has Llama-3-8B's KV geometry (32 layers, 8 KV heads of 128, bf16, block 16), random
-weights, generated locally (``bench/vllm_harness.py``). One real ``maru server``; six vLLM
+weights, generated locally (``bench/vllm_harness.py``). One real ``maru server``; seven vLLM
 engines, each in its own process, started together (start-up overlaps) and driven in turn:
 
 - A (Maru, synchronous store): computes a batch X of four prompts together, then X again
@@ -18,6 +18,8 @@ engines, each in its own process, started together (start-up overlaps) and drive
   same-step loads (offer pins make them safe there: vLLM issue #49250, see
   ``maru.vllm.connector``); B-plain and B-overlap the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``);
   on CPU both are V1;
+- B-early: the default V2 runner and layer-by-layer load with ``maru_early_load`` (each step's load
+  issued when vLLM plans the step): loads X as a batch of concurrent hits;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
@@ -178,6 +180,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             },
             v1_runner,
         ),
+        # The default (vLLM's V2 runner, its async scheduling, the layer-by-layer load) with each
+        # step's load issued when the step is planned (maru_early_load).
+        "B-early": (
+            {
+                **base,
+                "kv_transfer_config": kv({"maru_overlap_load_with_compute": True, "maru_early_load": True}),
+            },
+            {},
+        ),
         "P": (
             {**small, "kv_transfer_config": kv({"maru_async_store": True})},
             {"MARU_TEST_STORE_DRAIN_DELAY_S": "4"},  # stores still in flight when it preempts
@@ -207,6 +218,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("Basync-E2", lambda: evicted(ba, E2))
         stage("Basync-S", lambda: {**_gen(ba, S), "sched": ba.stats()["scheduler"]})
         stage("Bovl-X", lambda: _gen(bo, X))
+        stage("Bearly-X", lambda: {**_gen(eng["B-early"], X), "sched": eng["B-early"].stats()["scheduler"]})
         stage("Bovl-Y", lambda: _gen(bo, Y))
         stage("Bovl-Y-hit", lambda: _gen(bo, Y))
         stage("Bovl-settle", lambda: bo.settle())  # every write-behind store of Y published
@@ -227,7 +239,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         srv.cleanup()
 
 
-@pytest.mark.parametrize("engine", ["Bsync", "Basync", "Bovl"])
+@pytest.mark.parametrize("engine", ["Bsync", "Basync", "Bovl", "Bearly"])
 def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs: Runs, engine: str) -> None:
     r, ref = runs.need(f"{engine}-X"), runs.need("A-X-hit")
     assert runs.need("A-X")["cached"] == [0] * 4  # A computed X itself
@@ -239,6 +251,10 @@ def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs
         assert d["async_loads"] == 0 and d["overlap_loads"] == 0  # the whole load before the forward
     if engine == "Bovl":
         assert d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0
+    if engine == "Bearly":  # every step's load issued at its plan, none at the forward
+        early = r["sched"]["early_loads"]
+        assert d["early_loads"] == d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0
+        assert early["started"] == d["early_loads"] and early["at_forward"] == {}, early
     assert_same(r, ref)
     assert_same(r, runs.need("A-X"))
 

@@ -126,4 +126,18 @@ def test_a_warm_alt_tree_pairs_with_the_hit_and_the_default_warm_instance_with_i
     )
     assert alt["vs_load"]["ttft_ratio_median"] == pytest.approx(want)  # this tree over the alt one
     table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
-    assert sum("this tree's warm instance over this one" in ln for ln in table.splitlines()) == 1
+    assert sum("the default warm instance over this one" in ln for ln in table.splitlines()) == 1
+
+
+def test_a_warm_load_mode_pairs_with_the_default_warm_instance_round_by_round() -> None:
+    from bench.api_workload import check_load_mode, load_variant
+
+    assert check_load_mode("early") == "early" and load_variant("early") == {"maru_early_load": True}
+    rounds = _rounds(["none", "store", "hit", "load", "load-early"], 9, 17)
+    s = sab.summarize(rounds)
+    early = s["load-early"]
+    assert early["vs"]["against"] == "hit" and early["label"] == "warm from Maru, early load"
+    want = statistics.median(
+        a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(rounds["load"], rounds["load-early"], strict=True)
+    )
+    assert early["vs_load"]["ttft_ratio_median"] == pytest.approx(want)

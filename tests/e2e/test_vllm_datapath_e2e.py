@@ -14,7 +14,9 @@ real ``maru server``:
   here, ``test_vllm_e2e`` for a deletion) an offered chunk cannot go;
 - I: ``maru_async_load`` with the default window: P1 twice, P4 and P2 arriving together, all
   starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache;
-- J: the same without vLLM's prefix cache: nothing to wait for, each request loads its own copy.
+- J: the same without vLLM's prefix cache: nothing to wait for, each request loads its own copy;
+- K: ``maru_early_load`` with the layer-by-layer load: P1 and P3 together, their step's load issued
+  when vLLM planned the step (the worker runs on the scheduler's thread in this in-process engine).
 
 Every output must equal the cold one token for token.
 """
@@ -126,7 +128,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert "error" not in r, r
             res["j_unshared"] = r
             res["j_stats"] = j.call({"op": "stats"})
-        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GHIJ"}
+        with engine(
+            "K", tmp, model_dir, conn(maru_overlap_load_with_compute=True, maru_early_load=True)
+        ) as k:
+            r = k.call({"op": "generate", "prompts": [P1, P3], "max_tokens": 8})
+            assert "error" not in r, r
+            res["k_both"] = r
+            res["k_stats"] = k.call({"op": "stats"})
+        res["logs"] = {n: (tmp / f"{n}.log").read_text() for n in "GHIJK"}
         yield res
     finally:
         srv.cleanup()
@@ -202,3 +211,14 @@ def test_without_vllms_prefix_cache_every_request_loads_its_own_copy(runs: dict[
     p4_usable = (len(P4) - 1) // BS * BS
     assert s["async_loads_shared"] == 0 and w["async_load_failures"] == 0
     assert w["tokens_loaded"] == 2 * USABLE + p4_usable
+
+
+def test_early_load_issues_the_steps_load_at_its_plan_with_identical_output(runs: dict[str, Any]) -> None:
+    r = runs["k_both"]
+    assert r["outputs"] == [runs["cold_p1"]["out"], runs["cold_p3"]["out"]]
+    assert r["cached"] == [USABLE, USABLE]
+    sched, w = runs["k_stats"]["scheduler"], runs["k_stats"]["worker"]
+    assert sched["early_loads"]["started"] >= 1 and sched["early_loads"]["at_forward"] == {}
+    assert w["early_loads"] == sched["early_loads"]["started"] and w["overlap_loads"] == w["early_loads"]
+    assert w["load_errors"] == 0 and w["layer_loads_unwaited"] == 0 and w["tokens_loaded"] == 2 * USABLE
+    assert "maru_early_load:" in runs["logs"]["K"]  # announced

@@ -487,3 +487,21 @@ def load_in_mode(eng: KVTransferEngine, reqs: list[RequestTransfer], mode: str) 
     rep = ll.finish()
     ll.release()
     return rep
+
+
+def overlap_setup(
+    server: ServerProcess, client: MaruHandler, tag: str, seed: int, **cfg: Any
+) -> tuple[Any, CacheCase, CacheCase, CacheCase, RequestTransfer, RequestTransfer]:
+    """A request with skipped head and cut tail (``place_begin``/``place_end``) and one missing a
+    chunk, stored; the worker (overlap on, more settings in ``cfg``) over a fresh cache; the
+    reference cache holds what a load places."""
+    src_a, dst_a = requests(tag, BS, CHUNK, 16)
+    bad = request(f"{tag}-bad", list(blocks_outside(src_a.block_ids, 4)), 2 * CHUNK)
+    src = case("kv_first", "NHD", seed)
+    assert plain_engine(src, client).store([src_a, bad]).stored == 6
+    assert client.delete([bad.chunks[1].key]) == [True]
+    dbad = RequestTransfer(bad.req_id, blocks_outside(dst_a.block_ids, 4), bad.chunks)
+    ref, dst, before = (case("kv_first", "NHD", seed + 1) for _ in range(3))
+    assert plain_engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
+    w = worker(server, dst, overlap_load_with_compute=True, **cfg)
+    return w, ref, dst, before, dst_a, dbad

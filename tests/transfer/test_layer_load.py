@@ -17,7 +17,6 @@ import torch
 
 from maru.client import MaruHandler
 from maru.kv_ops.pool_objects import PoolObjects
-from maru.kv_ops.testing import CacheCase
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess, reported_slow
 from tests.pool_fixtures import module_server, pool_client, stop_worker
@@ -28,14 +27,13 @@ from tests.transfer.helpers import (
     CountingPins,
     Gated,
     MaruConnectorMetadata,
-    blocks_outside,
     case,
     inject_pipeline,
     layer_equal,
     needs_vllm,
+    overlap_setup,
     plain_engine,
     request,
-    requests,
     same,
     slots_of,
     worker,
@@ -384,28 +382,11 @@ def test_a_layer_loads_failures_are_in_the_errors_vllm_reads_before_wait_for_sav
         stop_worker(w)
 
 
-def _overlap_setup(
-    server: ServerProcess, client: MaruHandler, tag: str, seed: int
-) -> tuple[Any, CacheCase, CacheCase, CacheCase, RequestTransfer, RequestTransfer]:
-    """A request with skipped head and cut tail (``place_begin``/``place_end``) and one missing a
-    chunk, stored; the worker (overlap on, CUDA code path injected) over a fresh cache."""
-    src_a, dst_a = requests(tag, BS, CHUNK, 16)
-    bad = request(f"{tag}-bad", list(blocks_outside(src_a.block_ids, 4)), 2 * CHUNK)
-    src = case("kv_first", "NHD", seed)
-    assert plain_engine(src, client).store([src_a, bad]).stored == 6
-    assert client.delete([bad.chunks[1].key]) == [True]
-    dbad = RequestTransfer(bad.req_id, blocks_outside(dst_a.block_ids, 4), bad.chunks)
-    ref, dst, before = (case("kv_first", "NHD", seed + 1) for _ in range(3))
-    assert plain_engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
-    w = worker(server, dst, overlap_load_with_compute=True)
-    return w, ref, dst, before, dst_a, dbad
-
-
 @needs_vllm
 def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    w, ref, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-gated", 41)
+    w, ref, dst, before, dst_a, dbad = overlap_setup(server, client, "ovl-gated", 41)
     try:
         pins, _ = inject_pipeline(w)
         gate = threading.Event()
@@ -458,7 +439,7 @@ def test_overlap_load_issues_one_load_layers_per_step_and_unpins_once_it_is_done
 def test_overlap_load_failing_at_issue_fails_the_step_before_the_forward_and_releases_every_pin(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    w, _, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-issue", 51)
+    w, _, dst, before, dst_a, dbad = overlap_setup(server, client, "ovl-issue", 51)
     try:
         pins, settles = inject_pipeline(w)
 
@@ -503,7 +484,7 @@ def test_overlap_worker_loads_a_full_graph_step_before_its_forward(
     """vLLM replays a decode-shaped batch as one full CUDA graph, which skips the per-layer hook:
     the worker then loads the step synchronously in start_load_kv, every layer placed before it
     returns; the request missing a chunk is failed then too."""
-    w, ref, dst, before, dst_a, dbad = _overlap_setup(server, client, "ovl-full", 71)
+    w, ref, dst, before, dst_a, dbad = overlap_setup(server, client, "ovl-full", 71)
     try:
         meta = MaruConnectorMetadata(loads=[dst_a, dbad])
         w.start_load_kv(meta, layer_hooks=False)
@@ -527,7 +508,7 @@ def test_a_forward_that_never_waited_for_the_layer_load_fails_every_request_it_p
     ran without calling wait_for_layer_load (a mode the check did not know) may have been read
     half placed. After the forward every request it placed is reported failed (vLLM discards that
     step's output of them), once loudly, and its pins still go exactly once."""
-    w, _, _, _, dst_a, dbad = _overlap_setup(server, client, f"ovl-unwaited-{placed_by_then}", 81)
+    w, _, _, _, dst_a, dbad = overlap_setup(server, client, f"ovl-unwaited-{placed_by_then}", 81)
     try:
         pins, _ = inject_pipeline(w)
         gate = threading.Event()

@@ -522,7 +522,10 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "async_store": True,
         "paced_store": True,
         "layer_path": "auto",
+        "early_load": False,
     }
+    early = MaruConnectorConfig.from_extra_config({"maru_early_load": "true"})
+    assert early.data_path()["early_load"] and early.data_path_lines()[1].startswith("maru_early_load:")
     # Layer by layer where the caches are on a GPU, unless set or loads are asynchronous.
     assert (d.layer_overlap(pipelined=True), d.layer_overlap(pipelined=False)) == (True, False)
     lines = d.data_path_lines()

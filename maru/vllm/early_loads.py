@@ -1,0 +1,131 @@
+"""``maru_early_load``: a step's layer-by-layer load issued when the step is planned.
+
+vLLM plans a step (its scheduler, then the connector's ``build_connector_meta``) and then prepares
+the step's inputs before the forward calls ``start_load_kv``: 3.5-5.7 ms between the two on the
+H100 host of the fifty-third pass, with the device idle when the engine was (bench/RESULTS.md).
+Where the worker-side connector runs in the scheduler's process and thread (one GPU, vLLM's
+in-process executor), the scheduler side hands each step's metadata to it as soon as it is built
+(``EarlyLoads.after_plan``), and the worker issues the step's layer load there
+(``MaruWorkerConnector.start_early``): the pool is read while vLLM prepares the inputs.
+``start_load_kv`` then finds the load started (``MaruConnectorMetadata.early_token``).
+
+It is the same load (``LayerLoads.start``), issued earlier; a step loads at the forward, as without
+the setting, unless each of these holds (why):
+
+* the worker registered in this process for this engine (``register``; tensor parallel: never)
+  and is called on the thread its forwards run on (vLLM's in-process executor);
+* the step's loads go layer by layer (``maru_overlap_load_with_compute``), and the worker's
+  previous layer load was finished after its forward;
+* vLLM writes none of the step's new blocks before the forward: it zeroes freshly allocated
+  blocks for some models (``new_block_ids_to_zero``) and copies a partial prefix hit into a new
+  block (``kv_cache_block_copies``) in its input preparation, on the forward's stream, after the
+  plan. At the forward, the load's placements come after those writes; planned earlier they could
+  race them;
+* the step preempts no request: vLLM frees a preempted request's blocks at once, and a
+  write-behind gather may still read them until the worker's preemption barrier, which runs at
+  the forward (``handle_preemptions``).
+
+The placements start after the work already queued on the thread's current stream (the previous
+step's forward under vLLM's async scheduling), as they do at the forward: a block freed by that
+step is rewritten only after it. Where the setting can never apply (the worker in another
+process) it says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import Counter
+from typing import Any, Protocol
+
+from maru.vllm.metadata import MaruConnectorMetadata
+
+logger = logging.getLogger("maru.vllm")
+
+_WORKERS: dict[str, weakref.ref] = {}
+_LOCK = threading.Lock()
+
+NO_WORKER = "no worker in this process (tensor parallel or a multi-process executor)"
+PREEMPTS = "the step preempts a request"
+BLOCKS_WRITTEN = "vLLM zeroes or copies new blocks in this step"
+
+
+class EarlyWorker(Protocol):
+    """What the hand-off needs of a worker (``MaruWorkerConnector``)."""
+
+    def start_early(self, meta: MaruConnectorMetadata) -> str | None: ...
+
+
+def register(engine_id: str, worker: EarlyWorker) -> None:
+    """The worker-side connector of engine ``engine_id`` lives in this process."""
+    with _LOCK:
+        _WORKERS[engine_id] = weakref.ref(worker)
+
+
+def unregister(engine_id: str, worker: EarlyWorker) -> None:
+    with _LOCK:
+        ref = _WORKERS.get(engine_id)
+        if ref is not None and ref() in (worker, None):
+            del _WORKERS[engine_id]
+
+
+def worker_of(engine_id: str) -> EarlyWorker | None:
+    with _LOCK:
+        ref = _WORKERS.get(engine_id)
+    return ref() if ref is not None else None
+
+
+def blocks_written_before_forward(scheduler_output: Any) -> bool:
+    """Whether vLLM writes some of this step's new blocks itself between the plan and the forward."""
+    return bool(getattr(scheduler_output, "new_block_ids_to_zero", None)) or bool(
+        getattr(scheduler_output, "kv_cache_block_copies", None)
+    )
+
+
+class EarlyLoads:
+    """The scheduler side's hand-off of each planned step to an in-process worker.
+
+    ``started``: steps whose load was issued at the plan; ``at_forward``: the others with loads,
+    by reason (the module docstring lists them).
+    """
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.started = 0
+        self.at_forward: Counter[str] = Counter()
+        self._said_no_worker = False
+
+    def after_plan(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> None:
+        """Issue ``meta``'s loads now where that is safe (never raises: the forward loads them)."""
+        if not meta.loads:
+            return
+        try:
+            why = self._why_not(meta, scheduler_output)
+        except Exception as e:  # the worker's own failures are its requests'; anything else: later
+            logger.exception("Maru: issuing a step's load at its plan failed; it loads at the forward")
+            why = f"{type(e).__name__}"
+        if why is None:
+            self.started += 1
+        else:
+            self.at_forward[why] += 1
+
+    def _why_not(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> str | None:
+        if meta.preempted_req_ids:
+            return PREEMPTS
+        if blocks_written_before_forward(scheduler_output):
+            return BLOCKS_WRITTEN
+        worker = worker_of(self.engine_id)
+        if worker is None:
+            if not self._said_no_worker:
+                self._said_no_worker = True
+                logger.warning(
+                    "Maru: maru_early_load has no effect here: the worker-side connector does not run "
+                    "in vLLM's scheduling process (tensor parallel or a multi-process executor), so "
+                    "each step's load is issued at its forward. Fix: leave maru_early_load unset"
+                )
+            return NO_WORKER
+        return worker.start_early(meta)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"started": self.started, "at_forward": dict(self.at_forward)}

@@ -1,0 +1,197 @@
+"""``maru_early_load`` (``maru.vllm.early_loads``): a step's layer load issued when the step is planned.
+
+Real server and shared-memory pool; the worker connector over CPU caches built the way vLLM builds
+them (block size 4 != 3 heads), loading layer by layer: one request with a skipped head and a cut
+tail, one missing a chunk. The hand-off issues the load at the plan only where that is safe, and
+``start_load_kv`` then issues nothing again; what is placed, and which blocks are reported failed
+in which step, must be what the load at the forward gives.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from maru.client import MaruHandler
+from maru.vllm import early_loads
+from maru.vllm.early_loads import BLOCKS_WRITTEN, NO_WORKER, PREEMPTS, EarlyLoads
+from tests.helpers import ServerProcess
+from tests.pool_fixtures import module_server, pool_client, stop_worker
+from tests.transfer.helpers import NAMES, MaruConnectorMetadata, needs_vllm, overlap_setup, same
+
+pytestmark = needs_vllm
+
+server = module_server("early-loads")
+client = pool_client()
+
+_seeds = iter(range(100, 10**6, 7))
+
+
+def plan(**kw: Any) -> SimpleNamespace:
+    """The parts of vLLM's ``SchedulerOutput`` the hand-off reads (nothing written before the forward)."""
+    return SimpleNamespace(**{"new_block_ids_to_zero": None, "kv_cache_block_copies": None, **kw})
+
+
+@pytest.fixture
+def setup(server: ServerProcess, client: MaruHandler) -> Iterator[tuple[EarlyLoads, Any, Any, Any, Any, Any]]:
+    """(the scheduler side's hand-off, the registered worker, reference cache, worker's cache, the
+    request that loads, the one missing a chunk)."""
+    engine_id = f"engine-{uuid.uuid4().hex[:8]}"
+    w, ref, dst, _, ok, bad = overlap_setup(server, client, engine_id, next(_seeds))
+    early_loads.register(engine_id, w)
+    try:
+        yield EarlyLoads(engine_id), w, ref, dst, ok, bad
+    finally:
+        early_loads.unregister(engine_id, w)
+        stop_worker(w)
+
+
+def forward(w: Any, meta: Any, layer_hooks: bool = True) -> set[int]:
+    """What vLLM does with a step's metadata on the worker: start_load_kv, each attention layer's
+    wait (unless replayed as a full graph), the store hook; the step's failed blocks."""
+    w.start_load_kv(meta, layer_hooks=layer_hooks)
+    if layer_hooks:
+        for name in NAMES:
+            w.wait_for_layer_load(name)
+    errors = w.get_block_ids_with_load_errors()
+    w.wait_for_save(meta)
+    w.get_finished(set())
+    return errors
+
+
+@pytest.mark.parametrize("layer_hooks", [True, False], ids=["per-layer", "full-graph"])
+def test_a_load_issued_at_the_plan_places_what_the_forward_load_places_and_keeps_its_failures(
+    setup: tuple, layer_hooks: bool
+) -> None:
+    hand, w, ref, dst, ok, bad = setup
+    # A store of the failing request in the same step: computed on top of missing context, dropped.
+    meta = MaruConnectorMetadata(loads=[ok, bad], stores=[bad])
+    hand.after_plan(meta, plan())
+    assert (hand.started, dict(hand.at_forward)) == (1, {})
+    assert meta.early_token != 0 and w.stats.early_loads == 1
+    assert w.stats.overlap_loads == 1 and w.stats.load_errors == 1  # issued, the missing chunk known
+    # The forward: nothing issued again, the failure reported in this step.
+    assert forward(w, meta, layer_hooks) == set(bad.block_ids)
+    assert same(dst, ref)
+    assert w.stats.overlap_loads == 1 and w.stats.load_errors == 1
+    assert w.stats.layer_loads_unwaited == 0
+    assert w.stats.overlap_full_graph_loads == (0 if layer_hooks else 1)
+    assert w.stats.tokens_loaded == ok.num_placed_tokens()
+    assert w.stats.stores_dropped == len(bad.chunks) and w.stats.chunks_stored == 0
+
+
+def _at_forward_gate(setup: tuple, meta: Any, so: Any, why: str) -> None:
+    hand, w, ref, dst, ok, bad = setup
+    hand.after_plan(meta, so)
+    assert (hand.started, dict(hand.at_forward)) == (0, {why: 1})
+    assert meta.early_token == 0 and w.stats.early_loads == 0 and w.stats.overlap_loads == 0
+    assert forward(w, meta) == set(bad.block_ids)  # loaded at the forward, as without the setting
+    assert same(dst, ref) and w.stats.overlap_loads == 1
+
+
+@pytest.mark.parametrize(
+    "so,why",
+    [
+        (plan(new_block_ids_to_zero=[3, 4]), BLOCKS_WRITTEN),
+        (plan(kv_cache_block_copies=[(1, 2)]), BLOCKS_WRITTEN),
+    ],
+    ids=["zeroed", "copied"],
+)
+def test_a_step_whose_new_blocks_vllm_writes_before_the_forward_loads_at_the_forward(
+    setup: tuple, so: Any, why: str
+) -> None:
+    _, _, _, _, ok, bad = setup
+    _at_forward_gate(setup, MaruConnectorMetadata(loads=[ok, bad]), so, why)
+
+
+def test_a_step_that_preempts_a_request_loads_at_the_forward_behind_the_preemption_barrier(
+    setup: tuple,
+) -> None:
+    _, _, _, _, ok, bad = setup
+    _at_forward_gate(
+        setup, MaruConnectorMetadata(loads=[ok, bad], preempted_req_ids={"gone"}), plan(), PREEMPTS
+    )
+
+
+def test_a_plan_on_another_thread_than_the_forwards_loads_at_the_forward(setup: tuple) -> None:
+    hand, w, ref, dst, ok, bad = setup
+    meta = MaruConnectorMetadata(loads=[ok, bad])
+    t = threading.Thread(target=hand.after_plan, args=(meta, plan()))
+    t.start()
+    t.join()
+    assert hand.started == 0 and list(hand.at_forward) == ["planned on another thread than the forwards"]
+    assert forward(w, meta) == set(bad.block_ids)
+    assert same(dst, ref) and w.stats.early_loads == 0
+
+
+def test_a_plan_while_the_previous_layer_load_is_unfinished_waits_for_the_forward(setup: tuple) -> None:
+    hand, w, ref, dst, ok, bad = setup
+    first = MaruConnectorMetadata(loads=[ok])
+    hand.after_plan(first, plan())
+    second = MaruConnectorMetadata(loads=[bad])
+    hand.after_plan(second, plan())  # the first step's forward has not run: its load is in flight
+    assert hand.started == 1 and dict(hand.at_forward) == {"the previous layer load is unfinished": 1}
+    assert second.early_token == 0
+    assert forward(w, first) == set()
+    assert same(dst, ref)
+    assert forward(w, second) == set(bad.block_ids)
+
+
+def test_without_a_worker_in_this_process_it_says_so_once_and_the_forward_loads() -> None:
+    hand = EarlyLoads(f"elsewhere-{uuid.uuid4().hex[:8]}")
+    metas = [MaruConnectorMetadata(loads=[SimpleNamespace(req_id=f"r{i}")]) for i in range(2)]
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("maru.vllm").addHandler(handler)
+    try:
+        for m in metas:
+            hand.after_plan(m, plan())
+    finally:
+        logging.getLogger("maru.vllm").removeHandler(handler)
+    assert dict(hand.at_forward) == {NO_WORKER: 2} and hand.started == 0
+    said = [r.getMessage() for r in records if "maru_early_load has no effect" in r.getMessage()]
+    assert len(said) == 1 and "Fix:" in said[0]
+    assert hand.snapshot() == {"started": 0, "at_forward": {NO_WORKER: 2}}
+
+
+def test_a_step_without_loads_is_not_counted() -> None:
+    hand = EarlyLoads("no-loads")
+    hand.after_plan(MaruConnectorMetadata(), plan())
+    assert hand.snapshot() == {"started": 0, "at_forward": {}}
+
+
+class _Raising:
+    def start_early(self, meta: Any) -> str | None:
+        raise RuntimeError("boom")
+
+
+def test_a_hand_off_that_raises_never_reaches_vllm_and_the_forward_loads() -> None:
+    engine_id = f"raising-{uuid.uuid4().hex[:8]}"
+    worker = _Raising()
+    early_loads.register(engine_id, worker)
+    try:
+        hand = EarlyLoads(engine_id)
+        meta = MaruConnectorMetadata(loads=[SimpleNamespace(req_id="r")])
+        hand.after_plan(meta, plan())
+        assert dict(hand.at_forward) == {"RuntimeError": 1} and meta.early_token == 0
+    finally:
+        early_loads.unregister(engine_id, worker)
+    assert early_loads.worker_of(engine_id) is None
+
+
+def test_a_worker_gone_unregisters_itself_by_reference_only() -> None:
+    engine_id = f"gone-{uuid.uuid4().hex[:8]}"
+    a, b = _Raising(), _Raising()
+    early_loads.register(engine_id, a)
+    early_loads.unregister(engine_id, b)  # another engine's worker of the same id: not this one
+    assert early_loads.worker_of(engine_id) is a
+    del a  # collected: the registry holds no reference
+    assert early_loads.worker_of(engine_id) is None
