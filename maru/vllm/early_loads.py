@@ -111,7 +111,7 @@ class EarlyLoads:
             self.at_forward[why] += 1
 
     def _why_not(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> str | None:
-        if meta.preempted_req_ids:
+        if meta.preempted_req_ids or getattr(scheduler_output, "preempted_req_ids", None):
             return PREEMPTS
         if blocks_written_before_forward(scheduler_output):
             return BLOCKS_WRITTEN

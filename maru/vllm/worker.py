@@ -348,7 +348,10 @@ class MaruWorkerConnector(WorkerStores):
         meta.early_token = self._early_token
         self._failed_blocks_step = set()
         self._note_held(meta)
-        self._issue_layered(meta)
+        # As vLLM's forward writes the caches (its execute_model runs in inference mode; a placing
+        # thread on CPU caches adopts the issuer's mode): the plan itself runs outside it.
+        with torch.inference_mode():
+            self._issue_layered(meta)
         self.stats.early_loads += 1
         return None
 

@@ -23,6 +23,8 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         "layout": worker.layout.describe() if worker.layout is not None else "?",
         "async_load": "on" if worker.cfg.async_load else "off",
         "layer_overlap": "on" if worker.layer_overlap else "off",
+        # maru_early_load: a step's layer load issued at its plan (in-process worker only: tp 1)
+        "early_load": "at the step's plan" if worker.cfg.early_load and worker.tp_size == 1 else "off",
         # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
         "load_failure": "ends the request" if worker.cfg.load_failures_fail else "recomputed",
         "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")

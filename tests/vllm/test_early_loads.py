@@ -42,7 +42,7 @@ def setup(server: ServerProcess, client: MaruHandler) -> Iterator[tuple[EarlyLoa
     """(the scheduler side's hand-off, the registered worker, reference cache, worker's cache, the
     request that loads, the one missing a chunk)."""
     engine_id = f"engine-{uuid.uuid4().hex[:8]}"
-    w, ref, dst, _, ok, bad = overlap_setup(server, client, engine_id, next(_seeds))
+    w, ref, dst, _, ok, bad = overlap_setup(server, client, engine_id, next(_seeds), early_load=True)
     early_loads.register(engine_id, w)
     try:
         yield EarlyLoads(engine_id), w, ref, dst, ok, bad
@@ -83,6 +83,7 @@ def test_a_load_issued_at_the_plan_places_what_the_forward_load_places_and_keeps
     assert w.stats.overlap_full_graph_loads == (0 if layer_hooks else 1)
     assert w.stats.tokens_loaded == ok.num_placed_tokens()
     assert w.stats.stores_dropped == len(bad.chunks) and w.stats.chunks_stored == 0
+    assert w.data_paths()["paths"]["early_load"] == "at the step's plan"  # maru stats shows it
 
 
 def _at_forward_gate(setup: tuple, meta: Any, so: Any, why: str) -> None:
@@ -195,3 +196,27 @@ def test_a_worker_gone_unregisters_itself_by_reference_only() -> None:
     assert early_loads.worker_of(engine_id) is a
     del a  # collected: the registry holds no reference
     assert early_loads.worker_of(engine_id) is None
+
+
+def test_the_plan_issues_the_load_in_inference_mode_as_vllms_forward_writes_the_caches(
+    setup: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM makes its KV caches as inference tensors and writes them in its forward, under inference
+    mode; the scheduler's plan runs outside it. A placement issued at the plan (a CPU placing thread
+    adopts its issuer's mode; the staged GPU path writes with torch indexing) must run inside it."""
+    import torch
+
+    hand, w, ref, dst, ok, bad = setup
+    seen: list[bool] = []
+    issue = w._issue_layered
+
+    def spy(meta: Any) -> None:
+        seen.append(torch.is_inference_mode_enabled())
+        issue(meta)
+
+    monkeypatch.setattr(w, "_issue_layered", spy)
+    meta = MaruConnectorMetadata(loads=[ok])
+    assert not torch.is_inference_mode_enabled()
+    hand.after_plan(meta, plan())
+    assert seen == [True] and hand.started == 1
+    assert forward(w, meta) == set() and same(dst, ref)
