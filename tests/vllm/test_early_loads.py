@@ -110,13 +110,16 @@ def test_a_step_whose_new_blocks_vllm_writes_before_the_forward_loads_at_the_for
     _at_forward_gate(setup, MaruConnectorMetadata(loads=[ok, bad]), so, why)
 
 
+@pytest.mark.parametrize("said_by", ["metadata", "vllm"])
 def test_a_step_that_preempts_a_request_loads_at_the_forward_behind_the_preemption_barrier(
-    setup: tuple,
+    setup: tuple, said_by: str
 ) -> None:
     _, _, _, _, ok, bad = setup
-    _at_forward_gate(
-        setup, MaruConnectorMetadata(loads=[ok, bad], preempted_req_ids={"gone"}), plan(), PREEMPTS
-    )
+    if said_by == "metadata":
+        meta, so = MaruConnectorMetadata(loads=[ok, bad], preempted_req_ids={"gone"}), plan()
+    else:  # vLLM's plan names it even where the metadata would not carry it
+        meta, so = MaruConnectorMetadata(loads=[ok, bad]), plan(preempted_req_ids={"gone"})
+    _at_forward_gate(setup, meta, so, PREEMPTS)
 
 
 def test_a_plan_on_another_thread_than_the_forwards_loads_at_the_forward(setup: tuple) -> None:
