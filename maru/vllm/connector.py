@@ -239,7 +239,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             )
             self._scheduler.connect_now()
             if cfg.early_load and cfg.enable_load and self._engine_id:
-                self._early = EarlyLoads(self._engine_id)
+                self._early = EarlyLoads.for_engine(self._engine_id)
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
                 cfg.server_url,

