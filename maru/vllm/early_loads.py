@@ -50,8 +50,23 @@ _WORKERS: dict[str, weakref.ref] = {}
 _LOCK = threading.Lock()
 
 NO_WORKER = "no worker in this process (tensor parallel or a multi-process executor)"
+OTHER_THREAD = "planned on another thread than the forwards"
+NOT_LAYERED = "loads are not layer by layer"
+UNFINISHED = "the previous layer load is unfinished"
 PREEMPTS = "the step preempts a request"
 BLOCKS_WRITTEN = "vLLM zeroes or copies new blocks in this step"
+
+# Reasons that hold for every step of the engine (the setting does nothing there): said once each,
+# with what to do. The others are a step's own (a preemption, new blocks vLLM writes) and only counted.
+NEVER_HERE = {
+    NO_WORKER: "the worker-side connector does not run in vLLM's scheduling process (tensor parallel or "
+    "a multi-process executor), so each step's load is issued at its forward. Fix: leave maru_early_load unset",
+    OTHER_THREAD: "vLLM plans steps on another thread than the one its forwards run on (an executor this "
+    "module does not know), so each step's load is issued at its forward. Fix: leave maru_early_load unset",
+    NOT_LAYERED: "this worker does not load layer by layer (CPU caches, asynchronous loads, or "
+    "maru_overlap_load_with_compute=false), and only a layer-by-layer load is issued early. Fix: leave "
+    "maru_early_load unset, or load layer by layer (the default on GPU caches)",
+}
 
 
 class EarlyWorker(Protocol):
@@ -110,7 +125,6 @@ class EarlyLoads:
         self.engine_id = engine_id
         self.started = 0
         self.at_forward: Counter[str] = Counter()
-        self._said_no_worker = False
 
     @classmethod
     def for_engine(cls, engine_id: str) -> EarlyLoads | None:
@@ -140,8 +154,10 @@ class EarlyLoads:
             why = f"{type(e).__name__}"
         if why is None:
             self.started += 1
-        else:
-            self.at_forward[why] += 1
+            return
+        self.at_forward[why] += 1
+        if self.at_forward[why] == 1 and why in NEVER_HERE:
+            logger.warning("Maru: maru_early_load has no effect here: %s", NEVER_HERE[why])
 
     def _why_not(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> str | None:
         if meta.preempted_req_ids or getattr(scheduler_output, "preempted_req_ids", None):
@@ -150,13 +166,6 @@ class EarlyLoads:
             return BLOCKS_WRITTEN
         worker = worker_of(self.engine_id)
         if worker is None:
-            if not self._said_no_worker:
-                self._said_no_worker = True
-                logger.warning(
-                    "Maru: maru_early_load has no effect here: the worker-side connector does not run "
-                    "in vLLM's scheduling process (tensor parallel or a multi-process executor), so "
-                    "each step's load is issued at its forward. Fix: leave maru_early_load unset"
-                )
             return NO_WORKER
         return worker.start_early(meta)
 

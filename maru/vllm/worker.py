@@ -32,6 +32,7 @@ from maru import kv_ops
 from maru.errors import UnsupportedLayout
 from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import ChunkRef, LoadReport, RequestTransfer
+from maru.vllm import early_loads
 from maru.vllm.async_loads import AsyncLoads
 from maru.vllm.config import MaruConnectorConfig
 from maru.vllm.gil_probe import GilProbe
@@ -339,11 +340,11 @@ class MaruWorkerConnector(WorkerStores):
         worker's forward thread (``maru.vllm.early_loads``, which checks the step). None when issued
         (``meta.early_token`` names it for ``start_load_kv``), else why not: it loads at the forward."""
         if threading.get_ident() != self._forward_thread:
-            return "planned on another thread than the forwards"
+            return early_loads.OTHER_THREAD
         if not (self.layer_overlap and self.cfg.enable_load):
-            return "loads are not layer by layer"
+            return early_loads.NOT_LAYERED
         if self.layer_loads.in_flight:
-            return "the previous layer load is unfinished"
+            return early_loads.UNFINISHED
         self._early_token += 1
         meta.early_token = self._early_token
         self._failed_blocks_step = set()

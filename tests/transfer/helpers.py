@@ -503,5 +503,5 @@ def overlap_setup(
     dbad = RequestTransfer(bad.req_id, blocks_outside(dst_a.block_ids, 4), bad.chunks)
     ref, dst, before = (case("kv_first", "NHD", seed + 1) for _ in range(3))
     assert plain_engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
-    w = worker(server, dst, overlap_load_with_compute=True, **cfg)
+    w = worker(server, dst, **{"overlap_load_with_compute": True, **cfg})
     return w, ref, dst, before, dst_a, dbad

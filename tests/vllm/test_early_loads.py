@@ -19,7 +19,7 @@ import pytest
 
 from maru.client import MaruHandler
 from maru.vllm import early_loads
-from maru.vllm.early_loads import BLOCKS_WRITTEN, NO_WORKER, PREEMPTS, EarlyLoads
+from maru.vllm.early_loads import BLOCKS_WRITTEN, NO_WORKER, NOT_LAYERED, PREEMPTS, EarlyLoads
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
 from tests.transfer.helpers import NAMES, MaruConnectorMetadata, needs_vllm, overlap_setup, same
@@ -144,6 +144,32 @@ def test_a_plan_while_the_previous_layer_load_is_unfinished_waits_for_the_forwar
     assert forward(w, first) == set()
     assert same(dst, ref)
     assert forward(w, second) == set(bad.block_ids)
+
+
+def test_a_worker_that_does_not_load_layer_by_layer_says_once_that_the_setting_does_nothing(
+    server: ServerProcess, client: MaruHandler, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine_id = f"sync-{uuid.uuid4().hex[:8]}"
+    w, ref, dst, _, ok, bad = overlap_setup(
+        server, client, engine_id, next(_seeds), early_load=True, overlap_load_with_compute=False
+    )
+    early_loads.register(engine_id, w)
+    try:
+        hand = EarlyLoads(engine_id)
+        with caplog.at_level("WARNING", logger="maru.vllm"):
+            for step in range(2):
+                meta = MaruConnectorMetadata(loads=[ok, bad] if step == 0 else [ok])
+                hand.after_plan(meta, plan())
+                assert meta.early_token == 0
+                errors = forward(w, meta)  # the whole load before the forward, as without the setting
+                assert errors == (set(bad.block_ids) if step == 0 else set())
+                assert same(dst, ref)
+        assert dict(hand.at_forward) == {NOT_LAYERED: 2} and w.stats.early_loads == 0
+        said = [r.getMessage() for r in caplog.records if "maru_early_load has no effect" in r.getMessage()]
+        assert len(said) == 1 and "layer by layer" in said[0] and "Fix:" in said[0]
+    finally:
+        early_loads.unregister(engine_id, w)
+        stop_worker(w)
 
 
 def test_without_a_worker_in_this_process_it_says_so_once_and_the_forward_loads() -> None:
