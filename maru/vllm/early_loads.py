@@ -12,8 +12,9 @@ in-process executor), the scheduler side hands each step's metadata to it as soo
 It is the same load (``LayerLoads.start``), issued earlier; a step loads at the forward, as without
 the setting, unless each of these holds (why):
 
-* the worker registered in this process for this engine (``register``; tensor parallel: never)
-  and is called on the thread its forwards run on (vLLM's in-process executor);
+* the worker registered in this process for this engine (``register``; tensor parallel: never;
+  two engines of one process under one ``engine_id``: neither) and is called on the thread its
+  forwards run on (vLLM's in-process executor);
 * the step's loads go layer by layer (``maru_overlap_load_with_compute``), and the worker's
   previous layer load was finished after its forward;
 * vLLM writes none of the step's new blocks before the forward: it zeroes freshly allocated
@@ -47,6 +48,7 @@ from maru.vllm.metadata import MaruConnectorMetadata
 logger = logging.getLogger("maru.vllm")
 
 _WORKERS: dict[str, weakref.ref] = {}
+_AMBIGUOUS: set[str] = set()  # engine ids two live workers registered under (``register``)
 _LOCK = threading.Lock()
 
 NO_WORKER = "no worker in this process (tensor parallel or a multi-process executor)"
@@ -76,8 +78,25 @@ class EarlyWorker(Protocol):
 
 
 def register(engine_id: str, worker: EarlyWorker) -> None:
-    """The worker-side connector of engine ``engine_id`` lives in this process."""
+    """The worker-side connector of engine ``engine_id`` lives in this process.
+
+    Two live workers under one id (two engines of one process given the same ``engine_id``) make
+    the id ambiguous for good: a step of one engine must never be loaded into the other's caches,
+    so neither is found (``worker_of``: None) and their steps load at the forward.
+    """
     with _LOCK:
+        ref = _WORKERS.get(engine_id)
+        held = ref() if ref is not None else None
+        if engine_id in _AMBIGUOUS or (held is not None and held is not worker):
+            _AMBIGUOUS.add(engine_id)
+            _WORKERS.pop(engine_id, None)
+            logger.warning(
+                "Maru: two engines in this process share the engine id %r: maru_early_load is off for "
+                "both (each step's load is issued at its forward). Fix: give each engine its own "
+                "kv_transfer_config engine_id, or leave it unset (vLLM makes one per engine)",
+                engine_id,
+            )
+            return
         _WORKERS[engine_id] = weakref.ref(worker)
 
 
@@ -89,6 +108,7 @@ def unregister(engine_id: str, worker: EarlyWorker) -> None:
 
 
 def worker_of(engine_id: str) -> EarlyWorker | None:
+    """The live worker registered under ``engine_id``; None where there is none or the id is ambiguous."""
     with _LOCK:
         ref = _WORKERS.get(engine_id)
     return ref() if ref is not None else None

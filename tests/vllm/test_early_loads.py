@@ -269,3 +269,24 @@ def test_the_early_load_runs_only_on_the_vllm_builds_whose_writes_before_the_for
     assert (hand is not None) is on
     said = [r.getMessage() for r in caplog.records if "maru_early_load is off" in r.getMessage()]
     assert len(said) == (0 if on else 1) and all("Fix:" in m for m in said)
+
+
+def test_two_engines_under_one_id_turn_the_early_load_off_for_both(caplog: pytest.LogCaptureFixture) -> None:
+    """A step planned by one engine must never be loaded into another engine's caches."""
+    engine_id = f"shared-{uuid.uuid4().hex[:8]}"
+    a, b, c = _Raising(), _Raising(), _Raising()
+    with caplog.at_level("WARNING", logger="maru.vllm"):
+        early_loads.register(engine_id, a)
+        early_loads.register(engine_id, a)  # the same worker again: still its own
+        assert early_loads.worker_of(engine_id) is a
+        early_loads.register(engine_id, b)
+        assert early_loads.worker_of(engine_id) is None
+        early_loads.unregister(engine_id, b)
+        early_loads.register(engine_id, c)  # ambiguous for good: a third engine is not trusted either
+    assert early_loads.worker_of(engine_id) is None
+    hand = EarlyLoads(engine_id)
+    meta = MaruConnectorMetadata(loads=[SimpleNamespace(req_id="r")])
+    hand.after_plan(meta, plan())
+    assert dict(hand.at_forward) == {NO_WORKER: 1} and meta.early_token == 0
+    said = [r.getMessage() for r in caplog.records if "share the engine id" in r.getMessage()]
+    assert len(said) == 2 and all("Fix:" in m for m in said)
