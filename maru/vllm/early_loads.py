@@ -52,6 +52,7 @@ _AMBIGUOUS: set[str] = set()  # engine ids two live workers registered under (``
 _LOCK = threading.Lock()
 
 NO_WORKER = "no worker in this process (tensor parallel or a multi-process executor)"
+SHARED_ID = "two engines of this process share the engine id"  # said by ``register``
 OTHER_THREAD = "planned on another thread than the forwards"
 NOT_LAYERED = "loads are not layer by layer"
 UNFINISHED = "the previous layer load is unfinished"
@@ -186,7 +187,7 @@ class EarlyLoads:
             return BLOCKS_WRITTEN
         worker = worker_of(self.engine_id)
         if worker is None:
-            return NO_WORKER
+            return SHARED_ID if self.engine_id in _AMBIGUOUS else NO_WORKER
         return worker.start_early(meta)
 
     def snapshot(self) -> dict[str, Any]:

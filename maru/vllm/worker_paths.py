@@ -6,8 +6,24 @@ from typing import Any
 
 from maru import checksum, env_flags, kv_ops
 from maru.client import frames
+from maru.vllm import early_loads
 from maru.vllm.layer_loads import UNWAITED
 from maru.vllm.sampled_profile import slow_note as profiling_note
+
+
+def early_load_path(worker: Any) -> str:
+    """What ``maru_early_load`` does on this worker, as far as the worker can tell: off, or why a
+    requested early load never applies here, or issued at each safe step's plan. (Per step, the
+    scheduler side's ``maru_stats()["early_loads"]`` counts where it did.)"""
+    if not worker.cfg.early_load:
+        return "off"
+    if worker.tp_size > 1:
+        return "requested, no effect: tensor parallel (the worker is not in the scheduler's process)"
+    if not worker.layer_overlap:
+        return "requested, no effect: loads are not layer by layer"
+    if (why := early_loads.untested_here()) is not None:
+        return f"requested, off: {why}"
+    return "at the step's plan (one GPU, vLLM's in-process executor)"
 
 
 def worker_data_paths(worker: Any) -> dict[str, Any]:
@@ -23,8 +39,7 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         "layout": worker.layout.describe() if worker.layout is not None else "?",
         "async_load": "on" if worker.cfg.async_load else "off",
         "layer_overlap": "on" if worker.layer_overlap else "off",
-        # maru_early_load: a step's layer load issued at its plan (in-process worker only: tp 1)
-        "early_load": "at the step's plan" if worker.cfg.early_load and worker.tp_size == 1 else "off",
+        "early_load": early_load_path(worker),
         # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
         "load_failure": "ends the request" if worker.cfg.load_failures_fail else "recomputed",
         "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
