@@ -74,8 +74,11 @@ API_LOADS: dict[str, dict[str, Any]] = {
     # (gpu_vllm_e2e.ENGINE_ENV; TuneParams.direct_programs): a program a token tile (the default
     # before 2026-12-03's thirty-eighth pass), or at most N over both planes (default: one an SM).
     **{f"programs-{n}": {} for n in ("a-tile", "528", "264", "66")},
-    # The default with each step's layer load issued when the step is planned (maru.vllm.early_loads).
+    # Each step's layer load issued when the step is planned (maru.vllm.early_loads): set
+    # explicitly; the default since 2026-12-06 (where it applies), so "default" runs it too.
     "early": {"maru_early_load": True},
+    # The layer load issued at the forward (start_load_kv): the default until 2026-12-06.
+    "at-forward": {"maru_early_load": False},
 }
 
 # Extra cold API instances: store variant -> Maru extra config. Each gets a namespace of its own, so

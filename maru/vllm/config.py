@@ -165,7 +165,10 @@ class MaruConnectorConfig:
     # worker shares the scheduler's thread (one GPU, vLLM's in-process executor): the pool is read
     # while vLLM prepares the step's inputs (~3-5 ms of host time on the H100 host). Only in steps
     # where nothing else writes the loaded blocks before the forward (``maru.vllm.early_loads``).
-    early_load: bool = False
+    # None (the default): on where it applies, said once at info level where it does not (tensor
+    # parallel, CPU caches, async loads, a vLLM build it was not checked on); True: the same, said
+    # as a warning there; False: off.
+    early_load: bool | None = None
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -250,7 +253,7 @@ class MaruConnectorConfig:
             "async_store": self.async_store,
             "paced_store": self.paced_store,
             "layer_path": self.layer_path,
-            "early_load": self.early_load,
+            "early_load": "auto (where it applies)" if self.early_load is None else self.early_load,
         }
 
     def reply_spin_us(self, cpus: int | None = None) -> int:
@@ -276,6 +279,11 @@ class MaruConnectorConfig:
         """``maru_overlap_load_with_compute`` unset and loads not async: each worker's data path decides."""
         return self.overlap_load_with_compute is None and not self.async_load
 
+    @property
+    def early_load_wanted(self) -> bool:
+        """``maru_early_load`` set or left to its default (on where it applies): not false."""
+        return self.early_load is not False
+
     def min_async_load(self) -> int:
         """Fewest tokens an asynchronous load is made for (``async_min_load_tokens``; None: a chunk)."""
         return self.kv_chunk_tokens if self.async_min_load_tokens is None else self.async_min_load_tokens
@@ -300,9 +308,12 @@ class MaruConnectorConfig:
                 "waits only for its own layer; a step vLLM replays as a full CUDA graph is loaded "
                 "before its forward"
             )
-        if self.early_load:
+        layered = bool(self.overlap_load_with_compute) or self._overlap_by_path
+        if self.early_load is True or (self.early_load is None and layered):
             out.append(
-                "maru_early_load: a step's layer-by-layer load is issued when the step is planned, "
+                "maru_early_load"
+                + (" (the default)" if self.early_load is None else "")
+                + ": a step's layer-by-layer load is issued when the step is planned, "
                 "where the worker shares vLLM's scheduling thread (one GPU), in steps that preempt "
                 "nothing and have no new blocks zeroed or copied by vLLM; other steps load at the forward"
             )

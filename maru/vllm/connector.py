@@ -238,8 +238,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 scopes=RequestScopes(AdapterDigests(lora_compute(vllm_config))),
             )
             self._scheduler.connect_now()
-            if cfg.early_load and cfg.enable_load and self._engine_id:
-                self._early = EarlyLoads.for_engine(self._engine_id)
+            if cfg.early_load_wanted and cfg.enable_load and self._engine_id:
+                self._early = EarlyLoads.for_engine(self._engine_id, explicit=cfg.early_load is True)
             logger.info(
                 "Maru: scheduler side up (server %s, chunk %d tokens, block %d, keys %s, load %s, store %s)",
                 cfg.server_url,
@@ -277,7 +277,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 backend_name_of=backend_name_of,
                 sleep_mode=sleep_mode,
             )
-            if cfg.early_load and self.key_space.tp_size == 1 and self._engine_id:
+            if cfg.early_load_wanted and self.key_space.tp_size == 1 and self._engine_id:
                 early_loads.register(self._engine_id, self._worker)
 
     @property

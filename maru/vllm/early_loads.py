@@ -23,15 +23,16 @@ the setting, unless each of these holds (why):
   plan. At the forward, the load's placements come after those writes; planned earlier they could
   race them;
 * vLLM is a build whose writes between the plan and the forward were read (``VLLM_TESTED``): on
-  another the setting stays off, said once (``untested_here``);
+  another it stays off, said once (``untested_here``);
 * the step preempts no request: vLLM frees a preempted request's blocks at once, and a
   write-behind gather may still read them until the worker's preemption barrier, which runs at
   the forward (``handle_preemptions``).
 
 The placements start after the work already queued on the thread's current stream (the previous
 step's forward under vLLM's async scheduling), as they do at the forward: a block freed by that
-step is rewritten only after it. Where the setting can never apply (the worker in another
-process) it says so once.
+step is rewritten only after it. Where it can never apply (the worker in another process, no
+layer-by-layer load) it says so once: at info level under the default (``maru_early_load`` unset:
+on where it applies), as a warning where a user set it true.
 """
 
 from __future__ import annotations
@@ -63,12 +64,14 @@ BLOCKS_WRITTEN = "vLLM zeroes or copies new blocks in this step"
 # with what to do. The others are a step's own (a preemption, new blocks vLLM writes) and only counted.
 NEVER_HERE = {
     NO_WORKER: "the worker-side connector does not run in vLLM's scheduling process (tensor parallel or "
-    "a multi-process executor), so each step's load is issued at its forward. Fix: leave maru_early_load unset",
+    "a multi-process executor), so each step's load is issued at its forward. Fix: none needed (set "
+    "maru_early_load=false to not ask for it)",
     OTHER_THREAD: "vLLM plans steps on another thread than the one its forwards run on (an executor this "
-    "module does not know), so each step's load is issued at its forward. Fix: leave maru_early_load unset",
+    "module does not know), so each step's load is issued at its forward. Fix: none needed (set "
+    "maru_early_load=false to not ask for it)",
     NOT_LAYERED: "this worker does not load layer by layer (CPU caches, asynchronous loads, or "
-    "maru_overlap_load_with_compute=false), and only a layer-by-layer load is issued early. Fix: leave "
-    "maru_early_load unset, or load layer by layer (the default on GPU caches)",
+    "maru_overlap_load_with_compute=false), and only a layer-by-layer load is issued early. Fix: load "
+    "layer by layer (the default on GPU caches), or set maru_early_load=false to not ask for it",
 }
 
 
@@ -142,27 +145,30 @@ class EarlyLoads:
     by reason (the module docstring lists them).
     """
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, *, explicit: bool = True) -> None:
         self.engine_id = engine_id
+        # Set by the user (maru_early_load=true): what keeps it from applying is a warning; under
+        # the default (unset: on where it applies) the same sentence at info level.
+        self._say = logger.warning if explicit else logger.info
         self.started = 0
         self.at_forward: Counter[str] = Counter()
 
     @classmethod
-    def for_engine(cls, engine_id: str) -> EarlyLoads | None:
-        """The hand-off for engine ``engine_id``, or None (said once) where this vLLM build was not
-        checked: a build that writes new blocks between the plan and the forward in a way this
-        module does not know would race the loads."""
+    def for_engine(cls, engine_id: str, *, explicit: bool = True) -> EarlyLoads | None:
+        """The hand-off for engine ``engine_id``, or None (said once; a warning if ``explicit``, the
+        user set it) where this vLLM build was not checked: a build that writes new blocks between
+        the plan and the forward in a way this module does not know would race the loads."""
         why = untested_here()
         if why is not None:
-            logger.warning(
+            (logger.warning if explicit else logger.info)(
                 "Maru: maru_early_load is off: %s; vLLM writes some new blocks between planning a "
                 "step and its forward (zeroing, copy-on-write), and on this build where it does was "
                 "not checked. Each step's load is issued at its forward. Fix: a tested vLLM build, or "
-                "leave maru_early_load unset",
+                "set maru_early_load=false to not ask for it",
                 why,
             )
             return None
-        return cls(engine_id)
+        return cls(engine_id, explicit=explicit)
 
     def after_plan(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> None:
         """Issue ``meta``'s loads now where that is safe (never raises: the forward loads them)."""
@@ -178,7 +184,7 @@ class EarlyLoads:
             return
         self.at_forward[why] += 1
         if self.at_forward[why] == 1 and why in NEVER_HERE:
-            logger.warning("Maru: maru_early_load has no effect here: %s", NEVER_HERE[why])
+            self._say("Maru: maru_early_load has no effect here: %s", NEVER_HERE[why])
 
     def _why_not(self, meta: MaruConnectorMetadata, scheduler_output: Any) -> str | None:
         if meta.preempted_req_ids or getattr(scheduler_output, "preempted_req_ids", None):

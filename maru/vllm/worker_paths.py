@@ -15,14 +15,15 @@ def early_load_path(worker: Any) -> str:
     """What ``maru_early_load`` does on this worker, as far as the worker can tell: off, or why a
     requested early load never applies here, or issued at each safe step's plan. (Per step, the
     scheduler side's ``maru_stats()["early_loads"]`` counts where it did.)"""
-    if not worker.cfg.early_load:
+    if not worker.cfg.early_load_wanted:
         return "off"
+    asked = "requested" if worker.cfg.early_load else "default"
     if worker.tp_size > 1:
-        return "requested, no effect: tensor parallel (the worker is not in the scheduler's process)"
+        return f"{asked}, no effect: tensor parallel (the worker is not in the scheduler's process)"
     if not worker.layer_overlap:
-        return "requested, no effect: loads are not layer by layer"
+        return f"{asked}, no effect: loads are not layer by layer"
     if (why := early_loads.untested_here()) is not None:
-        return f"requested, off: {why}"
+        return f"{asked}, off: {why}"
     return "at the step's plan (one GPU, vLLM's in-process executor)"
 
 

@@ -9,7 +9,7 @@ engines, each in its own process, started together (start-up overlaps) and drive
 - B-sync (``maru_overlap_load_with_compute=false``: the whole load before the forward),
   B-async (``maru_async_load``), B-overlap (``maru_overlap_load_with_compute``, the default on a
   GPU, with write-behind store): each loads X as a batch of concurrent hits. B-sync, B-async and
-  B-plain (the default load, layer by layer; vLLM's asynchronous scheduling off) meet a chunk
+  B-plain (the layer-by-layer load issued at the forward; vLLM's asynchronous scheduling off) meet a chunk
   deleted between the scheduler's offer and the load (a connector subclass deletes it at
   ``start_load_kv``): B-sync and B-async hold what they offer pinned (the default), so the load
   still places it; B-plain runs with ``maru_hold_offers=false`` (the worker pins its loads itself
@@ -18,8 +18,9 @@ engines, each in its own process, started together (start-up overlaps) and drive
   same-step loads (offer pins make them safe there: vLLM issue #49250, see
   ``maru.vllm.connector``); B-plain and B-overlap the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``);
   on CPU both are V1;
-- B-early: the default V2 runner and layer-by-layer load with ``maru_early_load`` (each step's load
-  issued when vLLM plans the step): loads X as a batch of concurrent hits;
+- B-early: the default V2 runner and layer-by-layer load with ``maru_early_load`` set (each step's
+  load issued when vLLM plans the step; the default, as in B-overlap on the V1 runner): loads X as a
+  batch of concurrent hits;
 - P (write-behind, a slow drain, a KV cache too small for its two growing requests): preemption
   while stores are in flight; B-sync then loads what P stored.
 
@@ -168,7 +169,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             {
                 **base,
                 "async_scheduling": False,
-                "kv_transfer_config": kv({"maru_hold_offers": False}, **evict),
+                # At the forward: the chunk is deleted at start_load_kv, after an early load's pins.
+                "kv_transfer_config": kv({"maru_hold_offers": False, "maru_early_load": False}, **evict),
             },
             v1_runner,
         ),
@@ -217,7 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("Basync-X", lambda: _gen(ba, X))
         stage("Basync-E2", lambda: evicted(ba, E2))
         stage("Basync-S", lambda: {**_gen(ba, S), "sched": ba.stats()["scheduler"]})
-        stage("Bovl-X", lambda: _gen(bo, X))
+        stage("Bovl-X", lambda: {**_gen(bo, X), "sched": bo.stats()["scheduler"]})
         stage("Bearly-X", lambda: {**_gen(eng["B-early"], X), "sched": eng["B-early"].stats()["scheduler"]})
         stage("Bovl-Y", lambda: _gen(bo, Y))
         stage("Bovl-Y-hit", lambda: _gen(bo, Y))
@@ -249,9 +251,9 @@ def test_a_batch_of_concurrent_hits_loads_every_prompt_and_keeps_the_output(runs
     assert d["loads_from_held_pins"] >= 1  # placed from the scheduler's pins: no lookup round trip
     if engine == "Bsync":  # on the V2 runner too: loaded in the step that computes, not parked
         assert d["async_loads"] == 0 and d["overlap_loads"] == 0  # the whole load before the forward
-    if engine == "Bovl":
+    if engine == "Bovl":  # the V1 runner, maru_early_load by default
         assert d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0
-    if engine == "Bearly":  # every step's load issued at its plan, none at the forward
+    if engine in ("Bovl", "Bearly"):  # every step's load issued at its plan, none at the forward
         early = r["sched"]["early_loads"]
         assert d["early_loads"] == d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0
         assert early["started"] == d["early_loads"] and early["at_forward"] == {}, early

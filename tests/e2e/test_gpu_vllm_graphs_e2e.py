@@ -5,10 +5,11 @@ changes nothing runs vLLM's graphs. Two engines here, each in its own process, v
 default V2 model runner, the model of Llama-3-8B's KV geometry (``bench/vllm_harness.py``), one
 real ``maru server``:
 
-- G, the default configuration (offers pinned at each offer, the layer-overlap load, the
-  write-behind store). vLLM keeps its full graphs: a step with prefill runs piecewise graphs, the
-  per-layer wait between the pieces, and loads layer by layer under the forward; a step replayed
-  as one full graph skips that wait, so the worker loads it before the forward. G computes a batch
+- G, the default configuration (offers pinned at each offer, the layer-overlap load issued when
+  vLLM plans the step, the write-behind store). vLLM keeps its full graphs: a step with prefill
+  runs piecewise graphs, the per-layer wait between the pieces, and loads layer by layer under the
+  forward; a step replayed as one full graph skips that wait, so the worker waits for its load
+  before the forward. G computes a batch
   XG of four prompts and a batch ZG of four prompts a token past a block boundary, settles (every
   store published, its prefix cache reset), loads XG back (twelve tokens left to compute each:
   piecewise) and ZG (each hit leaves one token: a decode-shaped batch, replayed as a full graph);
@@ -92,8 +93,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         stage("G-XG", lambda: generate_counted(g, XG, MAX_TOKENS))
         stage("G-ZG", lambda: generate_counted(g, ZG, MAX_TOKENS))
         stage("G-settle", lambda: g.settle())
-        stage("G-XG-load", lambda: generate_counted(g, XG, MAX_TOKENS))
-        stage("G-ZG-load", lambda: generate_counted(g, ZG, MAX_TOKENS))
+        stage("G-XG-load", lambda: {**generate_counted(g, XG, MAX_TOKENS), "sched": g.stats()["scheduler"]})
+        stage("G-ZG-load", lambda: {**generate_counted(g, ZG, MAX_TOKENS), "sched": g.stats()["scheduler"]})
         stage("sync-XG", lambda: generate_counted(o, XG, MAX_TOKENS))
         stage("sync-YG", lambda: generate_counted(o, YG, MAX_TOKENS))
         stage("sync-settle", lambda: o.settle())
@@ -130,6 +131,8 @@ def test_the_default_configuration_under_cuda_graphs_loads_a_batch_of_hits_layer
     d = r["delta"]
     assert d["async_loads"] == 0 and d["loads_from_held_pins"] >= 1
     assert d["overlap_loads"] >= 1 and d["layer_loads_unwaited"] == 0  # placed under the forward
+    # maru_early_load (the default): the steps' loads issued when vLLM planned them.
+    assert d["early_loads"] >= 1 and r["sched"]["early_loads"]["started"] >= d["early_loads"], r["sched"]
 
 
 def test_the_default_configuration_loads_a_full_graph_step_before_its_forward_with_the_same_output(
@@ -142,6 +145,8 @@ def test_the_default_configuration_loads_a_full_graph_step_before_its_forward_wi
     d = r["delta"]
     assert d["overlap_full_graph_loads"] >= 1  # vLLM replayed that step as a full graph
     assert d["layer_loads_unwaited"] == 0
+    # Issued at the plan (the default maru_early_load), waited for before the full graph's replay.
+    assert d["early_loads"] >= 1, r["sched"]["early_loads"]
 
 
 def test_loads_before_the_forward_under_cuda_graphs_keep_the_output(runs: Runs) -> None:

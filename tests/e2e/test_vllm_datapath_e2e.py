@@ -3,10 +3,10 @@
 Two engines, each in its own process (``maru.demo.runner``), one after the other, against one
 real ``maru server``:
 
-- G: ``maru_overlap_load_with_compute`` + ``maru_async_store``: serves P1 and P3 cold (the
-  reference outputs; stores committed by the drain thread), forgets its own prefix cache, then
-  serves P1 again (loaded layer by layer while the forward runs) and P3 with a chunk deleted
-  between the scheduler's check and the load (recomputed);
+- G: ``maru_overlap_load_with_compute`` + ``maru_async_store``, ``maru_early_load`` off: serves P1
+  and P3 cold (the reference outputs; stores committed by the drain thread), forgets its own prefix
+  cache, then serves P1 again (loaded layer by layer while the forward runs, issued at the forward)
+  and P3 with a chunk deleted between the scheduler's check and the load (recomputed);
 - H: ``maru_async_load`` with an admission window of one load: serves P1 and P3 together (one
   waits for the other's slot), then P3 alone with a chunk deleted before the load;
 - G and H run with ``maru_hold_offers=false`` (the worker looks its loads up itself), the mode
@@ -15,8 +15,9 @@ real ``maru server``:
 - I: ``maru_async_load`` with the default window: P1 twice, P4 and P2 arriving together, all
   starting with P1's chunks: those are loaded once, the others wait for vLLM's prefix cache;
 - J: the same without vLLM's prefix cache: nothing to wait for, each request loads its own copy;
-- K: ``maru_early_load`` with the layer-by-layer load: P1 and P3 together, their step's load issued
-  when vLLM planned the step (the worker runs on the scheduler's thread in this in-process engine).
+- K: the layer-by-layer load with ``maru_early_load`` left to its default (on): P1 and P3 together,
+  their step's load issued when vLLM planned the step (the worker runs on the scheduler's thread in
+  this in-process engine).
 
 Every output must equal the cold one token for token.
 """
@@ -89,7 +90,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "G",
             tmp,
             model_dir,
-            conn(maru_overlap_load_with_compute=True, maru_async_store=True, maru_hold_offers=False),
+            # At the forward (maru_early_load off): the chunk is deleted at start_load_kv, after an
+            # early load would have pinned it.
+            conn(
+                maru_overlap_load_with_compute=True,
+                maru_async_store=True,
+                maru_hold_offers=False,
+                maru_early_load=False,
+            ),
         ) as g:
             res["cold_p1"] = gen(g, P1)
             res["cold_p3"] = gen(g, P3)
@@ -129,8 +137,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             res["j_unshared"] = r
             res["j_stats"] = j.call({"op": "stats"})
         with engine(
-            "K", tmp, model_dir, conn(maru_overlap_load_with_compute=True, maru_early_load=True)
-        ) as k:
+            "K", tmp, model_dir, conn(maru_overlap_load_with_compute=True)
+        ) as k:  # early: the default
             r = k.call({"op": "generate", "prompts": [P1, P3], "max_tokens": 8})
             assert "error" not in r, r
             res["k_both"] = r
@@ -221,4 +229,5 @@ def test_early_load_issues_the_steps_load_at_its_plan_with_identical_output(runs
     assert sched["early_loads"]["started"] >= 1 and sched["early_loads"]["at_forward"] == {}
     assert w["early_loads"] == sched["early_loads"]["started"] and w["overlap_loads"] == w["early_loads"]
     assert w["load_errors"] == 0 and w["layer_loads_unwaited"] == 0 and w["tokens_loaded"] == 2 * USABLE
-    assert "maru_early_load:" in runs["logs"]["K"]  # announced
+    assert "maru_early_load (the default):" in runs["logs"]["K"]  # announced
+    assert "issued when the step is planned" not in runs["logs"]["G"]  # set false: not announced

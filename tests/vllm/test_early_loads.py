@@ -296,15 +296,40 @@ def test_two_engines_under_one_id_turn_the_early_load_off_for_both(caplog: pytes
 def test_maru_stats_says_what_a_requested_early_load_does_on_this_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from maru.vllm.config import MaruConnectorConfig
     from maru.vllm.worker_paths import early_load_path
 
-    def w(early: bool = True, tp: int = 1, layered: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(cfg=SimpleNamespace(early_load=early), tp_size=tp, layer_overlap=layered)
+    def w(early: bool | None = True, tp: int = 1, layered: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(cfg=MaruConnectorConfig(early_load=early), tp_size=tp, layer_overlap=layered)
 
     monkeypatch.setattr(early_loads, "vllm_version", lambda: ("vllm", "0.26.0"))
     assert early_load_path(w(early=False)) == "off"
     assert early_load_path(w()).startswith("at the step's plan")
-    assert "tensor parallel" in early_load_path(w(tp=2))
-    assert "not layer by layer" in early_load_path(w(layered=False))
+    assert early_load_path(w(early=None)).startswith("at the step's plan")  # the default
+    assert early_load_path(w(tp=2)).startswith("requested, no effect: tensor parallel")
+    assert early_load_path(w(early=None, layered=False)) == "default, no effect: loads are not layer by layer"
     monkeypatch.setattr(early_loads, "vllm_version", lambda: ("vllm", "0.35.0"))
     assert early_load_path(w()).startswith("requested, off: vllm 0.35.0")
+    assert early_load_path(w(early=None)).startswith("default, off: vllm 0.35.0")
+
+
+def test_under_the_default_what_keeps_it_from_applying_is_said_once_at_info_not_as_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Left unset, the early load is on where it applies; an engine where it cannot (tensor parallel,
+    CPU caches, another vLLM build) is not misconfigured, so it is said at info level, once."""
+    monkeypatch.setattr(early_loads, "vllm_version", lambda: ("vllm", "0.35.0"))
+    with caplog.at_level("INFO", logger="maru.vllm"):
+        assert EarlyLoads.for_engine("quiet", explicit=False) is None
+        assert EarlyLoads.for_engine("loud", explicit=True) is None
+    off = [r for r in caplog.records if "maru_early_load is off" in r.getMessage()]
+    assert [r.levelname for r in off] == ["INFO", "WARNING"] and all("Fix:" in r.getMessage() for r in off)
+    caplog.clear()
+    for explicit in (False, True):
+        hand = EarlyLoads(f"elsewhere-{uuid.uuid4().hex[:8]}", explicit=explicit)
+        with caplog.at_level("INFO", logger="maru.vllm"):
+            for _ in range(2):
+                hand.after_plan(MaruConnectorMetadata(loads=[SimpleNamespace(req_id="r")]), plan())
+        assert dict(hand.at_forward) == {NO_WORKER: 2}
+    said = [r for r in caplog.records if "maru_early_load has no effect" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO", "WARNING"]

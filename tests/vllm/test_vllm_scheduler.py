@@ -522,23 +522,30 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "async_store": True,
         "paced_store": True,
         "layer_path": "auto",
-        "early_load": False,
+        "early_load": "auto (where it applies)",
     }
+    assert d.early_load is None and d.early_load_wanted  # on where it applies (maru.vllm.early_loads)
     early = MaruConnectorConfig.from_extra_config({"maru_early_load": "true"})
-    assert early.data_path()["early_load"] and early.data_path_lines()[1].startswith("maru_early_load:")
+    assert early.data_path()["early_load"] is True and early.data_path_lines()[1].startswith(
+        "maru_early_load:"
+    )
+    off = MaruConnectorConfig.from_extra_config({"maru_early_load": "false"})
+    assert not off.early_load_wanted and off.data_path()["early_load"] is False
+    assert not any(line.startswith("maru_early_load") for line in off.data_path_lines())
     # Layer by layer where the caches are on a GPU, unless set or loads are asynchronous.
     assert (d.layer_overlap(pipelined=True), d.layer_overlap(pipelined=False)) == (True, False)
     lines = d.data_path_lines()
-    assert len(lines) == 2 and lines[0].startswith(
+    assert len(lines) == 3 and lines[0].startswith(
         "maru_overlap_load_with_compute (on GPU caches, the default)"
     )
-    assert lines[1].startswith("maru_async_store:")
-    assert "yields the copy engine between chunks (maru_paced_store)" in lines[1]
+    assert lines[1].startswith("maru_early_load (the default):")
+    assert lines[2].startswith("maru_async_store:")
+    assert "yields the copy engine between chunks (maru_paced_store)" in lines[2]
     unpaced = MaruConnectorConfig.from_extra_config({"maru_paced_store": "false"})
-    assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[1]
+    assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[2]
     sync = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "false"})
     assert not sync.layer_overlap(pipelined=True) and sync.data_path()["overlap_load_with_compute"] is False
-    assert len(sync.data_path_lines()) == 1
+    assert len(sync.data_path_lines()) == 1  # no layer-by-layer load: no early load announced
     on = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "true"})
     assert on.layer_overlap(pipelined=False) and on.data_path_lines()[0].startswith(
         "maru_overlap_load_with_compute:"
