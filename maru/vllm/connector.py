@@ -499,7 +499,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 logger.info(
                     "Maru: host time in vLLM's hooks (scheduler, so far): %s; probes: %s (%s local, %s "
                     "remote); async loads planned %d, shared %d, window-deferred %d; offer pins: %s; "
-                    "replies: %s%s",
+                    "replies: %s%s%s",
                     self.hook_times.line(),
                     st.get("probe_path"),
                     st.get("probes_local", 0),
@@ -509,6 +509,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                     st["async_loads_deferred"],
                     _pin_trips(st.get("offer_pins")),
                     _reply_waits(st.get("reply_waits")),
+                    f"; early loads: {self._early.line()}" if self._early is not None else "",
                     GC_CLOCK.note(self.hook_times.gc_s),
                 )
 

@@ -198,3 +198,12 @@ class EarlyLoads:
 
     def snapshot(self) -> dict[str, Any]:
         return {"started": self.started, "at_forward": dict(self.at_forward)}
+
+    def line(self) -> str:
+        """For the scheduler's timing line: how many steps loaded at the plan, and where not, why."""
+        out = f"{self.started} at the plan"
+        if self.at_forward:
+            out += ", at the forward: " + ", ".join(
+                f"{n} ({why})" for why, n in self.at_forward.most_common()
+            )
+        return out

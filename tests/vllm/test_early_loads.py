@@ -191,6 +191,7 @@ def test_without_a_worker_in_this_process_it_says_so_once_and_the_forward_loads(
     said = [r.getMessage() for r in records if "maru_early_load has no effect" in r.getMessage()]
     assert len(said) == 1 and "Fix:" in said[0]
     assert hand.snapshot() == {"started": 0, "at_forward": {NO_WORKER: 2}}
+    assert hand.line() == f"0 at the plan, at the forward: 2 ({NO_WORKER})"
 
 
 def test_a_step_without_loads_is_not_counted() -> None:
