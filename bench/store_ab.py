@@ -126,6 +126,8 @@ def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, 
             row["vs_cold"] = p
         if k.startswith("load-") and (p := paired(rounds, "load", k)) is not None:
             row["vs_load"] = p  # the default warm instance over this one (another tree or mode), by round
+        if k.startswith("store-") and (p := paired(rounds, "store", k)) is not None:
+            row["vs_store"] = p  # the default storing instance over this variant, by round
         out[k] = row
     return out
 
@@ -185,6 +187,8 @@ def markdown(out: dict[str, Any]) -> str:
         pairs = [row[k] for k in ("vs", "vs_cold") if k in row]
         if "vs_load" in row:  # the default warm instance over this one (another tree, or a load mode)
             pairs.append({**row["vs_load"], "against_label": "the default warm instance over this one"})
+        if "vs_store" in row:  # the default storing instance over this variant
+            pairs.append({**row["vs_store"], "against_label": "the default storing instance over this one"})
         if not pairs:
             lines.append(head + " - | - | - | - |")
         for p in pairs:

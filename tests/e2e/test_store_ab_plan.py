@@ -102,7 +102,9 @@ def test_summary_compares_warm_with_the_hit_and_cold_with_the_plain_instance() -
     assert s["load"]["vs"]["ttft_ratio_median"] == pytest.approx(want)
     table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
     rows = [ln for ln in table.splitlines() if ln.startswith("| ")]
-    assert len(rows) == 1 + 5 + 1  # the header, five instances, load's second row (against cold)
+    # The header, five instances, load's second row (against cold), store-idle's (the default storing
+    # instance over it).
+    assert len(rows) == 1 + 5 + 1 + 1
     assert sum("vLLM's own prefix hit" in r.split("|")[7] for r in rows) == 1  # load against the hit
 
 
@@ -141,3 +143,22 @@ def test_a_warm_load_mode_pairs_with_the_default_warm_instance_round_by_round() 
         a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(rounds["load"], rounds["load-early"], strict=True)
     )
     assert early["vs_load"]["ttft_ratio_median"] == pytest.approx(want)
+
+
+def test_a_store_variant_pairs_with_the_default_storing_instance_round_by_round() -> None:
+    from bench.api_workload import check_store_variant, store_label, store_variant
+
+    assert check_store_variant("after-forward") == "after-forward"
+    assert store_variant("after-forward") == {"maru_async_store": True, "maru_store_after_next_forward": True}
+    rounds = _rounds(["none", "store", "store-after-forward", "hit", "load"], 9, 19)
+    s = sab.summarize(rounds)
+    v = s["store-after-forward"]
+    assert v["vs"]["against"] == "none" and v["label"] == store_label("after-forward")
+    want = statistics.median(
+        a["ttft_mean_s"] / b["ttft_mean_s"]
+        for a, b in zip(rounds["store"], rounds["store-after-forward"], strict=True)
+    )
+    assert v["vs_store"]["ttft_ratio_median"] == pytest.approx(want)
+    assert "vs_store" not in s["store"]  # the default is not paired with itself
+    table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
+    assert sum("the default storing instance over this one" in ln for ln in table.splitlines()) == 1
