@@ -56,7 +56,8 @@ class ForwardGate:
     """``maru_store_after_next_forward``: a store batch queued at a step's end is issued by the drain
     thread only once the next step's forward has started (``forward_started``), or ``timeout_s``
     after it was queued, or at once while the gate is open (a flush or shutdown waits for the stores
-    and no forward comes).
+    and no forward comes). A held store has not taken its gather, so the preemption barrier, which
+    runs before that forward, gathers it itself (``wait_store_read``) and never waits for the gate.
 
     Why: in real vLLM (bench/RESULTS.md, fifty-fourth pass) the drain's issue (~2.4 ms of Python a
     batch) ran while vLLM planned and prepared the next step, the device idle, and that step's
@@ -283,8 +284,7 @@ class WriteBehind:
         """
         ids = set(meta.preempted_req_ids)
         self.owe(meta)
-        if self.gate is not None and any(pending.req_ids & ids for pending, _ in self._batches):
-            self.gate.open()  # a store held for the next forward would hold the forward up
+        # A store held at the ``gate`` has not taken its gather: ``wait_store_read`` runs it here.
         for pending, engine in list(self._batches):
             if not (pending.req_ids & ids) or pending.read_done.is_set():
                 continue

@@ -4,7 +4,7 @@ the drain thread only once the next step's forward started.
 Real server and shared-memory pool, the worker over CPU caches built the way vLLM builds them
 (block size 4 != 3 heads). Nothing depends on timing: the tests wait until the drain thread is
 blocked in the gate (``ForwardGate.waiting``) before asserting that nothing was published yet.
-What must hold: the store waits for the next ``start_load_kv``, a flush or a preemption of its
+What must hold: the store waits for the next ``start_load_kv``; a flush or a preemption of its
 request does not wait for a forward that cannot come, an idle engine's store goes at the timeout,
 and the bytes published are the blocks' as they were when the store was queued.
 """
@@ -43,6 +43,12 @@ def gated_worker(url: str, src: object, timeout_s: float = 30.0) -> object:
     return w
 
 
+def held_at_gate(w: object, req: object) -> None:
+    """Queue ``req``'s store as a step's end does, and wait until the drain thread holds it at the gate."""
+    w.wait_for_save(Meta(stores=[req]))
+    assert until(lambda: w.write_behind.gate.waiting == 1)
+
+
 def test_a_store_waits_for_the_next_forward_then_publishes_the_blocks_it_was_queued_with(
     server: ServerProcess, client: MaruHandler
 ) -> None:
@@ -52,8 +58,7 @@ def test_a_store_waits_for_the_next_forward_then_publishes_the_blocks_it_was_que
     w = gated_worker(server.url, src)
     try:
         w.start_load_kv(Meta())  # this step's forward
-        w.wait_for_save(Meta(stores=[req]))  # queued at the step's end
-        assert until(lambda: w.write_behind.gate.waiting == 1)  # the drain holds it at the gate
+        held_at_gate(w, req)  # queued at the step's end, held by the drain thread
         assert client.exists(keys) == [False, False] and w.stats.stores_in_flight == 1
         w.start_load_kv(Meta())  # the next step's forward starts: the drain issues the store
         assert until(lambda: client.exists(keys) == [True, True])
@@ -77,8 +82,7 @@ def test_a_store_queued_after_the_forward_started_still_waits_for_the_next_one(
     try:
         for _ in range(3):
             w.start_load_kv(Meta())
-        w.wait_for_save(Meta(stores=[req]))
-        assert until(lambda: w.write_behind.gate.waiting == 1)
+        held_at_gate(w, req)
         assert client.exists([c.key for c in req.chunks]) == [False, False]
     finally:
         stop_worker(w)  # shutdown opens the gate and publishes it
@@ -106,16 +110,14 @@ def test_a_flush_does_not_wait_for_a_forward_that_cannot_come(
     req = request("gate-flush", [9, 4, 11, 2], 2 * CHUNK)
     w = gated_worker(server.url, src)
     try:
-        w.wait_for_save(Meta(stores=[req]))
-        assert until(lambda: w.write_behind.gate.waiting == 1)
+        held_at_gate(w, req)
         w.flush_stores()  # opens the gate: the store is published now, not after 30 s
         assert client.exists([c.key for c in req.chunks]) == [True, True]
         assert (w.stats.drain_gate_waits, w.stats.drain_gate_timeouts) == (1, 0)
         # Open until the next forward: then a store waits again.
         w.start_load_kv(Meta())
         again = request("gate-flush-2", [1, 5, 12, 7], 2 * CHUNK)
-        w.wait_for_save(Meta(stores=[again]))
-        assert until(lambda: w.write_behind.gate.waiting == 1)
+        held_at_gate(w, again)
     finally:
         stop_worker(w)
     assert_stored(client, req, original)
@@ -124,16 +126,18 @@ def test_a_flush_does_not_wait_for_a_forward_that_cannot_come(
 def test_a_preempted_requests_held_store_is_read_before_the_forward_and_keeps_the_old_bytes(
     server: ServerProcess, client: MaruHandler
 ) -> None:
-    """The preemption barrier runs before the forward that would release the store: it must not
-    wait for that forward (it would wait out the gate's timeout) and the blocks it returns are
-    reusable at once."""
+    """The preemption barrier runs before the forward that would release the store: it gathers the
+    held store itself instead of waiting for that forward (it would wait out the gate's timeout), and
+    the blocks it returns are reusable at once."""
     src, original = case("kv_first", "NHD", 35), case("kv_first", "NHD", 35)
     req = request("gate-preempt", [8, 3, 12, 5], 2 * CHUNK)
     w = gated_worker(server.url, src)
     try:
-        w.wait_for_save(Meta(stores=[req]))
-        assert until(lambda: w.write_behind.gate.waiting == 1)
+        held_at_gate(w, req)
         w.handle_preemptions(Meta(preempted_req_ids={req.req_id}))
+        # Read, while the drain thread is still held: the barrier gathered it on this thread.
+        assert w.write_behind.gate.waiting == 1 and not w.write_behind.on_device()
+        assert w.stats.preemption_waits == 1
         for t in src.caches:  # the next forward reuses the preempted request's blocks
             t.fill_(-3.0)
         w.start_load_kv(Meta())
