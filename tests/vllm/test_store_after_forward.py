@@ -62,7 +62,8 @@ def test_a_store_waits_for_the_next_forward_then_publishes_the_blocks_it_was_que
         assert client.exists(keys) == [False, False] and w.stats.stores_in_flight == 1
         w.start_load_kv(Meta())  # the next step's forward starts: the drain issues the store
         assert until(lambda: client.exists(keys) == [True, True])
-        w.get_finished(set())
+        # Published; its report reaches the stats when the drain thread returns it (polled each step).
+        assert until(lambda: w.get_finished(set()) is not None and w.stats.chunks_stored == 2)
         s = w.stats
         assert (s.drain_gate_waits, s.drain_gate_timeouts, s.chunks_stored) == (1, 0, 2)
         assert 0 < s.drain_gate_wait_s < 30
