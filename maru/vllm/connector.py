@@ -277,7 +277,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 backend_name_of=backend_name_of,
                 sleep_mode=sleep_mode,
             )
-            if cfg.early_load_wanted and self.key_space.tp_size == 1 and self._engine_id:
+            if cfg.early_load_wanted and cfg.enable_load and self.key_space.tp_size == 1 and self._engine_id:
                 early_loads.register(self._engine_id, self._worker)
 
     @property

@@ -18,6 +18,8 @@ def early_load_path(worker: Any) -> str:
     if not worker.cfg.early_load_wanted:
         return "off"
     asked = "requested" if worker.cfg.early_load else "default"
+    if not worker.cfg.enable_load:
+        return f"{asked}, no effect: loads are off (maru_enable_load=false)"
     if worker.tp_size > 1:
         return f"{asked}, no effect: tensor parallel (the worker is not in the scheduler's process)"
     if not worker.layer_overlap:

@@ -300,13 +300,18 @@ def test_maru_stats_says_what_a_requested_early_load_does_on_this_worker(
     from maru.vllm.config import MaruConnectorConfig
     from maru.vllm.worker_paths import early_load_path
 
-    def w(early: bool | None = True, tp: int = 1, layered: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(cfg=MaruConnectorConfig(early_load=early), tp_size=tp, layer_overlap=layered)
+    def w(early: bool | None = True, tp: int = 1, layered: bool = True, load: bool = True) -> SimpleNamespace:
+        cfg = MaruConnectorConfig(early_load=early, enable_load=load)
+        return SimpleNamespace(cfg=cfg, tp_size=tp, layer_overlap=layered)
 
     monkeypatch.setattr(early_loads, "vllm_version", lambda: ("vllm", "0.26.0"))
     assert early_load_path(w(early=False)) == "off"
     assert early_load_path(w()).startswith("at the step's plan")
     assert early_load_path(w(early=None)).startswith("at the step's plan")  # the default
+    assert (
+        early_load_path(w(early=None, load=False))
+        == "default, no effect: loads are off (maru_enable_load=false)"
+    )
     assert early_load_path(w(tp=2)).startswith("requested, no effect: tensor parallel")
     assert early_load_path(w(early=None, layered=False)) == "default, no effect: loads are not layer by layer"
     monkeypatch.setattr(early_loads, "vllm_version", lambda: ("vllm", "0.35.0"))
