@@ -55,6 +55,12 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
     slow.extend(env_flags.misread())  # a MARU_* switch set to a value that is not one (left off)
     if (profiling := profiling_note()) is not None:
         slow.append(profiling)
+    early = paths["early_load"]
+    if worker.cfg.early_load is True and early.startswith("requested, "):  # set, yet never applies
+        slow.append(
+            f"maru_early_load is set but {early.removeprefix('requested, ')}: each step's load is "
+            "issued at its forward. Fix: see the reason (docs/vllm.md, maru_early_load), or unset it"
+        )
     if worker.stats.layer_loads_unwaited:
         slow.append(f"{worker.stats.layer_loads_unwaited} {UNWAITED}")
     if eng is not None:

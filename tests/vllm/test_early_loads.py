@@ -166,6 +166,9 @@ def test_a_worker_that_does_not_load_layer_by_layer_says_once_that_the_setting_d
                 assert same(dst, ref)
         assert dict(hand.at_forward) == {NOT_LAYERED: 2} and w.stats.early_loads == 0
         assert w.data_paths()["paths"]["early_load"] == "requested, no effect: loads are not layer by layer"
+        # Set true yet never applied: a slow path maru doctor shows, with the fix.
+        slow = [x for x in w.data_paths()["slow"] if x.startswith("maru_early_load is set but")]
+        assert len(slow) == 1 and "not layer by layer" in slow[0] and "Fix:" in slow[0]
         said = [r.getMessage() for r in caplog.records if "maru_early_load has no effect" in r.getMessage()]
         assert len(said) == 1 and "layer by layer" in said[0] and "Fix:" in said[0]
     finally:
