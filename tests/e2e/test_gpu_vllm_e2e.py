@@ -28,6 +28,8 @@ engines, each in its own process, started together (start-up overlaps) and drive
 where each side's token is in the other's top-5); a wrong KV shows up as ``different``.
 Run on a GPU host with vLLM: ``pytest -m gpu tests/e2e/test_gpu_vllm_e2e.py`` (about 2 minutes
 on an H200, most of it engine start-up); ``bench/gpu_vllm_pass.sh`` runs it on the device.
+``MARU_GPU_E2E_KV`` (JSON) adds connector keys to every engine: a candidate default runs these
+scenarios before it becomes one.
 """
 
 from __future__ import annotations
@@ -146,6 +148,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     if TINY:
         base["kv_cache_memory_bytes"] = 256 << 20
     extra = {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
+    # MARU_GPU_E2E_KV: more connector keys for every engine, as JSON (a candidate default run
+    # through these scenarios before it becomes one, e.g. '{"maru_store_after_next_forward": true}').
+    extra.update(json.loads(os.environ.get("MARU_GPU_E2E_KV", "{}")))
     evict = {"module": "tests.e2e.test_gpu_vllm_e2e", "name": "EvictBeforeLoadConnector"}
     flag = tmp / "evict-now"
 
