@@ -555,6 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         "says how long a thread of the engine process waited for the GIL (0: no probe)",
     )  # fmt: skip
     ap.add_argument(
+        "--api-untimed", action="store_true",
+        help="the API instances without maru_log_timing (the default configuration as deployed: no step "
+        "clock, no hook lines); tokens from Maru then read from vLLM's external prefix-cache hits",
+    )  # fmt: skip
+    ap.add_argument(
         "--api-store-ab", type=int, default=0, metavar="REPS",
         help="the API instances take turns a round at a time, REPS repetitions (bench/store_ab.py): "
         "storing against a plain instance, warm loads against vLLM's own hit, paired round by round",
@@ -617,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB in /dev/shm")
 
     probe = {"maru_gil_probe_ms": a.api_gil_probe_ms} if a.api_gil_probe_ms > 0 else {}
+    if a.api_untimed:  # the timing's step clock and hook lines cost each step ~0.1-0.2 ms of host time
+        probe["maru_log_timing"] = False
     api_specs = (
         {}
         if a.no_api

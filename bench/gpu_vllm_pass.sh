@@ -36,6 +36,8 @@ rc=0
 # API_REPS: repetitions of the multi-round passes (default: the setup's, 3 on the GPU);
 # API_GIL_PROBE_MS: the API instances with a connector run the GIL probe at this period (ms);
 # API_GRAPHS=1: the API servers with vLLM's default CUDA graphs and torch.compile (not eager);
+# API_UNTIMED=1: the API instances without maru_log_timing (the default configuration as deployed;
+#   no hook lines from them: tokens from Maru read from vLLM's external prefix-cache hits);
 # VLLM_USE_V2_MODEL_RUNNER=0 in the environment: every instance on the V1 runner (same-step loads);
 # MARU_HOOK_PARTS=0: the engines' hook lines without their parts (keys, probe, pins: ~5 us a timed
 #   call), so the TTFTs are the default configuration's (a tree before 64b0c37 times them anyway);
@@ -44,7 +46,7 @@ rc=0
 # BENCH_ARGS: more arguments, e.g. "--workloads 1x4k --engines none" (a shorter offline part).
 [ "${BENCH_S:-300}" = 0 ] || timeout -s INT -k 30 "${BENCH_S:-300}" python3 bench/gpu_vllm_e2e.py --out "$OUT" --log-dir "$LOGS" \
   --api-loads ${API_LOADS:-default} ${API_STORES:+--api-stores $API_STORES} ${API_PAIR:+--api-pair} \
-  ${API_REPS:+--api-reps "$API_REPS"} ${API_GRAPHS:+--api-graphs} ${API_GIL_PROBE_MS:+--api-gil-probe-ms "$API_GIL_PROBE_MS"} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
+  ${API_REPS:+--api-reps "$API_REPS"} ${API_GRAPHS:+--api-graphs} ${API_UNTIMED:+--api-untimed} ${API_GIL_PROBE_MS:+--api-gil-probe-ms "$API_GIL_PROBE_MS"} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 # The write-behind store queued all at once (maru_paced_store false), on its own: what pacing is worth.
 [ "${UNPACED_S:-100}" = 0 ] || timeout -s INT -k 30 "${UNPACED_S:-100}" python3 bench/gpu_vllm_e2e.py --out "$OUT/unpaced" \
   --log-dir "$LOGS/unpaced" --engines none unpaced --no-api --reps 2 2>&1 | tee "$OUT/bench_unpaced.log" | tail -12 || rc=1

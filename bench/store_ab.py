@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.api_workload import conversation, loaded_tokens_in_log, pct, store_label
-from bench.vllm_harness import ApiServer, log, random_prompt, stream_ttft
+from bench.vllm_harness import ApiServer, log, random_prompt, server_metrics, stream_ttft
 
 SETTLE_S = 0.6  # after each instance's round: its write-behind stores publish (~30 ms a batch)
 LABELS = {
@@ -118,6 +118,7 @@ def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, 
             "ttft_median_round_ms": statistics.median(r["ttft_mean_s"] for r in rs) * 1e3,
             "total_mean_ms": statistics.mean(r["total_mean_s"] for r in rs) * 1e3,
             "tokens_loaded": sum(r.get("tokens_loaded", 0) for r in rs),
+            "external_hits": int(sum(r.get("external_hits", 0) for r in rs)),
         }
         ref = reference(k)
         if ref is not None and (p := paired(rounds, k, ref)) is not None:
@@ -147,6 +148,14 @@ def run_round(port: int, setup: Any, rnd: int, system: list[int]) -> dict[str, f
     }
 
 
+def external_hits(port: int) -> float:
+    """vLLM's count of prompt tokens its connector provided (``vllm:external_prefix_cache_hits``):
+    what Maru offered and vLLM took, counted by vLLM; read between rounds, outside their timing.
+    With ``maru_log_timing`` off (``--api-untimed``) Maru writes no load lines, and this is the
+    only count that a warm round loaded."""
+    return server_metrics(port)[1]["external_hit"]
+
+
 def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int) -> None:
     """``reps`` repetitions x ``setup.rounds`` rounds, each round a cold turn then a warm turn, the
     order within each turn rotated every round; ``res["api"]["store_ab"]``."""
@@ -159,10 +168,12 @@ def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int
     for rep, rnd, k in schedule(cold, warm, reps, setup.rounds):
         system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
         srv = servers["none" if k == "hit" else k]
-        before = loaded_tokens_in_log(srv.log_path)
+        before, hits = loaded_tokens_in_log(srv.log_path), external_hits(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
         time.sleep(SETTLE_S)  # (the load's timing line is written by then too)
-        rounds[k].append({**row, "tokens_loaded": loaded_tokens_in_log(srv.log_path) - before})
+        row["tokens_loaded"] = loaded_tokens_in_log(srv.log_path) - before
+        row["external_hits"] = external_hits(srv.port) - hits
+        rounds[k].append(row)
     out = {"rounds": rounds, "reps": reps, "settle_s": SETTLE_S, "summary": summarize(rounds)}
     res["api"]["store_ab"] = out
     log(markdown(out))
@@ -174,14 +185,15 @@ def markdown(out: dict[str, Any]) -> str:
         f"Round by round ({out['reps']} repetitions; each round a cold turn then a warm turn, the order "
         f"within a turn rotated every round; {out['settle_s']} s after every instance's round):",
         "",
-        "| instance | rounds | tokens loaded from Maru | TTFT, mean of rounds | median round | whole answer, "
+        "| instance | rounds | tokens loaded from Maru (Maru's log / vLLM's external hits) | TTFT, mean of rounds | median round | whole answer, "
         "mean | against | TTFT / its round: median (quartiles) | rounds at or under | whole answer / its round: "
         "median |",
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for row in out["summary"].values():
         head = (
-            f"| {row['label']} | {row['rounds']} | {row['tokens_loaded']} | {row['ttft_mean_ms']:.1f} ms | "
+            f"| {row['label']} | {row['rounds']} | {row['tokens_loaded']} / {row.get('external_hits', '-')} | "
+            f"{row['ttft_mean_ms']:.1f} ms | "
             f"{row['ttft_median_round_ms']:.1f} ms | {row['total_mean_ms']:.1f} ms |"
         )
         pairs = [row[k] for k in ("vs", "vs_cold") if k in row]

@@ -44,17 +44,21 @@ def test_tiny_harness_measures_a_warm_load_from_maru(tmp_path: Path) -> None:
 
 def test_tiny_harness_pairs_the_api_instances_round_by_round(tmp_path: Path) -> None:
     """``--api-store-ab``: a plain, a storing, an idle-connector and a warm API server take turns a
-    round at a time; the warm one loads what the storing one stored, and every ratio is paired."""
+    round at a time; the warm one loads what the storing one stored, and every ratio is paired.
+    ``--api-untimed``: the instances run Maru's default configuration (no ``maru_log_timing``), so
+    no load lines; vLLM's own count of the tokens its connector provided says the warm one loaded."""
     out = tmp_path / "out"
     cmd = [sys.executable, "bench/gpu_vllm_e2e.py", "--tiny", "--out", str(out), "--engines", "--api-store-ab", "1",
-           "--model-dir", str(tmp_path / "model")]  # fmt: skip
+           "--api-untimed", "--model-dir", str(tmp_path / "model")]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     ab = json.loads((out / "gpu_vllm_e2e.json").read_text())["api"]["store_ab"]
     s = ab["summary"]
     assert set(s) == {"none", "store", "store-idle", "hit", "load"}
     assert all(row["rounds"] == 2 for row in s.values())  # the tiny setup: 1 repetition of 2 rounds
-    assert s["load"]["tokens_loaded"] > 0 and s["none"]["tokens_loaded"] == 0
+    assert s["load"]["external_hits"] > 0 and s["none"]["external_hits"] == 0 == s["hit"]["external_hits"]
+    assert s["store"]["external_hits"] == 0  # it computed every round itself
+    assert all(row["tokens_loaded"] == 0 for row in s.values())  # untimed: no load lines were written
     assert s["store"]["vs"]["against"] == "none" and s["load"]["vs"]["against"] == "hit"
     assert s["store"]["vs"]["pairs"] == 2 and s["load"]["vs_cold"]["pairs"] == 2
     assert "Round by round (1 repetitions" in p.stdout + p.stderr
