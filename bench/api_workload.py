@@ -92,9 +92,6 @@ API_STORES: dict[str, dict[str, Any] | None] = {
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
     # A second instance without a connector: the spread between two identical instances.
     "none": None,
-    # The default with each step's stores issued by the drain once the next step's forward started
-    # (maru_store_after_next_forward, write_behind.ForwardGate): against the default storing instance.
-    "after-forward": {"maru_async_store": True, "maru_store_after_next_forward": True},
     # The default configuration, run from another checkout of maru (an A/B of two versions in one
     # pass, taking turns): its path in $MARU_BENCH_ALT_TREE, put first on the instance's PYTHONPATH.
     "alt": {"maru_async_store": True},
@@ -104,7 +101,6 @@ STORE_LABELS = {
     "idle": "cold, connector attached, Maru off",
     "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
     "none": "cold, no connector (a second instance)",
-    "after-forward": "cold, Maru storing, issued after the next forward",
 }
 
 

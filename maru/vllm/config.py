@@ -169,10 +169,6 @@ class MaruConnectorConfig:
     # parallel, CPU caches, async loads, a vLLM build it was not checked on); True: the same, said
     # as a warning there; False: off.
     early_load: bool | None = None
-    # Write-behind: the drain thread issues a step's stores once the next step's forward started
-    # (at most 50 ms later), not while vLLM plans and prepares that step with the device idle
-    # (``write_behind.ForwardGate``). Opt-in until measured in real vLLM on a GPU.
-    store_after_next_forward: bool = False
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -258,7 +254,6 @@ class MaruConnectorConfig:
             "paced_store": self.paced_store,
             "layer_path": self.layer_path,
             "early_load": "auto (where it applies)" if self.early_load is None else self.early_load,
-            "store_after_next_forward": self.store_after_next_forward,
         }
 
     def reply_spin_us(self, cpus: int | None = None) -> int:
@@ -332,12 +327,6 @@ class MaruConnectorConfig:
                     "; on a GPU the store yields the copy engine between chunks (maru_paced_store), so "
                     "vLLM's own copies never queue behind a whole store"
                     if self.paced_store
-                    else ""
-                )
-                + (
-                    "; the drain issues a step's stores once the next step's forward started "
-                    "(maru_store_after_next_forward; at most 50 ms later)"
-                    if self.store_after_next_forward
                     else ""
                 )
             )

@@ -48,7 +48,7 @@ from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock
 from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
 from maru.vllm.worker_stores import WorkerStores
-from maru.vllm.write_behind import ForwardGate, WriteBehind
+from maru.vllm.write_behind import WriteBehind
 
 logger = logging.getLogger("maru.vllm")
 
@@ -140,11 +140,7 @@ class MaruWorkerConnector(WorkerStores):
         # The stores' ways and why they commit no segment sums, as last reported (_report_paths).
         self._store_ways: tuple[frozenset[str], str | None] = (frozenset(), None)
         self.write_behind = WriteBehind(
-            self.stats,
-            self._account_store,
-            timeout_s=cfg.timeout_s,
-            drain_delay_s=cfg.store_drain_delay_s,
-            gate=ForwardGate(self.stats) if cfg.store_after_next_forward and cfg.async_store else None,
+            self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
 
     # ------------------------------------------------------------------ setup
@@ -296,8 +292,6 @@ class MaruWorkerConnector(WorkerStores):
         layer-overlap mode loads the step synchronously here instead (a load ``start_early`` issued
         is waited for, on the device, before the forward)."""
         self._forward_thread = threading.get_ident()
-        if self.write_behind.gate is not None:
-            self.write_behind.gate.forward_started()  # maru_store_after_next_forward
         early = meta is not None and meta.early_token != 0 and meta.early_token == self._early_token
         if not early:
             self._failed_blocks_step = set()

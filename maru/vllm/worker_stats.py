@@ -55,11 +55,6 @@ class WorkerStats:
     drain_cpu_s: float = 0.0
     drain_wall_s: float = 0.0
     drain_phase_cpu_s: dict[str, float] = field(default_factory=dict)  # StoreReport.cpu, summed
-    # maru_store_after_next_forward (write_behind.ForwardGate): store batches that waited for the
-    # next step's forward, of them those issued at the timeout instead, and the time waited.
-    drain_gate_waits: int = 0
-    drain_gate_timeouts: int = 0
-    drain_gate_wait_s: float = 0.0
     drain_gil_held_s: float = 0.0  # its GIL-holding CUDA calls' wall time (MARU_THREAD_CENSUS only)
     # maru_gil_probe_ms (maru.vllm.gil_probe): the probe thread's wake-ups while the engine ran
     # steps, how late they were in all and at most (its wait for the GIL), and their histogram

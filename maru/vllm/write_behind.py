@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,69 +51,11 @@ _MODES = {
 }
 
 
-class ForwardGate:
-    """``maru_store_after_next_forward``: a store batch queued at a step's end is issued by the drain
-    thread only once the next step's forward has started (``forward_started``), or ``timeout_s``
-    after it was queued, or at once while the gate is open (a flush or shutdown waits for the stores
-    and no forward comes). A held store has not taken its gather, so the preemption barrier, which
-    runs before that forward, gathers it itself (``wait_store_read``) and never waits for the gate.
-
-    Why: in real vLLM (bench/RESULTS.md, fifty-fourth pass) the drain's issue (~2.4 ms of Python a
-    batch) ran while vLLM planned and prepared the next step, the device idle, and that step's
-    forward started 2.75 ms later than without stores. Once the forward has started, the device has
-    work queued, and the same Python mostly takes the slack of a forward that runs longer on the
-    device than its launch takes on the host. The bytes are the same: only when the drain starts.
-
-    Invariant: a wait never outlives ``timeout_s``; ``open`` releases every waiter, and the gate stays
-    open until the next forward starts.
-    """
-
-    def __init__(self, stats: WorkerStats, timeout_s: float = 0.05) -> None:
-        self.stats = stats  # drain_gate_waits (batches that found it closed), _timeouts, _wait_s
-        self.timeout_s = timeout_s
-        self._cond = threading.Condition()
-        self._forwards = 0
-        self._open = False
-        self.waiting = 0  # drain threads blocked in ``wait_past`` now
-
-    def ticket(self) -> int:
-        """Taken when a batch is queued: the forward after it is the one the batch waits for."""
-        return self._forwards
-
-    def forward_started(self) -> None:
-        with self._cond:
-            self._forwards += 1
-            self._open = False
-            self._cond.notify_all()
-
-    def open(self) -> None:
-        with self._cond:
-            self._open = True
-            self._cond.notify_all()
-
-    def wait_past(self, ticket: int) -> None:
-        """Block (the GIL released) until a forward after ``ticket`` started, the gate is open, or
-        ``timeout_s`` passed."""
-        with self._cond:
-            if self._open or self._forwards > ticket:
-                return
-            t0 = time.perf_counter()
-            self.waiting += 1
-            try:
-                passed = self._cond.wait_for(lambda: self._open or self._forwards > ticket, self.timeout_s)
-            finally:
-                self.waiting -= 1
-            self.stats.drain_gate_waits += 1
-            self.stats.drain_gate_timeouts += not passed
-            self.stats.drain_gate_wait_s += time.perf_counter() - t0
-
-
 class WriteBehind:
     """The write-behind store state of one worker (see the module docstring for its invariants).
 
     ``account(report)`` receives every drained store's report. ``drain_delay_s``: the drain thread
-    sleeps this long before each store (tests of a slow drain). ``gate``: each store waits for the
-    next forward first (``ForwardGate``; None: drained at once).
+    sleeps this long before each store (tests of a slow drain).
     """
 
     def __init__(
@@ -124,10 +65,8 @@ class WriteBehind:
         *,
         timeout_s: float,
         drain_delay_s: float = 0.0,
-        gate: ForwardGate | None = None,
     ) -> None:
         self.stats = stats
-        self.gate = gate
         self._account = account
         self._timeout_s = timeout_s
         self._drain_delay_s = drain_delay_s
@@ -175,19 +114,14 @@ class WriteBehind:
             self._drain = BackgroundRunner("maru-store-drain")
         self._batches.append((pending, engine))
         inference = torch.is_inference_mode_enabled()  # vLLM's forward runs in inference mode
-        ticket = self.gate.ticket() if self.gate is not None else 0
-        self._drain.submit(pending, self._drain_one, engine, pending, inference, ticket)
+        self._drain.submit(pending, self._drain_one, engine, pending, inference)
         self.stats.deferred_commits += 1
         self.stats.stores_in_flight = len(self._batches)
         self.collect()
 
-    def _drain_one(
-        self, engine: KVTransferEngine, pending: PendingStore, inference: bool, ticket: int = 0
-    ) -> StoreReport:
+    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
-        if self.gate is not None:
-            self.gate.wait_past(ticket)  # maru_store_after_next_forward
         cpu0, wall0, held0 = time.thread_time(), time.perf_counter(), gil_calls.held_ns()
         self.draining = True  # read by the GIL probe (maru_gil_probe_ms)
         try:
@@ -230,8 +164,6 @@ class WriteBehind:
         """Account every drained store (waiting up to ``wait_s`` seconds for the rest; None: all)."""
         if self._drain is None:
             return
-        if wait_s != 0.0 and self.gate is not None:
-            self.gate.open()  # waiting for the stores: no forward may come to release them
         done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
         for tag, res in done:
             if isinstance(tag, PendingStore):
@@ -284,7 +216,6 @@ class WriteBehind:
         """
         ids = set(meta.preempted_req_ids)
         self.owe(meta)
-        # A store held at the ``gate`` has not taken its gather: ``wait_store_read`` runs it here.
         for pending, engine in list(self._batches):
             if not (pending.req_ids & ids) or pending.read_done.is_set():
                 continue

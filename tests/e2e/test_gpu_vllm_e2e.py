@@ -149,7 +149,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         base["kv_cache_memory_bytes"] = 256 << 20
     extra = {"maru_server_url": srv.url, "maru_kv_chunk_tokens": C, "maru_log_timing": True}
     # MARU_GPU_E2E_KV: more connector keys for every engine, as JSON (a candidate default run
-    # through these scenarios before it becomes one, e.g. '{"maru_store_after_next_forward": true}').
+    # through these scenarios before it becomes one, e.g. '{"maru_paced_store": false}').
     extra.update(json.loads(os.environ.get("MARU_GPU_E2E_KV", "{}")))
     evict = {"module": "tests.e2e.test_gpu_vllm_e2e", "name": "EvictBeforeLoadConnector"}
     flag = tmp / "evict-now"

@@ -148,15 +148,15 @@ def test_a_warm_load_mode_pairs_with_the_default_warm_instance_round_by_round() 
 def test_a_store_variant_pairs_with_the_default_storing_instance_round_by_round() -> None:
     from bench.api_workload import check_store_variant, store_label, store_variant
 
-    assert check_store_variant("after-forward") == "after-forward"
-    assert store_variant("after-forward") == {"maru_async_store": True, "maru_store_after_next_forward": True}
-    rounds = _rounds(["none", "store", "store-after-forward", "hit", "load"], 9, 19)
+    assert check_store_variant("unpaced") == "unpaced"
+    assert store_variant("unpaced") == {"maru_async_store": True, "maru_paced_store": False}
+    rounds = _rounds(["none", "store", "store-unpaced", "hit", "load"], 9, 19)
     s = sab.summarize(rounds)
-    v = s["store-after-forward"]
-    assert v["vs"]["against"] == "none" and v["label"] == store_label("after-forward")
+    v = s["store-unpaced"]
+    assert v["vs"]["against"] == "none" and v["label"] == store_label("unpaced")
     want = statistics.median(
         a["ttft_mean_s"] / b["ttft_mean_s"]
-        for a, b in zip(rounds["store"], rounds["store-after-forward"], strict=True)
+        for a, b in zip(rounds["store"], rounds["store-unpaced"], strict=True)
     )
     assert v["vs_store"]["ttft_ratio_median"] == pytest.approx(want)
     assert "vs_store" not in s["store"]  # the default is not paired with itself
