@@ -1,0 +1,24 @@
+"""``bench/store_helper_probe.py`` on the CPU: a smoke run of the probe a device pass will run.
+
+The cache reaches the helper process through torch's reductions (shared memory here, CUDA IPC on
+a GPU) and is rewritten before every batch; each batch's digest from the drain thread and from the
+helper is compared with the engine side's own gather of the same blocks. A helper that read a copy
+of the cache instead of the shared one would digest stale bytes and fail.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+
+def test_the_probe_reads_the_engine_s_cache_from_a_helper_process_and_a_drain_thread() -> None:
+    cmd = [sys.executable, "bench/store_helper_probe.py", "--device", "cpu", "--batches", "2",
+           "--host-ms", "1", "--drain-python-ms", "0.5"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {ln.split("|")[1].strip(): ln for ln in p.stdout.splitlines() if ln.startswith("| ")}
+    assert set(rows) >= {"none", "thread", "helper"}
+    assert rows["thread"].rstrip(" |").endswith("0 of 2") and rows["helper"].rstrip(" |").endswith("0 of 2")
