@@ -44,8 +44,6 @@ import threading
 import time
 from typing import Any
 
-import msgpack
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("none", "thread", "helper")
@@ -113,12 +111,12 @@ def helper_main(conn: Any, cache: Any, event: Any, per: int, drain_python_ms: fl
         torch.cuda.set_device(cache.device)
     pinned = torch.empty(cache[:, :, :per].numel(), dtype=cache.dtype, pin_memory=cache.is_cuda)
     stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
-    conn.send_bytes(msgpack.packb({"ready": True}))
+    conn.send({"ready": True})
     while True:
-        msg = msgpack.unpackb(conn.recv_bytes())
+        msg = conn.recv()
         if msg.get("stop"):
             break
-        conn.send_bytes(msgpack.packb(drain_one(torch, cache, event, stream, pinned, msg, drain_python_ms)))
+        conn.send(drain_one(torch, cache, event, stream, pinned, msg, drain_python_ms))
 
 
 def drain_one(
@@ -201,7 +199,7 @@ class Drain:
             self.proc.start()
             if not self.conn.poll(120):
                 raise RuntimeError("the helper process did not start in 120 s")
-            assert msgpack.unpackb(self.conn.recv_bytes())["ready"]
+            assert self.conn.recv()["ready"]
         elif mode == "thread":
             self.work: queue.Queue = queue.Queue()
             self.replies: queue.Queue = queue.Queue()
@@ -222,7 +220,7 @@ class Drain:
         if self.mode == "helper":
             if self.eng.event is not None:
                 self.eng.event.record()  # one interprocess event, re-recorded: a wait sees this record or later
-            self.conn.send_bytes(msgpack.packb(msg))
+            self.conn.send(msg)
         elif self.mode == "thread":
             ev = self.eng.torch.cuda.Event() if self.eng.cuda else None
             if ev is not None:
@@ -233,14 +231,14 @@ class Drain:
         if self.mode == "helper":
             if not self.conn.poll(120):
                 raise RuntimeError("the helper process did not reply in 120 s")
-            return msgpack.unpackb(self.conn.recv_bytes())
+            return self.conn.recv()
         if self.mode == "thread":
             return self.replies.get(timeout=120)
         return None
 
     def close(self) -> None:
         if self.proc is not None:
-            self.conn.send_bytes(msgpack.packb({"stop": True}))
+            self.conn.send({"stop": True})
             self.proc.join(30)
         if self.thread is not None:
             self.work.put(None)
