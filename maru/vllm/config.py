@@ -97,6 +97,16 @@ def _as_str(name: str, value: Any) -> str:
     return value
 
 
+# Keys that existed once, each with why it went and what to do: a config that still sets one is
+# refused (as any unknown key) with that reason, not only the list of valid keys.
+REMOVED_KEYS = {
+    "maru_store_after_next_forward": (
+        "was removed: it held each write-behind batch until the next forward had started, and paired "
+        "with the default in real vLLM it gained nothing (bench/RESULTS.md, fifty-fifth pass); drop it"
+    ),
+}
+
+
 @dataclass(frozen=True)
 class MaruConnectorConfig:
     """Validated connector settings. Field ``x`` is read from extra-config key ``maru_x``.
@@ -191,9 +201,11 @@ class MaruConnectorConfig:
         valid = set(cls.valid_keys())
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("maru_") and k not in valid)
         if unknown:
+            gone = [f"{k} {REMOVED_KEYS[k]}" for k in unknown if k in REMOVED_KEYS]
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
-                f"valid Maru keys are: {', '.join(sorted(valid))}"
+                + (f"{'; '.join(gone)}; " if gone else "")
+                + f"valid Maru keys are: {', '.join(sorted(valid))}"
             )
         kw: dict[str, Any] = {}
         for key, value in extra.items():

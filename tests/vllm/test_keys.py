@@ -249,6 +249,17 @@ def test_unknown_maru_key_is_an_error_naming_the_valid_keys() -> None:
     assert "maru_kv_chunk_token" in msg and "maru_kv_chunk_tokens" in msg and "maru_server_url" in msg
 
 
+def test_a_removed_key_is_refused_with_why_it_went() -> None:
+    from maru.vllm.config import REMOVED_KEYS
+
+    with pytest.raises(ConfigError) as e:
+        MaruConnectorConfig.from_extra_config({"maru_store_after_next_forward": True, "maru_nope": 1})
+    msg = str(e.value)
+    assert "maru_store_after_next_forward was removed" in msg and "drop it" in msg
+    assert "maru_nope" in msg and "maru_server_url" in msg  # the other unknown key, the valid ones
+    assert not set(REMOVED_KEYS) & set(MaruConnectorConfig.valid_keys())  # removed, not both
+
+
 def test_keys_without_the_maru_prefix_are_ignored() -> None:
     cfg = MaruConnectorConfig.from_extra_config({"shared_storage_path": "/x", "maru_kv_chunk_tokens": "512"})
     assert cfg.kv_chunk_tokens == 512
