@@ -201,3 +201,30 @@ def test_without_log_timing_hooks_count_wall_time_only(monkeypatch: pytest.Monke
     assert d["busy"]["ms"] >= 20.0 and d["blocked"]["ms"] >= 50.0  # the wall time, always
     assert "cpu_ms" not in d["busy"] and "cpu_ms" not in d["blocked"]
     assert "on CPU" not in quiet.line()
+
+
+def test_a_layer_wait_with_no_layer_load_in_flight_returns_untimed_and_one_in_flight_waits_timed() -> None:
+    """``MaruKVConnector.wait_for_layer_load`` runs before every attention layer of every step: a
+    step without a layer load returns before any timing; a step with one waits, counted."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from maru.vllm.connector import MaruKVConnector
+
+    waited: list[str] = []
+    loads = SimpleNamespace(in_flight=False)
+    worker = SimpleNamespace(layer_loads=loads, wait_for_layer_load=waited.append)
+    conn = object.__new__(MaruKVConnector)  # only what the hook reads
+    conn._worker = worker
+    conn.hook_times = HookTimes()
+    for i in range(4):
+        conn.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    assert waited == [] and conn.hook_times.calls == {}
+    loads.in_flight = True
+    for i in range(4):
+        conn.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    assert waited == [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    assert conn.hook_times.calls == {"wait_for_layer_load": 4}
+    conn._worker = None  # the scheduler side: nothing
+    conn.wait_for_layer_load("model.layers.0.self_attn.attn")
+    assert conn.hook_times.calls == {"wait_for_layer_load": 4}
