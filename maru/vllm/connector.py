@@ -408,9 +408,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         try:
-            from maru.vllm.stats import interval_stats
+            from maru.vllm.stats import counters, interval_stats
 
-            now = self._worker.stats.as_dict()
+            now = counters(self._worker.stats)
             out = interval_stats(now, self._last_reported)
             self._last_reported = now
             return out

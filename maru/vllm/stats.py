@@ -63,6 +63,13 @@ class MaruKVConnectorStats(KVConnectorStats):
         return not any(self.data.get(k) for k in COUNTERS)
 
 
+def counters(stats: Any) -> dict[str, Any]:
+    """The ``COUNTERS`` of a ``WorkerStats``, read directly: vLLM asks for the stats every step, on
+    its forward thread, and ``WorkerStats.as_dict`` (``dataclasses.asdict``, every field copied
+    deeply) cost ~40 us a step on the CI machine for these twelve numbers."""
+    return {k: getattr(stats, k) for k in COUNTERS}
+
+
 def interval_stats(now: dict[str, Any], last: dict[str, Any]) -> MaruKVConnectorStats | None:
     """The change of the counters since ``last`` (None when nothing changed)."""
     delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}

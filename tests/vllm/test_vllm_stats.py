@@ -8,13 +8,26 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from maru.vllm.stats import MaruKVConnectorStats, interval_stats  # noqa: E402
+from maru.vllm.stats import COUNTERS, MaruKVConnectorStats, counters, interval_stats  # noqa: E402
+from maru.vllm.worker_stats import WorkerStats  # noqa: E402
 
 
 def test_interval_stats_report_only_what_changed_since_the_last_report() -> None:
     assert interval_stats({"tokens_loaded": 5}, {"tokens_loaded": 5}) is None
     s = interval_stats({"tokens_loaded": 96, "chunks_loaded": 3}, {"tokens_loaded": 32, "chunks_loaded": 1})
     assert s is not None and s.data["tokens_loaded"] == 64 and s.data["chunks_loaded"] == 2
+
+
+def test_counters_read_the_worker_stats_fields_as_the_full_dict_has_them() -> None:
+    """``counters`` (what vLLM's per-step ``get_kv_connector_stats`` reads) is ``as_dict``'s subset:
+    a renamed field fails here, not silently in the engine (where the hook swallows errors)."""
+    st = WorkerStats()
+    for i, k in enumerate(COUNTERS):
+        setattr(st, k, getattr(st, k) + i + 1)
+    full = st.as_dict()
+    assert counters(st) == {k: full[k] for k in COUNTERS}
+    s = interval_stats(counters(st), {})
+    assert s is not None and s.data["load_errors"] == COUNTERS.index("load_errors") + 1
 
 
 def test_aggregate_sums_workers_and_steps_and_reduce_summarizes() -> None:
