@@ -621,14 +621,15 @@ def main(argv: list[str] | None = None) -> int:
     res["pool_bytes"] = psize
     log(f"maru server {srv.url}, pool {psize / GiB:.1f} GiB in /dev/shm")
 
-    probe = {"maru_gil_probe_ms": a.api_gil_probe_ms} if a.api_gil_probe_ms > 0 else {}
+    # Keys every API instance with a connector gets on top of its variant's.
+    api_extra: dict[str, Any] = {"maru_gil_probe_ms": a.api_gil_probe_ms} if a.api_gil_probe_ms > 0 else {}
     if a.api_untimed:  # the timing's step clock and hook lines cost each step ~0.1-0.2 ms of host time
-        probe["maru_log_timing"] = False
+        api_extra["maru_log_timing"] = False
     api_specs = (
         {}
         if a.no_api
         else api_instances(
-            lambda ns, extra: maru_extra(srv.url, setup, ns, {**probe, **extra}),
+            lambda ns, extra: maru_extra(srv.url, setup, ns, {**api_extra, **extra}),
             a.api_loads,
             a.api_stores,
             a.api_pair,

@@ -16,7 +16,7 @@ a diagnosis, not always.
 hook lines without their parts, so a bench's times are the default configuration's).
 The hooks' CPU time is read with ``maru_log_timing`` only too (``HookTimes.cpu``): the thread's CPU
 clock costs ~1 us a read on the CI machine, two of a hook's ~3.4 us of timing, and a new request
-passes four or five scheduler hooks; without it a hook counts its wall time (``timed_wall``'s way).
+passes four or five scheduler hooks; without it a hook counts its wall time (``timed_wall_as``'s way).
 The sums are in ``MaruKVConnector.maru_stats()["hook_ms"]`` and, with ``maru_log_timing``, in one
 line per process at shutdown; the scheduler side also logs it every 10 s while vLLM calls it (an
 API server's engine is often killed before its scheduler shuts down).
@@ -83,7 +83,7 @@ class HookTimes:
         return True
 
     def add(self, name: str, seconds: float, cpu_seconds: float | None = None) -> None:
-        """Count one call; ``cpu_seconds`` None: a hook timed by wall only (``timed_wall``)."""
+        """Count one call; ``cpu_seconds`` None: a hook timed by wall only (``timed_wall_as``)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         if seconds > self.longest.get(name, 0.0):
             self.longest[name] = seconds
@@ -124,15 +124,11 @@ def timed(method: F) -> F:
     return _timed_as(lambda _self: name, profiled_as=name)(method)
 
 
-def timed_wall(method: F) -> F:
-    """``timed`` by wall time only, for a hook vLLM calls once per layer (``wait_for_layer_load``:
-    32 calls a step): reading the thread's CPU clock costs ~0.45 us a read, a perf counter ~0.04."""
-    return timed_wall_as(method.__name__)(method)
-
-
 def timed_wall_as(name: str) -> Callable[[F], F]:
-    """``timed_wall``, counted under ``name`` (a hook's helper that runs only when the hook has work:
-    the hook's calls with nothing to do are then neither timed nor counted)."""
+    """``timed`` by wall time only, counted under ``name``: for a hook vLLM calls once per layer
+    (``wait_for_layer_load``: 32 calls a step; reading the thread's CPU clock costs ~0.45 us a read,
+    a perf counter ~0.04), put on the helper that runs only when the hook has work, so the hook's
+    calls with nothing to do are neither timed nor counted."""
 
     def deco(method: F) -> F:
         @functools.wraps(method)

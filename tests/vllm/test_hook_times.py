@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from maru.vllm.hook_times import HookTimes, timed, timed_part, timed_step, timed_wall
+from maru.vllm.hook_times import HookTimes, timed, timed_part, timed_step, timed_wall_as
 
 
 class _Hooks:
@@ -97,7 +97,7 @@ def test_cpu_time_tells_a_blocked_hook_from_a_busy_one() -> None:
 
 
 class _PerLayer(_Blocking):
-    @timed_wall
+    @timed_wall_as("per_layer")
     def per_layer(self) -> None:
         time.sleep(0.002)
 

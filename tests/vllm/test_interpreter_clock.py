@@ -112,7 +112,7 @@ class _Hooks:
     def quiet_hook(self) -> None:
         return None
 
-    @ht.timed_wall
+    @ht.timed_wall_as("per_layer")
     def per_layer(self) -> None:
         gc.collect(0)
 
