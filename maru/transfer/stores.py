@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,6 @@ class PendingStore:
     cancelled: bool = False
     started: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-    issued_at: float = field(default_factory=time.monotonic)  # when the forward thread issued it
 
     @property
     def req_ids(self) -> frozenset[str]:

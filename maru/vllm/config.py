@@ -30,7 +30,6 @@ DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 # round trip on an H200 host. A few bare round trips long; the most one request can spin.
 DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
 MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: this module stays free of zmq)
-MAX_STORE_YIELD_MS = 5000.0  # store_yield_ms: blocks of finished requests held, prefixes published that late
 # Below MIN_CPUS_TO_SPIN usable cores (maru.config, the server's polling uses the same bound) the
 # default is not to poll: a polling client, its ZeroMQ I/O thread, the server and the server's I/O
 # thread must all run at once, beside the engine's own busy threads (2 cores: a 1-key lookup's p50
@@ -180,14 +179,6 @@ class MaruConnectorConfig:
     # parallel, CPU caches, async loads, a vLLM build it was not checked on); True: the same, said
     # as a warning there; False: off.
     early_load: bool | None = None
-    # Milliseconds a write-behind store may wait for the engine's prompt computation to end before it
-    # runs anyway (``maru.vllm.write_behind``): a store issued during a burst of prefills reserves,
-    # gathers and publishes once a step without prompt tokens is planned, so its ~3 ms of Python a
-    # batch (the drain thread's, sharing vLLM's interpreter) lands beside decode steps, not in the
-    # time to first token of the requests still prefilling. 0: each store drains at once. The cost:
-    # a prefix is visible to other instances that much later at most, and a finished request's
-    # blocks are held that much longer at most.
-    store_yield_ms: float = 200.0
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -246,14 +237,6 @@ class MaruConnectorConfig:
                     raise ConfigError(
                         f"{key} must be at most 1000 (ms; 1-5 resolves GIL waits), got {value!r}"
                     )
-            elif name == "store_yield_ms":
-                kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
-                if kw[name] > MAX_STORE_YIELD_MS:
-                    raise ConfigError(
-                        f"{key} must be at most {MAX_STORE_YIELD_MS:g} (ms; a finished request's blocks are "
-                        f"held that long at most, and its prefix reaches other instances that late), got "
-                        f"{value!r}; 0 drains every store at once"
-                    )
             elif name == "store_drain_delay_s":
                 kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
             else:
@@ -281,7 +264,6 @@ class MaruConnectorConfig:
             else bool(self.overlap_load_with_compute),
             "async_store": self.async_store,
             "paced_store": self.paced_store,
-            "store_yield_ms": self.store_yield_ms,
             "layer_path": self.layer_path,
             "early_load": "auto (where it applies)" if self.early_load is None else self.early_load,
         }
@@ -357,13 +339,6 @@ class MaruConnectorConfig:
                     "; on a GPU the store yields the copy engine between chunks (maru_paced_store), so "
                     "vLLM's own copies never queue behind a whole store"
                     if self.paced_store
-                    else ""
-                )
-                + (
-                    f"; a store issued while prompts are computed waits until a step without prompt "
-                    f"tokens is planned, {self.store_yield_ms:g} ms at most (maru_store_yield_ms), so "
-                    "its drain stays out of their time to first token"
-                    if self.store_yield_ms > 0
                     else ""
                 )
             )

@@ -35,11 +35,9 @@ class MaruConnectorMetadata:
     stores: list[RequestTransfer] = field(default_factory=list)
     async_loads: list[RequestTransfer] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # With ``maru_log_timing`` only, for the worker's step clock: the tokens vLLM scheduled in this step.
+    # With ``maru_log_timing`` only, for the worker's step clock: the tokens vLLM scheduled in this
+    # step, and whether some request got more than one (a prefill step).
     step_tokens: int = 0
-    # Whether the step computes prompt tokens (``computes_prompt``): set with ``maru_async_store``
-    # (a write-behind store waits for a step without them, ``maru_store_yield_ms``) or
-    # ``maru_log_timing`` (the step clock files the forward under prefill).
     prefill: bool = False
     # With ``maru_log_timing`` only: ``time.monotonic()`` (system-wide, so comparable in the worker's
     # process too) when the scheduler side planned this step (``build_connector_meta``); 0: unknown.
@@ -84,16 +82,3 @@ class MaruWorkerMeta:
 
     def __bool__(self) -> bool:
         return bool(self.done) or bool(self.ready or self.unready)
-
-
-def computes_prompt(scheduler_output: object) -> bool:
-    """Whether vLLM's step computes prompt tokens: some request was scheduled more tokens than one
-    decode token and its speculative drafts (``num_scheduled_tokens``,
-    ``scheduled_spec_decode_tokens``). Cheap where nothing is speculative: one ``max``."""
-    counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    if max(counts.values(), default=0) <= 1:
-        return False
-    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-    if not drafts:
-        return True
-    return any(n > 1 + len(drafts.get(r, ())) for r, n in counts.items())

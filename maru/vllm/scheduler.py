@@ -38,7 +38,7 @@ from maru.vllm.key_cache import ChunkKeyCache
 from maru.vllm.keys import ChunkKeyer, PromptKeys
 from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
-from maru.vllm.metadata import MaruConnectorMetadata, computes_prompt
+from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
 from maru.vllm.prefix_probe import PrefixProbe
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
@@ -466,10 +466,9 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
             self.pins.flush(self._client)  # the sets dropped since the last step: one UNPIN
         self._admission.settle()
         self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
-        if self.cfg.async_store or self.cfg.log_timing:  # the store's yield; the step clock
-            meta.prefill = computes_prompt(so)
         if self.cfg.log_timing:  # what the worker's step clock files the forward under
-            meta.step_tokens = sum((getattr(so, "num_scheduled_tokens", None) or {}).values())
+            counts = (getattr(so, "num_scheduled_tokens", None) or {}).values()
+            meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
             meta.scheduled_at = time.monotonic()
             meta.scheduled_cpu = cpu_stamp()
             if meta.prefill and thread_census.enabled():

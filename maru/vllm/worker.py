@@ -140,11 +140,7 @@ class MaruWorkerConnector(WorkerStores):
         # The stores' ways and why they commit no segment sums, as last reported (_report_paths).
         self._store_ways: tuple[frozenset[str], str | None] = (frozenset(), None)
         self.write_behind = WriteBehind(
-            self.stats,
-            self._account_store,
-            timeout_s=cfg.timeout_s,
-            yield_s=cfg.store_yield_ms / 1e3,
-            drain_delay_s=cfg.store_drain_delay_s,
+            self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
 
     # ------------------------------------------------------------------ setup
@@ -311,8 +307,6 @@ class MaruWorkerConnector(WorkerStores):
         self._step_kind = PLAIN
         if meta is None:
             return
-        if self.cfg.async_store:
-            self.write_behind.step_planned(meta.prefill)  # stores wait while prompts are computed
         if not early:
             self._note_held(meta)
         if meta.async_loads:

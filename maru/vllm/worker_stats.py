@@ -66,11 +66,6 @@ class WorkerStats:
     gil_probe_drain_wakeups: int = 0
     gil_probe_drain_late_s: float = 0.0
     gil_probe_drain_over_1ms: int = 0
-    # maru_store_yield_ms: store batches that waited for the engine's prompts to be computed, how
-    # long in all, and how many of them ran at the deadline with prompts still being computed
-    store_yields: int = 0
-    store_yield_s: float = 0.0
-    store_yield_deadlines: int = 0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
@@ -121,16 +116,9 @@ class WorkerStats:
             if self.drain_batches
             else ""
         )
-        yielded = (
-            f"; stores that waited for the prompts: {self.store_yields}, "
-            f"{1e3 * self.store_yield_s / self.store_yields:.1f} ms each, "
-            f"{self.store_yield_deadlines} until the deadline"
-            if self.store_yields
-            else ""
-        )
         from maru.vllm.gil_probe import probe_note  # the probe imports this module
 
-        return held + idle + drain + yielded + probe_note(self)
+        return held + idle + drain + probe_note(self)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

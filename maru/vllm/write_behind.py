@@ -18,18 +18,11 @@
   CUDA with an event recorded on the forward's stream); the RESERVE round trip, the gather's issue
   and the publish run on the drain thread, the gather ordered after that event. Only the
   preemption barrier may gather on the forward thread (a store the drain has not started).
-* Yielding to prompts (``maru_store_yield_ms``): while the latest step vLLM planned computes prompt
-  tokens (``step_planned``), the drain thread holds each store until a step without them is
-  planned, or until ``yield_s`` after the store's issue, whichever comes first; a flush or close
-  ends every wait. The drain's Python (~3 ms a batch, in vLLM's interpreter) then runs beside
-  decode steps instead of in the time to first token of the prompts still being computed. Only
-  when a store starts changes: the invariants above hold for a store however late it drains.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,8 +54,7 @@ _MODES = {
 class WriteBehind:
     """The write-behind store state of one worker (see the module docstring for its invariants).
 
-    ``account(report)`` receives every drained store's report. ``yield_s``: the longest a store
-    waits for the engine's prompts to be computed (0: never). ``drain_delay_s``: the drain thread
+    ``account(report)`` receives every drained store's report. ``drain_delay_s``: the drain thread
     sleeps this long before each store (tests of a slow drain).
     """
 
@@ -72,16 +64,11 @@ class WriteBehind:
         account: Callable[[StoreReport], None],
         *,
         timeout_s: float,
-        yield_s: float = 0.0,
         drain_delay_s: float = 0.0,
     ) -> None:
         self.stats = stats
         self._account = account
         self._timeout_s = timeout_s
-        self._yield_s = yield_s
-        # Set: no prompt computed in the latest step planned (or a flush), stores may drain.
-        self._quiet = threading.Event()
-        self._quiet.set()
         self._drain_delay_s = drain_delay_s
         self._drain: BackgroundRunner | None = None
         self._owed: set[str] = set()
@@ -89,7 +76,6 @@ class WriteBehind:
         self._finished_at: dict[str, float] = {}  # of _finished: when vLLM named it finished
         self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
         self.draining = False  # the drain thread is at work on a store (set on that thread)
-        self.yielding = False  # the drain thread holds a store while prompts are computed (ditto)
         self.mode = "not connected yet"
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
@@ -106,19 +92,6 @@ class WriteBehind:
                 data_path,
                 mode,
             )
-
-    def step_planned(self, prefill: bool) -> None:
-        """Forward thread, each step before its forward: whether the step computes prompt tokens
-        (``MaruConnectorMetadata.prefill``). Stores wait while it does (``yield_s`` at most)."""
-        if prefill:
-            if self._quiet.is_set():
-                self._quiet.clear()
-        elif not self._quiet.is_set():
-            self._quiet.set()
-
-    def wake(self) -> None:
-        """End every store's wait for the prompts (a flush, a close); the next prefill step waits again."""
-        self._quiet.set()
 
     def owe(self, meta: MaruConnectorMetadata) -> None:
         """Apply a step's plan to ``owed``: preemptions first, then the step's stores.
@@ -147,8 +120,6 @@ class WriteBehind:
         self.collect()
 
     def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
-        if self._yield_s > 0 and not self._quiet.is_set():
-            self._yield(pending)
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
         cpu0, wall0, held0 = time.thread_time(), time.perf_counter(), gil_calls.held_ns()
@@ -174,21 +145,6 @@ class WriteBehind:
             self.stats.drain_gil_held_s += (gil_calls.held_ns() - held0) / 1e9  # MARU_THREAD_CENSUS
             self.stats.drain_batches += 1  # the divisor of the two: batches in flight are not in them
 
-    def _yield(self, pending: PendingStore) -> None:
-        """Drain thread: hold ``pending`` until a step without prompt tokens is planned, ``yield_s``
-        after its issue at most (its blocks stay held meanwhile, as for any store in the queue)."""
-        t0 = time.monotonic()
-        left = pending.issued_at + self._yield_s - t0
-        self.yielding = True
-        try:
-            quiet = left > 0 and self._quiet.wait(left)
-        finally:
-            self.yielding = False
-        self.stats.store_yields += 1
-        self.stats.store_yield_s += time.monotonic() - t0
-        if not quiet:
-            self.stats.store_yield_deadlines += 1
-
     def on_device(self) -> bool:
         """Whether a store batch issued earlier may still have device work running: its read of the
         blocks (the gather, and the copies behind it) not known complete. Never blocks."""
@@ -208,8 +164,6 @@ class WriteBehind:
         """Account every drained store (waiting up to ``wait_s`` seconds for the rest; None: all)."""
         if self._drain is None:
             return
-        if wait_s != 0.0:
-            self.wake()  # waiting for the stores: none of them waits for the prompts any more
         done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
         for tag, res in done:
             if isinstance(tag, PendingStore):

@@ -521,7 +521,6 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "overlap_load_with_compute": "auto (on GPU caches)",
         "async_store": True,
         "paced_store": True,
-        "store_yield_ms": 200.0,
         "layer_path": "auto",
         "early_load": "auto (where it applies)",
     }
@@ -542,13 +541,6 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
     assert lines[1].startswith("maru_early_load (the default):")
     assert lines[2].startswith("maru_async_store:")
     assert "yields the copy engine between chunks (maru_paced_store)" in lines[2]
-    assert "waits until a step without prompt tokens is planned, 200 ms at most" in lines[2]
-    eager = MaruConnectorConfig.from_extra_config({"maru_store_yield_ms": 0})
-    assert eager.store_yield_ms == 0 and "maru_store_yield_ms" not in eager.data_path_lines()[2]
-    assert MaruConnectorConfig.from_extra_config({"maru_store_yield_ms": "50"}).store_yield_ms == 50.0
-    for bad in ("-1", "never", True, 5001, float("nan")):
-        with pytest.raises(ConfigError, match="maru_store_yield_ms must be"):
-            MaruConnectorConfig.from_extra_config({"maru_store_yield_ms": bad})
     unpaced = MaruConnectorConfig.from_extra_config({"maru_paced_store": "false"})
     assert not unpaced.paced_store and "maru_paced_store" not in unpaced.data_path_lines()[2]
     sync = MaruConnectorConfig.from_extra_config({"maru_overlap_load_with_compute": "false"})
@@ -822,21 +814,3 @@ def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(
     # Off (the default), nothing is counted.
     meta = untimed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
     assert (meta.step_tokens, meta.prefill, meta.scheduled_at, meta.scheduled_cpu) == (0, False, 0.0, ())
-
-
-@pytest.mark.parametrize("async_store", [True, False])
-def test_each_step_says_whether_it_computes_prompts_where_a_store_waits_for_them(
-    async_store: bool, server, keyer, client
-) -> None:
-    """``maru_store_yield_ms``: the worker holds write-behind stores while a step computes prompt
-    tokens; the scheduler side says so in every step's plan (not only with ``maru_log_timing``)."""
-    s = make_sched(server, keyer, client, async_store=async_store)
-    toks = tokens(300, seed=43)
-    r = req("a", toks)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    s.update_state_after_alloc(r, blocks_obj([0, 1, 2, 3]), 0)
-    flags = [s.build_connector_meta(new_out("a", [0, 1, 2, 3], 0, 100)).prefill]
-    for computed, new_blocks, n in [(100, [4, 5, 6], 200), (300, [], 1), (301, None, 1)]:
-        flags.append(s.build_connector_meta(cached_out("a", new_blocks, computed, n)).prefill)
-    # Without write-behind nothing waits: the flag is not computed (the step clock's, with timing).
-    assert flags == ([True, True, False, False] if async_store else [False] * 4)
