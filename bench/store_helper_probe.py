@@ -22,11 +22,16 @@ Unknowns this probe measures on the device host, before any of it is built:
    host work between steps) timed beside the drain, in three modes: no store, a drain thread in
    the same process (today's design, its Python stretched to ``--drain-python-ms`` a batch to stand
    for the real drain's issue), and the helper process (the same stretch, in its interpreter);
+   and the whole step beside it (the host work, the wait for the previous batch's reply and for
+   the previous forward): where the drain's Python fits into the engine thread's waits, the host
+   work alone does not show it (the fifty-sixth pass's H100 run: host work 1.001 in every mode);
 4. what the device loses: the stand-in forward's device time (``--forward-ms`` of matmuls, CUDA
    events) in each mode. Two processes on one GPU without MPS share it by time slices, not
    concurrently: if the helper's copies and kernels stall the engine's forward, the design fails
    here whatever it saves on the host;
-5. how long a batch stays unread: from the send to the helper's "read done" (blocks held that long).
+5. how long a batch stays unread: from the send to the helper's "read done" (blocks held that long),
+   and how much of that it waited to be taken up (the fifty-sixth pass's H100 run: 435-535 ms
+   unread, not yet explained: the column says whether it is the queue or the gather).
 
 The table last. No vLLM needed; the geometry is Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16,
 blocks of 16 tokens, chunks of 256).
@@ -123,6 +128,7 @@ def drain_one(
 ) -> dict[str, Any]:
     """One store batch, as the real drain orders it: its Python first (the issue's planning: the
     real drain's ~3 ms a batch), then the device work after the forward's event, then the digest."""
+    start = time.perf_counter() - msg["sent"]  # how long the batch waited to be taken up
     python_work(python_ms)
     if stream is not None:
         with torch.cuda.stream(stream):
@@ -131,7 +137,7 @@ def drain_one(
     else:
         out = gather_to_host(torch, cache, msg["blocks"], pinned)
     read = time.perf_counter() - msg["sent"]  # CLOCK_MONOTONIC: one clock for both processes
-    return {"batch": msg["batch"], "digest": digest(out), "read_s": read}
+    return {"batch": msg["batch"], "digest": digest(out), "read_s": read, "start_s": start}
 
 
 # ------------------------------------------------------------------------------------ the engine
@@ -250,6 +256,7 @@ def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
     most two in flight), so its device work overlaps the next forward. Digests checked at the end."""
     a = eng.a
     host_s: list[float] = []
+    step_s: list[float] = []  # the whole step on the engine's thread: what vLLM's loop would take
     dev_ms: list[float] = []
     issue_cpu: list[float] = []
     replies: list[dict[str, Any]] = []
@@ -257,6 +264,7 @@ def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
     prev = None
     try:
         for b in range(a.batches):
+            s0 = time.perf_counter()
             blocks = batch_blocks(b, a.chunks)
             # New values in every mode (a helper reading a stale copy of the cache must not match).
             fwd = eng.forward(blocks, seed=b + 1000 * MODES.index(mode))
@@ -272,6 +280,7 @@ def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
                 prev[1].synchronize()
                 dev_ms.append(prev[0].elapsed_time(prev[1]))
             prev = fwd
+            step_s.append(time.perf_counter() - s0)
         if (r := drain.reply()) is not None:
             replies.append(r)
         if prev is not None:
@@ -283,9 +292,11 @@ def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
     return {
         "mode": mode,
         "host_ms": statistics.median(host_s) * 1e3,
+        "step_ms": statistics.median(step_s) * 1e3,
         "forward_ms": statistics.median(dev_ms) if dev_ms else None,
         "issue_us": statistics.median(issue_cpu) * 1e6,
         "unread_ms": statistics.median(r["read_s"] for r in replies) * 1e3 if replies else None,
+        "queued_ms": statistics.median(r["start_s"] for r in replies) * 1e3 if replies else None,
         "digests_bad": bad + (a.batches - len(replies) if mode != "none" else 0),
         "stores": len(replies),
     }
@@ -315,15 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\nstore helper probe ({a.device}, {torch.__version__}; {a.chunks} chunks of {CHUNK} tokens a batch, "
         f"{a.batches} batches, host work {a.host_ms} ms, drain Python {a.drain_python_ms} ms a batch)"
     )
-    print("| mode | host work, ms (median) | vs no store | forward on the device, ms | engine-side issue, us | "
-          "sent to read, ms | digests wrong |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| mode | host work, ms (median) | vs no store | whole step, ms | vs no store | forward on the device, ms | "
+          "engine-side issue, us | sent to taken up, ms | sent to read, ms | digests wrong |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         vs = f"{r['host_ms'] / base['host_ms']:.3f}" if base else "-"
+        vs_step = f"{r['step_ms'] / base['step_ms']:.3f}" if base else "-"
         fwd = f"{r['forward_ms']:.2f}" if r["forward_ms"] is not None else "-"
         unread = f"{r['unread_ms']:.2f}" if r["unread_ms"] is not None else "-"
-        print(f"| {r['mode']} | {r['host_ms']:.2f} | {vs} | {fwd} | {r['issue_us']:.0f} | {unread} | "
-              f"{r['digests_bad']} of {r['stores']} |")  # fmt: skip
+        queued = f"{r['queued_ms']:.2f}" if r["queued_ms"] is not None else "-"
+        print(f"| {r['mode']} | {r['host_ms']:.2f} | {vs} | {r['step_ms']:.2f} | {vs_step} | {fwd} | "
+              f"{r['issue_us']:.0f} | {queued} | {unread} | {r['digests_bad']} of {r['stores']} |")  # fmt: skip
     return 1 if any(r["digests_bad"] for r in rows) else 0
 
 
