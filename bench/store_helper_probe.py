@@ -232,6 +232,20 @@ class Drain:
                 ev.record()
             self.work.put((msg, ev))
 
+    def poll(self) -> list[dict[str, Any]]:
+        """Every reply already here, without waiting (vLLM's loop never waits for a store)."""
+        out: list[dict[str, Any]] = []
+        if self.mode == "helper":
+            while self.conn.poll(0):
+                out.append(self.conn.recv())
+        elif self.mode == "thread":
+            while True:
+                try:
+                    out.append(self.replies.get_nowait())
+                except queue.Empty:
+                    break
+        return out
+
     def reply(self) -> dict[str, Any] | None:
         if self.mode == "helper":
             if not self.conn.poll(120):
@@ -252,8 +266,12 @@ class Drain:
 
 def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
     """``a.batches`` steps, as vLLM's loop runs them: queue the forward, queue its store (``mode``),
-    do the host work while the device runs; a batch's store reply is awaited one step later (at
-    most two in flight), so its device work overlaps the next forward. Digests checked at the end."""
+    do the host work while the device runs, wait for the previous forward (vLLM waits for each
+    step's sampled tokens). The store's replies are collected without waiting, as vLLM's loop
+    never waits for a write-behind store: the engine thread's only waits are the device's, so a
+    drain's Python either fits into them (a device-bound step) or takes the host work's time (a
+    host-bound one, ``--forward-ms`` below ``--host-ms``). Every reply waited for at the end;
+    digests checked then."""
     a = eng.a
     host_s: list[float] = []
     step_s: list[float] = []  # the whole step on the engine's thread: what vLLM's loop would take
@@ -274,14 +292,13 @@ def run_mode(eng: Engine, mode: str, ctx: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
             python_work(a.host_ms)  # vLLM's host work for the next step, the store draining beside it
             host_s.append(time.perf_counter() - t0)
-            if b and (r := drain.reply()) is not None:  # the previous batch's store
-                replies.append(r)
+            replies += drain.poll()
             if prev is not None:
                 prev[1].synchronize()
                 dev_ms.append(prev[0].elapsed_time(prev[1]))
             prev = fwd
             step_s.append(time.perf_counter() - s0)
-        if (r := drain.reply()) is not None:
+        while mode != "none" and len(replies) < a.batches and (r := drain.reply()) is not None:
             replies.append(r)
         if prev is not None:
             prev[1].synchronize()
