@@ -76,7 +76,7 @@ from bench.api_workload import (  # noqa: E402
     store_env,
     store_variant,
 )  # noqa: E402
-from bench.store_ab import run_store_ab  # noqa: E402
+from bench.store_ab import SETTLE_S, run_store_ab  # noqa: E402
 from bench.vllm_harness import (  # noqa: E402
     GPU_MODEL,
     SERVER_TIMINGS,
@@ -564,7 +564,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the API instances take turns a round at a time, REPS repetitions (bench/store_ab.py): "
         "storing against a plain instance, warm loads against vLLM's own hit, paired round by round",
     )  # fmt: skip
+    ap.add_argument(
+        "--api-settle-s", type=float, default=SETTLE_S, metavar="S",
+        help=f"with --api-store-ab: seconds after every instance's round (default {SETTLE_S}; a write-behind "
+        "store batch publishes in ~30 ms: 0.25 gives about twice the rounds a device second)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    if not 0 <= a.api_settle_s <= 10:
+        ap.error(f"--api-settle-s must be within [0, 10] s, got {a.api_settle_s}")
     if a.api_store_ab:
         a.api_pair = False  # the round-by-round pass: --api-loads and --api-stores as given, and the idle one
         a.api_stores = ["idle", *(v for v in a.api_stores if v != "idle")]
@@ -686,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng.close()  # frees its GPU memory for what follows
             (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
         if servers and a.api_store_ab:
-            run_store_ab(servers, setup, res, a.api_store_ab)
+            run_store_ab(servers, setup, res, a.api_store_ab, a.api_settle_s)
         elif servers:
             run_api(servers, setup, res, a.api_reps or setup.api_reps)
     except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured

@@ -156,9 +156,13 @@ def external_hits(port: int) -> float:
     return server_metrics(port)[1]["external_hit"]
 
 
-def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int) -> None:
+def run_store_ab(
+    servers: dict[str, ApiServer], setup: Any, res: dict, reps: int, settle_s: float = SETTLE_S
+) -> None:
     """``reps`` repetitions x ``setup.rounds`` rounds, each round a cold turn then a warm turn, the
-    order within each turn rotated every round; ``res["api"]["store_ab"]``."""
+    order within each turn rotated every round; ``res["api"]["store_ab"]``. ``settle_s``: the wait
+    after every instance's round (``SETTLE_S``; shorter: more rounds a device second, as long as
+    the round's stores publish within it, which the warm instance's tokens from Maru show)."""
     cold, warm = turns(list(servers))
     for i, k in enumerate(servers):  # what a process pays once is not a round's TTFT
         servers[k].wait_ready(timeout=600)
@@ -170,11 +174,11 @@ def run_store_ab(servers: dict[str, ApiServer], setup: Any, res: dict, reps: int
         srv = servers["none" if k == "hit" else k]
         before, hits = loaded_tokens_in_log(srv.log_path), external_hits(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
-        time.sleep(SETTLE_S)  # (the load's timing line is written by then too)
+        time.sleep(settle_s)  # (the load's timing line is written by then too)
         row["tokens_loaded"] = loaded_tokens_in_log(srv.log_path) - before
         row["external_hits"] = external_hits(srv.port) - hits
         rounds[k].append(row)
-    out = {"rounds": rounds, "reps": reps, "settle_s": SETTLE_S, "summary": summarize(rounds)}
+    out = {"rounds": rounds, "reps": reps, "settle_s": settle_s, "summary": summarize(rounds)}
     res["api"]["store_ab"] = out
     log(markdown(out))
 

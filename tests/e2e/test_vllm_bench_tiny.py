@@ -49,7 +49,7 @@ def test_tiny_harness_pairs_the_api_instances_round_by_round(tmp_path: Path) -> 
     no load lines; vLLM's own count of the tokens its connector provided says the warm one loaded."""
     out = tmp_path / "out"
     cmd = [sys.executable, "bench/gpu_vllm_e2e.py", "--tiny", "--out", str(out), "--engines", "--api-store-ab", "1",
-           "--api-untimed", "--model-dir", str(tmp_path / "model")]  # fmt: skip
+           "--api-untimed", "--api-settle-s", "0.7", "--model-dir", str(tmp_path / "model")]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     ab = json.loads((out / "gpu_vllm_e2e.json").read_text())["api"]["store_ab"]
@@ -62,3 +62,4 @@ def test_tiny_harness_pairs_the_api_instances_round_by_round(tmp_path: Path) -> 
     assert s["store"]["vs"]["against"] == "none" and s["load"]["vs"]["against"] == "hit"
     assert s["store"]["vs"]["pairs"] == 2 and s["load"]["vs_cold"]["pairs"] == 2
     assert "Round by round (1 repetitions" in p.stdout + p.stderr
+    assert ab["settle_s"] == 0.7 and "0.7 s after every instance's round" in p.stdout + p.stderr
