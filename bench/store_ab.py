@@ -169,18 +169,14 @@ def run_store_ab(
         stream_ttft(servers[k].port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
     rounds: dict[str, list[dict[str, float]]] = {k: [] for k in cold + warm}
     systems: dict[int, list[int]] = {}
-    # Each server's external-hit count after its last round: one /metrics read a round, after it.
-    hits_seen = {k: external_hits(srv.port) for k, srv in servers.items()}
     for rep, rnd, k in schedule(cold, warm, reps, setup.rounds):
         system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
-        name = "none" if k == "hit" else k
-        srv = servers[name]
-        before = loaded_tokens_in_log(srv.log_path)
+        srv = servers["none" if k == "hit" else k]
+        before, hits = loaded_tokens_in_log(srv.log_path), external_hits(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
         time.sleep(settle_s)  # (the load's timing line is written by then too)
         row["tokens_loaded"] = loaded_tokens_in_log(srv.log_path) - before
-        hits = external_hits(srv.port)
-        row["external_hits"], hits_seen[name] = hits - hits_seen[name], hits
+        row["external_hits"] = external_hits(srv.port) - hits
         rounds[k].append(row)
     out = {"rounds": rounds, "reps": reps, "settle_s": settle_s, "summary": summarize(rounds)}
     res["api"]["store_ab"] = out
