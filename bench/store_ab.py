@@ -172,9 +172,8 @@ def run_store_ab(
     for rep, rnd, k in schedule(cold, warm, reps, setup.rounds):
         system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
         srv = servers["none" if k == "hit" else k]
-        # Read right before and after this round, not once a round: the counter may also move
-        # between two rounds of this server (in a CI run 2026-12-06 a plain instance's /metrics
-        # showed 128 external hits across other instances' rounds when read once a round).
+        # Read right before and after this round: only this round's tokens, whatever else moves the
+        # server's counters between its rounds.
         before, hits = loaded_tokens_in_log(srv.log_path), external_hits(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
         time.sleep(settle_s)  # (the load's timing line is written by then too)

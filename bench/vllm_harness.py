@@ -305,6 +305,11 @@ class ApiServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # Each server's /metrics its own: vLLM keeps Prometheus counters in files under this folder
+        # where it is set, so servers that inherit one (a parent that ran vLLM in process sets it
+        # for itself, pytest in CI) report each other's counts (2026-12-06: a plain instance showed
+        # a warm one's external hits). Unset, each server makes its own where it needs one.
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         alt = self.env.get("MARU_BENCH_ALT_TREE_USED")
         if alt:  # another checkout's maru first (an A/B); run there: ``-m`` puts the cwd first
             env["PYTHONPATH"] = os.pathsep.join((alt, env["PYTHONPATH"]))

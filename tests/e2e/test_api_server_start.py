@@ -95,3 +95,23 @@ def test_host_facts_name_the_cpu_and_time_a_fixed_loop() -> None:
     assert said.count(",") >= 2 and "CPUs" in said
     ms = int(said.rsplit(" adds ", 1)[1].removesuffix(" ms"))
     assert ms >= 0
+
+
+def test_each_server_s_metrics_are_its_own_whatever_folder_the_parent_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM keeps Prometheus counters in files under ``PROMETHEUS_MULTIPROC_DIR`` where it is set:
+    servers inheriting one folder report each other's counts (a CI run: a plain instance showed a
+    warm one's external hits). A parent that ran vLLM in process has it set; a server never
+    inherits it."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "shared"))
+    seen = tmp_path / "seen"
+
+    class EnvServer(ApiServer):
+        def argv(self) -> list[str]:
+            code = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('PROMETHEUS_MULTIPROC_DIR', 'unset'))"
+            return [sys.executable, "-c", code, str(seen)]
+
+    srv = EnvServer("env", {}, 0, tmp_path / "server.log").start()
+    assert srv.proc is not None and srv.proc.wait(60) == 0
+    assert seen.read_text() == "unset"
