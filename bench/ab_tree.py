@@ -21,6 +21,12 @@ Presets (``--preset``):
   published); only the forward thread's part and the delayed free remain. Against ``nodevice``:
   what the drain's host work costs; against the idle connector: what the bookkeeping costs.
 
+* ``burn-<ms>``: the drain thread runs ``<ms>`` ms of pure Python (on its CPU clock) before each
+  write-behind store batch, then stores as the default does. Against the default storing
+  instance: whether the drain's CPU costs the round's TTFT by its amount (the drain takes ~3.1 ms
+  CPU a batch of 32 chunks on the H100 host, ``bench/drain_cpu.py``): if it does, ``burn-3``
+  adds about that much a batch; if not, cutting the drain's CPU cannot meet the target.
+
 * ``inline``: the write-behind store's RESERVE round trip and its gather's issue run on vLLM's
   forward thread again (in ``wait_for_save``, ``PipelinedPath.defers_store_gather`` off); the drain
   thread only waits for the copies and publishes. Against the default: whether the drain's Python,
@@ -58,6 +64,11 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
             raise ValueError("switch-<us> needs a positive interval")
         line = f"import sys as _s; _s.setswitchinterval({us}e-6)  # ab_tree {preset}"
         return [("maru/vllm/__init__.py", line)]
+    if preset.startswith("burn-") and preset[len("burn-") :].isdigit():
+        ms = int(preset[len("burn-") :])
+        if ms <= 0:
+            raise ValueError("burn-<ms> needs a positive time")
+        return [("maru/transfer/store_side.py", BURN.replace("MS", str(ms)))]
     if preset in STORE_PRESETS:
         return [("maru/transfer/store_side.py", STORE_PRESETS[preset])]
     if preset == "inline":
@@ -65,7 +76,28 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
             "PipelinedPath.defers_store_gather = False  # ab_tree inline: reserve and issue at wait_for_save"
         )
         return [("maru/transfer/device_path.py", line)]
-    raise ValueError(f"unknown preset {preset!r}: switch-<us>, inline, {', '.join(STORE_PRESETS)}")
+    raise ValueError(f"unknown preset {preset!r}: switch-<us>, burn-<ms>, inline, {', '.join(STORE_PRESETS)}")
+
+
+# Appended to maru/transfer/store_side.py for ``burn-<ms>``: before each write-behind store batch, the
+# drain thread runs MS ms of pure Python (bytecode: the GIL held as the drain's own Python holds it),
+# then the store as usual (published, under the instance's own namespace).
+BURN = """
+_ab_complete_store_real = StoreSide.complete_store
+
+
+def _ab_complete_store(self, pending):  # ab_tree burn-MS
+    import time as _t
+
+    end = _t.thread_time() + MS / 1e3  # CPU time: a wait for the GIL does not count toward it
+    n = 0
+    while _t.thread_time() < end:
+        n += 1
+    return _ab_complete_store_real(self, pending)
+
+
+StoreSide.complete_store = _ab_complete_store
+"""
 
 
 # Appended to maru/transfer/store_side.py (the tree's copy): the write-behind store's drain work cut down.

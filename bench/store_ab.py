@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.api_workload import conversation, loaded_tokens_in_log, pct, store_label
-from bench.vllm_harness import ApiServer, log, random_prompt, server_metrics, stream_ttft
+from bench.vllm_harness import ApiServer, log, random_prompt, server_metrics, stream_ttft, timing_means
 
 SETTLE_S = 0.6  # after each instance's round: its write-behind stores publish (~30 ms a batch)
 LABELS = {
@@ -120,15 +120,24 @@ def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, 
             "tokens_loaded": sum(r.get("tokens_loaded", 0) for r in rs),
             "external_hits": int(sum(r.get("external_hits", 0) for r in rs)),
         }
+        with_phases = [r["engine_ms"] for r in rs if r.get("engine_ms")]
+        if with_phases:
+            row["engine_ms"] = {p: statistics.mean(e[p] for e in with_phases) for p in PHASES}
         ref = reference(k)
-        if ref is not None and (p := paired(rounds, k, ref)) is not None:
-            row["vs"] = p
-        if k == "load" and (p := paired(rounds, k, "none")) is not None:
-            row["vs_cold"] = p
-        if k.startswith("load-") and (p := paired(rounds, "load", k)) is not None:
-            row["vs_load"] = p  # the default warm instance over this one (another tree or mode), by round
-        if k.startswith("store-") and (p := paired(rounds, "store", k)) is not None:
-            row["vs_store"] = p  # the default storing instance over this variant, by round
+        pairs = {}
+        if ref is not None:
+            pairs["vs"] = (k, ref)
+        if k == "load":
+            pairs["vs_cold"] = (k, "none")
+        if k.startswith("load-"):
+            pairs["vs_load"] = ("load", k)  # the default warm instance over this one (another tree or mode)
+        if k.startswith("store-"):
+            pairs["vs_store"] = ("store", k)  # the default storing instance over this variant
+        for name, (a, b) in pairs.items():
+            if (p := paired(rounds, a, b)) is not None:
+                if (d := phase_deltas(rounds, a, b)) is not None:
+                    p["phase_deltas_ms"] = d
+                row[name] = p
         out[k] = row
     return out
 
@@ -156,6 +165,46 @@ def external_hits(port: int) -> float:
     return server_metrics(port)[1]["external_hit"]
 
 
+# vLLM's own timings of a round's requests (from the same /metrics reads as the external hits),
+# mean milliseconds a request: its TTFT from arrival in the API server, its wait in the scheduler's
+# queue, scheduled to first token; ``rest`` is the TTFT less the two (the request's way into the
+# engine core, and its first token's way back to the API server).
+PHASES = ("ttft", "queue", "prefill", "rest")
+
+
+def engine_phases(
+    after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """The round's ``PHASES`` in ms (mean a request) between two ``server_metrics`` timing reads;
+    empty when vLLM counted no request in between (or exports none of the three)."""
+    m = timing_means(after, before)
+    if not all(k in m for k in ("ttft", "queue", "prefill")):
+        return {}
+    out = {k: m[k] * 1e3 for k in ("ttft", "queue", "prefill")}
+    out["rest"] = out["ttft"] - out["queue"] - out["prefill"]
+    return out
+
+
+def phase_deltas(rounds: dict[str, list[dict[str, Any]]], key: str, ref: str) -> dict[str, float] | None:
+    """Per phase, the median of ``key``'s round minus ``ref``'s (ms), over the rounds both have
+    phases for (paired as ``paired`` pairs them); None when they do not pair or none has phases."""
+    a, b = rounds.get(key, []), rounds.get(ref, [])
+    if not a or len(a) != len(b):
+        return None
+    if any((x["rep"], x["round"]) != (y["rep"], y["round"]) for x, y in zip(a, b, strict=True)):
+        return None
+    both = [
+        (x["engine_ms"], y["engine_ms"])
+        for x, y in zip(a, b, strict=True)
+        if x.get("engine_ms") and y.get("engine_ms")
+    ]
+    if not both:
+        return None
+    out: dict[str, float] = {p: statistics.median(x[p] - y[p] for x, y in both) for p in PHASES}
+    out["pairs"] = len(both)
+    return out
+
+
 def run_store_ab(
     servers: dict[str, ApiServer], setup: Any, res: dict, reps: int, settle_s: float = SETTLE_S
 ) -> None:
@@ -174,11 +223,13 @@ def run_store_ab(
         srv = servers["none" if k == "hit" else k]
         # Read right before and after this round: only this round's tokens, whatever else moves the
         # server's counters between its rounds.
-        before, hits = loaded_tokens_in_log(srv.log_path), external_hits(srv.port)
+        before, (times0, counts0) = loaded_tokens_in_log(srv.log_path), server_metrics(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
         time.sleep(settle_s)  # (the load's timing line is written by then too)
+        times1, counts1 = server_metrics(srv.port)
         row["tokens_loaded"] = loaded_tokens_in_log(srv.log_path) - before
-        row["external_hits"] = external_hits(srv.port) - hits
+        row["external_hits"] = counts1["external_hit"] - counts0["external_hit"]
+        row["engine_ms"] = engine_phases(times1, times0)
         rounds[k].append(row)
     out = {"rounds": rounds, "reps": reps, "settle_s": settle_s, "summary": summarize(rounds)}
     res["api"]["store_ab"] = out
@@ -214,4 +265,33 @@ def markdown(out: dict[str, Any]) -> str:
                 f"{head} {p.get('against_label') or label(p['against'])} | {p['ttft_ratio_median']:.3f} ({p['ttft_ratio_q1']:.3f}-"
                 f"{p['ttft_ratio_q3']:.3f}) | {p['at_or_under']} of {p['pairs']} | {p['total_ratio_median']:.3f} |"
             )
+    phased = [r for r in out["summary"].values() if "engine_ms" in r]
+    if phased:
+        lines += [
+            "",
+            "Where a round's time went, by vLLM's own timings (mean ms a request: TTFT from arrival in "
+            "the API server; queue: waiting to be scheduled; prefill: scheduled to first token; rest: "
+            "the TTFT less both, the request's way into the engine core and its first token's way back). "
+            "Against: the median of the paired rounds' differences, ms:",
+            "",
+            "| instance | TTFT | queue | prefill | rest | against | TTFT | queue | prefill | rest |",
+            "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for row in phased:
+            e = row["engine_ms"]
+            head = f"| {row['label']} | " + " | ".join(f"{e[p]:.1f}" for p in PHASES) + " |"
+            deltas = [
+                (k, row[k])
+                for k in ("vs", "vs_cold", "vs_load", "vs_store")
+                if "phase_deltas_ms" in row.get(k, {})
+            ]
+            if not deltas:
+                lines.append(head + " - | - | - | - | - |")
+            for k, p in deltas:
+                d = p["phase_deltas_ms"]
+                who = {
+                    "vs_load": "the default warm instance over this one",
+                    "vs_store": "the default storing instance over this one",
+                }.get(k) or label(p["against"])
+                lines.append(f"{head} {who} | " + " | ".join(f"{d[q]:+.1f}" for q in PHASES) + " |")
     return "\n".join(lines)

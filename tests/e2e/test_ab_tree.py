@@ -67,6 +67,26 @@ STORE_CHECKS = {
 }
 
 
+def test_the_burn_preset_spends_its_cpu_on_the_drain_then_stores_as_before(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree("burn-40", preset_appends("burn-40"), root=tmp_path)
+    code = (
+        "import time\n"
+        "from maru.transfer import store_side\n"
+        "from maru.transfer.store_side import StoreSide\n"
+        "seen = []\n"
+        "store_side._ab_complete_store_real = lambda self, p: seen.append(p) or 'stored'\n"
+        "c0 = time.thread_time()\n"
+        "out = StoreSide.complete_store(None, 'pending')\n"
+        "print(StoreSide.complete_store.__name__, out, seen, time.thread_time() - c0 >= 0.04)"
+    )
+    assert _run_in(tree, code) == "_ab_complete_store stored ['pending'] True"
+    assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
+    for bad in ("burn-0", "burn-x"):
+        with pytest.raises(ValueError):
+            preset_appends(bad)
+
+
 @pytest.mark.parametrize("preset", sorted(STORE_CHECKS))
 def test_the_store_presets_patch_the_trees_store_side_alone(tmp_path: Path, preset: str) -> None:
     (tmp_path / "maru").symlink_to(REPO / "maru")

@@ -162,3 +162,63 @@ def test_a_store_variant_pairs_with_the_default_storing_instance_round_by_round(
     assert "vs_store" not in s["store"]  # the default is not paired with itself
     table = sab.markdown({"reps": 3, "settle_s": 0.6, "rounds": rounds, "summary": s})
     assert sum("the default storing instance over this one" in ln for ln in table.splitlines()) == 1
+
+
+def test_engine_phases_are_the_round_s_means_from_two_metric_reads() -> None:
+    before = {"ttft": (1.0, 10.0), "queue": (0.2, 10.0), "prefill": (0.5, 10.0)}
+    # 4 requests in between: 0.4 s of TTFT, 0.04 of queue, 0.2 of prefill
+    after = {"ttft": (1.4, 14.0), "queue": (0.24, 14.0), "prefill": (0.7, 14.0)}
+    got = sab.engine_phases(after, before)
+    assert got == pytest.approx({"ttft": 100.0, "queue": 10.0, "prefill": 50.0, "rest": 40.0})
+    assert sab.engine_phases(before, before) == {}  # no request counted in between
+    assert sab.engine_phases({"ttft": (1.4, 14.0)}, {"ttft": (1.0, 10.0)}) == {}  # phases not exported
+
+
+def _with_phases(rounds: dict[str, list[dict]], seed: int) -> None:
+    rng = random.Random(seed)
+    for rs in rounds.values():
+        for r in rs:
+            q, p, rest = rng.uniform(0, 5), rng.uniform(20, 60), rng.uniform(10, 40)
+            r["engine_ms"] = {"ttft": q + p + rest, "queue": q, "prefill": p, "rest": rest}
+
+
+def test_phase_deltas_are_medians_of_paired_round_differences() -> None:
+    rounds = _rounds(["none", "store", "store-idle", "hit", "load"], 12, 23)
+    _with_phases(rounds, 5)
+    rounds["store"][3]["engine_ms"] = {}  # a round vLLM counted nothing in: left out of the pairs
+    s = sab.summarize(rounds)
+    d = s["store"]["vs"]["phase_deltas_ms"]
+    pairs = [
+        (a["engine_ms"], b["engine_ms"])
+        for a, b in zip(rounds["store"], rounds["none"], strict=True)
+        if a["engine_ms"]
+    ]
+    assert d["pairs"] == 11
+    for p in sab.PHASES:
+        assert d[p] == pytest.approx(statistics.median(a[p] - b[p] for a, b in pairs))
+    idle = s["store-idle"]["vs_store"]["phase_deltas_ms"]  # the default storing instance over the variant
+    want = statistics.median(
+        a["engine_ms"]["queue"] - b["engine_ms"]["queue"]
+        for a, b in zip(rounds["store"], rounds["store-idle"], strict=True)
+        if a["engine_ms"]
+    )
+    assert idle["queue"] == pytest.approx(want)
+    assert s["none"]["engine_ms"]["prefill"] == pytest.approx(
+        statistics.mean(r["engine_ms"]["prefill"] for r in rounds["none"])
+    )
+    table = sab.markdown({"reps": 4, "settle_s": 0.25, "rounds": rounds, "summary": s})
+    assert "Where a round's time went, by vLLM's own timings" in table
+    phase_rows = table.split("Where a round's time went")[1].splitlines()
+    assert sum(ln.startswith("| cold, Maru storing (default) |") for ln in phase_rows) == 1
+    assert (
+        sum(ln.startswith("| cold, connector attached, Maru off |") for ln in phase_rows) == 2
+    )  # vs none, vs store
+
+
+def test_rounds_without_phases_leave_the_table_without_them() -> None:
+    rounds = _rounds(["none", "store"], 6, 29)
+    s = sab.summarize(rounds)
+    assert "engine_ms" not in s["store"] and "phase_deltas_ms" not in s["store"]["vs"]
+    assert "vLLM's own timings" not in sab.markdown(
+        {"reps": 2, "settle_s": 0.6, "rounds": rounds, "summary": s}
+    )

@@ -63,3 +63,11 @@ def test_tiny_harness_pairs_the_api_instances_round_by_round(tmp_path: Path) -> 
     assert s["store"]["vs"]["pairs"] == 2 and s["load"]["vs_cold"]["pairs"] == 2
     assert "Round by round (1 repetitions" in p.stdout + p.stderr
     assert ab["settle_s"] == 0.7 and "0.7 s after every instance's round" in p.stdout + p.stderr
+    # vLLM's own timings of each round, from the same /metrics reads: every round counted its requests.
+    for rs in ab["rounds"].values():
+        for r in rs:
+            e = r["engine_ms"]
+            assert e["ttft"] > 0 and e["prefill"] > 0 and e["queue"] >= 0
+            assert e["rest"] == pytest.approx(e["ttft"] - e["queue"] - e["prefill"])
+    assert s["store"]["vs"]["phase_deltas_ms"]["pairs"] == 2
+    assert "Where a round's time went, by vLLM's own timings" in p.stdout + p.stderr

@@ -1,0 +1,151 @@
+"""Where a write-behind store's host time goes on the drain thread (GPU; no vLLM).
+
+Why: the storing cost of the API workload follows how much CPU the drain thread takes a store
+batch (about 3 ms on the H100 host, two thirds of it the gather's issue: fifty-fifth pass), not
+where it lands. This measures that CPU on a quiet process, per phase and per chunk, for batches
+shaped like the API workload's (each request a full chunk and a block-aligned partial tail, the
+prompt's end) and like a long prompt's (full chunks only), and profiles the issue
+(``cProfile``, the functions with the most own time).
+
+An engine is built as the vLLM worker builds it (real server, CUDA caches of Llama-3-8B's KV
+geometry, the paced write-behind store, the warm-up); each batch is ``issue_store`` on this
+thread, then ``complete_store`` on a drain thread, timed by ``time.thread_time`` there.
+
+Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_connector import BS, CHUNK, HS, NB, NH, make_caches, server_client  # noqa: E402
+from maru import kv_ops  # noqa: E402
+from maru.transfer.engine import KVTransferEngine  # noqa: E402
+from maru.transfer.records import ChunkRef, RequestTransfer  # noqa: E402
+
+SHAPES = {
+    # name: (requests, full chunks a request, tail tokens a request)
+    "16 x (1 full + tail 144)": (16, 1, 144),
+    "16 x tail 144": (16, 0, 144),
+    "1 x 8 full": (1, 8, 0),
+    "1 x 32 full": (1, 32, 0),
+}
+
+
+def batch(shape: tuple[int, int, int], gen: torch.Generator) -> list[RequestTransfer]:
+    """Requests of fresh keys (a store of known keys would find them present and issue nothing)."""
+    n, full, tail = shape
+    tag = uuid.uuid4().hex[:10]
+    tokens = full * CHUNK + tail
+    perm = torch.randperm(NB, generator=gen).tolist()
+    per = (tokens + BS - 1) // BS
+    out = []
+    for r in range(n):
+        blocks = tuple(perm[r * per : (r + 1) * per])
+        chunks = [ChunkRef(f"dc-{tag}-{r}-{i}", i * CHUNK, CHUNK) for i in range(full)]
+        if tail:
+            chunks.append(ChunkRef(f"dc-{tag}-{r}-t", full * CHUNK, tail))
+        out.append(RequestTransfer(req_id=f"{tag}-{r}", block_ids=blocks, chunks=tuple(chunks)))
+    return out
+
+
+def one(
+    engine: KVTransferEngine, reqs: list[RequestTransfer], prof: cProfile.Profile | None
+) -> dict[str, Any]:
+    """One batch: issued here, completed on a drain thread; its CPU times (seconds)."""
+    c0 = time.thread_time()
+    pending = engine.issue_store(reqs)
+    issue_cpu = time.thread_time() - c0
+    out: dict[str, Any] = {}
+
+    def drain() -> None:
+        t0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        rep = engine.complete_store(pending)
+        if prof is not None:
+            prof.disable()
+        out["cpu"] = time.thread_time() - t0
+        out["rep"] = rep
+
+    th = threading.Thread(target=drain, name="maru-store-drain")
+    th.start()
+    th.join(60)
+    rep = out["rep"]
+    assert rep.failed == 0 and rep.stored == sum(len(r.chunks) for r in reqs), rep
+    return {"forward": issue_cpu, "drain": out["cpu"], **{f"phase:{k}": v for k, v in rep.cpu.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument(
+        "--profile", type=int, default=3, help="batches of each shape profiled (after the timed ones)"
+    )
+    ap.add_argument("--top", type=int, default=22)
+    a = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    with server_client(6 << 30) as client:
+        src = make_caches(NB, 1)
+        layout = kv_ops.detect_layouts(src, block_size=BS, num_kv_heads=NH, head_size=HS)
+        engine = KVTransferEngine(src, layout, client, chunk_tokens=CHUNK, paced_store=True)
+        for shape in SHAPES.values():  # warm: graphs (tail sizes included), pinned buffers, streams
+            one(engine, batch(shape, gen), None)
+        rows, profiles = [], {}
+        for name, shape in SHAPES.items():
+            runs = [one(engine, batch(shape, gen), None) for _ in range(a.reps)]
+            chunks = shape[0] * (shape[1] + (1 if shape[2] else 0))
+            keys = sorted({k for r in runs for k in r})
+            med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+            rows.append((name, chunks, med))
+            prof = cProfile.Profile()
+            for _ in range(a.profile):
+                one(engine, batch(shape, gen), prof)
+            s = io.StringIO()
+            st = pstats.Stats(prof, stream=s)
+            st.sort_stats("tottime").print_stats(a.top)
+            st.sort_stats("cumulative").print_stats(a.top)
+            profiles[name] = s.getvalue()
+        ways, paced = (
+            sorted(engine.path.store_ways) if hasattr(engine.path, "store_ways") else [],
+            engine.paces_stores,
+        )
+        engine.close()
+    for name, text in profiles.items():
+        print(f"\n=== profile of {a.profile} drains, {name} (sorted by own time)")
+        print("\n".join(line for line in text.splitlines() if line.strip())[:12000])
+    print(
+        f"\n{torch.cuda.get_device_name()}; {CHUNK}-token chunks; paced={paced}; store ways {ways}; "
+        f"median of {a.reps} batches; CPU ms (thread_time)"
+    )
+    phases = sorted({k for _, _, m in rows for k in m if k.startswith("phase:")})
+    print(
+        "| batch | chunks | forward thread (issue_store) | drain thread | drain a chunk | "
+        + " | ".join(p.removeprefix("phase:") for p in phases)
+        + " |"
+    )
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(phases))
+    for name, chunks, m in rows:
+        cells = " | ".join(f"{m.get(p, 0.0) * 1e3:.2f}" for p in phases)
+        print(
+            f"| {name} | {chunks} | {m['forward'] * 1e3:.3f} | {m['drain'] * 1e3:.2f} | "
+            f"{m['drain'] / chunks * 1e3:.3f} | {cells} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
