@@ -30,8 +30,10 @@ Unknowns this probe measures on the device host, before any of it is built:
    concurrently: if the helper's copies and kernels stall the engine's forward, the design fails
    here whatever it saves on the host;
 5. how long a batch stays unread: from the send to the helper's "read done" (blocks held that long),
-   and how much of that it waited to be taken up (the fifty-sixth pass's H100 run: 435-535 ms
-   unread, not yet explained: the column says whether it is the queue or the gather).
+   and how much of that it waited to be taken up. (The fifty-sixth and fifty-seventh passes' runs
+   digested every byte of each 256 MiB batch on the drain, ~0.3 s a batch: the drain fell seconds
+   behind and its stand-in Python was diluted ~20x, so those runs measured nothing of the design.
+   The digest now samples the batch, ``DIGEST_STRIDE``.)
 
 The table last. No vLLM needed; the geometry is Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16,
 blocks of 16 tokens, chunks of 256).
@@ -75,11 +77,19 @@ def batch_blocks(batch: int, chunks: int) -> list[int]:
     return list(range(batch * per, (batch + 1) * per))
 
 
+# Every DIGEST_STRIDE-th element is digested, not the whole batch: a whole 256 MiB batch took the
+# drain ~0.3 s of hashing (the drain then fell seconds behind the engine, its stand-in Python diluted
+# ~20x: the fifty-seventh pass's "sent to taken up" of 6.4-8.4 s). Every forward writes new values
+# everywhere, so a stale or wrong copy still differs at the sampled elements.
+DIGEST_STRIDE = 4099  # a prime: no alignment with the cache's rows or blocks
+
+
 def digest(host: Any) -> str:
-    """A digest of a contiguous host tensor's bytes (hashlib lets the GIL go for large inputs)."""
+    """A digest of a sample of a contiguous host tensor's elements (every ``DIGEST_STRIDE``-th)."""
     import torch
 
-    return hashlib.blake2b(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+    sample = host.reshape(-1)[::DIGEST_STRIDE].contiguous()
+    return hashlib.blake2b(sample.view(torch.uint8).numpy()).hexdigest()[:16]
 
 
 def gather_to_host(torch: Any, cache: Any, blocks: list[int], pinned: Any) -> Any:
