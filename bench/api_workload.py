@@ -91,6 +91,8 @@ API_STORES: dict[str, dict[str, Any] | None] = {
     # Stores without the load side (no keys or probe at a request's arrival or offer, no pins): what
     # a cold storing instance pays for being able to load, against the default storing instance.
     "storeonly": {"maru_enable_load": False},
+    # The write-behind drain in a helper process (maru_store_helper): vLLM's interpreter rid of it.
+    "helper": {"maru_store_helper": True},
     # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
     # A second instance without a connector: the spread between two identical instances.
@@ -102,6 +104,7 @@ API_STORES: dict[str, dict[str, Any] | None] = {
 STORE_LABELS = {
     "probe": "cold, Maru probing only",
     "storeonly": "cold, Maru storing, loads off",
+    "helper": "cold, Maru storing, drain in a helper process",
     "idle": "cold, connector attached, Maru off",
     "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
     "none": "cold, no connector (a second instance)",

@@ -165,6 +165,11 @@ class MaruConnectorConfig:
     # Write-behind stores on a GPU yield the copy engine between chunks and share no stream with
     # loads (kv_ops.paced_store): vLLM's own small copies wait for one chunk at most, not a whole store.
     paced_store: bool = True
+    # Write-behind stores in a helper process of the worker's (``maru.vllm.store_helper``): the
+    # drain's reserve, issue, wait and publish out of vLLM's interpreter, whose loop pays a drain
+    # thread's CPU by its amount (bench/RESULTS.md, fifty-seventh pass). Off by default until it has
+    # run in real vLLM on a GPU; needs caches a process can share (CUDA IPC).
+    store_helper: bool = False
     # How a GPU worker's layer-by-layer load reads the pool (``kv_ops.device_pipeline.LAYER_PATHS``):
     # ``auto`` (the direct kernel, the SMs reading the pool), or ``copied`` (one batched copy a
     # layer on the copy engines: kinder to the forward beside it, but a longer host issue; see
@@ -264,6 +269,7 @@ class MaruConnectorConfig:
             else bool(self.overlap_load_with_compute),
             "async_store": self.async_store,
             "paced_store": self.paced_store,
+            "store_helper": self.store_helper,
             "layer_path": self.layer_path,
             "early_load": "auto (where it applies)" if self.early_load is None else self.early_load,
         }
@@ -342,6 +348,12 @@ class MaruConnectorConfig:
                     else ""
                 )
             )
+            if self.store_helper:
+                out.append(
+                    "maru_store_helper: the drain runs in a helper process of each worker (its reserve, "
+                    "issue, wait and publish out of vLLM's interpreter); stores use the drain thread "
+                    "until it is ready, and from then on if it fails"
+                )
         return out
 
     def without_write_behind(self, why: str) -> MaruConnectorConfig:

@@ -45,6 +45,7 @@ from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.own_thread import on_own_thread
 from maru.vllm.refusal import RefusalReport, refusal_info, report_only_client
 from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock
+from maru.vllm.store_helper import helper_for
 from maru.vllm.worker_paths import kv_ops_backend, worker_data_paths
 from maru.vllm.worker_stats import WorkerStats
 from maru.vllm.worker_stores import WorkerStores
@@ -138,7 +139,7 @@ class MaruWorkerConnector(WorkerStores):
             self.stats, hooks, enable_load=cfg.enable_load, timeout_s=cfg.timeout_s
         )
         # The stores' ways and why they commit no segment sums, as last reported (_report_paths).
-        self._store_ways: tuple[frozenset[str], str | None] = (frozenset(), None)
+        self._store_ways: tuple[Any, ...] = ()
         self.write_behind = WriteBehind(
             self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
         )
@@ -223,6 +224,8 @@ class MaruWorkerConnector(WorkerStores):
         )
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
+            if self.write_behind.helper is None and (h := helper_for(self.caches, self.layout, self.cfg)):
+                self.write_behind.use_helper(h)
         self._report_paths()
         return True
 
@@ -247,7 +250,7 @@ class MaruWorkerConnector(WorkerStores):
     def _report_paths(self) -> None:
         # The stores' ways when last reported (a reconnect reports afresh, with them).
         path = self.engine.path if self.engine is not None else None
-        self._store_ways = (path.store_ways, path.segments_off()) if path is not None else (frozenset(), None)
+        self._store_ways = self._ways_seen(path)
         report = getattr(self._client, "set_client_info", None)
         if report is None:
             return

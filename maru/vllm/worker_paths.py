@@ -49,7 +49,13 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         if worker.cfg.async_store
         else "sync",
     }
+    if worker.cfg.async_store and worker.cfg.store_helper:
+        paths["store_helper"], helper_why = worker.write_behind.helper_path()
+    else:
+        helper_why = None
     slow: list[str] = list(worker.cfg.fallbacks)  # settings the connector replaced, with the fix
+    if helper_why is not None:
+        slow.append(helper_why)
     slow.extend(env_flags.misread())  # a MARU_* switch set to a value that is not one (left off)
     if (profiling := profiling_note()) is not None:
         slow.append(profiling)

@@ -35,7 +35,7 @@ class WorkerStores:
     layer_loads: Any
     _step_kind: str | None
     _failed_blocks_step: set[int]
-    _store_ways: tuple[frozenset[str], str | None]
+    _store_ways: tuple[Any, ...]
     _next_store_warning: float
 
     _report_paths: Callable[[], None]
@@ -129,10 +129,15 @@ class WorkerStores:
         """Wait until every write-behind store submitted so far is done (tests, shutdown)."""
         self.write_behind.collect(timeout_s)
 
+    def _ways_seen(self, path: Any) -> tuple[Any, ...]:
+        """What the stores' reported paths depend on: the data path's store ways and segment-sum
+        reason, and where the write-behind drain runs (``maru_store_helper``)."""
+        ways = (path.store_ways, path.segments_off()) if path is not None else (frozenset(), None)
+        return (*ways, self.write_behind.helper_path()[0])
+
     def _account_store(self, rep: StoreReport) -> None:
         path = self.engine.path if self.engine is not None else None
-        seen = (path.store_ways, path.segments_off()) if path is not None else (frozenset(), None)
-        if seen != self._store_ways:  # a way or reason seen the first time: report it (maru stats, doctor)
+        if self._ways_seen(path) != self._store_ways:  # new: report it (maru stats, doctor)
             self._report_paths()
         self.stats.chunks_stored += rep.stored
         self.stats.chunks_present += rep.present

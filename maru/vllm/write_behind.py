@@ -36,6 +36,7 @@ from maru.transfer.records import RequestTransfer, StoreReport
 from maru.transfer.stores import PendingStore
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.sampled_profile import profile_for
+from maru.vllm.store_helper import StoreHelper
 from maru.vllm.worker_stats import WorkerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -74,9 +75,13 @@ class WriteBehind:
         self._owed: set[str] = set()
         self._finished: set[str] = set()  # owed, seen in finished_req_ids, a store still reading
         self._finished_at: dict[str, float] = {}  # of _finished: when vLLM named it finished
-        self._batches: list[tuple[PendingStore, KVTransferEngine]] = []
+        # (store, what completes it): a PendingStore and its engine (the drain thread), or a
+        # HelperBatch and the StoreHelper (maru_store_helper); both have ``req_ids``,
+        # ``reading_done()``, ``read_done`` and ``wait_store_read``.
+        self._batches: list[tuple[Any, Any]] = []
         self.draining = False  # the drain thread is at work on a store (set on that thread)
         self.mode = "not connected yet"
+        self.helper: StoreHelper | None = None  # maru_store_helper: the drain in a process of its own
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
         """Log how the store runs on ``data_path`` (once per change of path); ``paced``: the path
@@ -107,8 +112,32 @@ class WriteBehind:
                 self._finished_at.pop(r, None)
         self._owed.update(rt.req_id for rt in meta.stores)
 
+    def use_helper(self, helper: StoreHelper) -> None:
+        """Send the stores to ``helper`` from now on, whenever it takes them (``StoreHelper.takes``)."""
+        self.helper = helper
+
+    def helper_path(self) -> tuple[str, str | None]:
+        """(how the stores run with ``maru_store_helper``, the slow-path sentence or None)."""
+        h = self.helper
+        if h is None:
+            return "drain thread", None
+        if h.state == "failed":
+            return "drain thread (the store helper failed)", h.why
+        return f"helper process, {h.state} (pid {h.pid})", None
+
     def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
-        """Issue ``stores`` on ``engine`` (forward thread) and queue their completion on the drain."""
+        """Issue ``stores`` (forward thread): to the store helper where it takes them, else on
+        ``engine`` with their completion queued on the drain thread."""
+        h = self.helper
+        if h is not None:
+            batch = h.submit(stores) if h.takes() else None
+            if batch is not None:
+                self._batches.append((batch, h))
+                self.stats.helper_batches += 1
+                self.stats.stores_in_flight = len(self._batches)
+                self.collect()
+                return
+            self.stats.helper_missed += 1  # starting, every event in use, or failed: the drain thread
         pending = engine.issue_store(stores)
         if self._drain is None:
             self._drain = BackgroundRunner("maru-store-drain")
@@ -161,7 +190,14 @@ class WriteBehind:
         self._drain.submit(None, fn, *args)
 
     def collect(self, wait_s: float | None = 0.0) -> None:
-        """Account every drained store (waiting up to ``wait_s`` seconds for the rest; None: all)."""
+        """Account every drained store (waiting up to ``wait_s`` seconds for the rest; None: all,
+        the helper's each bounded by the timeout)."""
+        if self.helper is not None:
+            if wait_s != 0.0:
+                self.helper.wait_all(self._timeout_s if wait_s is None else wait_s)
+            for batch, rep in self.helper.poll():
+                self._batch_drained(batch)
+                self._account(rep)
         if self._drain is None:
             return
         done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
@@ -174,7 +210,7 @@ class WriteBehind:
                 res = StoreReport(failed=1, error=f"{type(res).__name__}: {res}")
             self._account(res)
 
-    def _batch_drained(self, pending: PendingStore) -> None:
+    def _batch_drained(self, pending: Any) -> None:
         self._batches = [b for b in self._batches if b[0] is not pending]
         self.stats.stores_in_flight = len(self._batches)
 
@@ -231,6 +267,9 @@ class WriteBehind:
 
     def close(self) -> None:
         """Complete and publish every store issued (each bounded by the client's timeout), then stop."""
+        if self.helper is not None:
+            self.helper.close(self._timeout_s)
+            self.collect()
         if self._drain is not None:
             self.collect(None)
             self._drain.close(timeout=0)

@@ -150,6 +150,8 @@ def test_a_store_variant_pairs_with_the_default_storing_instance_round_by_round(
 
     assert check_store_variant("unpaced") == "unpaced"
     assert store_variant("unpaced") == {"maru_async_store": True, "maru_paced_store": False}
+    assert store_variant("helper") == {"maru_store_helper": True}
+    assert store_label("helper") == "cold, Maru storing, drain in a helper process"
     rounds = _rounds(["none", "store", "store-unpaced", "hit", "load"], 9, 19)
     s = sab.summarize(rounds)
     v = s["store-unpaced"]

@@ -521,6 +521,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "overlap_load_with_compute": "auto (on GPU caches)",
         "async_store": True,
         "paced_store": True,
+        "store_helper": False,
         "layer_path": "auto",
         "early_load": "auto (where it applies)",
     }
