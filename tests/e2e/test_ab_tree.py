@@ -32,7 +32,7 @@ def test_the_switch_preset_sets_the_interval_when_maru_vllm_is_imported(tmp_path
 
 
 def test_unknown_or_bad_presets_are_refused() -> None:
-    for bad in ("switch-", "switch-0", "switch-x", "other"):
+    for bad in ("switch-", "switch-0", "switch-x", "burn-0", "burn-x", "other"):
         with pytest.raises(ValueError):
             preset_appends(bad)
 
@@ -64,13 +64,8 @@ STORE_CHECKS = {
         "print(p.reading_done(), rep.stored, rep.failed, rep.tokens)",
         "True 0 0 0",
     ),
-}
-
-
-def test_the_burn_preset_spends_its_cpu_on_the_drain_then_stores_as_before(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("burn-40", preset_appends("burn-40"), root=tmp_path)
-    code = (
+    # the drain burns its CPU (40 ms here), then stores as before
+    "burn-40": (
         "import time\n"
         "from maru.transfer import store_side\n"
         "from maru.transfer.store_side import StoreSide\n"
@@ -78,13 +73,10 @@ def test_the_burn_preset_spends_its_cpu_on_the_drain_then_stores_as_before(tmp_p
         "store_side._ab_complete_store_real = lambda self, p: seen.append(p) or 'stored'\n"
         "c0 = time.thread_time()\n"
         "out = StoreSide.complete_store(None, 'pending')\n"
-        "print(StoreSide.complete_store.__name__, out, seen, time.thread_time() - c0 >= 0.04)"
-    )
-    assert _run_in(tree, code) == "_ab_complete_store stored ['pending'] True"
-    assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
-    for bad in ("burn-0", "burn-x"):
-        with pytest.raises(ValueError):
-            preset_appends(bad)
+        "print(StoreSide.complete_store.__name__, out, seen, time.thread_time() - c0 >= 0.04)",
+        "_ab_complete_store stored ['pending'] True",
+    ),
+}
 
 
 @pytest.mark.parametrize("preset", sorted(STORE_CHECKS))

@@ -505,3 +505,17 @@ def overlap_setup(
     assert plain_engine(ref, client).load([dst_a]).loaded_req_ids == [dst_a.req_id]
     w = worker(server, dst, **{"overlap_load_with_compute": True, **cfg})
     return w, ref, dst, before, dst_a, dbad
+
+
+def ready_helper(w: Any, timeout: float = 180.0) -> Any:
+    """A worker connector's store helper (``maru_store_helper``), once it reported ready."""
+    import time
+
+    h = w.write_behind.helper
+    assert h is not None, "no store helper"
+    deadline = time.monotonic() + timeout
+    while not h.ready():
+        assert h.state == "starting", h.why
+        assert time.monotonic() < deadline, "the store helper never reported ready"
+        time.sleep(0.05)
+    return h

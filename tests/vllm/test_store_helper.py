@@ -2,7 +2,7 @@
 
 The real worker connector, a real server and shared-memory pool, the helper a real spawned process
 reading the worker's caches (on CPU: caches in shared memory, as CUDA IPC shares them on a GPU;
-the GPU path is in ``tests/vllm/test_store_helper_gpu.py``). A helper is stalled with SIGSTOP and
+the GPU path is in ``tests/vllm/test_write_behind_gpu.py``). A helper is stalled with SIGSTOP and
 crashed with SIGKILL, so nothing depends on timing. What must hold:
 
 - a batch goes to the helper, its bytes are published right, and vLLM gets the request's blocks
@@ -21,7 +21,6 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -30,7 +29,7 @@ from maru.kv_ops.testing import CacheCase
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import module_server, pool_client, stop_worker
-from tests.transfer.helpers import CHUNK, assert_loads_back, case, request
+from tests.transfer.helpers import CHUNK, assert_loads_back, case, ready_helper, request
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
@@ -48,18 +47,6 @@ def shared(c: CacheCase) -> CacheCase:
     return c
 
 
-def ready(w: Any, timeout: float = 90.0) -> Any:
-    """The worker's helper, once it reported ready."""
-    h = w.write_behind.helper
-    assert h is not None, "no store helper"
-    deadline = time.monotonic() + timeout
-    while not h.ready():
-        assert h.state == "starting", h.why
-        assert time.monotonic() < deadline, "the store helper never reported ready"
-        time.sleep(0.05)
-    return h
-
-
 def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase) -> None:
     assert_loads_back(client, req, original, tuple(range(15, 15 - len(req.block_ids), -1)), seed=98)
 
@@ -72,7 +59,7 @@ def test_the_helper_stores_a_batch_and_the_blocks_come_back_only_after_its_reply
     keys = [c.key for c in req.chunks]
     w = worker(server.url, src, store_helper=True)
     try:
-        h = ready(w)
+        h = ready_helper(w)
         assert w.data_paths()["paths"]["store_helper"] == f"helper process, ready (pid {h.pid})"
         os.kill(h.pid, signal.SIGSTOP)  # the helper holds the batch: its blocks must stay vLLM's
         try:
@@ -99,7 +86,7 @@ def test_a_preemption_waits_for_the_helper_s_reply_and_keeps_the_helper(
     req = request("helper-preempted", [11, 2, 7, 4], 2 * CHUNK)
     w = worker(server.url, src, store_helper=True, timeout_s=20.0)
     try:
-        h = ready(w)
+        h = ready_helper(w)
         os.kill(h.pid, signal.SIGSTOP)
         w.wait_for_save(Meta(stores=[req]))
         ((batch, _),) = w.write_behind._batches
@@ -124,7 +111,7 @@ def test_a_stalled_helper_is_stopped_at_a_preemption_and_the_stores_go_to_the_dr
     later = request("helper-later", [2, 8, 6, 0], 2 * CHUNK)
     w = worker(server.url, src, store_helper=True, timeout_s=1.0)
     try:
-        h = ready(w)
+        h = ready_helper(w)
         os.kill(h.pid, signal.SIGSTOP)  # stalled: it will never answer
         w.wait_for_save(Meta(stores=[stuck]))
         with caplog.at_level(logging.WARNING, logger="maru.vllm"):
@@ -157,7 +144,7 @@ def test_a_helper_killed_with_a_batch_in_flight_fails_that_batch_and_frees_its_b
     req = request("helper-killed", [4, 7, 10, 12], 2 * CHUNK)
     w = worker(server.url, src, store_helper=True)
     try:
-        h = ready(w)
+        h = ready_helper(w)
         os.kill(h.pid, signal.SIGSTOP)
         w.wait_for_save(Meta(stores=[req]))
         os.kill(h.pid, signal.SIGKILL)

@@ -27,7 +27,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
 from tests.pool_fixtures import release_pool, stop_worker
-from tests.transfer.helpers import engine, make_case, requests
+from tests.transfer.helpers import engine, make_case, ready_helper, requests
 
 pytestmark = [
     pytest.mark.gpu,
@@ -214,7 +214,19 @@ def test_worker_write_behind_on_cuda_reports_after_the_drain_and_waits_at_preemp
         _worker_write_behind_case(f"{physical}-{inference}", physical, server, client)
 
 
-def _worker_write_behind_case(tag: str, physical: str, server: ServerProcess, client: MaruHandler) -> None:
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_the_store_helper_stores_what_the_forward_wrote_and_waits_at_preemption(
+    physical: str, server: ServerProcess, client: MaruHandler
+) -> None:
+    """``maru_store_helper``: the same, the drain in a helper process that reaches the caches and
+    each forward's event through CUDA IPC (``maru.vllm.store_helper``)."""
+    with torch.inference_mode():
+        _worker_write_behind_case(f"{physical}-helper", physical, server, client, store_helper=True)
+
+
+def _worker_write_behind_case(
+    tag: str, physical: str, server: ServerProcess, client: MaruHandler, *, store_helper: bool = False
+) -> None:
     pytest.importorskip("vllm")
     from maru.vllm.config import MaruConnectorConfig
     from maru.vllm.metadata import MaruConnectorMetadata as Meta
@@ -227,7 +239,9 @@ def _worker_write_behind_case(tag: str, physical: str, server: ServerProcess, cl
     a_src = RequestTransfer("a", a_src.block_ids, a_src.chunks)  # finishes
     b_src = RequestTransfer("b", b_src.block_ids, b_src.chunks)  # is preempted
     src, want = make_case(physical, 11, GEOM), make_case(physical, 13, GEOM)
-    cfg = MaruConnectorConfig(server_url=server.url, kv_chunk_tokens=CHUNK, async_store=True)
+    cfg = MaruConnectorConfig(
+        server_url=server.url, kv_chunk_tokens=CHUNK, async_store=True, store_helper=store_helper
+    )
     w = MaruWorkerConnector(
         cfg,
         block_size=bs,
@@ -241,9 +255,11 @@ def _worker_write_behind_case(tag: str, physical: str, server: ServerProcess, cl
         assert w.engine is not None and w.engine.data_path == "pipelined"
         assert "yielding the copy engine between chunks" in (w.write_behind_mode or "")  # paced: the default
         assert w.data_paths()["paths"]["store"] == "write-behind, paced"
+        helper = ready_helper(w) if store_helper else None
         overwrite_behind_a_device_sleep(src, want)
         w.wait_for_save(Meta(stores=[a_src]))
         w.wait_for_save(Meta(stores=[b_src]))
+        assert w.stats.helper_batches == (2 if store_helper else 0) and w.stats.helper_missed == 0
         w.handle_preemptions(Meta(preempted_req_ids={"b"}))  # before the next forward
         # The next forward writes b's freed blocks (a's stay held by vLLM until finished_sending).
         freed = torch.tensor(sorted(set(b_src.block_ids) - set(a_src.block_ids)), device="cuda")
@@ -253,6 +269,7 @@ def _worker_write_behind_case(tag: str, physical: str, server: ServerProcess, cl
         sending, _ = w.get_finished({"a", "b"})
         assert sending == {"a"}  # b was preempted: no report owed
         assert (w.stats.store_failures, w.stats.chunks_stored, w.stats.chunks_present) == (0, 8, 0)
+        assert helper is None or helper.state == "ready"
     finally:
         stop_worker(w)
     assert_loaded(client, physical, a_src, RequestTransfer("a", a_dst.block_ids, a_dst.chunks), want)
