@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -115,7 +116,9 @@ def share_blocker(caches: list[Any]) -> str | None:
 
 class StoreHelper:
     """The worker's side of the helper process (see the module docstring). Used from vLLM's forward
-    thread only (``submit``, ``poll``, ``wait_store_read``, ``close``); never raises into it."""
+    thread only (``submit``, ``poll``, ``wait_store_read``, ``close``), its messages sent by a thread
+    of its own (``_send_loop``: a full socket blocks that thread, never the forward's); never
+    raises into vLLM."""
 
     def __init__(self, spec: HelperSpec, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
         import torch.multiprocessing as tmp  # registers the reductions that share tensors and events
@@ -125,7 +128,14 @@ class StoreHelper:
         self.why: str | None = None  # why it failed (reason and fix)
         self.pid: int | None = None
         self.sent = 0  # batches sent
+        self._start_timeout_s = start_timeout_s
         self._deadline = time.monotonic() + start_timeout_s
+        # Sends go through a thread of their own: a batch's message is tens of KiB (its block ids
+        # and keys), and a helper that stalls lets the socket fill; a send would then block vLLM's
+        # forward thread. The sender blocks instead, without the GIL (a socket write).
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._send_error: str | None = None
+        self._sender: threading.Thread | None = None
         self._inflight: dict[int, HelperBatch] = {}
         self._done: list[tuple[HelperBatch, StoreReport]] = []
         self._next_id = 0
@@ -142,6 +152,10 @@ class StoreHelper:
             child.close()  # the worker's copy: the helper's exit then reads as end of file here
         if self.state == "starting":
             self.pid = self._proc.pid
+            self._sender = threading.Thread(
+                target=self._send_loop, name="maru-store-helper-send", daemon=True
+            )
+            self._sender.start()
             logger.info(
                 "Maru: the store helper process (pid %s) is starting; write-behind stores run on the drain "
                 "thread until it is ready",
@@ -154,7 +168,9 @@ class StoreHelper:
         if self.state == "starting":
             self._read(0.0)
             if self.state == "starting" and time.monotonic() > self._deadline:
-                self._fail(f"the store helper process did not report ready within {START_TIMEOUT_S:.0f} s")
+                self._fail(
+                    f"the store helper process did not report ready within {self._start_timeout_s:.0f} s"
+                )
         return self.state == "ready"
 
     def takes(self) -> bool:
@@ -178,7 +194,7 @@ class StoreHelper:
 
                 # On the forward's stream, after the forward: the helper's gather waits for it.
                 self.spec.events[slot].record(torch.cuda.current_stream(self.spec.device))
-            self._conn.send(("store", batch.batch_id, slot, batch.requests))
+            self._outbox.put(("store", batch.batch_id, slot, batch.requests))
         except Exception as e:
             self._fail(f"sending a store batch to the store helper failed ({type(e).__name__}: {e})")
             return None
@@ -224,18 +240,28 @@ class StoreHelper:
         deadline = time.monotonic() + timeout_s
         self.wait_all(timeout_s)
         if self.state in ("ready", "starting"):
-            try:
-                self._conn.send(("stop",))
-            except Exception:
-                pass
+            self._outbox.put(("stop",))
             self._proc.join(max(1.0, deadline - time.monotonic()))
+        self._outbox.put(None)  # the sender's end (after any message still queued)
         self._stop_process()
+        if self._sender is not None:
+            self._sender.join(5.0)
         self._lose_inflight("the store helper was closed before the batch finished")
         if self.state != "failed":
             self.state = "closed"
         self._conn.close()
 
     # -- the pipe --------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        """The sender thread: each queued message to the helper, in order, until the end marker or
+        a failed send (the forward thread's next read then finds the helper failed)."""
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except Exception as e:
+                self._send_error = f"{type(e).__name__}: {e}"
+                return
+
     def _read(self, wait_s: float) -> None:
         """Read every message there is (waiting up to ``wait_s`` for the first); a broken pipe or a
         dead helper fails it."""
@@ -251,6 +277,8 @@ class StoreHelper:
             return
         if self.state in ("ready", "starting") and not self._proc.is_alive():
             self._fail(f"the store helper process (pid {self.pid}) exited with code {self._proc.exitcode}")
+        elif self.state in ("ready", "starting") and self._send_error is not None:
+            self._fail(f"sending to the store helper process (pid {self.pid}) failed ({self._send_error})")
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
@@ -279,6 +307,7 @@ class StoreHelper:
         logger.warning("Maru: %s", self.why)
         if kill:
             self._stop_process()
+        self._outbox.put(None)  # the sender ends (a send blocked on a dead helper fails first)
         self._lose_inflight(why)
 
     def _stop_process(self) -> None:

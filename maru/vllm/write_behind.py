@@ -18,6 +18,9 @@
   CUDA with an event recorded on the forward's stream); the RESERVE round trip, the gather's issue
   and the publish run on the drain thread, the gather ordered after that event. Only the
   preemption barrier may gather on the forward thread (a store the drain has not started).
+* With ``maru_store_helper`` a batch goes to the helper process (``maru.vllm.store_helper``)
+  wherever it takes one; its reply ends its read of the blocks, and every rule above holds for it
+  as for a drain-thread batch (the barrier waits for the reply, or stops the helper).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -222,3 +223,57 @@ def _alive(pid: int | None) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_stalled_helper_never_blocks_the_forward_thread_however_much_is_queued(
+    server: ServerProcess,
+) -> None:
+    """Batches are tens of KiB pickled; a stalled helper lets its socket fill. The forward thread
+    only queues them (a sender thread writes them): every submit returns, up to the ring."""
+    from maru import kv_ops
+    from maru.transfer.records import ChunkRef
+    from maru.vllm.store_helper import RING
+
+    src = shared(case("kv_first", "NHD", 68))
+    spec = HelperSpec(
+        caches=list(src.caches),
+        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
+        server_url=server.url,
+        timeout_s=5.0,
+        chunk_tokens=CHUNK,
+        paced_store=True,
+        device=None,
+        events=None,
+    )
+    h = StoreHelper(spec)
+    try:
+        deadline = time.monotonic() + 90
+        while not h.ready():
+            assert h.state == "starting" and time.monotonic() < deadline, h.why
+            time.sleep(0.05)
+        os.kill(h.pid, signal.SIGSTOP)
+        big = [
+            RequestTransfer(f"r{i}", (1, 2, 3, 4), (ChunkRef(f"stall/{i}/{'k' * 200}", 0, CHUNK),))
+            for i in range(300)
+        ]  # ~80 KiB pickled: a few of them fill the socket
+        done = threading.Event()
+        sent: list[Any] = []
+
+        def forward() -> None:
+            for _ in range(RING):
+                assert h.takes()
+                sent.append(h.submit(big))
+            done.set()
+
+        threading.Thread(target=forward, daemon=True).start()
+        assert done.wait(60), "a submit blocked the forward thread"
+        assert all(b is not None for b in sent) and h.in_flight() == RING and not h.takes()
+        os.kill(h.pid, signal.SIGKILL)
+        lost = []
+        while len(lost) < RING and time.monotonic() < deadline + 60:
+            lost += h.poll()
+            time.sleep(0.01)
+        assert len(lost) == RING and all(rep.failed == 300 for _, rep in lost)
+        assert all(b.reading_done() for b, _ in lost) and h.state == "failed"
+    finally:
+        h.close(1.0)
