@@ -350,9 +350,9 @@ class MaruConnectorConfig:
             )
             if self.store_helper:
                 out.append(
-                    "maru_store_helper: the drain runs in a helper process of each worker (its reserve, "
-                    "issue, wait and publish out of vLLM's interpreter); stores use the drain thread "
-                    "until it is ready, and from then on if it fails"
+                    "maru_store_helper: the drain is to run in a helper process of each worker (its "
+                    "reserve, issue, wait and publish out of vLLM's interpreter); stores use the drain "
+                    "thread until it is ready, where it cannot start (said) and from the moment it fails"
                 )
         return out
 

@@ -43,11 +43,14 @@ worker died).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +148,8 @@ class StoreHelper:
             target=helper_main, args=(child, spec), name="maru-store-helper", daemon=True
         )
         try:
-            self._proc.start()
+            with _may_have_children():
+                self._proc.start()
         except Exception as e:  # the caches or events could not be pickled (no CUDA IPC), no spawn
             self._fail(f"the store helper process could not start ({type(e).__name__}: {e})", kill=False)
         finally:
@@ -325,6 +329,25 @@ class StoreHelper:
             batch.read_done.set()
             self._done.append((batch, StoreReport(failed=batch.chunks, error=f"store helper: {why}")))
         self._inflight.clear()
+
+
+@contextlib.contextmanager
+def _may_have_children() -> Iterator[None]:
+    """Let this process start the helper even where it is a daemonic multiprocessing child (vLLM's
+    multiprocess executor starts its tensor-parallel workers so). multiprocessing refuses children
+    to daemonic processes lest they be orphaned when the daemon is terminated; the helper is not
+    left behind: it exits when its pipe to the worker reaches end of file, which the worker's
+    death causes. The flag is multiprocessing's own (``BaseProcess._config``), restored at once."""
+    me = multiprocessing.current_process()
+    config = getattr(me, "_config", None)
+    daemonic = isinstance(config, dict) and bool(config.get("daemon"))
+    if daemonic:
+        config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemonic:
+            config["daemon"] = True
 
 
 # ------------------------------------------------------------------------------------ the helper

@@ -277,3 +277,42 @@ def test_a_stalled_helper_never_blocks_the_forward_thread_however_much_is_queued
         assert all(b.reading_done() for b, _ in lost) and h.state == "failed"
     finally:
         h.close(1.0)
+
+
+def _start_in_daemon(spec: HelperSpec, out: Any) -> None:
+    """A daemonic process's body (vLLM's tensor-parallel workers are such): start a helper."""
+    h = StoreHelper(spec)
+    deadline = time.monotonic() + 90
+    while not h.ready() and h.state == "starting" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out.put((h.state, h.why))
+    h.close(5.0)
+    out.put((h.state, None))
+
+
+def test_a_daemonic_worker_process_starts_its_helper(server: ServerProcess) -> None:
+    import multiprocessing
+
+    from maru import kv_ops
+
+    src = shared(case("kv_first", "NHD", 69))
+    spec = HelperSpec(
+        caches=list(src.caches),
+        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
+        server_url=server.url,
+        timeout_s=5.0,
+        chunk_tokens=CHUNK,
+        paced_store=True,
+        device=None,
+        events=None,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_start_in_daemon, args=(spec, out), daemon=True)
+    p.start()
+    try:
+        assert out.get(timeout=120) == ("ready", None)  # not "daemonic processes are not allowed..."
+        assert out.get(timeout=60) == ("closed", None)
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
