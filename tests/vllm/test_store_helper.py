@@ -48,6 +48,22 @@ def shared(c: CacheCase) -> CacheCase:
     return c
 
 
+def cpu_spec(src: CacheCase, server: ServerProcess) -> HelperSpec:
+    """A helper's spec over ``src``'s shared CPU caches, storing to ``server``."""
+    from maru import kv_ops
+
+    return HelperSpec(
+        caches=list(src.caches),
+        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
+        server_url=server.url,
+        timeout_s=5.0,
+        chunk_tokens=CHUNK,
+        paced_store=True,
+        device=None,
+        events=None,
+    )
+
+
 def assert_stored(client: MaruHandler, req: RequestTransfer, original: CacheCase) -> None:
     assert_loads_back(client, req, original, tuple(range(15, 15 - len(req.block_ids), -1)), seed=98)
 
@@ -175,18 +191,7 @@ def test_caches_a_process_cannot_share_keep_the_drain_thread_said_with_the_reaso
 
 def test_a_helper_that_does_not_report_ready_in_time_is_stopped(server: ServerProcess) -> None:
     src = shared(case("kv_first", "NHD", 65))
-    from maru import kv_ops
-
-    spec = HelperSpec(
-        caches=list(src.caches),
-        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
-        server_url=server.url,
-        timeout_s=5.0,
-        chunk_tokens=CHUNK,
-        paced_store=True,
-        device=None,
-        events=None,
-    )
+    spec = cpu_spec(src, server)
     h = StoreHelper(spec, start_timeout_s=0.0)
     pid = h.pid
     assert pid is not None
@@ -230,21 +235,11 @@ def test_a_stalled_helper_never_blocks_the_forward_thread_however_much_is_queued
 ) -> None:
     """Batches are tens of KiB pickled; a stalled helper lets its socket fill. The forward thread
     only queues them (a sender thread writes them): every submit returns, up to the ring."""
-    from maru import kv_ops
     from maru.transfer.records import ChunkRef
     from maru.vllm.store_helper import RING
 
     src = shared(case("kv_first", "NHD", 68))
-    spec = HelperSpec(
-        caches=list(src.caches),
-        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
-        server_url=server.url,
-        timeout_s=5.0,
-        chunk_tokens=CHUNK,
-        paced_store=True,
-        device=None,
-        events=None,
-    )
+    spec = cpu_spec(src, server)
     h = StoreHelper(spec)
     try:
         deadline = time.monotonic() + 90
@@ -293,19 +288,8 @@ def _start_in_daemon(spec: HelperSpec, out: Any) -> None:
 def test_a_daemonic_worker_process_starts_its_helper(server: ServerProcess) -> None:
     import multiprocessing
 
-    from maru import kv_ops
-
     src = shared(case("kv_first", "NHD", 69))
-    spec = HelperSpec(
-        caches=list(src.caches),
-        layout=kv_ops.detect_layouts(src.caches, **src.detect_kwargs()),
-        server_url=server.url,
-        timeout_s=5.0,
-        chunk_tokens=CHUNK,
-        paced_store=True,
-        device=None,
-        events=None,
-    )
+    spec = cpu_spec(src, server)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     p = ctx.Process(target=_start_in_daemon, args=(spec, out), daemon=True)
