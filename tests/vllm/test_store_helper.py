@@ -29,7 +29,7 @@ from maru.client import MaruHandler
 from maru.kv_ops.testing import CacheCase
 from maru.transfer.records import RequestTransfer
 from tests.helpers import ServerProcess
-from tests.pool_fixtures import module_server, pool_client, stop_worker
+from tests.pool_fixtures import module_server, pool_client, release_pool, stop_worker
 from tests.transfer.helpers import CHUNK, assert_loads_back, case, ready_helper, request
 
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
@@ -300,3 +300,35 @@ def test_a_daemonic_worker_process_starts_its_helper(server: ServerProcess) -> N
     finally:
         p.join(30)
     assert p.exitcode == 0
+
+
+def test_after_a_server_restart_the_helper_stores_again(tmp_path: Any) -> None:
+    """The helper's client re-handshakes with a restarted server (its own session, as the worker's):
+    a batch in the gap may fail (a cache miss, counted), the stores after it land, bytes right."""
+    srv = ServerProcess(tmp_path, pool_size="64M")
+    srv.start()
+    src, original = shared(case("kv_first", "NHD", 70)), case("kv_first", "NHD", 70)
+    w = worker(srv.url, src, store_helper=True, timeout_s=5.0)
+    try:
+        h = ready_helper(w)
+        first = request("helper-before-restart", [5, 9, 1, 3], 2 * CHUNK)
+        w.wait_for_save(Meta(stores=[first]))
+        w.flush_stores(30)
+        assert w.stats.chunks_stored == 2
+        srv.restart()
+        stored = 0
+        for i in range(5):  # a few steps' stores: the helper's client finds the new server
+            req = request(f"helper-after-restart-{i}", [2, 8, 6, 0], 2 * CHUNK)
+            before = w.stats.chunks_stored
+            w.wait_for_save(Meta(stores=[req]))
+            w.flush_stores(30)
+            if w.stats.chunks_stored > before:
+                stored += 1
+                with MaruHandler(srv.url, timeout_s=5) as c:
+                    assert_stored(c, req, original)
+                    release_pool(c)
+                break
+        assert stored == 1 and h.state == "ready" and w.stats.helper_missed == 0
+    finally:
+        stop_worker(w)
+        srv.cleanup()
