@@ -157,14 +157,6 @@ def run_round(port: int, setup: Any, rnd: int, system: list[int]) -> dict[str, f
     }
 
 
-def external_hits(port: int) -> float:
-    """vLLM's count of prompt tokens its connector provided (``vllm:external_prefix_cache_hits``):
-    what Maru offered and vLLM took, counted by vLLM; read between rounds, outside their timing.
-    With ``maru_log_timing`` off (``--api-untimed``) Maru writes no load lines, and this is the
-    only count that a warm round loaded."""
-    return server_metrics(port)[1]["external_hit"]
-
-
 # vLLM's own timings of a round's requests (from the same /metrics reads as the external hits),
 # mean milliseconds a request: its TTFT from arrival in the API server, its wait in the scheduler's
 # queue, scheduled to first token; ``rest`` is the TTFT less the two (the request's way into the
@@ -222,7 +214,9 @@ def run_store_ab(
         system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
         srv = servers["none" if k == "hit" else k]
         # Read right before and after this round: only this round's tokens, whatever else moves the
-        # server's counters between its rounds.
+        # server's counters between its rounds. vLLM's external hits are what Maru offered and vLLM
+        # took; with maru_log_timing off (--api-untimed) Maru writes no load lines, and they are the
+        # only count that a warm round loaded.
         before, (times0, counts0) = loaded_tokens_in_log(srv.log_path), server_metrics(srv.port)
         row = {"rep": rep, "round": rnd, **run_round(srv.port, setup, rnd, system)}
         time.sleep(settle_s)  # (the load's timing line is written by then too)

@@ -106,10 +106,7 @@ def share_blocker(caches: list[Any]) -> str | None:
     if not caches:
         return "no KV caches"
     if caches[0].is_cuda:
-        if (
-            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").find("expandable_segments:True")
-            >= 0
-        ):
+        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", ""):
             return "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, whose memory CUDA IPC cannot share"
         return None
     if not all(c.is_shared() for c in caches):
@@ -130,7 +127,6 @@ class StoreHelper:
         self.state = "starting"  # starting | ready | failed | closed
         self.why: str | None = None  # why it failed (reason and fix)
         self.pid: int | None = None
-        self.sent = 0  # batches sent
         self._start_timeout_s = start_timeout_s
         self._deadline = time.monotonic() + start_timeout_s
         # Sends go through a thread of their own: a batch's message is tens of KiB (its block ids
@@ -203,7 +199,6 @@ class StoreHelper:
             self._fail(f"sending a store batch to the store helper failed ({type(e).__name__}: {e})")
             return None
         self._inflight[batch.batch_id] = batch
-        self.sent += 1
         return batch
 
     def poll(self) -> list[tuple[HelperBatch, StoreReport]]:
@@ -279,7 +274,9 @@ class StoreHelper:
                 f"the store helper process (pid {self.pid}) exited ({type(e).__name__}: {e or 'end of file'})"
             )
             return
-        if self.state in ("ready", "starting") and not self._proc.is_alive():
+        # A ready helper's death reads as end of file above; one that dies while starting may not
+        # (its end of the pipe may still sit with multiprocessing's fd sharer), so ask the process.
+        if self.state == "starting" and not self._proc.is_alive():
             self._fail(f"the store helper process (pid {self.pid}) exited with code {self._proc.exitcode}")
         elif self.state in ("ready", "starting") and self._send_error is not None:
             self._fail(f"sending to the store helper process (pid {self.pid}) failed ({self._send_error})")
@@ -419,21 +416,41 @@ def store_batch(
         return StoreReport(failed=n, error=f"store helper: {type(e).__name__}: {e}")
 
 
-def helper_for(caches: list[Any], layout: Any, cfg: Any) -> StoreHelper | None:
-    """The store helper for a worker's caches under ``cfg`` (``maru_store_helper``), or None: off,
-    write-behind off, or caches it cannot share (said once as a warning with the reason: the
-    stores stay on the drain thread)."""
+class RefusedHelper:
+    """A store helper asked for that cannot run here (``helper_for``): it takes no batch, and says
+    why where a failed helper does (the worker's slow paths: ``maru doctor``), once in the log."""
+
+    state = "refused"
+    pid = None
+
+    def __init__(self, why: str) -> None:
+        self.why = f"no store helper process: {why}; write-behind stores run on the drain thread. {FIX}"
+        logger.warning("Maru: %s", self.why)
+
+    def takes(self) -> bool:
+        return False
+
+    def poll(self) -> list[tuple[HelperBatch, StoreReport]]:
+        return []
+
+    def wait_all(self, timeout_s: float) -> None:
+        return None
+
+    def close(self, timeout_s: float) -> None:
+        return None
+
+
+def helper_for(caches: list[Any], layout: Any, cfg: Any) -> StoreHelper | RefusedHelper | None:
+    """The store helper for a worker's caches under ``cfg`` (``maru_store_helper``), a
+    ``RefusedHelper`` saying why where it cannot run (write-behind off, caches it cannot share), or
+    None: not asked for."""
     if not cfg.store_helper:
         return None
     if not cfg.async_store:
-        logger.warning("Maru: maru_store_helper has no effect with maru_async_store off (stores run inline)")
-        return None
+        return RefusedHelper("maru_async_store is off, so stores run inline on the forward thread (no drain)")
     why = share_blocker(caches)
     if why is not None:
-        logger.warning(
-            "Maru: no store helper process: %s; write-behind stores run on the drain thread. %s", why, FIX
-        )
-        return None
+        return RefusedHelper(why)
     events = None
     device = None
     if caches[0].is_cuda:

@@ -224,8 +224,8 @@ class MaruWorkerConnector(WorkerStores):
         )
         if self.cfg.async_store:
             self.write_behind.announce(self.engine.data_path, paced=self.engine.paces_stores)
-            if self.write_behind.helper is None and (h := helper_for(self.caches, self.layout, self.cfg)):
-                self.write_behind.use_helper(h)
+        if self.write_behind.helper is None and (h := helper_for(self.caches, self.layout, self.cfg)):
+            self.write_behind.use_helper(h)  # once: a reconnect keeps it (or why it cannot run)
         self._report_paths()
         return True
 

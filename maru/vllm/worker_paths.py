@@ -49,7 +49,7 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         if worker.cfg.async_store
         else "sync",
     }
-    if worker.cfg.async_store and worker.cfg.store_helper:
+    if worker.cfg.store_helper:
         paths["store_helper"], helper_why = worker.write_behind.helper_path()
     else:
         helper_why = None

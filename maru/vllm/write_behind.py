@@ -39,7 +39,7 @@ from maru.transfer.records import RequestTransfer, StoreReport
 from maru.transfer.stores import PendingStore
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.sampled_profile import profile_for
-from maru.vllm.store_helper import StoreHelper
+from maru.vllm.store_helper import RefusedHelper, StoreHelper
 from maru.vllm.worker_stats import WorkerStats
 
 logger = logging.getLogger("maru.vllm")
@@ -84,7 +84,8 @@ class WriteBehind:
         self._batches: list[tuple[Any, Any]] = []
         self.draining = False  # the drain thread is at work on a store (set on that thread)
         self.mode = "not connected yet"
-        self.helper: StoreHelper | None = None  # maru_store_helper: the drain in a process of its own
+        # maru_store_helper: the drain in a process of its own (or why it cannot run here)
+        self.helper: StoreHelper | RefusedHelper | None = None
 
     def announce(self, data_path: str, *, paced: bool = False) -> None:
         """Log how the store runs on ``data_path`` (once per change of path); ``paced``: the path
@@ -115,7 +116,7 @@ class WriteBehind:
                 self._finished_at.pop(r, None)
         self._owed.update(rt.req_id for rt in meta.stores)
 
-    def use_helper(self, helper: StoreHelper) -> None:
+    def use_helper(self, helper: StoreHelper | RefusedHelper) -> None:
         """Send the stores to ``helper`` from now on, whenever it takes them (``StoreHelper.takes``)."""
         self.helper = helper
 
@@ -124,6 +125,8 @@ class WriteBehind:
         h = self.helper
         if h is None:
             return "drain thread", None
+        if h.state == "refused":
+            return "drain thread (the store helper cannot run here)", h.why
         if h.state == "failed":
             return "drain thread (the store helper failed)", h.why
         return f"helper process, {h.state} (pid {h.pid})", None

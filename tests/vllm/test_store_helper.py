@@ -180,8 +180,11 @@ def test_caches_a_process_cannot_share_keep_the_drain_thread_said_with_the_reaso
     with caplog.at_level(logging.WARNING, logger="maru.vllm"):
         w = worker(server.url, src, store_helper=True)
     try:
-        assert w.write_behind.helper is None
+        assert w.write_behind.helper is not None and not w.write_behind.helper.takes()
         assert any("CPU KV caches not in shared memory" in r.getMessage() for r in caplog.records)
+        paths = w.data_paths()  # maru doctor shows why
+        assert paths["paths"]["store_helper"] == "drain thread (the store helper cannot run here)"
+        assert any("CPU KV caches not in shared memory" in s for s in paths["slow"])
         w.wait_for_save(Meta(stores=[req]))
         w.flush_stores()
         assert_stored(client, req, original)
@@ -210,7 +213,9 @@ def test_the_helper_is_off_unless_asked_and_needs_write_behind(server: ServerPro
     sync = MaruConnectorConfig(
         server_url=server.url, kv_chunk_tokens=CHUNK, store_helper=True, async_store=False
     )
-    assert helper_for(list(src.caches), None, sync) is None
+    refused = helper_for(list(src.caches), None, sync)  # said, and shown where a failure is
+    assert refused is not None and refused.state == "refused" and not refused.takes()
+    assert "maru_async_store is off" in (refused.why or "")
     cfg = MaruConnectorConfig.from_extra_config({"maru_store_helper": True})
     assert cfg.store_helper is True and "store_helper" in cfg.data_path()
 
