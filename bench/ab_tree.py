@@ -37,17 +37,24 @@ Presets (``--preset``):
 The store presets nodevice and nodrain publish nothing; every alt instance stores under a namespace
 of its own (``api-alt-<name>``), so no other instance's hits depend on it.
 
+``--kv JSON`` writes ``.ab/<name>/kv.json``: Maru config keys the ``alt-<name>`` instance runs with,
+over the default configuration's (``api_workload.store_variant``), e.g. a store preset with the
+store helper on: ``python bench/ab_tree.py helper-nodevice --preset nodevice --kv
+'{"maru_store_helper": true}'`` (the spawned helper imports the same patched tree).
+
 ``--rev REV`` makes the tree from ``maru/`` at a git revision instead (no preset): an A/B of the
 working tree against a commit (``python bench/ab_tree.py head --rev HEAD`` before changing code).
 
 Usage: python bench/ab_tree.py switch-500 [--preset switch-500]   (the name is the preset by default)
        python bench/ab_tree.py head --rev HEAD
+       python bench/ab_tree.py helper-nodevice --preset nodevice --kv '{"maru_store_helper": true}'
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import shutil
 import subprocess
 import tarfile
@@ -136,6 +143,22 @@ def make_tree(name: str, appends: list[tuple[str, str]], root: Path = ROOT) -> P
     return tree
 
 
+KV_FILE = "kv.json"  # beside the tree's maru/: config keys of its alt instance (api_workload.tree_kv)
+
+
+def write_kv(tree: Path, kv: str | None) -> None:
+    """Write (or, with None, remove) the tree's ``kv.json`` from ``kv`` (a JSON object of Maru
+    config keys); ValueError for JSON that is not an object of ``maru_`` keys."""
+    path = tree / KV_FILE
+    if kv is None:
+        path.unlink(missing_ok=True)
+        return
+    obj = json.loads(kv)
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and k.startswith("maru_") for k in obj):
+        raise ValueError(f"--kv needs a JSON object of maru_* keys, got {kv!r}")
+    path.write_text(json.dumps(obj, sort_keys=True) + "\n")
+
+
 def tree_at(name: str, rev: str, root: Path = ROOT) -> Path:
     """``root/.ab/<name>/maru``: ``maru/`` as committed at ``rev`` (``git archive``), nothing appended.
     Returns the tree; CalledProcessError (git's message) for an unknown revision."""
@@ -159,11 +182,13 @@ def main() -> None:
     ap.add_argument("name", help="the tree's name: .ab/<name>, run as --api-stores alt-<name>")
     ap.add_argument("--preset", help="the patch (default: the name)")
     ap.add_argument("--rev", help="maru/ as committed at this git revision instead, unpatched")
+    ap.add_argument("--kv", help="Maru config keys (a JSON object) the tree's alt instance runs with")
     a = ap.parse_args()
     if a.rev:
         tree = tree_at(a.name, a.rev)
     else:
         tree = make_tree(a.name, preset_appends(a.preset or a.name))
+    write_kv(tree, a.kv)
     print(f"{tree}: run it with API_STORES=alt-{a.name} bash bench/gpu_vllm_pass.sh (carry .ab/{a.name})")
 
 

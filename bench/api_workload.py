@@ -28,6 +28,7 @@ passes that need one of them first (vLLM's own hit, the warm loads).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -93,6 +94,9 @@ API_STORES: dict[str, dict[str, Any] | None] = {
     "storeonly": {"maru_enable_load": False},
     # The write-behind drain in a helper process (maru_store_helper): vLLM's interpreter rid of it.
     "helper": {"maru_store_helper": True},
+    # The helper with the copy engine not yielded between chunks: no short kernels of the helper's
+    # own CUDA context between its copies (two processes' kernels share the GPU by time slices).
+    "helper-unpaced": {"maru_store_helper": True, "maru_paced_store": False},
     # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
     # A second instance without a connector: the spread between two identical instances.
@@ -105,6 +109,7 @@ STORE_LABELS = {
     "probe": "cold, Maru probing only",
     "storeonly": "cold, Maru storing, loads off",
     "helper": "cold, Maru storing, drain in a helper process",
+    "helper-unpaced": "cold, Maru storing, drain in a helper process, not paced",
     "idle": "cold, connector attached, Maru off",
     "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
     "none": "cold, no connector (a second instance)",
@@ -125,9 +130,20 @@ def check_load_mode(mode: str) -> str:
 
 
 def store_variant(variant: str) -> dict[str, Any] | None:
-    """The Maru extra config of the ``store-<variant>`` instance (``alt-<name>``: as ``alt``;
-    None: no connector)."""
-    return API_STORES["alt" if variant.startswith("alt-") else variant]
+    """The Maru extra config of the ``store-<variant>`` instance (``alt-<name>``: as ``alt``, with
+    the keys of the tree's ``kv.json`` over it, ``tree_kv``; None: no connector)."""
+    if variant.startswith("alt-"):
+        return {**API_STORES["alt"], **tree_kv(AB_DIR / variant[4:])}  # type: ignore[dict-item]
+    return API_STORES[variant]
+
+
+AB_DIR = Path(__file__).resolve().parent.parent / ".ab"
+
+
+def tree_kv(tree: Path) -> dict[str, Any]:
+    """The Maru config keys of an alt tree's ``kv.json`` (``bench/ab_tree.py --kv``); {} without one."""
+    path = tree / "kv.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def store_label(variant: str) -> str:
@@ -150,7 +166,7 @@ def store_env(variant: str) -> dict[str, str] | None:
     if variant == "alt":
         tree = os.environ.get("MARU_BENCH_ALT_TREE")
     elif variant.startswith("alt-"):
-        tree = str(Path(__file__).resolve().parent.parent / ".ab" / variant[4:])
+        tree = str(AB_DIR / variant[4:])
     else:
         return None
     if not tree or not os.path.isdir(os.path.join(tree, "maru")):
@@ -200,23 +216,32 @@ def _store_config(extra: Callable[[str, dict[str, Any]], dict[str, Any]], varian
 # What a vLLM process needs beyond its weights and KV cache (CUDA context, activations, CUDA graphs):
 # 7.0-10.5 GiB a process was seen for 6 GiB of weights and 4 GiB of KV (twenty-ninth pass, H100).
 PROCESS_OVERHEAD_BYTES = 3 << 29  # 1.5 GiB
+# A store helper process (maru_store_helper): its CUDA context (610 MiB seen on the H100, fifty-eighth
+# pass) and its paced lane's two chunk-sized staging slots.
+HELPER_OVERHEAD_BYTES = 1 << 30
 
 
-def gpu_memory_shortfall(free_bytes: int, weight_bytes: int, kv_bytes: Sequence[int]) -> str | None:
+def gpu_memory_shortfall(
+    free_bytes: int, weight_bytes: int, kv_bytes: Sequence[int], helpers: int = 0
+) -> str | None:
     """Why the processes whose KV caches are ``kv_bytes`` (all started at once, each with
-    ``weight_bytes`` of weights) would not fit ``free_bytes`` of GPU memory; None if they fit.
+    ``weight_bytes`` of weights) and ``helpers`` store helper processes would not fit
+    ``free_bytes`` of GPU memory; None if they fit.
 
     The bench starts every engine and API server together (their start-ups overlap); on a card
     too small for all of them the last ones die at start with CUDA out of memory, which reads
     like a failure of what they measure."""
-    need = sum(weight_bytes + kv + PROCESS_OVERHEAD_BYTES for kv in kv_bytes)
+    need = (
+        sum(weight_bytes + kv + PROCESS_OVERHEAD_BYTES for kv in kv_bytes) + helpers * HELPER_OVERHEAD_BYTES
+    )
     if need <= free_bytes:
         return None
     gib = 1 << 30
+    with_helpers = f" and {helpers} store helper processes" if helpers else ""
     return (
-        f"{len(kv_bytes)} vLLM processes at once need about {need / gib:.0f} GiB of GPU memory (weights "
-        f"{weight_bytes / gib:.1f} GiB, KV caches and {PROCESS_OVERHEAD_BYTES / gib:.1f} GiB of overhead "
-        f"each); the card has {free_bytes / gib:.0f} GiB free. Run fewer at once (leave out --api-pair, "
+        f"{len(kv_bytes)} vLLM processes{with_helpers} at once need about {need / gib:.0f} GiB of GPU memory "
+        f"(weights {weight_bytes / gib:.1f} GiB, KV caches and {PROCESS_OVERHEAD_BYTES / gib:.1f} GiB of "
+        f"overhead each{f', {HELPER_OVERHEAD_BYTES / gib:.0f} GiB a helper' if helpers else ''}); the card has {free_bytes / gib:.0f} GiB free. Run fewer at once (leave out --api-pair, "
         "--api-stores variants or --api-loads modes, or run the offline --engines apart with --no-api) "
         "or use a card with more memory"
     )

@@ -647,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.mem_get_info()[0],
             (Path(model) / "model.safetensors").stat().st_size,
             [setup.kv_cache_bytes] * len(a.engines) + [setup.api_kv_cache_bytes] * len(api_specs),
+            helpers=sum(bool((store_variant(v) or {}).get("maru_store_helper")) for v in a.api_stores),
         )
         if short is not None:
             srv.cleanup()

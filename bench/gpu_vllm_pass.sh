@@ -13,6 +13,9 @@
 #          API_STORES="idle alt-switch-500" bash bench/gpu_vllm_pass.sh  (a storing instance whose
 #          engine runs a 0.5 ms GIL switch interval: make it first with `python bench/ab_tree.py
 #          switch-500` and carry .ab/switch-500; the attached idle connector as the baseline)
+#          MPS=1 API_STORES="helper alt-helper-nodevice" bash bench/gpu_vllm_pass.sh  (every process a
+#          client of an MPS server started here, stopped at the end: kernels of the store helper and of
+#          vLLM run side by side instead of taking time slices; docs/gpu.md "The store helper")
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" || exit 1
 if [ ! -d /tmp/site/vllm ]; then
@@ -26,6 +29,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 df -h /dev/shm /tmp | tail -2
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 rc=0
+if [ "${MPS:-0}" = 1 ]; then
+  # MPS: the processes' kernels share the GPU's SMs concurrently (without it, two processes' kernels
+  # take turns by time slices). Directories of its own; the daemon is stopped at the end.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control; cp -r /tmp/mps/log "$OUT/mps-log" 2>/dev/null' EXIT
+  echo "MPS control daemon started (pipe $CUDA_MPS_PIPE_DIRECTORY)"
+fi
 # SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
 [ "${TESTS_S:-200}" = 0 ] || timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py tests/e2e/test_gpu_vllm_sleep_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1

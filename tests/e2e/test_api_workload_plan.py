@@ -90,6 +90,30 @@ def test_a_pass_whose_processes_do_not_fit_the_card_is_refused_with_what_to_leav
     assert why is not None and "9 vLLM processes" in why and "--api-pair" in why and "79 GiB free" in why
     assert aw.gpu_memory_shortfall(140 * gib, 6 * gib, [4 * gib] * 9) is None  # an H200 holds them
     assert aw.gpu_memory_shortfall(79 * gib, 6 * gib, [4 * gib] * 6) is None  # the call that ran
+    # The fifty-eighth pass's first A/B on an H100: 7 API servers, 3 of them with a store helper
+    # process each (the last engine died at start, CUDA out of memory).
+    why = aw.gpu_memory_shortfall(int(77.4 * gib), int(5.5 * gib), [4 * gib] * 7, helpers=3)
+    assert why is not None and "3 store helper processes" in why
+    assert aw.gpu_memory_shortfall(int(77.4 * gib), int(5.5 * gib), [4 * gib] * 6, helpers=2) is None
+
+
+def test_an_alt_tree_runs_with_the_config_keys_of_its_kv_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.ab_tree import write_kv
+
+    monkeypatch.setattr(aw, "AB_DIR", tmp_path)
+    tree = tmp_path / "helper-nodevice"
+    tree.mkdir()
+    assert aw.store_variant("alt-helper-nodevice") == aw.API_STORES["alt"]  # no kv.json: the default's
+    write_kv(tree, '{"maru_store_helper": true, "maru_async_store": false}')
+    assert aw.store_variant("alt-helper-nodevice") == {"maru_async_store": False, "maru_store_helper": True}
+    write_kv(tree, None)  # made again without --kv: the file goes
+    assert aw.store_variant("alt-helper-nodevice") == aw.API_STORES["alt"]
+    for bad in ('["maru_store_helper"]', '{"store_helper": true}', "{"):
+        with pytest.raises(ValueError):
+            write_kv(tree, bad)
+    assert not (tree / "kv.json").exists()
 
 
 def test_scheduler_line_reads_the_last_periodic_line_old_and_new(tmp_path) -> None:
