@@ -208,7 +208,52 @@ def run_store_ab(
     for i, k in enumerate(servers):  # what a process pays once is not a round's TTFT
         servers[k].wait_ready(timeout=600)
         stream_ttft(servers[k].port, random_prompt(setup.warmup_tokens, 777_000 + i, setup.model.vocab), 2)
-    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in cold + warm}
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in cold + warm}
+    try:
+        _measure(servers, setup, rounds, cold, warm, reps, settle_s)
+    except KeyboardInterrupt:  # the pass's time budget ran out: the repetitions every instance ran
+        done = complete_reps(rounds, setup.rounds)
+        log(
+            f"store A/B interrupted: {done} of {reps} repetitions complete" + (", summarized" if done else "")
+        )
+        if done:
+            _report(res, whole_reps(rounds, done), done, settle_s)
+        raise
+    _report(res, rounds, reps, settle_s)
+
+
+def complete_reps(rounds: dict[str, list[dict[str, Any]]], rounds_per_rep: int) -> int:
+    """How many leading repetitions every instance ran all ``rounds_per_rep`` rounds of (those
+    pair round by round; a repetition cut off pairs only partly, so it is left out)."""
+    done = 0
+    while rounds and all(
+        sum(1 for r in rows if r["rep"] == done) == rounds_per_rep for rows in rounds.values()
+    ):
+        done += 1
+    return done
+
+
+def whole_reps(rounds: dict[str, list[dict[str, Any]]], done: int) -> dict[str, list[dict[str, Any]]]:
+    """Each instance's rounds of the first ``done`` repetitions."""
+    return {k: [r for r in rows if r["rep"] < done] for k, rows in rounds.items()}
+
+
+def _report(res: dict, rounds: dict[str, list[dict[str, Any]]], reps: int, settle_s: float) -> None:
+    out = {"rounds": rounds, "reps": reps, "settle_s": settle_s, "summary": summarize(rounds)}
+    res["api"]["store_ab"] = out
+    log(markdown(out))
+
+
+def _measure(
+    servers: dict[str, ApiServer],
+    setup: Any,
+    rounds: dict[str, list[dict[str, Any]]],
+    cold: list[str],
+    warm: list[str],
+    reps: int,
+    settle_s: float,
+) -> None:
+    """Run the schedule, each round's row appended to ``rounds`` as it ends."""
     systems: dict[int, list[int]] = {}
     for rep, rnd, k in schedule(cold, warm, reps, setup.rounds):
         system = systems.setdefault(rep, random_prompt(setup.system_tokens, 9_100 + rep, setup.model.vocab))
@@ -225,9 +270,6 @@ def run_store_ab(
         row["external_hits"] = counts1["external_hit"] - counts0["external_hit"]
         row["engine_ms"] = engine_phases(times1, times0)
         rounds[k].append(row)
-    out = {"rounds": rounds, "reps": reps, "settle_s": settle_s, "summary": summarize(rounds)}
-    res["api"]["store_ab"] = out
-    log(markdown(out))
 
 
 def markdown(out: dict[str, Any]) -> str:

@@ -48,6 +48,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -114,6 +115,37 @@ def share_blocker(caches: list[Any]) -> str | None:
     return None
 
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # CUDA's MPS pipe directory where CUDA_MPS_PIPE_DIRECTORY is unset
+
+
+def mps_control(environ: Any = os.environ) -> str | None:
+    """The control pipe of the MPS daemon this process's CUDA would use, if there is one."""
+    control = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT, "control")
+    try:
+        return control if stat.S_ISFIFO(os.stat(control).st_mode) else None
+    except OSError:
+        return None
+
+
+def time_slice_note(caches: list[Any], environ: Any = os.environ) -> str | None:
+    """Why a helper on these caches costs vLLM about what it saves (None: CPU caches, or MPS).
+
+    Two processes' kernels do not run side by side on a GPU without MPS: they take turns by time
+    slices, and the helper's gathers, copies and pacing kernels took vLLM's forwards' turns. In
+    real vLLM on an H100 (bench/RESULTS.md, fifty-eighth pass) the helper's storing instance paid
+    as much as the drain thread's, 1.134x against 1.092x a cold round without a connector (not
+    paced, 1.325x), while the same helper without device work paid 1.038x."""
+    if not caches or not caches[0].is_cuda or mps_control(environ) is not None:
+        return None
+    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+    return (
+        f"the store helper's device work takes turns with vLLM's kernels (no MPS daemon's control pipe "
+        f"in {pipe}): measured no faster than the drain thread in real vLLM (bench/RESULTS.md, "
+        "fifty-eighth pass). Fix: maru_store_helper false, or run vLLM under MPS "
+        "(nvidia-cuda-mps-control -d first; docs/vllm.md, maru_store_helper)"
+    )
+
+
 class StoreHelper:
     """The worker's side of the helper process (see the module docstring). Used from vLLM's forward
     thread only (``submit``, ``poll``, ``wait_store_read``, ``close``), its messages sent by a thread
@@ -126,6 +158,8 @@ class StoreHelper:
         self.spec = spec
         self.state = "starting"  # starting | ready | failed | closed
         self.why: str | None = None  # why it failed (reason and fix)
+        # Why it runs but costs vLLM about what it saves (``time_slice_note``): a slow path, said.
+        self.note: str | None = None
         self.pid: int | None = None
         self._start_timeout_s = start_timeout_s
         self._deadline = time.monotonic() + start_timeout_s
@@ -468,4 +502,8 @@ def helper_for(caches: list[Any], layout: Any, cfg: Any) -> StoreHelper | Refuse
         device=device,
         events=events,
     )
-    return StoreHelper(spec)
+    helper = StoreHelper(spec)
+    helper.note = time_slice_note(caches)
+    if helper.note is not None and helper.state != "failed":
+        logger.warning("Maru: %s", helper.note)
+    return helper

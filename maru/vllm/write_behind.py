@@ -129,7 +129,7 @@ class WriteBehind:
             return "drain thread (the store helper cannot run here)", h.why
         if h.state == "failed":
             return "drain thread (the store helper failed)", h.why
-        return f"helper process, {h.state} (pid {h.pid})", None
+        return f"helper process, {h.state} (pid {h.pid})", h.note
 
     def issue(self, engine: KVTransferEngine, stores: list[RequestTransfer]) -> None:
         """Issue ``stores`` (forward thread): to the store helper where it takes them, else on

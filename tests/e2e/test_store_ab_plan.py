@@ -224,3 +224,44 @@ def test_rounds_without_phases_leave_the_table_without_them() -> None:
     assert "vLLM's own timings" not in sab.markdown(
         {"reps": 2, "settle_s": 0.6, "rounds": rounds, "summary": s}
     )
+
+
+@pytest.mark.parametrize("stop_at", [0, 7, 15, 22, 30, 59])
+def test_an_interrupted_ab_reports_the_repetitions_every_instance_completed(
+    monkeypatch: pytest.MonkeyPatch, stop_at: int
+) -> None:
+    from types import SimpleNamespace
+
+    names = ["none", "store", "store-helper", "load"]
+    servers = {k: SimpleNamespace(port=i, log_path=f"/nonexistent/{k}", wait_ready=lambda timeout: None)
+               for i, k in enumerate(names)}  # fmt: skip
+    setup = SimpleNamespace(rounds=3, warmup_tokens=4, system_tokens=4, model=SimpleNamespace(vocab=50))
+    rng, calls = random.Random(stop_at), []
+
+    def run_round(port: int, setup: object, rnd: int, system: list[int]) -> dict[str, float]:
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # the pass's time budget (SIGINT) mid-schedule
+        calls.append(port)
+        t = rng.uniform(0.05, 0.15)
+        return {"wall_s": t, "ttft_mean_s": t, "ttft_p50_s": t, "total_mean_s": 2 * t}
+
+    monkeypatch.setattr(sab, "stream_ttft", lambda *a, **k: 0.0)
+    monkeypatch.setattr(sab, "run_round", run_round)
+    monkeypatch.setattr(sab, "loaded_tokens_in_log", lambda path: 0)
+    monkeypatch.setattr(sab, "server_metrics", lambda port: ({}, {"external_hit": 0}))
+    monkeypatch.setattr(sab, "engine_phases", lambda t1, t0: None)
+    monkeypatch.setattr(sab, "log", lambda msg: None)
+    res: dict = {"api": {}}
+    with pytest.raises(KeyboardInterrupt):
+        sab.run_store_ab(servers, setup, res, reps=4, settle_s=0.0)
+    per_rep = (len(names) + 1) * setup.rounds  # a repetition's rounds, over every instance and the hit
+    whole = stop_at // per_rep
+    if whole == 0:
+        assert "store_ab" not in res["api"]  # nothing that pairs: nothing reported
+        return
+    out = res["api"]["store_ab"]
+    assert out["reps"] == whole
+    for k, rows in out["rounds"].items():
+        assert [(r["rep"], r["round"]) for r in rows] == [(p, q) for p in range(whole) for q in range(3)], k
+    # Every variant pairs with its reference over all of those rounds.
+    assert out["summary"]["store"]["vs"]["pairs"] == whole * 3

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,7 +36,7 @@ from tests.transfer.helpers import CHUNK, assert_loads_back, case, ready_helper,
 pytest.importorskip("vllm")  # the metadata class derives from vLLM's
 
 from maru.vllm.metadata import MaruConnectorMetadata as Meta  # noqa: E402
-from maru.vllm.store_helper import HelperSpec, StoreHelper, helper_for  # noqa: E402
+from maru.vllm.store_helper import HelperSpec, StoreHelper, helper_for, mps_control, time_slice_note  # noqa: E402
 from tests.vllm.test_write_behind import finished_sending, worker  # noqa: E402
 
 server = module_server("store-helper")
@@ -337,3 +338,34 @@ def test_after_a_server_restart_the_helper_stores_again(tmp_path: Any) -> None:
     finally:
         stop_worker(w)
         srv.cleanup()
+
+
+def test_a_helper_on_a_gpu_without_mps_is_said_to_take_turns_with_vllm(tmp_path: Any) -> None:
+    gpu, cpu = [SimpleNamespace(is_cuda=True)], [SimpleNamespace(is_cuda=False)]
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    note = time_slice_note(gpu, env)  # no daemon's pipe there
+    assert note is not None and str(tmp_path) in note and "maru_store_helper false" in note
+    (tmp_path / "control").write_text("")  # a file of that name is not a daemon's pipe
+    assert mps_control(env) is None and time_slice_note(gpu, env) is not None
+    (tmp_path / "control").unlink()
+    os.mkfifo(tmp_path / "control")  # what nvidia-cuda-mps-control -d leaves there
+    assert mps_control(env) == str(tmp_path / "control")
+    assert time_slice_note(gpu, env) is None
+    assert (
+        time_slice_note(cpu, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) is None
+    )  # no GPU to share
+
+
+def test_maru_doctor_shows_a_running_helper_s_note_as_a_slow_path(server: ServerProcess) -> None:
+    src = shared(case("kv_first", "NHD", 67))
+    w = worker(server.url, src, store_helper=True)
+    try:
+        h = w.write_behind.helper
+        assert isinstance(h, StoreHelper) and h.note is None  # CPU caches: nothing to take turns with
+        assert not any("takes turns" in s for s in w.data_paths()["slow"])
+        h.note = time_slice_note([SimpleNamespace(is_cuda=True)], {"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent"})
+        paths = w.data_paths()
+        assert paths["paths"]["store_helper"].startswith("helper process")
+        assert any("takes turns with vLLM's kernels" in s for s in paths["slow"])
+    finally:
+        stop_worker(w)
