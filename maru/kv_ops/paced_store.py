@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
+from maru.env_flags import flag
 from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
@@ -83,6 +84,57 @@ class RawChunk:
     stage: int
     nbytes: int
     sum_at: int  # where the checksum graph leaves the chunk's raw sum
+
+
+class NativeRun:
+    """A run of raw chunks queued by one call of the compiled loop (``maru.native.store_issue``):
+    ``add`` notes a chunk's row (the arguments of ``_queue_chunks_raw``'s calls for it), ``flush``
+    queues the rows so far. ``release_gil``: the write-behind drain's paced lane (the GIL let go
+    once a run); kept on the ring's lane, whose caller may be vLLM's forward thread."""
+
+    def __init__(
+        self, native: tuple[Any, Any], gather: int, copy: int, yield_exec: int, *, release_gil: bool
+    ) -> None:
+        self.issue, self.fns = native
+        self.gather, self.copy, self.yield_exec = gather, copy, yield_exec
+        self.release_gil = release_gil
+        self.rows: list[list[int]] = []
+
+    def add(
+        self,
+        ch: RawChunk,
+        slot: StagingSlot,
+        placer: Any,
+        slots_src: int,
+        k: int,
+        acc_at: int | None,
+        obj: torch.Tensor,
+    ) -> None:
+        from maru.native.store_issue import CHECKSUM, WAIT_FREE, YIELD
+
+        summed = acc_at is not None
+        flags = (WAIT_FREE if slot.used else 0) | (CHECKSUM if summed else 0)
+        flags |= YIELD if k and self.yield_exec else 0
+        self.rows.append(
+            [
+                flags, slot.free, slot.ready,
+                placer.slots(ch.tokens).data_ptr(), slots_src, 8 * ch.tokens,
+                ch.gather, ch.checksum if summed else 0,
+                acc_at + 8 * k if summed else 0, ch.sum_at if summed else 0,  # type: ignore[operator]
+                obj.data_ptr(), ch.stage, ch.nbytes,
+            ]
+        )  # fmt: skip
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        from maru.native.store_issue import row_table
+
+        rows, self.rows = self.rows, []
+        self.issue.queue(
+            self.fns, row_table(rows), len(rows), self.gather, self.copy, self.yield_exec, D2D, D2H,
+            release_gil=self.release_gil,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -297,12 +349,21 @@ class PacedStores:
         acc_at = acc.data_ptr() if acc is not None else 0
         slot_at, token0 = slots.data_ptr(), 0
         yield_exec = self._yield_exec(capture=False) if lane.paced else 0  # decided by the plan
+        native = self._native_issue()
+        run = NativeRun(native, g, c, yield_exec, release_gil=lane.paced) if native else None
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             if not ch.gather:
+                if run is not None:
+                    run.flush()  # the chunks before it, in their turn
                 self._queue_one_each(lane, ch.slot, k, obj, slots[token0 : token0 + ch.tokens], acc)
                 token0 += ch.tokens
                 continue
             slot, placer = ch.slot, ch.slot.placer
+            if run is not None:  # the same calls, queued by one C call a run of chunks
+                run.add(ch, slot, placer, slot_at + 8 * token0, k, acc_at if acc is not None else None, obj)
+                slot.used = True  # this slot's next chunk waits for this one's copy (``free``)
+                token0 += ch.tokens
+                continue
             if slot.used:
                 sync.wait_on(g, slot.free)  # its previous copy to the pool must have read it
             placer.slots_from(slot_at + 8 * token0, ch.tokens, g)
@@ -321,8 +382,37 @@ class PacedStores:
             sync.record_on(slot.free, c)
             slot.used = True
             token0 += ch.tokens
+        if run is not None:
+            run.flush()
+            self._note_way("libcudart, one native call a run of chunks")
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
+
+    def _native_issue(self) -> tuple[Any, Any] | None:
+        """(the compiled store issue, libcudart's functions for it) where ``MARU_NATIVE_STORE_ISSUE``
+        asks for it and it loads; None: the Python loop (a reason announced once where asked for)."""
+        state = getattr(self, "_native_state", None)
+        if state is None:
+            state = False
+            if flag("MARU_NATIVE_STORE_ISSUE") and self._sync.raw:
+                from maru.native import store_issue
+
+                loaded = store_issue.load()
+                if loaded.issue is None:
+                    announce_once(
+                        log,
+                        "kv_ops.native-issue",
+                        logging.WARNING,
+                        "maru.kv_ops: MARU_NATIVE_STORE_ISSUE is set but the compiled store issue is "
+                        "unavailable (%s): stores queue their chunks from Python (the same calls, "
+                        "the GIL held for each). Fix: %s",
+                        loaded.reason,
+                        "install a C compiler (or set $CC to one), or unset MARU_NATIVE_STORE_ISSUE",
+                    )
+                else:
+                    state = (loaded.issue, self._sync.function_table())
+            self._native_state = state
+        return state or None
 
     def _queue_chunks_each(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, acc: torch.Tensor | None

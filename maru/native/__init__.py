@@ -136,16 +136,17 @@ def _compilers() -> list[list[str]]:
     return [[*base, "-march=native"], base]
 
 
-def build() -> Path:
-    """Compile ``checksum.c`` into the cache unless a build for this source, compiler and CPU is
-    there; returns the library's path. Raises ``RuntimeError`` saying why it could not."""
-    source = SOURCE.read_bytes()
+def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
+    """Compile ``src`` (``checksum.c``; ``store_issue.c`` for ``maru.native.store_issue``) into the
+    cache as ``<stem>-<tag>.so`` unless a build for this source, compiler and CPU is there; returns
+    the library's path. Raises ``RuntimeError`` saying why it could not."""
+    source = src.read_bytes()
     errors = []
     for cmd in _compilers():
         tag = hashlib.sha256(
             b"\0".join([source, " ".join(cmd).encode(), platform.machine().encode(), _cpu_flags().encode()])
         ).hexdigest()[:16]
-        out = cache_dir() / f"maru-checksum-{tag}.so"
+        out = cache_dir() / f"{stem}-{tag}.so"
         if out.exists():
             return out
         try:
@@ -155,10 +156,10 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run([*cmd, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+            res = subprocess.run([*cmd, "-o", tmp, str(src)], capture_output=True, text=True, timeout=120)
             if res.returncode == 0:
                 os.replace(tmp, out)  # atomic: another process loads the old or the whole new file
-                _prune(out)
+                _prune(out, stem)
                 return out
             errors.append(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-400:] or res.returncode}")
         except FileNotFoundError as e:
@@ -166,17 +167,18 @@ def build() -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError("cannot build the compiled checksum: " + "; ".join(errors))
+    what = "the compiled checksum" if src == SOURCE else f"the compiled {src.name}"
+    raise RuntimeError(f"cannot build {what}: " + "; ".join(errors))
 
 
 STALE_S = 30 * 86400
 
 
-def _prune(keep: Path) -> None:
+def _prune(keep: Path, stem: str = "maru-checksum") -> None:
     """Remove other builds in the cache not modified for ``STALE_S`` (older sources, compilers or
     CPUs; a build in use by a running process stays mapped in it). Best effort."""
     cutoff = time.time() - STALE_S
-    for old in keep.parent.glob("maru-checksum-*.so"):
+    for old in keep.parent.glob(f"{stem}-*.so"):
         try:
             if old != keep and old.stat().st_mtime < cutoff:
                 old.unlink()

@@ -80,13 +80,29 @@ def _yields_as_ops(engine: Any, log: list[tuple[str, Any]]) -> list[tuple[str, A
     return out
 
 
-@pytest.mark.parametrize("raw_cuda", [True, False], ids=["libcudart", "torch"])
+WAYS = ["libcudart", "native", "torch"]  # native: MARU_NATIVE_STORE_ISSUE, one C call a run of chunks
+
+
+def _engine(src: Any, way: str, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> Any:
+    if way == "native":
+        monkeypatch.setenv("MARU_NATIVE_STORE_ISSUE", "1")
+    else:
+        monkeypatch.delenv("MARU_NATIVE_STORE_ISSUE", raising=False)
+    return pl.DevicePipeline(src.layers, src.layout(), raw_cuda=way != "torch", **kw)
+
+
+def _check_way(engine: Any, way: str) -> None:
+    native = "libcudart, one native call a run of chunks" in engine.store_ways
+    assert native == (way == "native"), engine.store_ways
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("name", ["flash_attn_NHD", "flash_attn_HND", "flashinfer_HND"])
 def test_paced_store_writes_the_reference_bytes_and_their_checksums(
-    pool: RegisteredPool, name: str, raw_cuda: bool
+    pool: RegisteredPool, name: str, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = make_caches(name, 41)
-    engine = pl.DevicePipeline(src.layers, src.layout(), raw_cuda=raw_cuda)
+    engine = _engine(src, way, monkeypatch)
     slots = _slots(src, sum(SIZES), 42, negatives=5)
     objs = [pool.alloc(engine, t) for t in SIZES]
     h = engine.store(objs, slots, paced=True, checksums=True)
@@ -102,6 +118,7 @@ def test_paced_store_writes_the_reference_bytes_and_their_checksums(
     h.wait()
     _check_objects(objs, _reference_gather(src, slots2).cpu(), slots2)
     assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
+    _check_way(engine, way)
 
 
 @pytest.mark.parametrize("paced", [True, False])
@@ -199,17 +216,17 @@ def test_a_store_of_tails_only_goes_through_libcudart_on_the_paced_lane(pool: Re
     assert engine.store_ways == frozenset({"libcudart"})
 
 
-@pytest.mark.parametrize("raw_cuda", [True, False], ids=["libcudart", "torch"])
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("paced", [True, False])
 def test_stores_queued_back_to_back_keep_their_own_checksums(
-    pool: RegisteredPool, paced: bool, raw_cuda: bool
+    pool: RegisteredPool, paced: bool, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lane keeps one device buffer for the stores' sums (no allocation a store): three
     stores queued without a wait between them, each into objects of its own from its own slot
     mapping, each hand back the checksums of its own bytes; the buffer is the lane's, the same
     across stores, and the ring's and the paced lane's are two."""
     src = make_caches("flash_attn_HND", 71)
-    engine = pl.DevicePipeline(src.layers, src.layout(), raw_cuda=raw_cuda)
+    engine = _engine(src, way, monkeypatch)
     engine.warm(CHUNK)
     sizes = [CHUNK, CHUNK, 96]
     handles = []
@@ -229,6 +246,7 @@ def test_stores_queued_back_to_back_keep_their_own_checksums(
         sums_seen.add(tuple(want))
     assert len(sums_seen) == 3  # three different stores: a shared buffer mixing them would show
     assert getattr(engine, name).data_ptr() == kept.data_ptr()
+    _check_way(engine, way)
 
 
 def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
