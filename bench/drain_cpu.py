@@ -11,7 +11,12 @@ An engine is built as the vLLM worker builds it (real server, CUDA caches of Lla
 geometry, the paced write-behind store, the warm-up); each batch is ``issue_store`` on this
 thread, then ``complete_store`` on a drain thread, timed by ``time.thread_time`` there.
 
-Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3]
+``--gil``: each timed batch's drain runs beside a Python thread that only counts (as vLLM's loop
+would spin): the drain's GIL-held time is its wall time less the counter's share of it (the
+counter's count over its rate alone). The native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes
+CPU as the Python loop does but not the GIL; this column tells them apart.
+
+Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3] [--gil]
 """
 
 from __future__ import annotations
@@ -63,23 +68,47 @@ def batch(shape: tuple[int, int, int], gen: torch.Generator) -> list[RequestTran
     return out
 
 
+class Counter(threading.Thread):
+    """A thread that counts in pure Python while it holds the GIL; ``rate``: counts a second alone."""
+
+    def __init__(self) -> None:
+        super().__init__(name="gil-counter", daemon=True)
+        self.count, self.stop, self.rate = 0, False, 0.0
+
+    def run(self) -> None:
+        while not self.stop:
+            self.count += 1
+
+    def measure_alone(self, seconds: float = 0.3) -> None:
+        c0, t0 = self.count, time.perf_counter()
+        time.sleep(seconds)  # this thread waits: the counter runs alone
+        self.rate = (self.count - c0) / (time.perf_counter() - t0)
+
+
 def one(
-    engine: KVTransferEngine, reqs: list[RequestTransfer], prof: cProfile.Profile | None
+    engine: KVTransferEngine,
+    reqs: list[RequestTransfer],
+    prof: cProfile.Profile | None,
+    counter: Counter | None = None,
 ) -> dict[str, Any]:
-    """One batch: issued here, completed on a drain thread; its CPU times (seconds)."""
+    """One batch: issued here, completed on a drain thread; its CPU times (seconds), and with
+    ``counter`` the drain's GIL-held time (``gil``)."""
     c0 = time.thread_time()
     pending = engine.issue_store(reqs)
     issue_cpu = time.thread_time() - c0
     out: dict[str, Any] = {}
 
     def drain() -> None:
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
+        n0 = counter.count if counter is not None else 0
         if prof is not None:
             prof.enable()
         rep = engine.complete_store(pending)
         if prof is not None:
             prof.disable()
         out["cpu"] = time.thread_time() - t0
+        if counter is not None:  # the wall time the counter did not count in: the GIL elsewhere
+            out["gil"] = (time.perf_counter() - w0) - (counter.count - n0) / counter.rate
         out["rep"] = rep
 
     th = threading.Thread(target=drain, name="maru-store-drain")
@@ -87,7 +116,13 @@ def one(
     th.join(60)
     rep = out["rep"]
     assert rep.failed == 0 and rep.stored == sum(len(r.chunks) for r in reqs), rep
-    return {"forward": issue_cpu, "drain": out["cpu"], **{f"phase:{k}": v for k, v in rep.cpu.items()}}
+    extra = {"gil": out["gil"]} if "gil" in out else {}
+    return {
+        "forward": issue_cpu,
+        "drain": out["cpu"],
+        **extra,
+        **{f"phase:{k}": v for k, v in rep.cpu.items()},
+    }
 
 
 def main() -> None:
@@ -97,6 +132,7 @@ def main() -> None:
         "--profile", type=int, default=3, help="batches of each shape profiled (after the timed ones)"
     )
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--gil", action="store_true", help="the drain's GIL-held time beside a counting thread")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     with server_client(6 << 30) as client:
@@ -106,12 +142,19 @@ def main() -> None:
         for shape in SHAPES.values():  # warm: graphs (tail sizes included), pinned buffers, streams
             one(engine, batch(shape, gen), None)
         rows, profiles = [], {}
+        counter = None
+        if a.gil:
+            counter = Counter()
+            counter.start()
+            counter.measure_alone()
         for name, shape in SHAPES.items():
-            runs = [one(engine, batch(shape, gen), None) for _ in range(a.reps)]
+            runs = [one(engine, batch(shape, gen), None, counter) for _ in range(a.reps)]
             chunks = shape[0] * (shape[1] + (1 if shape[2] else 0))
             keys = sorted({k for r in runs for k in r})
             med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
             rows.append((name, chunks, med))
+            if a.profile <= 0:
+                continue
             prof = cProfile.Profile()
             for _ in range(a.profile):
                 one(engine, batch(shape, gen), prof)
@@ -125,6 +168,8 @@ def main() -> None:
             engine.paces_stores,
         )
         engine.close()
+        if counter is not None:
+            counter.stop = True
     for name, text in profiles.items():
         print(f"\n=== profile of {a.profile} drains, {name} (sorted by own time)")
         print("\n".join(line for line in text.splitlines() if line.strip())[:12000])
@@ -133,17 +178,21 @@ def main() -> None:
         f"median of {a.reps} batches; CPU ms (thread_time)"
     )
     phases = sorted({k for _, _, m in rows for k in m if k.startswith("phase:")})
+    gil = " GIL held by the drain (wall, beside a counting thread) |" if a.gil else ""
     print(
-        "| batch | chunks | forward thread (issue_store) | drain thread | drain a chunk | "
+        "| batch | chunks | forward thread (issue_store) | drain thread | drain a chunk |"
+        + gil
+        + " "
         + " | ".join(p.removeprefix("phase:") for p in phases)
         + " |"
     )
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(phases))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if a.gil else "") + "---:|" * len(phases))
     for name, chunks, m in rows:
         cells = " | ".join(f"{m.get(p, 0.0) * 1e3:.2f}" for p in phases)
+        held = f" {m['gil'] * 1e3:.2f} |" if a.gil else ""
         print(
             f"| {name} | {chunks} | {m['forward'] * 1e3:.3f} | {m['drain'] * 1e3:.2f} | "
-            f"{m['drain'] / chunks * 1e3:.3f} | {cells} |"
+            f"{m['drain'] / chunks * 1e3:.3f} |{held} {cells} |"
         )
 
 

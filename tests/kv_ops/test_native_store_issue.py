@@ -22,6 +22,7 @@ from maru.announce import forget
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.paced_store import PacedStores, RawChunk, StoreLane
 from maru.native import store_issue as si
+from tests.gil_witness import GilWitness, quiet_interpreter  # noqa: F401  (a fixture)
 
 # Only a machine without a C compiler skips (the project's setup installs one); a build that
 # disagrees with its definition fails these tests (``_native`` asserts it loaded).
@@ -174,3 +175,23 @@ def test_the_switch_is_off_by_default_and_an_unavailable_loop_is_said(
         "no C compiler found" in r.getMessage() and "MARU_NATIVE_STORE_ISSUE" in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.usefixtures("quiet_interpreter")
+def test_the_paced_lane_s_call_lets_the_gil_go_and_the_ring_s_keeps_it() -> None:
+    """The drain thread's call (paced lane) lets vLLM's threads run while it queues; the ring's,
+    whose caller may be vLLM's forward thread, never waits to take the GIL back."""
+    issue = si.load().issue
+    assert issue is not None
+    rows = si.random_rows(random.Random(5), 6)
+    with GilWitness() as w:
+        for release in (False, True):
+            rec = si.Recorder()
+            table = si.row_table(rows)
+            gave_up = w.gave_up(
+                lambda r=rec, t=table, g=release: issue.queue(
+                    r.fns, t, len(rows), G, C, YIELD_EXEC, D2D, D2H, release_gil=g
+                )
+            )
+            assert gave_up is release
+            assert rec.calls == si.reference_calls(rows, G, C, YIELD_EXEC, D2D, D2H)
