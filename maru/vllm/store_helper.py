@@ -8,6 +8,11 @@ fifty-seventh pass). In a process of its own that CPU is another interpreter's: 
 beside a drain thread took 1.32x its time alone, beside a helper process 1.011x
 (``bench/store_helper_probe.py``, H100).
 
+Measured in real vLLM since (bench/RESULTS.md, fifty-eighth pass): it takes the host work out, but
+without MPS its device work, in a second CUDA context, takes turns with vLLM's kernels by time
+slices, and its storing instance paid what the drain thread's did. So it is off by default, and a
+helper on a GPU where CUDA finds no MPS daemon says so (``time_slice_note``).
+
 How: the worker spawns the helper with its KV caches (CUDA IPC through torch's reductions; CPU
 caches must be in shared memory), a ring of interprocess CUDA events, and what the helper needs
 to build its own server client and ``KVTransferEngine``. For each store batch the forward thread
