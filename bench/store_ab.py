@@ -25,6 +25,7 @@ not to the next one's round, and a warm instance finds the round's stores publis
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -82,21 +83,45 @@ def reference(key: str) -> str | None:
     return "hit" if key == "load" or key.startswith("load-") else "none"
 
 
-def paired(rounds: dict[str, list[dict[str, float]]], key: str, ref: str) -> dict[str, Any] | None:
-    """Round by round ``key`` over ``ref`` (their rounds in the same order, one each a turn): the
-    median, the quartiles, how many rounds ``key`` was at or under ``ref``, for the mean TTFT of the
-    round's requests, and the median ratio of the whole answers. None when the rounds do not pair."""
+def ratios(
+    rounds: dict[str, list[dict[str, Any]]], key: str, ref: str, field: str = "ttft_mean_s"
+) -> list[float] | None:
+    """``key``'s round over ``ref``'s, round by round (their rounds in the same order, one each a
+    turn), for ``field``; None when the rounds do not pair."""
     a, b = rounds.get(key, []), rounds.get(ref, [])
     if not a or len(a) != len(b):
         return None
     if any((x["rep"], x["round"]) != (y["rep"], y["round"]) for x, y in zip(a, b, strict=True)):
         return None
-    ttft = sorted(x["ttft_mean_s"] / y["ttft_mean_s"] for x, y in zip(a, b, strict=True))
-    total = [x["total_mean_s"] / y["total_mean_s"] for x, y in zip(a, b, strict=True)]
+    return [x[field] / y[field] for x, y in zip(a, b, strict=True)]
+
+
+BOOTSTRAP = 2000  # resamples of a median's confidence interval
+
+
+def median_ci(values: Sequence[float], resamples: int = BOOTSTRAP, seed: int = 1) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the median of ``values`` (resampled with replacement,
+    a fixed seed: the same figures for the same rounds)."""
+    rng = random.Random(seed)
+    vals = list(values)
+    meds = sorted(statistics.median(rng.choices(vals, k=len(vals))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[min(int(0.975 * resamples), resamples - 1)]
+
+
+def paired(rounds: dict[str, list[dict[str, Any]]], key: str, ref: str) -> dict[str, Any] | None:
+    """Round by round ``key`` over ``ref`` (``ratios``): the median, its 95% bootstrap interval, the
+    quartiles, how many rounds ``key`` was at or under ``ref``, for the mean TTFT of the round's
+    requests, and the median ratio of the whole answers. None when the rounds do not pair."""
+    r = ratios(rounds, key, ref)
+    if r is None:
+        return None
+    ttft = sorted(r)
+    total = ratios(rounds, key, ref, "total_mean_s") or []
     return {
         "against": ref,
         "pairs": len(ttft),
         "ttft_ratio_median": statistics.median(ttft),
+        "ttft_ratio_ci95": list(median_ci(ttft)),
         "ttft_ratio_q1": pct(ttft, 0.25),
         "ttft_ratio_q3": pct(ttft, 0.75),
         "at_or_under": sum(1 for x in ttft if x <= 1.0),
@@ -279,9 +304,9 @@ def markdown(out: dict[str, Any]) -> str:
         f"within a turn rotated every round; {out['settle_s']} s after every instance's round):",
         "",
         "| instance | rounds | tokens loaded from Maru (Maru's log / vLLM's external hits) | TTFT, mean of rounds | median round | whole answer, "
-        "mean | against | TTFT / its round: median (quartiles) | rounds at or under | whole answer / its round: "
-        "median |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "mean | against | TTFT / its round: median (quartiles) | median's 95% CI | rounds at or under | "
+        "whole answer / its round: median |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|",
     ]
     for row in out["summary"].values():
         head = (
@@ -295,11 +320,13 @@ def markdown(out: dict[str, Any]) -> str:
         if "vs_store" in row:  # the default storing instance over this variant
             pairs.append({**row["vs_store"], "against_label": "the default storing instance over this one"})
         if not pairs:
-            lines.append(head + " - | - | - | - |")
+            lines.append(head + " - | - | - | - | - |")
         for p in pairs:
+            ci = p.get("ttft_ratio_ci95")  # absent from runs saved before it was added
             lines.append(
                 f"{head} {p.get('against_label') or label(p['against'])} | {p['ttft_ratio_median']:.3f} ({p['ttft_ratio_q1']:.3f}-"
-                f"{p['ttft_ratio_q3']:.3f}) | {p['at_or_under']} of {p['pairs']} | {p['total_ratio_median']:.3f} |"
+                f"{p['ttft_ratio_q3']:.3f}) | {f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-'} | "
+                f"{p['at_or_under']} of {p['pairs']} | {p['total_ratio_median']:.3f} |"
             )
     phased = [r for r in out["summary"].values() if "engine_ms" in r]
     if phased:
