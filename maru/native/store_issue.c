@@ -7,8 +7,8 @@
  *
  * The functions are libcudart's own (their addresses passed in by the caller, from the library
  * torch loaded): fns[0] cudaStreamWaitEvent, fns[1] cudaEventRecord, fns[2] cudaGraphLaunch,
- * fns[3] cudaMemcpyAsync. Each chunk is a row of MARU_ISSUE_ROW int64 words (see maru_issue_rows in
- * store_issue.py, which builds them); per row, in this order (the order of the Python loop):
+ * fns[3] cudaMemcpyAsync. Each chunk is a row of MARU_ISSUE_ROW int64 words (NativeRun.add in
+ * maru/kv_ops/paced_store.py builds them); per row, in this order (the order of the Python loop):
  *
  *   [if WAIT_FREE] wait(gather, free)          the slot's last copy to the pool read it
  *   copy(slots_dst, slots_src, slots_bytes, d2d, gather)   the chunk's slot mapping into the graph
