@@ -96,12 +96,10 @@ def markdown(rows: list[dict[str, Any]], runs: int) -> str:
     for r in rows:
         d = r["phase_deltas_ms"]
         ph = " | ".join(f"{d[p]:+.1f}" for p in PHASES) if d else " | ".join("-" for _ in PHASES)
-        against = (
-            "the default storing instance over this one"
-            if r["key"] == "store" and r["ref"].startswith("store-")
-            else label(r["ref"])
-        )
-        who = label(r["ref"]) if r["key"] == "store" and r["ref"].startswith("store-") else label(r["key"])
+        if r["key"] == "store" and r["ref"].startswith("store-"):  # the default over a variant: its row
+            who, against = label(r["ref"]), "the default storing instance over this one"
+        else:
+            who, against = label(r["key"]), label(r["ref"])
         lines.append(
             f"| {who} | {against} | {r['median']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | "
             f"{r['rounds']} | {r['runs']} of {r['of_runs']} | {ph} |"

@@ -142,7 +142,9 @@ AB_DIR = Path(__file__).resolve().parent.parent / ".ab"
 
 def tree_kv(tree: Path) -> dict[str, Any]:
     """The Maru config keys of an alt tree's ``kv.json`` (``bench/ab_tree.py --kv``); {} without one."""
-    path = tree / "kv.json"
+    from bench.ab_tree import KV_FILE
+
+    path = tree / KV_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

@@ -191,7 +191,7 @@ def check_store_issue(ctx: DoctorContext) -> CheckResult:
         name,
         WARN,
         f"MARU_NATIVE_STORE_ISSUE is on but stores queue from Python: {loaded.reason}",
-        "install a C compiler (or set $CC to one), or unset MARU_NATIVE_STORE_ISSUE",
+        loaded.fix,
     )
 
 

@@ -41,6 +41,8 @@ from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.staging_slot import StagingSlot
+from maru.native import store_issue
+from maru.native.store_issue import CHECKSUM, WAIT_FREE, YIELD, row_table
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -110,8 +112,6 @@ class NativeRun:
         acc_at: int | None,
         obj: torch.Tensor,
     ) -> None:
-        from maru.native.store_issue import CHECKSUM, WAIT_FREE, YIELD
-
         summed = acc_at is not None
         flags = (WAIT_FREE if slot.used else 0) | (CHECKSUM if summed else 0)
         flags |= YIELD if k and self.yield_exec else 0
@@ -128,8 +128,6 @@ class NativeRun:
     def flush(self) -> None:
         if not self.rows:
             return
-        from maru.native.store_issue import row_table
-
         rows, self.rows = self.rows, []
         self.issue.queue(
             self.fns, row_table(rows), len(rows), self.gather, self.copy, self.yield_exec, D2D, D2H,
@@ -395,9 +393,7 @@ class PacedStores:
         if state is None:
             state = False
             if flag("MARU_NATIVE_STORE_ISSUE") and self._sync.raw:
-                from maru.native import store_issue
-
-                loaded = store_issue.load()
+                loaded = store_issue.load()  # built and checked at the first call
                 if loaded.issue is None:
                     announce_once(
                         log,
@@ -407,7 +403,7 @@ class PacedStores:
                         "unavailable (%s): stores queue their chunks from Python (the same calls, "
                         "the GIL held for each). Fix: %s",
                         loaded.reason,
-                        "install a C compiler (or set $CC to one), or unset MARU_NATIVE_STORE_ISSUE",
+                        loaded.fix,
                     )
                 else:
                     state = (loaded.issue, self._sync.function_table())

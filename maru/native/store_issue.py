@@ -108,10 +108,16 @@ class StoreIssue:
 
 @dataclass(frozen=True)
 class Loaded:
-    """``load()``'s outcome: the loop, or why there is none."""
+    """``load()``'s outcome: the loop, or why there is none (and ``fix``)."""
 
     issue: StoreIssue | None
     reason: str = ""
+
+    @property
+    def fix(self) -> str:
+        if self.reason.startswith("MARU_NATIVE=0"):
+            return "unset MARU_NATIVE (or set it to 1), or unset MARU_NATIVE_STORE_ISSUE"
+        return "install a C compiler (or set $CC to one), or unset MARU_NATIVE_STORE_ISSUE"
 
 
 _lock = threading.Lock()

@@ -167,8 +167,9 @@ class MaruConnectorConfig:
     paced_store: bool = True
     # Write-behind stores in a helper process of the worker's (``maru.vllm.store_helper``): the
     # drain's reserve, issue, wait and publish out of vLLM's interpreter, whose loop pays a drain
-    # thread's CPU by its amount (bench/RESULTS.md, fifty-seventh pass). Off by default until it has
-    # run in real vLLM on a GPU; needs caches a process can share (CUDA IPC).
+    # thread's CPU by its amount (bench/RESULTS.md, fifty-seventh pass). Off by default: in real vLLM
+    # on a GPU without MPS it was no faster (its device work takes turns with vLLM's; fifty-eighth
+    # pass). Needs caches a process can share (CUDA IPC).
     store_helper: bool = False
     # How a GPU worker's layer-by-layer load reads the pool (``kv_ops.device_pipeline.LAYER_PATHS``):
     # ``auto`` (the direct kernel, the SMs reading the pool), or ``copied`` (one batched copy a

@@ -39,9 +39,8 @@ class WorkerStats:
     layer_loads_unwaited: int = 0  # layer loads whose forward never waited (requests failed: a bug)
     deferred_commits: int = 0  # maru_async_store: store batches committed by the drain thread
     helper_batches: int = 0  # maru_store_helper: store batches sent to the helper process
-    helper_missed: int = (
-        0  # maru_store_helper: batches stored on the drain thread instead (helper starting, full, failed)
-    )
+    # maru_store_helper: batches stored on the drain thread instead (helper starting, full, failed)
+    helper_missed: int = 0
     stores_in_flight: int = 0  # maru_async_store, now: store batches issued and not yet drained
     sending_held: int = 0  # maru_async_store, now: finished requests whose blocks wait for their stores
     sending_reported: int = 0  # maru_async_store: requests reported in finished_sending (blocks freed)

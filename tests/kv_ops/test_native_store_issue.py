@@ -199,3 +199,9 @@ def test_the_paced_lane_s_call_lets_the_gil_go_and_the_ring_s_keeps_it() -> None
                 )
             )
             assert gave_up is release
+
+
+def test_an_unloadable_loop_s_fix_follows_its_reason() -> None:
+    off = si.Loaded(None, "MARU_NATIVE=0 turns the compiled code off")
+    assert off.fix.startswith("unset MARU_NATIVE ")
+    assert "C compiler" in si.Loaded(None, "no C compiler found").fix
