@@ -13,7 +13,7 @@ thread, then ``complete_store`` on a drain thread, timed by ``time.thread_time``
 
 ``--gil``: each timed batch's drain runs beside a Python thread that only counts (as vLLM's loop
 would spin): the drain's GIL-held time is its wall time less the counter's share of it (the
-counter's count over its rate alone). The native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes
+counter's count over its rate alone, taken right after each drain over as long a time). The native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes
 CPU as the Python loop does but not the GIL; this column tells them apart.
 
 Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3] [--gil]
@@ -69,20 +69,31 @@ def batch(shape: tuple[int, int, int], gen: torch.Generator) -> list[RequestTran
 
 
 class Counter(threading.Thread):
-    """A thread that counts in pure Python while it holds the GIL; ``rate``: counts a second alone."""
+    """A thread that counts in pure Python while it holds the GIL."""
 
     def __init__(self) -> None:
         super().__init__(name="gil-counter", daemon=True)
-        self.count, self.stop, self.rate = 0, False, 0.0
+        self.count, self.stop = 0, False
 
     def run(self) -> None:
         while not self.stop:
             self.count += 1
 
-    def measure_alone(self, seconds: float = 0.3) -> None:
+    def counts_alone(self, seconds: float) -> float:
+        """Counts a second with nothing else of this process running (this thread sleeps)."""
         c0, t0 = self.count, time.perf_counter()
-        time.sleep(seconds)  # this thread waits: the counter runs alone
-        self.rate = (self.count - c0) / (time.perf_counter() - t0)
+        time.sleep(seconds)
+        return (self.count - c0) / (time.perf_counter() - t0)
+
+
+def gil_elsewhere(wall_s: float, counted: int, rate_alone: float) -> float:
+    """Seconds of ``wall_s`` in which the counter did not count: the GIL held by another thread.
+
+    ``rate_alone`` is taken right after the window, over as long a time (the process's background
+    threads then as busy as during it): with a rate taken once, at start, the counter counted far
+    more during the drains than that rate allowed (H100, fifty-ninth pass): the column came out
+    negative."""
+    return wall_s - counted / rate_alone
 
 
 def one(
@@ -107,13 +118,15 @@ def one(
         if prof is not None:
             prof.disable()
         out["cpu"] = time.thread_time() - t0
-        if counter is not None:  # the wall time the counter did not count in: the GIL elsewhere
-            out["gil"] = (time.perf_counter() - w0) - (counter.count - n0) / counter.rate
+        out["wall"], out["counted"] = time.perf_counter() - w0, (counter.count - n0 if counter else 0)
         out["rep"] = rep
 
     th = threading.Thread(target=drain, name="maru-store-drain")
     th.start()
     th.join(60)
+    if counter is not None:  # the counter alone as long again, the drain done: its rate now
+        rate = counter.counts_alone(max(out["wall"], 0.02))
+        out["gil"] = gil_elsewhere(out["wall"], out["counted"], rate)
     rep = out["rep"]
     assert rep.failed == 0 and rep.stored == sum(len(r.chunks) for r in reqs), rep
     extra = {"gil": out["gil"]} if "gil" in out else {}
@@ -146,7 +159,6 @@ def main() -> None:
         if a.gil:
             counter = Counter()
             counter.start()
-            counter.measure_alone()
         for name, shape in SHAPES.items():
             runs = [one(engine, batch(shape, gen), None, counter) for _ in range(a.reps)]
             chunks = shape[0] * (shape[1] + (1 if shape[2] else 0))

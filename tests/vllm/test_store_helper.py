@@ -19,6 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -348,9 +351,21 @@ def test_a_helper_on_a_gpu_without_mps_is_said_to_take_turns_with_vllm(tmp_path:
     (tmp_path / "control").write_text("")  # a file of that name is not a daemon's pipe
     assert mps_control(env) is None and time_slice_note(gpu, env) is not None
     (tmp_path / "control").unlink()
-    os.mkfifo(tmp_path / "control")  # what nvidia-cuda-mps-control -d leaves there
+    os.mkfifo(tmp_path / "control")  # what nvidia-cuda-mps-control -d leaves there on older drivers
     assert mps_control(env) == str(tmp_path / "control")
     assert time_slice_note(gpu, env) is None
+    (tmp_path / "control").unlink()
+    sock = socket.socket(socket.AF_UNIX)  # driver 580 (H100, measured): a UNIX socket
+    try:
+        sock.bind(str(tmp_path / "control"))
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+        assert mps_control(env) == str(tmp_path / "control") and time_slice_note(gpu, env) is None
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()  # a pid that no longer runs: the daemon was killed, its socket left behind
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{dead.pid}\n")
+        assert mps_control(env) is None and time_slice_note(gpu, env) is not None
+    finally:
+        sock.close()
     assert (
         time_slice_note(cpu, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) is None
     )  # no GPU to share
