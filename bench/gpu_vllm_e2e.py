@@ -697,9 +697,13 @@ def main(argv: list[str] | None = None) -> int:
             run_store_ab(servers, setup, res, a.api_store_ab, a.api_settle_s)
         elif servers:
             run_api(servers, setup, res, a.api_reps or setup.api_reps)
+        (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))  # before the closes
     except KeyboardInterrupt:  # the pass's time budget ran out: report what was measured
         res["errors"].append("interrupted (time budget)")
         log("interrupted: summarizing what was measured")
+        # Saved before the engines close: closing six API servers can outlast the call's limit,
+        # and the A/B's rounds are then all that comes back (fifty-ninth pass, run e).
+        (out / "gpu_vllm_e2e.json").write_text(json.dumps(res, default=str))
     finally:
         for e in engines.values():
             e.close()
