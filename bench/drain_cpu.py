@@ -13,8 +13,9 @@ thread, then ``complete_store`` on a drain thread, timed by ``time.thread_time``
 
 ``--gil``: each timed batch's drain runs beside a Python thread that only counts (as vLLM's loop
 would spin): the drain's GIL-held time is its wall time less the counter's share of it (the
-counter's count over its rate alone, taken right after each drain over as long a time). The native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes
-CPU as the Python loop does but not the GIL; this column tells them apart.
+counter's count over its rate alone, taken right after each drain over as long a time). The
+native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes CPU as the Python loop does but not the
+GIL; this column tells them apart.
 
 Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3] [--gil]
 """

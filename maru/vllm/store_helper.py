@@ -124,34 +124,18 @@ MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # CUDA's MPS pipe directory where CUDA_MPS
 
 
 def mps_control(environ: Any = os.environ) -> str | None:
-    """The control endpoint of the MPS daemon this process's CUDA would use, if one runs there.
+    """The control endpoint of the MPS daemon this process's CUDA would use, if there is one.
 
-    ``nvidia-cuda-mps-control -d`` leaves ``control`` in its pipe directory: a UNIX socket on the
-    H100's driver 580 (a named pipe on older drivers), beside the daemon's pid file. A plain file
-    of that name, or a daemon whose pid is gone (killed, its socket left behind), is not one."""
-    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
-    control = os.path.join(pipe, "control")
+    ``nvidia-cuda-mps-control -d`` leaves ``control`` in its pipe directory: a UNIX socket on
+    driver 580 (seen on the H100, fifty-ninth pass); a named pipe is taken too. A plain file of
+    that name is not one. The daemon's pid file is not checked: in a container the daemon often
+    runs in the host's pid namespace, where its pid means nothing here."""
+    control = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT, "control")
     try:
         mode = os.stat(control).st_mode
     except OSError:
         return None
-    if not (stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)):
-        return None
-    return None if _daemon_gone(os.path.join(pipe, MPS_PID_FILE)) else control
-
-
-MPS_PID_FILE = "nvidia-cuda-mps-control.pid"
-
-
-def _daemon_gone(pid_file: str) -> bool:
-    """True only where the pid file names a process that does not exist (unreadable: unknown)."""
-    try:
-        with open(pid_file) as f:
-            pid = int(f.read().strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError) as e:
-        return isinstance(e, ProcessLookupError)
-    return False
+    return control if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode) else None
 
 
 def time_slice_note(caches: list[Any], environ: Any = os.environ) -> str | None:
