@@ -17,7 +17,12 @@ counter's count over its rate alone, taken right after each drain over as long a
 native store issue (``MARU_NATIVE_STORE_ISSUE=1``) takes CPU as the Python loop does but not the
 GIL; this column tells them apart.
 
-Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3] [--gil]
+``--launches``: the thread beside the drain launches small kernels instead (``Launcher``): the time
+it loses is what the drain costs another thread's CUDA launches. Kept GIL and native issue alike
+losing it would put the contention in the CUDA driver (its per-context locks), not the interpreter:
+then fewer CUDA calls a batch, not fewer GIL-held ones, is what vLLM's loop would gain.
+
+Usage (GPU machine, repo root): python bench/drain_cpu.py [--reps 12] [--profile 3] [--gil | --launches]
 """
 
 from __future__ import annotations
@@ -87,6 +92,25 @@ class Counter(threading.Thread):
         return (self.count - c0) / (time.perf_counter() - t0)
 
 
+class Launcher(Counter):
+    """A thread that launches small kernels back to back, as vLLM's eager forward issues its ops
+    (``x.add_(1)`` on 4 KiB: ~5 us of host time a launch through torch, less on the device). Its
+    lost time beside the drain is what the drain's GIL and CUDA calls cost another thread's
+    launches: where the native store issue lets the GIL go and this still loses as much, the
+    contention is in the CUDA driver, not the interpreter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "kernel-launcher"
+        self.x = torch.zeros(1024, device="cuda")
+
+    def run(self) -> None:
+        x = self.x
+        while not self.stop:
+            x.add_(1.0)
+            self.count += 1
+
+
 def gil_elsewhere(wall_s: float, counted: int, rate_alone: float) -> float:
     """Seconds of ``wall_s`` in which the counter did not count: the GIL held by another thread.
 
@@ -104,7 +128,7 @@ def one(
     counter: Counter | None = None,
 ) -> dict[str, Any]:
     """One batch: issued here, completed on a drain thread; its CPU times (seconds), and with
-    ``counter`` the drain's GIL-held time (``gil``)."""
+    ``counter`` (a ``Counter`` or a ``Launcher``) the time it lost beside the drain (``gil``)."""
     c0 = time.thread_time()
     pending = engine.issue_store(reqs)
     issue_cpu = time.thread_time() - c0
@@ -147,6 +171,9 @@ def main() -> None:
     )
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--gil", action="store_true", help="the drain's GIL-held time beside a counting thread")
+    ap.add_argument(
+        "--launches", action="store_true", help="the time a kernel-launching thread loses beside the drain"
+    )
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     with server_client(6 << 30) as client:
@@ -157,8 +184,10 @@ def main() -> None:
             one(engine, batch(shape, gen), None)
         rows, profiles = [], {}
         counter = None
-        if a.gil:
-            counter = Counter()
+        if a.gil and a.launches:
+            raise SystemExit("drain_cpu: --gil or --launches, not both (one thread beside the drain)")
+        if a.gil or a.launches:
+            counter = Counter() if a.gil else Launcher()
             counter.start()
         for name, shape in SHAPES.items():
             runs = [one(engine, batch(shape, gen), None, counter) for _ in range(a.reps)]
@@ -191,7 +220,13 @@ def main() -> None:
         f"median of {a.reps} batches; CPU ms (thread_time)"
     )
     phases = sorted({k for _, _, m in rows for k in m if k.startswith("phase:")})
-    gil = " GIL held by the drain (wall, beside a counting thread) |" if a.gil else ""
+    gil = (
+        " GIL held by the drain (wall, beside a counting thread) |"
+        if a.gil
+        else " launch time lost beside the drain (wall, a thread launching small kernels) |"
+        if a.launches
+        else ""
+    )
     print(
         "| batch | chunks | forward thread (issue_store) | drain thread | drain a chunk |"
         + gil
@@ -199,10 +234,10 @@ def main() -> None:
         + " | ".join(p.removeprefix("phase:") for p in phases)
         + " |"
     )
-    print("|---|---:|---:|---:|---:|" + ("---:|" if a.gil else "") + "---:|" * len(phases))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if gil else "") + "---:|" * len(phases))
     for name, chunks, m in rows:
         cells = " | ".join(f"{m.get(p, 0.0) * 1e3:.2f}" for p in phases)
-        held = f" {m['gil'] * 1e3:.2f} |" if a.gil else ""
+        held = f" {m['gil'] * 1e3:.2f} |" if gil else ""
         print(
             f"| {name} | {chunks} | {m['forward'] * 1e3:.3f} | {m['drain'] * 1e3:.2f} | "
             f"{m['drain'] / chunks * 1e3:.3f} |{held} {cells} |"

@@ -44,13 +44,16 @@ fi
 # SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
 [ "${TESTS_S:-200}" = 0 ] || timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py tests/e2e/test_gpu_vllm_sleep_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
-# DRAIN_CPU=1: bench/drain_cpu.py --gil with the Python issue loop, then with MARU_NATIVE_STORE_ISSUE=1
-#   (the drain's CPU and GIL-held time a store batch, each way; DRAIN_S seconds each, default 120),
-#   to $OUT/drain_cpu.log, between the tests and the benchmark.
+# DRAIN_CPU=1: bench/drain_cpu.py --gil, then --launches, each with the Python issue loop and with
+#   MARU_NATIVE_STORE_ISSUE=1 (the drain's CPU a store batch, and what a counting thread and a
+#   kernel-launching thread lose beside it; DRAIN_S seconds each, default 120), to
+#   $OUT/drain_cpu.log, between the tests and the benchmark.
 if [ "${DRAIN_CPU:-0}" = 1 ]; then
-  for way in 0 1; do
-    echo "== bench/drain_cpu.py --gil, MARU_NATIVE_STORE_ISSUE=$way"
-    MARU_NATIVE_STORE_ISSUE=$way timeout -s INT -k 10 "${DRAIN_S:-120}" python3 bench/drain_cpu.py --reps 8 --profile 0 --gil 2>&1 | tail -8
+  for beside in --gil --launches; do
+    for way in 0 1; do
+      echo "== bench/drain_cpu.py $beside, MARU_NATIVE_STORE_ISSUE=$way"
+      MARU_NATIVE_STORE_ISSUE=$way timeout -s INT -k 10 "${DRAIN_S:-120}" python3 bench/drain_cpu.py --reps 8 --profile 0 $beside 2>&1 | tail -8
+    done
   done | tee "$OUT/drain_cpu.log" || rc=1
 fi
 # API_LOADS: load modes of the warm API instances (default: the default configuration only;
