@@ -10,8 +10,10 @@ beside a drain thread took 1.32x its time alone, beside a helper process 1.011x
 
 Measured in real vLLM since (bench/RESULTS.md, fifty-eighth pass): it takes the host work out, but
 without MPS its device work, in a second CUDA context, takes turns with vLLM's kernels by time
-slices, and its storing instance paid what the drain thread's did. So it is off by default, and a
-helper on a GPU where CUDA finds no MPS daemon says so (``time_slice_note``).
+slices, and its storing instance paid what the drain thread's did. Under MPS (fifty-ninth pass) it
+paid 1.047x a cold round against the drain thread's 1.069x in the same runs: ahead, not clearly
+(the drain thread over it 1.017, 95% CI 0.997-1.039). So it is off by default, and a helper on a
+GPU where CUDA finds no MPS daemon says so (``time_slice_note``).
 
 How: the worker spawns the helper with its KV caches (CUDA IPC through torch's reductions; CPU
 caches must be in shared memory), a ring of interprocess CUDA events, and what the helper needs
