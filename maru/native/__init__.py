@@ -95,7 +95,7 @@ def _load() -> Native:
     try:
         path = build()
         one, parallel, segments = _bind(path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError) as e:
         return Native(None, str(e))
     problem = (
         self_check(one)
@@ -136,6 +136,9 @@ def _compilers() -> list[list[str]]:
     return [[*base, "-march=native"], base]
 
 
+BUILD_TIMEOUT_S = 120.0  # a compiler that hangs is a build that failed, said as the others
+
+
 def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
     """Compile ``src`` (``checksum.c``; ``store_issue.c`` for ``maru.native.store_issue``) into the
     cache as ``<stem>-<tag>.so`` unless a build for this source, compiler and CPU is there; returns
@@ -156,7 +159,9 @@ def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run([*cmd, "-o", tmp, str(src)], capture_output=True, text=True, timeout=120)
+            res = subprocess.run(
+                [*cmd, "-o", tmp, str(src)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            )
             if res.returncode == 0:
                 os.replace(tmp, out)  # atomic: another process loads the old or the whole new file
                 _prune(out, stem)
@@ -164,6 +169,8 @@ def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
             errors.append(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-400:] or res.returncode}")
         except FileNotFoundError as e:
             errors.append(f"cannot run the C compiler: {e}")
+        except subprocess.TimeoutExpired:
+            errors.append(f"`{' '.join(cmd)}` did not finish within {BUILD_TIMEOUT_S:g} s")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

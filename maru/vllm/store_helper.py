@@ -125,6 +125,11 @@ def share_blocker(caches: list[Any]) -> str | None:
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # CUDA's MPS pipe directory where CUDA_MPS_PIPE_DIRECTORY is unset
 
 
+def mps_pipe_dir(environ: Any = os.environ) -> str:
+    """Where this process's CUDA looks for an MPS daemon."""
+    return environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+
+
 def mps_control(environ: Any = os.environ) -> str | None:
     """The control endpoint of the MPS daemon this process's CUDA would use, if there is one.
 
@@ -132,7 +137,7 @@ def mps_control(environ: Any = os.environ) -> str | None:
     driver 580 (seen on the H100, fifty-ninth pass); a named pipe is taken too. A plain file of
     that name is not one. The daemon's pid file is not checked: in a container the daemon often
     runs in the host's pid namespace, where its pid means nothing here."""
-    control = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT, "control")
+    control = os.path.join(mps_pipe_dir(environ), "control")
     try:
         mode = os.stat(control).st_mode
     except OSError:
@@ -150,10 +155,9 @@ def time_slice_note(caches: list[Any], environ: Any = os.environ) -> str | None:
     paced, 1.325x), while the same helper without device work paid 1.038x."""
     if not caches or not caches[0].is_cuda or mps_control(environ) is not None:
         return None
-    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
     return (
-        f"the store helper's device work takes turns with vLLM's kernels (no MPS daemon's control pipe "
-        f"in {pipe}): measured no faster than the drain thread in real vLLM (bench/RESULTS.md, "
+        f"the store helper's device work takes turns with vLLM's kernels (no MPS daemon's control "
+        f"socket in {mps_pipe_dir(environ)}): measured no faster than the drain thread in real vLLM (bench/RESULTS.md, "
         "fifty-eighth pass). Fix: maru_store_helper false, or run vLLM under MPS "
         "(nvidia-cuda-mps-control -d first; docs/vllm.md, maru_store_helper)"
     )

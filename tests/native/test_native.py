@@ -66,6 +66,24 @@ def test_a_compiler_error_is_reported_with_its_message(tmp_path: Path) -> None:
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left to be loaded later
 
 
+def test_a_compiler_that_hangs_is_a_failed_build_for_every_compiled_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maru.native import store_issue
+
+    cc = tmp_path / "hung-cc"
+    cc.write_text("#!/bin/sh\nexec sleep 30\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("MARU_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
+        native.build()
+    got = store_issue._load()  # what load() would cache: refused with the reason, never raised
+    assert got.issue is None and "did not finish within 0.5 s" in got.reason, got
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
 def test_maru_native_0_turns_it_off_and_the_fix_says_so(tmp_path: Path) -> None:
     got, log = probe(tmp_path, MARU_NATIVE="0")
     assert got["impl"] == "numpy" and got["same"] and got["reason"].startswith("MARU_NATIVE=0")
