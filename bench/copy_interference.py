@@ -15,7 +15,8 @@ issued right after Maru's ``DevicePipeline`` was given 16 chunks (4096 tokens, 0
   window queued before or only after the one before it completed);
 * store in place (``store_path="direct"``, ``kv_ops.store_paths``): the kernel writes the objects;
 * paced store (``store(..., paced=True)``, ``kv_ops.paced_store``, the write-behind default): one
-  call, a 5 us kernel between each two chunk copies, on streams of its own;
+  call, on a stream of its own, each chunk's gather between two chunk copies (through the
+  fifty-ninth pass: a 5 us kernel between copies, on two streams of its own);
 * raw copies of staged chunks, back to back or with a spin kernel between (what the paced store
   was chosen from);
 * load, one call: ``DevicePipeline.load`` of 16 chunks, then a small host-to-device copy.

@@ -9,7 +9,7 @@ placement kernels:
   events order each placement after its copy and each copy after the slot's previous placement.
 * STORE mirrors it (gather into a slot, then copy to the pool page); ``store_path="direct"`` has the
   gather kernel write the pool pages in place instead (``kv_ops.store_paths``); ``paced=True``
-  runs it on streams and slots of its own with a short kernel between chunk copies, so that the
+  runs it on a stream and a slot of its own, each chunk's gather between two chunk copies, so that the
   inference engine's own copies are not held behind it (``kv_ops.paced_store``). Commit (publish keys) only after
   ``Transfer.wait()`` / ``done()``: a visible key means complete bytes.
 * LAYERS (``load_layers``): see ``kv_ops.layer_copies`` (the copy engines, the default where CUDA

@@ -12,22 +12,32 @@ one copy after the other completed got 0.34 ms at 47.5 GB/s, with a host wake-up
 depends on the GIL. So the pacing is on the device: the whole store is queued at once, on the
 calling thread, and nothing has to run on the host while it drains.
 
-Streams and buffers of its own: the gathers run on a gather stream into ``PACED_SLOTS`` staging
-slots of their own, the copies on a device-to-host stream of their own. A load issued while a
-store drains (the forward thread, the next step) waits neither for the store's copies (its own
-copy stream, another direction: another engine) nor for its staging slots, nor for its gathers
-(which wait for those copies to free their slots).
+One stream and one staging slot of its own (``SerialLane``): per chunk, the slot mapping into the
+slot's graph, the gather graph (which sums the staged bytes too), the sum into the store's sums,
+the copy to the pool page: four libcudart calls a chunk, in stream order, so no event orders the
+slot's reuse and the next chunk's gather is the kernel between two copies that lets the copy
+engine serve other streams. The earlier lane (a gather stream, a copy stream, two slots, a yield
+kernel between copies) took ten calls a chunk: the drain thread's host time a store batch is what
+the storing instance's requests pay (bench/RESULTS.md, fifty-seventh pass: ~1-1.6 ms of TTFT a
+ms of drain CPU a batch). The gathers no longer run beside the previous chunk's copy: a chunk's
+gather and sum read ~2x its bytes in device memory (~30 us for 32 MiB on an H100) against its
+copy over the bus (~640 us), about 5% of a store's time, behind the engine anyway.
+
+A load issued while a store drains (the forward thread, the next step) waits neither for the
+store's copies (its own copy stream, another direction: another engine) nor for its staging slot,
+nor for its gathers.
 
 Invariants:
 
 * The gathers read the caches after the work queued on the caller's stream when ``store`` was
   called (the forward that wrote them); the slot mapping is moved before they run.
+* A paced chunk's staging is rewritten only by a later chunk's gather, which its own stream
+  queues after this chunk's copy out of it.
 * As for every store, publish keys only after ``wait()`` (or ``done()``).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -42,11 +52,11 @@ from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.native import store_issue
-from maru.native.store_issue import CHECKSUM, WAIT_FREE, YIELD, row_table
+from maru.native.store_issue import CHECKSUM, WAIT_FREE, row_table
 
 log = logging.getLogger("maru.kv_ops")
 
-PACED_SLOTS = 2  # one chunk in the copy engine, the next one gathered behind it
+PACED_SLOTS = 1  # one stream: a chunk's gather follows the previous chunk's copy out of the slot
 # A store's partial tail (a prompt's end) is a block multiple below the chunk: the paced slots
 # capture raw graphs for each such size at warm-up, up to this many sizes (more: tails go the
 # torch way, ~5x the drain thread's host time a chunk, said in ``store_ways``).
@@ -61,23 +71,13 @@ def tail_sizes(chunk_tokens: int, block_size: int) -> list[int]:
     return list(range(block_size, chunk_tokens, block_size))
 
 
-# The kernel queued between two chunk copies: while it is the stream's next item, the copy engine
-# serves other streams' copies. 10k cycles is 5 us at 2 GHz (the H200's boost clock).
-YIELD_CYCLES = 10_000
-
-
-def yield_copy_engine(stream: Any) -> None:
-    """Queue a short kernel on ``stream``: between two of its copies, the copy engine goes to others."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(YIELD_CYCLES)
-
-
 @dataclass(frozen=True)
 class RawChunk:
     """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
-    its gather and checksum (-1: no checksum), its staging buffer's address, its byte count and
-    the address of its sum. ``gather`` 0: this chunk alone is queued the torch way (its size has
-    no raw graph: a prompt's partial tail), in its turn, on the same streams and slot."""
+    its gather and checksum (-1: no checksum; 0: the gather graph sums the staged bytes itself,
+    the paced lane's), its staging buffer's address, its byte count and the address of its sum.
+    ``gather`` 0: this chunk alone is queued the torch way (its size has no raw graph: a prompt's
+    partial tail), in its turn, on the same streams and slot."""
 
     slot: StagingSlot
     tokens: int
@@ -91,14 +91,13 @@ class RawChunk:
 class NativeRun:
     """A run of raw chunks queued by one call of the compiled loop (``maru.native.store_issue``):
     ``add`` notes a chunk's row (the arguments of ``_queue_chunks_raw``'s calls for it), ``flush``
-    queues the rows so far. ``release_gil``: the write-behind drain's paced lane (the GIL let go
-    once a run); kept on the ring's lane, whose caller may be vLLM's forward thread."""
+    queues the rows so far. ``release_gil``: the GIL let go once a run (a two-stream lane queued
+    from a drain thread); kept where the caller may be vLLM's forward thread. The paced lane
+    queues its four calls a chunk from Python (``_queue_chunks_serial``)."""
 
-    def __init__(
-        self, native: tuple[Any, Any], gather: int, copy: int, yield_exec: int, *, release_gil: bool
-    ) -> None:
+    def __init__(self, native: tuple[Any, Any], gather: int, copy: int, *, release_gil: bool) -> None:
         self.issue, self.fns = native
-        self.gather, self.copy, self.yield_exec = gather, copy, yield_exec
+        self.gather, self.copy = gather, copy
         self.release_gil = release_gil
         self.rows: list[list[int]] = []
 
@@ -114,7 +113,6 @@ class NativeRun:
     ) -> None:
         summed = acc_at is not None
         flags = (WAIT_FREE if slot.used else 0) | (CHECKSUM if summed else 0)
-        flags |= YIELD if k and self.yield_exec else 0
         self.rows.append(
             [
                 flags, slot.free, slot.ready,
@@ -130,7 +128,7 @@ class NativeRun:
             return
         rows, self.rows = self.rows, []
         self.issue.queue(
-            self.fns, row_table(rows), len(rows), self.gather, self.copy, self.yield_exec, D2D, D2H,
+            self.fns, row_table(rows), len(rows), self.gather, self.copy, 0, D2D, D2H,
             release_gil=self.release_gil,
         )  # fmt: skip
 
@@ -139,8 +137,9 @@ class NativeRun:
 class StoreLane:
     """Where a staged store runs (``DevicePipeline._queue_store``): the gathers on ``gather`` into
     ``slots`` (chunk k into ``slots[k % len(slots)]``, or the pipeline's ring when empty), the
-    copies to the pool on ``copy``, a short kernel between two copies when ``paced``; ``path``
-    names it in the handle."""
+    copies to the pool on ``copy``; ``path`` names it in the handle. ``paced``: the write-behind
+    lane, one stream (``gather`` is ``copy``) and one slot of its own, each chunk's gather (which
+    sums it) queued between two copies (``_queue_chunks_serial``)."""
 
     gather: Any
     copy: Any
@@ -200,12 +199,14 @@ class PacedStores:
                     self._sync.zero(acc.data_ptr(), 8 * len(objs), lane.gather.cuda_stream)
                 else:
                     acc.zero_()
-            if plan is not None:
-                self._queue_chunks_raw(lane, plan, objs, slots, acc)
-            else:
+            if plan is None:
                 self._queue_chunks_each(lane, objs, slots, acc)
+            elif lane.paced:
+                self._queue_chunks_serial(lane, plan, objs, slots, acc)
+            else:
+                self._queue_chunks_raw(lane, plan, objs, slots, acc)
             sums = self._sums_to_host(acc, lane.gather.cuda_stream)  # type: ignore[attr-defined]
-        if sums is not None:  # done (recorded on the copy stream) covers the sums too
+        if sums is not None and lane.copy is not lane.gather:  # done (on ``copy``) covers the sums
             self._follow(lane.gather, lane.copy)  # type: ignore[attr-defined]
         return self._handle("store", lane.path, nbytes, lane.copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
 
@@ -247,8 +248,6 @@ class PacedStores:
         if not slots.is_contiguous():
             return None, "a non-contiguous slot mapping"
         lazy = self.lazy_capture  # type: ignore[attr-defined]
-        if lane.paced and self._yield_exec(capture=lazy) == 0:
-            return None, "the yield kernel has no raw graph (not warmed, or it could not be captured)"
         ring = list(lane.slots) or [
             self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
         ]  # type: ignore[attr-defined]
@@ -264,9 +263,12 @@ class PacedStores:
             nbytes = obj.numel() * self.esize
             stage = None
             try:
-                gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
-                summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
-                stage = slot.placer.staging(t) if gather and summed else None
+                if lane.paced and checksums:  # one graph gathers and sums (``_queue_chunks_serial``)
+                    gather, summed = slot.placer.raw_exec(("gather+checksum", t, None), capture=lazy), 0
+                else:
+                    gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
+                    summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
+                stage = slot.placer.staging(t) if gather and (summed or lane.paced) else None
             except ValueError:  # the placer holds buffers for enough sizes already
                 reason, gather = "no graph bucket left for a chunk size", 0
             else:
@@ -295,39 +297,6 @@ class PacedStores:
             return None, why
         return plan, why if torch_way else ""
 
-    def _yield_exec(self, *, capture: bool = True) -> int:
-        """The raw executable of a graph of the yield kernel (captured once a pipeline, at
-        ``warm``; later only if ``capture``), or 0: the paced store then queues it through torch."""
-        exe = getattr(self, "_yield_graph_exec", None)
-        if exe is None and not capture:
-            return 0
-        if exe is None:
-            exe = 0
-            gc_was_enabled = gc.isenabled()
-            try:
-                from maru.kv_ops.placer import _raw_exec
-
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream(self.device)
-                with torch.cuda.stream(side):
-                    torch.cuda._sleep(YIELD_CYCLES)  # outside the capture first: the kernel loaded
-                side.synchronize()
-                gc.disable()  # as the placer's captures (see GraphedPlacer._graph)
-                with torch.cuda.graph(graph, stream=side):
-                    torch.cuda._sleep(YIELD_CYCLES)
-                exe = _raw_exec(graph)
-                self._yield_graph = graph  # owns the executable
-            except Exception as e:  # the torch way stays: the same pacing, more host time a chunk
-                log.info(
-                    "maru.kv_ops: the yield kernel could not be captured (%s); stores queue it eagerly", e
-                )
-                self._sync.clear_error()
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-            self._yield_graph_exec = exe
-        return int(exe)
-
     def _queue_chunks_raw(
         self,
         lane: StoreLane,
@@ -336,19 +305,18 @@ class PacedStores:
         slots: torch.Tensor,
         acc: torch.Tensor | None,
     ) -> None:
-        """The chunks with every call a libcudart call that keeps the GIL (about a microsecond
-        each: the drain thread holds the GIL ~10 us a chunk, not ~100): the slot mapping copied
-        into the slot's graph (device to device), the gather graph, then on the copy stream the
-        yield graph and the copy to the pool; before ``ready`` the checksum graph, its sum copied
-        into ``acc``. The same streams, slots and events as ``_queue_chunks_each``, whose way a
-        chunk without raw graphs (``gather`` 0) takes, in its turn."""
+        """The ring lane's chunks with every call a libcudart call that keeps the GIL (about a
+        microsecond each): the slot mapping copied into the slot's graph (device to device), the
+        gather graph, then on the copy stream the copy to the pool; before ``ready`` the checksum
+        graph, its sum copied into ``acc``. The same streams, slots and events as
+        ``_queue_chunks_each``, whose way a chunk without raw graphs (``gather`` 0) takes, in its
+        turn."""
         sync = self._sync
         g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
         acc_at = acc.data_ptr() if acc is not None else 0
         slot_at, token0 = slots.data_ptr(), 0
-        yield_exec = self._yield_exec(capture=False) if lane.paced else 0  # decided by the plan
         native = self._native_issue()
-        run = NativeRun(native, g, c, yield_exec, release_gil=lane.paced) if native else None
+        run = NativeRun(native, g, c, release_gil=lane.paced) if native else None
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             if not ch.gather:
                 if run is not None:
@@ -374,8 +342,6 @@ class PacedStores:
                 sync.copy(acc_at + 8 * k, ch.sum_at, 8, g, D2D)
             sync.record_on(slot.ready, g)
             sync.wait_on(c, slot.ready)
-            if k and yield_exec:
-                sync.launch_graph(yield_exec, c)  # the copy engine serves other streams in between
             sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, c, D2H)
             sync.record_on(slot.free, c)
             slot.used = True
@@ -385,6 +351,35 @@ class PacedStores:
             self._note_way("libcudart, one native call a run of chunks")
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
+
+    def _queue_chunks_serial(
+        self,
+        lane: StoreLane,
+        plan: list[RawChunk],
+        objs: list[torch.Tensor],
+        slots: torch.Tensor,
+        acc: torch.Tensor | None,
+    ) -> None:
+        """The paced lane's chunks, four libcudart calls each on its one stream: the slot mapping
+        into the slot's graph, the gather graph (with ``acc``: the one that sums the staged bytes
+        too), its sum into ``acc``, the copy to the pool. Stream order alone keeps the slot's
+        staging, static slot mapping and sum until the calls after them have read them, and puts
+        the next chunk's gather between two copies (the copy engine serves other streams there).
+        A chunk without raw graphs (``gather`` 0) goes the torch way in its turn."""
+        sync, s = self._sync, lane.copy.cuda_stream
+        acc_at = acc.data_ptr() if acc is not None else 0
+        slot_at, token0 = slots.data_ptr(), 0
+        for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
+            if not ch.gather:
+                self._queue_one_each(lane, ch.slot, k, obj, slots[token0 : token0 + ch.tokens], acc)
+            else:
+                ch.slot.placer.slots_from(slot_at + 8 * token0, ch.tokens, s)
+                sync.launch_graph(ch.gather, s)
+                if acc is not None:
+                    sync.copy(acc_at + 8 * k, ch.sum_at, 8, s, D2D)
+                sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, s, D2H)
+                ch.slot.used = True
+            token0 += ch.tokens
 
     def _native_issue(self) -> tuple[Any, Any] | None:
         """(the compiled store issue, libcudart's functions for it) where ``MARU_NATIVE_STORE_ISSUE``
@@ -413,7 +408,7 @@ class PacedStores:
     def _queue_chunks_each(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, acc: torch.Tensor | None
     ) -> None:
-        """The chunks through torch (on the gather stream, current): placements, copies, yields and
+        """The chunks through torch (on the gather stream, current): placements, copies and
         checksums each a torch call."""
         for k, (host, chunk_slots) in enumerate(self._per_chunk(objs, slots)):  # type: ignore[attr-defined]
             slot = lane.slots[k % len(lane.slots)] if lane.slots else self._take_slot()  # type: ignore[attr-defined]
@@ -440,68 +435,53 @@ class PacedStores:
             ck.accumulate(stage, acc, k)
         sync.record(slot.ready, gather)
         sync.wait(copy, slot.ready)
-        if k and lane.paced:
-            yield_copy_engine(copy)  # the copy engine serves other streams in between
         self._d2h(host, stage, copy)  # type: ignore[attr-defined]
         sync.record(slot.free, copy)
         slot.used = True
 
-    def _paced(self) -> StoreLane | None:
-        """The paced stores' lane (a gather stream, a device-to-host stream and staging slots of
-        their own), made on first use; None (announced once) where torch has no device sleep."""
-        if getattr(self, "_paced_state", None) is None:
-            if not hasattr(torch.cuda, "_sleep"):
-                announce_once(
-                    log,
-                    "kv_ops.no-pacing",
-                    logging.WARNING,
-                    "maru.kv_ops: this torch has no torch.cuda._sleep: write-behind stores are queued back "
-                    "to back, and a small copy of the inference engine may wait for a whole store (about "
-                    "10 ms per 0.5 GB). Fix: torch 2.x as measured (2.11); maru stats shows the store path",
-                )
-                self._paced_state = False
-                return None
+    def _paced(self) -> StoreLane:
+        """The paced stores' lane (a stream and a staging slot of their own), made on first use."""
+        lane = getattr(self, "_paced_state", None)
+        if lane is None:
             slots = tuple(StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS))  # type: ignore[arg-type, attr-defined]
-            gs, ds = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-            self._paced_state = StoreLane(gs, ds, slots, paced=True, path="paced")
-        return self._paced_state or None
+            stream = torch.cuda.Stream(self.device)
+            lane = self._paced_state = StoreLane(stream, stream, slots, paced=True, path="paced")
+        return lane
 
     def _issue_store_paced(
         self, objs: list[torch.Tensor], slots: torch.Tensor, nbytes: int, checksums: bool
-    ) -> Transfer | None:
-        """Queue the whole store on the paced lane (returns at once); None where it cannot pace."""
+    ) -> Transfer:
+        """Queue the whole store on the paced lane (returns at once)."""
         lane = self._paced()
-        if lane is None:
-            return None
         t0 = time.perf_counter()
         # The placement stream waited for the caller's stream, then moved the slot mapping (``_slots``).
         self._follow(self._place_stream, lane.gather)  # type: ignore[attr-defined]
         return self._queue_store(lane, objs, slots, nbytes, checksums, t0)  # type: ignore[attr-defined, no-any-return]
 
     def _warm_paced(self, chunk_tokens: int) -> None:
-        """Capture the paced slots' gather and checksum graphs for ``chunk_tokens`` and for every
-        partial-tail size (``tail_sizes``: one chunk-sized staging buffer a slot, viewed at each
-        size), and the yield kernel's graph (``DevicePipeline.warm``). Without the tails' graphs,
-        every request's last chunk (its prompt's end) went the torch way: ~0.5 ms of the drain
-        thread's host time instead of ~0.01 (H200, RESULTS "forty-fourth pass")."""
-        lane = self._paced()
-        if lane is not None:
-            tails = tail_sizes(int(chunk_tokens), int(self.layout.block_size))  # type: ignore[attr-defined]
-            for slot in lane.slots:
-                if slot.placer is not None and not slot.used:  # a used slot's static slots are real
-                    self._warm_slot(slot.placer, int(chunk_tokens), tails, loads=False)
-            if self._sync.raw:
-                self._yield_exec()
+        """Capture the paced slot's summing gather graphs for ``chunk_tokens`` and for every
+        partial-tail size (``tail_sizes``: one chunk-sized staging buffer, viewed at each size;
+        ``DevicePipeline.warm``). Without the tails' graphs, every request's last chunk (its
+        prompt's end) went the torch way: ~0.5 ms of the drain thread's host time instead of ~0.01
+        (H200, RESULTS "forty-fourth pass")."""
+        tails = tail_sizes(int(chunk_tokens), int(self.layout.block_size))  # type: ignore[attr-defined]
+        for slot in self._paced().slots:
+            if slot.placer is not None and not slot.used:  # a used slot's static slots are real
+                self._warm_slot(slot.placer, int(chunk_tokens), tails, loads=False)
 
     tails_unwarmed: str | None = None  # why some tail sizes have no graphs (``maru doctor``)
 
     def _warm_slot(self, placer: Any, chunk_tokens: int, tails: list[int], *, loads: bool) -> None:
         """A staging slot's graphs: the chunk size's, then each tail size's over the slot's one
-        chunk-sized staging (``share_staging``). A store's gather and checksum; with ``loads`` (a
-        ring slot, which loads too) the scatter as well (and the fused one where asked for)."""
+        chunk-sized staging (``share_staging``). The paced slot: the gather that sums; with
+        ``loads`` (a ring slot, which loads too) the gather, the checksum and the scatter (and
+        the fused one where asked for)."""
         fused = loads and getattr(self, "fuse_checksums", False)
         placer.share_staging(chunk_tokens)
-        placer.warm(chunk_tokens, checksum=True, fused=fused)
+        if loads:
+            placer.warm(chunk_tokens, checksum=True, fused=fused)
+        else:
+            placer.warm_gather(chunk_tokens)
         for t in tails:
             try:
                 if loads:
@@ -526,6 +506,5 @@ class PacedStores:
     def _settle_paced(self) -> None:
         """Wait for the paced streams (the pipeline's ``synchronize``)."""
         lane = getattr(self, "_paced_state", None)
-        if lane:
-            lane.gather.synchronize()
-            lane.copy.synchronize()
+        if lane is not None:
+            lane.copy.synchronize()  # its one stream

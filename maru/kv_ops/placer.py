@@ -178,6 +178,10 @@ class GraphedPlacer:
                 tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
             )
             return
+        if op == "gather+checksum":  # a paced store's one graph: the gather, then its sum
+            self._launch(("gather", num_tokens, None))
+            self._launch(("checksum", num_tokens, None))
+            return
         if op == "checksum":  # the raw checksum sum of staging(T), alone in its one-entry sum
             self._sums[num_tokens].zero_()
             ck.accumulate(self._staging[num_tokens], self._sums[num_tokens], 0)
@@ -397,9 +401,9 @@ class GraphedPlacer:
         return self._all_events[key]
 
     def warm_gather(self, num_tokens: int) -> None:
-        """Capture the all-layer gather and the staging checksum graphs for T tokens (a store's)."""
-        self._graph(("gather", num_tokens, None))
-        self._graph(("checksum", num_tokens, None))
+        """Capture the gather that sums for T tokens (``("gather+checksum", T, None)``: the all-layer
+        gather, then the staging buffer's checksum at ``sum_address(T)``; a paced store's one graph)."""
+        self._graph(("gather+checksum", num_tokens, None))
 
     def warm(
         self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False, fused: bool = False

@@ -148,8 +148,9 @@ class PipelinedPath(DataPath):
 
     @property
     def paces_stores(self) -> bool:
-        # False only once the pipeline found it cannot pace (no torch.cuda._sleep; decided at warm-up).
-        return getattr(self.pipeline, "_paced_state", None) is not False
+        # The paced lane needs nothing beyond CUDA (``kv_ops.paced_store``: each chunk's gather is
+        # the kernel between two copies; no device sleep).
+        return True
 
     def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
         from maru.kv_ops.launch import slower_launches
@@ -161,12 +162,6 @@ class PipelinedPath(DataPath):
             slow.append(
                 "Triton kernels launch through Triton's per-call argument binding (about 5 us of host "
                 f"time a call more): {'; '.join(given_up)}. Fix: Triton 3.6 (the release measured)"
-            )
-        if paced_store and not self.paces_stores:
-            slow.append(
-                "write-behind stores are queued back to back (this torch has no torch.cuda._sleep to pace "
-                "them): a small copy of vLLM's may wait for a whole store (~10 ms per 0.5 GB). Fix: torch "
-                "2.x as measured (2.11)"
             )
         for why in ("segments_unwarmed", "tails_unwarmed"):  # kv_ops.store_segments, paced_store
             if unwarmed := getattr(self.pipeline, why, None):

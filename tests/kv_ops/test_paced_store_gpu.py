@@ -1,7 +1,7 @@
 """The paced store (``DevicePipeline.store(..., paced=True)``, ``kv_ops.paced_store``) on a real GPU.
 
-Structure (a kernel between each two chunk copies, on streams of its own) is checked on the calls
-the engine makes; what it is for (another stream's copy waits for one chunk, not the store) is
+Structure (one stream of its own, each chunk's gather graph between two chunk copies) is checked
+on the calls the engine makes; what it is for (another stream's copy waits for one chunk, not the store) is
 measured in bench/copy_interference.py, not asserted here.
 
 Real geometry (32 layers, 8 KV heads of 128, bf16, block size 16 != heads), NHD and HND, objects in
@@ -67,19 +67,6 @@ class RecordingSync:
         self._inner.launch_graph(exe, stream)
 
 
-def _yields_as_ops(engine: Any, log: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The log with the yield kernel's graph launches as ("yield", stream), other graphs dropped."""
-    exe = getattr(engine, "_yield_graph_exec", None)
-    out = []
-    for op, arg in log:
-        if op == "graph":
-            if arg[0] == exe:
-                out.append(("yield", arg[1]))
-        else:
-            out.append((op, arg))
-    return out
-
-
 WAYS = ["libcudart", "native", "torch"]  # native: MARU_NATIVE_STORE_ISSUE, one C call a run of chunks
 
 
@@ -91,9 +78,11 @@ def _engine(src: Any, way: str, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> A
     return pl.DevicePipeline(src.layers, src.layout(), raw_cuda=way != "torch", **kw)
 
 
-def _check_way(engine: Any, way: str) -> None:
+def _check_way(engine: Any, way: str, paced: bool) -> None:
+    """The native loop queues the ring's stores where asked for; the paced lane's four calls a
+    chunk are queued from Python whatever the switch says."""
     native = "libcudart, one native call a run of chunks" in engine.store_ways
-    assert native == (way == "native"), engine.store_ways
+    assert native == (way == "native" and not paced), engine.store_ways
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -118,7 +107,7 @@ def test_paced_store_writes_the_reference_bytes_and_their_checksums(
     h.wait()
     _check_objects(objs, _reference_gather(src, slots2).cpu(), slots2)
     assert h.checksums() == [checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs]
-    _check_way(engine, way)
+    _check_way(engine, way, paced=True)
 
 
 @pytest.mark.parametrize("paced", [True, False])
@@ -141,7 +130,6 @@ def test_with_libcudart_a_store_queues_no_torch_call_a_chunk(pool: RegisteredPoo
     assert engine._raw_plan(lane, objs, torch.zeros(1, dtype=torch.int64, device="cuda"), True) is not None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(paced_store.ck, "accumulate", lambda *a, **k: pytest.fail("a torch checksum launch"))
-        mp.setattr(paced_store, "yield_copy_engine", lambda *a: pytest.fail("a torch yield"))
         mp.setattr(paced_store.StagingSlot, "place", lambda *a, **k: pytest.fail("a torch placement"))
         h = engine.store(objs, slots, paced=paced, checksums=True)
     h.wait()
@@ -190,9 +178,12 @@ def test_partial_tails_of_whole_blocks_go_through_libcudart_on_the_paced_lane(
     # Every tail size is a view of the slot's one chunk-sized buffer: graphs, not memory.
     tails = paced_store.tail_sizes(CHUNK, 16)
     assert tails == list(range(16, CHUNK, 16))
-    for placer in (engine._paced().slots[0].placer, engine._ring[0].placer):
+    for placer, op in (
+        (engine._paced().slots[0].placer, "gather+checksum"),
+        (engine._ring[0].placer, "gather"),
+    ):
         assert placer.staging(96).data_ptr() == placer.staging(CHUNK).data_ptr()
-        assert all(placer.raw_exec(("gather", t, None), capture=False) for t in tails)
+        assert all(placer.raw_exec((op, t, None), capture=False) for t in tails)
     assert all(engine._ring[0].placer.has_chunk_graphs(t) for t in tails)  # a ring slot loads too
 
 
@@ -246,7 +237,7 @@ def test_stores_queued_back_to_back_keep_their_own_checksums(
         sums_seen.add(tuple(want))
     assert len(sums_seen) == 3  # three different stores: a shared buffer mixing them would show
     assert getattr(engine, name).data_ptr() == kept.data_ptr()
-    _check_way(engine, way)
+    _check_way(engine, way, paced)
 
 
 def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
@@ -260,33 +251,39 @@ def _check_objects_n(objs: list[Any], want: Any, slots: Any) -> None:
         token0 += t
 
 
-def test_a_kernel_is_queued_between_each_two_chunk_copies_on_a_stream_of_their_own(
-    pool: RegisteredPool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("checksums", [True, False])
+def test_each_chunk_s_gather_is_queued_between_two_chunk_copies_on_one_stream_of_their_own(
+    pool: RegisteredPool, checksums: bool
 ) -> None:
+    """Per chunk on the paced lane: the gather graph (summing the staged bytes with checksums),
+    then the copy to the pool, all on one stream that is not the loads' copy stream: a kernel is
+    the stream's next item between each two copies (the copy engine serves others there), and no
+    event orders the slot's reuse (stream order does)."""
     src = make_caches("flash_attn_NHD", 43)
     engine = pl.DevicePipeline(src.layers, src.layout())
     if not engine._sync.raw:
         pytest.skip("libcudart not reachable: the copies go through torch, not the recorded sync")
+    engine.warm(CHUNK)
     engine._sync = rec = RecordingSync(engine._sync)
-    real_yield = paced_store.yield_copy_engine
-
-    def logged(stream: Any) -> None:
-        rec.log.append(("yield", stream.cuda_stream))
-        real_yield(stream)
-
-    monkeypatch.setattr(paced_store, "yield_copy_engine", logged)
-    slots = _slots(src, sum(SIZES), 44)
-    objs = [pool.alloc(engine, t) for t in SIZES]
-    engine.store(objs, slots, paced=True).wait()
-    _check_objects(objs, _reference_gather(src, slots).cpu(), slots)
-    rec.log[:] = _yields_as_ops(engine, rec.log)
-    copies = [arg for op, arg in rec.log if op == "copy"]
-    assert [dst for dst, _ in copies] == [o.data_ptr() for o in objs]  # one copy a chunk, in order
-    streams = {s for _, s in copies}
+    per_chunk_events: list[Any] = []  # the ring's per-chunk orderings (record_on / wait_on)
+    rec.record_on = lambda *a: per_chunk_events.append(a) or rec._inner.record_on(*a)  # type: ignore[method-assign]
+    rec.wait_on = lambda *a: per_chunk_events.append(a) or rec._inner.wait_on(*a)  # type: ignore[method-assign]
+    sizes = [CHUNK, CHUNK, CHUNK, 96]  # a prompt's tail of whole blocks: warmed, raw too
+    slots = _slots(src, sum(sizes), 44)
+    objs = [pool.alloc(engine, t) for t in sizes]
+    h = engine.store(objs, slots, paced=True, checksums=checksums)
+    h.wait()
+    _check_objects_n(objs, _reference_gather(src, slots).cpu(), slots)
+    if checksums:
+        assert h.checksums() == [
+            checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs
+        ]
+    chunk_ops = [(op, arg) for op, arg in rec.log if op == "graph" or arg[0] in {o.data_ptr() for o in objs}]
+    assert [op for op, _ in chunk_ops] == ["graph", "copy"] * len(objs)
+    assert [arg[0] for op, arg in chunk_ops if op == "copy"] == [o.data_ptr() for o in objs]  # in order
+    streams = {arg[1] for _, arg in chunk_ops}
     assert len(streams) == 1 and streams != {engine._copy_stream.cuda_stream}  # not the loads' stream
-    ops = [op for op, _ in rec.log]
-    assert ops == ["copy"] + ["yield", "copy"] * (len(objs) - 1)
-    assert all(arg == next(iter(streams)) for op, arg in rec.log if op == "yield")
+    assert per_chunk_events == []  # stream order alone: no event a chunk
     rec.log.clear()
     engine.store(objs, slots).wait()  # an unpaced store: back to back on the copy stream
     rec.log[:] = [(op, arg) for op, arg in rec.log if op == "copy"]
@@ -343,9 +340,10 @@ def test_a_load_issued_while_a_paced_store_drains_does_not_wait_for_it(pool: Reg
     assert torch.equal(src.bits(), expected.bits())
 
 
-def test_without_a_device_sleep_the_store_is_queued_back_to_back_and_says_so(
+def test_without_a_device_sleep_the_store_is_still_paced_and_says_nothing(
     pool: RegisteredPool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The paced lane's pause between two copies is the next chunk's gather: no device sleep needed."""
     src = make_caches("flash_attn_NHD", 55)
     engine = pl.DevicePipeline(src.layers, src.layout())
     monkeypatch.delattr(torch.cuda, "_sleep")
@@ -354,6 +352,6 @@ def test_without_a_device_sleep_the_store_is_queued_back_to_back_and_says_so(
     with caplog.at_level("WARNING", logger="maru.kv_ops"):
         h = engine.store(objs, slots, paced=True)
     h.wait()
-    assert h.path == "pipelined"
-    assert any("no torch.cuda._sleep" in r.getMessage() for r in caplog.records)
+    assert h.path == "paced"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
     _check_objects(objs, _reference_gather(src, slots).cpu(), slots)

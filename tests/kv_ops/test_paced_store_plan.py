@@ -1,9 +1,9 @@
 """Which way a staged store is queued (``PacedStores._raw_plan``), decided on the host.
 
 The libcudart way needs, for every chunk of the store, a slot whose graph placer has raw graph
-executables for the chunk's size; this checks which slot each chunk gets (the paced lane's slots
-in turn, the ring's from its next slot on), and that every reason to go the torch way is named
-once. No CUDA here: slots, placers and the sync are stand-ins (the GPU tests queue real stores).
+executables for the chunk's size; this checks which slot and graphs each chunk gets (the paced
+lane's one slot and its gather that sums, the ring's slots from its next one on with a gather and a
+checksum graph each), and that every reason to go the torch way is named once. No CUDA here: slots, placers and the sync are stand-ins (the GPU tests queue real stores).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class _Placer:
         if len(self.captured | {t}) > self.full_after:
             raise ValueError("full")
         self.asked.append(key)
-        return 1000 + t if op == "gather" else 2000 + t
+        return {"gather": 1000, "checksum": 2000, "gather+checksum": 4000}[op] + t
 
     def staging(self, t: int) -> torch.Tensor:
         return torch.zeros(t)
@@ -46,13 +46,10 @@ class _Slot:
 class _Pipe(PacedStores):
     esize = 2
 
-    def __init__(
-        self, ring: list[_Slot], *, lazy: bool = False, raw: bool = True, yield_exec: int | None = 7
-    ) -> None:
+    def __init__(self, ring: list[_Slot], *, lazy: bool = False, raw: bool = True) -> None:
         self._sync = type("S", (), {"raw": raw})()
         self._ring, self.ring_slots, self._next_slot = ring, len(ring), 1
         self.lazy_capture = lazy
-        self._yield_graph_exec = yield_exec
 
 
 def _objs(*tokens: int) -> list[torch.Tensor]:
@@ -62,7 +59,7 @@ def _objs(*tokens: int) -> list[torch.Tensor]:
 SLOTS = torch.zeros(10, dtype=torch.int64)
 
 
-def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_own_in_turn() -> None:
+def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_one_slot() -> None:
     ring = [_Slot(f"r{i}", _Placer({64})) for i in range(3)]
     pipe = _Pipe(ring)
     plan = pipe._raw_plan(
@@ -78,20 +75,21 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
         2048,
         3064,
     )
-    own = (_Slot("p0", _Placer({64})), _Slot("p1", _Placer({64})))
-    plan = pipe._raw_plan(
-        StoreLane(None, None, own, paced=True, path="paced"), _objs(64, 64, 64), SLOTS, False
-    )
-    assert plan is not None and [c.slot.name for c in plan] == ["p0", "p1", "p0"]
-    assert all(c.checksum == -1 for c in plan)  # no checksum graph asked for
+    own = (_Slot("p0", _Placer({64})),)
+    lane = StoreLane(None, None, own, paced=True, path="paced")
+    plan = pipe._raw_plan(lane, _objs(64, 64, 64), SLOTS, False)
+    assert plan is not None and [c.slot.name for c in plan] == ["p0", "p0", "p0"]
+    assert all(c.checksum == -1 and c.gather == 1064 for c in plan)  # no checksum graph asked for
+    # With checksums the paced lane's one graph gathers and sums (checksum 0: no graph of its own).
+    plan = pipe._raw_plan(lane, _objs(64, 64), SLOTS, True)
+    assert plan is not None
+    assert [(c.gather, c.checksum, c.sum_at) for c in plan] == [(4064, 0, 3064)] * 2
 
 
 @pytest.mark.parametrize(
     ("case", "why"),
     [
         ("eager", "eager placement"),
-        ("no yield graph", "the yield kernel has no raw graph"),
-        ("yield not warmed", "the yield kernel has no raw graph"),
         ("slots", "a non-contiguous slot mapping"),
     ],
 )
@@ -100,9 +98,8 @@ def test_every_reason_for_the_torch_way_is_named_once(
 ) -> None:
     forget("kv_ops.store-torch-way")
     placer = None if case == "eager" else _Placer({64}, full_after=1 if case == "full" else 99)
-    own = (_Slot("p0", placer), _Slot("p1", placer))
-    yield_exec = {"no yield graph": 0, "yield not warmed": None}.get(case, 7)
-    pipe = _Pipe([], lazy=case == "full", yield_exec=yield_exec)  # not lazy: nothing is captured here
+    own = (_Slot("p0", placer),)
+    pipe = _Pipe([], lazy=case == "full")  # not lazy: nothing is captured here
     slots = torch.zeros(20, dtype=torch.int64)[::2] if case == "slots" else SLOTS
     lane = StoreLane(None, None, own, paced=True, path="paced")
     with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
@@ -128,10 +125,10 @@ def test_a_chunk_without_raw_graphs_alone_goes_the_torch_way_in_its_turn(
     case: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A prompt's partial tail (40 tokens here) in a store of full chunks: only it goes through
-    torch; the full chunks keep libcudart, each in its own slot in turn."""
+    torch; the full chunks keep libcudart, each in the lane's slot in turn."""
     forget("kv_ops.store-torch-way")
     placer = _Placer({64}, full_after=1 if case == "full" else 99)
-    own = (_Slot("p0", placer), _Slot("p1", placer))
+    own = (_Slot("p0", placer),)
     pipe = _Pipe([], lazy=case == "full")
     lane = StoreLane(None, None, own, paced=True, path="paced")
     with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
@@ -139,7 +136,7 @@ def test_a_chunk_without_raw_graphs_alone_goes_the_torch_way_in_its_turn(
         assert plan is not None
         assert [(c.slot.name, c.tokens, c.gather != 0) for c in plan] == [
             ("p0", 64, True),
-            ("p1", 40, False),
+            ("p0", 40, False),
             ("p0", 64, True),
         ]
         assert plan[1].nbytes == 2 * 2 * 40 * 4 * 2  # its bytes still known (the torch copy's size)
@@ -178,8 +175,8 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A slot's warm-up (``_warm_slot``): one shared staging, the chunk size, then each tail size
-    (a store's gather and checksum on the paced lane; scatter, gather, checksum and the fused
-    scatter where asked for on the ring). CUDA refusing one tail size's capture: the sizes before
+    (the gather that sums on the paced lane; scatter, gather, checksum and the fused scatter
+    where asked for on the ring). CUDA refusing one tail size's capture: the sizes before
     it stay, the rest go the old way, said once at warning with the size and the reason, and
     named for ``maru doctor`` (``tails_unwarmed``); the warm-up goes on."""
 
@@ -214,7 +211,7 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
     with caplog.at_level(logging.WARNING, logger="maru.kv_ops"):
         stores._warm_slot(lane, 64, [16, 32, 48], loads=False)
         stores._warm_slot(ring, 64, [16, 32, 48], loads=True)
-    assert lane.calls == [("share", 64), ("warm", 64, True, False), ("gather", 16), ("gather", 32)]
+    assert lane.calls == [("share", 64), ("gather", 64), ("gather", 16), ("gather", 32)]
     assert ring.calls == [
         ("share", 64),
         ("warm", 64, True, True),
@@ -229,3 +226,72 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
         and "48-token" in stores.tails_unwarmed
         and "Fix:" in stores.tails_unwarmed
     )
+
+
+def test_the_paced_lane_queues_four_calls_a_chunk_on_its_one_stream_in_stream_order() -> None:
+    """``_queue_chunks_serial`` on stand-ins: per raw chunk the slot mapping's copy into the slot's
+    graph (from the chunk's offset in the store's mapping), the graph that gathers and sums, its
+    sum into the store's sums at the chunk's index, the copy to the pool; all on the lane's one
+    stream, no event. A chunk without raw graphs goes the torch way in its turn, with its own
+    stretch of the mapping."""
+    from types import SimpleNamespace
+
+    from maru.kv_ops.cuda_sync import D2D, D2H
+    from maru.kv_ops.paced_store import RawChunk
+
+    calls: list[tuple] = []
+    S = 0x5000
+
+    class Placer:
+        def slots_from(self, address: int, t: int, stream: int) -> None:
+            calls.append(("slots", address, t, stream))
+
+    class Sync:
+        raw = True
+
+        def launch_graph(self, exe: int, stream: int) -> None:
+            calls.append(("graph", exe, stream))
+
+        def copy(self, dst: int, src: int, n: int, stream: int, kind: int) -> None:
+            calls.append(("copy", dst, src, n, stream, kind))
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the paced lane called sync.{name}")
+
+    class Pipe(PacedStores):
+        def _queue_one_each(
+            self, lane: Any, slot: Any, k: int, host: Any, chunk_slots: Any, acc: Any
+        ) -> None:
+            calls.append(("torch", k, int(chunk_slots[0]), int(chunk_slots.numel())))
+
+    pipe = Pipe()
+    pipe._sync = Sync()
+    slot = SimpleNamespace(placer=Placer(), used=False)
+    stream = SimpleNamespace(cuda_stream=S)
+    lane = StoreLane(stream, stream, (slot,), paced=True, path="paced")
+    tokens = [64, 48, 64]
+    plan = [
+        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0x9000),
+        RawChunk(slot, 48, 0, 0, 0, 480, 0),  # no raw graph for its size: the torch way
+        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0x9000),
+    ]
+    objs = [SimpleNamespace(data_ptr=lambda k=k: 0x40000 * (k + 1)) for k in range(3)]
+    mapping = torch.arange(sum(tokens), dtype=torch.int64) * 5
+    acc = torch.zeros(3, dtype=torch.int64)
+    pipe._queue_chunks_serial(lane, plan, objs, mapping, acc)
+    m, a = mapping.data_ptr(), acc.data_ptr()
+    assert calls == [
+        ("slots", m, 64, S),
+        ("graph", 0x100, S),
+        ("copy", a, 0x9000, 8, S, D2D),
+        ("copy", 0x40000, 0x7000, 640, S, D2H),
+        ("torch", 1, 64 * 5, 48),
+        ("slots", m + 8 * 112, 64, S),
+        ("graph", 0x100, S),
+        ("copy", a + 16, 0x9000, 8, S, D2D),
+        ("copy", 0xC0000, 0x7000, 640, S, D2H),
+    ]
+    assert slot.used  # a later warm-up leaves its static buffers alone
+    calls.clear()
+    pipe._queue_chunks_serial(lane, [plan[0]], objs[:1], mapping[:64], None)  # no checksums: no sum
+    assert [c[0] for c in calls] == ["slots", "graph", "copy"] and calls[-1][-1] == D2H
