@@ -12,14 +12,15 @@ one copy after the other completed got 0.34 ms at 47.5 GB/s, with a host wake-up
 depends on the GIL. So the pacing is on the device: the whole store is queued at once, on the
 calling thread, and nothing has to run on the host while it drains.
 
-One stream and one staging slot of its own (``SerialLane``): per chunk, the slot mapping into the
-slot's graph, the gather graph (which sums the staged bytes too), the sum into the store's sums,
-the copy to the pool page: four libcudart calls a chunk, in stream order, so no event orders the
-slot's reuse and the next chunk's gather is the kernel between two copies that lets the copy
-engine serve other streams. The earlier lane (a gather stream, a copy stream, two slots, a yield
-kernel between copies) took ten calls a chunk: the drain thread's host time a store batch is what
-the storing instance's requests pay (bench/RESULTS.md, fifty-seventh pass: ~1-1.6 ms of TTFT a
-ms of drain CPU a batch). The gathers no longer run beside the previous chunk's copy: a chunk's
+One stream and one staging slot of its own: a store's slot mapping copied once into the lane's
+state (``kv_ops.paced_batch``), then per chunk its graph (its slots fetched from that state, the
+gather into the slot, the staged bytes' sum into the state) and its copy to the pool page: two
+libcudart calls a chunk, in stream order, so no event orders the slot's reuse and the next
+chunk's gather is the kernel between two copies that lets the copy engine serve other streams.
+The earlier lane (a gather stream, a copy stream, two slots, a yield kernel between copies) took
+ten calls a chunk, three of them copies: the drain thread's host time a store batch is what the
+storing instance's requests pay (bench/RESULTS.md, fifty-seventh pass: ~1-1.6 ms of TTFT a ms of
+drain CPU a batch). The gathers no longer run beside the previous chunk's copy: a chunk's
 gather and sum read ~2x its bytes in device memory (~30 us for 32 MiB on an H100) against its
 copy over the bus (~640 us), about 5% of a store's time, behind the engine anyway.
 
@@ -50,6 +51,7 @@ from maru.env_flags import flag
 from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
+from maru.kv_ops.paced_batch import MAX_CHUNKS, MAX_TOKENS, PacedBatch
 from maru.kv_ops.staging_slot import StagingSlot
 from maru.native import store_issue
 from maru.native.store_issue import CHECKSUM, WAIT_FREE, row_table
@@ -75,7 +77,7 @@ def tail_sizes(chunk_tokens: int, block_size: int) -> list[int]:
 class RawChunk:
     """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
     its gather and checksum (-1: no checksum; 0: the gather graph sums the staged bytes itself,
-    the paced lane's), its staging buffer's address, its byte count and the address of its sum.
+    the paced lane's ``("paced-chunk", T, None)``), its staging buffer's address, its byte count and the address of its sum.
     ``gather`` 0: this chunk alone is queued the torch way (its size has no raw graph: a prompt's
     partial tail), in its turn, on the same streams and slot."""
 
@@ -138,14 +140,16 @@ class StoreLane:
     """Where a staged store runs (``DevicePipeline._queue_store``): the gathers on ``gather`` into
     ``slots`` (chunk k into ``slots[k % len(slots)]``, or the pipeline's ring when empty), the
     copies to the pool on ``copy``; ``path`` names it in the handle. ``paced``: the write-behind
-    lane, one stream (``gather`` is ``copy``) and one slot of its own, each chunk's gather (which
-    sums it) queued between two copies (``_queue_chunks_serial``)."""
+    lane, one stream (``gather`` is ``copy``), one slot of its own and the store state its chunk
+    graphs read (``batch``, a ``PacedBatch``), each chunk's graph queued between two copies
+    (``_queue_chunks_serial``)."""
 
     gather: Any
     copy: Any
     slots: tuple[StagingSlot, ...]
     paced: bool
     path: str
+    batch: Any = None
 
 
 class PacedStores:
@@ -181,34 +185,38 @@ class PacedStores:
         t0: float,
     ) -> Transfer:
         """Queue a staged store on ``lane``: per chunk, the gather into a staging slot, then its copy
-        to the pool page behind it (the kernel runs up to a slot ahead of the copy engine); every
-        per-chunk call through libcudart where it can (``_raw_plan``, ``_queue_chunks_raw``), else
-        through torch (``_queue_chunks_each``). Its streams already wait for what the gathers must
-        read after."""
+        to the pool page behind it; every per-chunk call through libcudart where it can
+        (``_raw_plan``; ``_queue_chunks_serial`` on the paced lane, ``_queue_chunks_raw`` on the
+        ring, where the kernel runs up to a slot ahead of the copy engine), else through torch
+        (``_queue_chunks_each``). Its streams already wait for what the gathers must read after."""
         plan = self._raw_plan(lane, objs, slots, checksums)
-        raw = self._sync.raw
         with torch.cuda.stream(lane.gather):
-            acc = None
-            if checksums:
-                # A buffer the lane keeps: every writer and reader of it (the zeroing, the chunks'
-                # sums, the copy to the host sums) is queued on the lane's gather stream, so the
-                # next store's zeroing follows this one's copy out. (A torch.empty a store cost the
-                # drain thread up to ~0.5 ms of host time when the allocator's lock was contended.)
-                acc = self._device_words(f"_store_acc_{lane.path}", len(objs), lane.gather)  # type: ignore[attr-defined]
-                if raw:  # a memset, not a torch fill kernel (~30 us of host time on the H200 host)
-                    self._sync.zero(acc.data_ptr(), 8 * len(objs), lane.gather.cuda_stream)
-                else:
-                    acc.zero_()
-            if plan is None:
-                self._queue_chunks_each(lane, objs, slots, acc)
-            elif lane.paced:
-                self._queue_chunks_serial(lane, plan, objs, slots, acc)
+            if plan is not None and lane.paced:
+                acc = self._queue_chunks_serial(lane, plan, objs, slots)  # the sums: the lane's state
+                acc = acc if checksums else None
             else:
-                self._queue_chunks_raw(lane, plan, objs, slots, acc)
+                acc = self._zeroed_sums(lane, len(objs)) if checksums else None
+                if plan is None:
+                    self._queue_chunks_each(lane, objs, slots, acc)
+                else:
+                    self._queue_chunks_raw(lane, plan, objs, slots, acc)
             sums = self._sums_to_host(acc, lane.gather.cuda_stream)  # type: ignore[attr-defined]
         if sums is not None and lane.copy is not lane.gather:  # done (on ``copy``) covers the sums
             self._follow(lane.gather, lane.copy)  # type: ignore[attr-defined]
         return self._handle("store", lane.path, nbytes, lane.copy, t0, objs, slots, acc, sums)  # type: ignore[attr-defined, no-any-return]
+
+    def _zeroed_sums(self, lane: StoreLane, n: int) -> torch.Tensor:
+        """``n`` zeroed int64 for a store's sums, in a buffer the lane keeps: every writer and reader
+        of it (the zeroing, the chunks' sums, the copy to the host sums) is queued on the lane's
+        gather stream, so the next store's zeroing follows this one's copy out. (A torch.empty a
+        store cost the drain thread up to ~0.5 ms of host time when the allocator's lock was
+        contended.)"""
+        acc = self._device_words(f"_store_acc_{lane.path}", n, lane.gather)  # type: ignore[attr-defined]
+        if self._sync.raw:  # a memset, not a torch fill kernel (~30 us of host time on the H200 host)
+            self._sync.zero(acc.data_ptr(), 8 * n, lane.gather.cuda_stream)
+        else:
+            acc.zero_()
+        return acc
 
     def _raw_plan(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, checksums: bool
@@ -247,6 +255,11 @@ class PacedStores:
     ) -> tuple[list[RawChunk] | None, str]:
         if not slots.is_contiguous():
             return None, "a non-contiguous slot mapping"
+        if lane.paced and not PacedBatch.fits(int(slots.numel()), len(objs)):
+            return None, (
+                f"a store larger than the paced lane's state (at most {MAX_TOKENS} tokens and "
+                f"{MAX_CHUNKS} chunks)"
+            )
         lazy = self.lazy_capture  # type: ignore[attr-defined]
         ring = list(lane.slots) or [
             self._ring[(self._next_slot + k) % self.ring_slots] for k in range(len(objs))
@@ -263,8 +276,8 @@ class PacedStores:
             nbytes = obj.numel() * self.esize
             stage = None
             try:
-                if lane.paced and checksums:  # one graph gathers and sums (``_queue_chunks_serial``)
-                    gather, summed = slot.placer.raw_exec(("gather+checksum", t, None), capture=lazy), 0
+                if lane.paced:  # one graph a chunk: slots, gather, sum (``_queue_chunks_serial``)
+                    gather, summed = slot.placer.raw_exec(("paced-chunk", t, None), capture=lazy), 0
                 else:
                     gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
                     summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
@@ -353,33 +366,29 @@ class PacedStores:
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
 
     def _queue_chunks_serial(
-        self,
-        lane: StoreLane,
-        plan: list[RawChunk],
-        objs: list[torch.Tensor],
-        slots: torch.Tensor,
-        acc: torch.Tensor | None,
-    ) -> None:
-        """The paced lane's chunks, four libcudart calls each on its one stream: the slot mapping
-        into the slot's graph, the gather graph (with ``acc``: the one that sums the staged bytes
-        too), its sum into ``acc``, the copy to the pool. Stream order alone keeps the slot's
-        staging, static slot mapping and sum until the calls after them have read them, and puts
-        the next chunk's gather between two copies (the copy engine serves other streams there).
-        A chunk without raw graphs (``gather`` 0) goes the torch way in its turn."""
+        self, lane: StoreLane, plan: list[RawChunk], objs: list[torch.Tensor], slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The paced lane's chunks on its one stream: the store's start (its slot mapping into the
+        lane's state, the state and sums zeroed: ``PacedBatch.start``), then per chunk two
+        libcudart calls, its graph (its slots from the state, the gather, its sum into the state)
+        and its copy to the pool. Stream order alone keeps the slot's staging until its copy read
+        it, and puts the next chunk's gather between two copies (the copy engine serves other
+        streams there). A chunk without a graph (``gather`` 0) goes the torch way in its turn and
+        moves the state past it. Returns the store's sums (device, raw; entry k for chunk k)."""
         sync, s = self._sync, lane.copy.cuda_stream
-        acc_at = acc.data_ptr() if acc is not None else 0
-        slot_at, token0 = slots.data_ptr(), 0
+        batch = lane.batch
+        acc = batch.start(sync, slots, len(objs), s)
+        token0 = 0
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             if not ch.gather:
                 self._queue_one_each(lane, ch.slot, k, obj, slots[token0 : token0 + ch.tokens], acc)
+                batch.advance(ch.tokens)
             else:
-                ch.slot.placer.slots_from(slot_at + 8 * token0, ch.tokens, s)
                 sync.launch_graph(ch.gather, s)
-                if acc is not None:
-                    sync.copy(acc_at + 8 * k, ch.sum_at, 8, s, D2D)
                 sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, s, D2H)
                 ch.slot.used = True
             token0 += ch.tokens
+        return acc  # type: ignore[no-any-return]
 
     def _native_issue(self) -> tuple[Any, Any] | None:
         """(the compiled store issue, libcudart's functions for it) where ``MARU_NATIVE_STORE_ISSUE``
@@ -444,8 +453,12 @@ class PacedStores:
         lane = getattr(self, "_paced_state", None)
         if lane is None:
             slots = tuple(StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS))  # type: ignore[arg-type, attr-defined]
+            batch = PacedBatch(self.device)
+            for slot in slots:
+                if slot.placer is not None:
+                    slot.placer.batch = batch  # its "paced-chunk" graphs read and advance it
             stream = torch.cuda.Stream(self.device)
-            lane = self._paced_state = StoreLane(stream, stream, slots, paced=True, path="paced")
+            lane = self._paced_state = StoreLane(stream, stream, slots, True, "paced", batch)
         return lane
 
     def _issue_store_paced(

@@ -71,6 +71,8 @@ class GraphedPlacer:
         # direct kernel, each followed by an event-record node of that graph's own events.
         self._all_events: dict[tuple, list[int]] = {}
         self._all_next: dict[tuple[int, bool], int] = {}
+        # The paced lane's placer: the store state its "paced-chunk" graphs read (``PacedBatch``).
+        self.batch: Any = None
 
     # -- static buffers ---------------------------------------------------------------------------
     def _ensure(self, num_tokens: int) -> None:
@@ -178,9 +180,13 @@ class GraphedPlacer:
                 tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
             )
             return
-        if op == "gather+checksum":  # a paced store's one graph: the gather, then its sum
+        if op == "paced-chunk":  # a paced store's chunk: its slots, the gather, its sum (PacedBatch)
+            assert self.batch is not None, "a paced-chunk graph needs the paced lane's PacedBatch"
+            self._ensure(num_tokens)
+            self.batch.fetch(self._slots[num_tokens])
             self._launch(("gather", num_tokens, None))
             self._launch(("checksum", num_tokens, None))
+            self.batch.append(self._sums[num_tokens], num_tokens)
             return
         if op == "checksum":  # the raw checksum sum of staging(T), alone in its one-entry sum
             self._sums[num_tokens].zero_()
@@ -401,9 +407,10 @@ class GraphedPlacer:
         return self._all_events[key]
 
     def warm_gather(self, num_tokens: int) -> None:
-        """Capture the gather that sums for T tokens (``("gather+checksum", T, None)``: the all-layer
-        gather, then the staging buffer's checksum at ``sum_address(T)``; a paced store's one graph)."""
-        self._graph(("gather+checksum", num_tokens, None))
+        """Capture a paced store's chunk graph for T tokens (``("paced-chunk", T, None)``: its slots
+        from the store's, the all-layer gather, the staged bytes' sum into the store's sums;
+        ``kv_ops.paced_batch``). Only on the paced lane's placer (``batch`` set)."""
+        self._graph(("paced-chunk", num_tokens, None))
 
     def warm(
         self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False, fused: bool = False

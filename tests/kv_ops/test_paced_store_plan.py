@@ -2,7 +2,7 @@
 
 The libcudart way needs, for every chunk of the store, a slot whose graph placer has raw graph
 executables for the chunk's size; this checks which slot and graphs each chunk gets (the paced
-lane's one slot and its gather that sums, the ring's slots from its next one on with a gather and a
+lane's one slot and its chunk graph, the ring's slots from its next one on with a gather and a
 checksum graph each), and that every reason to go the torch way is named once. No CUDA here: slots, placers and the sync are stand-ins (the GPU tests queue real stores).
 """
 
@@ -29,7 +29,7 @@ class _Placer:
         if len(self.captured | {t}) > self.full_after:
             raise ValueError("full")
         self.asked.append(key)
-        return {"gather": 1000, "checksum": 2000, "gather+checksum": 4000}[op] + t
+        return {"gather": 1000, "checksum": 2000, "paced-chunk": 4000}[op] + t
 
     def staging(self, t: int) -> torch.Tensor:
         return torch.zeros(t)
@@ -77,13 +77,12 @@ def test_the_ring_lane_takes_slots_from_the_next_one_on_and_the_paced_lane_its_o
     )
     own = (_Slot("p0", _Placer({64})),)
     lane = StoreLane(None, None, own, paced=True, path="paced")
-    plan = pipe._raw_plan(lane, _objs(64, 64, 64), SLOTS, False)
-    assert plan is not None and [c.slot.name for c in plan] == ["p0", "p0", "p0"]
-    assert all(c.checksum == -1 and c.gather == 1064 for c in plan)  # no checksum graph asked for
-    # With checksums the paced lane's one graph gathers and sums (checksum 0: no graph of its own).
-    plan = pipe._raw_plan(lane, _objs(64, 64), SLOTS, True)
-    assert plan is not None
-    assert [(c.gather, c.checksum, c.sum_at) for c in plan] == [(4064, 0, 3064)] * 2
+    # The paced lane's one graph a chunk gathers and sums (checksum 0: no graph of its own), with
+    # checksums asked for or not (the sums then stay on the device).
+    for checksums in (False, True):
+        plan = pipe._raw_plan(lane, _objs(64, 64, 64), SLOTS, checksums)
+        assert plan is not None and [c.slot.name for c in plan] == ["p0", "p0", "p0"]
+        assert [(c.gather, c.checksum) for c in plan] == [(4064, 0)] * 3
 
 
 @pytest.mark.parametrize(
@@ -228,23 +227,28 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
     )
 
 
-def test_the_paced_lane_queues_four_calls_a_chunk_on_its_one_stream_in_stream_order() -> None:
-    """``_queue_chunks_serial`` on stand-ins: per raw chunk the slot mapping's copy into the slot's
-    graph (from the chunk's offset in the store's mapping), the graph that gathers and sums, its
-    sum into the store's sums at the chunk's index, the copy to the pool; all on the lane's one
-    stream, no event. A chunk without raw graphs goes the torch way in its turn, with its own
-    stretch of the mapping."""
+def test_the_paced_lane_queues_two_calls_a_chunk_on_its_one_stream_in_stream_order() -> None:
+    """``_queue_chunks_serial`` on stand-ins: the store's start (its whole slot mapping into the
+    lane's state, the state and its sums zeroed), then per raw chunk its graph and its copy to the
+    pool, all on the lane's one stream, no event. A chunk without a graph goes the torch way in
+    its turn, with its own stretch of the mapping and its index, and moves the state past it."""
     from types import SimpleNamespace
 
-    from maru.kv_ops.cuda_sync import D2D, D2H
+    from maru.kv_ops.cuda_sync import D2H
     from maru.kv_ops.paced_store import RawChunk
 
     calls: list[tuple] = []
     S = 0x5000
 
-    class Placer:
-        def slots_from(self, address: int, t: int, stream: int) -> None:
-            calls.append(("slots", address, t, stream))
+    class Batch:
+        acc = torch.zeros(8, dtype=torch.int64)
+
+        def start(self, sync: Any, slots: Any, chunks: int, stream: int) -> Any:
+            calls.append(("start", slots.data_ptr(), int(slots.numel()), chunks, stream))
+            return self.acc[:chunks]
+
+        def advance(self, t: int) -> None:
+            calls.append(("advance", t))
 
     class Sync:
         raw = True
@@ -262,36 +266,46 @@ def test_the_paced_lane_queues_four_calls_a_chunk_on_its_one_stream_in_stream_or
         def _queue_one_each(
             self, lane: Any, slot: Any, k: int, host: Any, chunk_slots: Any, acc: Any
         ) -> None:
+            assert acc.data_ptr() == Batch.acc.data_ptr()  # its sum into the store's, at k
             calls.append(("torch", k, int(chunk_slots[0]), int(chunk_slots.numel())))
 
     pipe = Pipe()
     pipe._sync = Sync()
-    slot = SimpleNamespace(placer=Placer(), used=False)
+    slot = SimpleNamespace(placer=None, used=False)
     stream = SimpleNamespace(cuda_stream=S)
-    lane = StoreLane(stream, stream, (slot,), paced=True, path="paced")
-    tokens = [64, 48, 64]
+    lane = StoreLane(stream, stream, (slot,), True, "paced", Batch())
     plan = [
-        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0x9000),
-        RawChunk(slot, 48, 0, 0, 0, 480, 0),  # no raw graph for its size: the torch way
-        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0x9000),
+        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0),
+        RawChunk(slot, 48, 0, 0, 0, 480, 0),  # no graph for its size: the torch way
+        RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0),
     ]
     objs = [SimpleNamespace(data_ptr=lambda k=k: 0x40000 * (k + 1)) for k in range(3)]
-    mapping = torch.arange(sum(tokens), dtype=torch.int64) * 5
-    acc = torch.zeros(3, dtype=torch.int64)
-    pipe._queue_chunks_serial(lane, plan, objs, mapping, acc)
-    m, a = mapping.data_ptr(), acc.data_ptr()
+    mapping = torch.arange(176, dtype=torch.int64) * 5
+    acc = pipe._queue_chunks_serial(lane, plan, objs, mapping)
+    assert acc.data_ptr() == Batch.acc.data_ptr() and acc.numel() == 3
     assert calls == [
-        ("slots", m, 64, S),
+        ("start", mapping.data_ptr(), 176, 3, S),
         ("graph", 0x100, S),
-        ("copy", a, 0x9000, 8, S, D2D),
         ("copy", 0x40000, 0x7000, 640, S, D2H),
         ("torch", 1, 64 * 5, 48),
-        ("slots", m + 8 * 112, 64, S),
+        ("advance", 48),
         ("graph", 0x100, S),
-        ("copy", a + 16, 0x9000, 8, S, D2D),
         ("copy", 0xC0000, 0x7000, 640, S, D2H),
     ]
     assert slot.used  # a later warm-up leaves its static buffers alone
-    calls.clear()
-    pipe._queue_chunks_serial(lane, [plan[0]], objs[:1], mapping[:64], None)  # no checksums: no sum
-    assert [c[0] for c in calls] == ["slots", "graph", "copy"] and calls[-1][-1] == D2H
+
+
+def test_a_store_larger_than_the_paced_lane_s_state_goes_the_torch_way_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from maru.kv_ops import paced_batch
+
+    forget("kv_ops.store-torch-way")
+    pipe = _Pipe([])
+    lane = StoreLane(None, None, (_Slot("p0", _Placer({1})),), paced=True, path="paced")
+    n = paced_batch.MAX_CHUNKS + 1
+    with caplog.at_level(logging.INFO, logger="maru.kv_ops"):
+        assert pipe._raw_plan(lane, _objs(*[1] * n), torch.zeros(n, dtype=torch.int64), True) is None
+        assert pipe._raw_plan(lane, _objs(*[1] * (n - 1)), torch.zeros(n - 1, dtype=torch.int64), True)
+    said = [r.getMessage() for r in caplog.records if "queued through torch" in r.getMessage()]
+    assert len(said) == 1 and "larger than the paced lane's state" in said[0]
