@@ -34,11 +34,6 @@ Presets (``--preset``):
   the step starting ~2.5 ms later), costs vLLM's loop more than the same issue on its own thread.
   This tree's stores are published, under the instance's own namespace.
 
-* ``native-issue``: ``MARU_NATIVE_STORE_ISSUE=1`` in the engine process (set when ``maru.vllm`` is
-  imported, unless the environment sets it): a store's per-chunk libcudart calls queued by one
-  compiled call a run of chunks, the GIL let go once (``maru.native.store_issue``). Against the
-  default: what the drain's ~1 ms a batch of GIL-held libcudart calls costs vLLM's loop.
-
 The store presets nodevice and nodrain publish nothing; every alt instance stores under a namespace
 of its own (``api-alt-<name>``), so no other instance's hits depend on it.
 
@@ -83,19 +78,12 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
         return [("maru/transfer/store_side.py", BURN.replace("MS", str(ms)))]
     if preset in STORE_PRESETS:
         return [("maru/transfer/store_side.py", STORE_PRESETS[preset])]
-    if preset == "native-issue":
-        line = (
-            'import os as _o; _o.environ.setdefault("MARU_NATIVE_STORE_ISSUE", "1")  # ab_tree native-issue'
-        )
-        return [("maru/vllm/__init__.py", line)]
     if preset == "inline":
         line = (
             "PipelinedPath.defers_store_gather = False  # ab_tree inline: reserve and issue at wait_for_save"
         )
         return [("maru/transfer/device_path.py", line)]
-    raise ValueError(
-        f"unknown preset {preset!r}: switch-<us>, burn-<ms>, inline, native-issue, {', '.join(STORE_PRESETS)}"
-    )
+    raise ValueError(f"unknown preset {preset!r}: switch-<us>, burn-<ms>, inline, {', '.join(STORE_PRESETS)}")
 
 
 # Appended to maru/transfer/store_side.py for ``burn-<ms>``: before each write-behind store batch, the

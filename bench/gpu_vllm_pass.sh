@@ -14,8 +14,7 @@
 #          engine runs a 0.5 ms GIL switch interval: make it first with `python bench/ab_tree.py
 #          switch-500` and carry .ab/switch-500; the attached idle connector as the baseline)
 #          TEST_PATHS=tests/kv_ops/test_paced_store_gpu.py TESTS_S=120 DRAIN_CPU=1 BENCH_S=0 UNPACED_S=0
-#          bash bench/gpu_vllm_pass.sh  (the native store issue's GPU tests and the drain's GIL both ways;
-#          its A/B then with API_STORES=alt-native-issue: make .ab/native-issue first and carry it)
+#          bash bench/gpu_vllm_pass.sh  (the paced store's GPU tests and the drain's CPU, GIL and launches)
 #          MPS=1 API_STORES="helper alt-helper-nodevice" bash bench/gpu_vllm_pass.sh  (every process a
 #          client of an MPS server started here, stopped at the end: kernels of the store helper and of
 #          vLLM run side by side instead of taking time slices; docs/gpu.md "The store helper")
@@ -44,16 +43,13 @@ fi
 # SIGINT, not SIGTERM: the engines run in their own sessions; an interrupt lets the harness close them.
 [ "${TESTS_S:-200}" = 0 ] || timeout -s INT -k 30 "${TESTS_S:-200}" python3 -m pytest --noconftest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning -m gpu ${TEST_PATHS:-tests/e2e/test_gpu_vllm_e2e.py tests/e2e/test_gpu_vllm_sleep_e2e.py} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
-# DRAIN_CPU=1: bench/drain_cpu.py --gil, then --launches, each with the Python issue loop and with
-#   MARU_NATIVE_STORE_ISSUE=1 (the drain's CPU a store batch, and what a counting thread and a
-#   kernel-launching thread lose beside it; DRAIN_S seconds each, default 120), to
-#   $OUT/drain_cpu.log, between the tests and the benchmark.
+# DRAIN_CPU=1: bench/drain_cpu.py alone, --gil, then --launches (the drain's CPU a store batch, and
+#   what a counting thread and a kernel-launching thread lose beside it; DRAIN_S seconds each,
+#   default 120), to $OUT/drain_cpu.log, between the tests and the benchmark.
 if [ "${DRAIN_CPU:-0}" = 1 ]; then
-  for beside in --gil --launches; do
-    for way in 0 1; do
-      echo "== bench/drain_cpu.py $beside, MARU_NATIVE_STORE_ISSUE=$way"
-      MARU_NATIVE_STORE_ISSUE=$way timeout -s INT -k 10 "${DRAIN_S:-120}" python3 bench/drain_cpu.py --reps 8 --profile 0 $beside 2>&1 | tail -8
-    done
+  for beside in "" --gil --launches; do
+    echo "== bench/drain_cpu.py $beside"
+    timeout -s INT -k 10 "${DRAIN_S:-120}" python3 bench/drain_cpu.py --reps 8 --profile 0 $beside 2>&1 | tail -8
   done | tee "$OUT/drain_cpu.log" || rc=1
 fi
 # API_LOADS: load modes of the warm API instances (default: the default configuration only;

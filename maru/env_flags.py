@@ -22,6 +22,13 @@ ON = frozenset({"1", "true", "yes", "on"})
 OFF = frozenset({"0", "false", "no", "off"})
 # switch -> (the value it was read with that is not a switch value, the default it was left at)
 _MISREAD: dict[str, tuple[str, bool]] = {}
+# Switches that did something once and no longer do, and why: one still set is said (``retired``).
+RETIRED = {
+    "MARU_NATIVE_STORE_ISSUE": (
+        "the compiled store issue was removed (measured no faster in real vLLM, bench/RESULTS.md "
+        "fifty-ninth pass; write-behind stores now queue two libcudart calls a chunk from Python)"
+    ),
+}
 
 
 def flag(name: str, default: bool = False) -> bool:
@@ -46,6 +53,19 @@ def _note(name: str, raw: str, default: bool = False) -> str:
 
 
 def misread() -> list[str]:
-    """Each switch read so far with a value that is not a switch value, as a slow-path note (what
-    happened, what to do): the worker reports them to ``maru doctor`` and ``maru stats``."""
-    return [_note(name, raw, default) for name, (raw, default) in sorted(_MISREAD.items())]
+    """Each switch read so far with a value that is not a switch value, and each retired switch
+    still set (``retired``), as a slow-path note (what happened, what to do): the worker reports
+    them to ``maru doctor`` and ``maru stats``."""
+    return [_note(name, raw, default) for name, (raw, default) in sorted(_MISREAD.items())] + retired()
+
+
+def retired() -> list[str]:
+    """A note for each switch of ``RETIRED`` set in the environment (announced once at warning):
+    a setting that silently did nothing would be a measurement of the wrong thing."""
+    out = []
+    for name, why in RETIRED.items():
+        if os.environ.get(name, "").strip():
+            note = f"{name} is set but no longer does anything: {why}. Fix: unset it"
+            announce_once(log, f"env-flag-retired.{name}", logging.WARNING, "maru: %s", note)
+            out.append(note)
+    return out

@@ -105,3 +105,21 @@ def test_the_gil_release_note_follows_the_switch(monkeypatch: pytest.MonkeyPatch
     assert cuda_sync.gil_note() is not None
     monkeypatch.setenv(cuda_sync.RELEASE_GIL_ENV, "false")
     assert cuda_sync.gil_note() is None
+
+
+def test_a_retired_switch_still_set_is_said_once_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from maru import env_flags
+
+    forget("env-flag-retired.MARU_NATIVE_STORE_ISSUE")
+    monkeypatch.delenv("MARU_NATIVE_STORE_ISSUE", raising=False)
+    assert env_flags.retired() == []
+    monkeypatch.setenv("MARU_NATIVE_STORE_ISSUE", "1")
+    with caplog.at_level("WARNING", logger="maru"):
+        notes = env_flags.misread()
+        env_flags.misread()
+    [note] = [n for n in notes if "MARU_NATIVE_STORE_ISSUE" in n]
+    assert "no longer does anything" in note and "Fix: unset it" in note
+    said = [r.getMessage() for r in caplog.records if "MARU_NATIVE_STORE_ISSUE" in r.getMessage()]
+    assert len(said) == 1

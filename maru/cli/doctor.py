@@ -174,27 +174,6 @@ def check_checksum(ctx: DoctorContext) -> CheckResult:
     )
 
 
-def check_store_issue(ctx: DoctorContext) -> CheckResult:
-    """With ``MARU_NATIVE_STORE_ISSUE`` on: whether stores queue their chunks by the compiled call
-    (``maru.native.store_issue``) or, unable to load it, from Python."""
-    from maru import env_flags
-
-    name = "store issue"
-    if not env_flags.flag("MARU_NATIVE_STORE_ISSUE"):
-        return CheckResult(name, OK, "Python (MARU_NATIVE_STORE_ISSUE off, the default)")
-    from maru.native import store_issue
-
-    loaded = store_issue.load()
-    if loaded.issue is not None:
-        return CheckResult(name, OK, f"compiled C, one call a run of chunks ({loaded.issue.library})")
-    return CheckResult(
-        name,
-        WARN,
-        f"MARU_NATIVE_STORE_ISSUE is on but stores queue from Python: {loaded.reason}",
-        loaded.fix,
-    )
-
-
 def check_zmq_calls(ctx: DoctorContext) -> CheckResult:
     """Whether this host's clients send and read with the GIL kept (``maru.client.gil_io``) or
     through pyzmq (each call gives the GIL up)."""
@@ -324,7 +303,6 @@ CHECKS: list[tuple[Check, bool]] = [
     (check_client_paths, False),
     (check_kv_ops, False),
     (check_checksum, False),
-    (check_store_issue, False),
     (check_zmq_calls, False),
     (check_cuda_registration, False),
     (check_vllm, False),

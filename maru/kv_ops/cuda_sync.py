@@ -204,14 +204,6 @@ class RawSync(TorchSync):
         """Queue an instantiated CUDA graph (``cudaGraphExec_t``) on ``stream``; returns at once."""
         self._check(self._launch(graph_exec, stream), "cudaGraphLaunch")
 
-    def function_table(self) -> Any:
-        """libcudart's cudaStreamWaitEvent, cudaEventRecord, cudaGraphLaunch and cudaMemcpyAsync, by
-        address, for compiled code that calls them itself (``maru.native.store_issue``)."""
-        from maru.native.store_issue import function_table
-
-        fns = (self._wait, self._record, self._launch, self._memcpy)
-        return function_table([ctypes.cast(f, ctypes.c_void_p).value or 0 for f in fns])
-
     def clear_error(self) -> None:
         """Reset the runtime's last error (after a refused call whose failure was handled)."""
         self._last_error()

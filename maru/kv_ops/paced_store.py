@@ -47,14 +47,11 @@ from typing import Any
 import torch
 
 from maru.announce import announce_once
-from maru.env_flags import flag
 from maru.kv_ops import checksum as ck
 from maru.kv_ops.cuda_sync import D2D, D2H
 from maru.kv_ops.device_handles import Transfer
 from maru.kv_ops.paced_batch import MAX_CHUNKS, MAX_TOKENS, PacedBatch
 from maru.kv_ops.staging_slot import StagingSlot
-from maru.native import store_issue
-from maru.native.store_issue import CHECKSUM, WAIT_FREE, row_table
 
 log = logging.getLogger("maru.kv_ops")
 
@@ -88,51 +85,6 @@ class RawChunk:
     stage: int
     nbytes: int
     sum_at: int  # where the checksum graph leaves the chunk's raw sum
-
-
-class NativeRun:
-    """A run of raw chunks queued by one call of the compiled loop (``maru.native.store_issue``):
-    ``add`` notes a chunk's row (the arguments of ``_queue_chunks_raw``'s calls for it), ``flush``
-    queues the rows so far. ``release_gil``: the GIL let go once a run (a two-stream lane queued
-    from a drain thread); kept where the caller may be vLLM's forward thread. The paced lane
-    queues its four calls a chunk from Python (``_queue_chunks_serial``)."""
-
-    def __init__(self, native: tuple[Any, Any], gather: int, copy: int, *, release_gil: bool) -> None:
-        self.issue, self.fns = native
-        self.gather, self.copy = gather, copy
-        self.release_gil = release_gil
-        self.rows: list[list[int]] = []
-
-    def add(
-        self,
-        ch: RawChunk,
-        slot: StagingSlot,
-        placer: Any,
-        slots_src: int,
-        k: int,
-        acc_at: int | None,
-        obj: torch.Tensor,
-    ) -> None:
-        summed = acc_at is not None
-        flags = (WAIT_FREE if slot.used else 0) | (CHECKSUM if summed else 0)
-        self.rows.append(
-            [
-                flags, slot.free, slot.ready,
-                placer.slots(ch.tokens).data_ptr(), slots_src, 8 * ch.tokens,
-                ch.gather, ch.checksum if summed else 0,
-                acc_at + 8 * k if summed else 0, ch.sum_at if summed else 0,  # type: ignore[operator]
-                obj.data_ptr(), ch.stage, ch.nbytes,
-            ]
-        )  # fmt: skip
-
-    def flush(self) -> None:
-        if not self.rows:
-            return
-        rows, self.rows = self.rows, []
-        self.issue.queue(
-            self.fns, row_table(rows), len(rows), self.gather, self.copy, 0, D2D, D2H,
-            release_gil=self.release_gil,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -328,21 +280,12 @@ class PacedStores:
         g, c = lane.gather.cuda_stream, lane.copy.cuda_stream
         acc_at = acc.data_ptr() if acc is not None else 0
         slot_at, token0 = slots.data_ptr(), 0
-        native = self._native_issue()
-        run = NativeRun(native, g, c, release_gil=lane.paced) if native else None
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
             if not ch.gather:
-                if run is not None:
-                    run.flush()  # the chunks before it, in their turn
                 self._queue_one_each(lane, ch.slot, k, obj, slots[token0 : token0 + ch.tokens], acc)
                 token0 += ch.tokens
                 continue
             slot, placer = ch.slot, ch.slot.placer
-            if run is not None:  # the same calls, queued by one C call a run of chunks
-                run.add(ch, slot, placer, slot_at + 8 * token0, k, acc_at if acc is not None else None, obj)
-                slot.used = True  # this slot's next chunk waits for this one's copy (``free``)
-                token0 += ch.tokens
-                continue
             if slot.used:
                 sync.wait_on(g, slot.free)  # its previous copy to the pool must have read it
             placer.slots_from(slot_at + 8 * token0, ch.tokens, g)
@@ -359,9 +302,6 @@ class PacedStores:
             sync.record_on(slot.free, c)
             slot.used = True
             token0 += ch.tokens
-        if run is not None:
-            run.flush()
-            self._note_way("libcudart, one native call a run of chunks")
         if not lane.slots:  # the ring's slots were taken in turn
             self._next_slot = (self._next_slot + len(objs)) % self.ring_slots  # type: ignore[attr-defined]
 
@@ -389,30 +329,6 @@ class PacedStores:
                 ch.slot.used = True
             token0 += ch.tokens
         return acc  # type: ignore[no-any-return]
-
-    def _native_issue(self) -> tuple[Any, Any] | None:
-        """(the compiled store issue, libcudart's functions for it) where ``MARU_NATIVE_STORE_ISSUE``
-        asks for it and it loads; None: the Python loop (a reason announced once where asked for)."""
-        state = getattr(self, "_native_state", None)
-        if state is None:
-            state = False
-            if flag("MARU_NATIVE_STORE_ISSUE") and self._sync.raw:
-                loaded = store_issue.load()  # built and checked at the first call
-                if loaded.issue is None:
-                    announce_once(
-                        log,
-                        "kv_ops.native-issue",
-                        logging.WARNING,
-                        "maru.kv_ops: MARU_NATIVE_STORE_ISSUE is set but the compiled store issue is "
-                        "unavailable (%s): stores queue their chunks from Python (the same calls, "
-                        "the GIL held for each). Fix: %s",
-                        loaded.reason,
-                        loaded.fix,
-                    )
-                else:
-                    state = (loaded.issue, self._sync.function_table())
-            self._native_state = state
-        return state or None
 
     def _queue_chunks_each(
         self, lane: StoreLane, objs: list[torch.Tensor], slots: torch.Tensor, acc: torch.Tensor | None

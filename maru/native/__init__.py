@@ -140,8 +140,7 @@ BUILD_TIMEOUT_S = 120.0  # a compiler that hangs is a build that failed, said as
 
 
 def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
-    """Compile ``src`` (``checksum.c``; ``store_issue.c`` for ``maru.native.store_issue``) into the
-    cache as ``<stem>-<tag>.so`` unless a build for this source, compiler and CPU is there; returns
+    """Compile ``src`` (``checksum.c``) into the cache as ``<stem>-<tag>.so`` unless a build for this source, compiler and CPU is there; returns
     the library's path. Raises ``RuntimeError`` saying why it could not."""
     source = src.read_bytes()
     errors = []

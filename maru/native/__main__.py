@@ -1,5 +1,4 @@
-"""``python -m maru.native``: build (or find) the compiled checksum and the compiled store issue,
-and say which runs."""
+"""``python -m maru.native``: build (or find) the compiled checksum, and say whether it runs."""
 
 from __future__ import annotations
 
@@ -14,15 +13,6 @@ def main() -> int:
         print(f"maru: compiled checksum unavailable: {nat.reason}\n  fix: {nat.fix}", file=sys.stderr)
         return 1
     print(f"maru: compiled checksum ready: {nat.library}")
-    from maru.native import store_issue
-
-    issue = store_issue.load()
-    if issue.issue is None:  # opt-in (MARU_NATIVE_STORE_ISSUE): said, not a failure of the checksum
-        print(f"maru: compiled store issue unavailable: {issue.reason}", file=sys.stderr)
-    else:
-        print(
-            f"maru: compiled store issue ready: {issue.issue.library} (used with MARU_NATIVE_STORE_ISSUE=1)"
-        )
     return 0
 
 

@@ -240,20 +240,3 @@ def test_doctor_warns_about_quarantined_space_naming_the_holder_and_when_it_retu
         # A RawClient sends no boot id: the server cannot watch its pid.
         assert f"test pid {os.getpid()} (exit not watchable: another host or PID namespace)" in out, out
         assert "after --quarantine-timeout (300 s)" in out and "stop the stalled holder process" in out, out
-
-
-def test_doctor_says_how_stores_queue_their_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from maru.native import store_issue
-
-    ctx = doctor.DoctorContext(quick=True)
-    monkeypatch.delenv("MARU_NATIVE_STORE_ISSUE", raising=False)
-    r = doctor.check_store_issue(ctx)
-    assert r.status == doctor.OK and "Python" in r.detail
-    monkeypatch.setenv("MARU_NATIVE_STORE_ISSUE", "1")
-    r = doctor.check_store_issue(ctx)
-    assert r.status == doctor.OK and "compiled C" in r.detail  # the project's setup has a C compiler
-    monkeypatch.setattr(store_issue, "_loaded", store_issue.Loaded(None, "no C compiler found"))
-    r = doctor.check_store_issue(ctx)
-    assert (
-        r.status == doctor.WARN and "no C compiler found" in r.detail and "MARU_NATIVE_STORE_ISSUE" in r.fix
-    )

@@ -117,11 +117,3 @@ def test_a_tree_at_a_revision_is_maru_as_committed_then(tmp_path: Path) -> None:
     assert _run_in(tree, "import maru; print(maru.V)") == "1"
     with pytest.raises(subprocess.CalledProcessError):
         tree_at("bad", "no-such-rev", root=root)
-
-
-def test_the_native_issue_preset_turns_the_switch_on_when_maru_vllm_is_imported(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("native-issue", preset_appends("native-issue"), root=tmp_path)
-    code = "import os, maru.vllm; print(os.environ.get('MARU_NATIVE_STORE_ISSUE'))"
-    assert _run_in(tree, code) == "1"
-    assert "ab_tree" not in (REPO / "maru/vllm/__init__.py").read_text()

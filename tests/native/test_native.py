@@ -66,11 +66,7 @@ def test_a_compiler_error_is_reported_with_its_message(tmp_path: Path) -> None:
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left to be loaded later
 
 
-def test_a_compiler_that_hangs_is_a_failed_build_for_every_compiled_piece(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from maru.native import store_issue
-
+def test_a_compiler_that_hangs_is_a_failed_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = tmp_path / "hung-cc"
     cc.write_text("#!/bin/sh\nexec sleep 30\n")
     cc.chmod(0o755)
@@ -79,8 +75,6 @@ def test_a_compiler_that_hangs_is_a_failed_build_for_every_compiled_piece(
     monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
     with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
         native.build()
-    got = store_issue._load()  # what load() would cache: refused with the reason, never raised
-    assert got.issue is None and "did not finish within 0.5 s" in got.reason, got
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
