@@ -11,9 +11,10 @@ here and advances it:
 
 A chunk graph for T tokens: its slots fetched from ``slots[cursor : cursor + T]`` into the
 placer's static slot mapping, the gather into the staging buffer, the raw sum of the staged bytes,
-that sum written to ``acc[k]``, then ``cursor += T``, ``k += 1``. Before, each chunk took four
-calls: the slot mapping's copy and the sum's copy were libcudart copies (~6.7 us of host time
-each on the H100 host, the most expensive call a chunk made: bench/RESULTS.md, fifty-seventh pass).
+that sum written to ``acc[k]``, then ``cursor += T``, ``k += 1``. Without this state each chunk
+would also need its slot mapping's copy and its sum's copy, libcudart copies at ~6.7 us of host
+time each on the H100 host, the most expensive calls a chunk made (bench/RESULTS.md,
+fifty-seventh pass).
 
 Invariants:
 
@@ -22,7 +23,8 @@ Invariants:
   of them (its sums' copy to the host).
 * A store must fit (``fits``); one that does not goes the torch way, announced.
 * The graphs' warm-up launch (at capture) really runs and advances ``state``: captures happen
-  before a store's ``start`` is queued (``PacedStores._raw_plan``), never between its chunks.
+  before a store's ``start`` is queued, with the lane's stream current, so that launch follows
+  the stores already queued there (``PacedStores._queue_store``), never runs inside one.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class PacedBatch:
         if num_tokens not in self._ar:  # the warm-up launch (outside the capture) makes them
             self._ar[num_tokens] = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
             self._idx[num_tokens] = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
-            self._step[num_tokens] = torch.tensor([num_tokens, 1], dtype=torch.int64, device=self.device)
+            # [T, 1] made on the device: ``torch.tensor`` of host values would wait for the stream.
+            step = torch.ones(2, dtype=torch.int64, device=self.device)
+            step[:1].fill_(num_tokens)
+            self._step[num_tokens] = step
         return self._ar[num_tokens], self._idx[num_tokens], self._step[num_tokens]
 
     def fetch(self, out: torch.Tensor) -> None:

@@ -22,7 +22,10 @@ ten calls a chunk, three of them copies: the drain thread's host time a store ba
 storing instance's requests pay (bench/RESULTS.md, fifty-seventh pass: ~1-1.6 ms of TTFT a ms of
 drain CPU a batch). The gathers no longer run beside the previous chunk's copy: a chunk's
 gather and sum read ~2x its bytes in device memory (~30 us for 32 MiB on an H100) against its
-copy over the bus (~640 us), about 5% of a store's time, behind the engine anyway.
+copy over the bus (~640 us); the store ran 7% slower (47.4 against 51.0 GB/s), behind the engine
+anyway. It halved the drain's CPU for the API workload's batch (2.08 against 4.60 ms), and in
+real vLLM the storing instance's TTFT did not move (0.999 of the old lane's; RESULTS, sixtieth
+pass).
 
 A load issued while a store drains (the forward thread, the next step) waits neither for the
 store's copies (its own copy stream, another direction: another engine) nor for its staging slot,
@@ -74,9 +77,9 @@ def tail_sizes(chunk_tokens: int, block_size: int) -> list[int]:
 class RawChunk:
     """One chunk of a store queued through libcudart: its slot, size, the raw graph executables of
     its gather and checksum (-1: no checksum; 0: the gather graph sums the staged bytes itself,
-    the paced lane's ``("paced-chunk", T, None)``), its staging buffer's address, its byte count and the address of its sum.
-    ``gather`` 0: this chunk alone is queued the torch way (its size has no raw graph: a prompt's
-    partial tail), in its turn, on the same streams and slot."""
+    the paced lane's ``("paced-chunk", T, None)``), its staging buffer's address, its byte count
+    and the address of its sum. ``gather`` 0: this chunk alone is queued the torch way (its size
+    has no raw graph: a prompt's partial tail), in its turn, on the same streams and slot."""
 
     slot: StagingSlot
     tokens: int
@@ -141,7 +144,14 @@ class PacedStores:
         (``_raw_plan``; ``_queue_chunks_serial`` on the paced lane, ``_queue_chunks_raw`` on the
         ring, where the kernel runs up to a slot ahead of the copy engine), else through torch
         (``_queue_chunks_each``). Its streams already wait for what the gathers must read after."""
-        plan = self._raw_plan(lane, objs, slots, checksums)
+        if lane.paced:
+            # A graph captured now (lazy capture, a new size) runs once outside its capture, and a
+            # paced chunk graph moves the lane's state: with the lane's stream current, that run
+            # follows the stores still queued there (``GraphedPlacer._graph``), never inside one.
+            with torch.cuda.stream(lane.gather):
+                plan = self._raw_plan(lane, objs, slots, checksums)
+        else:
+            plan = self._raw_plan(lane, objs, slots, checksums)
         with torch.cuda.stream(lane.gather):
             if plan is not None and lane.paced:
                 acc = self._queue_chunks_serial(lane, plan, objs, slots)  # the sums: the lane's state
