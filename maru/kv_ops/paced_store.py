@@ -379,10 +379,11 @@ class PacedStores:
         lane = getattr(self, "_paced_state", None)
         if lane is None:
             slots = tuple(StagingSlot(self, self._new_placer()) for _ in range(PACED_SLOTS))  # type: ignore[arg-type, attr-defined]
-            batch = PacedBatch(self.device)
-            for slot in slots:
-                if slot.placer is not None:
-                    slot.placer.batch = batch  # its "paced-chunk" graphs read and advance it
+            placers = [slot.placer for slot in slots if slot.placer is not None]
+            # Without a graph placer the store goes the torch way (``_raw_chunks``): no state to keep.
+            batch = PacedBatch(self.device) if placers else None
+            for placer in placers:
+                placer.batch = batch  # its "paced-chunk" graphs read and advance it
             stream = torch.cuda.Stream(self.device)
             lane = self._paced_state = StoreLane(stream, stream, slots, True, "paced", batch)
         return lane

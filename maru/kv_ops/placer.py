@@ -182,7 +182,6 @@ class GraphedPlacer:
             return
         if op == "paced-chunk":  # a paced store's chunk: its slots, the gather, its sum (PacedBatch)
             assert self.batch is not None, "a paced-chunk graph needs the paced lane's PacedBatch"
-            self._ensure(num_tokens)
             self.batch.fetch(self._slots[num_tokens])
             self._launch(("gather", num_tokens, None))
             self._launch(("checksum", num_tokens, None))

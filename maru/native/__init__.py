@@ -140,8 +140,9 @@ BUILD_TIMEOUT_S = 120.0  # a compiler that hangs is a build that failed, said as
 
 
 def build(src: Path = SOURCE, stem: str = "maru-checksum") -> Path:
-    """Compile ``src`` (``checksum.c``) into the cache as ``<stem>-<tag>.so`` unless a build for this source, compiler and CPU is there; returns
-    the library's path. Raises ``RuntimeError`` saying why it could not."""
+    """Compile ``src`` (``checksum.c``) into the cache as ``<stem>-<tag>.so`` unless a build for
+    this source, compiler and CPU is there; returns the library's path. Raises ``RuntimeError``
+    saying why it could not."""
     source = src.read_bytes()
     errors = []
     for cmd in _compilers():

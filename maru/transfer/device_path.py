@@ -152,7 +152,7 @@ class PipelinedPath(DataPath):
         # the kernel between two copies; no device sleep).
         return True
 
-    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
         from maru.kv_ops.launch import slower_launches
 
         given_up = slower_launches()

@@ -127,9 +127,8 @@ class DataPath(ABC):
         """Every way the stores' per-chunk work was queued so far, where a path has a choice."""
         return frozenset()
 
-    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
-        """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is).
-        ``paced_store``: write-behind stores are asked to be paced (``maru_paced_store``)."""
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
+        """What this path tells ``maru stats``: extra path entries, and why it is slow (if it is)."""
         return {}, []
 
     def close(self) -> None:
@@ -290,7 +289,7 @@ class StagedPath(_HostPlacement):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def report(self, layer_overlap: bool, paced_store: bool = False) -> tuple[dict[str, str], list[str]]:
+    def report(self, layer_overlap: bool) -> tuple[dict[str, str], list[str]]:
         return {}, [
             "KV moves through the staged per-chunk path (the pipelined GPU engine could not be built; "
             "the worker log says why). Fix: CUDA caches and a working triton install"

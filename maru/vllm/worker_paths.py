@@ -106,9 +106,7 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
                     "this way (the store's other chunks still go through libcudart); libcudart must "
                     "be reachable (maru doctor)"
                 )
-        extra, path_slow = eng.path.report(
-            worker.layer_overlap, worker.cfg.async_store and worker.cfg.paced_store
-        )
+        extra, path_slow = eng.path.report(worker.layer_overlap)
         paths.update(extra)
         slow.extend(path_slow)
     return {"role": "vllm-connector", "rank": worker.tp_rank, "paths": paths, "slow": slow}

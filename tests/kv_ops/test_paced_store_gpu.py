@@ -70,7 +70,7 @@ class RecordingSync:
 WAYS = ["libcudart", "torch"]  # torch: the pipeline built without raw libcudart calls
 
 
-def _engine(src: Any, way: str, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> Any:
+def _engine(src: Any, way: str, **kw: Any) -> Any:
     return pl.DevicePipeline(src.layers, src.layout(), raw_cuda=way != "torch", **kw)
 
 
@@ -87,10 +87,10 @@ def _check_way(engine: Any, way: str) -> None:
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("name", ["flash_attn_NHD", "flash_attn_HND", "flashinfer_HND"])
 def test_paced_store_writes_the_reference_bytes_and_their_checksums(
-    pool: RegisteredPool, name: str, way: str, monkeypatch: pytest.MonkeyPatch
+    pool: RegisteredPool, name: str, way: str
 ) -> None:
     src = make_caches(name, 41)
-    engine = _engine(src, way, monkeypatch)
+    engine = _engine(src, way)
     slots = _slots(src, sum(SIZES), 42, negatives=5)
     objs = [pool.alloc(engine, t) for t in SIZES]
     h = engine.store(objs, slots, paced=True, checksums=True)
@@ -209,14 +209,14 @@ def test_a_store_of_tails_only_goes_through_libcudart_on_the_paced_lane(pool: Re
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("paced", [True, False])
 def test_stores_queued_back_to_back_keep_their_own_checksums(
-    pool: RegisteredPool, paced: bool, way: str, monkeypatch: pytest.MonkeyPatch
+    pool: RegisteredPool, paced: bool, way: str
 ) -> None:
     """The lane keeps one device buffer for the stores' sums (no allocation a store): three
     stores queued without a wait between them, each into objects of its own from its own slot
     mapping, each hand back the checksums of its own bytes; the buffer is the lane's, the same
     across stores, and the ring's and the paced lane's are two."""
     src = make_caches("flash_attn_HND", 71)
-    engine = _engine(src, way, monkeypatch)
+    engine = _engine(src, way)
     engine.warm(CHUNK)
     sizes = [CHUNK, CHUNK, 96]
     handles = []

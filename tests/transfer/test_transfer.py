@@ -442,8 +442,7 @@ def test_the_pipelined_path_reports_which_layer_launch_it_runs_and_why_a_slower_
     assert paths == {"kernel_launch": "triton binding"}
     assert len(slow) == 1 and "_k: no parameter list" in slow[0] and "Fix:" in slow[0]
     monkeypatch.setattr(launch, "_LAUNCHERS", [])
-    # Paced write-behind stores need nothing beyond CUDA: asking for them adds no slow path.
-    assert PipelinedPath.report(SimpleNamespace(pipeline=SimpleNamespace()), False, True)[1] == []  # type: ignore[arg-type]
+    assert PipelinedPath.report(SimpleNamespace(pipeline=SimpleNamespace()), False)[1] == []  # type: ignore[arg-type]
     # Tail sizes whose graphs CUDA refused (kv_ops.paced_store): a slow path with its reason.
     why = "the graphs for a 48-token partial tail could not be captured (...). Fix: ..."
     assert PipelinedPath.report(SimpleNamespace(pipeline=SimpleNamespace(tails_unwarmed=why)), False)[1] == [
