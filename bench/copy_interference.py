@@ -19,6 +19,9 @@ issued right after Maru's ``DevicePipeline`` was given 16 chunks (4096 tokens, 0
   fifty-ninth pass: a 5 us kernel between copies, on two streams of its own);
 * raw copies of staged chunks, back to back or with a spin kernel between (what the paced store
   was chosen from);
+* the paced store again, small copies issued at random moments all through it (as vLLM's come),
+  its chunk copies whole and in pieces (``paced_store.PIECE_BYTES``, the default since the
+  sixty-first pass);
 * load, one call: ``DevicePipeline.load`` of 16 chunks, then a small host-to-device copy.
 
 Usage (GPU machine, repo root): python bench/copy_interference.py
@@ -27,6 +30,7 @@ Usage (GPU machine, repo root): python bench/copy_interference.py
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import sys
 import threading
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
+from maru.kv_ops import paced_store  # noqa: E402
 from maru.kv_ops.device_pipeline import DevicePipeline  # noqa: E402
 
 L, NH, HS, BS, NB, CHUNK, CHUNKS = 32, 8, 128, 16, 4096, 256, 16
@@ -144,6 +149,27 @@ def main() -> None:
             torch.cuda.synchronize()
             total.append((time.perf_counter() - t0) * 1e3)
         rows.append((name, statistics.median(lat[2:]), max(lat[2:]), statistics.median(total[2:])))
+    # vLLM's small copies come at any phase of a store, not right after it was queued: sample them
+    # through the whole paced store, its copies whole and in pieces (``paced_store.PIECE_BYTES``).
+    sampled_rows = []
+    for label, piece in (("whole copies", 1 << 40), (f"pieces of {paced_store.PIECE_BYTES >> 20} MiB", 0)):
+        saved = paced_store.PIECE_BYTES
+        paced_store.PIECE_BYTES = piece or saved
+        waits, total = [], []
+        try:
+            for _ in range(10):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                handle = ring.store(objs, slots, paced=True)
+                while not handle.done():
+                    waits.append(small_copy_ms("d2h", eng, host, dev))
+                    time.sleep(random.uniform(0, 2e-4))
+                handle.wait()
+                total.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            paced_store.PIECE_BYTES = saved
+        waits.sort()
+        sampled_rows.append((label, waits, statistics.median(total[2:])))
     print(f"{torch.cuda.get_device_name()}: {CHUNKS} chunks of {CHUNK} tokens, {nbytes / 1e9:.2f} GB")
     print(
         f"store paths: direct {pipe.store(objs[:1], slots[:CHUNK]).path}, ring (default) {ring.store(objs[:1], slots[:CHUNK]).path}"
@@ -154,6 +180,16 @@ def main() -> None:
     for name, p50, mx, tot in rows:
         gbps = nbytes / (tot / 1e3) / 1e9 if "idle" not in name else float("nan")
         print(f"| {name} | {p50:.2f} / {mx:.2f} | {tot:.1f} | {gbps:.1f} |")
+    print(
+        "\n| paced store, small copies sampled through it | copies | waits ms (p50 / p90 / max) | "
+        "store done ms | GB/s |\n|---|---:|---:|---:|---:|"
+    )
+    for label, waits, tot in sampled_rows:
+        q = [waits[min(len(waits) - 1, int(f * len(waits)))] for f in (0.5, 0.9)] if waits else [0.0, 0.0]
+        top = waits[-1] if waits else 0.0
+        print(
+            f"| {label} | {len(waits)} | {q[0]:.3f} / {q[1]:.3f} / {top:.3f} | {tot:.1f} | {nbytes / (tot / 1e3) / 1e9:.1f} |"
+        )
 
 
 if __name__ == "__main__":

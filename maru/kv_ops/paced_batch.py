@@ -53,6 +53,10 @@ class PacedBatch:
         self._ar: dict[int, torch.Tensor] = {}
         self._idx: dict[int, torch.Tensor] = {}
         self._step: dict[int, torch.Tensor] = {}
+        # The pause between two pieces of a chunk's copy: a graph of one tiny kernel (``tick``),
+        # its raw ``cudaGraphExec_t`` set by the placer that captured it (0: none, copies go whole).
+        self.pause = 0
+        self._ticks = torch.zeros(1, dtype=torch.int64, device=device)
 
     @staticmethod
     def fits(tokens: int, chunks: int) -> bool:
@@ -85,6 +89,11 @@ class PacedBatch:
         """Queue ``acc[k] = raw_sum[0]``, then the step past a chunk of ``num_tokens`` tokens."""
         self.acc.index_copy_(0, self.state[1:2], raw_sum)
         self.advance(num_tokens)
+
+    def tick(self) -> None:
+        """Queue one tiny kernel that touches only this lane's tick counter (the pause graph's body:
+        a kernel as the stream's next item between two copies lets the copy engine serve others)."""
+        self._ticks.add_(1)
 
     def advance(self, num_tokens: int) -> None:
         """Queue ``cursor += num_tokens``, ``k += 1`` (a chunk queued another way, in its turn)."""

@@ -27,6 +27,11 @@ anyway. It halved the drain's CPU for the API workload's batch (2.08 against 4.6
 real vLLM the storing instance's TTFT did not move (0.999 of the old lane's; RESULTS, sixtieth
 pass).
 
+Each chunk's copy goes in pieces of at most ``PIECE_BYTES`` (8 MiB) with a one-kernel graph between
+two pieces (``PacedBatch.pause``): a small device-to-host copy of vLLM's waits for the piece in
+flight (~0.16 ms on the bus) instead of what is left of a 32 MiB chunk (~0.65 ms whole; it waited
+0.38-0.50 ms p50). 2 x pieces libcudart calls a chunk: 8 for a 32 MiB chunk instead of 2.
+
 A load issued while a store drains (the forward thread, the next step) waits neither for the
 store's copies (its own copy stream, another direction: another engine) nor for its staging slot,
 nor for its gathers.
@@ -59,10 +64,30 @@ from maru.kv_ops.staging_slot import StagingSlot
 log = logging.getLogger("maru.kv_ops")
 
 PACED_SLOTS = 1  # one stream: a chunk's gather follows the previous chunk's copy out of the slot
+# A chunk's copy to the pool goes in pieces of at most this many bytes, a tiny kernel (the lane's
+# pause graph) between two pieces: a small copy of vLLM's (its sampled tokens, each step) waits for
+# the piece in flight, not the whole chunk (a 32 MiB chunk is ~0.65 ms on the bus: it waited
+# ~0.3-0.5 ms, bench/copy_interference.py). Pieces start at multiples of PIECE_ALIGN bytes.
+PIECE_BYTES = 8 << 20
+PIECE_ALIGN = 64 << 10
 # A store's partial tail (a prompt's end) is a block multiple below the chunk: the paced slots
 # capture raw graphs for each such size at warm-up, up to this many sizes (more: tails go the
 # torch way, ~5x the drain thread's host time a chunk, said in ``store_ways``).
 MAX_TAIL_SIZES = 64
+
+
+def pieces(nbytes: int, piece_bytes: int = 0, align: int = 0) -> list[tuple[int, int]]:
+    """(offset, bytes) of a copy of ``nbytes`` in pieces of at most ``piece_bytes`` (default
+    ``PIECE_BYTES``), as even as ``align`` (default ``PIECE_ALIGN``) allows: together exactly
+    ``[0, nbytes)``, in order, each piece but the last a multiple of ``align``."""
+    piece_bytes = piece_bytes or PIECE_BYTES
+    align = align or PIECE_ALIGN
+    if nbytes <= piece_bytes:
+        return [(0, nbytes)]
+    n = -(-nbytes // piece_bytes)
+    size = -(-nbytes // n)
+    size = min(-(-size // align) * align, max(align, piece_bytes // align * align))
+    return [(at, min(size, nbytes - at)) for at in range(0, nbytes, size)]
 
 
 def tail_sizes(chunk_tokens: int, block_size: int) -> list[int]:
@@ -240,6 +265,8 @@ class PacedStores:
             try:
                 if lane.paced:  # one graph a chunk: slots, gather, sum (``_queue_chunks_serial``)
                     gather, summed = slot.placer.raw_exec(("paced-chunk", t, None), capture=lazy), 0
+                    if lazy and lane.batch is not None and not lane.batch.pause:  # a copy's pieces
+                        lane.batch.pause = slot.placer.raw_exec(("pause", 0, None), capture=True)
                 else:
                     gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
                     summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1
@@ -319,14 +346,17 @@ class PacedStores:
         self, lane: StoreLane, plan: list[RawChunk], objs: list[torch.Tensor], slots: torch.Tensor
     ) -> torch.Tensor:
         """The paced lane's chunks on its one stream: the store's start (its slot mapping into the
-        lane's state, the state and sums zeroed: ``PacedBatch.start``), then per chunk two
-        libcudart calls, its graph (its slots from the state, the gather, its sum into the state)
-        and its copy to the pool. Stream order alone keeps the slot's staging until its copy read
-        it, and puts the next chunk's gather between two copies (the copy engine serves other
-        streams there). A chunk without a graph (``gather`` 0) goes the torch way in its turn and
-        moves the state past it. Returns the store's sums (device, raw; entry k for chunk k)."""
+        lane's state, the state and sums zeroed: ``PacedBatch.start``), then per chunk its graph
+        (its slots from the state, the gather, its sum into the state) and its copy to the pool in
+        ``pieces``, the lane's pause graph between two pieces (``PacedBatch.pause``; 0: whole
+        copies). Stream order alone keeps the slot's staging until its copy read it, and puts a
+        kernel (the next chunk's gather, or a pause) between every two copies: the copy engine
+        serves other streams there. A chunk without a graph (``gather`` 0) goes the torch way in
+        its turn and moves the state past it. Returns the store's sums (device, raw; entry k for
+        chunk k)."""
         sync, s = self._sync, lane.copy.cuda_stream
         batch = lane.batch
+        pause = batch.pause  # 0: no pause graph (not warmed), each copy whole
         acc = batch.start(sync, slots, len(objs), s)
         token0 = 0
         for k, (ch, obj) in enumerate(zip(plan, objs, strict=True)):
@@ -335,7 +365,11 @@ class PacedStores:
                 batch.advance(ch.tokens)
             else:
                 sync.launch_graph(ch.gather, s)
-                sync.copy(obj.data_ptr(), ch.stage, ch.nbytes, s, D2H)
+                dst = obj.data_ptr()
+                for at, n in pieces(ch.nbytes) if pause else ((0, ch.nbytes),):
+                    if at:
+                        sync.launch_graph(pause, s)
+                    sync.copy(dst + at, ch.stage + at, n, s, D2H)
                 ch.slot.used = True
             token0 += ch.tokens
         return acc  # type: ignore[no-any-return]

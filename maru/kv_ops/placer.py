@@ -180,6 +180,10 @@ class GraphedPlacer:
                 tab, self._refs[layer], self.layout, layer, num_tokens, checksum=op == "direct+checksum"
             )
             return
+        if op == "pause":  # the paced lane's pause between two pieces of a chunk's copy (PacedBatch)
+            assert self.batch is not None, "a pause graph needs the paced lane's PacedBatch"
+            self.batch.tick()
+            return
         if op == "paced-chunk":  # a paced store's chunk: its slots, the gather, its sum (PacedBatch)
             assert self.batch is not None, "a paced-chunk graph needs the paced lane's PacedBatch"
             self.batch.fetch(self._slots[num_tokens])
@@ -217,7 +221,7 @@ class GraphedPlacer:
         if graph is None:
             if key[0].startswith("direct"):
                 self.direct_table(key[1])
-            else:
+            elif key[0] != "pause":  # the pause reads no staging buffer
                 self._ensure(key[1])
             # The warm-up launch below really runs: a checksum kernel adds into the table's sums row,
             # which the caller zeroed for the replay that follows. Keep the row as it was.
@@ -408,8 +412,12 @@ class GraphedPlacer:
     def warm_gather(self, num_tokens: int) -> None:
         """Capture a paced store's chunk graph for T tokens (``("paced-chunk", T, None)``: its slots
         from the store's, the all-layer gather, the staged bytes' sum into the store's sums;
-        ``kv_ops.paced_batch``). Only on the paced lane's placer (``batch`` set)."""
+        ``kv_ops.paced_batch``), and once the lane's pause between the pieces of a chunk's copy
+        (``("pause", 0, None)``, its raw executable left in ``batch.pause``; 0 where there is none:
+        the copies then go whole). Only on the paced lane's placer (``batch`` set)."""
         self._graph(("paced-chunk", num_tokens, None))
+        if not self.batch.pause:
+            self.batch.pause = self.raw_exec(("pause", 0, None), capture=True)
 
     def warm(
         self, num_tokens: int, *, per_layer: bool = False, checksum: bool = False, fused: bool = False

@@ -259,9 +259,10 @@ def test_each_chunk_s_gather_is_queued_between_two_chunk_copies_on_one_stream_of
     pool: RegisteredPool, checksums: bool
 ) -> None:
     """Per chunk on the paced lane: the gather graph (summing the staged bytes with checksums),
-    then the copy to the pool, all on one stream that is not the loads' copy stream: a kernel is
-    the stream's next item between each two copies (the copy engine serves others there), and no
-    event orders the slot's reuse (stream order does)."""
+    then the copy to the pool in pieces with the lane's pause graph between two, all on one stream
+    that is not the loads' copy stream: a kernel is the stream's next item between each two
+    copies (the copy engine serves others there), and no event orders the slot's reuse (stream
+    order does)."""
     src = make_caches("flash_attn_NHD", 43)
     engine = pl.DevicePipeline(src.layers, src.layout())
     if not engine._sync.raw:
@@ -281,9 +282,24 @@ def test_each_chunk_s_gather_is_queued_between_two_chunk_copies_on_one_stream_of
         assert h.checksums() == [
             checksum(o.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for o in objs
         ]
-    chunk_ops = [(op, arg) for op, arg in rec.log if op == "graph" or arg[0] in {o.data_ptr() for o in objs}]
-    assert [op for op, _ in chunk_ops] == ["graph", "copy"] * len(objs)
-    assert [arg[0] for op, arg in chunk_ops if op == "copy"] == [o.data_ptr() for o in objs]  # in order
+    pause = engine._paced().batch.pause
+    assert pause, "the warm-up captured no pause graph: every chunk's copy went whole"
+
+    def in_an_object(dst: int) -> bool:
+        return any(o.data_ptr() <= dst < o.data_ptr() + o.numel() * o.element_size() for o in objs)
+
+    chunk_ops = [(op, arg) for op, arg in rec.log if op == "graph" or in_an_object(arg[0])]
+    # Per chunk: its graph, then its copy in pieces with the pause graph between two pieces.
+    want_ops: list[str] = []
+    want_dsts: list[int] = []
+    for o in objs:
+        cut = paced_store.pieces(o.numel() * o.element_size())
+        want_ops += ["graph", "copy"] + ["pause", "copy"] * (len(cut) - 1)
+        want_dsts += [o.data_ptr() + at for at, _ in cut]
+    assert len(paced_store.pieces(objs[0].numel() * objs[0].element_size())) > 1  # split for real
+    got_ops = ["pause" if op == "graph" and arg[0] == pause else op for op, arg in chunk_ops]
+    assert got_ops == want_ops
+    assert [arg[0] for op, arg in chunk_ops if op == "copy"] == want_dsts  # in order
     streams = {arg[1] for _, arg in chunk_ops}
     assert len(streams) == 1 and streams != {engine._copy_stream.cuda_stream}  # not the loads' stream
     # Stream order alone: no event recorded or waited for on the lane's stream (the store's slot

@@ -242,6 +242,7 @@ def test_the_paced_lane_queues_two_calls_a_chunk_on_its_one_stream_in_stream_ord
 
     class Batch:
         acc = torch.zeros(8, dtype=torch.int64)
+        pause = 0  # not warmed: whole copies
 
         def start(self, sync: Any, slots: Any, chunks: int, stream: int) -> Any:
             calls.append(("start", slots.data_ptr(), int(slots.numel()), chunks, stream))
@@ -309,3 +310,80 @@ def test_a_store_larger_than_the_paced_lane_s_state_goes_the_torch_way_and_says_
         assert pipe._raw_plan(lane, _objs(*[1] * (n - 1)), torch.zeros(n - 1, dtype=torch.int64), True)
     said = [r.getMessage() for r in caplog.records if "queued through torch" in r.getMessage()]
     assert len(said) == 1 and "larger than the paced lane's state" in said[0]
+
+
+@pytest.mark.parametrize(
+    "nbytes", [1, 640, 8 << 20, (8 << 20) + 1, 18 << 20, 32 << 20, 33_554_433, 100_000_007]
+)
+def test_pieces_cover_the_copy_exactly_in_order_none_over_the_limit(nbytes: int) -> None:
+    from maru.kv_ops.paced_store import PIECE_ALIGN, PIECE_BYTES, pieces
+
+    got = pieces(nbytes)
+    assert got[0][0] == 0 and sum(n for _, n in got) == nbytes
+    assert all(a + n == b for (a, n), (b, _) in zip(got, got[1:], strict=False))  # no gap, no overlap
+    assert all(0 < n <= PIECE_BYTES for _, n in got)
+    assert all(a % PIECE_ALIGN == 0 for a, _ in got)
+    assert len(got) == -(-nbytes // PIECE_BYTES)  # as few as the limit allows
+    if len(got) > 1:  # even: no sliver at the end
+        assert got[-1][1] > PIECE_BYTES // 2 - PIECE_ALIGN
+
+
+def test_small_limits_still_give_whole_aligned_pieces() -> None:
+    from maru.kv_ops.paced_store import pieces
+
+    assert pieces(640, 256, 64) == [(0, 256), (256, 256), (512, 128)]
+    assert pieces(1000, 100, 256) == [(0, 256), (256, 256), (512, 256), (768, 232)]  # limit < align
+    assert pieces(100, 256, 64) == [(0, 100)]
+
+
+def test_a_chunk_s_copy_goes_in_pieces_with_the_pause_graph_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the lane's pause graph warmed, each raw chunk's copy is split (``pieces``) and the pause
+    graph is the stream's next item between two of its pieces; the destinations and sources move
+    together, on the lane's one stream."""
+    from types import SimpleNamespace
+
+    from maru.kv_ops import paced_store
+    from maru.kv_ops.cuda_sync import D2H
+    from maru.kv_ops.paced_store import RawChunk
+
+    monkeypatch.setattr(paced_store, "PIECE_BYTES", 256)
+    monkeypatch.setattr(paced_store, "PIECE_ALIGN", 64)
+    calls: list[tuple] = []
+    S, PAUSE = 0x5000, 0x900
+
+    class Batch:
+        acc = torch.zeros(4, dtype=torch.int64)
+        pause = PAUSE
+
+        def start(self, sync: Any, slots: Any, chunks: int, stream: int) -> Any:
+            return self.acc[:chunks]
+
+    class Sync:
+        raw = True
+
+        def launch_graph(self, exe: int, stream: int) -> None:
+            calls.append(("graph", exe, stream))
+
+        def copy(self, dst: int, src: int, n: int, stream: int, kind: int) -> None:
+            calls.append(("copy", dst, src, n, stream, kind))
+
+    pipe = PacedStores()
+    pipe._sync = Sync()
+    slot = SimpleNamespace(placer=None, used=False)
+    stream = SimpleNamespace(cuda_stream=S)
+    lane = StoreLane(stream, stream, (slot,), True, "paced", Batch())
+    plan = [RawChunk(slot, 64, 0x100, 0, 0x7000, 640, 0), RawChunk(slot, 16, 0x200, 0, 0x7000, 160, 0)]
+    objs = [SimpleNamespace(data_ptr=lambda: 0x40000), SimpleNamespace(data_ptr=lambda: 0x80000)]
+    pipe._queue_chunks_serial(lane, plan, objs, torch.arange(80, dtype=torch.int64))
+    assert calls == [
+        ("graph", 0x100, S),
+        ("copy", 0x40000, 0x7000, 256, S, D2H),
+        ("graph", PAUSE, S),
+        ("copy", 0x40100, 0x7100, 256, S, D2H),
+        ("graph", PAUSE, S),
+        ("copy", 0x40200, 0x7200, 128, S, D2H),
+        ("graph", 0x200, S),  # the next chunk's graph is its own pause
+        ("copy", 0x80000, 0x7000, 160, S, D2H),  # under the limit: whole
+    ]
