@@ -22,12 +22,14 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
+from maru.kv_ops import triton_kernels  # noqa: E402
 from maru.kv_ops.device_pipeline import DevicePipeline  # noqa: E402
 
 L, NH, HS, BS, NB, CHUNK = 32, 8, 128, 16, 4096, 256
@@ -51,7 +53,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--forward-ms", type=float, default=25.0)
+    ap.add_argument(
+        "--segments", type=int, default=0, help="segment sums of this many tokens (the connector's)"
+    )
+    ap.add_argument("--no-checksums", action="store_true")
+    ap.add_argument(
+        "--programs", type=int, default=None, help="TuneParams.paced_programs (default: the tree's)"
+    )
     args = ap.parse_args()
+    if args.programs is not None:  # before the paced chunk graphs are captured (``pipe.warm``)
+        triton_kernels.TuneParams.paced_programs = args.programs
     caches = [torch.randn((NB, 2, BS, NH, HS), device="cuda").to(torch.bfloat16) for _ in range(L)]
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
     pipe = DevicePipeline(caches, layout)
@@ -71,6 +82,7 @@ def main() -> None:
             lane.batch.start(sync, big, 1, lane.gather.cuda_stream)
             paced = graph_us(lane.slots[0].placer, ("paced-chunk", t, None), lane.gather, 64, sync)
             ring = pipe._ring[0].placer
+            ring.set_slots(slots[:t])  # real slots: a gather of -1 slots reads nothing
             gather = graph_us(ring, ("gather", t, None), lane.gather, 64, sync)
             summed = graph_us(ring, ("checksum", t, None), lane.gather, 64, sync)
             rows.append((t, paced, gather, summed))
@@ -81,6 +93,8 @@ def main() -> None:
     b = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(side):
+        for _ in range(3):  # cuBLAS's first call sets itself up
+            torch.mm(a, b)
         start.record(side)
         for _ in range(4):
             torch.mm(a, b)
@@ -89,17 +103,31 @@ def main() -> None:
     per_mm = start.elapsed_time(end) / 4
     n_mm = max(1, round(args.forward_ms / per_mm))
 
+    store_ms: list[float] = []
+
     def forward_ms(with_store: bool) -> float:
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
         with torch.cuda.stream(side):
             start.record(side)
-            handle = pipe.store(objs, slots, paced=True, checksums=True) if with_store else None
+            handle = (
+                pipe.store(
+                    objs,
+                    slots,
+                    paced=True,
+                    checksums=not args.no_checksums,
+                    segment_tokens=args.segments or None,
+                )
+                if with_store
+                else None
+            )
             for _ in range(n_mm):
                 torch.mm(a, b)
             end.record(side)
         end.synchronize()
         if handle is not None:
             handle.wait()
+            store_ms.append((time.perf_counter() - t0) * 1e3)
         return start.elapsed_time(end)
 
     alone, beside = [], []
@@ -122,7 +150,8 @@ def main() -> None:
     print(
         f"stand-in forward ({n_mm} GEMMs 8192^3): alone {statistics.median(alone):.2f} ms, beside a paced store batch "
         f"{statistics.median(beside):.2f} ms: +{statistics.median(d):.2f} ms (median of {args.reps} pairs; "
-        f"quartiles {statistics.quantiles(d, n=4)[0]:+.2f} / {statistics.quantiles(d, n=4)[2]:+.2f})"
+        f"quartiles {statistics.quantiles(d, n=4)[0]:+.2f} / {statistics.quantiles(d, n=4)[2]:+.2f}); "
+        f"the store done {statistics.median(store_ms):.1f} ms after its issue ({sum(o.numel() * 2 for o in objs) / statistics.median(store_ms) / 1e6:.1f} GB/s)"
     )
 
 
