@@ -10,8 +10,14 @@ forward. Measured here, no vLLM, the API workload's store batch (16 requests x (
 * the device time of one paced chunk graph (gather + sum), and of the gather and the checksum
   graphs alone, each launched back to back on an idle device (CUDA events);
 * a stand-in forward (GEMMs, ``--forward-ms`` of device time) alone, and with a paced store batch
-  queued at its start (``DevicePipeline.store(..., paced=True)``, the write-behind lane): how
-  much longer the forward takes, ms a batch.
+  (``DevicePipeline.store(..., paced=True)``, the write-behind lane) issued right after the
+  GEMMs were queued, from another stream: how much longer the forward takes, ms a batch. (The
+  first version issued the store first and counted its ~1.5 ms of host issue as slowdown.)
+
+Sixty-first pass, H100: the batch's chunk graphs take 1.22 ms alone (a 256-token chunk 47 us: the
+gather 26, the sum 12), and the 26 ms forward ran +0.45 / +0.51 ms longer beside the store.
+Capping the kernels' grid (32-64 programs looping over the tiles) made the graphs 3.8-7x slower
+and the forward no faster (+0.68 / +1.37 ms): tried, not kept.
 
 Usage (GPU machine, repo root): python bench/store_contention.py [--reps 12] [--forward-ms 25]
 """
@@ -29,7 +35,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maru import kv_ops  # noqa: E402
-from maru.kv_ops import triton_kernels  # noqa: E402
 from maru.kv_ops.device_pipeline import DevicePipeline  # noqa: E402
 
 L, NH, HS, BS, NB, CHUNK = 32, 8, 128, 16, 4096, 256
@@ -57,12 +62,7 @@ def main() -> None:
         "--segments", type=int, default=0, help="segment sums of this many tokens (the connector's)"
     )
     ap.add_argument("--no-checksums", action="store_true")
-    ap.add_argument(
-        "--programs", type=int, default=None, help="TuneParams.paced_programs (default: the tree's)"
-    )
     args = ap.parse_args()
-    if args.programs is not None:  # before the paced chunk graphs are captured (``pipe.warm``)
-        triton_kernels.TuneParams.paced_programs = args.programs
     caches = [torch.randn((NB, 2, BS, NH, HS), device="cuda").to(torch.bfloat16) for _ in range(L)]
     layout = kv_ops.detect_layouts(caches, block_size=BS, num_kv_heads=NH, head_size=HS)
     pipe = DevicePipeline(caches, layout)
@@ -139,7 +139,8 @@ def main() -> None:
         beside.append(forward_ms(True))
     torch.cuda.synchronize()
     print(
-        f"{torch.cuda.get_device_name()}; batch {len(BATCH)} chunks, {n_tok} tokens; ways {sorted(pipe.store_ways)}"
+        f"{torch.cuda.get_device_name()}; batch {len(BATCH)} chunks, {n_tok} tokens; ways {sorted(pipe.store_ways)}; "
+        f"checksums {not args.no_checksums}, segment sums of {args.segments or '-'} tokens"
     )
     print(
         "| chunk tokens | paced chunk graph (gather + sum), us | gather graph alone | checksum graph alone |"

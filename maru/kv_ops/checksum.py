@@ -115,16 +115,10 @@ if triton is not None:
         return total + tl.where(has_tail, tail_term, 0).to(tl.uint64)
 
     @triton.jit
-    def _checksum_kernel(src_ptr, acc_ptr, nbytes, first_word, BLOCK: tl.constexpr, LOOP: tl.constexpr):
-        if LOOP:  # ``accumulate(..., programs=P)``: P programs, each looping over its blocks
-            for b in range(tl.program_id(0), tl.cdiv(tl.cdiv(nbytes, 8), BLOCK), tl.num_programs(0)):
-                # 32-bit block starts: objects below 2**31 words (16 GiB; chunks are megabytes).
-                s = _block_sum(src_ptr, nbytes, b * BLOCK, first_word, BLOCK)
-                tl.atomic_add(acc_ptr, s.to(tl.int64, bitcast=True))
-        else:
-            start = tl.program_id(0).to(tl.int64) * BLOCK
-            s = _block_sum(src_ptr, nbytes, start, first_word, BLOCK)
-            tl.atomic_add(acc_ptr, s.to(tl.int64, bitcast=True))
+    def _checksum_kernel(src_ptr, acc_ptr, nbytes, first_word, BLOCK: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        s = _block_sum(src_ptr, nbytes, start, first_word, BLOCK)
+        tl.atomic_add(acc_ptr, s.to(tl.int64, bitcast=True))
 
     @triton.jit
     def _checksum_pieces_kernel(tab_ptr, acc_ptr, tab_stride, any_ptr, BLOCK: tl.constexpr):
@@ -174,18 +168,14 @@ def _check(t: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
-def accumulate(
-    t: torch.Tensor, acc: torch.Tensor, k: int = 0, first_word: int = 0, programs: int = 0
-) -> None:
+def accumulate(t: torch.Tensor, acc: torch.Tensor, k: int = 0, first_word: int = 0) -> None:
     """Queue, on the current stream, the addition of ``t``'s raw checksum sum into ``acc[k]``.
 
     ``acc``: int64 on ``t``'s device, zeroed by the caller; one object per entry. The checksum is
     ``finalize(acc[k], nbytes_of(t))`` once the stream reached this point. ``first_word``: ``t``
     is a piece of a larger object starting at that word (its byte offset / 8; the pieces of one
     object, each accumulated into the same entry, sum to the object's). Needs Triton on ``t``'s
-    device (CUDA, or the CPU under the interpreter). ``programs`` > 0: at most that many programs,
-    each looping over its blocks (a kernel behind the inference engine's back holds a few SMs
-    longer instead of every SM for a moment; ``triton_kernels.place``'s ``programs``).
+    device (CUDA, or the CPU under the interpreter).
     """
     n = nbytes_of(t)
     if n == 0:
@@ -193,9 +183,8 @@ def accumulate(
     _check(t)
     if not _triton_runs_on(t.device):
         raise ValueError(f"device checksums need triton on {t.device}; use checksums()")
-    blocks = triton.cdiv((n + 7) // 8, BLOCK_WORDS)
-    loop = 0 < programs < blocks
-    _CHECKSUM.launch((programs if loop else blocks,), 4, t, acc[k:], n, first_word, BLOCK_WORDS, loop)
+    grid = (triton.cdiv((n + 7) // 8, BLOCK_WORDS),)
+    _CHECKSUM.launch(grid, 4, t, acc[k:], n, first_word, BLOCK_WORDS)
 
 
 def pieces_table(pieces: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:

@@ -186,17 +186,9 @@ class GraphedPlacer:
             return
         if op == "paced-chunk":  # a paced store's chunk: its slots, the gather, its sum (PacedBatch)
             assert self.batch is not None, "a paced-chunk graph needs the paced lane's PacedBatch"
-            # Both kernels on at most ``TuneParams.paced_programs`` programs (0: one a tile): they
-            # run beside vLLM's forward, which loses what SMs they hold (bench/store_contention.py).
-            programs = triton_kernels.TuneParams.paced_programs
-            stage = self._staging[num_tokens]
             self.batch.fetch(self._slots[num_tokens])
-            triton_kernels.place(
-                self._refs, self.layout, self._slots[num_tokens], triton_kernels.as_bits(stage), gather=True,
-                programs=programs,
-            )  # fmt: skip
-            self._sums[num_tokens].zero_()
-            ck.accumulate(stage, self._sums[num_tokens], 0, programs=programs)
+            self._launch(("gather", num_tokens, None))
+            self._launch(("checksum", num_tokens, None))
             self.batch.append(self._sums[num_tokens], num_tokens)
             return
         if op == "checksum":  # the raw checksum sum of staging(T), alone in its one-entry sum

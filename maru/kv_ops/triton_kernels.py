@@ -68,9 +68,7 @@ def row_offsets(
 
 
 @triton.jit
-def _place_tile(
-    pid_t,
-    pid_lk,
+def _place_kernel(
     obj_ptr,
     cache_ptr,
     layer_offs_ptr,
@@ -102,7 +100,9 @@ def _place_tile(
     CHECKSUM: tl.constexpr,
     ESIZE: tl.constexpr,
 ):
-    # One (token tile, layer, plane) of the grid: twice the parallelism of a program doing K then V.
+    pid_t = tl.program_id(0)
+    pid_lk = tl.program_id(1)
+    # One program per (token tile, layer, plane): twice the parallelism of a program doing K then V.
     layer = pid_lk // NUM_KV
     kv = pid_lk % NUM_KV
     if USE_TABLE:
@@ -153,117 +153,6 @@ def _place_tile(
         tl.atomic_add(acc_ptr, tl.sum(sums, axis=0).to(tl.int64, bitcast=True))
 
 
-@triton.jit
-def _place_kernel(
-    obj_ptr,
-    cache_ptr,
-    layer_offs_ptr,
-    idx_ptr,
-    acc_ptr,
-    num_tokens,
-    skip,
-    num_planes,
-    obj_s_layer,
-    obj_s_kv,
-    obj_s_tok,
-    s_block,
-    s_head,
-    kv_stride,
-    k_s_tok,
-    v_s_tok,
-    K_S_DIM: tl.constexpr,
-    V_S_DIM: tl.constexpr,
-    BS: tl.constexpr,
-    HS: tl.constexpr,
-    ROW: tl.constexpr,
-    NUM_KV: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    GATHER: tl.constexpr,
-    BLOCKWISE: tl.constexpr,
-    USE_TABLE: tl.constexpr,
-    LAYER_ALIGN: tl.constexpr,
-    ROW_CONTIG: tl.constexpr,
-    CHECKSUM: tl.constexpr,
-    ESIZE: tl.constexpr,
-    LOOP: tl.constexpr,
-):
-    # LOOP (``place(..., programs=P)``): a grid of P programs, each looping over its share of the
-    # (token tile, plane) pairs, tiles of one plane next to each other; else one program a pair.
-    if LOOP:
-        n_t = tl.cdiv(num_tokens, BLOCK_T)
-        for w in range(tl.program_id(0), n_t * num_planes, tl.num_programs(0)):
-            _place_tile(
-                w % n_t,
-                w // n_t,
-                obj_ptr,
-                cache_ptr,
-                layer_offs_ptr,
-                idx_ptr,
-                acc_ptr,
-                num_tokens,
-                skip,
-                obj_s_layer,
-                obj_s_kv,
-                obj_s_tok,
-                s_block,
-                s_head,
-                kv_stride,
-                k_s_tok,
-                v_s_tok,
-                K_S_DIM,
-                V_S_DIM,
-                BS,
-                HS,
-                ROW,
-                NUM_KV,
-                BLOCK_T,
-                BLOCK_R,
-                GATHER,
-                BLOCKWISE,
-                USE_TABLE,
-                LAYER_ALIGN,
-                ROW_CONTIG,
-                CHECKSUM,
-                ESIZE,
-            )
-    else:
-        _place_tile(
-            tl.program_id(0),
-            tl.program_id(1),
-            obj_ptr,
-            cache_ptr,
-            layer_offs_ptr,
-            idx_ptr,
-            acc_ptr,
-            num_tokens,
-            skip,
-            obj_s_layer,
-            obj_s_kv,
-            obj_s_tok,
-            s_block,
-            s_head,
-            kv_stride,
-            k_s_tok,
-            v_s_tok,
-            K_S_DIM,
-            V_S_DIM,
-            BS,
-            HS,
-            ROW,
-            NUM_KV,
-            BLOCK_T,
-            BLOCK_R,
-            GATHER,
-            BLOCKWISE,
-            USE_TABLE,
-            LAYER_ALIGN,
-            ROW_CONTIG,
-            CHECKSUM,
-            ESIZE,
-        )
-
-
 class TuneParams:
     """Tile sizes of the placement kernels (``bench/kv_ops.py --sweep`` compares others; the chosen
     values and their measurements are in bench/RESULTS.md)."""
@@ -278,13 +167,6 @@ class TuneParams:
     # layer_contention.py, RESULTS "thirty-eighth pass"). ``MARU_DIRECT_PROGRAMS`` overrides it (an
     # A/B of benches in real vLLM, not a setting).
     direct_programs: int = int(os.environ.get("MARU_DIRECT_PROGRAMS", "-1"))
-    # The write-behind (paced) store's gather and checksum kernels, each at most this many programs
-    # looping over their tiles (``place``'s ``programs``; 0: one a tile, 4,096 for a 256-token chunk of
-    # 32 layers). They run beside vLLM's forward, which loses the SMs they hold: a stand-in forward of
-    # GEMMs ran 1.2-1.8 ms longer beside an API-shaped store batch of 32 chunks whose graphs take
-    # 1.22 ms alone (H100, bench/store_contention.py). ``MARU_PACED_PROGRAMS`` overrides it (benches,
-    # not a setting); read when a paced chunk graph is captured.
-    paced_programs: int = int(os.environ.get("MARU_PACED_PROGRAMS", "0"))
 
 
 def tiles(
@@ -439,7 +321,6 @@ def place(
     skip: int = 0,
     single_layer: bool = False,
     checksum_into: torch.Tensor | None = None,
-    programs: int = 0,
 ) -> None:
     """Launch one kernel moving ``obj`` ([L, KV, T, ROW], planes row-contiguous) to/from the caches.
 
@@ -453,12 +334,6 @@ def place(
     ``maru.checksum`` sum of all of ``obj``'s bytes into (every row, placed or skipped;
     ``kv_ops.checksum.finalize`` turns it into the checksum). The caller zeroes it. The load's
     check then costs no second pass over the staged bytes and no second launch.
-
-    ``programs`` > 0: at most that many programs, each looping over its share of the (token tile,
-    plane) pairs, instead of one program a pair (4,096 for a 256-token chunk of 32 layers): a kernel
-    behind the inference engine's back (the write-behind store's gather) then holds a few SMs for
-    longer instead of every SM for a moment, which is what the forward beside it loses. The same
-    bytes either way.
     """
     num_layers, num_kv, num_tokens, row = obj.shape
     if num_tokens == 0 or num_layers == 0:
@@ -478,9 +353,7 @@ def place(
         assert tab is not None
         table, use_table = tab, True
     block_t, block_r, num_warps = tiles(layout, num_tokens)
-    pairs = triton.cdiv(num_tokens, block_t) * num_layers * num_kv
-    loop = 0 < programs < pairs
-    grid = (programs,) if loop else (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
+    grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv)
     _PLACE.launch(
         grid,
         num_warps,
@@ -491,7 +364,6 @@ def place(
         checksum_into if fused else index,  # unread without CHECKSUM: any tensor
         num_tokens,
         skip,
-        num_layers * num_kv,
         *obj.stride()[:3],
         layout.block_stride,
         layout.head_stride,
@@ -513,7 +385,6 @@ def place(
         row_is_contiguous(layout),
         fused,
         obj.element_size(),
-        loop,
     )
 
 
