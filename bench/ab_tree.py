@@ -27,6 +27,13 @@ Presets (``--preset``):
   CPU a batch of 32 chunks on the H100 host, ``bench/drain_cpu.py``): if it does, ``burn-3``
   adds about that much a batch; if not, cutting the drain's CPU cannot meet the target.
 
+* ``noarrival``: vLLM's ``on_new_request`` (a request's arrival) does nothing: its keys and probe
+  (and any pins) run at its offer inside the step's ``schedule`` instead. vLLM calls the hook in
+  ``Scheduler.add_request`` before it stamps the request QUEUED, so in a burst each request's
+  "rest" holds the hooks of the requests added before it, its "queue" those after it (RESULTS,
+  sixty-first pass). Against the default: whether the arrival work costs the round by where it
+  runs or by its amount. This tree's stores are published, under the instance's own namespace.
+
 * ``inline``: the write-behind store's RESERVE round trip and its gather's issue run on vLLM's
   forward thread again (in ``wait_for_save``, ``PipelinedPath.defers_store_gather`` off); the drain
   thread only waits for the copies and publishes. Against the default: whether the drain's Python,
@@ -78,12 +85,16 @@ def preset_appends(preset: str) -> list[tuple[str, str]]:
         return [("maru/transfer/store_side.py", BURN.replace("MS", str(ms)))]
     if preset in STORE_PRESETS:
         return [("maru/transfer/store_side.py", STORE_PRESETS[preset])]
+    if preset == "noarrival":
+        return [("maru/vllm/load_plan.py", NOARRIVAL)]
     if preset == "inline":
         line = (
             "PipelinedPath.defers_store_gather = False  # ab_tree inline: reserve and issue at wait_for_save"
         )
         return [("maru/transfer/device_path.py", line)]
-    raise ValueError(f"unknown preset {preset!r}: switch-<us>, burn-<ms>, inline, {', '.join(STORE_PRESETS)}")
+    raise ValueError(
+        f"unknown preset {preset!r}: switch-<us>, burn-<ms>, inline, noarrival, {', '.join(STORE_PRESETS)}"
+    )
 
 
 # Appended to maru/transfer/store_side.py for ``burn-<ms>``: before each write-behind store batch, the
@@ -104,6 +115,19 @@ def _ab_complete_store(self, pending):  # ab_tree burn-MS
 
 
 StoreSide.complete_store = _ab_complete_store
+"""
+
+
+# Appended to maru/vllm/load_plan.py for ``noarrival``: vLLM's ``on_new_request`` does nothing, so a
+# request's keys and probe run at its offer (``get_num_new_matched_tokens``, inside the step's
+# schedule, after every request of the burst was stamped QUEUED) instead of at its arrival.
+NOARRIVAL = """
+
+def _ab_on_new_request(self, request):  # ab_tree noarrival
+    return None
+
+
+LoadPlanning.on_new_request = _ab_on_new_request
 """
 
 

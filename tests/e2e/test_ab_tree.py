@@ -100,6 +100,18 @@ def test_the_inline_preset_has_the_pipelined_path_reserve_and_issue_at_the_store
     assert "ab_tree" not in (REPO / "maru/transfer/device_path.py").read_text()
 
 
+def test_the_noarrival_preset_leaves_a_request_s_keys_and_probe_to_its_offer(tmp_path: Path) -> None:
+    (tmp_path / "maru").symlink_to(REPO / "maru")
+    tree = make_tree("noarrival", preset_appends("noarrival"), root=tmp_path)
+    code = (
+        "from maru.vllm.load_plan import LoadPlanning\n"
+        "from maru.vllm.scheduler import MaruSchedulerConnector\n"
+        "print(MaruSchedulerConnector.on_new_request.__name__, LoadPlanning.on_new_request(None, object()))"
+    )
+    assert _run_in(tree, code) == "_ab_on_new_request None"  # it touches nothing of the request
+    assert "ab_tree" not in (REPO / "maru/vllm/load_plan.py").read_text()
+
+
 def test_a_tree_at_a_revision_is_maru_as_committed_then(tmp_path: Path) -> None:
     root = tmp_path / "repo"
     root.mkdir()
