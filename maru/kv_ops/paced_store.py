@@ -29,8 +29,12 @@ pass).
 
 Each chunk's copy goes in pieces of at most ``PIECE_BYTES`` (8 MiB) with a one-kernel graph between
 two pieces (``PacedBatch.pause``): a small device-to-host copy of vLLM's waits for the piece in
-flight (~0.16 ms on the bus) instead of what is left of a 32 MiB chunk (~0.65 ms whole; it waited
-0.38-0.50 ms p50). 2 x pieces libcudart calls a chunk: 8 for a 32 MiB chunk instead of 2.
+flight instead of what is left of a 32 MiB chunk (~0.65 ms whole). Small copies sampled all
+through a 16-chunk store on an H100 waited 0.09 / 0.18 ms (p50 / max) against 0.53 / 0.61 with
+whole copies, the store at 46.2 GB/s against 48.6; the API workload's cold rounds in real vLLM did
+not move (1.008 of whole copies, 95% CI 0.993-1.024; RESULTS, sixty-first pass): kept as a bound
+on what a store adds to each of vLLM's steps, whatever the chunk's size. 2 x pieces libcudart
+calls a chunk: 8 for a 32 MiB chunk instead of 2.
 
 A load issued while a store drains (the forward thread, the next step) waits neither for the
 store's copies (its own copy stream, another direction: another engine) nor for its staging slot,

@@ -37,6 +37,12 @@ def test_unknown_or_bad_presets_are_refused() -> None:
             preset_appends(bad)
 
 
+def _preset_tree(root: Path, preset: str) -> Path:
+    """The tree of ``preset`` under ``root``, whose maru/ is the real one (read only)."""
+    (root / "maru").symlink_to(REPO / "maru")
+    return make_tree(preset, preset_appends(preset), root=root)
+
+
 def _run_in(tree: Path, code: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", code], cwd=tree, env={"PYTHONPATH": str(tree)}, capture_output=True,
@@ -81,16 +87,14 @@ STORE_CHECKS = {
 
 @pytest.mark.parametrize("preset", sorted(STORE_CHECKS))
 def test_the_store_presets_patch_the_trees_store_side_alone(tmp_path: Path, preset: str) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree(preset, preset_appends(preset), root=tmp_path)
+    tree = _preset_tree(tmp_path, preset)
     code, expected = STORE_CHECKS[preset]
     assert _run_in(tree, code) == expected
     assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
 
 
 def test_the_inline_preset_has_the_pipelined_path_reserve_and_issue_at_the_store(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("inline", preset_appends("inline"), root=tmp_path)
+    tree = _preset_tree(tmp_path, "inline")
     code = (
         "from maru.transfer.device_path import PipelinedPath\n"
         "from maru.transfer.paths import DataPath\n"
@@ -101,8 +105,7 @@ def test_the_inline_preset_has_the_pipelined_path_reserve_and_issue_at_the_store
 
 
 def test_the_noarrival_preset_leaves_a_request_s_keys_and_probe_to_its_offer(tmp_path: Path) -> None:
-    (tmp_path / "maru").symlink_to(REPO / "maru")
-    tree = make_tree("noarrival", preset_appends("noarrival"), root=tmp_path)
+    tree = _preset_tree(tmp_path, "noarrival")
     code = (
         "from maru.vllm.load_plan import LoadPlanning\n"
         "from maru.vllm.scheduler import MaruSchedulerConnector\n"

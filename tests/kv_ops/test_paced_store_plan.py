@@ -227,6 +227,25 @@ def test_a_refused_tail_capture_keeps_the_smaller_tails_and_says_why(
     )
 
 
+class _LaneSync:
+    """A raw sync stand-in: logs the paced lane's graph launches and copies into ``calls``, in
+    order; any other call fails the test (the lane makes no other per-chunk call)."""
+
+    raw = True
+
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    def launch_graph(self, exe: int, stream: int) -> None:
+        self.calls.append(("graph", exe, stream))
+
+    def copy(self, dst: int, src: int, n: int, stream: int, kind: int) -> None:
+        self.calls.append(("copy", dst, src, n, stream, kind))
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the paced lane called sync.{name}")
+
+
 def test_the_paced_lane_queues_two_calls_a_chunk_on_its_one_stream_in_stream_order() -> None:
     """``_queue_chunks_serial`` on stand-ins: the store's start (its whole slot mapping into the
     lane's state, the state and its sums zeroed), then per raw chunk its graph and its copy to the
@@ -251,18 +270,6 @@ def test_the_paced_lane_queues_two_calls_a_chunk_on_its_one_stream_in_stream_ord
         def advance(self, t: int) -> None:
             calls.append(("advance", t))
 
-    class Sync:
-        raw = True
-
-        def launch_graph(self, exe: int, stream: int) -> None:
-            calls.append(("graph", exe, stream))
-
-        def copy(self, dst: int, src: int, n: int, stream: int, kind: int) -> None:
-            calls.append(("copy", dst, src, n, stream, kind))
-
-        def __getattr__(self, name: str) -> Any:
-            raise AssertionError(f"the paced lane called sync.{name}")
-
     class Pipe(PacedStores):
         def _queue_one_each(
             self, lane: Any, slot: Any, k: int, host: Any, chunk_slots: Any, acc: Any
@@ -271,7 +278,7 @@ def test_the_paced_lane_queues_two_calls_a_chunk_on_its_one_stream_in_stream_ord
             calls.append(("torch", k, int(chunk_slots[0]), int(chunk_slots.numel())))
 
     pipe = Pipe()
-    pipe._sync = Sync()
+    pipe._sync = _LaneSync(calls)
     slot = SimpleNamespace(placer=None, used=False)
     stream = SimpleNamespace(cuda_stream=S)
     lane = StoreLane(stream, stream, (slot,), True, "paced", Batch())
@@ -360,17 +367,8 @@ def test_a_chunk_s_copy_goes_in_pieces_with_the_pause_graph_between_them(
         def start(self, sync: Any, slots: Any, chunks: int, stream: int) -> Any:
             return self.acc[:chunks]
 
-    class Sync:
-        raw = True
-
-        def launch_graph(self, exe: int, stream: int) -> None:
-            calls.append(("graph", exe, stream))
-
-        def copy(self, dst: int, src: int, n: int, stream: int, kind: int) -> None:
-            calls.append(("copy", dst, src, n, stream, kind))
-
     pipe = PacedStores()
-    pipe._sync = Sync()
+    pipe._sync = _LaneSync(calls)
     slot = SimpleNamespace(placer=None, used=False)
     stream = SimpleNamespace(cuda_stream=S)
     lane = StoreLane(stream, stream, (slot,), True, "paced", Batch())
