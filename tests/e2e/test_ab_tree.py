@@ -93,26 +93,33 @@ def test_the_store_presets_patch_the_trees_store_side_alone(tmp_path: Path, pres
     assert "ab_tree" not in (REPO / "maru/transfer/store_side.py").read_text()
 
 
-def test_the_inline_preset_has_the_pipelined_path_reserve_and_issue_at_the_store(tmp_path: Path) -> None:
-    tree = _preset_tree(tmp_path, "inline")
-    code = (
+# The presets that patch one class of the tree: (code run in the tree, what it prints, the file patched).
+PATCH_CHECKS = {
+    # the pipelined path reserves and issues at the store (wait_for_save), not on the drain thread
+    "inline": (
         "from maru.transfer.device_path import PipelinedPath\n"
         "from maru.transfer.paths import DataPath\n"
-        "print(PipelinedPath.defers_store_gather, DataPath.defers_store_gather)"
-    )
-    assert _run_in(tree, code) == "False False"
-    assert "ab_tree" not in (REPO / "maru/transfer/device_path.py").read_text()
-
-
-def test_the_noarrival_preset_leaves_a_request_s_keys_and_probe_to_its_offer(tmp_path: Path) -> None:
-    tree = _preset_tree(tmp_path, "noarrival")
-    code = (
+        "print(PipelinedPath.defers_store_gather, DataPath.defers_store_gather)",
+        "False False",
+        "maru/transfer/device_path.py",
+    ),
+    # a request's arrival does nothing (its keys and probe wait for its offer), touching nothing
+    "noarrival": (
         "from maru.vllm.load_plan import LoadPlanning\n"
         "from maru.vllm.scheduler import MaruSchedulerConnector\n"
-        "print(MaruSchedulerConnector.on_new_request.__name__, LoadPlanning.on_new_request(None, object()))"
-    )
-    assert _run_in(tree, code) == "_ab_on_new_request None"  # it touches nothing of the request
-    assert "ab_tree" not in (REPO / "maru/vllm/load_plan.py").read_text()
+        "print(MaruSchedulerConnector.on_new_request.__name__, LoadPlanning.on_new_request(None, object()))",
+        "_ab_on_new_request None",
+        "maru/vllm/load_plan.py",
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PATCH_CHECKS))
+def test_the_class_presets_patch_the_tree_alone(tmp_path: Path, preset: str) -> None:
+    tree = _preset_tree(tmp_path, preset)
+    code, expected, patched = PATCH_CHECKS[preset]
+    assert _run_in(tree, code) == expected
+    assert "ab_tree" not in (REPO / patched).read_text()
 
 
 def test_a_tree_at_a_revision_is_maru_as_committed_then(tmp_path: Path) -> None:
