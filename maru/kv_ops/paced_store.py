@@ -269,8 +269,8 @@ class PacedStores:
             try:
                 if lane.paced:  # one graph a chunk: slots, gather, sum (``_queue_chunks_serial``)
                     gather, summed = slot.placer.raw_exec(("paced-chunk", t, None), capture=lazy), 0
-                    if lazy and lane.batch is not None and not lane.batch.pause:  # a copy's pieces
-                        lane.batch.pause = slot.placer.raw_exec(("pause", 0, None), capture=True)
+                    if lazy:  # the pause between a copy's pieces
+                        slot.placer.warm_pause()
                 else:
                     gather = slot.placer.raw_exec(("gather", t, None), capture=lazy)
                     summed = slot.placer.raw_exec(("checksum", t, None), capture=lazy) if checksums else -1

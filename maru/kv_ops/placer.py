@@ -416,7 +416,12 @@ class GraphedPlacer:
         (``("pause", 0, None)``, its raw executable left in ``batch.pause``; 0 where there is none:
         the copies then go whole). Only on the paced lane's placer (``batch`` set)."""
         self._graph(("paced-chunk", num_tokens, None))
-        if not self.batch.pause:
+        self.warm_pause()
+
+    def warm_pause(self) -> None:
+        """Capture the paced lane's pause graph once (``batch.pause``; a no-op where captured, or
+        off the paced lane). A capture that fails raises; ``batch.pause`` then stays 0."""
+        if self.batch is not None and not self.batch.pause:
             self.batch.pause = self.raw_exec(("pause", 0, None), capture=True)
 
     def warm(

@@ -30,6 +30,8 @@ DEFAULT_MAX_INFLIGHT_LOAD_CHUNKS = 256
 # round trip on an H200 host. A few bare round trips long; the most one request can spin.
 DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
 MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: this module stays free of zmq)
+# maru_store_yield_to_prefill_ms: longer holds keep finished requests' blocks from vLLM for longer.
+MAX_STORE_HOLD_MS = 2000.0
 # Below MIN_CPUS_TO_SPIN usable cores (maru.config, the server's polling uses the same bound) the
 # default is not to poll: a polling client, its ZeroMQ I/O thread, the server and the server's I/O
 # thread must all run at once, beside the engine's own busy threads (2 cores: a 1-key lookup's p50
@@ -185,6 +187,11 @@ class MaruConnectorConfig:
     # parallel, CPU caches, async loads, a vLLM build it was not checked on); True: the same, said
     # as a warning there; False: off.
     early_load: bool | None = None
+    # Write-behind: the drain thread holds each store batch (before its reserve and gather) until the
+    # step that started last schedules no prefill, for at most this many milliseconds after the batch
+    # was queued (``maru.vllm.prefill_gate``): a burst's stores run beside its decode steps, not
+    # beside its later prefill steps, whose requests wait for their first token. 0: stores drain at once.
+    store_yield_to_prefill_ms: float = 0.0
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -245,6 +252,14 @@ class MaruConnectorConfig:
                     )
             elif name == "store_drain_delay_s":
                 kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
+            elif name == "store_yield_to_prefill_ms":
+                kw[name] = 0.0 if value in (0, "0") else _as_float(key, value, 0.0)
+                if kw[name] > MAX_STORE_HOLD_MS:
+                    raise ConfigError(
+                        f"{key} must be at most {MAX_STORE_HOLD_MS:g} (ms a store batch may wait for a "
+                        f"step without prefill; a burst's prefill takes ~50-300 ms), got {value!r}; 0 "
+                        "drains stores at once"
+                    )
             else:
                 kw[name] = _as_bool(key, value)
         if "server_url" in kw and not kw["server_url"].strip():
@@ -273,6 +288,7 @@ class MaruConnectorConfig:
             "store_helper": self.store_helper,
             "layer_path": self.layer_path,
             "early_load": "auto (where it applies)" if self.early_load is None else self.early_load,
+            "store_yield_to_prefill_ms": self.store_yield_to_prefill_ms,
         }
 
     def reply_spin_us(self, cpus: int | None = None) -> int:
@@ -346,6 +362,12 @@ class MaruConnectorConfig:
                     "; on a GPU the store yields the copy engine between chunks (maru_paced_store), so "
                     "vLLM's own copies never queue behind a whole store"
                     if self.paced_store
+                    else ""
+                )
+                + (
+                    "; each store batch waits for a step without prefill, at most "
+                    f"{self.store_yield_to_prefill_ms:g} ms (maru_store_yield_to_prefill_ms)"
+                    if self.store_yield_to_prefill_ms
                     else ""
                 )
             )

@@ -40,6 +40,7 @@ from maru.vllm.load_admission import LoadAdmission, SharedWaits
 from maru.vllm.load_plan import LoadPlanning
 from maru.vllm.metadata import MaruConnectorMetadata
 from maru.vllm.offer_pins import OfferPins
+from maru.vllm.prefill_gate import prefill_step
 from maru.vllm.prefix_probe import PrefixProbe
 from maru.vllm.recent_keys import RecentBlocks, RecentKeys
 from maru.vllm.scheduler_client import SchedulerClient
@@ -74,6 +75,8 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
         ``scopes``: what keys a request beyond its tokens (its salt, its LoRA adapter's files)."""
         self.hook_times = hook_times if hook_times is not None else hook_times_for(cfg.log_timing)
         self.cfg = cfg
+        # maru_store_yield_to_prefill_ms: the workers' gate reads each step's ``prefill``
+        self._gated = cfg.async_store and cfg.store_yield_to_prefill_ms > 0
         self.block_size = block_size
         self.chunk = cfg.kv_chunk_tokens
         self._tp_size = tp_size
@@ -466,9 +469,10 @@ class MaruSchedulerConnector(SchedulerClient, LoadPlanning, CacheResets):
             self.pins.flush(self._client)  # the sets dropped since the last step: one UNPIN
         self._admission.settle()
         self._track_sending(meta, set(getattr(so, "preempted_req_ids", None) or ()))
+        if self.cfg.log_timing or self._gated:  # the step clock's kind; maru_store_yield_to_prefill_ms
+            meta.prefill = prefill_step(so)
         if self.cfg.log_timing:  # what the worker's step clock files the forward under
-            counts = (getattr(so, "num_scheduled_tokens", None) or {}).values()
-            meta.step_tokens, meta.prefill = sum(counts), max(counts, default=0) > 1
+            meta.step_tokens = sum((getattr(so, "num_scheduled_tokens", None) or {}).values())
             meta.scheduled_at = time.monotonic()
             meta.scheduled_cpu = cpu_stamp()
             if meta.prefill and thread_census.enabled():

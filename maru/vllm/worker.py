@@ -43,6 +43,7 @@ from maru.vllm.load_hooks import LoadHooks
 from maru.vllm.logs import reconnected, warn_unreachable
 from maru.vllm.metadata import MaruConnectorMetadata, MaruWorkerMeta
 from maru.vllm.own_thread import on_own_thread
+from maru.vllm.prefill_gate import PrefillGate
 from maru.vllm.refusal import RefusalReport, refusal_info, report_only_client
 from maru.vllm.step_clock import LAYERED, LOADED, PLAIN, StepClock
 from maru.vllm.store_helper import helper_for
@@ -140,8 +141,13 @@ class MaruWorkerConnector(WorkerStores):
         )
         # The stores' ways and why they commit no segment sums, as last reported (_report_paths).
         self._store_ways: tuple[Any, ...] = ()
+        hold_ms = cfg.store_yield_to_prefill_ms if cfg.async_store else 0.0
         self.write_behind = WriteBehind(
-            self.stats, self._account_store, timeout_s=cfg.timeout_s, drain_delay_s=cfg.store_drain_delay_s
+            self.stats,
+            self._account_store,
+            timeout_s=cfg.timeout_s,
+            drain_delay_s=cfg.store_drain_delay_s,
+            gate=PrefillGate(self.stats, hold_ms / 1e3) if hold_ms > 0 else None,
         )
 
     # ------------------------------------------------------------------ setup
@@ -295,6 +301,8 @@ class MaruWorkerConnector(WorkerStores):
         layer-overlap mode loads the step synchronously here instead (a load ``start_early`` issued
         is waited for, on the device, before the forward)."""
         self._forward_thread = threading.get_ident()
+        if self.write_behind.gate is not None:  # maru_store_yield_to_prefill_ms (unknown: no prefill)
+            self.write_behind.gate.step_started(meta is not None and meta.prefill)
         early = meta is not None and meta.early_token != 0 and meta.early_token == self._early_token
         if not early:
             self._failed_blocks_step = set()

@@ -45,7 +45,9 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         "early_load": early_load_path(worker),
         # "fail": vLLM's V2 runner, same-step loads kept (offer pins); docs/vllm.md
         "load_failure": "ends the request" if worker.cfg.load_failures_fail else "recomputed",
-        "store": "write-behind" + (", paced" if eng and eng.paces_stores else "")
+        "store": "write-behind"
+        + (", paced" if eng and eng.paces_stores else "")
+        + (", yields to prefill" if worker.write_behind.gate is not None else "")
         if worker.cfg.async_store
         else "sync",
     }

@@ -69,6 +69,11 @@ class WorkerStats:
     gil_probe_drain_wakeups: int = 0
     gil_probe_drain_late_s: float = 0.0
     gil_probe_drain_over_1ms: int = 0
+    # maru_store_yield_to_prefill_ms (PrefillGate): store batches the drain thread held for a step
+    # without prefill, of them those released by the hold's limit, and their time held, summed
+    store_holds: int = 0
+    store_hold_timeouts: int = 0
+    store_hold_s: float = 0.0
     preemption_waits: int = 0  # preemption barriers that waited for a store still reading the blocks
     stores_cancelled: int = 0  # store batches given up at a preemption barrier (published nothing)
 
@@ -119,9 +124,16 @@ class WorkerStats:
             if self.drain_batches
             else ""
         )
+        gate = (
+            f"; store batches held for a step without prefill: {self.store_holds}, "
+            f"{1e3 * self.store_hold_s / self.store_holds:.1f} ms each, {self.store_hold_timeouts} "
+            "released by the limit"
+            if self.store_holds
+            else ""
+        )
         from maru.vllm.gil_probe import probe_note  # the probe imports this module
 
-        return held + idle + drain + probe_note(self)
+        return held + idle + drain + gate + probe_note(self)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -38,6 +38,7 @@ from maru.transfer.engine import KVTransferEngine
 from maru.transfer.records import RequestTransfer, StoreReport
 from maru.transfer.stores import PendingStore
 from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.prefill_gate import PrefillGate
 from maru.vllm.sampled_profile import profile_for
 from maru.vllm.store_helper import RefusedHelper, StoreHelper
 from maru.vllm.worker_stats import WorkerStats
@@ -59,7 +60,9 @@ class WriteBehind:
     """The write-behind store state of one worker (see the module docstring for its invariants).
 
     ``account(report)`` receives every drained store's report. ``drain_delay_s``: the drain thread
-    sleeps this long before each store (tests of a slow drain).
+    sleeps this long before each store (tests of a slow drain). ``gate``: each batch the drain
+    thread stores waits for a step without prefill first (``maru_store_yield_to_prefill_ms``,
+    ``PrefillGate``; None: drained at once).
     """
 
     def __init__(
@@ -69,8 +72,10 @@ class WriteBehind:
         *,
         timeout_s: float,
         drain_delay_s: float = 0.0,
+        gate: PrefillGate | None = None,
     ) -> None:
         self.stats = stats
+        self.gate = gate
         self._account = account
         self._timeout_s = timeout_s
         self._drain_delay_s = drain_delay_s
@@ -149,14 +154,18 @@ class WriteBehind:
             self._drain = BackgroundRunner("maru-store-drain")
         self._batches.append((pending, engine))
         inference = torch.is_inference_mode_enabled()  # vLLM's forward runs in inference mode
-        self._drain.submit(pending, self._drain_one, engine, pending, inference)
+        self._drain.submit(pending, self._drain_one, engine, pending, inference, time.monotonic())
         self.stats.deferred_commits += 1
         self.stats.stores_in_flight = len(self._batches)
         self.collect()
 
-    def _drain_one(self, engine: KVTransferEngine, pending: PendingStore, inference: bool) -> StoreReport:
+    def _drain_one(
+        self, engine: KVTransferEngine, pending: PendingStore, inference: bool, queued_at: float
+    ) -> StoreReport:
         if self._drain_delay_s > 0:
             time.sleep(self._drain_delay_s)  # a slow drain: the blocks must stay held meanwhile
+        if self.gate is not None:
+            self.gate.wait(queued_at)  # maru_store_yield_to_prefill_ms
         cpu0, wall0, held0 = time.thread_time(), time.perf_counter(), gil_calls.held_ns()
         self.draining = True  # read by the GIL probe (maru_gil_probe_ms)
         try:
@@ -206,6 +215,8 @@ class WriteBehind:
                 self._account(rep)
         if self._drain is None:
             return
+        if wait_s != 0.0 and self.gate is not None:
+            self.gate.open()  # waiting for the stores: no step may come to release them
         done = self._drain.poll() if wait_s == 0.0 else self._drain.drain(wait_s)
         for tag, res in done:
             if isinstance(tag, PendingStore):

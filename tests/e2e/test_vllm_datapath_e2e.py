@@ -3,7 +3,8 @@
 Two engines, each in its own process (``maru.demo.runner``), one after the other, against one
 real ``maru server``:
 
-- G: ``maru_overlap_load_with_compute`` + ``maru_async_store``, ``maru_early_load`` off: serves P1
+- G: ``maru_overlap_load_with_compute`` + ``maru_async_store`` (each store batch held for a step
+  without prefill: ``maru_store_yield_to_prefill_ms``), ``maru_early_load`` off: serves P1
   and P3 cold (the reference outputs; stores committed by the drain thread), forgets its own prefix
   cache, then serves P1 again (loaded layer by layer while the forward runs, issued at the forward)
   and P3 with a chunk deleted between the scheduler's check and the load (recomputed);
@@ -97,6 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 maru_async_store=True,
                 maru_hold_offers=False,
                 maru_early_load=False,
+                maru_store_yield_to_prefill_ms=2000,  # held until a decode step (a flush opens it)
             ),
         ) as g:
             res["cold_p1"] = gen(g, P1)
@@ -163,6 +165,10 @@ def test_write_behind_stores_are_committed_by_the_drain_thread(runs: dict[str, A
     assert w["deferred_commits"] >= 2 and w["chunks_stored"] >= 8 and w["store_failures"] == 0
     log = runs["logs"]["G"]
     assert "maru_async_store:" in log and "maru_overlap_load_with_compute:" in log  # announced
+    # maru_store_yield_to_prefill_ms: stores held for a step without prefill, then published (the
+    # outputs loaded from them are checked by the overlap-load tests).
+    assert w["store_holds"] >= 1 and w["data_path"]["store_yield_to_prefill_ms"] == 2000
+    assert "(maru_store_yield_to_prefill_ms)" in log
 
 
 def test_overlap_load_with_a_chunk_deleted_before_the_load_recomputes_with_identical_output(

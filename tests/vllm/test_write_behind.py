@@ -69,9 +69,9 @@ def gated(w: MaruWorkerConnector) -> threading.Event:
     gate = threading.Event()
     real = w.write_behind._drain_one
 
-    def held(engine: Any, pending: Any, inference: bool) -> Any:
+    def held(engine: Any, pending: Any, *rest: Any) -> Any:
         assert gate.wait(30), "test gate never opened"
-        return real(engine, pending, inference)
+        return real(engine, pending, *rest)
 
     w.write_behind._drain_one = held  # type: ignore[method-assign]
     return gate
