@@ -97,9 +97,9 @@ API_STORES: dict[str, dict[str, Any] | None] = {
     # The helper with the copy engine not yielded between chunks: no short kernels of the helper's
     # own CUDA context between its copies (two processes' kernels share the GPU by time slices).
     "helper-unpaced": {"maru_store_helper": True, "maru_paced_store": False},
-    # Each write-behind batch held (at most 250 ms) until a step without prefill: a burst's stores run
-    # beside its decode steps, not beside the prefill its later requests wait in.
-    "yield": {"maru_store_yield_to_prefill_ms": 250},
+    # Each write-behind batch drained at once, not held for a step without prefill (the default holds
+    # it at most 250 ms: a burst's stores then run beside its decode steps; sixty-second pass).
+    "noyield": {"maru_store_yield_to_prefill_ms": 0},
     # The connector attached with loads and stores off: what vLLM's connector plumbing costs alone.
     "idle": {"maru_enable_store": False, "maru_enable_load": False},
     # A second instance without a connector: the spread between two identical instances.
@@ -113,7 +113,7 @@ STORE_LABELS = {
     "storeonly": "cold, Maru storing, loads off",
     "helper": "cold, Maru storing, drain in a helper process",
     "helper-unpaced": "cold, Maru storing, drain in a helper process, not paced",
-    "yield": "cold, Maru storing, yields to prefill (250 ms)",
+    "noyield": "cold, Maru storing, drained at once (no yield to prefill)",
     "idle": "cold, connector attached, Maru off",
     "alt": "cold, Maru storing (write-behind), $MARU_BENCH_ALT_TREE",
     "none": "cold, no connector (a second instance)",

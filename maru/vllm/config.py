@@ -32,6 +32,7 @@ DEFAULT_SCHEDULER_REPLY_SPIN_US = 500
 MAX_REPLY_SPIN_US = 10_000  # maru.client.rpc.MAX_REPLY_SPIN_S (not imported: this module stays free of zmq)
 # maru_store_yield_to_prefill_ms: longer holds keep finished requests' blocks from vLLM for longer.
 MAX_STORE_HOLD_MS = 2000.0
+DEFAULT_STORE_YIELD_MS = 250.0  # longer than a burst's prefill on the 8B-shaped model (~50-150 ms)
 # Below MIN_CPUS_TO_SPIN usable cores (maru.config, the server's polling uses the same bound) the
 # default is not to poll: a polling client, its ZeroMQ I/O thread, the server and the server's I/O
 # thread must all run at once, beside the engine's own busy threads (2 cores: a 1-key lookup's p50
@@ -190,8 +191,10 @@ class MaruConnectorConfig:
     # Write-behind: the drain thread holds each store batch (before its reserve and gather) until the
     # step that started last schedules no prefill, for at most this many milliseconds after the batch
     # was queued (``maru.vllm.prefill_gate``): a burst's stores run beside its decode steps, not
-    # beside its later prefill steps, whose requests wait for their first token. 0: stores drain at once.
-    store_yield_to_prefill_ms: float = 0.0
+    # beside its later prefill steps, whose requests wait for their first token. In real vLLM on an
+    # H100 a cold storing instance paid 1.035x a round's TTFT without a connector with it, 1.078x
+    # without (bench/RESULTS.md, sixty-second pass). 0: stores drain at once.
+    store_yield_to_prefill_ms: float = DEFAULT_STORE_YIELD_MS
     # Seconds the write-behind drain waits before each store: a slow drain on demand, for tests that
     # must observe blocks held by a store in flight. Never set it in production.
     store_drain_delay_s: float = 0.0
@@ -366,7 +369,8 @@ class MaruConnectorConfig:
                 )
                 + (
                     "; each store batch waits for a step without prefill, at most "
-                    f"{self.store_yield_to_prefill_ms:g} ms (maru_store_yield_to_prefill_ms)"
+                    f"{self.store_yield_to_prefill_ms:g} ms (maru_store_yield_to_prefill_ms"
+                    + (", the default)" if self.store_yield_to_prefill_ms == DEFAULT_STORE_YIELD_MS else ")")
                     if self.store_yield_to_prefill_ms
                     else ""
                 )

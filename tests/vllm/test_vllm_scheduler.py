@@ -524,7 +524,7 @@ def test_data_path_options_are_validated_write_behind_by_default_and_exclusive()
         "store_helper": False,
         "layer_path": "auto",
         "early_load": "auto (where it applies)",
-        "store_yield_to_prefill_ms": 0.0,
+        "store_yield_to_prefill_ms": 250.0,
     }
     assert d.early_load is None and d.early_load_wanted  # on where it applies (maru.vllm.early_loads)
     early = MaruConnectorConfig.from_extra_config({"maru_early_load": "true"})
