@@ -34,6 +34,9 @@ class _Placer:
     def staging(self, t: int) -> torch.Tensor:
         return torch.zeros(t)
 
+    def warm_pause(self) -> None:
+        self.asked.append(("pause", 0, None))  # the real placer captures it once, on the paced lane
+
     def sum_address(self, t: int) -> int:
         return 3000 + t
 

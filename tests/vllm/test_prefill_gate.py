@@ -186,32 +186,27 @@ def test_a_store_after_a_prefill_step_waits_for_a_step_without_one_then_publishe
     assert_stored(client, req, original)
 
 
-def test_a_store_queued_after_a_step_without_prefill_is_not_held(
-    server: ServerProcess, client: MaruHandler
+@pytest.mark.parametrize(
+    ("last_step", "hold_ms", "holds"),
+    [
+        (DECODE, 30_000, (0, 0)),  # the last step had no prefill: drained at once
+        (PREFILL, 200, (1, 1)),  # an idle engine after a prefill step: no step comes, the limit does
+    ],
+    ids=["after-decode", "idle-engine"],
+)
+def test_a_store_goes_at_once_after_a_quiet_step_and_at_the_limit_on_an_idle_engine(
+    server: ServerProcess, client: MaruHandler, last_step: Meta, hold_ms: float, holds: tuple[int, int]
 ) -> None:
-    src, original = case("blocks_first", "HND", 42), case("blocks_first", "HND", 42)
-    req = request("pg-quiet", [7, 2, 10, 4], 2 * CHUNK)
-    w = gated_worker(server.url, src)
+    seed = 42 if last_step is DECODE else 43
+    src, original = case("blocks_first", "HND", seed), case("blocks_first", "HND", seed)
+    req = request(f"pg-go-{seed}", [7, 2, 10, 4], 2 * CHUNK)
+    w = gated_worker(server.url, src, hold_ms=hold_ms)
     try:
-        w.start_load_kv(DECODE)
-        w.wait_for_save(Meta(stores=[req]))
-        assert until(lambda: client.exists([c.key for c in req.chunks]) == [True, True])
-        assert w.stats.store_holds == 0
-    finally:
-        stop_worker(w)
-    assert_stored(client, req, original)
-
-
-def test_an_idle_engines_store_goes_at_the_limit(server: ServerProcess, client: MaruHandler) -> None:
-    src, original = case("kv_first", "HND", 43), case("kv_first", "HND", 43)
-    req = request("pg-idle", [3, 8, 6, 1], 2 * CHUNK)
-    w = gated_worker(server.url, src, hold_ms=200)
-    try:
-        w.start_load_kv(PREFILL)
+        w.start_load_kv(last_step)
         w.wait_for_save(Meta(stores=[req]))  # no step follows
         assert until(lambda: client.exists([c.key for c in req.chunks]) == [True, True])
         w.get_finished(set())
-        assert (w.stats.store_holds, w.stats.store_hold_timeouts) == (1, 1)
+        assert (w.stats.store_holds, w.stats.store_hold_timeouts) == holds
     finally:
         stop_worker(w)
     assert_stored(client, req, original)

@@ -813,6 +813,10 @@ def test_with_timing_on_the_plan_says_what_vllm_scheduled_for_the_step_clock(
     decode.num_scheduled_tokens["b"] = 1
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(decode)) == (2, False)
     assert (lambda m: (m.step_tokens, m.prefill))(timed.build_connector_meta(empty_out())) == (0, False)
-    # Off (the default), nothing is counted.
+    # Off (the default), nothing is counted; whether the step has prefill is still said, for the
+    # workers' hold of their stores (maru_store_yield_to_prefill_ms, on by default).
     meta = untimed.build_connector_meta(new_out("a", list(range(5)), 0, 200))
-    assert (meta.step_tokens, meta.prefill, meta.scheduled_at, meta.scheduled_cpu) == (0, False, 0.0, ())
+    assert (meta.step_tokens, meta.prefill, meta.scheduled_at, meta.scheduled_cpu) == (0, True, 0.0, ())
+    ungated = make_sched(server, keyer, client, store_yield_to_prefill_ms=0)
+    ungated.get_num_new_matched_tokens(req("a", tokens(300)), 0)
+    assert not ungated.build_connector_meta(new_out("a", list(range(5)), 0, 200)).prefill
