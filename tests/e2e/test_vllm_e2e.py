@@ -248,7 +248,11 @@ def test_the_worker_reports_its_data_paths_to_the_server(runs: Runs) -> None:
     workers = [i for i in infos if i.get("role") == "vllm-connector"]
     assert len(workers) == 1, infos
     paths = workers[0]["paths"]
-    assert (paths["device"], paths["load"], paths["store"]) == ("cpu", "cpu", "write-behind, yields to prefill")  # the default
+    assert (paths["device"], paths["load"], paths["store"]) == (
+        "cpu",
+        "cpu",
+        "write-behind, yields to prefill",
+    )  # the default
     assert paths["checksum"] == "native"  # the compiled loop (this machine has a C compiler)
     assert paths["segment_sums"] == f"{BS} tokens"  # chunks of two blocks: a segment a block
     # The CPU path is the fast path here: nothing for the doctor to flag but A's profiling (MARU_PROFILE).
