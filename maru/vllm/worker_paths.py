@@ -47,7 +47,12 @@ def worker_data_paths(worker: Any) -> dict[str, Any]:
         "load_failure": "ends the request" if worker.cfg.load_failures_fail else "recomputed",
         "store": "write-behind"
         + (", paced" if eng and eng.paces_stores else "")
-        + (", yields to prefill" if worker.write_behind.gate is not None else "")
+        + (
+            # maru_store_helper's batches go to the helper at once: only the drain thread's wait
+            (", drain-thread batches yield to prefill" if worker.cfg.store_helper else ", yields to prefill")
+            if worker.write_behind.gate is not None
+            else ""
+        )
         if worker.cfg.async_store
         else "sync",
     }

@@ -79,7 +79,10 @@ def test_the_helper_stores_a_batch_and_the_blocks_come_back_only_after_its_reply
     w = worker(server.url, src, store_helper=True)
     try:
         h = ready_helper(w)
-        assert w.data_paths()["paths"]["store_helper"] == f"helper process, ready (pid {h.pid})"
+        paths = w.data_paths()["paths"]
+        assert paths["store_helper"] == f"helper process, ready (pid {h.pid})"
+        # The hold for a step without prefill is the drain thread's: the helper's batches go at once.
+        assert paths["store"].endswith(", drain-thread batches yield to prefill")
         os.kill(h.pid, signal.SIGSTOP)  # the helper holds the batch: its blocks must stay vLLM's
         try:
             w.wait_for_save(Meta(stores=[req]))
